@@ -1,0 +1,270 @@
+"""The op path: ``__torch_dispatch__`` -> rule -> strategy choice -> reshard inputs -> local op.
+
+A *decision* (chosen input layouts, their reshard plans, output specs and strides) is a pure
+function of the op, the inputs' specs and strides, and the non-tensor arguments, so it is cached
+on exactly that key and every rank reaches the same one. Execution then only runs the cached
+plans and the local op.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from autoparallel import runtime
+from autoparallel.placement import Replicate
+from autoparallel.spec import DistSpec
+from reshard.executor import run_plan
+from reshard.plan import Plan
+from reshard.planner import LATENCY_BYTES, plan_reshard
+from spmd_rules import OpCall, ScalarMeta, Strategy, TensorMeta, get_local_impl, get_rule
+
+_warned: set[str] = set()
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    mesh: Any
+    plans: tuple[Plan | None, ...]            # per DistTensor input, None when already in place
+    out_specs: tuple[DistSpec | None, ...]    # per output (None: not a tensor)
+    out_strides: tuple[tuple[int, ...] | None, ...]
+    out_kind: str                             # "tensor" | "tuple" | "list" | "value"
+    value: Any                                # the result when out_kind == "value"
+    local_fn: Callable[..., Any] | None
+    call: OpCall | None
+    inplace: bool
+
+
+def dispatch(cls: type, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Run ``func`` on DistTensors of class ``cls`` (the body of ``__torch_dispatch__``)."""
+    dts: list[Any] = []
+    key = (func, _key(cls, args, dts), _key(cls, tuple(kwargs.items()), dts) if kwargs else ())
+    if not dts:
+        return func(*args, **kwargs)
+    decision = _CACHE.get(key)
+    if decision is None:
+        decision = _decide(cls, func, args, kwargs, dts)
+        _CACHE[key] = decision
+    return _execute(cls, func, args, kwargs, dts, decision)
+
+
+_CACHE: dict[Any, Decision] = {}
+
+
+def clear_cache() -> None:
+    _CACHE.clear()
+
+
+def _key(cls: type, items: tuple[Any, ...], dts: list[Any]) -> tuple[Any, ...]:
+    """Hashable description of the arguments; collects DistTensors into ``dts`` in order."""
+    out: list[Any] = []
+    for a in items:
+        if isinstance(a, cls):
+            dts.append(a)
+            out.append((a._spec, a._stride))
+        elif isinstance(a, torch.Tensor):
+            if a.dim() != 0:
+                raise TypeError(
+                    f"cannot mix a DistTensor with a plain tensor of shape {tuple(a.shape)}; "
+                    "make it a DistTensor first (ap.shard_tensor)"
+                )
+            out.append(("scalar_tensor", a.dtype))
+        elif isinstance(a, (list, tuple)):
+            out.append((type(a).__name__, _key(cls, tuple(a), dts)))
+        else:
+            out.append(a)
+    return tuple(out)
+
+
+def _map(cls: type, items: Any, fn: Callable[[Any], Any]) -> Any:
+    if isinstance(items, dict):
+        return {k: _map(cls, v, fn) for k, v in items.items()}
+    if isinstance(items, cls):
+        return fn(items)
+    if isinstance(items, (list, tuple)):
+        mapped = [_map(cls, a, fn) for a in items]
+        return type(items)(mapped) if isinstance(items, tuple) else mapped
+    if isinstance(items, torch.Tensor) and items.dim() == 0:
+        return fn(items)
+    return items
+
+
+# ---- deciding ----------------------------------------------------------------------------
+def _decide(cls: type, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], dts: list[Any]) -> Decision:
+    mesh = dts[0]._spec.mesh
+    for d in dts[1:]:
+        if d._spec.mesh != mesh:
+            raise ValueError(
+                f"{func}: inputs live on different meshes {mesh} and {d._spec.mesh}; "
+                "reshard one of them onto the other's mesh first (ap.reshard)"
+            )
+    specs = [d._spec for d in dts]
+    metas: dict[int, TensorMeta] = {}
+
+    def to_meta(t: Any) -> Any:
+        if isinstance(t, cls):
+            return metas.setdefault(id(t), TensorMeta(t._spec.shape, t._spec.dtype))
+        return ScalarMeta(t.dtype)
+
+    def to_fake(t: Any) -> Any:
+        if isinstance(t, cls):
+            return torch.empty_strided(t._spec.shape, t._stride, dtype=t._spec.dtype, device="meta")
+        return torch.empty((), dtype=t.dtype, device="meta")
+
+    inplace = _is_inplace(func)
+    try:
+        fake_out = func(*_map(cls, args, to_fake), **_map(cls, kwargs, to_fake))
+    except Exception:  # no meta kernel: compute replicated and learn the outputs from it
+        return _fallback_decision(func, specs, mesh, None, inplace, reason="it has no meta kernel")
+    out_kind, outs = _flatten_out(fake_out)
+    if out_kind == "value":
+        return Decision(mesh, (None,) * len(dts), (), (), "value", fake_out, None, None, False)
+    out_metas = tuple(TensorMeta(tuple(o.shape), o.dtype) if o is not None else None for o in outs)
+    call = OpCall(
+        func,
+        _map(cls, args, to_meta),
+        _map(cls, kwargs, to_meta),
+        tuple(to_meta(d) for d in dts),
+        out_metas,
+        tuple(s.placements for s in specs),
+        tuple(mesh.shape),
+    )
+    rule = get_rule(func)
+    strategies = rule(call) if rule is not None else []
+    if inplace:
+        strategies = [s for s in strategies if s.outputs[0] == s.inputs[0] == specs[0].placements] or [
+            s for s in strategies if s.outputs[0] == s.inputs[0]
+        ]
+    if not strategies:
+        why = "it has no SPMD rule" if rule is None else "its rule offered no strategy"
+        return _fallback_decision(func, specs, mesh, outs, inplace, reason=why)
+    best = min(strategies, key=lambda s: _cost(s, specs, mesh, out_metas))
+    plans = tuple(_plan(spec, req) for spec, req in zip(specs, best.inputs))
+    out_specs = tuple(
+        DistSpec(mesh, pl, m.shape, m.dtype) if m is not None else None for m, pl in zip(out_metas, best.outputs)
+    )
+    strides = tuple(tuple(o.stride()) if o is not None else None for o in outs)
+    return Decision(mesh, plans, out_specs, strides, out_kind, None, get_local_impl(func), call, inplace)
+
+
+def _plan(spec: DistSpec, req: tuple[Any, ...]) -> Plan | None:
+    dst = spec.with_placements(req) if tuple(req) != spec.placements or spec.shard_order else spec
+    return None if dst == spec else plan_reshard(spec, dst)
+
+
+def _cost(s: Strategy, specs: list[DistSpec], mesh: Any, out_metas: tuple[TensorMeta | None, ...]) -> tuple[int, int, int]:
+    """(bytes moved, inputs changed, largest local output bytes): lexicographic."""
+    moved = changed = 0
+    for spec, req in zip(specs, s.inputs):
+        plan = _plan(spec, req)
+        if plan is not None:
+            changed += 1
+            moved += plan.max_bytes() + (LATENCY_BYTES if plan.collectives() else 0)
+    compute = 0
+    origin = (0,) * mesh.ndim
+    for m, pl in zip(out_metas, s.outputs):
+        if m is not None:
+            spec = DistSpec(mesh, pl, m.shape, m.dtype)
+            compute += spec.itemsize * _prod(spec.local_shape(origin))
+    return moved, changed, compute
+
+
+def _fallback_decision(
+    func: Any, specs: list[DistSpec], mesh: Any, outs: list[Any] | None, inplace: bool, reason: str
+) -> Decision:
+    name = str(func)
+    if name not in _warned:
+        _warned.add(name)
+        warnings.warn(
+            f"autoparallel: {name} runs replicated (gather inputs, compute, keep Replicate) because "
+            f"{reason}; register a rule with ap.register_rule to shard it",
+            stacklevel=4,
+        )
+    rep = tuple(Replicate() for _ in range(mesh.ndim))
+    plans = tuple(_plan(s, rep) for s in specs)
+    if outs is None:
+        return Decision(mesh, plans, (), (), "unknown", None, None, None, inplace)
+    kind = "tensor" if len(outs) == 1 else "tuple"
+    out_specs = tuple(DistSpec(mesh, rep, tuple(o.shape), o.dtype) if o is not None else None for o in outs)
+    strides = tuple(tuple(o.stride()) if o is not None else None for o in outs)
+    return Decision(mesh, plans, out_specs, strides, kind, None, None, None, inplace)
+
+
+def _flatten_out(out: Any) -> tuple[str, list[Any]]:
+    if isinstance(out, torch.Tensor):
+        return "tensor", [out]
+    if isinstance(out, (tuple, list)) and all(o is None or isinstance(o, torch.Tensor) for o in out) and any(
+        isinstance(o, torch.Tensor) for o in out
+    ):
+        return ("tuple" if isinstance(out, tuple) else "list"), list(out)
+    return "value", []
+
+
+def _is_inplace(func: Any) -> bool:
+    schema = func._schema
+    if not schema.arguments:
+        return False
+    alias = schema.arguments[0].alias_info
+    return alias is not None and alias.is_write and schema.name.endswith("_")
+
+
+# ---- executing ---------------------------------------------------------------------------
+def _execute(cls: type, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], dts: list[Any], d: Decision) -> Any:
+    if d.out_kind == "value":
+        return d.value
+    member = d.mesh.coordinate_of(runtime.get_rank()) is not None
+    if member:
+        moved = {id(t): (run_plan(t._local, p) if p is not None else t._local) for t, p in zip(dts, d.plans)}
+        largs = _map(cls, args, lambda t: moved[id(t)] if isinstance(t, cls) else t)
+        lkwargs = _map(cls, kwargs, lambda t: moved[id(t)] if isinstance(t, cls) else t)
+        if d.local_fn is not None:
+            out = d.local_fn(d.call, *largs, **lkwargs)
+        else:
+            out = func(*largs, **lkwargs)
+    else:
+        out = None
+    if d.out_kind == "unknown":  # fallback without meta kernel: learn the outputs now
+        return _wrap_unknown(cls, out, d)
+    if d.inplace:
+        self = args[0]
+        if member:
+            self._local = moved[id(self)] if not isinstance(out, torch.Tensor) else out
+        self._spec = d.out_specs[0]
+        return self
+    if member:
+        _, louts = _flatten_out(out)
+    else:
+        louts = [None if s is None else torch.empty((0,), dtype=s.dtype, device=dts[0]._local.device) for s in d.out_specs]
+    wrapped = [
+        None if s is None else cls._wrap(lo, s, st)  # type: ignore[attr-defined]
+        for lo, s, st in zip(louts, d.out_specs, d.out_strides)
+    ]
+    if d.out_kind == "tensor":
+        return wrapped[0]
+    return tuple(wrapped) if d.out_kind == "tuple" else wrapped
+
+
+def _wrap_unknown(cls: type, out: Any, d: Decision) -> Any:
+    if out is None:
+        raise RuntimeError("autoparallel: an op without a meta kernel ran on a rank outside its mesh")
+    kind, outs = _flatten_out(out)
+    if kind == "value":
+        return out
+    rep = tuple(Replicate() for _ in range(d.mesh.ndim))
+    wrapped = [None if o is None else cls._wrap(o, DistSpec(d.mesh, rep, tuple(o.shape), o.dtype), tuple(o.stride())) for o in outs]  # type: ignore[attr-defined]
+    if kind == "tensor":
+        return wrapped[0]
+    return tuple(wrapped) if kind == "tuple" else wrapped
+
+
+def _prod(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+__all__ = ["Decision", "clear_cache", "dispatch"]

@@ -1,0 +1,117 @@
+"""Placements: what a tensor is along one mesh axis.
+
+``Replicate()`` — every rank of the axis holds the whole value.
+``Shard(dim)`` — tensor dim ``dim`` is split across the axis, ``torch.chunk``-style
+(earlier ranks get the larger pieces; trailing ranks may hold empty pieces).
+``Partial(reduce_type)`` — every rank holds a summand (or candidate); the value is the
+reduction of the pieces over the axis.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+REDUCE_TYPES = ("sum", "avg", "max", "min")
+
+
+@dataclass(frozen=True, slots=True)
+class Replicate:
+    """Every rank of the mesh axis holds the full tensor."""
+
+    def is_replicate(self) -> bool:
+        return True
+
+    def is_shard(self, dim: int | None = None) -> bool:
+        return False
+
+    def is_partial(self) -> bool:
+        return False
+
+    def __str__(self) -> str:
+        return "R"
+
+    def __repr__(self) -> str:
+        return "Replicate()"
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """Tensor dim ``dim`` is split across the mesh axis with ``torch.chunk`` semantics."""
+
+    dim: int
+
+    def __post_init__(self) -> None:
+        if isinstance(self.dim, bool) or not isinstance(self.dim, int):
+            raise TypeError(f"Shard(dim) takes an int tensor dim, got {self.dim!r}")
+
+    def is_replicate(self) -> bool:
+        return False
+
+    def is_shard(self, dim: int | None = None) -> bool:
+        return dim is None or dim == self.dim
+
+    def is_partial(self) -> bool:
+        return False
+
+    def get_dim(self) -> int:
+        return self.dim
+
+    def __str__(self) -> str:
+        return f"S({self.dim})"
+
+    def __repr__(self) -> str:
+        return f"Shard({self.dim})"
+
+
+@dataclass(frozen=True, slots=True)
+class Partial:
+    """Each rank holds a piece; the value is ``reduce_type`` over the mesh axis."""
+
+    reduce_type: str = "sum"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.reduce_type, str) or self.reduce_type not in REDUCE_TYPES:
+            raise ValueError(
+                f"Partial reduce type {self.reduce_type!r} is unknown; "
+                f"expected one of {', '.join(REDUCE_TYPES)}"
+            )
+
+    def is_replicate(self) -> bool:
+        return False
+
+    def is_shard(self, dim: int | None = None) -> bool:
+        return False
+
+    def is_partial(self) -> bool:
+        return True
+
+    def __str__(self) -> str:
+        return f"P({self.reduce_type})"
+
+    def __repr__(self) -> str:
+        return f"Partial({self.reduce_type!r})"
+
+
+Placement = Union[Replicate, Shard, Partial]
+PLACEMENT_TYPES = (Replicate, Shard, Partial)
+
+
+def chunk_bounds(size: int, parts: int, index: int) -> tuple[int, int]:
+    """(offset, length) of piece ``index`` when ``size`` is split like ``torch.chunk``."""
+    step = -(-size // parts) if size else 0
+    start = min(index * step, size)
+    return start, max(0, min(size, start + step) - start)
+
+
+def check_placement(p: object) -> Placement:
+    """Return ``p`` if it is a placement, else raise a ``TypeError`` naming it."""
+    if not isinstance(p, PLACEMENT_TYPES):
+        raise TypeError(
+            f"placement {p!r} is not a Replicate(), Shard(dim) or Partial(reduce_type)"
+        )
+    return p
+
+
+def placements_str(placements: tuple[Placement, ...]) -> str:
+    return "[" + ", ".join(str(p) for p in placements) + "]"

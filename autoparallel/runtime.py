@@ -1,0 +1,60 @@
+"""The world this process lives in: rank, world size, and lazy initialisation.
+
+If the user already called ``torch.distributed.init_process_group`` we use that world. If not,
+and torchrun's environment is present (``WORLD_SIZE``, ``RANK``, ``MASTER_ADDR``), we initialise
+from it: NCCL when CUDA is available, else gloo. Plain ``python`` with no such environment is a
+world of one, and nothing is initialised.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+_TORCHRUN_VARS = ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def torchrun_env_present() -> bool:
+    return all(v in os.environ for v in _TORCHRUN_VARS)
+
+
+def world_available() -> bool:
+    """True when a world exists or can be made from the environment (no side effects)."""
+    return dist.is_available() and (dist.is_initialized() or torchrun_env_present())
+
+
+def ensure_world() -> None:
+    """Initialise the default process group from torchrun's environment if needed."""
+    if not dist.is_available() or dist.is_initialized():
+        return
+    if torchrun_env_present():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend=backend)
+
+
+def get_rank() -> int:
+    ensure_world()
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def get_world_size() -> int:
+    ensure_world()
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def backend() -> str:
+    ensure_world()
+    if dist.is_available() and dist.is_initialized():
+        return str(dist.get_backend())
+    return "none"
+
+
+def default_device() -> torch.device:
+    """Device the local shards live on: the current CUDA device under NCCL, else CPU."""
+    if backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

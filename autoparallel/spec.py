@@ -1,0 +1,165 @@
+"""``DistSpec``: mesh + placements + global metadata, and the shard geometry it implies.
+
+Sharding is ``torch.chunk``-style: a dim of size ``n`` over ``k`` ranks gives pieces of
+``ceil(n / k)`` with the remainder (possibly empty) at the end. When several mesh axes shard
+the same tensor dim they split it one after another; ``shard_order`` records that order per
+tensor dim (outermost axis first). The default order is ascending mesh axis.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Sequence
+
+import torch
+
+from autoparallel.mesh import ProcessMesh
+from autoparallel.placement import (
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    check_placement,
+    chunk_bounds,
+    placements_str,
+)
+
+Box = tuple[tuple[int, int], ...]  # per tensor dim: (global offset, length)
+
+
+@dataclass(frozen=True, slots=True)
+class DistSpec:
+    """How a global tensor of ``shape``/``dtype`` lies on ``mesh``.
+
+    ``shard_order`` lists, for each tensor dim sharded by two or more mesh axes, the pair
+    ``(dim, axes outermost-first)``; it is canonical (default orders are dropped), so equal
+    layouts compare and hash equal.
+    """
+
+    mesh: ProcessMesh
+    placements: tuple[Placement, ...]
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    shard_order: tuple[tuple[int, tuple[int, ...]], ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        placements = tuple(self.placements)
+        for p in placements:
+            check_placement(p)
+        if len(placements) != self.mesh.ndim:
+            raise ValueError(
+                f"{len(placements)} placements {placements_str(placements)} for a "
+                f"{self.mesh.ndim}-d mesh of shape {list(self.mesh.shape)}: need one per mesh axis"
+            )
+        shape = tuple(int(s) for s in self.shape)
+        ndim = len(shape)
+        norm: list[Placement] = []
+        for p in placements:
+            if isinstance(p, Shard):
+                if not -ndim <= p.dim < ndim or ndim == 0:
+                    raise ValueError(
+                        f"{p!r} on a {ndim}-d tensor of shape {tuple(shape)}: "
+                        f"tensor dim {p.dim} does not exist"
+                    )
+                p = Shard(p.dim % ndim)
+            norm.append(p)
+        object.__setattr__(self, "placements", tuple(norm))
+        object.__setattr__(self, "shape", shape)
+        object.__setattr__(self, "shard_order", _canonical_order(tuple(norm), self.shard_order))
+
+    # ---- derived ------------------------------------------------------------------------
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def itemsize(self) -> int:
+        return _itemsize(self.dtype)
+
+    def axes_of_dim(self, dim: int) -> tuple[int, ...]:
+        """Mesh axes sharding tensor ``dim``, outermost first."""
+        for d, axes in self.shard_order:
+            if d == dim:
+                return axes
+        return tuple(a for a, p in enumerate(self.placements) if isinstance(p, Shard) and p.dim == dim)
+
+    def partial_axes(self) -> tuple[int, ...]:
+        return tuple(a for a, p in enumerate(self.placements) if isinstance(p, Partial))
+
+    def is_replicated(self) -> bool:
+        return all(isinstance(p, Replicate) for p in self.placements)
+
+    def with_placements(
+        self, placements: Sequence[Placement], shard_order: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    ) -> "DistSpec":
+        return DistSpec(self.mesh, tuple(placements), self.shape, self.dtype, shard_order)
+
+    def local_box(self, coord: Sequence[int]) -> Box:
+        """Global region held by the rank at mesh coordinate ``coord``."""
+        return _local_box(self.placements, self.shard_order, self.shape, self.mesh.shape, tuple(coord))
+
+    def local_shape(self, coord: Sequence[int] | None) -> tuple[int, ...]:
+        """Shape of the local shard at ``coord``; ranks outside the mesh hold ``(0,)``."""
+        if coord is None:
+            return (0,)
+        return tuple(length for _, length in self.local_box(coord))
+
+    def __str__(self) -> str:
+        order = f" order={dict(self.shard_order)}" if self.shard_order else ""
+        return f"{placements_str(self.placements)} {tuple(self.shape)}{order}"
+
+
+def _canonical_order(
+    placements: tuple[Placement, ...], order: tuple[tuple[int, tuple[int, ...]], ...]
+) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    given = {int(d): tuple(int(a) for a in axes) for d, axes in (order or ())}
+    out = []
+    dims = sorted({p.dim for p in placements if isinstance(p, Shard)})
+    for d in dims:
+        default = tuple(a for a, p in enumerate(placements) if isinstance(p, Shard) and p.dim == d)
+        axes = given.pop(d, default)
+        if sorted(axes) != list(default):
+            raise ValueError(
+                f"shard_order {axes} for tensor dim {d} does not list exactly the mesh axes "
+                f"{default} that shard it in {placements_str(placements)}"
+            )
+        if len(axes) > 1 and axes != default:
+            out.append((d, axes))
+    if given:
+        raise ValueError(f"shard_order names tensor dims {sorted(given)} that no mesh axis shards")
+    return tuple(out)
+
+
+@lru_cache(maxsize=65536)
+def _local_box(
+    placements: tuple[Placement, ...],
+    order: tuple[tuple[int, tuple[int, ...]], ...],
+    shape: tuple[int, ...],
+    mesh_shape: tuple[int, ...],
+    coord: tuple[int, ...],
+) -> Box:
+    explicit = dict(order)
+    box = []
+    for dim, size in enumerate(shape):
+        axes = explicit.get(dim) or tuple(
+            a for a, p in enumerate(placements) if isinstance(p, Shard) and p.dim == dim
+        )
+        off, length = 0, size
+        for a in axes:
+            o, length = chunk_bounds(length, mesh_shape[a], coord[a])
+            off += o
+        box.append((off, length))
+    return tuple(box)
+
+
+@lru_cache(maxsize=None)
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()

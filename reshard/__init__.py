@@ -1,0 +1,7 @@
+"""Reshard: the pure planner (layout -> layout as ordered steps) and the plan executor."""
+
+from reshard.plan import Plan, Step
+from reshard.crossmesh import CrossMeshPlan, Transfer, plan_cross_mesh
+from reshard.planner import ReshardError, plan_reshard
+
+__all__ = ["CrossMeshPlan", "Plan", "ReshardError", "Step", "Transfer", "plan_cross_mesh", "plan_reshard"]

@@ -1,0 +1,136 @@
+"""Run a plan on this rank's local shard; every collective goes through ``autoparallel.comm``."""
+
+from __future__ import annotations
+
+import torch
+
+from autoparallel import comm, runtime
+from autoparallel.placement import Partial, Shard
+from autoparallel.spec import DistSpec
+from reshard.crossmesh import CrossMeshPlan, plan_cross_mesh
+from reshard.plan import (
+    ALL_GATHER,
+    ALL_REDUCE,
+    ALL_TO_ALL,
+    REDUCE_SCATTER,
+    RELABEL,
+    SLICE,
+    TO_PARTIAL,
+    Plan,
+    Step,
+)
+from reshard.planner import plan_reshard
+
+
+def empty_local(spec: DistSpec, like: torch.Tensor) -> torch.Tensor:
+    """What a rank outside ``spec.mesh`` holds: an empty tensor of the right dtype."""
+    return torch.empty((0,), dtype=spec.dtype, device=like.device)
+
+
+def run_plan(local: torch.Tensor, plan: Plan) -> torch.Tensor:
+    """Apply ``plan`` to this rank's shard of ``plan.src``; returns its shard of ``plan.dst``."""
+    coord = plan.src.mesh.coordinate_of(runtime.get_rank())
+    if coord is None:
+        return empty_local(plan.dst, local)
+    for step in plan.steps:
+        local = _run_step(local, step, coord)
+    return local
+
+
+def _sizes_along(spec: DistSpec, coord: tuple[int, ...], axis: int, dim: int) -> list[int]:
+    return [
+        spec.local_box(coord[:axis] + (i,) + coord[axis + 1:])[dim][1]
+        for i in range(spec.mesh.shape[axis])
+    ]
+
+
+def _run_step(local: torch.Tensor, step: Step, coord: tuple[int, ...]) -> torch.Tensor:
+    a, mesh = step.axis, step.src.mesh
+    src_p, dst_p = step.src.placements[a], step.dst.placements[a]
+    kind = step.kind
+    if kind == RELABEL:
+        return local
+    if kind == SLICE:
+        assert isinstance(dst_p, Shard)
+        size = local.shape[dst_p.dim]
+        n = mesh.shape[a]
+        step_len = -(-size // n) if size else 0
+        start = min(coord[a] * step_len, size)
+        return local.narrow(dst_p.dim, start, max(0, min(size, start + step_len) - start))
+    if kind == TO_PARTIAL:
+        assert isinstance(dst_p, Partial)
+        if dst_p.reduce_type == "sum" and coord[a] != 0:
+            return torch.zeros_like(local)
+        return local
+    if kind == ALL_GATHER:
+        assert isinstance(src_p, Shard)
+        return comm.all_gather(local, mesh, a, src_p.dim, _sizes_along(step.src, coord, a, src_p.dim))
+    if kind == ALL_REDUCE:
+        assert isinstance(src_p, Partial)
+        return comm.all_reduce(local, mesh, a, src_p.reduce_type)
+    if kind == REDUCE_SCATTER:
+        assert isinstance(src_p, Partial) and isinstance(dst_p, Shard)
+        return comm.reduce_scatter(local, mesh, a, dst_p.dim, src_p.reduce_type)
+    if kind == ALL_TO_ALL:
+        assert isinstance(src_p, Shard) and isinstance(dst_p, Shard)
+        sizes = _sizes_along(step.src, coord, a, src_p.dim)
+        return comm.all_to_all(local, mesh, a, src_p.dim, dst_p.dim, sizes)
+    raise AssertionError(f"unknown step kind {kind}")
+
+
+def run_cross_mesh(local: torch.Tensor, plan: CrossMeshPlan) -> torch.Tensor:
+    """Apply a cross-mesh plan: reduce on the source mesh, point-to-point, finish on the target."""
+    rank = runtime.get_rank()
+    src_coord = plan.src.mesh.coordinate_of(rank)
+    dst_coord = plan.dst.mesh.coordinate_of(rank)
+    held = run_plan(local, plan.pre) if src_coord is not None else None
+    src_full = plan.pre.dst
+    dst_full = plan.post.src
+    out: torch.Tensor | None = None
+    if dst_coord is not None:
+        like = held if held is not None else local
+        out = torch.empty(dst_full.local_shape(dst_coord), dtype=plan.dst.dtype, device=like.device)
+        out_box = dst_full.local_box(dst_coord)
+        if held is not None:
+            _copy_overlap(held, src_full.local_box(src_coord), out, out_box)  # type: ignore[arg-type]
+    sends, recvs, places = [], [], []
+    for t in plan.transfers:
+        if t.src_rank == rank:
+            assert held is not None and src_coord is not None
+            sends.append((_view(held, src_full.local_box(src_coord), t.box), t.dst_rank))
+        if t.dst_rank == rank:
+            buf = torch.empty([length for _, length in t.box], dtype=plan.dst.dtype, device=local.device)
+            recvs.append((buf, t.src_rank))
+            places.append((buf, t.box))
+    comm.send_recv(sends, recvs, mesh=(plan.src.mesh, plan.dst.mesh))
+    if out is None:
+        return empty_local(plan.dst, local)
+    for buf, box in places:
+        _view(out, out_box, box).copy_(buf)
+    return run_plan(out, plan.post)
+
+
+def _view(t: torch.Tensor, held_box, box) -> torch.Tensor:
+    """View of ``t`` (holding global region ``held_box``) covering global region ``box``."""
+    for dim, ((ho, _), (o, length)) in enumerate(zip(held_box, box)):
+        t = t.narrow(dim, o - ho, length)
+    return t
+
+
+def _copy_overlap(src: torch.Tensor, src_box, dst: torch.Tensor, dst_box) -> None:
+    inter = []
+    for (o1, l1), (o2, l2) in zip(src_box, dst_box):
+        lo, hi = max(o1, o2), min(o1 + l1, o2 + l2)
+        if hi <= lo:
+            return
+        inter.append((lo, hi - lo))
+    _view(dst, dst_box, inter).copy_(_view(src, src_box, inter))
+
+
+def reshard_local(local: torch.Tensor, src: DistSpec, dst: DistSpec) -> torch.Tensor:
+    """This rank's shard of ``dst``, given its shard of ``src`` (same or different mesh)."""
+    if src == dst:
+        return local
+    if src.mesh == dst.mesh:
+        return run_plan(local, plan_reshard(src, dst))
+    return run_cross_mesh(local, plan_cross_mesh(src, dst))

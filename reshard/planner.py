@@ -1,0 +1,167 @@
+"""Pure reshard planner: (src spec, dst spec) -> the cheapest ordered ``Plan``.
+
+States are layouts of one tensor on one mesh (placements plus the order in which several mesh
+axes shard the same tensor dim). Edges are single steps on one mesh axis:
+
+    R    -> S(d)  slice (local)              S(d) -> R     all-gather
+    R    -> P     to_partial (local)         P    -> R     all-reduce
+    P    -> S(d)  reduce-scatter             S(i) -> S(j)  all-to-all
+    any  -> any   relabel, on a mesh axis of size 1
+
+An axis that shards dim ``d`` can only be undone (gathered, moved) while it is the innermost
+split of ``d``; a new split always becomes innermost. Edge weights are the bytes the busiest
+rank receives plus a small per-step latency term, so among equally cheap plans the one with
+fewest steps wins. The shortest path is found with networkx and cached on ``(src, dst)``.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Iterator
+
+import networkx as nx
+
+from autoparallel.placement import Partial, Placement, Replicate, Shard
+from autoparallel.spec import DistSpec
+from reshard.plan import (
+    ALL_GATHER,
+    ALL_REDUCE,
+    ALL_TO_ALL,
+    REDUCE_SCATTER,
+    RELABEL,
+    SLICE,
+    TO_PARTIAL,
+    Plan,
+    Step,
+)
+
+LATENCY_BYTES = 64      # per collective: breaks ties towards fewer collectives
+LOCAL_STEP_WEIGHT = 1   # per local step: breaks ties towards fewer local copies
+
+
+class ReshardError(ValueError):
+    """No plan exists between the two specs (different shape, dtype or mesh)."""
+
+
+def plan_reshard(src: DistSpec, dst: DistSpec) -> Plan:
+    """The cheapest plan from ``src`` to ``dst`` on the same mesh (cached, pure)."""
+    if src.mesh != dst.mesh:
+        raise ReshardError(f"plan_reshard needs one mesh; got {src.mesh} and {dst.mesh} (use plan_cross_mesh)")
+    if src.shape != dst.shape or src.dtype != dst.dtype:
+        raise ReshardError(
+            f"cannot reshard a {tuple(src.shape)} {src.dtype} tensor into {tuple(dst.shape)} {dst.dtype}"
+        )
+    return _plan(src, dst)
+
+
+@lru_cache(maxsize=8192)
+def _plan(src: DistSpec, dst: DistSpec) -> Plan:
+    if src == dst:
+        return Plan(src, dst, ())
+    direct = _direct_step(src, dst)
+    if direct is not None:
+        return Plan(src, dst, (direct,))
+    graph = nx.DiGraph()
+    allowed = _allowed_placements(src, dst)
+    frontier = [src]
+    graph.add_node(src)
+    while frontier:
+        state = frontier.pop()
+        for step, weight in _edges(state, allowed):
+            if step.dst not in graph:
+                frontier.append(step.dst)
+            graph.add_edge(state, step.dst, weight=weight, step=step)
+    try:
+        path = nx.dijkstra_path(graph, src, dst, weight="weight")
+    except nx.NetworkXNoPath:  # pragma: no cover - every layout reaches every other
+        raise ReshardError(f"no reshard plan from {src} to {dst}") from None
+    steps = tuple(graph.edges[u, v]["step"] for u, v in zip(path, path[1:]))
+    return Plan(src, dst, steps)
+
+
+def _direct_step(src: DistSpec, dst: DistSpec) -> Step | None:
+    """A one-step plan when src and dst differ on one axis and a single edge joins them."""
+    diff = [a for a in range(src.mesh.ndim) if src.placements[a] != dst.placements[a]]
+    if len(diff) != 1:
+        return None
+    a = diff[0]
+    for step, _ in _axis_edges(src, a, (dst.placements[a],)):
+        if step.dst == dst:
+            return step
+    return None
+
+
+def _allowed_placements(src: DistSpec, dst: DistSpec) -> tuple[tuple[Placement, ...], ...]:
+    """Per axis, the placements a state may take: R, every S(d), and the src/dst partials."""
+    shards = tuple(Shard(d) for d in range(src.ndim))
+    out = []
+    for a in range(src.mesh.ndim):
+        extra = {p for p in (src.placements[a], dst.placements[a]) if isinstance(p, Partial)}
+        out.append((Replicate(),) + shards + tuple(sorted(extra, key=str)))
+    return tuple(out)
+
+
+def _edges(state: DistSpec, allowed: tuple[tuple[Placement, ...], ...]) -> Iterator[tuple[Step, int]]:
+    for a in range(state.mesh.ndim):
+        yield from _axis_edges(state, a, allowed[a])
+
+
+def _axis_edges(state: DistSpec, a: int, targets: tuple[Placement, ...]) -> Iterator[tuple[Step, int]]:
+    src_p = state.placements[a]
+    size = state.mesh.shape[a]
+    for p in targets:
+        if p == src_p:
+            continue
+        if size == 1:
+            nxt = _move(state, a, p)
+            if nxt is not None:
+                yield Step(RELABEL, a, state, nxt), LOCAL_STEP_WEIGHT
+            continue
+        kind = _kind(state, a, src_p, p)
+        if kind is None:
+            continue
+        nxt = _move(state, a, p)
+        if nxt is None:
+            continue
+        step = Step(kind, a, state, nxt)
+        yield step, (LOCAL_STEP_WEIGHT if step.is_local else _weight(step))
+
+
+def _kind(state: DistSpec, a: int, src: Placement, dst: Placement) -> str | None:
+    if isinstance(src, Replicate):
+        return SLICE if isinstance(dst, Shard) else TO_PARTIAL
+    if isinstance(src, Shard):
+        if state.axes_of_dim(src.dim)[-1] != a:  # only the innermost split can be undone
+            return None
+        if isinstance(dst, Replicate):
+            return ALL_GATHER
+        return ALL_TO_ALL if isinstance(dst, Shard) else None
+    if isinstance(dst, Replicate):
+        return ALL_REDUCE
+    return REDUCE_SCATTER if isinstance(dst, Shard) else None
+
+
+def _move(state: DistSpec, a: int, p: Placement) -> DistSpec | None:
+    """``state`` with axis ``a`` set to ``p``; a new split of a dim becomes its innermost."""
+    placements = list(state.placements)
+    old = placements[a]
+    placements[a] = p
+    order = {d: list(state.axes_of_dim(d)) for d in range(state.ndim)}
+    if isinstance(old, Shard):
+        order[old.dim].remove(a)
+    if isinstance(p, Shard):
+        order[p.dim].append(a)
+    kinds = {q.reduce_type for q in placements if isinstance(q, Partial)}
+    if len(kinds) > 1 and not kinds <= {"sum", "avg"}:
+        return None
+    shard_order = tuple((d, tuple(axes)) for d, axes in order.items() if len(axes) > 1)
+    return state.with_placements(placements, shard_order)
+
+
+def _weight(step: Step) -> int:
+    mesh = step.src.mesh
+    worst = 0
+    for r in mesh.process_ids:
+        sent, recv = step.bytes_at(mesh.coordinate_of(r))  # type: ignore[arg-type]
+        worst = max(worst, sent, recv)
+    return worst + LATENCY_BYTES

@@ -1,0 +1,107 @@
+"""Rule vocabulary: what a rule sees (``OpCall``) and what it answers (``Strategy``).
+
+Rules are pure functions of metadata. The common kind is written for ONE mesh axis
+(``register_axis_rule``): it answers which placements along that axis its inputs may take and
+what the outputs then are; the registry takes the product over mesh axes. Rules that must see
+every axis at once (``view``/``reshape``, where nested splits of one dim interact) register with
+``register_rule`` and answer whole-mesh strategies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+from autoparallel.placement import Partial, Placement, Replicate, Shard
+
+R = Replicate()
+P_SUM = Partial("sum")
+
+
+@dataclass(frozen=True, slots=True)
+class TensorMeta:
+    """Global metadata of one tensor argument."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+
+@dataclass(frozen=True, slots=True)
+class OpCall:
+    """One op call as a rule sees it.
+
+    ``args``/``kwargs`` are the call's arguments with every tensor replaced by its
+    ``TensorMeta``; ``inputs`` lists those metas in argument order (nested lists flattened),
+    ``out`` the metas of the outputs, ``placements`` the current placements of each input
+    (one tuple per input, one placement per mesh axis) and ``mesh_shape`` the mesh's shape.
+    """
+
+    op: Any
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    inputs: tuple[TensorMeta, ...]
+    out: tuple[TensorMeta | None, ...]
+    placements: tuple[tuple[Placement, ...], ...]
+    mesh_shape: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class AxisStrategy:
+    """Along one mesh axis: required input placements -> resulting output placements."""
+
+    inputs: tuple[Placement, ...]
+    outputs: tuple[Placement, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Strategy:
+    """Whole-mesh strategy: per input and per output, one placement per mesh axis."""
+
+    inputs: tuple[tuple[Placement, ...], ...]
+    outputs: tuple[tuple[Placement, ...], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ScalarMeta:
+    """A plain 0-dim tensor argument: treated like a Python scalar, replicated everywhere."""
+
+    dtype: torch.dtype
+
+
+AxisRule = Callable[[OpCall, int, int], Sequence[AxisStrategy]]
+MeshRule = Callable[[OpCall], Sequence[Strategy]]
+
+
+def replicate_all(call: OpCall) -> AxisStrategy:
+    return AxisStrategy(tuple(R for _ in call.inputs), tuple(R for _ in call.out))
+
+
+def axis_placements(call: OpCall, axis: int) -> tuple[Placement, ...]:
+    """Current placement of each input along ``axis``."""
+    return tuple(p[axis] for p in call.placements)
+
+
+def broadcast_dim(out_ndim: int, in_shape: Sequence[int], out_shape: Sequence[int], out_dim: int) -> int | None:
+    """Input dim feeding output dim ``out_dim`` under broadcasting, or None if broadcast."""
+    d = out_dim - (out_ndim - len(in_shape))
+    if d < 0 or in_shape[d] != out_shape[out_dim]:
+        return None
+    return d
+
+
+def follow(out_p: Placement, out_shape: Sequence[int], in_shape: Sequence[int]) -> Placement:
+    """Placement an operand broadcast into an output of placement ``out_p`` must take."""
+    if isinstance(out_p, Shard):
+        d = broadcast_dim(len(out_shape), in_shape, out_shape, out_p.dim)
+        return R if d is None else Shard(d)
+    return out_p
+
+
+def is_partial(p: Placement, *types: str) -> bool:
+    return isinstance(p, Partial) and (not types or p.reduce_type in types)

@@ -1,0 +1,96 @@
+"""Contractions written as einsum equations, one rule generator for the whole family.
+
+For ``"mk,kn->mn"`` along one mesh axis the candidates are: everything replicated; a letter of
+the output sharded in every operand that has it (output ``S(position)``); a contracted letter
+sharded in every operand (output ``P(sum)``); and one ``P`` operand with the others replicated
+(output ``P``, contractions are linear in each operand). An additive operand (``addmm``'s bias)
+follows the output through broadcasting, and is ``P`` when the output is.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from autoparallel.placement import Placement, Shard
+from spmd_rules.base import P_SUM, R, AxisStrategy, OpCall, follow
+from spmd_rules.registry import register_axis_rule
+
+aten = torch.ops.aten
+
+
+def einsum_strategies(equation: str, call: OpCall, operands: tuple[int, ...], bias: int | None = None) -> list[AxisStrategy]:
+    """Per-axis strategies of ``equation`` over inputs ``operands`` (+ an additive ``bias``)."""
+    lhs, out_sub = equation.split("->")
+    subs = lhs.split(",")
+    out = call.out[0]
+    assert out is not None
+    n_in = len(call.inputs)
+
+    def make(ops: dict[int, Placement], out_p: Placement) -> AxisStrategy:
+        ins: list[Placement] = [R] * n_in
+        for i, p in ops.items():
+            ins[i] = p
+        if bias is not None:
+            ins[bias] = follow(out_p, out.shape, call.inputs[bias].shape)
+        return AxisStrategy(tuple(ins), (out_p,))
+
+    strategies = [make({}, R)]
+    letters = dict.fromkeys("".join(subs))
+    for letter in letters:
+        ops: dict[int, Placement] = {}
+        for i, sub in zip(operands, subs):
+            if letter in sub:
+                ops[i] = Shard(sub.index(letter))
+        if letter in out_sub:
+            if out.shape[out_sub.index(letter)] > 1:
+                strategies.append(make(ops, Shard(out_sub.index(letter))))
+        else:
+            strategies.append(make(ops, P_SUM))
+    for i in operands:
+        strategies.append(make({i: P_SUM}, P_SUM))
+    if bias is not None:
+        strategies.append(AxisStrategy(tuple(P_SUM if j == bias else R for j in range(n_in)), (P_SUM,)))
+    return strategies
+
+
+@register_axis_rule(aten.mm)
+def mm_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
+    return einsum_strategies("mk,kn->mn", call, (0, 1))
+
+
+@register_axis_rule(aten.bmm)
+def bmm_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
+    return einsum_strategies("bmk,bkn->bmn", call, (0, 1))
+
+
+@register_axis_rule(aten.mv)
+def mv_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
+    return einsum_strategies("mk,k->m", call, (0, 1))
+
+
+@register_axis_rule(aten.dot)
+def dot_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
+    return einsum_strategies("k,k->", call, (0, 1))
+
+
+@register_axis_rule(aten.outer)
+def outer_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
+    return einsum_strategies("m,n->mn", call, (0, 1))
+
+
+@register_axis_rule(aten.addmm)
+def addmm_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
+    # addmm(bias, m1, m2) = beta * bias + alpha * m1 @ m2
+    return einsum_strategies("mk,kn->mn", call, (1, 2), bias=0)
+
+
+@register_axis_rule(aten.baddbmm)
+def baddbmm_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
+    return einsum_strategies("bmk,bkn->bmn", call, (1, 2), bias=0)
+
+
+@register_axis_rule(aten.addmv)
+def addmv_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
+    return einsum_strategies("mk,k->m", call, (1, 2), bias=0)
+
+

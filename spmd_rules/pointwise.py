@@ -1,0 +1,115 @@
+"""Pointwise ops: elementwise with broadcasting; Partial passes only where the op is linear.
+
+Along one mesh axis the output may be sharded on any of its dims (each input follows through
+broadcasting), replicated, or — for linear ops — Partial:
+
+- copies (``clone``, ``detach``, casts, ``zero_``): ``P(t) -> P(t)`` for every reduce type;
+- ``neg``: ``P(sum|avg) -> P``;
+- ``add``/``sub`` of two tensors: ``P + P -> P`` (same sum/avg type). ``P + scalar`` and
+  ``P + R`` are not linear (the scalar would be added once per rank) and need a reduction;
+- ``mul``/``div``: one ``P(sum|avg)`` operand (the numerator for ``div``) times replicated
+  operands or scalars stays ``P``.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from autoparallel.placement import Partial, Placement, Shard
+from spmd_rules.base import R, AxisStrategy, OpCall, TensorMeta, follow, replicate_all
+from spmd_rules.registry import register_axis_rule
+
+aten = torch.ops.aten
+
+COPY_OPS = [
+    aten.clone, aten.detach, aten.alias, aten.contiguous, aten._to_copy, aten.positive,
+    aten.lift_fresh, aten.zero_, aten.zero, aten.view_as_real, aten.conj, aten.resolve_conj,
+    aten.resolve_neg,
+]
+NEG_OPS = [aten.neg, aten.neg_]
+ADD_OPS = [aten.add, aten.add_, aten.sub, aten.sub_]
+MUL_OPS = [aten.mul, aten.mul_, aten.div, aten.div_, aten.threshold_backward]
+
+PLAIN_OPS = [
+    aten.abs, aten.abs_, aten.acos, aten.acosh, aten.asin, aten.asinh, aten.atan, aten.atan2,
+    aten.atanh, aten.bitwise_and, aten.bitwise_not, aten.bitwise_or, aten.bitwise_xor,
+    aten.ceil, aten.clamp, aten.clamp_, aten.clamp_min, aten.clamp_max, aten.copysign, aten.cos,
+    aten.cosh, aten.eq, aten.erf, aten.erfc, aten.erfinv, aten.exp, aten.exp_, aten.exp2,
+    aten.expm1, aten.fill, aten.fill_, aten.floor, aten.floor_divide, aten.fmod, aten.frac,
+    aten.ge, aten.gelu, aten.gelu_backward, aten.gt, aten.hardtanh, aten.hardtanh_backward,
+    aten.isnan, aten.isinf, aten.le, aten.leaky_relu, aten.leaky_relu_backward, aten.lerp,
+    aten.log, aten.log10, aten.log1p, aten.log2, aten.logical_and, aten.logical_not,
+    aten.logical_or, aten.logical_xor, aten.lt, aten.masked_fill, aten.masked_fill_,
+    aten.maximum, aten.minimum, aten.ne, aten.nan_to_num, aten.pow, aten.pow_,
+    aten.reciprocal, aten.relu, aten.relu_, aten.remainder, aten.round, aten.rsqrt,
+    aten.sigmoid, aten.sigmoid_, aten.sigmoid_backward, aten.sign, aten.silu, aten.silu_,
+    aten.silu_backward, aten.sin, aten.sinh, aten.sqrt, aten.sqrt_, aten.square, aten.tan,
+    aten.tanh, aten.tanh_, aten.tanh_backward, aten.trunc, aten.where, aten.addcmul,
+    aten.addcmul_, aten.addcdiv, aten.addcdiv_, aten.lerp_, aten.mish, aten.elu,
+    aten.elu_backward, aten.softplus, aten.hardswish, aten.hardsigmoid, aten.logit,
+    aten.xlogy, aten.sgn, aten.signbit, aten.isfinite, aten.threshold, aten.heaviside,
+    aten.bitwise_left_shift, aten.bitwise_right_shift, aten.float_power, aten.hypot,
+    aten.igamma, aten.lgamma, aten.digamma, aten.i0, aten.nextafter, aten.fmax, aten.fmin,
+]
+
+
+def _sharded_strategies(call: OpCall) -> list[AxisStrategy]:
+    out = call.out[0]
+    assert out is not None
+    strategies = [replicate_all(call)]
+    for d in range(out.ndim):
+        if out.shape[d] < 2:
+            continue
+        ins = tuple(follow(Shard(d), out.shape, m.shape) for m in call.inputs)
+        strategies.append(AxisStrategy(ins, tuple(Shard(d) if o is not None else R for o in call.out)))
+    return strategies
+
+
+def _partial(call: OpCall, inputs: Sequence[Placement], t: str) -> AxisStrategy:
+    return AxisStrategy(tuple(inputs), tuple(Partial(t) for _ in call.out))
+
+
+@register_axis_rule(PLAIN_OPS)
+def plain_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
+    return _sharded_strategies(call)
+
+
+@register_axis_rule(COPY_OPS)
+def copy_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
+    strategies = _sharded_strategies(call)
+    strategies += [_partial(call, (Partial(t),), t) for t in ("sum", "avg", "max", "min")]
+    return strategies
+
+
+@register_axis_rule(NEG_OPS)
+def neg_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
+    return _sharded_strategies(call) + [_partial(call, (Partial(t),), t) for t in ("sum", "avg")]
+
+
+def _tensor_operands(call: OpCall, n: int) -> bool:
+    return all(isinstance(a, TensorMeta) for a in call.args[:n])
+
+
+@register_axis_rule(ADD_OPS)
+def add_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
+    strategies = _sharded_strategies(call)
+    if len(call.inputs) == 2 and _tensor_operands(call, 2):
+        strategies += [_partial(call, (Partial(t), Partial(t)), t) for t in ("sum", "avg")]
+    return strategies
+
+
+@register_axis_rule(MUL_OPS)
+def mul_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
+    strategies = _sharded_strategies(call)
+    if call.kwargs.get("rounding_mode") is not None:
+        return strategies  # floor/trunc division is not linear
+    linear_args = (0,) if call.op.overloadpacket in (aten.div, aten.div_, aten.threshold_backward) else (0, 1)
+    for i, m in enumerate(call.inputs):
+        if i not in linear_args or call.args[i] is not m:
+            continue
+        for t in ("sum", "avg"):
+            ins = tuple(Partial(t) if j == i else R for j in range(len(call.inputs)))
+            strategies.append(_partial(call, ins, t))
+    return strategies

@@ -1,0 +1,108 @@
+"""The rule registry: op -> rule, and the product of per-axis strategies over mesh axes."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Callable, Iterable, Sequence
+
+from spmd_rules.base import AxisRule, AxisStrategy, MeshRule, OpCall, Strategy
+
+LocalImpl = Callable[..., Any]
+
+_MESH_RULES: dict[Any, MeshRule] = {}
+_LOCAL_IMPLS: dict[Any, LocalImpl] = {}
+MAX_COMBINATIONS = 512
+
+
+def register_rule(ops: Any | Iterable[Any]) -> Callable[[MeshRule], MeshRule]:
+    """Decorator: ``fn(call) -> [Strategy]`` answers for every op in ``ops`` (whole mesh)."""
+
+    def deco(fn: MeshRule) -> MeshRule:
+        for op in _as_list(ops):
+            _MESH_RULES[op] = fn
+        return fn
+
+    return deco
+
+
+def register_axis_rule(ops: Any | Iterable[Any]) -> Callable[[AxisRule], AxisRule]:
+    """Decorator: ``fn(call, axis, axis_size) -> [AxisStrategy]`` for one mesh axis."""
+
+    def deco(fn: AxisRule) -> AxisRule:
+        def mesh_rule(call: OpCall) -> list[Strategy]:
+            return product_of_axes(call, fn)
+
+        mesh_rule.__name__ = f"product_of_{fn.__name__}"
+        for op in _as_list(ops):
+            _MESH_RULES[op] = mesh_rule
+        return fn
+
+    return deco
+
+
+def register_local_impl(ops: Any | Iterable[Any]) -> Callable[[LocalImpl], LocalImpl]:
+    """Decorator: ``fn(call, *local_args, **local_kwargs)`` replaces the op on local shards.
+
+    For ops whose per-shard computation differs from the op itself whatever the strategy,
+    e.g. ``mean``: ``sum(local) / global count`` adds up across shards to the global mean.
+    """
+
+    def deco(fn: LocalImpl) -> LocalImpl:
+        for op in _as_list(ops):
+            _LOCAL_IMPLS[op] = fn
+        return fn
+
+    return deco
+
+
+def get_local_impl(op: Any) -> LocalImpl | None:
+    impl = _LOCAL_IMPLS.get(op)
+    if impl is None:
+        impl = _LOCAL_IMPLS.get(getattr(op, "overloadpacket", None))
+    return impl
+
+
+def get_rule(op: Any) -> MeshRule | None:
+    """The rule for an aten overload, else for its overload packet, else None."""
+    rule = _MESH_RULES.get(op)
+    if rule is None:
+        rule = _MESH_RULES.get(getattr(op, "overloadpacket", None))
+    return rule
+
+
+def has_rule(op: Any) -> bool:
+    return get_rule(op) is not None
+
+
+def product_of_axes(call: OpCall, fn: AxisRule) -> list[Strategy]:
+    """Every combination of per-axis strategies (capped; beyond the cap, keep-current first)."""
+    per_axis: list[Sequence[AxisStrategy]] = []
+    for axis, size in enumerate(call.mesh_shape):
+        cands = list(dict.fromkeys(fn(call, axis, size)))
+        if not cands:
+            return []
+        per_axis.append(cands)
+    total = 1
+    for c in per_axis:
+        total *= len(c)
+    if total > MAX_COMBINATIONS:
+        # Keep the strategy matching the current inputs first on each axis, then truncate.
+        per_axis = [_prefer_current(call, a, c)[: max(1, int(MAX_COMBINATIONS ** (1 / len(per_axis))))] for a, c in enumerate(per_axis)]
+    out = []
+    n_in, n_out = len(call.inputs), len(call.out)
+    for combo in itertools.product(*per_axis):
+        inputs = tuple(tuple(s.inputs[i] for s in combo) for i in range(n_in))
+        outputs = tuple(tuple(s.outputs[o] for s in combo) for o in range(n_out))
+        out.append(Strategy(inputs, outputs))
+    return out
+
+
+def _prefer_current(call: OpCall, axis: int, cands: Sequence[AxisStrategy]) -> list[AxisStrategy]:
+    current = tuple(p[axis] for p in call.placements)
+    return sorted(cands, key=lambda s: sum(a != b for a, b in zip(s.inputs, current)))
+
+
+def _as_list(ops: Any) -> list[Any]:
+    if isinstance(ops, (list, tuple, set, frozenset)):
+        return list(ops)
+    return [ops]

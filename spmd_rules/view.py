@@ -1,0 +1,140 @@
+"""View and layout ops: the output follows the input's sharding wherever that is exact.
+
+``view``/``reshape`` keep a sharded dim sharded when it maps onto one output dim with the same
+leading element count and the pieces stay ``torch.chunk`` pieces: a 1:1 dim always; the
+outermost dim of a merged group, or the first dim of a split, when the shard count divides it.
+Anything else is replicated along that axis first — never a silently wrong view.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+from autoparallel.placement import Partial, Placement, Replicate, Shard
+from spmd_rules.base import R, AxisStrategy, OpCall, Strategy
+from spmd_rules.registry import register_axis_rule, register_rule
+
+aten = torch.ops.aten
+
+
+def map_view_dim(in_shape: Sequence[int], out_shape: Sequence[int], d: int, shards: int, inner_sharded: set[int]) -> int | None:
+    """Output dim that input dim ``d`` (split into ``shards`` pieces) maps to exactly, or None."""
+    lead = math.prod(in_shape[:d])
+    for o in range(len(out_shape)):
+        if math.prod(out_shape[:o]) != lead:
+            continue
+        a, b = in_shape[d], out_shape[o]
+        if a == b and math.prod(in_shape[d + 1:]) == math.prod(out_shape[o + 1:]):
+            return o
+        if b > a and b % a == 0:  # merge: d is the outermost dim of the group
+            rest, k = b // a, d + 1
+            while rest > 1 and k < len(in_shape) and rest % in_shape[k] == 0:
+                if k in inner_sharded:
+                    return None
+                rest //= in_shape[k]
+                k += 1
+            if rest == 1 and a % shards == 0:
+                return o
+        if a > b and a % b == 0 and b % shards == 0:  # split: o is the first dim of the group
+            return o
+    return None
+
+
+@register_rule([aten.view, aten._unsafe_view, aten.reshape, aten._reshape_alias])
+def view_rule(call: OpCall) -> list[Strategy]:
+    x, out = call.inputs[0], call.out[0]
+    assert out is not None
+    cur = call.placements[0]
+    sharded = {p.dim for p in cur if isinstance(p, Shard)}
+    ins: list[Placement] = []
+    outs: list[Placement] = []
+    for a, p in enumerate(cur):
+        if isinstance(p, Shard):
+            axes = [b for b, q in enumerate(cur) if q == p]
+            shards = math.prod(call.mesh_shape[b] for b in axes)
+            o = map_view_dim(x.shape, out.shape, p.dim, shards, sharded - {p.dim})
+            if o is None:
+                ins.append(R)
+                outs.append(R)
+            else:
+                ins.append(p)
+                outs.append(Shard(o))
+        else:
+            ins.append(p)
+            outs.append(p)
+    return [Strategy((tuple(ins),), (tuple(outs),))]
+
+
+def _follow_rule(dim_map):  # type: ignore[no-untyped-def]
+    """Per-axis rule for ops that move dims: ``dim_map(call, d)`` -> output dim or None."""
+
+    def rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
+        p = call.placements[0][axis]
+        if isinstance(p, Shard):
+            o = dim_map(call, p.dim)
+            if o is None:
+                return [AxisStrategy((R,), (R,))]
+            return [AxisStrategy((p,), (Shard(o),))]
+        if isinstance(p, Partial):
+            return [AxisStrategy((p,), (p,))]
+        return [AxisStrategy((Replicate(),), (Replicate(),))]
+
+    return rule
+
+
+def _arg(call: OpCall, i: int, name: str, default: object = None) -> object:
+    return call.args[i] if len(call.args) > i else call.kwargs.get(name, default)
+
+
+def _transpose_map(call: OpCall, d: int) -> int:
+    nd = call.inputs[0].ndim
+    if call.op.overloadpacket in (aten.t, aten.t_) or nd < 2:
+        a, b = 0, min(1, nd - 1)
+    else:
+        a, b = int(_arg(call, 1, "dim0")) % nd, int(_arg(call, 2, "dim1")) % nd  # type: ignore[arg-type]
+    return b if d == a else a if d == b else d
+
+
+def _permute_map(call: OpCall, d: int) -> int:
+    dims = [int(x) % call.inputs[0].ndim for x in _arg(call, 1, "dims")]  # type: ignore[union-attr]
+    return dims.index(d)
+
+
+def _unsqueeze_map(call: OpCall, d: int) -> int:
+    at = int(_arg(call, 1, "dim")) % (call.inputs[0].ndim + 1)  # type: ignore[arg-type]
+    return d + 1 if d >= at else d
+
+
+def _squeeze_map(call: OpCall, d: int) -> int | None:
+    x, out = call.inputs[0], call.out[0]
+    assert out is not None
+    removed = _squeezed(call)
+    if d in removed:
+        return None
+    return d - sum(1 for r in removed if r < d)
+
+
+def _squeezed(call: OpCall) -> set[int]:
+    x = call.inputs[0]
+    dim = _arg(call, 1, "dim")
+    if dim is None:
+        return {i for i, s in enumerate(x.shape) if s == 1}
+    dims = [dim] if isinstance(dim, int) else list(dim)  # type: ignore[arg-type]
+    return {int(i) % max(x.ndim, 1) for i in dims if x.ndim and x.shape[int(i) % x.ndim] == 1}
+
+
+def _expand_map(call: OpCall, d: int) -> int | None:
+    x, out = call.inputs[0], call.out[0]
+    assert out is not None
+    o = d + out.ndim - x.ndim
+    return o if out.shape[o] == x.shape[d] else None
+
+
+register_axis_rule([aten.t, aten.transpose])(_follow_rule(_transpose_map))
+register_axis_rule(aten.permute)(_follow_rule(_permute_map))
+register_axis_rule(aten.unsqueeze)(_follow_rule(_unsqueeze_map))
+register_axis_rule(aten.squeeze)(_follow_rule(_squeeze_map))
+register_axis_rule(aten.expand)(_follow_rule(_expand_map))
