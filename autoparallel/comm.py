@@ -24,6 +24,9 @@ if TYPE_CHECKING:
     from autoparallel.mesh import ProcessMesh
 
 _REDUCE_OPS = {"sum": "SUM", "avg": "SUM", "max": "MAX", "min": "MIN"}
+# torch >= 2.13 names the tensor-in/tensor-out collectives *_single; older releases *_tensor.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _groups: dict[tuple[int, ...], object] = {}
 _world_token: list[object] = [None]
 
@@ -100,7 +103,7 @@ def all_gather(local: torch.Tensor, mesh: "ProcessMesh", axis: int, dim: int, si
     row = x[0].numel() if x.shape[0] else _numel(rest)
     if len(set(sizes)) == 1:
         out = x.new_empty((n * sizes[0],) + tuple(rest))
-        dist.all_gather_into_tensor(out, x, group=group)  # type: ignore[arg-type]
+        _all_gather_flat(out, x, group=group)  # type: ignore[arg-type]
         pieces = list(out.split(sizes[0]))
         pieces = [pieces[g] for g in grank]  # group-rank order -> coordinate order
     else:
@@ -137,7 +140,7 @@ def reduce_scatter(
     inp = torch.cat(by_group, dim=0) if step else x  # type: ignore[arg-type]
     out = x.new_empty((step,) + tuple(x.shape[1:]))
     if step:
-        dist.reduce_scatter_tensor(out, inp, op=_reduce_op(reduce_type), group=group)  # type: ignore[arg-type]
+        _reduce_scatter_flat(out, inp, op=_reduce_op(reduce_type), group=group)  # type: ignore[arg-type]
     if reduce_type == "avg":
         out = out / n if out.is_floating_point() or out.is_complex() else out // n
     _, length = chunk_bounds(size, n, me)

@@ -20,7 +20,7 @@ from autoparallel.spec import DistSpec
 from reshard.executor import run_plan
 from reshard.plan import Plan
 from reshard.planner import LATENCY_BYTES, plan_reshard
-from spmd_rules import OpCall, ScalarMeta, Strategy, TensorMeta, get_local_impl, get_rule
+from spmd_rules import LocalContext, OpCall, ScalarMeta, Strategy, TensorMeta, get_local_impl, get_rule
 
 _warned: set[str] = set()
 
@@ -221,7 +221,9 @@ def _execute(cls: type, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
         largs = _map(cls, args, lambda t: moved[id(t)] if isinstance(t, cls) else t)
         lkwargs = _map(cls, kwargs, lambda t: moved[id(t)] if isinstance(t, cls) else t)
         if d.local_fn is not None:
-            out = d.local_fn(d.call, *largs, **lkwargs)
+            coord = d.mesh.coordinate_of(runtime.get_rank())
+            shapes = tuple(None if s is None else s.local_shape(coord) for s in d.out_specs)
+            out = d.local_fn(LocalContext(d.call, shapes), *largs, **lkwargs)
         else:
             out = func(*largs, **lkwargs)
     else:

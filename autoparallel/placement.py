@@ -113,5 +113,15 @@ def check_placement(p: object) -> Placement:
     return p
 
 
+def partials_compatible(placements: tuple[Placement, ...]) -> bool:
+    """Whether the Partial axes of one layout reduce unambiguously.
+
+    ``sum`` and ``avg`` commute, so they mix freely; ``max``/``min`` do not commute with
+    anything else, so a layout may only repeat the same one.
+    """
+    kinds = {p.reduce_type for p in placements if isinstance(p, Partial)}
+    return len(kinds) <= 1 or kinds <= {"sum", "avg"}
+
+
 def placements_str(placements: tuple[Placement, ...]) -> str:
     return "[" + ", ".join(str(p) for p in placements) + "]"

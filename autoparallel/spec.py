@@ -22,6 +22,7 @@ from autoparallel.placement import (
     Shard,
     check_placement,
     chunk_bounds,
+    partials_compatible,
     placements_str,
 )
 
@@ -51,6 +52,11 @@ class DistSpec:
             raise ValueError(
                 f"{len(placements)} placements {placements_str(placements)} for a "
                 f"{self.mesh.ndim}-d mesh of shape {list(self.mesh.shape)}: need one per mesh axis"
+            )
+        if not partials_compatible(placements):
+            raise ValueError(
+                f"placements {placements_str(placements)} mix Partial reduce types that do not "
+                "commute; max/min may only be combined with the same type"
             )
         shape = tuple(int(s) for s in self.shape)
         ndim = len(shape)

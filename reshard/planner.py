@@ -21,7 +21,7 @@ from typing import Iterator
 
 import networkx as nx
 
-from autoparallel.placement import Partial, Placement, Replicate, Shard
+from autoparallel.placement import Partial, Placement, Replicate, Shard, partials_compatible
 from autoparallel.spec import DistSpec
 from reshard.plan import (
     ALL_GATHER,
@@ -151,8 +151,7 @@ def _move(state: DistSpec, a: int, p: Placement) -> DistSpec | None:
         order[old.dim].remove(a)
     if isinstance(p, Shard):
         order[p.dim].append(a)
-    kinds = {q.reduce_type for q in placements if isinstance(q, Partial)}
-    if len(kinds) > 1 and not kinds <= {"sum", "avg"}:
+    if not partials_compatible(tuple(placements)):
         return None
     shard_order = tuple((d, tuple(axes)) for d, axes in order.items() if len(axes) > 1)
     return state.with_placements(placements, shard_order)

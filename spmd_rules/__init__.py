@@ -6,7 +6,7 @@ product over axes).
 """
 
 from spmd_rules import matmul, pointwise, reduction, tensor_ops, view  # noqa: F401  (registers rules)
-from spmd_rules.base import AxisStrategy, OpCall, ScalarMeta, Strategy, TensorMeta
+from spmd_rules.base import AxisStrategy, LocalContext, OpCall, ScalarMeta, Strategy, TensorMeta
 from spmd_rules.registry import (
     get_local_impl,
     get_rule,
@@ -18,6 +18,7 @@ from spmd_rules.registry import (
 
 __all__ = [
     "AxisStrategy",
+    "LocalContext",
     "OpCall",
     "ScalarMeta",
     "Strategy",

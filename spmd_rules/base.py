@@ -52,6 +52,14 @@ class OpCall:
 
 
 @dataclass(frozen=True, slots=True)
+class LocalContext:
+    """What a local implementation knows besides the local arguments."""
+
+    call: OpCall
+    out_shapes: tuple[tuple[int, ...] | None, ...]  # this rank's local output shapes
+
+
+@dataclass(frozen=True, slots=True)
 class AxisStrategy:
     """Along one mesh axis: required input placements -> resulting output placements."""
 

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from autoparallel.placement import Partial, Shard
-from spmd_rules.base import P_SUM, R, AxisStrategy, OpCall
+from spmd_rules.base import P_SUM, R, AxisStrategy, LocalContext, OpCall
 from spmd_rules.registry import register_axis_rule, register_local_impl
 
 aten = torch.ops.aten
@@ -53,7 +53,8 @@ def sum_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
 
 
 @register_local_impl(aten.mean)
-def mean_local(call: OpCall, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+def mean_local(ctx: LocalContext, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    call = ctx.call
     dims, keepdim = reduced_dims(call)
     count = math.prod(call.inputs[0].shape[d] for d in dims) if call.inputs[0].ndim else 1
     dtype = kwargs.get("dtype")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from typing import Any, Callable, Iterable, Sequence
 
+from autoparallel.placement import partials_compatible
 from spmd_rules.base import AxisRule, AxisStrategy, MeshRule, OpCall, Strategy
 
 LocalImpl = Callable[..., Any]
@@ -41,7 +42,9 @@ def register_axis_rule(ops: Any | Iterable[Any]) -> Callable[[AxisRule], AxisRul
 
 
 def register_local_impl(ops: Any | Iterable[Any]) -> Callable[[LocalImpl], LocalImpl]:
-    """Decorator: ``fn(call, *local_args, **local_kwargs)`` replaces the op on local shards.
+    """Decorator: ``fn(ctx, *local_args, **local_kwargs)`` replaces the op on local shards.
+
+    ``ctx`` is a ``LocalContext`` (the ``OpCall`` and this rank's local output shapes).
 
     For ops whose per-shard computation differs from the op itself whatever the strategy,
     e.g. ``mean``: ``sum(local) / global count`` adds up across shards to the global mean.
@@ -93,7 +96,8 @@ def product_of_axes(call: OpCall, fn: AxisRule) -> list[Strategy]:
     for combo in itertools.product(*per_axis):
         inputs = tuple(tuple(s.inputs[i] for s in combo) for i in range(n_in))
         outputs = tuple(tuple(s.outputs[o] for s in combo) for o in range(n_out))
-        out.append(Strategy(inputs, outputs))
+        if all(partials_compatible(p) for p in inputs + outputs):
+            out.append(Strategy(inputs, outputs))
     return out
 
 

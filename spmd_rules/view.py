@@ -14,8 +14,8 @@ from typing import Sequence
 import torch
 
 from autoparallel.placement import Partial, Placement, Replicate, Shard
-from spmd_rules.base import R, AxisStrategy, OpCall, Strategy
-from spmd_rules.registry import register_axis_rule, register_rule
+from spmd_rules.base import R, AxisStrategy, LocalContext, OpCall, Strategy
+from spmd_rules.registry import register_axis_rule, register_local_impl, register_rule
 
 aten = torch.ops.aten
 
@@ -138,3 +138,18 @@ register_axis_rule(aten.permute)(_follow_rule(_permute_map))
 register_axis_rule(aten.unsqueeze)(_follow_rule(_unsqueeze_map))
 register_axis_rule(aten.squeeze)(_follow_rule(_squeeze_map))
 register_axis_rule(aten.expand)(_follow_rule(_expand_map))
+
+
+@register_local_impl([aten.view, aten._unsafe_view, aten.reshape, aten.expand])
+def sized_local(ctx: LocalContext, x: torch.Tensor, size: Sequence[int], *args: object, **kwargs: object) -> torch.Tensor:
+    """Ops taking a global size run locally with this rank's local output size."""
+    local = ctx.out_shapes[0]
+    assert local is not None
+    return ctx.call.op(x, list(local), *args, **kwargs)
+
+
+@register_local_impl(aten._reshape_alias)
+def reshape_alias_local(ctx: LocalContext, x: torch.Tensor, size: Sequence[int], stride: Sequence[int]) -> torch.Tensor:
+    local = ctx.out_shapes[0]
+    assert local is not None
+    return aten.view.default(x, list(local))
