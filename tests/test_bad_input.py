@@ -1,0 +1,105 @@
+"""Bad input raises the same clear error on every rank before any collective; the world survives."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autoparallel as ap
+from autoparallel import Partial, Replicate, Shard
+
+R = Replicate()
+
+
+def _healthy(rank: int) -> bool:
+    mesh = ap.ProcessMesh([0, 1, 2, 3])
+    x = ap.shard_tensor(torch.arange(8.0), mesh, [Shard(0)])
+    return bool(torch.equal(x.full_tensor(), torch.arange(8.0)))
+
+
+def _shard_out_of_range(rank: int) -> None:
+    ap.shard_tensor(torch.ones(4, 6), ap.ProcessMesh([0, 1, 2, 3]), [Shard(3)])
+
+
+def _placements_count(rank: int) -> None:
+    ap.shard_tensor(torch.ones(4, 6), ap.ProcessMesh([[0, 1], [2, 3]]), [Shard(0)])
+
+
+def _duplicate_ranks(rank: int) -> None:
+    ap.ProcessMesh([[0, 1], [1, 3]])
+
+
+def _negative_rank(rank: int) -> None:
+    ap.ProcessMesh([0, -1])
+
+
+def _rank_too_large(rank: int) -> None:
+    ap.ProcessMesh([0, 1, 2, 7])
+
+
+def _ragged(rank: int) -> None:
+    ap.ProcessMesh([[0, 1], [2]])
+
+
+def _unknown_dim_name(rank: int) -> None:
+    ap.ProcessMesh([[0, 1], [2, 3]], ["dp", "mp"]).get_dim_size("pp")
+
+
+def _bad_reduce_type(rank: int) -> None:
+    ap.Partial("prod")
+
+
+def _from_local_inconsistent(rank: int) -> None:
+    ap.dtensor_from_local(torch.ones(3, 4), ap.ProcessMesh([0, 1, 2, 3]), [Shard(0)], shape=(8, 4))
+
+
+def _mixed_meshes(rank: int) -> None:
+    a = ap.shard_tensor(torch.ones(4), ap.ProcessMesh([0, 1, 2, 3]), [Shard(0)])
+    b = ap.shard_tensor(torch.ones(4), ap.ProcessMesh([[0, 1], [2, 3]]), [R, R])
+    a + b
+
+
+def _mixed_plain(rank: int) -> None:
+    a = ap.shard_tensor(torch.ones(4), ap.ProcessMesh([0, 1, 2, 3]), [Shard(0)])
+    with pytest.raises(TypeError):  # Python operators replace the message with their own
+        a + torch.ones(4)
+    torch.add(a, torch.ones(4))
+
+
+def _bad_placement_type(rank: int) -> None:
+    ap.shard_tensor(torch.ones(4), ap.ProcessMesh([0, 1, 2, 3]), ["S(0)"])
+
+
+def _bad_mesh_type(rank: int) -> None:
+    ap.shard_tensor(torch.ones(4), [0, 1, 2, 3], [Shard(0)])  # type: ignore[arg-type]
+
+
+def _mixed_partial_kinds(rank: int) -> None:
+    ap.shard_tensor(torch.ones(4), ap.ProcessMesh([[0, 1], [2, 3]]), [Partial("max"), Partial("sum")])
+
+
+CASES = [
+    (_shard_out_of_range, ValueError, "tensor dim 3 does not exist"),
+    (_placements_count, ValueError, "need one per mesh axis"),
+    (_duplicate_ranks, ValueError, "appear more than once"),
+    (_negative_rank, ValueError, "negative rank"),
+    (_rank_too_large, ValueError, "not in the world of size 4"),
+    (_ragged, ValueError, "ragged"),
+    (_unknown_dim_name, ValueError, "'pp' is unknown"),
+    (_bad_reduce_type, ValueError, "reduce type 'prod' is unknown"),
+    (_from_local_inconsistent, ValueError, "should hold (2, 4)"),
+    (_mixed_meshes, ValueError, "different meshes"),
+    (_mixed_plain, TypeError, "plain tensor of shape (4,)"),
+    (_bad_placement_type, TypeError, "is not a Replicate"),
+    (_bad_mesh_type, TypeError, "must be an ap.ProcessMesh"),
+    (_mixed_partial_kinds, ValueError, "do not commute"),
+]
+
+
+@pytest.mark.parametrize("fn,exc,text", CASES, ids=[c[0].__name__.strip("_") for c in CASES])
+def test_bad_input_raises_on_every_rank(world4, fn, exc, text):  # type: ignore[no-untyped-def]
+    with pytest.raises(exc) as info:
+        world4.run(fn, timeout=60)
+    # the harness re-raises the same type only when every rank raised it
+    assert text in str(info.value)
+    assert all(world4.run(_healthy))

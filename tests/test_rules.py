@@ -1,0 +1,284 @@
+"""Pure tests of the SPMD rules, called directly with an ``OpCall`` built by hand.
+
+Besides pinning the expected strategies, every strategy a rule offers for a few ops is checked
+by brute force on a 1-d mesh: shard the global inputs as the strategy asks (random summands
+for Partial), run the op on every rank's pieces, and combine the local outputs as the strategy
+claims — the result must be the op on the global inputs.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pytest
+import torch
+
+import spmd_rules
+from autoparallel import Partial, Replicate, Shard
+from autoparallel.placement import chunk_bounds
+from spmd_rules import OpCall, Strategy, TensorMeta
+
+aten = torch.ops.aten
+R = Replicate()
+S0, S1, S2 = Shard(0), Shard(1), Shard(2)
+P = Partial()
+
+
+def meta(t: torch.Tensor) -> TensorMeta:
+    return TensorMeta(tuple(t.shape), t.dtype)
+
+
+def _map(x: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    if isinstance(x, torch.Tensor):
+        return fn(x)
+    if isinstance(x, (list, tuple)):
+        return type(x)(_map(i, fn) for i in x)
+    if isinstance(x, dict):
+        return {k: _map(v, fn) for k, v in x.items()}
+    return x
+
+
+def _tensors(x: Any) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    _map(x, out.append)
+    return out
+
+
+def make_call(op: Any, args: tuple, placements: list, mesh_shape: tuple[int, ...] = (2,), kwargs: dict | None = None) -> OpCall:
+    """An ``OpCall`` for ``op(*args, **kwargs)`` on real tensors; ``placements`` per input."""
+    kwargs = kwargs or {}
+    out = op(*args, **kwargs)
+    outs = [out] if isinstance(out, torch.Tensor) else list(out)
+    inputs = _tensors(args) + _tensors(kwargs)
+    placements = [tuple(p) if isinstance(p, (list, tuple)) else (p,) for p in placements]
+    assert len(placements) == len(inputs)
+    metas = {id(t): meta(t) for t in inputs}
+    return OpCall(
+        op,
+        _map(args, lambda t: metas[id(t)]),
+        _map(kwargs, lambda t: metas[id(t)]),
+        tuple(metas[id(t)] for t in inputs),
+        tuple(meta(o) for o in outs),
+        tuple(placements),
+        mesh_shape,
+    )
+
+
+def strategies(call: OpCall) -> list[Strategy]:
+    rule = spmd_rules.get_rule(call.op)
+    assert rule is not None, call.op
+    return list(rule(call))
+
+
+def offers(call: OpCall, inputs: list, outputs: list) -> bool:
+    """Whether the rule offers inputs -> outputs (1-d mesh: one placement each)."""
+    want = Strategy(tuple((p,) for p in inputs), tuple((p,) for p in outputs))
+    return want in strategies(call)
+
+
+def outputs_for(call: OpCall, inputs: list) -> list[tuple]:
+    key = tuple((p,) for p in inputs)
+    return [s.outputs for s in strategies(call) if s.inputs == key]
+
+
+# ---- matmul ----------------------------------------------------------------------------------
+A, B = torch.randn(4, 6), torch.randn(6, 8)
+
+
+def test_mm_strategies() -> None:
+    call = make_call(aten.mm.default, (A, B), [S0, R])
+    assert offers(call, [S0, R], [S0])
+    assert offers(call, [R, S1], [S1])
+    assert offers(call, [S1, S0], [P])
+    assert offers(call, [R, R], [R])
+    assert offers(call, [P, R], [P]) and offers(call, [R, P], [P])
+    assert outputs_for(call, [S0, S0]) == []
+    assert outputs_for(call, [S1, R]) == []
+
+
+def test_mm_on_2d_mesh_is_product_of_axes() -> None:
+    call = make_call(aten.mm.default, (A, B), [(S0, R), (R, S1)], mesh_shape=(2, 2))
+    found = strategies(call)
+    assert Strategy(((S0, R), (R, S1)), ((S0, S1),)) in found
+    assert Strategy(((S1, S0), (S0, R)), ((P, S0),)) in found
+    # every combination of the 1-d strategies is there
+    one = strategies(make_call(aten.mm.default, (A, B), [S0, R]))
+    assert len(found) == len(one) ** 2
+
+
+def test_addmm_bias_follows_output() -> None:
+    bias = torch.randn(8)
+    call = make_call(aten.addmm.default, (bias, A, B), [R, S0, R])
+    assert offers(call, [R, S0, R], [S0])  # 1-d bias broadcast along rows stays replicated
+    assert offers(call, [S0, R, S1], [S1])
+    assert offers(call, [P, R, R], [P])
+
+
+# ---- pointwise -------------------------------------------------------------------------------
+X, Y = torch.randn(4, 6), torch.randn(4, 6)
+
+
+def test_add_two_tensors_keeps_partial() -> None:
+    call = make_call(aten.add.Tensor, (X, Y), [P, P])
+    assert offers(call, [P, P], [P])
+    assert offers(call, [Partial("avg"), Partial("avg")], [Partial("avg")])
+    assert offers(call, [S0, S0], [S0]) and offers(call, [S1, S1], [S1])
+    assert outputs_for(call, [P, R]) == []  # x + y summed on every rank adds y n times
+    assert outputs_for(call, [Partial("max"), Partial("max")]) == []
+
+
+def test_add_scalar_offers_no_partial() -> None:
+    call = make_call(aten.add.Tensor, (X, 2.0), [P])
+    assert all(not isinstance(p, Partial) for s in strategies(call) for o in s.outputs for p in o)
+    assert outputs_for(call, [P]) == []
+    assert offers(call, [S0], [S0])
+
+
+def test_add_broadcast_follows_output() -> None:
+    row = torch.randn(6)
+    call = make_call(aten.add.Tensor, (X, row), [S0, R])
+    assert offers(call, [S0, R], [S0])
+    assert offers(call, [S1, S0], [S1])
+
+
+def test_mul_by_scalar_and_replicated_keeps_partial() -> None:
+    assert offers(make_call(aten.mul.Tensor, (X, 3.0), [P]), [P], [P])
+    assert offers(make_call(aten.mul.Tensor, (X, Y), [P, R]), [P, R], [P])
+    assert offers(make_call(aten.mul.Tensor, (X, Y), [R, P]), [R, P], [P])
+    assert outputs_for(make_call(aten.mul.Tensor, (X, Y), [P, P]), [P, P]) == []
+    # only the numerator of a division may be partial
+    div = make_call(aten.div.Tensor, (X, Y), [P, R])
+    assert offers(div, [P, R], [P]) and outputs_for(div, [R, P]) == []
+
+
+def test_nonlinear_pointwise_offers_no_partial() -> None:
+    call = make_call(aten.exp.default, (X,), [P])
+    assert outputs_for(call, [P]) == []
+    assert offers(call, [S1], [S1])
+
+
+# ---- reductions ------------------------------------------------------------------------------
+def test_sum_over_sharded_dim_is_partial() -> None:
+    call = make_call(aten.sum.dim_IntList, (X, [0]), [S0])
+    assert offers(call, [S0], [P])
+    assert offers(call, [S1], [S0])  # the kept dim 1 becomes output dim 0
+    call = make_call(aten.sum.dim_IntList, (X, [0], True), [S0])
+    assert offers(call, [S1], [S1])  # keepdim
+    call = make_call(aten.sum.default, (X,), [S1])
+    assert offers(call, [S1], [P]) and offers(call, [S0], [P])
+    assert offers(call, [P], [P])
+
+
+# ---- views -----------------------------------------------------------------------------------
+def test_view_merging_sharded_leading_dim_keeps_shard() -> None:
+    x = torch.randn(4, 6)
+    call = make_call(aten.view.default, (x, [24]), [S0])
+    assert strategies(call) == [Strategy(((S0,),), ((S0,),))]
+
+
+def test_view_merging_unevenly_sharded_dim_needs_replicate() -> None:
+    # rows 0-1 and row 2 of a (3, 6) tensor flatten to 12 and 6 elements: not torch.chunk(18, 2)
+    x = torch.randn(3, 6)
+    call = make_call(aten.view.default, (x, [18]), [S0])
+    assert strategies(call) == [Strategy(((R,),), ((R,),))]
+
+
+def test_view_merging_inner_sharded_dim_needs_replicate() -> None:
+    x = torch.randn(4, 6)
+    call = make_call(aten.view.default, (x, [24]), [S1])
+    assert strategies(call) == [Strategy(((R,),), ((R,),))]
+
+
+def test_view_split_and_partial() -> None:
+    x = torch.randn(8, 3)
+    call = make_call(aten.view.default, (x, [2, 4, 3]), [S0])
+    assert strategies(call) == [Strategy(((S0,),), ((S0,),))]
+    call = make_call(aten.view.default, (x, [2, 4, 3]), [P])
+    assert strategies(call) == [Strategy(((P,),), ((P,),))]
+
+
+def test_transpose_moves_shard() -> None:
+    x = torch.randn(4, 6)
+    assert strategies(make_call(aten.transpose.int, (x, 0, 1), [S0])) == [Strategy(((S0,),), ((S1,),))]
+    assert strategies(make_call(aten.transpose.int, (x, 0, 1), [S1])) == [Strategy(((S1,),), ((S0,),))]
+    assert strategies(make_call(aten.t.default, (x,), [S0])) == [Strategy(((S0,),), ((S1,),))]
+    y = torch.randn(2, 3, 4)
+    assert strategies(make_call(aten.transpose.int, (y, -1, 0), [S1])) == [Strategy(((S1,),), ((S1,),))]
+    assert strategies(make_call(aten.transpose.int, (y, -1, 0), [S2])) == [Strategy(((S2,),), ((S0,),))]
+
+
+# ---- brute force: every offered strategy computes the right thing ---------------------------
+def shard(x: torch.Tensor, p: Any, n: int, gen: torch.Generator) -> list[torch.Tensor]:
+    """The n local pieces of ``x`` under placement ``p`` (random summands for Partial)."""
+    if isinstance(p, Replicate):
+        return [x.clone() for _ in range(n)]
+    if isinstance(p, Shard):
+        return [x.narrow(p.dim, *chunk_bounds(x.shape[p.dim], n, i)) for i in range(n)]
+    noise = [torch.randint(0, 5, x.shape, generator=gen).to(x.dtype) for _ in range(n)]
+    if p.reduce_type == "sum":
+        return [x - sum(noise[1:])] + noise[1:]
+    if p.reduce_type == "avg":
+        mean = sum(noise) / n
+        return [x + e - mean for e in noise]
+    sign = -1 if p.reduce_type == "max" else 1
+    return [x] + [x + sign * e for e in noise[1:]]
+
+
+def combine(pieces: list[torch.Tensor], p: Any) -> torch.Tensor:
+    if isinstance(p, Replicate):
+        for q in pieces[1:]:
+            torch.testing.assert_close(q, pieces[0])
+        return pieces[0]
+    if isinstance(p, Shard):
+        return torch.cat(pieces, dim=p.dim)
+    stacked = torch.stack(pieces)
+    return {"sum": stacked.sum(0), "avg": stacked.mean(0), "max": stacked.amax(0), "min": stacked.amin(0)}[p.reduce_type]
+
+
+BRUTE = [
+    (aten.mm.default, (torch.randn(5, 3), torch.randn(3, 4))),
+    (aten.mm.default, (torch.randn(1, 7), torch.randn(7, 2))),
+    (aten.addmm.default, (torch.randn(4), torch.randn(5, 3), torch.randn(3, 4))),
+    (aten.bmm.default, (torch.randn(3, 2, 5), torch.randn(3, 5, 2))),
+    (aten.add.Tensor, (torch.randn(5, 3), torch.randn(5, 3))),
+    (aten.add.Tensor, (torch.randn(5, 3), torch.randn(3))),
+    (aten.add.Tensor, (torch.randn(5, 3), 2.0)),
+    (aten.sub.Tensor, (torch.randn(5, 3), torch.randn(1, 3))),
+    (aten.mul.Tensor, (torch.randn(5, 3), torch.randn(5, 3))),
+    (aten.mul.Tensor, (torch.randn(5, 3), 0.5)),
+    (aten.div.Tensor, (torch.randn(5, 3), torch.rand(5, 3) + 1)),
+    (aten.neg.default, (torch.randn(5, 3),)),
+    (aten.exp.default, (torch.randn(5, 3),)),
+    (aten.clone.default, (torch.randn(5, 3),)),
+    (aten.sum.default, (torch.randn(5, 3),)),
+    (aten.sum.dim_IntList, (torch.randn(5, 3), [1])),
+    (aten.sum.dim_IntList, (torch.randn(5, 3, 2), [0, 2], True)),
+    (aten.transpose.int, (torch.randn(5, 3), 0, 1)),
+    (aten.permute.default, (torch.randn(5, 3, 2), [2, 0, 1])),
+    (aten.unsqueeze.default, (torch.randn(5, 3), 1)),
+]
+PLACEMENTS = [R, S0, S1, S2, P, Partial("avg"), Partial("max")]
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("op, args", BRUTE, ids=[f"{op}-{i}" for i, (op, _) in enumerate(BRUTE)])
+def test_offered_strategies_are_exact(op: Any, args: tuple, n: int) -> None:
+    inputs = _tensors(args)
+    gen = torch.Generator().manual_seed(0)
+    expected = op(*args)
+    seen: set[Strategy] = set()
+    # ask with every current placement of the first input that fits (rules may depend on it)
+    for cur in PLACEMENTS:
+        if isinstance(cur, Shard) and cur.dim >= inputs[0].ndim:
+            continue
+        call = make_call(op, args, [cur] + [R] * (len(inputs) - 1), mesh_shape=(n,))
+        seen.update(strategies(call))
+    assert seen
+    for s in seen:
+        pieces = [shard(t, p[0], n, gen) for t, p in zip(inputs, s.inputs)]
+        local_out = []
+        for i in range(n):
+            it = iter([pc[i] for pc in pieces])
+            local_out.append(op(*_map(args, lambda _t: next(it))))
+        got = combine(local_out, s.outputs[0][0])
+        torch.testing.assert_close(got, expected, msg=lambda m: f"{op} {s}: {m}")
