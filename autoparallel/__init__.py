@@ -12,7 +12,8 @@ from autoparallel.debug import CommDebugMode, CommRecord
 from autoparallel.dtensor import DistTensor
 from autoparallel.api import dtensor_from_local, reshard, shard_tensor, unshard_dtensor
 from autoparallel.runtime import get_rank, get_world_size
-from spmd_rules import register_axis_rule, register_rule
+from spmd_rules.registry import register_axis_rule, register_rule
+import spmd_rules  # noqa: F401,E402  (registers every rule family)
 
 __all__ = [
     "CommDebugMode",

@@ -100,7 +100,11 @@ def all_gather(local: torch.Tensor, mesh: "ProcessMesh", axis: int, dim: int, si
     me = line.index(runtime.get_rank())
     x = local.movedim(dim, 0).contiguous()  # [len, ...rest]
     rest = x.shape[1:]
-    row = x[0].numel() if x.shape[0] else _numel(rest)
+    row = _numel(rest)
+    item = local.element_size()
+    if sum(sizes) * row == 0:  # nothing to move: every member knows it from metadata
+        record("all_gather", mesh, axis, line, 0, 0)
+        return x.new_empty((sum(sizes),) + tuple(rest)).movedim(0, dim)
     if len(set(sizes)) == 1:
         out = x.new_empty((n * sizes[0],) + tuple(rest))
         _all_gather_flat(out, x, group=group)  # type: ignore[arg-type]
@@ -118,7 +122,6 @@ def all_gather(local: torch.Tensor, mesh: "ProcessMesh", axis: int, dim: int, si
         dist.all_to_all_single(recv, send, out_splits, in_splits, group=group)  # type: ignore[arg-type]
         flat = list(recv.split(out_splits))
         pieces = [flat[g].reshape((sizes[c],) + tuple(rest)) for c, g in enumerate(grank)]
-    item = local.element_size()
     record("all_gather", mesh, axis, line, *cost.all_gather_bytes([s * row * item for s in sizes], me))
     return torch.cat(pieces, dim=0).movedim(0, dim)
 

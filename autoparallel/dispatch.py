@@ -20,7 +20,8 @@ from autoparallel.spec import DistSpec
 from reshard.executor import run_plan
 from reshard.plan import Plan
 from reshard.planner import LATENCY_BYTES, plan_reshard
-from spmd_rules import LocalContext, OpCall, ScalarMeta, Strategy, TensorMeta, get_local_impl, get_rule
+from spmd_rules.base import LocalContext, OpCall, ScalarMeta, Strategy, TensorMeta
+from spmd_rules.registry import get_local_impl, get_rule
 
 _warned: set[str] = set()
 

@@ -43,6 +43,10 @@ class DistSpec:
     shape: tuple[int, ...]
     dtype: torch.dtype
     shard_order: tuple[tuple[int, tuple[int, ...]], ...] = field(default=())
+    _hash: int = field(default=0, init=False, repr=False, compare=False)
+
+    def __hash__(self) -> int:  # fields are immutable: hash them once
+        return self._hash
 
     def __post_init__(self) -> None:
         placements = tuple(self.placements)
@@ -73,6 +77,7 @@ class DistSpec:
         object.__setattr__(self, "placements", tuple(norm))
         object.__setattr__(self, "shape", shape)
         object.__setattr__(self, "shard_order", _canonical_order(tuple(norm), self.shard_order))
+        object.__setattr__(self, "_hash", hash((self.mesh, self.placements, shape, self.dtype, self.shard_order)))
 
     # ---- derived ------------------------------------------------------------------------
     @property

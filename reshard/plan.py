@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Sequence
 
-from autoparallel import cost
+import numpy as np
+
 from autoparallel.placement import Partial, Shard
 from autoparallel.spec import DistSpec
 
@@ -64,8 +66,10 @@ class Plan:
 
     def max_bytes(self) -> int:
         """The largest number of bytes any rank receives."""
-        mesh = self.src.mesh
-        return max(self.bytes_at(mesh.coordinate_of(r))[1] for r in mesh.process_ids)
+        if not self.steps:
+            return 0
+        total = sum(step_bytes_table(s)[1] for s in self.steps)
+        return int(np.max(total))
 
     def collectives(self) -> list[str]:
         return [s.kind for s in self.steps if not s.is_local]
@@ -75,53 +79,82 @@ class Plan:
         return f"Plan({self.src} -> {self.dst}: {body})"
 
 
-def _local_bytes(spec: DistSpec, coord: tuple[int, ...]) -> int:
-    n = spec.itemsize
-    for _, length in spec.local_box(coord):
-        n *= length
-    return n
+def local_shape_table(spec: DistSpec) -> np.ndarray:
+    """Local shard shapes of every mesh coordinate: int array of shape ``mesh.shape + (ndim,)``."""
+    return _shape_table(spec.placements, spec.shard_order, spec.shape, tuple(spec.mesh.shape))
 
 
-def _line_coords(coord: tuple[int, ...], axis: int, size: int) -> list[tuple[int, ...]]:
-    return [coord[:axis] + (i,) + coord[axis + 1:] for i in range(size)]
+@lru_cache(maxsize=16384)
+def _shape_table(placements, order, shape, mesh_shape) -> np.ndarray:  # type: ignore[no-untyped-def]
+    coords = np.indices(mesh_shape).reshape(len(mesh_shape), -1)  # [axes, ranks]
+    explicit = dict(order)
+    cols = []
+    for dim, size in enumerate(shape):
+        axes = explicit.get(dim) or tuple(a for a, p in enumerate(placements) if isinstance(p, Shard) and p.dim == dim)
+        length = np.full(coords.shape[1], size, dtype=np.int64)
+        for a in axes:
+            n = mesh_shape[a]
+            step = -(-length // n)
+            start = np.minimum(coords[a] * step, length)
+            length = np.maximum(0, np.minimum(length, start + step) - start)
+        cols.append(length)
+    table = np.stack(cols, axis=-1) if cols else np.zeros((coords.shape[1], 0), dtype=np.int64)
+    table.setflags(write=False)
+    return table.reshape(tuple(mesh_shape) + (len(shape),))
+
+
+def _prod_last(a: np.ndarray) -> np.ndarray:
+    return np.prod(a, axis=-1, dtype=np.int64)
+
+
+@lru_cache(maxsize=16384)
+def step_bytes_table(step: Step) -> tuple[np.ndarray, np.ndarray]:
+    """(sent, received) bytes of every mesh coordinate for one step (arrays of mesh shape).
+
+    The same formulas as ``autoparallel.cost`` (what ``CommDebugMode`` records), vectorised.
+    """
+    mesh_shape = tuple(step.src.mesh.shape)
+    if step.is_local:
+        z = np.zeros(mesh_shape, dtype=np.int64)
+        return z, z
+    a, item = step.axis, step.src.itemsize
+    n = mesh_shape[a]
+    src = local_shape_table(step.src)  # mesh_shape + (ndim,)
+    mine = _prod_last(src) * item
+    line_sum = lambda x: np.sum(x, axis=a, keepdims=True)  # noqa: E731  (sum over the axis line)
+    if step.kind == ALL_GATHER:
+        return (n - 1) * mine, np.broadcast_to(line_sum(mine), mine.shape) - mine
+    if step.kind == ALL_REDUCE:
+        b = 2 * (n - 1) * mine // n
+        return b, b
+    dim = _placement_dim(step.dst, a)
+    length = src[..., dim]
+    rest = _prod_last(np.delete(src, dim, axis=-1)) * item  # bytes of one slice along ``dim``
+    if step.kind == REDUCE_SCATTER:
+        b = (n - 1) * (-(-length // n)) * rest
+        return b, b
+    if step.kind == ALL_TO_ALL:
+        # Each member splits its piece into n chunks along ``dim`` (same length on the line)
+        # and keeps its own; it receives its chunk of every other member's piece.
+        me = np.indices(mesh_shape)[a]
+        step_len = -(-length // n)
+        start = np.minimum(me * step_len, length)
+        own = np.maximum(0, np.minimum(length, start + step_len) - start)
+        sent = rest * (length - own)
+        recv = own * (np.broadcast_to(line_sum(rest), rest.shape) - rest)
+        return sent, recv
+    raise AssertionError(f"unknown step kind {step.kind}")
 
 
 def _step_bytes(step: Step, coord: tuple[int, ...]) -> tuple[int, int]:
-    if step.is_local:
-        return 0, 0
-    a = step.axis
-    n = step.src.mesh.shape[a]
-    line = _line_coords(coord, a, n)
-    me = coord[a]
-    if step.kind == ALL_GATHER:
-        return cost.all_gather_bytes([_local_bytes(step.src, c) for c in line], me)
-    if step.kind == ALL_REDUCE:
-        return cost.all_reduce_bytes(_local_bytes(step.src, coord), n)
-    if step.kind == REDUCE_SCATTER:
-        dim = _placement_dim(step.dst, a)
-        local = step.src.local_box(coord)
-        size = local[dim][1]
-        piece = -(-size // n) if size else 0
-        other = _local_bytes(step.src, coord) // size if size else 0
-        return cost.reduce_scatter_bytes(piece * other, n)
-    if step.kind == ALL_TO_ALL:
-        send = [_overlap_bytes(step.src, coord, step.dst, c) for c in line]
-        recv = [_overlap_bytes(step.src, c, step.dst, coord) for c in line]
-        return cost.all_to_all_bytes(send, recv, me)
-    raise AssertionError(f"unknown step kind {step.kind}")
+    sent, recv = step_bytes_table(step)
+    return int(sent[coord]), int(recv[coord])
 
 
 def _placement_dim(spec: DistSpec, axis: int) -> int:
     p = spec.placements[axis]
     assert isinstance(p, Shard)
     return p.dim
-
-
-def _overlap_bytes(a: DistSpec, ca: tuple[int, ...], b: DistSpec, cb: tuple[int, ...]) -> int:
-    n = a.itemsize
-    for (o1, l1), (o2, l2) in zip(a.local_box(ca), b.local_box(cb)):
-        n *= max(0, min(o1 + l1, o2 + l2) - max(o1, o2))
-    return n
 
 
 def is_partial(spec: DistSpec, axis: int) -> bool:

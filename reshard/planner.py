@@ -11,11 +11,16 @@ axes shard the same tensor dim). Edges are single steps on one mesh axis:
 An axis that shards dim ``d`` can only be undone (gathered, moved) while it is the innermost
 split of ``d``; a new split always becomes innermost. Edge weights are the bytes the busiest
 rank receives plus a small per-step latency term, so among equally cheap plans the one with
-fewest steps wins. The shortest path is found with networkx and cached on ``(src, dst)``.
+fewest steps wins. The search is Dijkstra over the lazily expanded graph (it stops as soon as
+``dst`` is settled, so cheap plans are found without building every layout), cached on
+``(src, dst)``. ``layout_graph`` builds the whole graph as a networkx ``DiGraph`` — the
+reference the tests check the search against, and a way to look at the alternatives.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from functools import lru_cache
 from typing import Iterator
 
@@ -33,6 +38,7 @@ from reshard.plan import (
     TO_PARTIAL,
     Plan,
     Step,
+    step_bytes_table,
 )
 
 LATENCY_BYTES = 64      # per collective: breaks ties towards fewer collectives
@@ -61,6 +67,36 @@ def _plan(src: DistSpec, dst: DistSpec) -> Plan:
     direct = _direct_step(src, dst)
     if direct is not None:
         return Plan(src, dst, (direct,))
+    allowed = _allowed_placements(src, dst)
+    best: dict[DistSpec, int] = {src: 0}
+    came: dict[DistSpec, Step] = {}
+    heap: list[tuple[int, int, DistSpec]] = [(0, 0, src)]
+    tie = itertools.count(1)
+    while heap:
+        dist, _, state = heapq.heappop(heap)
+        if state == dst:
+            steps = []
+            while state != src:
+                steps.append(came[state])
+                state = came[state].src
+            return Plan(src, dst, tuple(reversed(steps)))
+        if dist > best[state]:
+            continue
+        for step, weight in _edges(state, allowed):
+            nd = dist + weight
+            if nd < best.get(step.dst, nd + 1):
+                best[step.dst] = nd
+                came[step.dst] = step
+                heapq.heappush(heap, (nd, next(tie), step.dst))
+    raise ReshardError(f"no reshard plan from {src} to {dst}")  # pragma: no cover
+
+
+def layout_graph(src: DistSpec, dst: DistSpec) -> nx.DiGraph:
+    """Every layout reachable from ``src`` (with ``dst``'s partials) and every single step.
+
+    Edges carry ``weight`` and ``step``; ``nx.dijkstra_path(g, src, dst, weight="weight")`` is
+    the reference answer ``plan_reshard`` must match in cost.
+    """
     graph = nx.DiGraph()
     allowed = _allowed_placements(src, dst)
     frontier = [src]
@@ -71,12 +107,12 @@ def _plan(src: DistSpec, dst: DistSpec) -> Plan:
             if step.dst not in graph:
                 frontier.append(step.dst)
             graph.add_edge(state, step.dst, weight=weight, step=step)
-    try:
-        path = nx.dijkstra_path(graph, src, dst, weight="weight")
-    except nx.NetworkXNoPath:  # pragma: no cover - every layout reaches every other
-        raise ReshardError(f"no reshard plan from {src} to {dst}") from None
-    steps = tuple(graph.edges[u, v]["step"] for u, v in zip(path, path[1:]))
-    return Plan(src, dst, steps)
+    return graph
+
+
+def plan_cost(plan: Plan) -> int:
+    """The planner's weight of ``plan``: per step, busiest rank's bytes plus latency."""
+    return sum(LOCAL_STEP_WEIGHT if s.is_local else _weight(s) for s in plan.steps)
 
 
 def _direct_step(src: DistSpec, dst: DistSpec) -> Step | None:
@@ -85,8 +121,14 @@ def _direct_step(src: DistSpec, dst: DistSpec) -> Step | None:
     if len(diff) != 1:
         return None
     a = diff[0]
-    for step, _ in _axis_edges(src, a, (dst.placements[a],)):
+    for step, weight in _axis_edges(src, a, (dst.placements[a],)):
         if step.dst == dst:
+            if step.kind == REDUCE_SCATTER:
+                # Padding uneven pieces can make reduce-scatter dearer than all-reduce + slice
+                # (tensors shorter than the axis); let the search compare them.
+                via = _move(src, a, Replicate())
+                if via is not None and _weight(Step(ALL_REDUCE, a, src, via)) + LOCAL_STEP_WEIGHT < weight:
+                    return None
             return step
     return None
 
@@ -141,6 +183,7 @@ def _kind(state: DistSpec, a: int, src: Placement, dst: Placement) -> str | None
     return REDUCE_SCATTER if isinstance(dst, Shard) else None
 
 
+@lru_cache(maxsize=65536)
 def _move(state: DistSpec, a: int, p: Placement) -> DistSpec | None:
     """``state`` with axis ``a`` set to ``p``; a new split of a dim becomes its innermost."""
     placements = list(state.placements)
@@ -158,9 +201,5 @@ def _move(state: DistSpec, a: int, p: Placement) -> DistSpec | None:
 
 
 def _weight(step: Step) -> int:
-    mesh = step.src.mesh
-    worst = 0
-    for r in mesh.process_ids:
-        sent, recv = step.bytes_at(mesh.coordinate_of(r))  # type: ignore[arg-type]
-        worst = max(worst, sent, recv)
-    return worst + LATENCY_BYTES
+    sent, recv = step_bytes_table(step)
+    return int(max(sent.max(), recv.max())) + LATENCY_BYTES

@@ -5,6 +5,12 @@ Importing this package registers every rule family. Users add rules for their ow
 product over axes).
 """
 
+# The value types (mesh, placement, spec) live in ``autoparallel``, whose package __init__ pulls
+# in the dispatcher, which imports this package: initialise ``autoparallel`` first so either
+# import order works.
+import autoparallel  # noqa: F401,I001
+
+
 from spmd_rules import matmul, pointwise, reduction, tensor_ops, view  # noqa: F401  (registers rules)
 from spmd_rules.base import AxisStrategy, LocalContext, OpCall, ScalarMeta, Strategy, TensorMeta
 from spmd_rules.registry import (
