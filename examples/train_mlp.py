@@ -1,6 +1,6 @@
 """Train an MLP with data parallel x tensor parallel on a 2x2 mesh, and check it against one process.
 
-    torchrun --nproc-per-node 4 examples/train_mlp.py
+    torchrun --standalone --nproc-per-node 4 examples/train_mlp.py
 
 The mesh is ``[[0, 1], [2, 3]]`` with axes ``dp`` and ``mp``. The first Linear is column-
 parallel (weight ``Shard(0)`` on ``mp``), the second row-parallel (weight ``Shard(1)``), the

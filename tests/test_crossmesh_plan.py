@@ -39,7 +39,8 @@ def test_disjoint_replicate_to_shard() -> None:
         Transfer(0, 2, ((0, 4), (0, 12))),
         Transfer(1, 3, ((4, 4), (0, 12))),
     )
-    assert [plan.bytes_per_rank(r) for r in range(5)] == [(4 * ROW, 0), (4 * ROW, 0), (0, 4 * ROW), (0, 4 * ROW), (0, 0)]
+    half = 4 * ROW
+    assert [plan.bytes_per_rank(r) for r in range(5)] == [(half, 0), (half, 0), (0, half), (0, half), (0, 0)]
     assert plan.collectives() == ["send_recv"]
 
 

@@ -13,15 +13,19 @@ from typing import Any, Callable
 import pytest
 import torch
 
-import spmd_rules
 from autoparallel import Partial, Replicate, Shard
 from autoparallel.placement import chunk_bounds
-from spmd_rules import OpCall, Strategy, TensorMeta
+from spmd_rules import OpCall, Strategy, TensorMeta, get_rule
 
 aten = torch.ops.aten
 R = Replicate()
 S0, S1, S2 = Shard(0), Shard(1), Shard(2)
 P = Partial()
+_GEN = torch.Generator().manual_seed(0)
+
+
+def rnd(*shape: int) -> torch.Tensor:
+    return torch.randn(shape, generator=_GEN)
 
 
 def meta(t: torch.Tensor) -> TensorMeta:
@@ -44,7 +48,9 @@ def _tensors(x: Any) -> list[torch.Tensor]:
     return out
 
 
-def make_call(op: Any, args: tuple, placements: list, mesh_shape: tuple[int, ...] = (2,), kwargs: dict | None = None) -> OpCall:
+def make_call(
+    op: Any, args: tuple, placements: list, mesh_shape: tuple[int, ...] = (2,), kwargs: dict | None = None
+) -> OpCall:
     """An ``OpCall`` for ``op(*args, **kwargs)`` on real tensors; ``placements`` per input."""
     kwargs = kwargs or {}
     out = op(*args, **kwargs)
@@ -65,7 +71,7 @@ def make_call(op: Any, args: tuple, placements: list, mesh_shape: tuple[int, ...
 
 
 def strategies(call: OpCall) -> list[Strategy]:
-    rule = spmd_rules.get_rule(call.op)
+    rule = get_rule(call.op)
     assert rule is not None, call.op
     return list(rule(call))
 
@@ -82,7 +88,7 @@ def outputs_for(call: OpCall, inputs: list) -> list[tuple]:
 
 
 # ---- matmul ----------------------------------------------------------------------------------
-A, B = torch.randn(4, 6), torch.randn(6, 8)
+A, B = rnd(4, 6), rnd(6, 8)
 
 
 def test_mm_strategies() -> None:
@@ -107,15 +113,17 @@ def test_mm_on_2d_mesh_is_product_of_axes() -> None:
 
 
 def test_addmm_bias_follows_output() -> None:
-    bias = torch.randn(8)
+    bias = rnd(8)
     call = make_call(aten.addmm.default, (bias, A, B), [R, S0, R])
     assert offers(call, [R, S0, R], [S0])  # 1-d bias broadcast along rows stays replicated
     assert offers(call, [S0, R, S1], [S1])
-    assert offers(call, [P, R, R], [P])
+    assert offers(call, [P, P, R], [P])  # bias_i + m1_i @ m2 sums to bias + m1 @ m2
+    # a Partial bias alone is wrong: sum_i (bias_i + m1 @ m2) counts the product n times
+    assert outputs_for(call, [P, R, R]) == []
 
 
 # ---- pointwise -------------------------------------------------------------------------------
-X, Y = torch.randn(4, 6), torch.randn(4, 6)
+X, Y = rnd(4, 6), rnd(4, 6)
 
 
 def test_add_two_tensors_keeps_partial() -> None:
@@ -135,7 +143,7 @@ def test_add_scalar_offers_no_partial() -> None:
 
 
 def test_add_broadcast_follows_output() -> None:
-    row = torch.randn(6)
+    row = rnd(6)
     call = make_call(aten.add.Tensor, (X, row), [S0, R])
     assert offers(call, [S0, R], [S0])
     assert offers(call, [S1, S0], [S1])
@@ -171,26 +179,26 @@ def test_sum_over_sharded_dim_is_partial() -> None:
 
 # ---- views -----------------------------------------------------------------------------------
 def test_view_merging_sharded_leading_dim_keeps_shard() -> None:
-    x = torch.randn(4, 6)
+    x = rnd(4, 6)
     call = make_call(aten.view.default, (x, [24]), [S0])
     assert strategies(call) == [Strategy(((S0,),), ((S0,),))]
 
 
 def test_view_merging_unevenly_sharded_dim_needs_replicate() -> None:
     # rows 0-1 and row 2 of a (3, 6) tensor flatten to 12 and 6 elements: not torch.chunk(18, 2)
-    x = torch.randn(3, 6)
+    x = rnd(3, 6)
     call = make_call(aten.view.default, (x, [18]), [S0])
     assert strategies(call) == [Strategy(((R,),), ((R,),))]
 
 
 def test_view_merging_inner_sharded_dim_needs_replicate() -> None:
-    x = torch.randn(4, 6)
+    x = rnd(4, 6)
     call = make_call(aten.view.default, (x, [24]), [S1])
     assert strategies(call) == [Strategy(((R,),), ((R,),))]
 
 
 def test_view_split_and_partial() -> None:
-    x = torch.randn(8, 3)
+    x = rnd(8, 3)
     call = make_call(aten.view.default, (x, [2, 4, 3]), [S0])
     assert strategies(call) == [Strategy(((S0,),), ((S0,),))]
     call = make_call(aten.view.default, (x, [2, 4, 3]), [P])
@@ -198,11 +206,11 @@ def test_view_split_and_partial() -> None:
 
 
 def test_transpose_moves_shard() -> None:
-    x = torch.randn(4, 6)
+    x = rnd(4, 6)
     assert strategies(make_call(aten.transpose.int, (x, 0, 1), [S0])) == [Strategy(((S0,),), ((S1,),))]
     assert strategies(make_call(aten.transpose.int, (x, 0, 1), [S1])) == [Strategy(((S1,),), ((S0,),))]
     assert strategies(make_call(aten.t.default, (x,), [S0])) == [Strategy(((S0,),), ((S1,),))]
-    y = torch.randn(2, 3, 4)
+    y = rnd(2, 3, 4)
     assert strategies(make_call(aten.transpose.int, (y, -1, 0), [S1])) == [Strategy(((S1,),), ((S1,),))]
     assert strategies(make_call(aten.transpose.int, (y, -1, 0), [S2])) == [Strategy(((S2,),), ((S0,),))]
 
@@ -232,30 +240,33 @@ def combine(pieces: list[torch.Tensor], p: Any) -> torch.Tensor:
     if isinstance(p, Shard):
         return torch.cat(pieces, dim=p.dim)
     stacked = torch.stack(pieces)
-    return {"sum": stacked.sum(0), "avg": stacked.mean(0), "max": stacked.amax(0), "min": stacked.amin(0)}[p.reduce_type]
+    reduce = {"sum": torch.sum, "avg": torch.mean, "max": torch.amax, "min": torch.amin}[p.reduce_type]
+    return reduce(stacked, 0)
 
 
 BRUTE = [
-    (aten.mm.default, (torch.randn(5, 3), torch.randn(3, 4))),
-    (aten.mm.default, (torch.randn(1, 7), torch.randn(7, 2))),
-    (aten.addmm.default, (torch.randn(4), torch.randn(5, 3), torch.randn(3, 4))),
-    (aten.bmm.default, (torch.randn(3, 2, 5), torch.randn(3, 5, 2))),
-    (aten.add.Tensor, (torch.randn(5, 3), torch.randn(5, 3))),
-    (aten.add.Tensor, (torch.randn(5, 3), torch.randn(3))),
-    (aten.add.Tensor, (torch.randn(5, 3), 2.0)),
-    (aten.sub.Tensor, (torch.randn(5, 3), torch.randn(1, 3))),
-    (aten.mul.Tensor, (torch.randn(5, 3), torch.randn(5, 3))),
-    (aten.mul.Tensor, (torch.randn(5, 3), 0.5)),
-    (aten.div.Tensor, (torch.randn(5, 3), torch.rand(5, 3) + 1)),
-    (aten.neg.default, (torch.randn(5, 3),)),
-    (aten.exp.default, (torch.randn(5, 3),)),
-    (aten.clone.default, (torch.randn(5, 3),)),
-    (aten.sum.default, (torch.randn(5, 3),)),
-    (aten.sum.dim_IntList, (torch.randn(5, 3), [1])),
-    (aten.sum.dim_IntList, (torch.randn(5, 3, 2), [0, 2], True)),
-    (aten.transpose.int, (torch.randn(5, 3), 0, 1)),
-    (aten.permute.default, (torch.randn(5, 3, 2), [2, 0, 1])),
-    (aten.unsqueeze.default, (torch.randn(5, 3), 1)),
+    (aten.mm.default, (rnd(5, 3), rnd(3, 4))),
+    (aten.mm.default, (rnd(1, 7), rnd(7, 2))),
+    (aten.addmm.default, (rnd(4), rnd(5, 3), rnd(3, 4))),
+    (aten.addmv.default, (rnd(5), rnd(5, 3), rnd(3))),
+    (aten.bmm.default, (rnd(3, 2, 5), rnd(3, 5, 2))),
+    (aten.baddbmm.default, (rnd(2, 1), rnd(3, 2, 5), rnd(3, 5, 2))),
+    (aten.add.Tensor, (rnd(5, 3), rnd(5, 3))),
+    (aten.add.Tensor, (rnd(5, 3), rnd(3))),
+    (aten.add.Tensor, (rnd(5, 3), 2.0)),
+    (aten.sub.Tensor, (rnd(5, 3), rnd(1, 3))),
+    (aten.mul.Tensor, (rnd(5, 3), rnd(5, 3))),
+    (aten.mul.Tensor, (rnd(5, 3), 0.5)),
+    (aten.div.Tensor, (rnd(5, 3), rnd(5, 3).abs() + 1)),
+    (aten.neg.default, (rnd(5, 3),)),
+    (aten.exp.default, (rnd(5, 3),)),
+    (aten.clone.default, (rnd(5, 3),)),
+    (aten.sum.default, (rnd(5, 3),)),
+    (aten.sum.dim_IntList, (rnd(5, 3), [1])),
+    (aten.sum.dim_IntList, (rnd(5, 3, 2), [0, 2], True)),
+    (aten.transpose.int, (rnd(5, 3), 0, 1)),
+    (aten.permute.default, (rnd(5, 3, 2), [2, 0, 1])),
+    (aten.unsqueeze.default, (rnd(5, 3), 1)),
 ]
 PLACEMENTS = [R, S0, S1, S2, P, Partial("avg"), Partial("max")]
 
@@ -282,3 +293,27 @@ def test_offered_strategies_are_exact(op: Any, args: tuple, n: int) -> None:
             local_out.append(op(*_map(args, lambda _t: next(it))))
         got = combine(local_out, s.outputs[0][0])
         torch.testing.assert_close(got, expected, msg=lambda m: f"{op} {s}: {m}")
+
+
+VIEWS = [
+    ((4, 6), (24,)), ((3, 6), (18,)), ((6, 4), (24,)), ((8, 3), (2, 4, 3)), ((6, 4), (3, 2, 4)),
+    ((12,), (4, 3)), ((12,), (3, 4)), ((2, 3, 4), (6, 4)), ((2, 3, 4), (2, 12)), ((4, 2, 3), (8, 3)),
+    ((6, 2), (3, 4)), ((9, 2), (3, 6)), ((5, 4), (20,)), ((1, 6), (6,)), ((4, 1, 3), (4, 3)),
+]
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("in_shape, out_shape", VIEWS, ids=[f"{a}->{b}" for a, b in VIEWS])
+def test_view_strategies_are_exact(in_shape: tuple, out_shape: tuple, n: int) -> None:
+    """A view keeps a shard only where each rank's piece, read in order, is its output piece."""
+    x = torch.arange(torch.Size(in_shape).numel()).reshape(in_shape)
+    y = x.reshape(out_shape)
+    gen = torch.Generator().manual_seed(0)
+    for cur in [R, P] + [Shard(d) for d in range(len(in_shape))]:
+        (s,) = strategies(make_call(aten.view.default, (x, list(out_shape)), [cur], mesh_shape=(n,)))
+        (p_in,), (p_out,) = s.inputs[0], s.outputs[0]
+        assert p_in == cur or isinstance(p_in, Replicate)  # keeps the layout or asks for R
+        assert isinstance(p_out, Shard) == isinstance(p_in, Shard)
+        if isinstance(p_in, Shard):
+            for a, b in zip(shard(x, p_in, n, gen), shard(y, p_out, n, gen)):
+                assert a.flatten().tolist() == b.flatten().tolist(), (s, a, b)
