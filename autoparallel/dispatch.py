@@ -37,6 +37,7 @@ class Decision:
     local_fn: Callable[..., Any] | None
     call: OpCall | None
     inplace: bool
+    coord: tuple[int, ...] | None             # this rank's mesh coordinate (None: not a member)
 
 
 def dispatch(cls: type, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -48,11 +49,14 @@ def dispatch(cls: type, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     decision = _CACHE.get(key)
     if decision is None:
         decision = _decide(cls, func, args, kwargs, dts)
+        if len(_CACHE) >= MAX_CACHED_DECISIONS:  # e.g. a changing Python scalar in the key
+            _CACHE.clear()
         _CACHE[key] = decision
     return _execute(cls, func, args, kwargs, dts, decision)
 
 
 _CACHE: dict[Any, Decision] = {}
+MAX_CACHED_DECISIONS = 65536
 
 
 def clear_cache() -> None:
@@ -122,7 +126,7 @@ def _decide(cls: type, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
         return _fallback_decision(func, specs, mesh, None, inplace, reason="it has no meta kernel")
     out_kind, outs = _flatten_out(fake_out)
     if out_kind == "value":
-        return Decision(mesh, (None,) * len(dts), (), (), "value", fake_out, None, None, False)
+        return Decision(mesh, (None,) * len(dts), (), (), "value", fake_out, None, None, False, None)
     out_metas = tuple(TensorMeta(tuple(o.shape), o.dtype) if o is not None else None for o in outs)
     call = OpCall(
         func,
@@ -148,7 +152,9 @@ def _decide(cls: type, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
         DistSpec(mesh, pl, m.shape, m.dtype) if m is not None else None for m, pl in zip(out_metas, best.outputs)
     )
     strides = tuple(tuple(o.stride()) if o is not None else None for o in outs)
-    return Decision(mesh, plans, out_specs, strides, out_kind, None, get_local_impl(func), call, inplace)
+    return Decision(
+        mesh, plans, out_specs, strides, out_kind, None, get_local_impl(func), call, inplace, _coord(mesh)
+    )
 
 
 def _plan(spec: DistSpec, req: tuple[Any, ...]) -> Plan | None:
@@ -187,11 +193,15 @@ def _fallback_decision(
     rep = tuple(Replicate() for _ in range(mesh.ndim))
     plans = tuple(_plan(s, rep) for s in specs)
     if outs is None:
-        return Decision(mesh, plans, (), (), "unknown", None, None, None, inplace)
+        return Decision(mesh, plans, (), (), "unknown", None, None, None, inplace, _coord(mesh))
     kind = "tensor" if len(outs) == 1 else "tuple"
     out_specs = tuple(DistSpec(mesh, rep, tuple(o.shape), o.dtype) if o is not None else None for o in outs)
     strides = tuple(tuple(o.stride()) if o is not None else None for o in outs)
-    return Decision(mesh, plans, out_specs, strides, kind, None, None, None, inplace)
+    return Decision(mesh, plans, out_specs, strides, kind, None, None, None, inplace, _coord(mesh))
+
+
+def _coord(mesh: Any) -> tuple[int, ...] | None:
+    return mesh.coordinate_of(runtime.get_rank())
 
 
 def _flatten_out(out: Any) -> tuple[str, list[Any]]:
@@ -216,14 +226,13 @@ def _is_inplace(func: Any) -> bool:
 def _execute(cls: type, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], dts: list[Any], d: Decision) -> Any:
     if d.out_kind == "value":
         return d.value
-    member = d.mesh.coordinate_of(runtime.get_rank()) is not None
+    member = d.coord is not None
     if member:
         moved = {id(t): (run_plan(t._local, p) if p is not None else t._local) for t, p in zip(dts, d.plans)}
         largs = _map(cls, args, lambda t: moved[id(t)] if isinstance(t, cls) else t)
         lkwargs = _map(cls, kwargs, lambda t: moved[id(t)] if isinstance(t, cls) else t)
         if d.local_fn is not None:
-            coord = d.mesh.coordinate_of(runtime.get_rank())
-            shapes = tuple(None if s is None else s.local_shape(coord) for s in d.out_specs)
+            shapes = tuple(None if s is None else s.local_shape(d.coord) for s in d.out_specs)
             out = d.local_fn(LocalContext(d.call, shapes), *largs, **lkwargs)
         else:
             out = func(*largs, **lkwargs)

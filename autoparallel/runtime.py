@@ -36,7 +36,18 @@ def ensure_world() -> None:
         dist.init_process_group(backend=backend)
 
 
+_rank_cache: dict[object, int] = {}
+
+
 def get_rank() -> int:
+    """This process's rank in the default world (0 in a world of one)."""
+    if dist.is_available() and dist.is_initialized():
+        world = dist.GroupMember.WORLD
+        rank = _rank_cache.get(world)
+        if rank is None:
+            _rank_cache.clear()
+            rank = _rank_cache[world] = dist.get_rank()
+        return rank
     ensure_world()
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 

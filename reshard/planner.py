@@ -201,5 +201,5 @@ def _move(state: DistSpec, a: int, p: Placement) -> DistSpec | None:
 
 
 def _weight(step: Step) -> int:
-    sent, recv = step_bytes_table(step)
-    return int(max(sent.max(), recv.max())) + LATENCY_BYTES
+    _, recv = step_bytes_table(step)
+    return int(recv.max()) + LATENCY_BYTES

@@ -47,9 +47,7 @@ def einsum_strategies(equation: str, call: OpCall, operands: tuple[int, ...], bi
         else:
             strategies.append(make(ops, P_SUM))
     for i in operands:
-        strategies.append(make({i: P_SUM}, P_SUM))
-    if bias is not None:
-        strategies.append(AxisStrategy(tuple(P_SUM if j == bias else R for j in range(n_in)), (P_SUM,)))
+        strategies.append(make({i: P_SUM}, P_SUM))  # a bias follows the output: P as well
     return strategies
 
 

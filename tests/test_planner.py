@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from autoparallel import DistSpec, Partial, ProcessMesh, Replicate, Shard, cost
 from reshard import Plan, ReshardError, Step, plan_reshard
+from reshard.planner import LOCAL_STEP_WEIGHT, _weight
 
 R = Replicate()
 S0, S1, S2 = Shard(0), Shard(1), Shard(2)
@@ -303,9 +304,9 @@ def reference_bytes(step: Step, c: tuple[int, ...]) -> tuple[int, int]:
 
 
 def busiest_bytes(plan: Plan) -> int:
-    """Sum over steps of the bytes the busiest rank sends or receives (what the planner prices)."""
+    """Sum over steps of the bytes the busiest rank receives (what the planner prices)."""
     cs = coords(plan.src.mesh)
-    return sum(max(max(s.bytes_at(c)) for c in cs) for s in plan.steps)
+    return sum(max(s.bytes_at(c)[1] for c in cs) for s in plan.steps)
 
 
 def assert_not_costlier(plan: Plan, naive: Plan) -> None:
@@ -320,6 +321,33 @@ def test_direct_step_is_not_costlier_than_two_steps() -> None:
     src = DistSpec(mesh, (Partial("max"),), (1, 3), F32)
     dst = DistSpec(mesh, (S0,), (1, 3), F32)
     assert_not_costlier(plan_reshard(src, dst), naive_plan(src, dst))
+
+
+def planner_weight(plan: Plan) -> int:
+    """``plan`` priced with the planner's own edge weights."""
+    return sum(LOCAL_STEP_WEIGHT if s.is_local else _weight(s) for s in plan.steps)
+
+
+def test_direct_all_gather_is_cheapest_by_the_planner_weights() -> None:
+    # (1, 3000) fp32 on 3 ranks, S(0) -> R: rank 0 holds the whole tensor (12000 bytes).
+    mesh = ProcessMesh([0, 1, 2])
+    src, dst = DistSpec(mesh, (S0,), (1, 3000), F32), DistSpec(mesh, (R,), (1, 3000), F32)
+    via = DistSpec(mesh, (S1,), (1, 3000), F32)
+    two = Plan(src, dst, (Step("all_to_all", 0, src, via), Step("all_gather", 0, via, dst)))
+    plan = plan_reshard(src, dst)
+    assert planner_weight(plan) <= planner_weight(two), f"{plan}: {planner_weight(plan)} > {two}: {planner_weight(two)}"
+
+
+@pytest.mark.parametrize(
+    "src, dst, shape",
+    [(S2, P, (5, 6, 1)), (S0, P, (1, 3000)), (S0, R, (1, 3000)), (P, S0, (1, 3))],
+    ids=lambda v: str(v),
+)
+def test_single_axis_change_on_imbalanced_shards(src, dst, shape) -> None:  # type: ignore[no-untyped-def]
+    # shards smaller than the axis: one rank holds everything
+    mesh = ProcessMesh([0, 1, 2])
+    plan = plan_reshard(DistSpec(mesh, (src,), shape, F32), DistSpec(mesh, (dst,), shape, F32))
+    assert len(plan.collectives()) <= 1, str(plan)
 
 
 # ---- brute-force simulation ------------------------------------------------------------------
