@@ -137,10 +137,10 @@ def reduce_scatter(
     step = -(-size // n) if size else 0
     x = _pad_dim(local.movedim(dim, 0), 0, step * n).contiguous()
     chunks = list(x.split(step)) if step else [x] * n
-    by_group = [None] * n
+    by_group: list[torch.Tensor] = [x] * n
     for c, g in enumerate(grank):
         by_group[g] = chunks[c]
-    inp = torch.cat(by_group, dim=0) if step else x  # type: ignore[arg-type]
+    inp = torch.cat(by_group, dim=0) if step else x
     out = x.new_empty((step,) + tuple(x.shape[1:]))
     if step:
         _reduce_scatter_flat(out, inp, op=_reduce_op(reduce_type), group=group)  # type: ignore[arg-type]

@@ -40,7 +40,7 @@ class Decision:
     coord: tuple[int, ...] | None             # this rank's mesh coordinate (None: not a member)
 
 
-def dispatch(cls: type, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def dispatch(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Run ``func`` on DistTensors of class ``cls`` (the body of ``__torch_dispatch__``)."""
     dts: list[Any] = []
     key = (func, _key(cls, args, dts), _key(cls, tuple(kwargs.items()), dts) if kwargs else ())
@@ -63,7 +63,7 @@ def clear_cache() -> None:
     _CACHE.clear()
 
 
-def _key(cls: type, items: tuple[Any, ...], dts: list[Any]) -> tuple[Any, ...]:
+def _key(cls: Any, items: tuple[Any, ...], dts: list[Any]) -> tuple[Any, ...]:
     """Hashable description of the arguments; collects DistTensors into ``dts`` in order."""
     out: list[Any] = []
     for a in items:
@@ -84,7 +84,7 @@ def _key(cls: type, items: tuple[Any, ...], dts: list[Any]) -> tuple[Any, ...]:
     return tuple(out)
 
 
-def _map(cls: type, items: Any, fn: Callable[[Any], Any]) -> Any:
+def _map(cls: Any, items: Any, fn: Callable[[Any], Any]) -> Any:
     if isinstance(items, dict):
         return {k: _map(cls, v, fn) for k, v in items.items()}
     if isinstance(items, cls):
@@ -98,7 +98,7 @@ def _map(cls: type, items: Any, fn: Callable[[Any], Any]) -> Any:
 
 
 # ---- deciding ----------------------------------------------------------------------------
-def _decide(cls: type, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], dts: list[Any]) -> Decision:
+def _decide(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], dts: list[Any]) -> Decision:
     mesh = dts[0]._spec.mesh
     for d in dts[1:]:
         if d._spec.mesh != mesh:
@@ -223,7 +223,7 @@ def _is_inplace(func: Any) -> bool:
 
 
 # ---- executing ---------------------------------------------------------------------------
-def _execute(cls: type, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], dts: list[Any], d: Decision) -> Any:
+def _execute(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], dts: list[Any], d: Decision) -> Any:
     if d.out_kind == "value":
         return d.value
     member = d.coord is not None
@@ -233,6 +233,7 @@ def _execute(cls: type, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
         lkwargs = _map(cls, kwargs, lambda t: moved[id(t)] if isinstance(t, cls) else t)
         if d.local_fn is not None:
             shapes = tuple(None if s is None else s.local_shape(d.coord) for s in d.out_specs)
+            assert d.call is not None
             out = d.local_fn(LocalContext(d.call, shapes), *largs, **lkwargs)
         else:
             out = func(*largs, **lkwargs)
@@ -259,7 +260,7 @@ def _execute(cls: type, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     return tuple(wrapped) if d.out_kind == "tuple" else wrapped
 
 
-def _wrap_unknown(cls: type, out: Any, d: Decision) -> Any:
+def _wrap_unknown(cls: Any, out: Any, d: Decision) -> Any:
     if out is None:
         raise RuntimeError("autoparallel: an op without a meta kernel ran on a rank outside its mesh")
     kind, outs = _flatten_out(out)

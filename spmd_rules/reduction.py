@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from autoparallel.placement import Partial, Shard
+from autoparallel.placement import Partial, Placement, Shard
 from spmd_rules.base import P_SUM, R, AxisStrategy, LocalContext, OpCall
 from spmd_rules.registry import register_axis_rule, register_local_impl
 
@@ -42,10 +42,7 @@ def sum_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
     for d in range(x.ndim):
         if x.shape[d] < 2 and not call.placements[0][axis] == Shard(d):
             continue
-        if d in dims:
-            out = P_SUM
-        else:
-            out = Shard(d if keepdim else d - sum(1 for r in dims if r < d))
+        out: Placement = P_SUM if d in dims else Shard(d if keepdim else d - sum(1 for r in dims if r < d))
         strategies.append(AxisStrategy((Shard(d),), (out,)))
     for t in ("sum", "avg"):
         strategies.append(AxisStrategy((Partial(t),), (Partial(t),)))

@@ -9,7 +9,7 @@ Anything else is replicated along that axis first — never a silently wrong vie
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -68,7 +68,7 @@ def view_rule(call: OpCall) -> list[Strategy]:
     return [Strategy((tuple(ins),), (tuple(outs),))]
 
 
-def _follow_rule(dim_map):  # type: ignore[no-untyped-def]
+def _follow_rule(dim_map: Callable[[OpCall, int], int | None]) -> Callable[[OpCall, int, int], list[AxisStrategy]]:
     """Per-axis rule for ops that move dims: ``dim_map(call, d)`` -> output dim or None."""
 
     def rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
@@ -85,7 +85,7 @@ def _follow_rule(dim_map):  # type: ignore[no-untyped-def]
     return rule
 
 
-def _arg(call: OpCall, i: int, name: str, default: object = None) -> object:
+def _arg(call: OpCall, i: int, name: str, default: Any = None) -> Any:
     return call.args[i] if len(call.args) > i else call.kwargs.get(name, default)
 
 
@@ -94,17 +94,17 @@ def _transpose_map(call: OpCall, d: int) -> int:
     if call.op.overloadpacket in (aten.t, aten.t_) or nd < 2:
         a, b = 0, min(1, nd - 1)
     else:
-        a, b = int(_arg(call, 1, "dim0")) % nd, int(_arg(call, 2, "dim1")) % nd  # type: ignore[arg-type]
+        a, b = int(_arg(call, 1, "dim0")) % nd, int(_arg(call, 2, "dim1")) % nd
     return b if d == a else a if d == b else d
 
 
 def _permute_map(call: OpCall, d: int) -> int:
-    dims = [int(x) % call.inputs[0].ndim for x in _arg(call, 1, "dims")]  # type: ignore[union-attr]
+    dims = [int(x) % call.inputs[0].ndim for x in _arg(call, 1, "dims")]
     return dims.index(d)
 
 
 def _unsqueeze_map(call: OpCall, d: int) -> int:
-    at = int(_arg(call, 1, "dim")) % (call.inputs[0].ndim + 1)  # type: ignore[arg-type]
+    at = int(_arg(call, 1, "dim")) % (call.inputs[0].ndim + 1)
     return d + 1 if d >= at else d
 
 
@@ -122,7 +122,7 @@ def _squeezed(call: OpCall) -> set[int]:
     dim = _arg(call, 1, "dim")
     if dim is None:
         return {i for i, s in enumerate(x.shape) if s == 1}
-    dims = [dim] if isinstance(dim, int) else list(dim)  # type: ignore[arg-type]
+    dims = [dim] if isinstance(dim, int) else list(dim)
     return {int(i) % max(x.ndim, 1) for i in dims if x.ndim and x.shape[int(i) % x.ndim] == 1}
 
 
