@@ -273,3 +273,32 @@ def test_single_axis_transitions_issue_one_collective(world4):  # type: ignore[n
         "S->R": {"all_gather": 1}, "P->R": {"all_reduce": 1}, "P->S": {"reduce_scatter": 1},
         "S0->S1": {"all_to_all": 1}, "R->S": {}, "R->P": {},
     }
+
+
+# ---- two stages on disjoint meshes (naive pipeline): forward and backward cross meshes ------
+def _two_stage(rank: int) -> bool:
+    torch.manual_seed(3)
+    x, t = torch.randn(4, 6), torch.randn(4, 2)
+    l1, l2 = torch.nn.Linear(6, 8), torch.nn.Linear(8, 2)
+    ref = (l2(torch.tanh(l1(x))) - t).square().mean()
+    ref.backward()
+    stage0, stage1 = ap.ProcessMesh([0, 1], ["mp"]), ap.ProcessMesh([2, 3], ["mp"])
+    w1 = ap.shard_tensor(torch.nn.Parameter(l1.weight.detach().clone()), stage0, [Shard(0)])
+    b1 = ap.shard_tensor(torch.nn.Parameter(l1.bias.detach().clone()), stage0, [Shard(0)])
+    w2 = ap.shard_tensor(torch.nn.Parameter(l2.weight.detach().clone()), stage1, [Shard(1)])
+    b2 = ap.shard_tensor(torch.nn.Parameter(l2.bias.detach().clone()), stage1, [R])
+    h = torch.tanh(F.linear(ap.shard_tensor(x, stage0, [R]), w1, b1))   # stage 0
+    h = ap.reshard(h, stage1, [Shard(1)])                                 # send to stage 1
+    loss = (F.linear(h, w2, b2) - ap.shard_tensor(t, stage1, [R])).square().mean()
+    loss.backward()
+    if rank in (2, 3):
+        assert _close(loss.detach().full_tensor(), ref.detach())
+        assert _close(w2.grad.full_tensor(), l2.weight.grad) and _close(b2.grad.full_tensor(), l2.bias.grad)
+    else:
+        assert loss.to_local().numel() == 0
+        assert _close(w1.grad.full_tensor(), l1.weight.grad) and _close(b1.grad.full_tensor(), l1.bias.grad)
+    return True
+
+
+def test_two_stage_pipeline_forward_backward_across_meshes(world4):  # type: ignore[no-untyped-def]
+    assert all(world4.run(_two_stage))
