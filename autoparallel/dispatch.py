@@ -56,6 +56,13 @@ def dispatch(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any])
 
 
 _CACHE: dict[Any, Decision] = {}
+# Ops whose result is a Python value of the whole tensor (``x.item()``, ``torch.equal``): they
+# need the replicated value by definition, so running them replicated is the rule, not a gap.
+_VALUE_OPS = frozenset({
+    torch.ops.aten._local_scalar_dense.default,
+    torch.ops.aten.equal.default,
+    torch.ops.aten.is_nonzero.default,
+})
 MAX_CACHED_DECISIONS = 65536
 
 
@@ -120,6 +127,8 @@ def _decide(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], 
         return torch.empty((), dtype=t.dtype, device="meta")
 
     inplace = _is_inplace(func)
+    if func in _VALUE_OPS:
+        return _fallback_decision(func, specs, mesh, None, inplace, reason="", warn=False)
     try:
         fake_out = func(*_map(cls, args, to_fake), **_map(cls, kwargs, to_fake))
     except Exception:  # no meta kernel: compute replicated and learn the outputs from it
@@ -180,10 +189,11 @@ def _cost(s: Strategy, specs: list[DistSpec], mesh: Any, out_metas: tuple[Tensor
 
 
 def _fallback_decision(
-    func: Any, specs: list[DistSpec], mesh: Any, outs: list[Any] | None, inplace: bool, reason: str
+    func: Any, specs: list[DistSpec], mesh: Any, outs: list[Any] | None, inplace: bool, reason: str,
+    warn: bool = True,
 ) -> Decision:
     name = str(func)
-    if name not in _warned:
+    if warn and name not in _warned:
         _warned.add(name)
         warnings.warn(
             f"autoparallel: {name} runs replicated (gather inputs, compute, keep Replicate) because "
