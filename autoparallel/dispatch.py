@@ -9,7 +9,7 @@ plans and the local op.
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
@@ -36,8 +36,10 @@ class Decision:
     value: Any                                # the result when out_kind == "value"
     local_fn: Callable[..., Any] | None
     call: OpCall | None
-    inplace: bool
+    mutated: tuple[int, ...]                  # DistTensor inputs written in place (in_place/out=)
     coord: tuple[int, ...] | None             # this rank's mesh coordinate (None: not a member)
+    in_specs: tuple[DistSpec, ...] = ()       # layout of each DistTensor input when the op runs
+    restore: tuple[Plan | None, ...] = ()     # per mutated input: back to its own layout after
 
 
 def dispatch(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -48,7 +50,7 @@ def dispatch(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any])
         return func(*args, **kwargs)
     decision = _CACHE.get(key)
     if decision is None:
-        decision = _decide(cls, func, args, kwargs, dts)
+        decision = _with_restore(_decide(cls, func, args, kwargs, dts), [t._spec for t in dts])
         if len(_CACHE) >= MAX_CACHED_DECISIONS:  # e.g. a changing Python scalar in the key
             _CACHE.clear()
         _CACHE[key] = decision
@@ -126,16 +128,16 @@ def _decide(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], 
             return torch.empty_strided(t._spec.shape, t._stride, dtype=t._spec.dtype, device="meta")
         return torch.empty((), dtype=t.dtype, device="meta")
 
-    inplace = _is_inplace(func)
+    mutated = _mutated_inputs(func, args, kwargs, dts)
     if func in _VALUE_OPS:
-        return _fallback_decision(func, specs, mesh, None, inplace, reason="", warn=False)
+        return _fallback_decision(func, specs, mesh, None, mutated, reason="", warn=False)
     try:
         fake_out = func(*_map(cls, args, to_fake), **_map(cls, kwargs, to_fake))
     except Exception:  # no meta kernel: compute replicated and learn the outputs from it
-        return _fallback_decision(func, specs, mesh, None, inplace, reason="it has no meta kernel")
+        return _fallback_decision(func, specs, mesh, None, mutated, reason="it has no meta kernel")
     out_kind, outs = _flatten_out(fake_out)
-    if out_kind == "value":
-        return Decision(mesh, (None,) * len(dts), (), (), "value", fake_out, None, None, False, None)
+    if out_kind == "value" and not mutated:
+        return Decision(mesh, (None,) * len(dts), (), (), "value", fake_out, None, None, (), None)
     out_metas = tuple(TensorMeta(tuple(o.shape), o.dtype) if o is not None else None for o in outs)
     call = OpCall(
         func,
@@ -148,13 +150,11 @@ def _decide(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], 
     )
     rule = get_rule(func)
     strategies = rule(call) if rule is not None else []
-    if inplace:
-        strategies = [s for s in strategies if s.outputs[0] == s.inputs[0] == specs[0].placements] or [
-            s for s in strategies if s.outputs[0] == s.inputs[0]
-        ]
+    if mutated:  # a tensor written in place keeps its layout when any strategy allows it
+        strategies = [s for s in strategies if all(s.inputs[i] == specs[i].placements for i in mutated)] or strategies
     if not strategies:
         why = "it has no SPMD rule" if rule is None else "its rule offered no strategy"
-        return _fallback_decision(func, specs, mesh, outs, inplace, reason=why)
+        return _fallback_decision(func, specs, mesh, outs, mutated, reason=why)
     best = min(strategies, key=lambda s: _cost(s, specs, mesh, out_metas))
     plans = tuple(_plan(spec, req) for spec, req in zip(specs, best.inputs))
     out_specs = tuple(
@@ -162,7 +162,8 @@ def _decide(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], 
     )
     strides = tuple(tuple(o.stride()) if o is not None else None for o in outs)
     return Decision(
-        mesh, plans, out_specs, strides, out_kind, None, get_local_impl(func), call, inplace, _coord(mesh)
+        mesh, plans, out_specs, strides, out_kind, None, get_local_impl(func), call, mutated, _coord(mesh),
+        _in_specs(specs, plans),
     )
 
 
@@ -189,7 +190,7 @@ def _cost(s: Strategy, specs: list[DistSpec], mesh: Any, out_metas: tuple[Tensor
 
 
 def _fallback_decision(
-    func: Any, specs: list[DistSpec], mesh: Any, outs: list[Any] | None, inplace: bool, reason: str,
+    func: Any, specs: list[DistSpec], mesh: Any, outs: list[Any] | None, mutated: tuple[int, ...], reason: str,
     warn: bool = True,
 ) -> Decision:
     name = str(func)
@@ -203,11 +204,23 @@ def _fallback_decision(
     rep = tuple(Replicate() for _ in range(mesh.ndim))
     plans = tuple(_plan(s, rep) for s in specs)
     if outs is None:
-        return Decision(mesh, plans, (), (), "unknown", None, None, None, inplace, _coord(mesh))
-    kind = "tensor" if len(outs) == 1 else "tuple"
+        return Decision(mesh, plans, (), (), "unknown", None, None, None, mutated, _coord(mesh), _in_specs(specs, plans))
+    kind = "none" if not outs else "tensor" if len(outs) == 1 else "tuple"
     out_specs = tuple(DistSpec(mesh, rep, tuple(o.shape), o.dtype) if o is not None else None for o in outs)
     strides = tuple(tuple(o.stride()) if o is not None else None for o in outs)
-    return Decision(mesh, plans, out_specs, strides, kind, None, None, None, inplace, _coord(mesh))
+    return Decision(mesh, plans, out_specs, strides, kind, None, None, None, mutated, _coord(mesh), _in_specs(specs, plans))
+
+
+def _in_specs(specs: list[DistSpec], plans: tuple[Plan | None, ...]) -> tuple[DistSpec, ...]:
+    return tuple(p.dst if p is not None else s for s, p in zip(specs, plans))
+
+
+def _with_restore(d: Decision, specs: list[DistSpec]) -> Decision:
+    """In-place writes never change a tensor's layout: plan the way back for each written input."""
+    if not d.mutated:
+        return d
+    back = tuple(None if d.in_specs[i] == specs[i] else plan_reshard(d.in_specs[i], specs[i]) for i in d.mutated)
+    return replace(d, restore=back)
 
 
 def _coord(mesh: Any) -> tuple[int, ...] | None:
@@ -215,6 +228,8 @@ def _coord(mesh: Any) -> tuple[int, ...] | None:
 
 
 def _flatten_out(out: Any) -> tuple[str, list[Any]]:
+    if out is None:
+        return "none", []
     if isinstance(out, torch.Tensor):
         return "tensor", [out]
     if isinstance(out, (tuple, list)) and all(o is None or isinstance(o, torch.Tensor) for o in out) and any(
@@ -224,17 +239,22 @@ def _flatten_out(out: Any) -> tuple[str, list[Any]]:
     return "value", []
 
 
-def _is_inplace(func: Any) -> bool:
-    schema = func._schema
-    if not schema.arguments:
-        return False
-    alias = schema.arguments[0].alias_info
-    return alias is not None and alias.is_write and schema.name.endswith("_")
+def _mutated_inputs(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], dts: list[Any]) -> tuple[int, ...]:
+    """Positions (in ``dts``) of the DistTensors the op writes: ``self`` of ``add_``, ``out=``."""
+    written: list[Any] = []
+    for i, arg in enumerate(func._schema.arguments):
+        alias = arg.alias_info
+        if alias is None or not alias.is_write:
+            continue
+        value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
+        written.extend(value if isinstance(value, (list, tuple)) else [value])
+    ids = [id(t) for t in written]
+    return tuple(i for i, t in enumerate(dts) if id(t) in ids)
 
 
 # ---- executing ---------------------------------------------------------------------------
 def _execute(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], dts: list[Any], d: Decision) -> Any:
-    if d.out_kind == "value":
+    if d.out_kind == "value" and not d.mutated:
         return d.value
     member = d.coord is not None
     if member:
@@ -242,31 +262,37 @@ def _execute(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
         largs = _map(cls, args, lambda t: moved[id(t)] if isinstance(t, cls) else t)
         lkwargs = _map(cls, kwargs, lambda t: moved[id(t)] if isinstance(t, cls) else t)
         if d.local_fn is not None:
-            shapes = tuple(None if s is None else s.local_shape(d.coord) for s in d.out_specs)
             assert d.call is not None
-            out = d.local_fn(LocalContext(d.call, shapes), *largs, **lkwargs)
+            shapes = tuple(None if s is None else s.local_shape(d.coord) for s in d.out_specs)
+            out = d.local_fn(LocalContext(d.call, shapes, d.in_specs, d.out_specs, d.coord), *largs, **lkwargs)
         else:
             out = func(*largs, **lkwargs)
     else:
         out = None
     if d.out_kind == "unknown":  # fallback without meta kernel: learn the outputs now
         return _wrap_unknown(cls, out, d)
-    if d.inplace:
-        self = args[0]
-        if member:
-            self._local = moved[id(self)] if not isinstance(out, torch.Tensor) else out
-        self._spec = d.out_specs[0]
-        return self
+    if d.mutated:
+        # Written tensors keep their identity; they now hold the shard they were written in.
+        for i, back in zip(d.mutated, d.restore):
+            t = dts[i]
+            if member:
+                t._local = moved[id(t)] if back is None else run_plan(moved[id(t)], back)
+        if d.out_kind in ("none", "value"):
+            return None if d.out_kind == "none" else d.value
+        written = [dts[i] for i in d.mutated]
+        return written[0] if d.out_kind == "tensor" else type(written)(written) if d.out_kind == "list" else tuple(written)
     if member:
         _, louts = _flatten_out(out)
     else:
         louts = [None if s is None else torch.empty((0,), dtype=s.dtype, device=dts[0]._local.device) for s in d.out_specs]
     wrapped = [
-        None if s is None else cls._wrap(lo, s, st)  # type: ignore[attr-defined]
+        None if s is None else cls._wrap(lo, s, st)
         for lo, s, st in zip(louts, d.out_specs, d.out_strides)
     ]
     if d.out_kind == "tensor":
         return wrapped[0]
+    if d.out_kind == "none":
+        return None
     return tuple(wrapped) if d.out_kind == "tuple" else wrapped
 
 

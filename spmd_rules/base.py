@@ -57,6 +57,9 @@ class LocalContext:
 
     call: OpCall
     out_shapes: tuple[tuple[int, ...] | None, ...]  # this rank's local output shapes
+    in_specs: tuple[Any, ...] = ()    # DistSpec of each tensor input as the op runs
+    out_specs: tuple[Any, ...] = ()   # DistSpec of each output (None: not a tensor)
+    coord: tuple[int, ...] | None = None  # this rank's mesh coordinate
 
 
 @dataclass(frozen=True, slots=True)
