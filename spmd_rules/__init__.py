@@ -11,7 +11,17 @@ product over axes).
 import autoparallel  # noqa: F401,I001
 
 
-from spmd_rules import matmul, pointwise, reduction, tensor_ops, view  # noqa: F401  (registers rules)
+from spmd_rules import (  # noqa: F401  (importing a family registers its rules)
+    matmul,
+    nn,
+    optim_ops,
+    pointwise,
+    random_ops,
+    reduction,
+    shape_ops,
+    tensor_ops,
+    view,
+)
 from spmd_rules.base import AxisStrategy, LocalContext, OpCall, ScalarMeta, Strategy, TensorMeta
 from spmd_rules.registry import (
     get_local_impl,

@@ -1,0 +1,1 @@
+"""Placeholder: rules for this family are being written."""
