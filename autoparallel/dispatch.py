@@ -40,6 +40,7 @@ class Decision:
     coord: tuple[int, ...] | None             # this rank's mesh coordinate (None: not a member)
     in_specs: tuple[DistSpec, ...] = ()       # layout of each DistTensor input when the op runs
     restore: tuple[Plan | None, ...] = ()     # per mutated input: back to its own layout after
+    slots: Any = None                         # where each DistTensor sits in (args, kwargs)
 
 
 def dispatch(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -50,7 +51,7 @@ def dispatch(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any])
         return func(*args, **kwargs)
     decision = _CACHE.get(key)
     if decision is None:
-        decision = _with_restore(_decide(cls, func, args, kwargs, dts), [t._spec for t in dts])
+        decision = _finish(cls, _decide(cls, func, args, kwargs, dts), args, kwargs, [t._spec for t in dts])
         if len(_CACHE) >= MAX_CACHED_DECISIONS:  # e.g. a changing Python scalar in the key
             _CACHE.clear()
         _CACHE[key] = decision
@@ -215,12 +216,52 @@ def _in_specs(specs: list[DistSpec], plans: tuple[Plan | None, ...]) -> tuple[Di
     return tuple(p.dst if p is not None else s for s, p in zip(specs, plans))
 
 
-def _with_restore(d: Decision, specs: list[DistSpec]) -> Decision:
-    """In-place writes never change a tensor's layout: plan the way back for each written input."""
-    if not d.mutated:
-        return d
+def _finish(cls: Any, d: Decision, args: tuple[Any, ...], kwargs: dict[str, Any], specs: list[DistSpec]) -> Decision:
+    """Add what execution needs: where the DistTensors sit, and for in-place writes the way back
+    to each written tensor's own layout (in-place ops never change a tensor's layout)."""
     back = tuple(None if d.in_specs[i] == specs[i] else plan_reshard(d.in_specs[i], specs[i]) for i in d.mutated)
-    return replace(d, restore=back)
+    return replace(d, restore=back, slots=_slots(cls, args, kwargs))
+
+
+def _slots(cls: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Positions of the DistTensors: ``((arg index, k | (k or None per element)), ...)`` for args,
+    the same keyed by name for kwargs; None when tensors nest deeper than one list."""
+    k = 0
+
+    def walk(items: Any) -> list[tuple[Any, Any]] | None:
+        nonlocal k
+        out: list[tuple[Any, Any]] = []
+        for pos, a in items:
+            if isinstance(a, cls):
+                out.append((pos, k))
+                k += 1
+            elif isinstance(a, (list, tuple)) and any(isinstance(x, (cls, list, tuple)) for x in a):
+                inner: list[int | None] = []
+                for x in a:
+                    if isinstance(x, cls):
+                        inner.append(k)
+                        k += 1
+                    elif isinstance(x, (list, tuple)):
+                        return None
+                    else:
+                        inner.append(None)
+                out.append((pos, tuple(inner)))
+        return out
+
+    a = walk(enumerate(args))
+    kw = walk(kwargs.items()) if a is not None else None
+    return None if a is None or kw is None else (tuple(a), tuple(kw))
+
+
+def _place(items: Any, slots: Any, locs: list[torch.Tensor]) -> Any:
+    """``items`` (a list of args, or a dict of kwargs) with DistTensors swapped for locals."""
+    for pos, k in slots:
+        if type(k) is int:
+            items[pos] = locs[k]
+        else:
+            seq = items[pos]
+            items[pos] = type(seq)(x if j is None else locs[j] for x, j in zip(seq, k))
+    return items
 
 
 def _coord(mesh: Any) -> tuple[int, ...] | None:
@@ -258,9 +299,14 @@ def _execute(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
         return d.value
     member = d.coord is not None
     if member:
-        moved = {id(t): (run_plan(t._local, p) if p is not None else t._local) for t, p in zip(dts, d.plans)}
-        largs = _map(cls, args, lambda t: moved[id(t)] if isinstance(t, cls) else t)
-        lkwargs = _map(cls, kwargs, lambda t: moved[id(t)] if isinstance(t, cls) else t)
+        locs = [t._local if p is None else run_plan(t._local, p) for t, p in zip(dts, d.plans)]
+        if d.slots is not None:
+            largs = _place(list(args), d.slots[0], locs)
+            lkwargs = _place(dict(kwargs), d.slots[1], locs) if d.slots[1] else kwargs
+        else:
+            moved = {id(t): loc for t, loc in zip(dts, locs)}
+            largs = _map(cls, args, lambda t: moved[id(t)] if isinstance(t, cls) else t)
+            lkwargs = _map(cls, kwargs, lambda t: moved[id(t)] if isinstance(t, cls) else t)
         if d.local_fn is not None:
             assert d.call is not None
             shapes = tuple(None if s is None else s.local_shape(d.coord) for s in d.out_specs)
@@ -274,9 +320,8 @@ def _execute(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
     if d.mutated:
         # Written tensors keep their identity; they now hold the shard they were written in.
         for i, back in zip(d.mutated, d.restore):
-            t = dts[i]
             if member:
-                t._local = moved[id(t)] if back is None else run_plan(moved[id(t)], back)
+                dts[i]._local = locs[i] if back is None else run_plan(locs[i], back)
         if d.out_kind in ("none", "value"):
             return None if d.out_kind == "none" else d.value
         written = [dts[i] for i in d.mutated]

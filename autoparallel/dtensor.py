@@ -176,7 +176,8 @@ class _FullTensor(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: DistTensor) -> torch.Tensor:  # type: ignore[override]
         ctx.spec = x._spec
-        return reshard_local(x._local, x._spec, replicated(x._spec))
+        out = reshard_local(x._local, x._spec, replicated(x._spec))
+        return out.view_as(out) if out is x._local else out  # never hand out the shard itself
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[DistTensor]:  # type: ignore[override]
