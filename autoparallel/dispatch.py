@@ -17,9 +17,10 @@ import torch
 from autoparallel import runtime
 from autoparallel.placement import Replicate
 from autoparallel.spec import DistSpec
-from reshard.executor import run_plan
+from reshard.crossmesh import CrossMeshPlan, plan_best
+from reshard.executor import run_any
 from reshard.plan import Plan
-from reshard.planner import LATENCY_BYTES, plan_reshard
+from reshard.planner import LATENCY_BYTES
 from spmd_rules.base import LocalContext, OpCall, ScalarMeta, Strategy, TensorMeta
 from spmd_rules.registry import get_local_impl, get_rule
 
@@ -29,7 +30,7 @@ _warned: set[str] = set()
 @dataclass(frozen=True, slots=True)
 class Decision:
     mesh: Any
-    plans: tuple[Plan | None, ...]            # per DistTensor input, None when already in place
+    plans: tuple[Plan | CrossMeshPlan | None, ...]  # per DistTensor input, None when in place
     out_specs: tuple[DistSpec | None, ...]    # per output (None: not a tensor)
     out_strides: tuple[tuple[int, ...] | None, ...]
     out_kind: str                             # "tensor" | "tuple" | "list" | "value"
@@ -39,7 +40,7 @@ class Decision:
     mutated: tuple[int, ...]                  # DistTensor inputs written in place (in_place/out=)
     coord: tuple[int, ...] | None             # this rank's mesh coordinate (None: not a member)
     in_specs: tuple[DistSpec, ...] = ()       # layout of each DistTensor input when the op runs
-    restore: tuple[Plan | None, ...] = ()     # per mutated input: back to its own layout after
+    restore: tuple[Plan | CrossMeshPlan | None, ...] = ()  # per written input: back to its layout
     slots: Any = None                         # where each DistTensor sits in (args, kwargs)
 
 
@@ -168,9 +169,9 @@ def _decide(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], 
     )
 
 
-def _plan(spec: DistSpec, req: tuple[Any, ...]) -> Plan | None:
+def _plan(spec: DistSpec, req: tuple[Any, ...]) -> Plan | CrossMeshPlan | None:
     dst = spec.with_placements(req) if tuple(req) != spec.placements or spec.shard_order else spec
-    return None if dst == spec else plan_reshard(spec, dst)
+    return None if dst == spec else plan_best(spec, dst)
 
 
 def _cost(s: Strategy, specs: list[DistSpec], mesh: Any, out_metas: tuple[TensorMeta | None, ...]) -> tuple[int, int, int]:
@@ -212,14 +213,14 @@ def _fallback_decision(
     return Decision(mesh, plans, out_specs, strides, kind, None, None, None, mutated, _coord(mesh), _in_specs(specs, plans))
 
 
-def _in_specs(specs: list[DistSpec], plans: tuple[Plan | None, ...]) -> tuple[DistSpec, ...]:
+def _in_specs(specs: list[DistSpec], plans: tuple[Plan | CrossMeshPlan | None, ...]) -> tuple[DistSpec, ...]:
     return tuple(p.dst if p is not None else s for s, p in zip(specs, plans))
 
 
 def _finish(cls: Any, d: Decision, args: tuple[Any, ...], kwargs: dict[str, Any], specs: list[DistSpec]) -> Decision:
     """Add what execution needs: where the DistTensors sit, and for in-place writes the way back
     to each written tensor's own layout (in-place ops never change a tensor's layout)."""
-    back = tuple(None if d.in_specs[i] == specs[i] else plan_reshard(d.in_specs[i], specs[i]) for i in d.mutated)
+    back = tuple(None if d.in_specs[i] == specs[i] else plan_best(d.in_specs[i], specs[i]) for i in d.mutated)
     return replace(d, restore=back, slots=_slots(cls, args, kwargs))
 
 
@@ -299,7 +300,7 @@ def _execute(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
         return d.value
     member = d.coord is not None
     if member:
-        locs = [t._local if p is None else run_plan(t._local, p) for t, p in zip(dts, d.plans)]
+        locs = [t._local if p is None else run_any(t._local, p) for t, p in zip(dts, d.plans)]
         if d.slots is not None:
             largs = _place(list(args), d.slots[0], locs)
             lkwargs = _place(dict(kwargs), d.slots[1], locs) if d.slots[1] else kwargs
@@ -321,7 +322,7 @@ def _execute(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
         # Written tensors keep their identity; they now hold the shard they were written in.
         for i, back in zip(d.mutated, d.restore):
             if member:
-                dts[i]._local = locs[i] if back is None else run_plan(locs[i], back)
+                dts[i]._local = locs[i] if back is None else run_any(locs[i], back)
         if d.out_kind in ("none", "value"):
             return None if d.out_kind == "none" else d.value
         written = [dts[i] for i in d.mutated]

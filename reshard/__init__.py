@@ -7,7 +7,7 @@ import autoparallel  # noqa: F401,I001
 
 
 from reshard.plan import Plan, Step
-from reshard.crossmesh import CrossMeshPlan, Transfer, plan_cross_mesh
+from reshard.crossmesh import CrossMeshPlan, Transfer, plan_best, plan_cross_mesh
 from reshard.planner import ReshardError, plan_reshard
 
-__all__ = ["CrossMeshPlan", "Plan", "ReshardError", "Step", "Transfer", "plan_cross_mesh", "plan_reshard"]
+__all__ = ["CrossMeshPlan", "Plan", "ReshardError", "Step", "Transfer", "plan_best", "plan_cross_mesh", "plan_reshard"]

@@ -57,6 +57,11 @@ class CrossMeshPlan:
                 recv += t.nbytes(item)
         return sent, recv
 
+    def max_bytes(self) -> int:
+        """The largest number of bytes any rank receives."""
+        ranks = set(self.src.mesh.process_ids) | set(self.dst.mesh.process_ids)
+        return max(self.bytes_per_rank(r)[1] for r in ranks)
+
     def collectives(self) -> list[str]:
         return self.pre.collectives() + (["send_recv"] if self.transfers else []) + self.post.collectives()
 
@@ -89,6 +94,29 @@ def plan_cross_mesh(src: DistSpec, dst: DistSpec) -> CrossMeshPlan:
             f"cannot reshard a {tuple(src.shape)} {src.dtype} tensor into {tuple(dst.shape)} {dst.dtype}"
         )
     return _plan_cross_mesh(src, dst)
+
+
+def plan_best(src: DistSpec, dst: DistSpec) -> Plan | CrossMeshPlan:
+    """What the executor runs: collectives on the mesh, or point-to-point when that is cheaper.
+
+    Between meshes it is always point-to-point. On one mesh, a plan of several collectives can
+    move more than each rank lacks (a layout swap like [S(0), S(1)] -> [S(1), S(0)] gathers
+    whole blocks to re-split them); shipping exactly the missing pieces point-to-point then
+    moves less, so when the source has no Partial we take whichever the busiest rank receives
+    less from (ties go to the collectives).
+    """
+    if src.mesh != dst.mesh:
+        return plan_cross_mesh(src, dst)
+    return _plan_best_same_mesh(src, dst)
+
+
+@lru_cache(maxsize=8192)
+def _plan_best_same_mesh(src: DistSpec, dst: DistSpec) -> Plan | CrossMeshPlan:
+    plan = plan_reshard(src, dst)
+    if src.partial_axes() or len(plan.collectives()) < 2:
+        return plan
+    p2p = plan_cross_mesh(src, dst)
+    return p2p if p2p.max_bytes() < plan.max_bytes() else plan
 
 
 @lru_cache(maxsize=4096)

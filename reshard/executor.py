@@ -7,7 +7,7 @@ import torch
 from autoparallel import comm, runtime
 from autoparallel.placement import Partial, Shard
 from autoparallel.spec import DistSpec
-from reshard.crossmesh import CrossMeshPlan, plan_cross_mesh
+from reshard.crossmesh import CrossMeshPlan, plan_best
 from reshard.plan import (
     ALL_GATHER,
     ALL_REDUCE,
@@ -19,7 +19,6 @@ from reshard.plan import (
     Plan,
     Step,
 )
-from reshard.planner import plan_reshard
 
 
 def empty_local(spec: DistSpec, like: torch.Tensor) -> torch.Tensor:
@@ -127,10 +126,13 @@ def _copy_overlap(src: torch.Tensor, src_box, dst: torch.Tensor, dst_box) -> Non
     _view(dst, dst_box, inter).copy_(_view(src, src_box, inter))
 
 
+def run_any(local: torch.Tensor, plan: Plan | CrossMeshPlan) -> torch.Tensor:
+    """Run a same-mesh ``Plan`` or a point-to-point ``CrossMeshPlan``."""
+    return run_cross_mesh(local, plan) if isinstance(plan, CrossMeshPlan) else run_plan(local, plan)
+
+
 def reshard_local(local: torch.Tensor, src: DistSpec, dst: DistSpec) -> torch.Tensor:
     """This rank's shard of ``dst``, given its shard of ``src`` (same or different mesh)."""
     if src == dst:
         return local
-    if src.mesh == dst.mesh:
-        return run_plan(local, plan_reshard(src, dst))
-    return run_cross_mesh(local, plan_cross_mesh(src, dst))
+    return run_any(local, plan_best(src, dst))

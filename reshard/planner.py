@@ -116,20 +116,31 @@ def plan_cost(plan: Plan) -> int:
 
 
 def _direct_step(src: DistSpec, dst: DistSpec) -> Step | None:
-    """A one-step plan when src and dst differ on one axis and a single edge joins them."""
+    """The one-step plan when src and dst differ on one axis and that step is provably cheapest.
+
+    A gather, all-to-all or local step moves exactly the bytes each rank lacks, so nothing beats
+    it. A reduction is only taken directly when no other mesh axis holds replicas (replicas can
+    split the reduction: slice, reduce a smaller piece, gather) and, for reduce-scatter, when
+    padding uneven pieces does not make it dearer than all-reduce + slice; otherwise search.
+    """
     diff = [a for a in range(src.mesh.ndim) if src.placements[a] != dst.placements[a]]
     if len(diff) != 1:
         return None
     a = diff[0]
     for step, weight in _axis_edges(src, a, (dst.placements[a],)):
-        if step.dst == dst:
+        if step.dst != dst:
+            continue
+        if step.kind in (ALL_REDUCE, REDUCE_SCATTER):
+            replicas = any(
+                isinstance(p, Replicate) and src.mesh.shape[b] > 1 for b, p in enumerate(src.placements) if b != a
+            )
+            if replicas:
+                return None
             if step.kind == REDUCE_SCATTER:
-                # Padding uneven pieces can make reduce-scatter dearer than all-reduce + slice
-                # (tensors shorter than the axis); let the search compare them.
                 via = _move(src, a, Replicate())
                 if via is not None and _weight(Step(ALL_REDUCE, a, src, via)) + LOCAL_STEP_WEIGHT < weight:
                     return None
-            return step
+        return step
     return None
 
 

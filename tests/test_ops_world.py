@@ -187,16 +187,28 @@ def test_views_and_transposes(world4):  # type: ignore[no-untyped-def]
     assert all(world4.run(_views))
 
 
+@torch.library.custom_op("ap_test::scaled_cumsum", mutates_args=())
+def scaled_cumsum(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """A user op no rule knows: it must run replicated, be correct, and warn once."""
+    return torch.cumsum(x, dim=1) * scale
+
+
+@scaled_cumsum.register_fake
+def _(x: torch.Tensor, scale: float) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
 def _fallback(rank: int) -> tuple[int, bool]:
     mesh = _mesh1()
     a = reference((6, 4), 12)
     d = make_dist(a, mesh, (Shard(0),))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        c1 = torch.cumsum(d, dim=1)
-        c2 = torch.cumsum(d, dim=1)
-    names = [str(w.message) for w in caught if "cumsum" in str(w.message)]
-    ok = _close(c1.full_tensor(), torch.cumsum(a, 1)) and _close(c2.full_tensor(), torch.cumsum(a, 1))
+        c1 = scaled_cumsum(d, 2.0)
+        c2 = scaled_cumsum(d, 2.0)
+    names = [str(w.message) for w in caught if "scaled_cumsum" in str(w.message)]
+    expected = torch.cumsum(a, 1) * 2.0
+    ok = _close(c1.full_tensor(), expected) and _close(c2.full_tensor(), expected)
     return len(names), ok
 
 
