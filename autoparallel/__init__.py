@@ -11,8 +11,10 @@ from autoparallel.spec import DistSpec
 from autoparallel.debug import CommDebugMode, CommRecord
 from autoparallel.dtensor import DistTensor
 from autoparallel.api import dtensor_from_local, reshard, shard_tensor, unshard_dtensor
+from autoparallel.local_map import LocalLayer, local_map
 from autoparallel.runtime import get_rank, get_world_size
-from spmd_rules.registry import register_axis_rule, register_rule
+from autoparallel.factory import empty, full, ones, rand, randn, zeros
+from spmd_rules.registry import register_axis_rule, register_local_impl, register_rule
 import spmd_rules  # noqa: F401,E402  (registers every rule family)
 
 __all__ = [
@@ -20,6 +22,7 @@ __all__ = [
     "CommRecord",
     "DistSpec",
     "DistTensor",
+    "LocalLayer",
     "Partial",
     "Placement",
     "ProcessMesh",
@@ -28,11 +31,19 @@ __all__ = [
     "dtensor_from_local",
     "get_rank",
     "get_world_size",
+    "local_map",
     "register_axis_rule",
+    "register_local_impl",
     "register_rule",
     "reshard",
     "shard_tensor",
     "unshard_dtensor",
+    "empty",
+    "full",
+    "ones",
+    "rand",
+    "randn",
+    "zeros",
 ]
 
 __version__ = "0.1.0"
