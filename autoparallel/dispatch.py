@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, replace
+from functools import lru_cache
 from typing import Any, Callable
 
 import torch
 
 from autoparallel import runtime
-from autoparallel.placement import Replicate
-from autoparallel.spec import DistSpec
+from autoparallel.placement import Replicate, Shard
+from autoparallel.spec import DistSpec, _itemsize
 from reshard.crossmesh import CrossMeshPlan, plan_best
 from reshard.executor import run_any
 from reshard.plan import Plan
@@ -169,26 +170,46 @@ def _decide(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], 
     )
 
 
+@lru_cache(maxsize=65536)
 def _plan(spec: DistSpec, req: tuple[Any, ...]) -> Plan | CrossMeshPlan | None:
+    """The plan taking ``spec`` to placements ``req`` (default shard order); None if none needed."""
     dst = spec.with_placements(req) if tuple(req) != spec.placements or spec.shard_order else spec
     return None if dst == spec else plan_best(spec, dst)
+
+
+@lru_cache(maxsize=65536)
+def _plan_price(spec: DistSpec, req: tuple[Any, ...]) -> int | None:
+    plan = _plan(spec, req)
+    if plan is None:
+        return None
+    return plan.max_bytes() + (LATENCY_BYTES if plan.collectives() else 0)
 
 
 def _cost(s: Strategy, specs: list[DistSpec], mesh: Any, out_metas: tuple[TensorMeta | None, ...]) -> tuple[int, int, int]:
     """(bytes moved, inputs changed, largest local output bytes): lexicographic."""
     moved = changed = 0
     for spec, req in zip(specs, s.inputs):
-        plan = _plan(spec, req)
-        if plan is not None:
+        price = _plan_price(spec, req)
+        if price is not None:
             changed += 1
-            moved += plan.max_bytes() + (LATENCY_BYTES if plan.collectives() else 0)
+            moved += price
     compute = 0
-    origin = (0,) * mesh.ndim
     for m, pl in zip(out_metas, s.outputs):
         if m is not None:
-            spec = DistSpec(mesh, pl, m.shape, m.dtype)
-            compute += spec.itemsize * _prod(spec.local_shape(origin))
+            compute += _largest_local_numel(m.shape, pl, tuple(mesh.shape)) * _itemsize(m.dtype)
     return moved, changed, compute
+
+
+@lru_cache(maxsize=65536)
+def _largest_local_numel(shape: tuple[int, ...], placements: tuple[Any, ...], mesh_shape: tuple[int, ...]) -> int:
+    """Elements of the shard at mesh coordinate 0 (torch.chunk gives it the largest piece)."""
+    n = 1
+    for dim, size in enumerate(shape):
+        for a, p in enumerate(placements):
+            if isinstance(p, Shard) and p.dim % len(shape) == dim:
+                size = -(-size // mesh_shape[a])
+        n *= size
+    return n
 
 
 def _fallback_decision(
