@@ -201,6 +201,10 @@ class ProcessMesh:
             key = (key,)
         if isinstance(key, tuple) and key and all(isinstance(k, str) for k in key):
             axes = [self.axis_index(k) for k in key]
+            if runtime.world_available():
+                # The sub-mesh differs per rank; its axis lines are this mesh's, so create them
+                # all here (every rank) and the sub-mesh's own bind finds them made.
+                self.bind()
             rank = runtime.get_rank()
             coord = self.coordinate_of(rank)
             if coord is None:
