@@ -113,8 +113,8 @@ def plan_best(src: DistSpec, dst: DistSpec) -> Plan | CrossMeshPlan:
 @lru_cache(maxsize=8192)
 def _plan_best_same_mesh(src: DistSpec, dst: DistSpec) -> Plan | CrossMeshPlan:
     plan = plan_reshard(src, dst)
-    if src.partial_axes() or len(plan.collectives()) < 2:
-        return plan
+    if src.partial_axes() or not plan.collectives() or len(plan.steps) < 2:
+        return plan  # a single collective already moves exactly what each rank lacks
     p2p = plan_cross_mesh(src, dst)
     return p2p if p2p.max_bytes() < plan.max_bytes() else plan
 
