@@ -153,7 +153,13 @@ def _decide(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], 
     )
     rule = get_rule(func)
     strategies = rule(call) if rule is not None else []
-    if mutated:  # a tensor written in place keeps its layout when any strategy allows it
+    if mutated:
+        # An output that IS a written input (``x.mul_(y)``, ``out=``) must come out in the layout
+        # the input was written in: (R, P) -> P is fine for ``x * y`` but would leave a summand in
+        # a tensor still labelled R. Then prefer strategies that keep the written layouts.
+        strategies = [
+            s for s in strategies if all(s.outputs[k] == s.inputs[i] for k, i in enumerate(mutated) if k < len(s.outputs))
+        ]
         strategies = [s for s in strategies if all(s.inputs[i] == specs[i].placements for i in mutated)] or strategies
     if not strategies:
         why = "it has no SPMD rule" if rule is None else "its rule offered no strategy"

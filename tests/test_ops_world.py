@@ -314,3 +314,21 @@ def _two_stage(rank: int) -> bool:
 
 def test_two_stage_pipeline_forward_backward_across_meshes(world4):  # type: ignore[no-untyped-def]
     assert all(world4.run(_two_stage))
+
+
+def _inplace_keeps_meaning(rank: int) -> bool:
+    mesh = _mesh1()
+    a, b = reference((4, 4), 20), reference((4, 4), 21)
+    x = make_dist(a, mesh, (R,))
+    y = make_dist(b, mesh, (Partial(),))
+    x.mul_(y)  # (R, P) -> P is a valid out-of-place strategy but x must stay a true Replicate
+    assert list(x.placements) == [R] and _close(x.full_tensor(), a * b)
+    z = make_dist(a, mesh, (Shard(0),))
+    out = make_dist(torch.zeros(4, 4), mesh, (Shard(1),))
+    r = torch.add(z, y, out=out)
+    assert r is out and list(out.placements) == [Shard(1)] and _close(out.full_tensor(), a + b)
+    return True
+
+
+def test_inplace_and_out_ops_keep_layout_and_value(world4):  # type: ignore[no-untyped-def]
+    assert all(world4.run(_inplace_keeps_meaning))
