@@ -123,7 +123,7 @@ def all_gather(local: torch.Tensor, mesh: "ProcessMesh", axis: int, dim: int, si
         flat = list(recv.split(out_splits))
         pieces = [flat[g].reshape((sizes[c],) + tuple(rest)) for c, g in enumerate(grank)]
     record("all_gather", mesh, axis, line, *cost.all_gather_bytes([s * row * item for s in sizes], me))
-    return torch.cat(pieces, dim=0).movedim(0, dim)
+    return torch.cat(pieces, dim=0).movedim(0, dim).contiguous()
 
 
 def reduce_scatter(
@@ -148,7 +148,7 @@ def reduce_scatter(
         out = out / n if out.is_floating_point() or out.is_complex() else out // n
     _, length = chunk_bounds(size, n, me)
     record("reduce_scatter", mesh, axis, line, *cost.reduce_scatter_bytes(out.numel() * out.element_size(), n))
-    return out[:length].movedim(0, dim)
+    return out[:length].movedim(0, dim).contiguous()
 
 
 def all_to_all(

@@ -20,7 +20,7 @@ from autoparallel.placement import Replicate, Shard
 from autoparallel.spec import DistSpec, _itemsize
 from reshard.crossmesh import CrossMeshPlan, plan_best
 from reshard.executor import run_any
-from reshard.plan import Plan
+from reshard.plan import RELABEL, SLICE, Plan
 from reshard.planner import LATENCY_BYTES
 from spmd_rules.base import LocalContext, OpCall, ScalarMeta, Strategy, TensorMeta
 from spmd_rules.registry import get_local_impl, get_rule
@@ -43,6 +43,7 @@ class Decision:
     in_specs: tuple[DistSpec, ...] = ()       # layout of each DistTensor input when the op runs
     restore: tuple[Plan | CrossMeshPlan | None, ...] = ()  # per written input: back to its layout
     slots: Any = None                         # where each DistTensor sits in (args, kwargs)
+    detached_view: bool = False               # a view op whose input had to be moved first
 
 
 def dispatch(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -139,6 +140,12 @@ def _decide(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], 
     except Exception:  # no meta kernel: compute replicated and learn the outputs from it
         return _fallback_decision(func, specs, mesh, None, mutated, reason="it has no meta kernel")
     out_kind, outs = _flatten_out(fake_out)
+    for k, i in enumerate(mutated):
+        if k < len(outs) and outs[k] is not None and tuple(outs[k].shape) != specs[i].shape:
+            raise RuntimeError(
+                f"{func} changes the shape of a DistTensor in place ({tuple(specs[i].shape)} -> "
+                f"{tuple(outs[k].shape)}); use the out-of-place op instead"
+            )
     if out_kind == "value" and not mutated:
         return Decision(mesh, (None,) * len(dts), (), (), "value", fake_out, None, None, (), None)
     out_metas = tuple(TensorMeta(tuple(o.shape), o.dtype) if o is not None else None for o in outs)
@@ -248,7 +255,22 @@ def _finish(cls: Any, d: Decision, args: tuple[Any, ...], kwargs: dict[str, Any]
     """Add what execution needs: where the DistTensors sit, and for in-place writes the way back
     to each written tensor's own layout (in-place ops never change a tensor's layout)."""
     back = tuple(None if d.in_specs[i] == specs[i] else plan_best(d.in_specs[i], specs[i]) for i in d.mutated)
-    return replace(d, restore=back, slots=_slots(cls, args, kwargs))
+    returns_view = any(r.alias_info is not None for r in func_returns(d))
+    moved_input = any(_copies(p) for p in d.plans)
+    return replace(d, restore=back, slots=_slots(cls, args, kwargs), detached_view=returns_view and moved_input)
+
+
+def _copies(plan: Plan | CrossMeshPlan | None) -> bool:
+    """Whether running ``plan`` yields a new tensor rather than a view of the old shard."""
+    if plan is None:
+        return False
+    if isinstance(plan, CrossMeshPlan):
+        return True
+    return any(s.kind not in (SLICE, RELABEL) for s in plan.steps)
+
+
+def func_returns(d: Decision) -> list[Any]:
+    return list(d.call.op._schema.returns) if d.call is not None else []
 
 
 def _slots(cls: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -325,6 +347,13 @@ def _mutated_inputs(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], dt
 def _execute(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], dts: list[Any], d: Decision) -> Any:
     if d.out_kind == "value" and not d.mutated:
         return d.value
+    for i in d.mutated:
+        if getattr(dts[i], "_detached_view", False):
+            raise RuntimeError(
+                f"{func}: in-place write to a view of a DistTensor whose layout had to change to "
+                "take the view (e.g. slicing a sharded dim); the write would not reach the original "
+                "tensor. Reshard the original first (e.g. to Replicate on that dim) or write out of place."
+            )
     member = d.coord is not None
     if member:
         locs = [t._local if p is None else run_any(t._local, p) for t, p in zip(dts, d.plans)]
@@ -362,6 +391,10 @@ def _execute(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
         None if s is None else cls._wrap(lo, s, st)
         for lo, s, st in zip(louts, d.out_specs, d.out_strides)
     ]
+    if d.detached_view:
+        for w in wrapped:
+            if w is not None:
+                w._detached_view = True
     if d.out_kind == "tensor":
         return wrapped[0]
     if d.out_kind == "none":

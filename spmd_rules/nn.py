@@ -1,1 +1,433 @@
-"""Placeholder: rules for this family are being written."""
+"""Neural-network ops: softmax, layer/RMS norm, embedding, NLL loss, dropout backward.
+
+Per mesh axis (the registry takes the product over axes); every strategy is exact for uneven
+shards:
+
+- ``_softmax``/``_log_softmax``: any dim may be sharded. A sharded softmax dim ("loss
+  parallel") runs a local implementation that all-reduces the row max and the row sum of
+  exponentials over the axes sharding it. No Partial input (softmax is not linear). The
+  backward ops all-reduce the one row sum they need and are linear in the incoming gradient,
+  so a Partial gradient passes. ``_safe_softmax`` keeps its softmax dim whole.
+- ``native_layer_norm``/``_fused_rms_norm``: leading (not normalized) dims may be sharded with
+  weight/bias replicated; the per-row statistics follow. Backward: the input gradient follows,
+  the weight/bias gradients are sums over the leading dims, so sharded rows give ``P(sum)``;
+  a Partial output gradient passes (the backward is linear in it).
+- ``embedding``: indices sharded (weight replicated) -> the output follows the indices; weight
+  ``S(1)`` -> output sharded on its last dim; weight ``S(0)`` ("vocab parallel") -> each rank
+  looks up only the rows it holds, zeros elsewhere -> ``P(sum)``; a Partial weight passes.
+  ``embedding_dense_backward`` mirrors them: sharded indices -> ``P(sum)``; gradient sharded on
+  its last dim -> ``S(1)``; replicated -> ``S(0)`` (each rank builds only its own rows).
+- ``nll_loss_forward``/``nll_loss2d_forward`` and backward: batch dims sharded with the target
+  (``sum``: ``P``; ``none``: sharded; ``mean``: ``P`` of ``local sum / global total weight``);
+  the class dim sharded with the target replicated (each rank scores the targets in its class
+  range -> ``P``); a Partial input passes (the loss is linear in it). Class weights stay
+  replicated.
+- ``native_dropout_backward``: pointwise, linear in the gradient.
+
+Collectives inside local implementations (loss-parallel softmax: two ``[rows, 1]`` all-reduces;
+NLL ``mean`` over batch shards: one scalar all-reduce) go through ``autoparallel.comm`` on every
+member of the mesh. The dispatcher's cost model does not see these bytes; they are small
+against gathering the sharded logits, which is what the strategies avoid.
+
+``native_dropout`` (random) is left to the random-op rules; eval-mode dropout issues no op.
+``F.rms_norm`` on CPU decomposes into pointwise ops and ``mean`` (no rule needed here); the fused
+``_fused_rms_norm`` and its backward (accelerator kernels; the backward has no CPU kernel) are
+covered for the devices that emit them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from autoparallel import comm
+from autoparallel.placement import Partial, Placement, Shard
+from spmd_rules.base import P_SUM, R, AxisStrategy, LocalContext, OpCall, TensorMeta
+from spmd_rules.registry import register_axis_rule, register_local_impl
+
+aten = torch.ops.aten
+
+NONE, MEAN, SUM = 0, 1, 2  # ``reduction`` codes of the aten loss ops
+LINEAR = ("sum", "avg")     # Partial types a linear map passes
+
+
+# ---- helpers --------------------------------------------------------------------------------
+def _arg(call: OpCall, i: int, name: str, default: Any = None) -> Any:
+    return call.args[i] if len(call.args) > i else call.kwargs.get(name, default)
+
+
+def _slots(call: OpCall) -> dict[str, int]:
+    """Input index of each tensor argument, by schema name (args, then kwargs, as dispatched)."""
+    names = [a.name for a in call.op._schema.arguments]
+    slots: dict[str, int] = {}
+    for i, a in enumerate(call.args):
+        if isinstance(a, TensorMeta):
+            slots[names[i]] = len(slots)
+    for name, a in call.kwargs.items():
+        if isinstance(a, TensorMeta):
+            slots[name] = len(slots)
+    return slots
+
+
+def _make(call: OpCall, placed: dict[str, Placement], outs: Sequence[Placement]) -> AxisStrategy:
+    """Named inputs take ``placed`` (the rest Replicate); outputs ``outs`` (None outputs: R)."""
+    ins: list[Placement] = [R] * len(call.inputs)
+    for name, i in _slots(call).items():
+        if name in placed:
+            ins[i] = placed[name]
+    return AxisStrategy(tuple(ins), tuple(p if o is not None else R for p, o in zip(outs, call.out)))
+
+
+def _dims(call: OpCall, i: int, axis: int, dims: Sequence[int]) -> list[int]:
+    """Of ``dims`` of input ``i``: those worth sharding (2+ elements, or sharded there now)."""
+    m, cur = call.inputs[i], call.placements[i][axis]
+    return [d for d in dims if m.shape[d] >= 2 or cur == Shard(d)]
+
+
+def _axes_sharding(spec: Any, dim: int) -> list[int]:
+    """Mesh axes (of more than one rank) that shard tensor ``dim`` of ``spec``."""
+    return [a for a, p in enumerate(spec.placements) if p == Shard(dim) and spec.mesh.shape[a] > 1]
+
+
+def _all_reduce(t: torch.Tensor, spec: Any, axes: Sequence[int], reduce_type: str) -> torch.Tensor:
+    for a in axes:
+        t = comm.all_reduce(t, spec.mesh, a, reduce_type)
+    return t
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+# ---- softmax --------------------------------------------------------------------------------
+SOFTMAX_OPS = [aten._softmax.default, aten._log_softmax.default]
+SOFTMAX_BACKWARD_OPS = [aten._softmax_backward_data.default, aten._log_softmax_backward_data.default]
+
+
+def _softmax_dim(call: OpCall, i: int) -> int:
+    return int(_arg(call, i, "dim")) % max(call.inputs[0].ndim, 1)
+
+
+def _softmax_dim_last(call: OpCall, i: int) -> list[int]:
+    """Every dim, the softmax dim last: on a cost tie the dispatcher takes the earlier strategy,
+    and sharding the softmax dim adds all-reduces its cost model does not see."""
+    dim = _softmax_dim(call, i)
+    return [d for d in range(call.inputs[0].ndim) if d != dim] + ([dim] if call.inputs[0].ndim else [])
+
+
+@register_axis_rule(SOFTMAX_OPS)
+def softmax_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
+    """Any dim may be sharded; a sharded softmax dim all-reduces the row statistics."""
+    strategies = [AxisStrategy((R,), (R,))]
+    strategies += [AxisStrategy((Shard(d),), (Shard(d),)) for d in _dims(call, 0, axis, _softmax_dim_last(call, 1))]
+    return strategies
+
+
+@register_axis_rule(aten._safe_softmax.default)
+def safe_softmax_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
+    """Dims other than the softmax dim may be sharded (no local implementation)."""
+    x, dim = call.inputs[0], _softmax_dim(call, 1)
+    dims = [d for d in range(x.ndim) if d != dim]
+    return [AxisStrategy((R,), (R,))] + [AxisStrategy((Shard(d),), (Shard(d),)) for d in _dims(call, 0, axis, dims)]
+
+
+@register_axis_rule(SOFTMAX_BACKWARD_OPS)
+def softmax_backward_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
+    """Gradient and output sharded alike (any dim); a Partial gradient with the output replicated."""
+    strategies = [AxisStrategy((R, R), (R,))]
+    dims = _dims(call, 0, axis, _softmax_dim_last(call, 2))
+    strategies += [AxisStrategy((Shard(d), Shard(d)), (Shard(d),)) for d in dims]
+    strategies += [AxisStrategy((Partial(t), R), (Partial(t),)) for t in LINEAR]
+    return strategies
+
+
+@register_local_impl(SOFTMAX_OPS)
+def softmax_local(ctx: LocalContext, x: torch.Tensor, dim: int, half_to_float: bool) -> torch.Tensor:
+    """Over a sharded dim: global row max and row sum of exponentials by all-reduce."""
+    d = dim % max(x.ndim, 1)
+    spec = ctx.in_specs[0]
+    axes = _axes_sharding(spec, d)
+    if not axes:
+        return ctx.call.op(x, dim, half_to_float)
+    out_meta = ctx.call.out[0]
+    assert out_meta is not None
+    xf = x.to(_compute_dtype(out_meta.dtype))
+    if xf.shape[d]:
+        local_max = xf.amax(d, keepdim=True)
+    else:  # an empty piece of an uneven shard
+        local_max = xf.new_full(xf.shape[:d] + (1,) + xf.shape[d + 1:], float("-inf"))
+    shifted = xf - _all_reduce(local_max, spec, axes, "max")
+    e = shifted.exp()
+    total = _all_reduce(e.sum(d, keepdim=True), spec, axes, "sum")
+    if ctx.call.op.overloadpacket is aten._log_softmax:
+        return (shifted - total.log()).to(out_meta.dtype)
+    return (e / total).to(out_meta.dtype)
+
+
+@register_local_impl(SOFTMAX_BACKWARD_OPS)
+def softmax_backward_local(
+    ctx: LocalContext, grad: torch.Tensor, out: torch.Tensor, dim: int, input_dtype: torch.dtype
+) -> torch.Tensor:
+    """Over a sharded dim: the row sum the gradient needs comes from an all-reduce."""
+    d = dim % max(out.ndim, 1)
+    spec = ctx.in_specs[1]
+    axes = _axes_sharding(spec, d)
+    if not axes:
+        return ctx.call.op(grad, out, dim, input_dtype)
+    out_meta = ctx.call.out[0]
+    assert out_meta is not None
+    ct = _compute_dtype(out_meta.dtype)
+    g, y = grad.to(ct), out.to(ct)
+    if ctx.call.op.overloadpacket is aten._log_softmax_backward_data:
+        res = g - y.exp() * _all_reduce(g.sum(d, keepdim=True), spec, axes, "sum")
+    else:
+        res = y * (g - _all_reduce((g * y).sum(d, keepdim=True), spec, axes, "sum"))
+    return res.to(out_meta.dtype)
+
+
+# ---- layer norm / RMS norm ------------------------------------------------------------------
+# op -> position of ``normalized_shape``; whether the op is a backward (input 0 is grad_out).
+# Rules here are registered for the functional (``.default``) overloads only: an ``out=``
+# overload has extra tensor inputs, and falls back to replicated compute.
+NORM_OPS = {
+    aten.native_layer_norm: (1, False),
+    aten._fused_rms_norm: (1, False),
+    aten.native_layer_norm_backward: (2, True),
+    aten._fused_rms_norm_backward: (2, True),
+}
+
+
+@register_axis_rule([op.default for op in NORM_OPS])
+def norm_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
+    """Leading dims sharded, weight/bias replicated; parameter gradients of sharded rows are P(sum).
+
+    Row-shaped tensors (input, grad_out, mean, rstd) have the input's ndim; weight/bias and
+    their gradients have the normalized ndim, smaller whenever there is a leading dim.
+    """
+    pos, backward = NORM_OPS[call.op.overloadpacket]
+    x = call.inputs[0]
+    lead = x.ndim - len(_arg(call, pos, "normalized_shape"))
+    strategies = [AxisStrategy(tuple(R for _ in call.inputs), tuple(R for _ in call.out))]
+    for d in _dims(call, 0, axis, range(lead)):
+        ins: tuple[Placement, ...] = tuple(Shard(d) if m.ndim == x.ndim else R for m in call.inputs)
+        outs = tuple(R if o is None else Shard(d) if o.ndim == x.ndim else P_SUM for o in call.out)
+        strategies.append(AxisStrategy(ins, outs))
+    if backward:  # every output is linear in grad_out
+        for t in LINEAR:
+            ins = (Partial(t),) + tuple(R for _ in call.inputs[1:])
+            strategies.append(AxisStrategy(ins, tuple(R if o is None else Partial(t) for o in call.out)))
+    return strategies
+
+
+# ---- embedding ------------------------------------------------------------------------------
+@register_axis_rule(aten.embedding.default)
+def embedding_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
+    """weight (V, D) at indices: indices sharded -> follows; weight S(1) -> last dim; S(0) -> P(sum)."""
+    slots = _slots(call)
+    w = call.inputs[slots["weight"]]
+    out = call.out[0]
+    assert out is not None
+    strategies = [_make(call, {}, [R])]
+    if "indices" in slots:
+        for d in _dims(call, slots["indices"], axis, range(out.ndim - 1)):
+            strategies.append(_make(call, {"indices": Shard(d)}, [Shard(d)]))
+    for d in _dims(call, slots["weight"], axis, range(w.ndim)):
+        strategies.append(_make(call, {"weight": Shard(d)}, [Shard(out.ndim - 1) if d == 1 else P_SUM]))
+    # indexing commutes with every elementwise reduction over ranks
+    strategies += [_make(call, {"weight": Partial(t)}, [Partial(t)]) for t in ("sum", "avg", "max", "min")]
+    return strategies
+
+
+@register_local_impl(aten.embedding.default)
+def embedding_local(ctx: LocalContext, weight: torch.Tensor, indices: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """Row-sharded weight: look up the indices this rank holds (shifted), zeros for the others."""
+    assert ctx.coord is not None
+    spec = ctx.in_specs[_slots(ctx.call)["weight"]]
+    off, n = spec.local_box(ctx.coord)[0]
+    if n == spec.shape[0]:
+        return aten.embedding.default(weight, indices, *args, **kwargs)
+    mine = (indices >= off) & (indices < off + n)
+    if n == 0:
+        return weight.new_zeros(tuple(indices.shape) + (weight.shape[1],))
+    out = aten.embedding.default(weight, torch.where(mine, indices - off, 0))  # the rest: backward only
+    return torch.where(mine.unsqueeze(-1), out, 0)
+
+
+@register_axis_rule(aten.embedding_dense_backward.default)
+def embedding_backward_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
+    """Indices sharded -> P(sum) (not with scale_grad_by_freq: counts are global); grad
+    sharded on its last dim -> S(1); replicated -> S(0), each rank building its own rows."""
+    slots = _slots(call)
+    g = call.inputs[slots["grad_output"]]
+    out = call.out[0]
+    assert out is not None
+    scale = bool(_arg(call, 4, "scale_grad_by_freq", False))
+    strategies = [_make(call, {}, [R])]
+    if "indices" in slots and not scale:
+        for d in _dims(call, slots["grad_output"], axis, range(g.ndim - 1)):
+            strategies.append(_make(call, {"grad_output": Shard(d), "indices": Shard(d)}, [P_SUM]))
+    if out.shape[1] >= 2:
+        strategies.append(_make(call, {"grad_output": Shard(g.ndim - 1)}, [Shard(1)]))
+    if out.shape[0] >= 2:
+        strategies.append(_make(call, {}, [Shard(0)]))
+    strategies += [_make(call, {"grad_output": Partial(t)}, [Partial(t)]) for t in LINEAR]
+    return strategies
+
+
+@register_local_impl(aten.embedding_dense_backward.default)
+def embedding_backward_local(
+    ctx: LocalContext, grad: torch.Tensor, indices: torch.Tensor, num_weights: int, padding_idx: int,
+    scale_grad_by_freq: bool,
+) -> torch.Tensor:
+    """Row-sharded result: local rows only; other indices (and padding) go to a dropped extra row."""
+    assert ctx.coord is not None
+    spec = ctx.out_specs[0]
+    off, n = spec.local_box(ctx.coord)[0]
+    if n == num_weights:
+        return aten.embedding_dense_backward.default(grad, indices, num_weights, padding_idx, scale_grad_by_freq)
+    keep = (indices >= off) & (indices < off + n) & (indices != padding_idx)
+    local = torch.where(keep, indices - off, n)  # row n: the padding row, zero and dropped
+    return aten.embedding_dense_backward.default(grad, local, n + 1, n, scale_grad_by_freq)[:n]
+
+
+# ---- NLL loss ------------------------------------------------------------------------------
+NLL_FORWARD = [aten.nll_loss_forward.default, aten.nll_loss2d_forward.default]
+NLL_BACKWARD = [aten.nll_loss_backward.default, aten.nll_loss2d_backward.default]
+
+
+def _class_dim(ndim: int) -> int:
+    return 1 if ndim >= 2 else 0
+
+
+@register_axis_rule(NLL_FORWARD)
+def nll_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
+    """Batch dims with the target (sum: P; none: sharded; mean: P with a global total weight);
+    the class dim with the target replicated (P); a Partial input (P). Outputs: (loss, total_weight)."""
+    slots = _slots(call)
+    x = call.inputs[slots["self"]]
+    reduction = int(_arg(call, 3, "reduction", MEAN))
+    cdim = _class_dim(x.ndim)
+    strategies = [_make(call, {}, [R, R])]
+    if "target" in slots:
+        for d in _dims(call, slots["self"], axis, [d for d in range(x.ndim) if d != cdim]):
+            td = d - (d > cdim)
+            loss = Shard(td) if reduction == NONE else P_SUM
+            strategies.append(_make(call, {"self": Shard(d), "target": Shard(td)}, [loss, P_SUM if reduction == SUM else R]))
+    for d in _dims(call, slots["self"], axis, [cdim]):
+        strategies.append(_make(call, {"self": Shard(d)}, [P_SUM, R]))
+    strategies += [_make(call, {"self": Partial(t)}, [Partial(t), R]) for t in LINEAR]
+    return strategies
+
+
+@register_axis_rule(NLL_BACKWARD)
+def nll_backward_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
+    """Mirrors the forward; grad_input takes the input's layout (or P for a Partial gradient).
+
+    ``total_weight`` must be the global one for ``mean``; ``sum``/``none`` never read it, so it
+    stays where it is.
+    """
+    slots = _slots(call)
+    x = call.inputs[slots["self"]]
+    reduction = int(_arg(call, 4, "reduction", MEAN))
+    cdim = _class_dim(x.ndim)
+    tw = slots.get("total_weight")
+    base: dict[str, Placement] = {"total_weight": R if reduction == MEAN or tw is None else call.placements[tw][axis]}
+    strategies = [_make(call, base, [R])]
+    if "target" in slots:
+        for d in _dims(call, slots["self"], axis, [d for d in range(x.ndim) if d != cdim]):
+            td = d - (d > cdim)
+            g = Shard(td) if reduction == NONE else R
+            strategies.append(_make(call, {**base, "self": Shard(d), "target": Shard(td), "grad_output": g}, [Shard(d)]))
+    for d in _dims(call, slots["self"], axis, [cdim]):
+        strategies.append(_make(call, {**base, "self": Shard(d)}, [Shard(d)]))
+    if "grad_output" in slots:
+        strategies += [_make(call, {**base, "grad_output": Partial(t)}, [Partial(t)]) for t in LINEAR]
+    return strategies
+
+
+def _nll_pick(
+    target: torch.Tensor, weight: torch.Tensor | None, ignore_index: int, classes: int, off: int, n: int,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(weight of each target, 0 where ignored; whether its class is local; its local class)."""
+    valid = target != ignore_index
+    if weight is None:
+        w_t = valid.to(dtype)
+    else:
+        w_t = torch.where(valid, weight[target.clamp(0, classes - 1)], 0).to(dtype)
+    mine = valid & (target >= off) & (target < off + n)
+    return w_t, mine, (target - off).clamp(0, max(n - 1, 0))
+
+
+def _nll_layout(ctx: LocalContext) -> tuple[Any, int, int, int, list[int]]:
+    """(input spec, class dim, local class offset, local class count, axes sharding the target)."""
+    assert ctx.coord is not None
+    slots = _slots(ctx.call)
+    spec = ctx.in_specs[slots["self"]]
+    cdim = _class_dim(spec.ndim)
+    off, n = spec.local_box(ctx.coord)[cdim]
+    tspec = ctx.in_specs[slots["target"]] if "target" in slots else None
+    batch_axes = [] if tspec is None else [
+        a for a, p in enumerate(tspec.placements) if isinstance(p, Shard) and tspec.mesh.shape[a] > 1
+    ]
+    return spec, cdim, off, n, batch_axes
+
+
+@register_local_impl(NLL_FORWARD)
+def nll_forward_local(
+    ctx: LocalContext, x: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None,
+    reduction: int = MEAN, ignore_index: int = -100,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Class-sharded: score only local classes. ``mean`` over batch shards: local sum / global weight."""
+    spec, cdim, off, n, batch_axes = _nll_layout(ctx)
+    classes = spec.shape[cdim]
+    op = ctx.call.op
+    if n == classes:
+        if reduction != MEAN or not batch_axes:
+            return op(x, target, weight, reduction, ignore_index)
+        s, tw = op(x, target, weight, SUM, ignore_index)
+    else:
+        w_t, mine, idx = _nll_pick(target, weight, ignore_index, classes, off, n, x.dtype)
+        loss = torch.zeros_like(w_t)
+        if n:
+            picked = x.gather(cdim, idx.unsqueeze(cdim)).squeeze(cdim)
+            loss = torch.where(mine, -w_t * picked, 0)
+        if reduction == NONE:
+            return loss, x.new_zeros(())
+        s, tw = loss.sum(), w_t.sum()
+        if reduction == SUM:
+            return s, tw
+    tw = _all_reduce(tw, spec, batch_axes, "sum")
+    return s / tw, tw
+
+
+@register_local_impl(NLL_BACKWARD)
+def nll_backward_local(
+    ctx: LocalContext, grad: torch.Tensor, x: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None,
+    reduction: int, ignore_index: int, total_weight: torch.Tensor,
+) -> torch.Tensor:
+    """Class-sharded: write -w[t] * grad only where the target class is local."""
+    spec, cdim, off, n, _ = _nll_layout(ctx)
+    classes = spec.shape[cdim]
+    if n == classes:
+        return ctx.call.op(grad, x, target, weight, reduction, ignore_index, total_weight)
+    out = torch.zeros_like(x)
+    if n:
+        w_t, mine, idx = _nll_pick(target, weight, ignore_index, classes, off, n, x.dtype)
+        g = grad / total_weight if reduction == MEAN else grad
+        coef = torch.where(mine, -w_t * g, 0).to(x.dtype)
+        out.scatter_(cdim, idx.unsqueeze(cdim), coef.unsqueeze(cdim))
+    return out
+
+
+# ---- dropout -------------------------------------------------------------------------------
+@register_axis_rule(aten.native_dropout_backward.default)
+def dropout_backward_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
+    """grad * mask * scale: pointwise (both sharded alike); a Partial gradient with the mask replicated."""
+    g = call.inputs[0]
+    n = len(call.inputs)
+    strategies = [AxisStrategy(tuple(R for _ in range(n)), (R,))]
+    strategies += [AxisStrategy(tuple(Shard(d) for _ in range(n)), (Shard(d),)) for d in _dims(call, 0, axis, range(g.ndim))]
+    strategies += [AxisStrategy((Partial(t),) + tuple(R for _ in range(n - 1)), (Partial(t),)) for t in LINEAR]
+    return strategies

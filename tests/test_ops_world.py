@@ -332,3 +332,21 @@ def _inplace_keeps_meaning(rank: int) -> bool:
 
 def test_inplace_and_out_ops_keep_layout_and_value(world4):  # type: ignore[no-untyped-def]
     assert all(world4.run(_inplace_keeps_meaning))
+
+
+def _write_through_view(rank: int) -> str:
+    mesh = _mesh1()
+    z = ap.shard_tensor(torch.ones(8, 4), mesh, [Shard(1)])
+    z[1:3] = 0  # slicing an unsharded dim: a true view, the write lands
+    assert _close(z.full_tensor().sum(), torch.tensor(24.0))
+    y = ap.shard_tensor(torch.ones(8, 4), mesh, [Shard(0)])
+    try:
+        y[1:3] = 0  # slicing the sharded dim needs a gathered copy: must not be lost silently
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_write_through_a_moved_view_raises(world4):  # type: ignore[no-untyped-def]
+    for msg in world4.run(_write_through_view):
+        assert "would not reach the original tensor" in msg

@@ -1,0 +1,570 @@
+"""Shape ops (split, cat, slice, index, gather, scatter, pad, ...): rules and values.
+
+Pure part: every strategy the rules offer is checked by brute force on a 1-d mesh of 4 ranks
+and on a 2x2 mesh — shard the global inputs as the strategy asks (random summands for
+Partial), run the op (or its local implementation) on every rank's pieces, and put the local
+outputs back together as the strategy claims; the result must be the op on the global inputs,
+for every output of multi-output ops. Pinned cases check that the useful strategies are there.
+
+World part: one 4-rank gloo world runs every op on DistTensors (mesh [0,1,2,3] and
+[[0,1],[2,3]], Replicate / Shard on each dim / uneven sizes / Partial) and compares forward
+values and gradients with plain torch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import autoparallel as ap
+from autoparallel import DistSpec, Partial, ProcessMesh, Replicate, Shard
+from autoparallel.placement import partials_compatible
+from spmd_rules import LocalContext, OpCall, Strategy, TensorMeta, get_local_impl, get_rule
+
+aten = torch.ops.aten
+R = Replicate()
+S0, S1, S2 = Shard(0), Shard(1), Shard(2)
+P = Partial()
+PLACEMENTS = [R, S0, S1, S2, P, Partial("avg"), Partial("max"), Partial("min")]
+_GEN = torch.Generator().manual_seed(0)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Any:
+    """Tiny ops: intra-op threads only contend on a loaded machine (tril costs 30 ms with them)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def rnd(*shape: int) -> torch.Tensor:
+    return torch.randn(shape, generator=_GEN)
+
+
+def idx(high: int, *shape: int) -> torch.Tensor:
+    return torch.randint(0, high, shape, generator=_GEN)
+
+
+def perm_idx(high: int, rows: int, cols: int, dim: int) -> torch.Tensor:
+    """An index of shape (rows, cols) without repeats along ``dim`` (for overwriting scatters)."""
+    n = cols if dim == 1 else rows
+    lines = [torch.randperm(high, generator=_GEN)[:n] for _ in range(rows if dim == 1 else cols)]
+    t = torch.stack(lines)
+    return t if dim == 1 else t.t().contiguous()
+
+
+# ---- building calls --------------------------------------------------------------------------
+def _map(x: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    if isinstance(x, torch.Tensor):
+        return fn(x)
+    if isinstance(x, (list, tuple)):
+        return type(x)(_map(i, fn) for i in x)
+    if isinstance(x, dict):
+        return {k: _map(v, fn) for k, v in x.items()}
+    return x
+
+
+def _tensors(x: Any) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    _map(x, out.append)
+    return out
+
+
+def _outs(out: Any) -> list[torch.Tensor]:
+    return [out] if isinstance(out, torch.Tensor) else list(out)
+
+
+def run_op(op: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The op on fresh copies (in-place ops must not write the test's tensors)."""
+    args, kwargs = _map(args, torch.clone), _map(kwargs, torch.clone)
+    return _outs(op(*args, **kwargs))
+
+
+def make_call(op: Any, args: tuple, placements: list, mesh_shape: tuple[int, ...], kwargs: dict | None = None) -> OpCall:
+    kwargs = kwargs or {}
+    outs = run_op(op, args, kwargs)
+    inputs = _tensors(args) + _tensors(kwargs)
+    assert len(placements) == len(inputs)
+    metas = {id(t): TensorMeta(tuple(t.shape), t.dtype) for t in inputs}
+    return OpCall(
+        op,
+        _map(args, lambda t: metas[id(t)]),
+        _map(kwargs, lambda t: metas[id(t)]),
+        tuple(metas[id(t)] for t in inputs),
+        tuple(TensorMeta(tuple(o.shape), o.dtype) for o in outs),
+        tuple(tuple(p) for p in placements),
+        mesh_shape,
+    )
+
+
+def strategies(call: OpCall) -> list[Strategy]:
+    rule = get_rule(call.op)
+    assert rule is not None, call.op
+    return list(rule(call))
+
+
+def offers(op: Any, args: tuple, inputs: list, outputs: list, kwargs: dict | None = None) -> bool:
+    """Whether the rule offers inputs -> outputs on a 1-d mesh of 2 (one placement each)."""
+    call = make_call(op, args, [(p,) for p in inputs], (2,), kwargs)
+    want = Strategy(tuple((p,) for p in inputs), tuple((p,) for p in outputs))
+    return want in strategies(call)
+
+
+def outputs_for(op: Any, args: tuple, inputs: list, kwargs: dict | None = None) -> list[tuple]:
+    call = make_call(op, args, [(p,) for p in inputs], (2,), kwargs)
+    key = tuple((p,) for p in inputs)
+    return [s.outputs for s in strategies(call) if s.inputs == key]
+
+
+# ---- brute force on any mesh -----------------------------------------------------------------
+def _coords(mesh_shape: tuple[int, ...]) -> list[tuple[int, ...]]:
+    return list(itertools.product(*[range(n) for n in mesh_shape]))
+
+
+def _split(x: torch.Tensor, t: str, n: int, gen: torch.Generator) -> list[torch.Tensor]:
+    """n pieces reducing (by ``t``) to ``x``."""
+    noise = [torch.randint(-4, 5, x.shape, generator=gen).to(x.dtype) for _ in range(n)]
+    if t == "sum":
+        return [x - sum(noise[1:])] + noise[1:]
+    if t == "avg":
+        mean = sum(noise) / n
+        return [x + e - mean for e in noise]
+    sign = -1 if t == "max" else 1
+    return [x] + [x + sign * e.abs() for e in noise[1:]]
+
+
+def local_pieces(x: torch.Tensor, pl: tuple, mesh: ProcessMesh, gen: torch.Generator) -> dict:
+    """Per mesh coordinate, the local tensor of ``x`` laid out by ``pl`` (Partial: random summands)."""
+    mesh_shape = tuple(mesh.shape)
+    partial_axes = [a for a, p in enumerate(pl) if isinstance(p, Partial)]
+    values: dict[tuple, torch.Tensor] = {(): x}
+    for a in partial_axes:  # a tree of splits: reducing siblings gives the parent
+        values = {k + (c,): v for k, parent in values.items()
+                  for c, v in enumerate(_split(parent, pl[a].reduce_type, mesh_shape[a], gen))}
+    spec = DistSpec(mesh, pl, tuple(x.shape), x.dtype)
+    out = {}
+    for coord in _coords(mesh_shape):
+        piece = values[tuple(coord[a] for a in partial_axes)]
+        for d, (off, length) in enumerate(spec.local_box(coord)):
+            piece = piece.narrow(d, off, length)
+        out[coord] = piece.clone()
+    return out
+
+
+def assemble(pieces: dict, pl: tuple, shape: tuple, mesh: ProcessMesh) -> torch.Tensor:
+    """The global tensor the local ``pieces`` stand for under ``pl`` (checks Replicate agreement)."""
+    reduce = {"sum": torch.sum, "avg": torch.mean, "max": torch.amax, "min": torch.amin}
+    for a, p in enumerate(pl):
+        if isinstance(p, Partial):
+            groups: dict[tuple, list[torch.Tensor]] = {}
+            for coord, v in pieces.items():
+                groups.setdefault(coord[:a] + (0,) + coord[a + 1:], []).append(v)
+            pieces = {k: reduce[p.reduce_type](torch.stack(vs), 0) for k, vs in groups.items()}
+    some = next(iter(pieces.values()))
+    full = torch.zeros(shape, dtype=some.dtype)
+    written = torch.zeros(shape, dtype=torch.bool)
+    spec = DistSpec(mesh, pl, shape, some.dtype)
+    for coord, v in pieces.items():
+        region = tuple(slice(o, o + n) for o, n in spec.local_box(coord))
+        assert tuple(v.shape) == tuple(full[region].shape), (pl, coord, v.shape)
+        old = written[region]
+        assert _same(v[old], full[region][old]), f"replicas differ under {pl}"
+        full[region] = v
+        written[region] = True
+    assert bool(written.all()), f"{pl} leaves elements unwritten"
+    return full
+
+
+def check_strategy(op: Any, args: tuple, kwargs: dict, s: Strategy, mesh: ProcessMesh, gen: torch.Generator) -> None:
+    inputs = _tensors(args) + _tensors(kwargs)
+    expected = run_op(op, args, kwargs)
+    call = make_call(op, args, list(s.inputs), tuple(mesh.shape), kwargs)
+    pieces = [local_pieces(t, pl, mesh, gen) for t, pl in zip(inputs, s.inputs)]
+    in_specs = tuple(DistSpec(mesh, pl, tuple(t.shape), t.dtype) for t, pl in zip(inputs, s.inputs))
+    out_specs = tuple(DistSpec(mesh, pl, tuple(o.shape), o.dtype) for o, pl in zip(expected, s.outputs))
+    impl = get_local_impl(op)
+    local_outs: list[dict] = [{} for _ in expected]
+    for coord in _coords(tuple(mesh.shape)):
+        it = iter([pc[coord] for pc in pieces])
+        largs = _map(args, lambda _t: next(it))
+        lkwargs = _map(kwargs, lambda _t: next(it))
+        if impl is None:
+            res = _outs(op(*largs, **lkwargs))
+        else:
+            shapes = tuple(sp.local_shape(coord) for sp in out_specs)
+            res = _outs(impl(LocalContext(call, shapes, in_specs, out_specs, coord), *largs, **lkwargs))
+        for i, r in enumerate(res):
+            local_outs[i][coord] = r
+    for i, (e, pl) in enumerate(zip(expected, s.outputs)):
+        got = assemble(local_outs[i], pl, tuple(e.shape), mesh)
+        assert _same(got, e), f"{op} {s} output {i}:\n{got}\n!=\n{e}"
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def _mesh(mesh_shape: tuple[int, ...]) -> ProcessMesh:
+    return ProcessMesh(np.arange(math.prod(mesh_shape)).reshape(mesh_shape))
+
+
+def _fits(p: Any, t: torch.Tensor) -> bool:
+    if isinstance(p, Shard):
+        return p.dim < t.ndim
+    return not isinstance(p, Partial) or t.is_floating_point()
+
+
+def offered(op: Any, args: tuple, kwargs: dict, mesh_shape: tuple[int, ...]) -> set[Strategy]:
+    """Every strategy offered when any one input currently has any placement on any axis."""
+    inputs = _tensors(args) + _tensors(kwargs)
+    seen: set[Strategy] = set()
+    base = [(R,) * len(mesh_shape) for _ in inputs]
+    seen.update(strategies(make_call(op, args, base, mesh_shape, kwargs)))
+    for i, t in enumerate(inputs):
+        for a in range(len(mesh_shape)):
+            for p in PLACEMENTS:
+                if not _fits(p, t):
+                    continue
+                cur = list(base)
+                cur[i] = tuple(p if b == a else R for b in range(len(mesh_shape)))
+                seen.update(strategies(make_call(op, args, cur, mesh_shape, kwargs)))
+    for s in seen:  # well-formed: one placement per axis for each input and output
+        assert len(s.inputs) == len(inputs) and all(len(p) == len(mesh_shape) for p in s.inputs + s.outputs)
+        assert all(partials_compatible(p) for p in s.inputs + s.outputs)
+    return seen
+
+
+def _fill(*shape: int) -> torch.Tensor:
+    return torch.zeros(shape)
+
+
+BRUTE: list[tuple[str, Any, tuple, dict]] = [
+    ("split", aten.split.Tensor, (rnd(5, 4, 3), 2, 1), {}),
+    ("split-dim0", aten.split.Tensor, (rnd(7, 3), 3), {}),
+    ("split_with_sizes", aten.split_with_sizes.default, (rnd(5, 4), [1, 3], 1), {}),
+    ("split_with_sizes-neg", aten.split_with_sizes.default, (rnd(5, 4), [2, 3], -2), {}),
+    ("unbind", aten.unbind.int, (rnd(3, 5, 2), 1), {}),
+    ("cat-1", aten.cat.default, ([rnd(5, 3), rnd(5, 2)], 1), {}),
+    ("cat-0", aten.cat.default, ([rnd(2, 4), rnd(3, 4), rnd(1, 4)], 0), {}),
+    ("cat-legacy-empty", aten.cat.default, ([rnd(4, 3), torch.empty(0), rnd(4, 2)], 1), {}),
+    ("stack", aten.stack.default, ([rnd(5, 3), rnd(5, 3)], 1), {}),
+    ("stack-last", aten.stack.default, ([rnd(5, 3), rnd(5, 3), rnd(5, 3)], -1), {}),
+    ("slice", aten.slice.Tensor, (rnd(6, 5), 1, 1, 4), {}),
+    ("slice-whole", aten.slice.Tensor, (rnd(6, 5), 0, 0, 6), {}),
+    ("slice-step", aten.slice.Tensor, (rnd(6, 5), 0, 1, 6, 2), {}),
+    ("select", aten.select.int, (rnd(4, 5, 3), 1, 2), {}),
+    ("select-neg", aten.select.int, (rnd(4, 5, 3), -1, -1), {}),
+    ("slice_backward", aten.slice_backward.default, (rnd(6, 3), [6, 5], 1, 1, 4, 1), {}),
+    ("slice_backward-whole", aten.slice_backward.default, (rnd(6, 5), [6, 5], 0, 0, 6, 1), {}),
+    ("select_backward", aten.select_backward.default, (rnd(4, 3), [4, 5, 3], 1, 2), {}),
+    ("slice_scatter", aten.slice_scatter.default, (rnd(6, 5), rnd(6, 3), 1, 1, 4), {}),
+    ("select_scatter", aten.select_scatter.default, (rnd(4, 5), rnd(4), 1, 2), {}),
+    ("flip", aten.flip.default, (rnd(5, 4, 3), [0, 2]), {}),
+    ("roll", aten.roll.default, (rnd(5, 4), [2], [1]), {}),
+    ("roll-flat", aten.roll.default, (rnd(5, 4), [3]), {}),
+    ("roll-two", aten.roll.default, (rnd(5, 4, 3), [1, -2], [0, 2]), {}),
+    ("tril", aten.tril.default, (rnd(5, 6),), {}),
+    ("tril-k", aten.tril.default, (rnd(7, 5), 1), {}),
+    ("triu-batch", aten.triu.default, (rnd(3, 5, 6), -2), {}),
+    ("tril_", aten.tril_.default, (rnd(6, 7), -1), {}),
+    ("pad", aten.constant_pad_nd.default, (rnd(5, 4), [1, 2]), {}),
+    ("pad-value", aten.constant_pad_nd.default, (rnd(5, 4, 3), [0, 0, 1, 1], 1.5), {}),
+    ("pad-crop", aten.constant_pad_nd.default, (rnd(5, 4), [-1, 0]), {}),
+    ("repeat", aten.repeat.default, (rnd(5, 4), [1, 2]), {}),
+    ("repeat-lead", aten.repeat.default, (rnd(5, 4), [2, 1, 1]), {}),
+    ("index_select", aten.index_select.default, (rnd(5, 4), 0, idx(5, 6)), {}),
+    ("index_select-1", aten.index_select.default, (rnd(5, 4), 1, idx(4, 3)), {}),
+    ("index_add", aten.index_add.default, (rnd(5, 4), 0, idx(5, 6), rnd(6, 4)), {}),
+    ("index_add-alpha", aten.index_add.default, (rnd(5, 4), 1, idx(4, 5), rnd(5, 5)), {"alpha": 2.0}),
+    ("gather", aten.gather.default, (rnd(5, 4), 1, idx(4, 5, 3)), {}),
+    ("gather-0", aten.gather.default, (rnd(5, 4), 0, idx(5, 3, 4)), {}),
+    ("gather-small", aten.gather.default, (rnd(5, 4), 1, idx(4, 4, 3)), {}),
+    ("scatter_add", aten.scatter_add.default, (rnd(5, 4), 1, idx(4, 5, 3), rnd(5, 3)), {}),
+    ("scatter_add-0", aten.scatter_add.default, (rnd(5, 4), 0, idx(5, 6, 4), rnd(6, 4)), {}),
+    ("scatter_add-bigsrc", aten.scatter_add.default, (rnd(5, 4), 0, idx(5, 3, 4), rnd(4, 4)), {}),
+    ("scatter_add_", aten.scatter_add_.default, (rnd(5, 4), 1, idx(4, 5, 3), rnd(5, 3)), {}),
+    ("scatter-src", aten.scatter.src, (rnd(5, 4), 1, perm_idx(4, 5, 2, 1), rnd(5, 2)), {}),
+    ("scatter-value0", aten.scatter.value, (rnd(5, 4), 1, idx(4, 5, 2), 0.0), {}),
+    ("scatter-value", aten.scatter.value, (rnd(5, 4), 0, idx(5, 3, 4), 2.0), {}),
+    ("scatter_reduce", aten.scatter_reduce.two, (rnd(5, 4), 1, idx(4, 5, 3), rnd(5, 3), "amax"), {}),
+    ("index", aten.index.Tensor, (rnd(5, 4, 3), [idx(5, 6)]), {}),
+    ("index-mid", aten.index.Tensor, (rnd(5, 4, 3), [None, idx(4, 2, 3)]), {}),
+    ("index-apart", aten.index.Tensor, (rnd(5, 4, 3), [idx(5, 6), None, idx(3, 6)]), {}),
+    ("index-bcast", aten.index.Tensor, (rnd(5, 4, 3), [idx(5, 2, 1), idx(4, 1, 3)]), {}),
+    ("index_put-acc", aten.index_put.default, (rnd(5, 4, 3), [idx(5, 6)], rnd(6, 4, 3), True), {}),
+    ("index_put-acc-mid", aten.index_put.default, (rnd(5, 4, 3), [None, idx(4, 3)], rnd(5, 3, 3), True), {}),
+    ("index_put-acc-bcast-v", aten.index_put.default, (rnd(5, 4, 3), [idx(5, 2, 1), idx(4, 1, 3)], rnd(3, 3), True), {}),
+    ("index_put-set", aten.index_put.default, (rnd(5, 4, 3), [torch.tensor([4, 0, 2])], rnd(3, 4, 3)), {}),
+    ("index_put_", aten.index_put_.default, (rnd(5, 4, 3), [None, torch.tensor([3, 1])], rnd(5, 2, 3), True), {}),
+    ("new_zeros-index_put", aten.index_put.default, (_fill(6, 4), [idx(6, 7)], rnd(7, 4), True), {}),
+]
+
+
+@pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)], ids=str)
+@pytest.mark.parametrize("name, op, args, kwargs", BRUTE, ids=[c[0] for c in BRUTE])
+def test_offered_strategies_are_exact(name: str, op: Any, args: tuple, kwargs: dict, mesh_shape: tuple) -> None:
+    gen = torch.Generator().manual_seed(1)
+    mesh = _mesh(mesh_shape)
+    seen = offered(op, args, kwargs, mesh_shape)
+    assert seen
+    for s in sorted(seen, key=str):
+        check_strategy(op, args, kwargs, s, mesh, gen)
+
+
+# ---- pinned strategies -----------------------------------------------------------------------
+X = rnd(5, 4)
+
+
+def test_split_keeps_other_dims_and_partial() -> None:
+    assert offers(aten.split.Tensor, (X, 2, 1), [S0], [S0, S0])
+    assert offers(aten.split.Tensor, (X, 2, 1), [P], [P, P])
+    assert offers(aten.split.Tensor, (X, 2, 1), [Partial("max")], [Partial("max")] * 2)
+    assert outputs_for(aten.split.Tensor, (X, 2, 1), [S1]) == []  # the split dim replicates
+    assert offers(aten.unbind.int, (X, 0), [S1], [S0] * 5)
+
+
+def test_cat_and_stack_need_all_inputs_alike() -> None:
+    a, b = rnd(5, 3), rnd(5, 2)
+    assert offers(aten.cat.default, ([a, b], 1), [S0, S0], [S0])
+    assert offers(aten.cat.default, ([a, b], 1), [P, P], [P])
+    assert outputs_for(aten.cat.default, ([a, b], 1), [S1, S1]) == []
+    assert outputs_for(aten.cat.default, ([a, b], 1), [P, R]) == []
+    assert offers(aten.stack.default, ([a, a], 0), [S1, S1], [S2])
+
+
+def test_slice_select_need_replicated_dim() -> None:
+    assert offers(aten.slice.Tensor, (X, 1, 1, 3), [S0], [S0])
+    assert outputs_for(aten.slice.Tensor, (X, 1, 1, 3), [S1]) == []
+    assert offers(aten.slice.Tensor, (X, 1, 0, 4), [S1], [S1])  # the whole dim: identity
+    assert offers(aten.select.int, (X, 0, 2), [S1], [S0])
+    assert offers(aten.slice_backward.default, (rnd(5, 2), [5, 4], 1, 1, 3, 1), [S0], [S0])
+    assert offers(aten.select_backward.default, (rnd(4), [5, 4], 0, 1), [S0], [S1])
+
+
+def test_pad_keeps_sum_partial_only_for_zero() -> None:
+    assert offers(aten.constant_pad_nd.default, (X, [1, 1]), [P], [P])
+    assert outputs_for(aten.constant_pad_nd.default, (X, [1, 1], 1.0), [P]) == []
+    assert offers(aten.constant_pad_nd.default, (X, [1, 1], 1.0), [Partial("avg")], [Partial("avg")])
+    assert offers(aten.constant_pad_nd.default, (X, [1, 1]), [S0], [S0])
+    assert outputs_for(aten.constant_pad_nd.default, (X, [1, 1]), [S1]) == []
+
+
+def test_tril_keeps_any_shard() -> None:
+    assert offers(aten.tril.default, (X,), [S0], [S0]) and offers(aten.tril.default, (X,), [S1], [S1])
+
+
+def test_index_ops_shard_the_index() -> None:
+    i = idx(5, 6)
+    assert offers(aten.index_select.default, (X, 0, i), [R, S0], [S0])
+    assert offers(aten.index_select.default, (X, 0, i), [S1, R], [S1])
+    assert outputs_for(aten.index_select.default, (X, 0, i), [S0, R]) == []
+    # the gradient of index_select with a sharded index: every rank adds its rows into P(sum)
+    assert offers(aten.index_add.default, (X, 0, i, rnd(6, 4)), [P, S0, S0], [P])
+    assert offers(aten.index.Tensor, (X, [i]), [R, S0], [S0])
+    assert offers(aten.index.Tensor, (X, [i]), [S1, R], [S1])
+    assert offers(aten.index_put.default, (X, [i], rnd(6, 4), True), [P, S0, S0], [P])
+    assert outputs_for(aten.index_put.default, (X, [i], rnd(6, 4)), [P, S0, S0]) == []  # overwrite
+
+
+def test_gather_scatter_positional_dims_line_up() -> None:
+    i = idx(4, 5, 3)
+    assert offers(aten.gather.default, (X, 1, i), [S0, S0], [S0])
+    assert offers(aten.gather.default, (X, 1, i), [R, S1], [S1])
+    assert outputs_for(aten.gather.default, (X, 1, i), [S1, S1]) == []
+    small = idx(4, 3, 3)  # index rows 0-2 of x's 5: pieces would not line up
+    assert outputs_for(aten.gather.default, (X, 1, small), [S0, S0]) == []
+    assert offers(aten.scatter_add.default, (X, 1, i, rnd(5, 3)), [P, S1, S1], [P])
+    assert offers(aten.scatter.value, (X, 1, i, 0.0), [P, R], [P])
+    assert outputs_for(aten.scatter.value, (X, 1, i, 1.0), [P, R]) == []
+    assert outputs_for(aten.scatter.src, (X, 1, i, rnd(5, 3)), [P, R, P]) == []
+
+
+def test_as_strided_is_left_to_the_fallback() -> None:
+    assert get_rule(aten.as_strided.default) is None
+
+
+# ---- the 4-rank world ------------------------------------------------------------------------
+def _meshes() -> list[ProcessMesh]:
+    return [ProcessMesh([0, 1, 2, 3], ["x"]), ProcessMesh([[0, 1], [2, 3]], ["dp", "mp"])]
+
+
+def _layouts(ndim: int, mesh: ProcessMesh, inner: bool) -> list[tuple]:
+    """Layouts of the float inputs: replicated, each dim sharded, Partial; mixes on 2-d.
+
+    ``inner=False`` leaves out shards of dims other than 0 (see ``test_flatten_of_inner_shard``).
+    """
+    dims = range(ndim) if inner else range(1)
+    if mesh.ndim == 1:
+        return [(R,)] + [(Shard(d),) for d in dims] + [(P,)]
+    last = ndim - 1 if inner else 0
+    return [(Shard(0), Shard(last)), (Shard(last), P), (Shard(0), Shard(0))]
+
+
+Case = tuple[str, Callable[..., Any], list[torch.Tensor], list[torch.Tensor]]
+
+
+def _cases() -> list[Case]:
+    """(name, fn(*floats, *indices), float inputs, index inputs). Float sizes are uneven over 4."""
+    g = torch.Generator().manual_seed(7)
+
+    def f(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=g)
+
+    def i(high: int, *shape: int) -> torch.Tensor:
+        return torch.randint(0, high, shape, generator=g)
+
+    x = f(5, 6)
+    return [
+        ("split", lambda a: a.split(2, 1), [x], []),
+        ("split_sizes", lambda a: torch.split(a, [2, 3], 0), [x], []),
+        ("chunk", lambda a: a.chunk(3, 1), [x], []),
+        ("unbind", lambda a: a.unbind(1), [f(5, 3)], []),
+        ("cat", lambda a, b: torch.cat([a, b], 1), [x, f(5, 3)], []),
+        ("cat0", lambda a, b: torch.cat([a, b], 0), [x, f(2, 6)], []),
+        ("stack", lambda a, b: torch.stack([a, b], 1), [x, f(5, 6)], []),
+        ("slice", lambda a: a[1:4, ::2], [x], []),
+        ("narrow", lambda a: a.narrow(1, 2, 3), [x], []),
+        ("select", lambda a: a[:, 2], [x], []),
+        ("unflatten", lambda a: a.unflatten(1, (3, 2)), [x], []),
+        ("roll", lambda a: a.roll(2, 1), [x], []),
+        ("flip", lambda a: a.flip(0), [x], []),
+        ("tril", lambda a: a.tril(1), [f(7, 5)], []),
+        ("triu", lambda a: a.triu(-1), [f(5, 7)], []),
+        ("pad", lambda a: F.pad(a, (1, 2)), [x], []),
+        ("pad3", lambda a: F.pad(a, (1, 1), value=0.5), [f(3, 5, 2)], []),
+        ("repeat", lambda a: a.repeat(1, 2), [x], []),
+        ("index_select", lambda a, j: a.index_select(0, j), [x], [i(5, 7)]),
+        ("gather", lambda a, j: a.gather(1, j), [x], [i(6, 5, 3)]),
+        ("scatter_add", lambda a, b, j: a.scatter_add(1, j, b), [x, f(5, 3)], [i(6, 5, 3)]),
+        ("scatter", lambda a, b, j: a.scatter(1, j, b), [x, f(5, 2)], [perm_idx(6, 5, 2, 1)]),
+        ("index", lambda a, j: a[j], [x], [i(5, 7)]),
+        ("index_col", lambda a, j: a[:, j], [x], [i(6, 5)]),
+        ("index_put", lambda a, b, j: a.index_put((j,), b, accumulate=True), [x, f(7, 6)], [i(5, 7)]),
+        ("setitem", _setitem, [x], [i(5, 3)]),
+        ("tril_", lambda a: (a * 1).tril_(), [f(7, 5)], []),
+    ]
+
+
+def _setitem(a: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+    """``z[j] = 0.5``: index_put_ with a plain 0-dim value, in place on a non-leaf."""
+    z = a * 1
+    z[j] = 0.5
+    return z
+
+
+def _flatten_cases() -> list[Case]:
+    return [("flatten", lambda a: a.flatten(), [reference_tensor((4, 3, 2))], [])]
+
+
+def reference_tensor(shape: tuple[int, ...]) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(13))
+
+
+def _index_layouts(mesh: ProcessMesh) -> list[tuple]:
+    return [(R,) * mesh.ndim, (Shard(0),) + (R,) * (mesh.ndim - 1)]
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def _check_cases(cases: list[Case], inner: bool) -> list[str]:
+    """Every case on both meshes and its layouts: forward values and gradients vs plain torch."""
+    from tests.layouts import make_dist
+
+    failures: list[str] = []
+    g = torch.Generator().manual_seed(11)
+    for mesh in _meshes():
+        for name, fn, floats, ints in cases:
+            ref_in = [t.clone().requires_grad_(True) for t in floats]
+            ref_out = _outs(fn(*ref_in, *ints))
+            weights = [torch.randn(o.shape, generator=g) for o in ref_out]
+            sum(((o * w).sum() for o, w in zip(ref_out, weights)), torch.zeros(())).backward()
+            lays = _layouts(min(t.ndim for t in floats), mesh, inner)
+            for lay, ilay in itertools.product(lays, _index_layouts(mesh) if ints else [()]):
+                what = f"{name} {list(mesh.shape)} {lay} {ilay}"
+                try:
+                    dx = [make_dist(t, mesh, lay).requires_grad_(True) for t in floats]
+                    di = [make_dist(t, mesh, ilay) for t in ints]
+                    out = _outs(fn(*dx, *di))
+                    if len(out) != len(ref_out) or not all(_close(o.full_tensor(), r) for o, r in zip(out, ref_out)):
+                        failures.append(f"{what}: forward differs")
+                        continue
+                    dw = [make_dist(w, mesh, (R,) * mesh.ndim) for w in weights]
+                    sum((o * w).sum() for o, w in zip(out, dw)).backward()
+                    for k, (d, r) in enumerate(zip(dx, ref_in)):
+                        if d.grad is None or not _close(d.grad.full_tensor(), r.grad):
+                            failures.append(f"{what}: gradient of input {k} differs")
+                except Exception as e:  # noqa: BLE001  (collect every failure, report them all)
+                    failures.append(f"{what}: {type(e).__name__}: {e}")
+    return failures
+
+
+def _stays_local() -> dict[str, Any]:
+    """Untouched sharded dims, Partial and sharded indices need no communication."""
+    from tests.layouts import make_dist
+
+    mesh = ProcessMesh([0, 1, 2, 3], ["x"])
+    a = reference_tensor((6, 5))
+    seen = {}
+    d0, dp = make_dist(a, mesh, (Shard(0),)), make_dist(a, mesh, (P,))
+    j = make_dist(torch.tensor([4, 0, 0, 3, 1, 2, 4]), mesh, (Shard(0),))
+    for name, fn, src in [
+        ("split", lambda t: t.split(2, 1)[1], d0), ("slice", lambda t: t[:, 1:3], d0),
+        ("select", lambda t: t[:, 1], d0), ("pad", lambda t: F.pad(t, (1, 1)), d0),
+        ("tril", lambda t: t.tril(), d0), ("partial-flip", lambda t: t.flip(1), dp),
+        ("partial-slice", lambda t: t[2:5], dp), ("index", lambda t: t[j], make_dist(a, mesh, (R,))),
+    ]:
+        with ap.CommDebugMode() as comm:
+            out = fn(src)
+        seen[name] = (comm.get_total_counts(), list(out.placements))
+    return seen
+
+
+def _shape_ops_world(rank: int) -> dict[str, Any]:
+    """All world checks in one call: value failures, ops that fell back, communication counts."""
+    import warnings
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        failures = _check_cases(_cases(), inner=True) + _check_cases(_flatten_cases(), inner=False)
+    fallbacks = sorted({str(w.message).split(" runs replicated")[0] for w in caught if "runs replicated" in str(w.message)})
+    return {"failures": failures, "fallbacks": fallbacks, "local": _stays_local()}
+
+
+@pytest.fixture(scope="module")
+def world_results(world4) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+    results = world4.run(_shape_ops_world, timeout=600)
+    assert all(r == results[0] for r in results[1:]), "ranks disagree"
+    return results[0]
+
+
+def test_shape_ops_match_torch_on_four_ranks(world_results: dict[str, Any]) -> None:
+    assert world_results["failures"] == [], "\n".join(world_results["failures"])
+
+
+def test_shape_ops_run_by_rules_not_fallback(world_results: dict[str, Any]) -> None:
+    assert world_results["fallbacks"] == []
+
+
+def test_untouched_dims_need_no_communication(world_results: dict[str, Any]) -> None:
+    assert world_results["local"] == {
+        "split": (0, [S0]), "slice": (0, [S0]), "select": (0, [S0]), "pad": (0, [S0]),
+        "tril": (0, [S0]), "partial-flip": (0, [P]), "partial-slice": (0, [P]), "index": (0, [S0]),
+    }
+
+
+def _flatten_inner(rank: int) -> list[str]:
+    return _check_cases(_flatten_cases(), inner=True)
+
+
+def test_flatten_of_inner_shard(world4) -> None:  # type: ignore[no-untyped-def]
+    assert world4.run(_flatten_inner)[0] == []
