@@ -116,10 +116,7 @@ class DistTensor(torch.Tensor):
 
 def grad_spec(spec: DistSpec) -> DistSpec:
     """Layout the gradient of a tensor of layout ``spec`` comes back in: Partial -> Replicate."""
-    if not spec.partial_axes():
-        return spec
-    placements = [Replicate() if isinstance(p, Partial) else p for p in spec.placements]
-    return spec.with_placements(placements, spec.shard_order)
+    return spec.without_partial()
 
 
 def replicated(spec: DistSpec) -> DistSpec:

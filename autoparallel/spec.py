@@ -113,6 +113,13 @@ class DistSpec:
     ) -> "DistSpec":
         return DistSpec(self.mesh, tuple(placements), self.shape, self.dtype, shard_order)
 
+    def without_partial(self) -> "DistSpec":
+        """The same layout with every Partial axis made Replicate (the reduced value's layout)."""
+        if not self.partial_axes():
+            return self
+        placements = [Replicate() if isinstance(p, Partial) else p for p in self.placements]
+        return self.with_placements(placements, self.shard_order)
+
     def local_box(self, coord: Sequence[int]) -> Box:
         """Global region held by the rank at mesh coordinate ``coord``."""
         return _local_box(self.placements, self.shard_order, self.shape, self.mesh.shape, tuple(coord))
@@ -126,6 +133,17 @@ class DistSpec:
     def __str__(self) -> str:
         order = f" order={dict(self.shard_order)}" if self.shard_order else ""
         return f"{placements_str(self.placements)} {tuple(self.shape)}{order}"
+
+
+def intersect_boxes(a: Box, b: Box) -> Box | None:
+    """The global region two boxes share, or None when they do not overlap."""
+    out = []
+    for (o1, l1), (o2, l2) in zip(a, b):
+        lo, hi = max(o1, o2), min(o1 + l1, o2 + l2)
+        if hi <= lo:
+            return None
+        out.append((lo, hi - lo))
+    return tuple(out)
 
 
 def _canonical_order(

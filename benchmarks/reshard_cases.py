@@ -183,24 +183,8 @@ def _volume(box: Sequence[tuple[int, int]] | None) -> int:
     return n
 
 
-def _intersect(a: Sequence[tuple[int, int]], b: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...] | None:
-    out = []
-    for (o1, l1), (o2, l2) in zip(a, b):
-        lo, hi = max(o1, o2), min(o1 + l1, o2 + l2)
-        if hi <= lo:
-            return None
-        out.append((lo, hi - lo))
-    return tuple(out)
-
-
 def no_partial(spec: Any) -> Any:
-    from autoparallel.placement import Partial, Replicate
-
-    if not spec.partial_axes():
-        return spec
-    return spec.with_placements(
-        [Replicate() if isinstance(p, Partial) else p for p in spec.placements], spec.shard_order
-    )
+    return spec.without_partial()
 
 
 def lower_bound_bytes(src: Any, dst: Any) -> dict[int, int]:
@@ -216,6 +200,7 @@ def lower_bound_bytes(src: Any, dst: Any) -> dict[int, int]:
     See the module docstring (and why an uneven reduce-scatter stays above the average).
     """
     from autoparallel.placement import Partial
+    from autoparallel.spec import intersect_boxes
 
     mesh = src.mesh
     item = src.itemsize
@@ -229,7 +214,7 @@ def lower_bound_bytes(src: Any, dst: Any) -> dict[int, int]:
         c = mesh.coordinate_of(r)
         t_box, b_box = dst_full.local_box(c), src_full.local_box(c)
         t = _volume(t_box)
-        own[r] = (t if m > 1 else t - _volume(_intersect(t_box, b_box))) * item
+        own[r] = (t if m > 1 else t - _volume(intersect_boxes(t_box, b_box))) * item
     if m == 1:
         return own
     numel = math.prod(src.shape)

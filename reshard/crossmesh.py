@@ -17,8 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from autoparallel.placement import Partial, Replicate
-from autoparallel.spec import Box, DistSpec
+from autoparallel.spec import Box, DistSpec, intersect_boxes
 from reshard.plan import Plan
 from reshard.planner import ReshardError, plan_reshard
 
@@ -70,23 +69,6 @@ class CrossMeshPlan:
         return f"CrossMeshPlan({self.src} on {self.src.mesh} -> {self.dst} on {self.dst.mesh}: pre {self.pre}; p2p {moves}; post {self.post})"
 
 
-def _no_partial(spec: DistSpec) -> DistSpec:
-    if not spec.partial_axes():
-        return spec
-    placements = [Replicate() if isinstance(p, Partial) else p for p in spec.placements]
-    return spec.with_placements(placements, spec.shard_order)
-
-
-def _intersect(a: Box, b: Box) -> Box | None:
-    out = []
-    for (o1, l1), (o2, l2) in zip(a, b):
-        lo, hi = max(o1, o2), min(o1 + l1, o2 + l2)
-        if hi <= lo:
-            return None
-        out.append((lo, hi - lo))
-    return tuple(out)
-
-
 def plan_cross_mesh(src: DistSpec, dst: DistSpec) -> CrossMeshPlan:
     """Plan the move of a tensor from ``src`` (on one mesh) to ``dst`` (on another); cached."""
     if src.shape != dst.shape or src.dtype != dst.dtype:
@@ -121,8 +103,8 @@ def _plan_best_same_mesh(src: DistSpec, dst: DistSpec) -> Plan | CrossMeshPlan:
 
 @lru_cache(maxsize=4096)
 def _plan_cross_mesh(src: DistSpec, dst: DistSpec) -> CrossMeshPlan:
-    src_full = _no_partial(src)
-    dst_full = _no_partial(dst)
+    src_full = src.without_partial()
+    dst_full = dst.without_partial()
     pre = plan_reshard(src, src_full)
     post = plan_reshard(dst_full, dst)
     # Distinct source pieces and who holds each (mesh order).
@@ -135,7 +117,7 @@ def _plan_cross_mesh(src: DistSpec, dst: DistSpec) -> CrossMeshPlan:
         if any(length == 0 for _, length in need):
             continue
         for box, ranks in holders.items():
-            piece = _intersect(need, box)
+            piece = intersect_boxes(need, box)
             if piece is None or r in ranks:
                 continue
             transfers.append(Transfer(ranks[k % len(ranks)], r, piece))

@@ -6,7 +6,7 @@ import torch
 
 from autoparallel import comm, runtime
 from autoparallel.placement import Partial, Shard
-from autoparallel.spec import DistSpec
+from autoparallel.spec import Box, DistSpec, intersect_boxes
 from reshard.crossmesh import CrossMeshPlan, plan_best
 from reshard.plan import (
     ALL_GATHER,
@@ -116,14 +116,10 @@ def _view(t: torch.Tensor, held_box, box) -> torch.Tensor:
     return t
 
 
-def _copy_overlap(src: torch.Tensor, src_box, dst: torch.Tensor, dst_box) -> None:
-    inter = []
-    for (o1, l1), (o2, l2) in zip(src_box, dst_box):
-        lo, hi = max(o1, o2), min(o1 + l1, o2 + l2)
-        if hi <= lo:
-            return
-        inter.append((lo, hi - lo))
-    _view(dst, dst_box, inter).copy_(_view(src, src_box, inter))
+def _copy_overlap(src: torch.Tensor, src_box: Box, dst: torch.Tensor, dst_box: Box) -> None:
+    inter = intersect_boxes(src_box, dst_box)
+    if inter is not None:
+        _view(dst, dst_box, inter).copy_(_view(src, src_box, inter))
 
 
 def run_any(local: torch.Tensor, plan: Plan | CrossMeshPlan) -> torch.Tensor:
