@@ -12,6 +12,7 @@ import autoparallel  # noqa: F401,I001
 
 
 from spmd_rules import (  # noqa: F401  (importing a family registers its rules)
+    conv_attention,
     matmul,
     nn,
     optim_ops,
