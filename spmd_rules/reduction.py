@@ -3,9 +3,9 @@
 Along one mesh axis every reduction offers ``R -> R`` and ``Shard(kept dim) -> Shard(its output
 dim)``; what a shard of a *reduced* dim, or a Partial input, may become depends on the op:
 
-=============================  ======================  ==================================
+=============================  ======================  ====================================
 op                             Shard(reduced dim) ->   Partial input passes through
-=============================  ======================  ==================================
+=============================  ======================  ====================================
 sum, mean                      P(sum)                  P(sum) (not bool); P(avg) for floats
 nansum, count_nonzero          P(sum)                  -
 amax, max (full)               P(max)                  P(max)
@@ -17,12 +17,14 @@ vector_norm, ord inf / -inf    P(max) / P(min)         -
 prod, logsumexp, var, std,     needs Replicate         -
 var_mean, std_mean, max/min
 .dim, argmax, argmin, norm 2
-=============================  ======================  ==================================
+=============================  ======================  ====================================
 
 ``mean`` runs ``sum(local) / global count`` on each shard (exact for uneven shards). ``amax``,
-``max``, ``amin``, ``min``, ``aminmax`` and the inf-norms of an empty local piece (ranks past the end of an
-uneven shard) give the reduction's identity (``-inf``/``+inf``, the dtype's limits, ``0`` for
-``|x|``) instead of an error, so the Partial result stays exact.
+``max``, ``amin``, ``min``, ``aminmax`` and the inf-norms of an empty local piece (ranks past
+the end of an uneven shard) give the reduction's identity (``-inf``/``+inf``, the dtype's
+limits, ``0`` for ``|x|``) instead of an error, so the Partial result stays exact.
+
+Only the overloads named here have rules: ``out=`` overloads take the replicated fallback.
 
 Scans (``cumsum``, ``cumprod``, ``logcumsumexp``, ``cummax``, ``cummin``) need the scan dim
 replicated; other dims keep their shard, and ``cumsum`` (linear) passes ``P(sum|avg)``.
