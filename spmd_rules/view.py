@@ -153,3 +153,11 @@ def reshape_alias_local(ctx: LocalContext, x: torch.Tensor, size: Sequence[int],
     local = ctx.out_shapes[0]
     assert local is not None
     return aten.view.default(x, list(local))
+
+
+@register_local_impl(aten.squeeze)
+def squeeze_local(ctx: LocalContext, x: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+    """Squeeze exactly the dims that are size 1 globally: a shard may be size 1 (or 0) locally
+    in a dim that is not, and a plain local ``squeeze()`` would drop it."""
+    dims = sorted(_squeezed(ctx.call))
+    return aten.squeeze.dims(x, dims) if dims else aten.alias.default(x)

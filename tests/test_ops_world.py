@@ -178,6 +178,9 @@ def _views(rank: int) -> bool:
     assert list(t.placements) == [Shard(2)] and _close(t.full_tensor(), a.transpose(0, 2))
     assert _close(d.permute(2, 0, 1).full_tensor(), a.permute(2, 0, 1))
     assert _close(d.unsqueeze(1).squeeze(1).full_tensor(), a)
+    one_row = make_dist(reference((4, 3), 19), mesh, (Shard(0),))  # local shards are (1, 3)
+    assert tuple(one_row.squeeze().shape) == (4, 3)
+    assert _close(one_row.squeeze().full_tensor(), reference((4, 3), 19))
     m = make_dist(reference((5, 4), 11), mesh, (Shard(1),))
     assert _close(m.t().full_tensor(), reference((5, 4), 11).t())
     return True
