@@ -116,3 +116,25 @@ def follow(out_p: Placement, out_shape: Sequence[int], in_shape: Sequence[int]) 
 
 def is_partial(p: Placement, *types: str) -> bool:
     return isinstance(p, Partial) and (not types or p.reduce_type in types)
+
+
+def input_slots(call: OpCall) -> dict[str, int]:
+    """Input index of each tensor argument, by schema name (args, then kwargs, as dispatched)."""
+    names = [a.name for a in call.op._schema.arguments]
+    slots: dict[str, int] = {}
+    for i, a in enumerate(call.args):
+        if isinstance(a, TensorMeta):
+            slots[names[i]] = len(slots)
+    for name, a in call.kwargs.items():
+        if isinstance(a, TensorMeta):
+            slots[name] = len(slots)
+    return slots
+
+
+def named_strategy(call: OpCall, placed: dict[str, Placement], outs: Sequence[Placement]) -> AxisStrategy:
+    """Named inputs take ``placed`` (the rest Replicate); outputs ``outs`` (None outputs: R)."""
+    ins: list[Placement] = [R] * len(call.inputs)
+    for name, i in input_slots(call).items():
+        if name in placed:
+            ins[i] = placed[name]
+    return AxisStrategy(tuple(ins), tuple(p if o is not None else R for p, o in zip(outs, call.out)))

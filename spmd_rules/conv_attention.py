@@ -37,6 +37,8 @@ import torch
 
 from autoparallel.placement import Partial, Placement, Shard
 from spmd_rules.base import P_SUM, R, AxisStrategy, LocalContext, OpCall, TensorMeta, broadcast_dim
+from spmd_rules.base import input_slots as _slots
+from spmd_rules.base import named_strategy as _make
 from spmd_rules.registry import register_axis_rule, register_local_impl
 
 aten = torch.ops.aten
@@ -52,28 +54,6 @@ def _arg(call: OpCall, name: str, default: Any = None) -> Any:
     if 0 <= i < len(call.args):
         return call.args[i]
     return call.kwargs.get(name, default)
-
-
-def _slots(call: OpCall) -> dict[str, int]:
-    """Input index of each tensor argument, by schema name (args, then kwargs, as dispatched)."""
-    names = [a.name for a in call.op._schema.arguments]
-    slots: dict[str, int] = {}
-    for i, a in enumerate(call.args):
-        if isinstance(a, TensorMeta):
-            slots[names[i]] = len(slots)
-    for name, a in call.kwargs.items():
-        if isinstance(a, TensorMeta):
-            slots[name] = len(slots)
-    return slots
-
-
-def _make(call: OpCall, placed: dict[str, Placement], outs: Sequence[Placement]) -> AxisStrategy:
-    """Named inputs take ``placed`` (the rest Replicate); outputs ``outs`` (None outputs: R)."""
-    ins: list[Placement] = [R] * len(call.inputs)
-    for name, i in _slots(call).items():
-        if name in placed:
-            ins[i] = placed[name]
-    return AxisStrategy(tuple(ins), tuple(p if o is not None else R for p, o in zip(outs, call.out)))
 
 
 def _worth(call: OpCall, name: str, axis: int, dims: Sequence[int]) -> list[int]:
