@@ -16,6 +16,20 @@ from autoparallel.runtime import get_rank, get_world_size
 from autoparallel.factory import empty, full, ones, rand, randn, zeros
 from spmd_rules.registry import register_axis_rule, register_local_impl, register_rule
 import spmd_rules  # noqa: F401,E402  (registers every rule family)
+from autoparallel.nn import (  # noqa: E402
+    ColWiseParallel,
+    PrepareLayerInput,
+    PrepareLayerOutput,
+    RowWiseParallel,
+    SequenceParallel,
+    VocabParallelEmbedding,
+    parallelize,
+    shard_layer,
+)
+from autoparallel.optim import ShardingStage1, ShardingStage2, ShardingStage3, shard_optimizer  # noqa: E402
+from autoparallel.data import shard_dataloader  # noqa: E402
+from autoparallel import pipeline  # noqa: E402,F401
+from autoparallel.checkpoint import load_state_dict, save_state_dict  # noqa: E402
 
 __all__ = [
     "CommDebugMode",
@@ -44,6 +58,23 @@ __all__ = [
     "rand",
     "randn",
     "zeros",
+    # model level (autoparallel.nn, .optim, .data, .checkpoint; pipelines under ap.pipeline)
+    "ColWiseParallel",
+    "PrepareLayerInput",
+    "PrepareLayerOutput",
+    "RowWiseParallel",
+    "SequenceParallel",
+    "ShardingStage1",
+    "ShardingStage2",
+    "ShardingStage3",
+    "VocabParallelEmbedding",
+    "load_state_dict",
+    "parallelize",
+    "pipeline",
+    "save_state_dict",
+    "shard_dataloader",
+    "shard_layer",
+    "shard_optimizer",
 ]
 
 __version__ = "0.1.0"
