@@ -28,6 +28,7 @@ from autoparallel import Partial, Replicate, Shard, comm
 from autoparallel.spec import DistSpec
 from spmd_rules import LocalContext, OpCall, Strategy, TensorMeta, get_local_impl, get_rule
 from tests.layouts import make_dist, reference
+from tests.treeutil import map_tensors, one_thread, tensors_in  # noqa: F401  (one_thread: autouse fixture)
 
 aten = torch.ops.aten
 R = Replicate()
@@ -37,31 +38,11 @@ PMAX = Partial("max")
 _GEN = torch.Generator().manual_seed(0)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Any:
-    """Intra-op threads only slow the tiny brute-force ops down (badly so on a loaded machine)."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
-
 
 def rnd(*shape: int) -> torch.Tensor:
     return torch.randn(shape, generator=_GEN, dtype=torch.float64)
 
 
-def _map(x: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
-    if isinstance(x, torch.Tensor):
-        return fn(x)
-    if isinstance(x, (list, tuple)):
-        return type(x)(_map(i, fn) for i in x)
-    return x
-
-
-def _tensors(x: Any) -> list[torch.Tensor]:
-    out: list[torch.Tensor] = []
-    _map(x, out.append)
-    return out
 
 
 def meta(t: torch.Tensor | None) -> TensorMeta | None:
@@ -74,12 +55,12 @@ def make_call(
     """An ``OpCall`` for ``op(*args)`` on real tensors (outputs from ``fn`` when given)."""
     out = (fn or op)(*args)
     outs = [out] if isinstance(out, torch.Tensor) else list(out)
-    inputs = _tensors(args)
+    inputs = tensors_in(args)
     placements = [tuple(p) if isinstance(p, (list, tuple)) else (p,) for p in placements]
     assert len(placements) == len(inputs)
     metas = {id(t): meta(t) for t in inputs}
     return OpCall(
-        op, _map(args, lambda t: metas[id(t)]), {}, tuple(metas[id(t)] for t in inputs),
+        op, map_tensors(args, lambda t: metas[id(t)]), {}, tuple(metas[id(t)] for t in inputs),
         tuple(meta(o) for o in outs), tuple(placements), mesh_shape,
     )
 
@@ -262,7 +243,7 @@ def _combine(locals_: dict[tuple[int, ...], torch.Tensor], spec: DistSpec) -> to
 
 
 def _check_strategy(op: Any, fn: Callable[..., Any], args: tuple, s: Strategy, call: OpCall, mesh: ap.ProcessMesh) -> None:
-    inputs = _tensors(args)
+    inputs = tensors_in(args)
     in_specs = tuple(DistSpec(mesh, p, tuple(t.shape), t.dtype) for t, p in zip(inputs, s.inputs))
     out_specs = tuple(None if m is None else DistSpec(mesh, p, m.shape, m.dtype) for m, p in zip(call.out, s.outputs))
     coords = [tuple(int(v) for v in c) for c in np.ndindex(*mesh.shape)]
@@ -271,7 +252,7 @@ def _check_strategy(op: Any, fn: Callable[..., Any], args: tuple, s: Strategy, c
 
     def rank(c: tuple[int, ...]) -> Any:
         pieces = iter([_local_piece(t, sp, c, i) for i, (t, sp) in enumerate(zip(inputs, in_specs))])
-        largs = _map(args, lambda _t: next(pieces))
+        largs = map_tensors(args, lambda _t: next(pieces))
         if impl is None:
             return fn(*largs)
         shapes = tuple(None if sp is None else sp.local_shape(c) for sp in out_specs)
@@ -376,7 +357,7 @@ MESHES = [(2,), (3,), (4,), (2, 2)]
 @pytest.mark.parametrize("mesh_shape", MESHES, ids=[str(m) for m in MESHES])
 @pytest.mark.parametrize("case", CASES, ids=[f"{c.op}-{i}" for i, c in enumerate(CASES)])
 def test_offered_strategies_are_exact(case: Case, mesh_shape: tuple[int, ...]) -> None:
-    inputs = _tensors(case.args)
+    inputs = tensors_in(case.args)
     mesh = ap.ProcessMesh(np.arange(int(np.prod(mesh_shape))).reshape(mesh_shape))
     seen: set[Strategy] = set()
     calls = []

@@ -16,6 +16,7 @@ import torch
 from autoparallel import Partial, Replicate, Shard
 from autoparallel.placement import chunk_bounds
 from spmd_rules import OpCall, Strategy, TensorMeta, get_rule
+from tests.treeutil import map_tensors, tensors_in
 
 aten = torch.ops.aten
 R = Replicate()
@@ -32,20 +33,6 @@ def meta(t: torch.Tensor) -> TensorMeta:
     return TensorMeta(tuple(t.shape), t.dtype)
 
 
-def _map(x: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
-    if isinstance(x, torch.Tensor):
-        return fn(x)
-    if isinstance(x, (list, tuple)):
-        return type(x)(_map(i, fn) for i in x)
-    if isinstance(x, dict):
-        return {k: _map(v, fn) for k, v in x.items()}
-    return x
-
-
-def _tensors(x: Any) -> list[torch.Tensor]:
-    out: list[torch.Tensor] = []
-    _map(x, out.append)
-    return out
 
 
 def make_call(
@@ -55,14 +42,14 @@ def make_call(
     kwargs = kwargs or {}
     out = op(*args, **kwargs)
     outs = [out] if isinstance(out, torch.Tensor) else list(out)
-    inputs = _tensors(args) + _tensors(kwargs)
+    inputs = tensors_in(args) + tensors_in(kwargs)
     placements = [tuple(p) if isinstance(p, (list, tuple)) else (p,) for p in placements]
     assert len(placements) == len(inputs)
     metas = {id(t): meta(t) for t in inputs}
     return OpCall(
         op,
-        _map(args, lambda t: metas[id(t)]),
-        _map(kwargs, lambda t: metas[id(t)]),
+        map_tensors(args, lambda t: metas[id(t)]),
+        map_tensors(kwargs, lambda t: metas[id(t)]),
         tuple(metas[id(t)] for t in inputs),
         tuple(meta(o) for o in outs),
         tuple(placements),
@@ -274,7 +261,7 @@ PLACEMENTS = [R, S0, S1, S2, P, Partial("avg"), Partial("max")]
 @pytest.mark.parametrize("n", [2, 3])
 @pytest.mark.parametrize("op, args", BRUTE, ids=[f"{op}-{i}" for i, (op, _) in enumerate(BRUTE)])
 def test_offered_strategies_are_exact(op: Any, args: tuple, n: int) -> None:
-    inputs = _tensors(args)
+    inputs = tensors_in(args)
     gen = torch.Generator().manual_seed(0)
     expected = op(*args)
     seen: set[Strategy] = set()
@@ -290,7 +277,7 @@ def test_offered_strategies_are_exact(op: Any, args: tuple, n: int) -> None:
         local_out = []
         for i in range(n):
             it = iter([pc[i] for pc in pieces])
-            local_out.append(op(*_map(args, lambda _t: next(it))))
+            local_out.append(op(*map_tensors(args, lambda _t: next(it))))
         got = combine(local_out, s.outputs[0][0])
         torch.testing.assert_close(got, expected, msg=lambda m: f"{op} {s}: {m}")
 

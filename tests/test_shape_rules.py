@@ -26,6 +26,7 @@ import autoparallel as ap
 from autoparallel import DistSpec, Partial, ProcessMesh, Replicate, Shard
 from autoparallel.placement import partials_compatible
 from spmd_rules import LocalContext, OpCall, Strategy, TensorMeta, get_local_impl, get_rule
+from tests.treeutil import map_tensors, one_thread, tensors_in  # noqa: F401  (one_thread: autouse fixture)
 
 aten = torch.ops.aten
 R = Replicate()
@@ -34,14 +35,6 @@ P = Partial()
 PLACEMENTS = [R, S0, S1, S2, P, Partial("avg"), Partial("max"), Partial("min")]
 _GEN = torch.Generator().manual_seed(0)
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Any:
-    """Tiny ops: intra-op threads only contend on a loaded machine (tril costs 30 ms with them)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def rnd(*shape: int) -> torch.Tensor:
@@ -61,20 +54,6 @@ def perm_idx(high: int, rows: int, cols: int, dim: int) -> torch.Tensor:
 
 
 # ---- building calls --------------------------------------------------------------------------
-def _map(x: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
-    if isinstance(x, torch.Tensor):
-        return fn(x)
-    if isinstance(x, (list, tuple)):
-        return type(x)(_map(i, fn) for i in x)
-    if isinstance(x, dict):
-        return {k: _map(v, fn) for k, v in x.items()}
-    return x
-
-
-def _tensors(x: Any) -> list[torch.Tensor]:
-    out: list[torch.Tensor] = []
-    _map(x, out.append)
-    return out
 
 
 def _outs(out: Any) -> list[torch.Tensor]:
@@ -83,20 +62,20 @@ def _outs(out: Any) -> list[torch.Tensor]:
 
 def run_op(op: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     """The op on fresh copies (in-place ops must not write the test's tensors)."""
-    args, kwargs = _map(args, torch.clone), _map(kwargs, torch.clone)
+    args, kwargs = map_tensors(args, torch.clone), map_tensors(kwargs, torch.clone)
     return _outs(op(*args, **kwargs))
 
 
 def make_call(op: Any, args: tuple, placements: list, mesh_shape: tuple[int, ...], kwargs: dict | None = None) -> OpCall:
     kwargs = kwargs or {}
     outs = run_op(op, args, kwargs)
-    inputs = _tensors(args) + _tensors(kwargs)
+    inputs = tensors_in(args) + tensors_in(kwargs)
     assert len(placements) == len(inputs)
     metas = {id(t): TensorMeta(tuple(t.shape), t.dtype) for t in inputs}
     return OpCall(
         op,
-        _map(args, lambda t: metas[id(t)]),
-        _map(kwargs, lambda t: metas[id(t)]),
+        map_tensors(args, lambda t: metas[id(t)]),
+        map_tensors(kwargs, lambda t: metas[id(t)]),
         tuple(metas[id(t)] for t in inputs),
         tuple(TensorMeta(tuple(o.shape), o.dtype) for o in outs),
         tuple(tuple(p) for p in placements),
@@ -183,7 +162,7 @@ def assemble(pieces: dict, pl: tuple, shape: tuple, mesh: ProcessMesh) -> torch.
 
 
 def check_strategy(op: Any, args: tuple, kwargs: dict, s: Strategy, mesh: ProcessMesh, gen: torch.Generator) -> None:
-    inputs = _tensors(args) + _tensors(kwargs)
+    inputs = tensors_in(args) + tensors_in(kwargs)
     expected = run_op(op, args, kwargs)
     call = make_call(op, args, list(s.inputs), tuple(mesh.shape), kwargs)
     pieces = [local_pieces(t, pl, mesh, gen) for t, pl in zip(inputs, s.inputs)]
@@ -193,8 +172,8 @@ def check_strategy(op: Any, args: tuple, kwargs: dict, s: Strategy, mesh: Proces
     local_outs: list[dict] = [{} for _ in expected]
     for coord in _coords(tuple(mesh.shape)):
         it = iter([pc[coord] for pc in pieces])
-        largs = _map(args, lambda _t: next(it))
-        lkwargs = _map(kwargs, lambda _t: next(it))
+        largs = map_tensors(args, lambda _t: next(it))
+        lkwargs = map_tensors(kwargs, lambda _t: next(it))
         if impl is None:
             res = _outs(op(*largs, **lkwargs))
         else:
@@ -223,7 +202,7 @@ def _fits(p: Any, t: torch.Tensor) -> bool:
 
 def offered(op: Any, args: tuple, kwargs: dict, mesh_shape: tuple[int, ...]) -> set[Strategy]:
     """Every strategy offered when any one input currently has any placement on any axis."""
-    inputs = _tensors(args) + _tensors(kwargs)
+    inputs = tensors_in(args) + tensors_in(kwargs)
     seen: set[Strategy] = set()
     base = [(R,) * len(mesh_shape) for _ in inputs]
     seen.update(strategies(make_call(op, args, base, mesh_shape, kwargs)))
