@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-
-def _todo(*args: Any, **kwargs: Any) -> Any:
-    raise NotImplementedError("autoparallel.nn is being written")
-
-
-shard_layer = parallelize = _todo
-ColWiseParallel = RowWiseParallel = SequenceParallel = _todo
-PrepareLayerInput = PrepareLayerOutput = VocabParallelEmbedding = _todo
+from autoparallel.nn.parallelize import parallelize
+from autoparallel.nn.shard_layer import shard_layer
+from autoparallel.nn.styles import (
+    ColWiseParallel,
+    ParallelStyle,
+    PrepareLayerInput,
+    PrepareLayerOutput,
+    RowWiseParallel,
+    SequenceParallel,
+    VocabParallelEmbedding,
+)
 
 __all__ = [
     "ColWiseParallel",
+    "ParallelStyle",
     "PrepareLayerInput",
     "PrepareLayerOutput",
     "RowWiseParallel",

@@ -1,0 +1,129 @@
+"""``parallelize``: apply a declarative plan ``{module-name pattern: style}`` to a model.
+
+A flat, ordered driver (the torchtitan shape): resolve the tensor-parallel mesh axis, match
+every pattern against the module names, check every (module, style) pair — all from metadata,
+so a bad plan raises the same error on every rank before anything is converted or any
+collective runs — then apply the styles in plan order and replicate every parameter and
+buffer the plan did not cover.
+"""
+
+from __future__ import annotations
+
+from fnmatch import fnmatchcase
+from typing import Any
+
+from torch import nn
+
+from autoparallel.mesh import ProcessMesh
+from autoparallel.nn.shard_layer import ParamSharder
+from autoparallel.nn.styles import ParallelStyle, PlanContext, SequenceParallel
+
+TP_AXIS_NAMES = ("mp", "tp")
+
+
+def resolve_axis(mesh: ProcessMesh, axis: int | str | None) -> int:
+    """The tensor-parallel mesh axis: ``axis``, else the axis named "mp"/"tp", else the only one."""
+    if axis is not None:
+        try:
+            return mesh.axis_index(axis)
+        except ValueError as e:
+            raise ValueError(f"parallelize: tensor-parallel axis {axis!r}: {e}") from None
+    named = [n for n in TP_AXIS_NAMES if n in mesh.dim_names]
+    if len(named) == 1:
+        return mesh.dim_names.index(named[0])
+    if mesh.ndim == 1:
+        return 0
+    raise ValueError(
+        f"parallelize: cannot tell the tensor-parallel axis of a mesh with axes {mesh.dim_names}; "
+        f"name one {' or '.join(repr(n) for n in TP_AXIS_NAMES)}, or pass axis="
+    )
+
+
+def match_plan(layer: nn.Module, plan: dict[str, Any]) -> list[tuple[str, str, nn.Module, ParallelStyle]]:
+    """``(pattern, name, module, style)`` for every module each pattern matches, in plan order.
+
+    Patterns are ``fnmatch`` patterns over whole dotted module names (``*`` also crosses dots;
+    ``""`` is the root module). A pattern matching nothing, a value that is not a style, or a
+    module given two parameter-sharding styles raises.
+    """
+    if not isinstance(plan, dict):
+        raise TypeError(f"parallelize: plan must be a dict {{module-name pattern: style}}, got {type(plan).__name__}")
+    modules = list(layer.named_modules())
+    out: list[tuple[str, str, nn.Module, ParallelStyle]] = []
+    owner: dict[str, str] = {}  # module name -> pattern of its parameter-sharding style
+    for pattern, style in plan.items():
+        if not isinstance(pattern, str):
+            raise TypeError(f"parallelize: plan key {pattern!r} is not a module-name pattern (str)")
+        if not isinstance(style, ParallelStyle):
+            hint = " (SequenceParallel is a class: write SequenceParallel())" if isinstance(style, type) else ""
+            raise TypeError(f"parallelize: plan[{pattern!r}] = {style!r} is not a parallel style{hint}")
+        hits = [(n, m) for n, m in modules if fnmatchcase(n, pattern)]
+        if not hits:
+            sample = [n for n, _ in modules if n][:8]
+            raise ValueError(
+                f"parallelize: plan pattern {pattern!r} matches no module of {type(layer).__name__} "
+                f"(module names look like {sample})"
+            )
+        for name, module in hits:
+            if style.shards_parameters:
+                if name in owner:
+                    raise ValueError(
+                        f"parallelize: module {name!r} is matched by {owner[name]!r} and {pattern!r}, "
+                        "two styles that both lay out its parameters"
+                    )
+                owner[name] = pattern
+            out.append((pattern, name, module, style))
+    return out
+
+
+def check_ties(matches: list[tuple[str, str, nn.Module, ParallelStyle]], axis_name: str) -> None:
+    """A parameter reached from several matched modules (tied) must get one layout from all."""
+    seen: dict[int, tuple[str, Any]] = {}
+    for _, name, module, style in matches:
+        for attr, p in style.param_placements(module).items():
+            t = module._parameters.get(attr)
+            if t is None:
+                continue
+            where = f"{name}.{attr}" if name else attr
+            first = seen.setdefault(id(t), (where, p))
+            if first[1] != p:
+                raise ValueError(
+                    f"parallelize: {where} is tied to {first[0]}; their styles lay it out as {p} and "
+                    f"{first[1]} on the tensor-parallel mesh axis {axis_name!r}"
+                )
+
+
+def _seq_dim(plan: dict[str, Any]) -> int | None:
+    dims = {s.seq_dim for s in plan.values() if isinstance(s, SequenceParallel)}
+    if len(dims) > 1:
+        raise ValueError(f"parallelize: SequenceParallel styles disagree on the sequence dim: {sorted(dims)}")
+    return dims.pop() if dims else None
+
+
+def parallelize(layer: nn.Module, mesh: ProcessMesh, plan: dict[str, Any], *, axis: int | str | None = None) -> nn.Module:
+    """Lay ``layer`` out on ``mesh`` by ``plan``, in place; return ``layer``.
+
+    ``plan`` maps module-name patterns (``"blocks.*.attn.qkv"``) to styles
+    (``ColWiseParallel()``, ``RowWiseParallel()``, ``SequenceParallel()``,
+    ``VocabParallelEmbedding()``, ``PrepareLayerInput([...])``, ``PrepareLayerOutput([...])``),
+    applied in plan order. ``axis`` is the tensor-parallel mesh axis (name or number; default
+    the axis named "mp" or "tp", else the only axis). Parameters are Replicate on every other
+    mesh axis, and every parameter/buffer the plan does not cover becomes Replicate. Under
+    ``SequenceParallel`` styles, row-parallel layers and vocab-parallel embeddings reduce to
+    ``Shard(seq_dim)`` (reduce-scatter) instead of Replicate (all-reduce) by default.
+    Raises ``TypeError``/``ValueError`` for a bad plan before converting anything.
+    """
+    if not isinstance(layer, nn.Module):
+        raise TypeError(f"parallelize: layer must be an nn.Module, got {type(layer).__name__}")
+    if not isinstance(mesh, ProcessMesh):
+        raise TypeError(f"parallelize: mesh must be an ap.ProcessMesh, got {type(mesh).__name__}")
+    tp = resolve_axis(mesh, axis)
+    matches = match_plan(layer, plan)
+    for _, name, module, style in matches:
+        style.check(name, module, mesh, tp)
+    check_ties(matches, mesh.dim_names[tp])
+    ctx = PlanContext(mesh, tp, _seq_dim(plan), ParamSharder(mesh))
+    for _, name, module, style in matches:
+        style.apply(name, module, ctx)
+    ctx.sharder.replicate_rest(layer)
+    return layer

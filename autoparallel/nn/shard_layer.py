@@ -1,0 +1,176 @@
+"""``shard_layer``: turn every parameter and buffer of a module into a DistTensor on a mesh.
+
+Paddle's ``paddle.distributed.shard_layer`` contract: ``shard_fn(name, sublayer, mesh)`` runs
+for every sublayer and may replace its parameters with ``ap.shard_tensor(...)``; whatever it
+leaves as a plain tensor becomes Replicate on every mesh axis. Tied parameters (one Parameter
+object reachable from several modules) stay tied: they are converted once and the same
+DistTensor Parameter is put back everywhere.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from autoparallel.api import shard_tensor
+from autoparallel.dtensor import DistTensor
+from autoparallel.mesh import ProcessMesh
+from autoparallel.placement import Placement, Replicate
+
+ShardFn = Callable[[str, nn.Module, ProcessMesh], None]
+InputFn = Callable[[Any, ProcessMesh], Any]
+OutputFn = Callable[[Any, ProcessMesh], Any]
+
+
+class ParamSharder:
+    """Converts parameters/buffers to DistTensors once each, keeping tied parameters tied.
+
+    ``converted`` maps ``id`` of an original (plain) tensor to its DistTensor replacement, so a
+    tensor reached through several modules gets one replacement; asking for two different
+    layouts of one tied tensor raises ``ValueError`` naming both.
+    """
+
+    def __init__(self, mesh: ProcessMesh) -> None:
+        self.mesh = mesh
+        self.converted: dict[int, torch.Tensor] = {}
+        self._originals: dict[int, torch.Tensor] = {}  # keep originals alive: ids stay unique
+        self._where: dict[int, str] = {}
+
+    def place(self, module: nn.Module, attr: str, placements: Sequence[Placement], where: str) -> None:
+        """Set ``module.<attr>`` (a parameter or buffer) to its DistTensor in ``placements``."""
+        is_param = attr in module._parameters
+        t = module._parameters[attr] if is_param else module._buffers[attr]
+        if t is None:
+            return
+        placements = tuple(placements)
+        new = self.converted.get(id(t))
+        if new is None:
+            if isinstance(t, DistTensor):
+                if t.process_mesh != self.mesh or tuple(t.placements) != placements:
+                    raise ValueError(
+                        f"{where}: {attr} is already a DistTensor laid out as {list(t.placements)} on "
+                        f"{t.process_mesh!r}; this style lays it out as {list(placements)} on {self.mesh!r}: "
+                        "parallelize a module whose parameters are still plain tensors"
+                    )
+                new = t
+            else:
+                new = shard_tensor(t, self.mesh, list(placements))
+                if is_param and not isinstance(new, nn.Parameter):
+                    new = nn.Parameter(new, requires_grad=t.requires_grad)
+            self.record(t, new, where)
+        if tuple(new.placements) != placements:  # type: ignore[attr-defined]
+            raise ValueError(
+                f"{where}: {attr} is tied to {self._where.get(id(t), '?')}, which lays it out as "
+                f"{list(new.placements)}; it cannot also be {list(placements)}"  # type: ignore[attr-defined]
+            )
+        if is_param:
+            module._parameters[attr] = new  # type: ignore[assignment]
+        else:
+            module._buffers[attr] = new
+
+    def record(self, old: torch.Tensor, new: torch.Tensor, where: str) -> None:
+        self.converted[id(old)] = new
+        self._originals[id(old)] = old
+        self._where[id(old)] = where
+
+    def replicate_rest(self, root: nn.Module) -> None:
+        """Every parameter/buffer not converted yet becomes Replicate on every mesh axis."""
+        for name, module in root.named_modules(remove_duplicate=False):
+            for attr, t in [*module._parameters.items(), *module._buffers.items()]:
+                if t is None:
+                    continue
+                done = self.converted.get(id(t))
+                if done is not None:
+                    self._put(module, attr, done)
+                elif isinstance(t, DistTensor):  # laid out by the caller (any mesh): keep it
+                    self.record(t, t, _qual(name, attr))
+                else:
+                    self.place(module, attr, [Replicate()] * self.mesh.ndim, _qual(name, attr))
+
+    @staticmethod
+    def _put(module: nn.Module, attr: str, new: torch.Tensor) -> None:
+        if attr in module._parameters:
+            module._parameters[attr] = new  # type: ignore[assignment]
+        else:
+            module._buffers[attr] = new
+
+
+def _record_replacement(sharder: ParamSharder, module: nn.Module, attr: str, old: torch.Tensor, new: torch.Tensor, where: str) -> None:
+    """Note that ``shard_fn`` replaced ``old`` by ``new``; a tied ``old`` replaced twice must agree."""
+    first = sharder.converted.get(id(old))
+    if first is None:
+        sharder.record(old, new, where)
+        return
+    if _layout(first) != _layout(new):
+        raise ValueError(
+            f"shard_layer: {where} is tied to {sharder._where[id(old)]}, which shard_fn laid out as "
+            f"{_layout(first)}; it cannot also be {_layout(new)}"
+        )
+    ParamSharder._put(module, attr, first)  # same layout: keep the tie (one Parameter)
+
+
+def _layout(t: torch.Tensor) -> str:
+    if isinstance(t, DistTensor):
+        return f"{list(t.placements)} on {t.process_mesh!r}"
+    return "a plain tensor"
+
+
+def _qual(module_name: str, attr: str) -> str:
+    return f"{module_name}.{attr}" if module_name else attr
+
+
+def _check_callable(fn: Any, name: str) -> None:
+    if fn is not None and not callable(fn):
+        raise TypeError(f"shard_layer: {name} must be callable or None, got {type(fn).__name__}")
+
+
+def shard_layer(
+    layer: nn.Module,
+    mesh: ProcessMesh,
+    shard_fn: ShardFn | None = None,
+    input_fn: InputFn | None = None,
+    output_fn: OutputFn | None = None,
+) -> nn.Module:
+    """Make ``layer``'s parameters and buffers DistTensors on ``mesh``, in place; return ``layer``.
+
+    ``shard_fn(name, sublayer, mesh)`` is called for every sublayer (the root has name ``""``)
+    and may replace its parameters with ``ap.shard_tensor(...)``; every parameter and buffer
+    it leaves plain becomes Replicate on every mesh axis (parameters stay ``nn.Parameter``).
+    ``input_fn(inputs, mesh)`` runs as a forward pre-hook on ``layer`` (``inputs`` is the tuple
+    of positional arguments; a returned value replaces them) and ``output_fn(outputs, mesh)``
+    as a forward hook (a returned value replaces the output).
+    """
+    if not isinstance(layer, nn.Module):
+        raise TypeError(f"shard_layer: layer must be an nn.Module, got {type(layer).__name__}")
+    if not isinstance(mesh, ProcessMesh):
+        raise TypeError(f"shard_layer: mesh must be an ap.ProcessMesh, got {type(mesh).__name__}")
+    for fn, name in [(shard_fn, "shard_fn"), (input_fn, "input_fn"), (output_fn, "output_fn")]:
+        _check_callable(fn, name)
+    sharder = ParamSharder(mesh)
+    if shard_fn is not None:
+        for name, sub in layer.named_modules():
+            before = {a: t for a, t in [*sub._parameters.items(), *sub._buffers.items()] if t is not None}
+            shard_fn(name, sub, mesh)
+            for a, old in before.items():
+                new = sub._parameters.get(a, sub._buffers.get(a))
+                if new is not None and new is not old:
+                    _record_replacement(sharder, sub, a, old, new, _qual(name, a))
+    sharder.replicate_rest(layer)
+    install_io_hooks(layer, mesh, input_fn, output_fn)
+    return layer
+
+
+def install_io_hooks(layer: nn.Module, mesh: ProcessMesh, input_fn: InputFn | None, output_fn: OutputFn | None) -> None:
+    """Register ``input_fn``/``output_fn`` as forward pre/post hooks of ``layer``."""
+    if input_fn is not None:
+        def pre_hook(module: nn.Module, args: tuple[Any, ...]) -> Any:
+            return input_fn(args, mesh)
+
+        layer.register_forward_pre_hook(pre_hook)
+    if output_fn is not None:
+        def post_hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+            return output_fn(output, mesh)
+
+        layer.register_forward_hook(post_hook)

@@ -1,0 +1,354 @@
+"""Parallel styles: how one module is laid out on the tensor-parallel ("tp") mesh axis.
+
+A style shards its module's own parameters (``weight``, ``bias``) on the tp axis — every other
+mesh axis stays Replicate — and installs forward hooks that bring the module's input and
+output to the layouts the style stands for. The hooks only call ``ap.reshard`` /
+``ap.shard_tensor``, so the collectives a model issues are exactly those moves (and their
+autograd reverses), visible in ``ap.CommDebugMode``:
+
+==========================  ===============================  ==============================
+style                       forward                          backward
+==========================  ===============================  ==============================
+ColWiseParallel             input -> R on tp (all-gather      input grad P -> S(seq)
+                            when it arrived S(seq), else      (reduce-scatter) or P -> R
+                            nothing)                          (all-reduce)
+RowWiseParallel             output P -> R (all-reduce) or     output grad: S(seq) -> R
+                            P -> S(seq) (reduce-scatter)      (all-gather) or nothing
+SequenceParallel            input -> S(seq) (a local slice    nothing for a slice
+                            of a replicated input)
+VocabParallelEmbedding      output P -> R / S(seq)            as RowWiseParallel
+==========================  ===============================  ==============================
+
+Divisibility: the core handles uneven shards exactly, so no style requires a parameter dim to
+divide by the tp degree (uneven out-features, in-features or vocabularies work). The one check
+is ``SequenceParallel``'s: the sequence dim of an activation entering a sequence-parallel region
+must divide by the tp degree, because Megatron-SP's point is equal-size all-gathers and
+reduce-scatters (uneven pieces would make the all-gather an all-to-all and pad the
+reduce-scatter). It raises ``ValueError`` at the forward pre-hook, from the global shape alone,
+on every rank before any collective of that step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from autoparallel.dtensor import DistTensor
+from autoparallel.mesh import ProcessMesh
+from autoparallel.nn.layout import Layout, check_layout, map_layouts, to_layout
+from autoparallel.nn.shard_layer import ParamSharder
+from autoparallel.placement import Partial, Placement, Replicate, Shard
+
+
+@dataclass(frozen=True)
+class PlanContext:
+    """What every style of one ``parallelize`` call shares: mesh, tp axis, SP sequence dim."""
+
+    mesh: ProcessMesh
+    axis: int
+    seq_dim: int | None  # the sequence dim when the plan has SequenceParallel styles
+    sharder: ParamSharder
+
+    @property
+    def degree(self) -> int:
+        return self.mesh.shape[self.axis]
+
+    def on_axis(self, p: Placement) -> list[Placement]:
+        """``p`` on the tp axis, Replicate on every other mesh axis."""
+        out: list[Placement] = [Replicate()] * self.mesh.ndim
+        out[self.axis] = p
+        return out
+
+    def shard_param(self, module: nn.Module, attr: str, p: Placement, where: str) -> None:
+        if getattr(module, attr, None) is not None:
+            self.sharder.place(module, attr, self.on_axis(p), f"{where}.{attr}" if where else attr)
+
+
+class ParallelStyle:
+    """Base of the styles: ``check`` (pure, before anything runs) then ``apply`` (in place)."""
+
+    module_types: tuple[type[nn.Module], ...] = (nn.Module,)
+    shards_parameters = True  # at most one parameter-sharding style per module
+
+    def check(self, name: str, module: nn.Module, mesh: ProcessMesh, axis: int) -> None:
+        """Raise ``TypeError``/``ValueError`` if this style cannot apply to ``module``."""
+        if not isinstance(module, self.module_types):
+            kinds = ", ".join(f"nn.{t.__name__}" for t in self.module_types)
+            raise TypeError(
+                f"{type(self).__name__} on module {name!r}: supports {kinds}, got {type(module).__name__}"
+            )
+
+    def param_placements(self, module: nn.Module) -> dict[str, Placement]:
+        """Placement on the tp axis of each parameter this style lays out (pure)."""
+        return {}
+
+    def apply(self, name: str, module: nn.Module, ctx: PlanContext) -> None:
+        raise NotImplementedError
+
+    def shard_params(self, name: str, module: nn.Module, ctx: PlanContext) -> None:
+        for attr, p in self.param_placements(module).items():
+            ctx.shard_param(module, attr, p, name)
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
+        return f"{type(self).__name__}({fields})"
+
+
+def _input_hook(module: nn.Module, layout: Layout, ctx: PlanContext, where: str, check: Any = None) -> None:
+    """Forward pre-hook: the first positional input to ``layout`` (after ``check(x)``)."""
+    def hook(_: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        if not args:
+            return args
+        if check is not None:
+            check(args[0])
+        return (to_layout(args[0], ctx.mesh, ctx.axis, layout, where), *args[1:])
+
+    module.register_forward_pre_hook(hook)
+
+
+def _output_hook(module: nn.Module, layout: Layout, ctx: PlanContext, where: str, check: Any = None) -> None:
+    """Forward hook: the output (a tensor) to ``layout`` (after ``check(out)``)."""
+    def hook(_: nn.Module, args: tuple[Any, ...], out: Any) -> Any:
+        if check is not None:
+            check(out)
+        return to_layout(out, ctx.mesh, ctx.axis, layout, where)
+
+    module.register_forward_hook(hook)
+
+
+def _seq_check(ctx: PlanContext, seq_dim: int, where: str) -> Any:
+    """A check that a tensor's sequence dim exists and divides by the tp degree."""
+    def check(x: Any) -> None:
+        if not isinstance(x, torch.Tensor):
+            return
+        if not -x.dim() <= seq_dim < x.dim():
+            raise ValueError(
+                f"{where}: sequence dim {seq_dim} does not exist on an activation of shape {tuple(x.shape)}"
+            )
+        n = x.shape[seq_dim]
+        if n % ctx.degree:
+            raise ValueError(
+                f"{where}: sequence length {n} (dim {seq_dim} of shape {tuple(x.shape)}) does not divide "
+                f"by the tensor-parallel degree {ctx.degree} (mesh axis {ctx.mesh.dim_names[ctx.axis]!r}); "
+                "sequence parallelism needs equal pieces"
+            )
+
+    return check
+
+
+def _reduced_output(layout: Layout, ctx: PlanContext, where: str) -> tuple[Layout, Any]:
+    """Where a Partial output goes: ``layout``, or by default S(seq) under SP, else R."""
+    if layout is not None:
+        return layout, None
+    if ctx.seq_dim is not None:
+        return Shard(ctx.seq_dim), _seq_check(ctx, ctx.seq_dim, where)
+    return Replicate(), None
+
+
+class ColWiseParallel(ParallelStyle):
+    """Column parallel: ``nn.Linear`` weight ``Shard(0)`` (out-features) and bias ``Shard(0)``.
+
+    Input: made Replicate on the tp axis (an all-gather when it arrives sequence-sharded, a
+    no-op when it is replicated). Output: sharded on its last dim; ``gather_output=True``
+    all-gathers it to Replicate. On ``nn.Embedding`` the weight is ``Shard(1)`` (embedding dim)
+    and the output is sharded on its last dim likewise. On an LM head, ``gather_output=False``
+    gives class-sharded logits that ``F.cross_entropy`` consumes directly (loss parallel: each
+    rank scores its class range; only ``[rows]``-sized all-reduces, the logits are never gathered).
+    """
+
+    module_types: tuple[type[nn.Module], ...] = (nn.Linear, nn.Embedding)
+
+    def __init__(self, gather_output: bool = False) -> None:
+        if not isinstance(gather_output, bool):
+            raise TypeError(f"ColWiseParallel: gather_output must be a bool, got {gather_output!r}")
+        self.gather_output = gather_output
+
+    def param_placements(self, module: nn.Module) -> dict[str, Placement]:
+        if isinstance(module, nn.Embedding):
+            return {"weight": Shard(1)}
+        return {"weight": Shard(0), "bias": Shard(0)}
+
+    def apply(self, name: str, module: nn.Module, ctx: PlanContext) -> None:
+        self.shard_params(name, module, ctx)
+        _input_hook(module, Replicate(), ctx, f"ColWiseParallel({name!r}) input")
+        if self.gather_output:
+            _output_hook(module, Replicate(), ctx, f"ColWiseParallel({name!r}) output")
+
+
+class RowWiseParallel(ParallelStyle):
+    """Row parallel: ``nn.Linear`` weight ``Shard(1)`` (in-features), bias Replicate.
+
+    Input: brought to ``Shard(-1)`` on the tp axis from whatever arrives. ``is_input_parallel``
+    (Paddle's flag) only documents what is expected: ``True`` (the default), sharded by a
+    preceding ``ColWiseParallel`` (nothing moves); ``False``, replicated (each rank slices its
+    part locally, still no collective); anything else is resharded. The local matmuls
+    give a Partial sum, reduced to ``output_layout``: by default ``Replicate()`` (one
+    all-reduce), or ``Shard(seq_dim)`` (one reduce-scatter) when the plan has
+    ``SequenceParallel`` styles; pass ``Partial()`` to leave it unreduced, or any layout.
+    On ``nn.Embedding`` this is ``VocabParallelEmbedding``.
+    """
+
+    module_types: tuple[type[nn.Module], ...] = (nn.Linear, nn.Embedding)
+
+    def __init__(self, is_input_parallel: bool = True, output_layout: Layout = None) -> None:
+        if not isinstance(is_input_parallel, bool):
+            raise TypeError(f"RowWiseParallel: is_input_parallel must be a bool, got {is_input_parallel!r}")
+        self.is_input_parallel = is_input_parallel
+        self.output_layout = output_layout
+
+    def check(self, name: str, module: nn.Module, mesh: ProcessMesh, axis: int) -> None:
+        super().check(name, module, mesh, axis)
+        check_layout(self.output_layout, mesh, f"{type(self).__name__}({name!r}).output_layout")
+        if isinstance(module, nn.Embedding):
+            _check_embedding(name, module, type(self).__name__)
+
+    def param_placements(self, module: nn.Module) -> dict[str, Placement]:
+        if isinstance(module, nn.Embedding):
+            return {"weight": Shard(0)}
+        return {"weight": Shard(1), "bias": Replicate()}
+
+    def apply(self, name: str, module: nn.Module, ctx: PlanContext) -> None:
+        where = f"{type(self).__name__}({name!r})"
+        self.shard_params(name, module, ctx)
+        if isinstance(module, nn.Embedding):
+            _input_hook(module, Replicate(), ctx, f"{where} input")  # token ids whole on tp
+        else:
+            _input_hook(module, Shard(-1), ctx, f"{where} input")
+        layout, check = _reduced_output(self.output_layout, ctx, f"{where} output")
+        if not isinstance(layout, Partial):
+            _output_hook(module, layout, ctx, f"{where} output", check)
+
+
+class VocabParallelEmbedding(RowWiseParallel):
+    """Vocab parallel ``nn.Embedding``: weight ``Shard(0)`` (rows), masked lookup, Partial reduced.
+
+    Token ids are made Replicate on the tp axis; each rank looks up the ids in its row range
+    (zeros elsewhere), giving a Partial sum reduced to ``output_layout`` (as ``RowWiseParallel``:
+    Replicate by default, ``Shard(seq_dim)`` — a reduce-scatter — under SequenceParallel).
+    An uneven vocabulary is fine. ``max_norm`` and ``sparse`` embeddings are refused.
+    """
+
+    module_types: tuple[type[nn.Module], ...] = (nn.Embedding,)
+
+    def __init__(self, output_layout: Layout = None) -> None:
+        super().__init__(is_input_parallel=True, output_layout=output_layout)
+
+    def __repr__(self) -> str:
+        return f"VocabParallelEmbedding(output_layout={self.output_layout!r})"
+
+
+def _check_embedding(name: str, module: nn.Embedding, style: str) -> None:
+    if module.max_norm is not None:
+        raise ValueError(f"{style} on {name!r}: max_norm={module.max_norm} renormalises rows in place; not supported")
+    if module.sparse:
+        raise ValueError(f"{style} on {name!r}: sparse=True gradients are not supported")
+
+
+class SequenceParallel(ParallelStyle):
+    """Megatron sequence parallel region: LayerNorm/RMSNorm/Dropout on sequence-sharded input.
+
+    Parameters stay Replicate; the input is made ``Shard(seq_dim)`` on the tp axis (a local
+    slice when it is replicated, a reduce-scatter when it is Partial) and so is the output.
+    With ``ColWiseParallel`` after it (all-gather on entry) and ``RowWiseParallel`` before it
+    (reduce-scatter on exit, chosen automatically when a plan has SequenceParallel styles),
+    each transformer sub-block issues one all-gather and one reduce-scatter forward and the
+    same backward, instead of two all-reduces. The sequence length must divide by the tp
+    degree (``ValueError`` otherwise; see the module docstring).
+    """
+
+    module_types: tuple[type[nn.Module], ...] = (nn.LayerNorm, nn.RMSNorm, nn.Dropout)
+
+    def param_placements(self, module: nn.Module) -> dict[str, Placement]:
+        return {"weight": Replicate(), "bias": Replicate()}
+
+    def __init__(self, seq_dim: int = 1) -> None:
+        if isinstance(seq_dim, bool) or not isinstance(seq_dim, int):
+            raise TypeError(f"SequenceParallel: seq_dim must be an int tensor dim, got {seq_dim!r}")
+        self.seq_dim = seq_dim
+
+    def apply(self, name: str, module: nn.Module, ctx: PlanContext) -> None:
+        where = f"SequenceParallel({name!r})"
+        self.shard_params(name, module, ctx)
+        _input_hook(module, Shard(self.seq_dim), ctx, f"{where} input", _seq_check(ctx, self.seq_dim, f"{where} input"))
+        _output_hook(module, Shard(self.seq_dim), ctx, f"{where} output")
+
+
+class PrepareLayerInput(ParallelStyle):
+    """Declare/reshard a module's inputs: ``input_layouts[i]`` for positional input ``i``.
+
+    Each layout is ``None`` (leave it), a placement for the tp axis, or a list of placements
+    (one per mesh axis). Plain tensors are taken as the full value and laid out
+    (``ap.shard_tensor``); DistTensors are resharded. ``kwarg_layouts`` does the same for
+    keyword arguments. Applies to any module and combines with a parameter style.
+    """
+
+    shards_parameters = False
+
+    def __init__(self, input_layouts: Sequence[Layout], kwarg_layouts: dict[str, Layout] | None = None) -> None:
+        if not isinstance(input_layouts, (list, tuple)):
+            raise TypeError(f"PrepareLayerInput: input_layouts must be a list (one layout per input), got {input_layouts!r}")
+        self.input_layouts = list(input_layouts)
+        self.kwarg_layouts = dict(kwarg_layouts or {})
+
+    def _layouts(self, name: str, mesh: ProcessMesh) -> tuple[list[Layout], dict[str, Layout]]:
+        where = f"PrepareLayerInput({name!r})"
+        return ([check_layout(x, mesh, where) for x in self.input_layouts],
+                {k: check_layout(v, mesh, where) for k, v in self.kwarg_layouts.items()})
+
+    def check(self, name: str, module: nn.Module, mesh: ProcessMesh, axis: int) -> None:
+        self._layouts(name, mesh)
+
+    def apply(self, name: str, module: nn.Module, ctx: PlanContext) -> None:
+        where = f"PrepareLayerInput({name!r})"
+        layouts, kw_layouts = self._layouts(name, ctx.mesh)
+
+        def hook(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+            args = map_layouts(args, layouts, ctx.mesh, ctx.axis, where)
+            kwargs = {k: to_layout(v, ctx.mesh, ctx.axis, kw_layouts.get(k), where) for k, v in kwargs.items()}
+            return args, kwargs
+
+        module.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+class PrepareLayerOutput(ParallelStyle):
+    """Declare/reshard a module's outputs: ``output_layouts[i]`` for output ``i``.
+
+    A module returning one tensor has one output. Layouts as in ``PrepareLayerInput``.
+    """
+
+    shards_parameters = False
+
+    def __init__(self, output_layouts: Sequence[Layout]) -> None:
+        if not isinstance(output_layouts, (list, tuple)):
+            raise TypeError(f"PrepareLayerOutput: output_layouts must be a list (one layout per output), got {output_layouts!r}")
+        self.output_layouts = list(output_layouts)
+
+    def check(self, name: str, module: nn.Module, mesh: ProcessMesh, axis: int) -> None:
+        for x in self.output_layouts:
+            check_layout(x, mesh, f"PrepareLayerOutput({name!r})")
+
+    def apply(self, name: str, module: nn.Module, ctx: PlanContext) -> None:
+        where = f"PrepareLayerOutput({name!r})"
+        layouts = [check_layout(x, ctx.mesh, where) for x in self.output_layouts]
+
+        def hook(_: nn.Module, args: tuple[Any, ...], out: Any) -> Any:
+            if isinstance(out, tuple):
+                return map_layouts(out, layouts, ctx.mesh, ctx.axis, where)
+            return map_layouts((out,), layouts, ctx.mesh, ctx.axis, where)[0]
+
+        module.register_forward_hook(hook)
+
+
+__all__ = [
+    "ColWiseParallel",
+    "ParallelStyle",
+    "PlanContext",
+    "PrepareLayerInput",
+    "PrepareLayerOutput",
+    "RowWiseParallel",
+    "SequenceParallel",
+    "VocabParallelEmbedding",
+]
