@@ -1,14 +1,23 @@
-"""Optimizer sharding (ZeRO stages 1/2/3) over a data-parallel mesh axis: ``shard_optimizer``."""
+"""Data parallel with bucketed gradient reduction and ZeRO stages 1/2/3: ``shard_optimizer``.
+
+>>> opt = ap.shard_optimizer(torch.optim.AdamW(model.parameters()))                     # DP
+>>> opt = ap.shard_optimizer(torch.optim.AdamW(model.parameters()), ap.ShardingStage2(mesh))
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from autoparallel.optim.buckets import DEFAULT_BUCKET_BYTES, plan_buckets
+from autoparallel.optim.sharded import ShardedOptimizer, shard_optimizer
+from autoparallel.optim.stages import ShardingStage, ShardingStage1, ShardingStage2, ShardingStage3, shard_layout
 
-
-def _todo(*args: Any, **kwargs: Any) -> Any:
-    raise NotImplementedError("autoparallel.optim is being written")
-
-
-shard_optimizer = ShardingStage1 = ShardingStage2 = ShardingStage3 = _todo
-
-__all__ = ["ShardingStage1", "ShardingStage2", "ShardingStage3", "shard_optimizer"]
+__all__ = [
+    "DEFAULT_BUCKET_BYTES",
+    "ShardedOptimizer",
+    "ShardingStage",
+    "ShardingStage1",
+    "ShardingStage2",
+    "ShardingStage3",
+    "plan_buckets",
+    "shard_layout",
+    "shard_optimizer",
+]

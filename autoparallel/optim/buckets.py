@@ -1,0 +1,109 @@
+"""Bucketed collectives: many tensors' local shards through one flat buffer per collective.
+
+Every function packs this rank's pieces into one flat buffer, issues ONE collective on one mesh
+axis through ``autoparallel.comm`` (so ``CommDebugMode`` sees it) and unpacks. Bucket
+boundaries come from metadata only (``plan_buckets``), so every rank issues the same sequence.
+Uneven ``torch.chunk`` pieces are padded to the largest per-rank segment.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from autoparallel import comm, runtime
+from autoparallel.mesh import ProcessMesh
+from autoparallel.placement import chunk_bounds
+
+DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
+
+
+def plan_buckets(nbytes: Sequence[int], bucket_bytes: int) -> list[list[int]]:
+    """Split items (in order) into consecutive buckets of at most ``bucket_bytes`` each.
+
+    An item larger than the limit gets a bucket of its own. Pure: same input, same buckets.
+    """
+    buckets: list[list[int]] = []
+    size = 0
+    for i, b in enumerate(nbytes):
+        if not buckets or size + b > bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(i)
+        size += b
+    return buckets
+
+
+def _line(mesh: ProcessMesh, axis: int) -> tuple[int, int]:
+    """(members on ``axis``, this rank's coordinate on it)."""
+    coord = mesh.coordinate_of(runtime.get_rank())
+    assert coord is not None, "bucketed collective on a mesh this rank is not in"
+    return mesh.shape[axis], coord[axis]
+
+
+def _chunk(t: torch.Tensor, dim: int, n: int, r: int) -> torch.Tensor:
+    return t.narrow(dim, *chunk_bounds(t.shape[dim], n, r))
+
+
+def _chunk_shape(shape: Sequence[int], dim: int, n: int, r: int) -> tuple[int, ...]:
+    out = list(shape)
+    out[dim] = chunk_bounds(shape[dim], n, r)[1]
+    return tuple(out)
+
+
+def _pad(flat: torch.Tensor, width: int) -> torch.Tensor:
+    """``flat`` (1-d) with zeros appended up to ``width`` elements."""
+    return flat if flat.numel() == width else torch.cat([flat, flat.new_zeros(width - flat.numel())])
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def all_reduce(locals_: Sequence[torch.Tensor], mesh: ProcessMesh, axis: int, reduce_type: str) -> list[torch.Tensor]:
+    """Reduce every tensor over ``axis`` with one all-reduce; returns new tensors."""
+    flat = torch.cat([t.reshape(-1) for t in locals_])  # [sum numel]
+    flat = comm.all_reduce(flat, mesh, axis, reduce_type)
+    return [piece.view(t.shape) for piece, t in zip(flat.split([t.numel() for t in locals_]), locals_)]
+
+
+def reduce_scatter(
+    locals_: Sequence[torch.Tensor], dims: Sequence[int], mesh: ProcessMesh, axis: int, reduce_type: str
+) -> list[torch.Tensor]:
+    """Reduce every tensor over ``axis`` and keep this rank's ``torch.chunk`` piece along its dim.
+
+    One reduce-scatter: segment ``r`` of the buffer holds member ``r``'s pieces of every tensor.
+    """
+    n, me = _line(mesh, axis)
+    segments = [torch.cat([_chunk(t, d, n, r).reshape(-1) for t, d in zip(locals_, dims)]) for r in range(n)]
+    width = max(s.numel() for s in segments)  # member 0 has the largest pieces
+    buf = torch.cat([_pad(s, width) for s in segments])  # [n * width]
+    mine = comm.reduce_scatter(buf, mesh, axis, 0, reduce_type)  # [width]
+    shapes = [_chunk_shape(t.shape, d, n, me) for t, d in zip(locals_, dims)]
+    sizes = [_numel(s) for s in shapes]
+    pieces = mine[: sum(sizes)].split(sizes)
+    return [p.view(s) for p, s in zip(pieces, shapes)]
+
+
+def all_gather(
+    pieces: Sequence[torch.Tensor], dims: Sequence[int], full_shapes: Sequence[Sequence[int]], mesh: ProcessMesh, axis: int
+) -> list[torch.Tensor]:
+    """Inverse of the scatter: each rank's chunk along its dim -> the whole (local) tensors.
+
+    ``full_shapes`` are the shapes before chunking (the same on every member of the axis line).
+    """
+    n, _ = _line(mesh, axis)
+    shapes = [[_chunk_shape(f, d, n, r) for f, d in zip(full_shapes, dims)] for r in range(n)]
+    sizes = [[_numel(s) for s in row] for row in shapes]
+    width = sum(sizes[0])
+    mine = torch.cat([p.reshape(-1) for p in pieces])
+    buf = comm.all_gather(_pad(mine, width), mesh, axis, 0, [width] * n)  # [n * width]
+    rows = [buf[r * width: r * width + sum(sizes[r])].split(sizes[r]) for r in range(n)]
+    return [
+        torch.cat([rows[r][k].view(shapes[r][k]) for r in range(n)], dim=d)
+        for k, d in enumerate(dims)
+    ]

@@ -1,0 +1,302 @@
+"""``shard_optimizer``: data parallel with bucketed gradient reduction, and ZeRO stages 1/2/3.
+
+The wrapper is a ``torch.optim.Optimizer`` (LR schedulers accept it) around an unmodified
+``torch.optim`` optimizer. One step:
+
+1. ``reduce_gradients``: every Partial gradient of a mesh is reduced in buckets — one
+   collective per bucket and mesh axis (all-reduce; reduce-scatter along the data-parallel axis
+   for stages 2 and 3).
+2. The inner optimizer steps. Stages 1/2 give it, per parameter, a *shard*: a DistTensor that
+   is this rank's ``torch.chunk`` piece of the parameter along the data-parallel axis (a view of
+   the parameter's local shard), so its states (momentum, ``exp_avg``...) are created sharded.
+   Stage 3 shards the parameters themselves in place (``autoparallel.optim.zero3``).
+3. Stages 1/2: the updated shards are all-gathered back into the parameters, in buckets.
+
+Without ``shard_optimizer`` nothing changes for correctness: Partial gradients are reduced by
+the optimizer's own ops, one parameter at a time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import torch
+
+from autoparallel import runtime
+from autoparallel.dtensor import DistTensor
+from autoparallel.optim import buckets
+from autoparallel.optim.stages import ShardingStage, check_stage, param_axis, shard_layout
+from autoparallel.optim.zero3 import shard_parameter_
+from autoparallel.placement import Partial, Replicate, Shard, chunk_bounds
+from autoparallel.spec import DistSpec
+from reshard.executor import reshard_local
+
+
+@dataclass
+class _Slot:
+    """One parameter: the model's tensor, the tensor the inner optimizer steps, their layouts."""
+
+    param: torch.Tensor
+    stepped: torch.Tensor           # == param unless stage 1/2 shards it
+    axis: int | None                # data-parallel axis in the parameter's mesh
+    shard: DistSpec | None          # the parameter's shard layout (None: not sharded)
+
+
+def shard_optimizer(
+    optimizer: torch.optim.Optimizer, shard_fn: ShardingStage | None = None, *, bucket_bytes: int = buckets.DEFAULT_BUCKET_BYTES
+) -> "ShardedOptimizer":
+    """Wrap ``optimizer`` for data parallel (``shard_fn=None``) or ZeRO (``ap.ShardingStage1/2/3``).
+
+    Call it after the parameters are DistTensors and before the first step. Every check runs
+    on metadata before any collective, so a bad configuration raises the same error everywhere.
+    """
+    return ShardedOptimizer(optimizer, shard_fn, bucket_bytes=bucket_bytes)
+
+
+class ShardedOptimizer(torch.optim.Optimizer):
+    """A ``torch.optim`` optimizer whose step reduces gradients in buckets and shards states.
+
+    ``param_groups`` and ``state`` are the inner optimizer's (for stages 1/2 its parameters are
+    the shards). ``reduce_gradients()`` may be called before ``clip_grad_norm_`` so clipping sees
+    reduced gradients; ``step()`` calls it anyway (a no-op when nothing is Partial).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, shard_fn: Any = None, *, bucket_bytes: int = buckets.DEFAULT_BUCKET_BYTES) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"shard_optimizer: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if isinstance(optimizer, ShardedOptimizer):
+            raise TypeError("shard_optimizer: the optimizer is already wrapped by shard_optimizer")
+        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
+            raise ValueError(f"shard_optimizer: bucket_bytes must be a positive int, got {bucket_bytes!r}")
+        self.inner = optimizer
+        self.stage = check_stage(shard_fn)
+        self.bucket_bytes = bucket_bytes
+        if self.stage is not None and any(optimizer.state.values()):
+            raise ValueError("shard_optimizer: wrap the optimizer before its first step (it already holds state)")
+        plans = [self._plan_group(g, k) for k, g in enumerate(optimizer.param_groups)]  # all checks first
+        self._slots: list[_Slot] = []
+        for group, plan in zip(optimizer.param_groups, plans):
+            group["params"] = [self._adopt(*item) for item in plan]
+        super().__init__(optimizer.param_groups, optimizer.defaults)
+        self.param_groups = optimizer.param_groups
+        self.state = optimizer.state
+        self._ready = True
+
+    # ---- setting up ---------------------------------------------------------------------
+    def _plan_group(self, group: dict[str, Any], k: int) -> list[tuple[torch.Tensor, int | None, DistSpec | None]]:
+        """(parameter, data-parallel axis, shard layout) per parameter; raises on bad configs."""
+        out: list[tuple[torch.Tensor, int | None, DistSpec | None]] = []
+        for i, p in enumerate(group["params"]):
+            where = f"param_groups[{k}] parameter {i} of shape {tuple(p.shape)}"
+            if self.stage is None:
+                out.append((p, None, None))
+                continue
+            if not isinstance(p, DistTensor):
+                raise TypeError(
+                    f"shard_optimizer: {where} is a plain tensor; make the model's parameters "
+                    "DistTensors first (ap.shard_layer, ap.parallelize or ap.shard_tensor)"
+                )
+            axis = param_axis(self.stage, p._spec, where)
+            out.append((p, axis, shard_layout(p._spec, axis)))
+        return out
+
+    def _adopt(self, p: torch.Tensor, axis: int | None, shard: DistSpec | None) -> torch.Tensor:
+        stepped = p
+        if shard is not None and self.stage is not None:
+            if self.stage.stage == 3:
+                shard_parameter_(p, axis, shard)  # type: ignore[arg-type]
+            else:
+                stepped = DistTensor._wrap(_narrow_to(p._local, p._spec, shard, axis), shard)  # type: ignore[attr-defined,arg-type]
+        self._slots.append(_Slot(p, stepped, axis, shard))
+        return stepped
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group of parameters (after construction: planned and checked like the others)."""
+        if not getattr(self, "_ready", False):  # Optimizer.__init__ passing the adopted groups
+            return
+        self.inner.add_param_group(param_group)
+        group = self.inner.param_groups[-1]
+        plan = self._plan_group(group, len(self.inner.param_groups) - 1)
+        group["params"] = [self._adopt(*item) for item in plan]
+
+    # ---- the step -----------------------------------------------------------------------
+    @torch.no_grad()
+    def reduce_gradients(self) -> None:
+        """Reduce every Partial gradient, one collective per bucket and mesh axis."""
+        todo = [s for s in self._slots if isinstance(s.param.grad, DistTensor) and s.param.grad._spec.partial_axes()]
+        meshes: dict[Any, list[_Slot]] = {}
+        for s in todo:
+            meshes.setdefault(s.param.grad._spec.mesh, []).append(s)  # type: ignore[union-attr]
+        for mesh, slots in meshes.items():
+            for axis in self._axis_order(mesh, slots):
+                self._reduce_axis(mesh, axis, slots)
+
+    def _axis_order(self, mesh: Any, slots: list[_Slot]) -> list[int]:
+        """Scatter along the data-parallel axis first (the later all-reduces are then smaller)."""
+        first = [s.axis for s in slots if s.axis is not None and self._scatters()]
+        return list(dict.fromkeys(first + list(range(mesh.ndim))))
+
+    def _scatters(self) -> bool:
+        return self.stage is not None and self.stage.stage >= 2
+
+    def _reduce_axis(self, mesh: Any, axis: int, slots: list[_Slot]) -> None:
+        groups: dict[tuple[Any, ...], list[tuple[_Slot, DistSpec]]] = {}
+        for s in slots:
+            g = s.param.grad
+            assert isinstance(g, DistTensor)
+            p = g._spec.placements[axis]
+            if not isinstance(p, Partial):
+                continue
+            target = self._reduced_layout(s, g._spec, axis)
+            kind = "rs" if isinstance(target.placements[axis], Shard) else "ar"
+            groups.setdefault((kind, p.reduce_type, g.dtype), []).append((s, target))
+        member = mesh.coordinate_of(runtime.get_rank()) is not None
+        for (kind, reduce_type, _), items in groups.items():
+            sizes = [_meta_bytes(s.param.grad._spec) for s, _ in items]  # type: ignore[union-attr]
+            for bucket in buckets.plan_buckets(sizes, self.bucket_bytes):
+                chosen = [items[i] for i in bucket]
+                grads = [s.param.grad for s, _ in chosen]
+                if not member:
+                    results = [g._local for g in grads]  # type: ignore[union-attr]
+                elif kind == "rs":
+                    dims = [t.placements[axis].dim for _, t in chosen]  # type: ignore[union-attr]
+                    results = buckets.reduce_scatter([g._local for g in grads], dims, mesh, axis, reduce_type)  # type: ignore[union-attr]
+                else:
+                    results = buckets.all_reduce([g._local for g in grads], mesh, axis, reduce_type)  # type: ignore[union-attr]
+                for (s, target), local in zip(chosen, results):
+                    s.param.grad = DistTensor._wrap(local, target)
+
+    def _reduced_layout(self, s: _Slot, spec: DistSpec, axis: int) -> DistSpec:
+        """The gradient's layout after reducing ``axis``: Replicate, or the shard layout (stage >= 2)."""
+        placements = list(spec.placements)
+        placements[axis] = Replicate()
+        reduced = spec.with_placements(placements, spec.shard_order)
+        if axis == s.axis and s.shard is not None and self._scatters():
+            target = shard_layout(reduced, axis)
+            if target is not None and target.placements[axis] == s.shard.placements[axis]:
+                return target
+        return reduced
+
+    @torch.no_grad()
+    def _gather_updated(self) -> None:
+        """Stages 1/2: all-gather the updated shards into the parameters, in buckets."""
+        groups: dict[tuple[Any, ...], list[_Slot]] = {}
+        for s in self._slots:
+            if s.stepped is not s.param:
+                groups.setdefault((s.param._spec.mesh, s.axis, s.param.dtype), []).append(s)  # type: ignore[attr-defined]
+        rank = runtime.get_rank()
+        for (mesh, axis, _), slots in groups.items():
+            if mesh.coordinate_of(rank) is None:
+                continue
+            sizes = [_meta_bytes(s.param._spec) for s in slots]  # type: ignore[attr-defined]
+            for bucket in buckets.plan_buckets(sizes, self.bucket_bytes):
+                chosen = [slots[i] for i in bucket]
+                fulls = buckets.all_gather(
+                    [s.stepped._local for s in chosen],  # type: ignore[attr-defined]
+                    [s.shard.placements[axis].dim for s in chosen],  # type: ignore[union-attr]
+                    [tuple(s.param._local.shape) for s in chosen],  # type: ignore[attr-defined]
+                    mesh, axis,
+                )
+                for s, full in zip(chosen, fulls):
+                    s.param._local.copy_(full)  # type: ignore[attr-defined]
+
+    def _attach_shard_grads(self) -> None:
+        """Stages 1/2: point each shard at its parameter's current values and give it its gradient."""
+        for s in self._slots:
+            if s.stepped is s.param:
+                continue
+            p = s.param
+            s.stepped._local = _narrow_to(p._local, p._spec, s.shard, s.axis)  # type: ignore[attr-defined,arg-type]
+            g = p.grad
+            if g is None:
+                s.stepped.grad = None
+            elif not isinstance(g, DistTensor):
+                raise TypeError(f"shard_optimizer: a DistTensor parameter has a plain gradient of shape {tuple(g.shape)}")
+            elif g._spec == s.shard:
+                s.stepped.grad = g
+            else:
+                s.stepped.grad = DistTensor._wrap(reshard_local(g._local, g._spec, s.shard), s.shard)  # type: ignore[arg-type]
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """Reduce gradients (bucketed), step the inner optimizer, gather updated parameters."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.reduce_gradients()
+        self._attach_shard_grads()
+        self.inner.step()
+        self._gather_updated()
+        for s in self._slots:
+            if s.stepped is not s.param:
+                s.stepped.grad = None
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the parameters' gradients (and the shards')."""
+        for s in self._slots:
+            for t in (s.param, s.stepped):
+                if t.grad is None:
+                    continue
+                if set_to_none:
+                    t.grad = None
+                else:
+                    t.grad.detach_()
+                    t.grad.zero_()
+
+    # ---- state --------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The inner optimizer's state dict; ZeRO states are DistTensors in the shard layout."""
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load states of any layout (full plain tensors included) into the shard layouts."""
+        self.inner.load_state_dict(state_dict)
+        self.param_groups = self.inner.param_groups
+        self.state = self.inner.state
+        for s in self._slots:
+            st = self.state.get(s.stepped)
+            if not st:
+                continue
+            for key, value in st.items():
+                st[key] = _to_layout(value, s.stepped)
+
+    def __repr__(self) -> str:
+        return f"ShardedOptimizer({self.stage!r}, {self.inner!r})"
+
+
+def _narrow_to(local: torch.Tensor, spec: DistSpec, shard: DistSpec, axis: int) -> torch.Tensor:
+    """This rank's piece of ``local`` (layout ``spec``) in layout ``shard``: a view along one dim."""
+    coord = spec.mesh.coordinate_of(runtime.get_rank())
+    if coord is None:
+        return local
+    dim = shard.placements[axis].dim  # type: ignore[union-attr]
+    return local.narrow(dim, *chunk_bounds(local.shape[dim], spec.mesh.shape[axis], coord[axis]))
+
+
+def _to_layout(value: Any, param: torch.Tensor) -> Any:
+    """A loaded state value in the parameter's layout (values of another shape stay as they are)."""
+    if not isinstance(param, DistTensor) or not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(param.shape):
+        return value
+    dst = param._spec.with_placements(param._spec.placements, param._spec.shard_order)
+    dst = DistSpec(dst.mesh, dst.placements, dst.shape, value.dtype, dst.shard_order)
+    if isinstance(value, DistTensor):
+        if value._spec == dst:
+            return value
+        return DistTensor._wrap(reshard_local(value._local, value._spec, dst), dst)
+    full = dst.with_placements([Replicate()] * dst.mesh.ndim)
+    return DistTensor._wrap(reshard_local(value.to(param._local.device), full, dst).clone(), dst)
+
+
+def _meta_bytes(spec: DistSpec) -> int:
+    """Bytes of the largest local shard (mesh coordinate 0): the same number on every rank."""
+    n = 1
+    for s in spec.local_shape((0,) * spec.mesh.ndim):
+        n *= s
+    return n * spec.itemsize
+
+
+def all_params(opt: ShardedOptimizer) -> Iterable[torch.Tensor]:
+    """The model parameters ``opt`` updates (not the shards it steps)."""
+    return [s.param for s in opt._slots]

@@ -1,0 +1,127 @@
+"""ZeRO stage values (``ShardingStage1/2/3``) and the pure layout decisions they imply.
+
+A stage names a mesh and its data-parallel axis. For each parameter it decides, from metadata
+only, the *shard layout*: the parameter's own layout with the data-parallel axis changed from
+``Replicate`` to ``Shard(dim)``. Every rank computes the same decision, and every bad
+configuration raises here, before any collective.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from autoparallel.mesh import ProcessMesh
+from autoparallel.placement import Partial, Replicate, Shard
+from autoparallel.spec import DistSpec
+
+
+@dataclass(frozen=True)
+class ShardingStage:
+    """Shard optimizer states (stage 1), + gradients (2), + parameters (3) along ``axis`` of ``mesh``.
+
+    ``axis`` is a mesh axis name or index; by default the axis named ``"dp"`` if the mesh has
+    one, else axis 0. Parameters may live on ``mesh`` or on a sub-mesh of it (pipeline stages)
+    that has an axis of the same name.
+    """
+
+    mesh: ProcessMesh
+    axis: int | str | None = None
+    stage: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.mesh, ProcessMesh):
+            raise TypeError(f"{type(self).__name__}: mesh must be an ap.ProcessMesh, got {type(self.mesh).__name__}")
+        if self.stage not in (1, 2, 3):
+            raise ValueError(f"ShardingStage: stage must be 1, 2 or 3, got {self.stage!r}")
+        self.mesh.axis_index(self.axis_name)  # validates an explicit axis, naming the mesh's axes
+
+    @property
+    def axis_name(self) -> str:
+        """The data-parallel axis as a name of ``mesh``."""
+        names = self.mesh.dim_names
+        if self.axis is None:
+            return "dp" if "dp" in names else names[0]
+        if isinstance(self.axis, str):
+            if self.axis not in names:
+                raise ValueError(
+                    f"{type(self).__name__}: mesh axis name {self.axis!r} is not in the mesh's axes {names}"
+                )
+            return self.axis
+        return names[self.mesh.axis_index(self.axis)]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(mesh={self.mesh!r}, axis={self.axis_name!r})"
+
+
+class ShardingStage1(ShardingStage):
+    """ZeRO-1: optimizer states sharded along the data-parallel axis; gradients all-reduced."""
+
+    def __init__(self, mesh: ProcessMesh, axis: int | str | None = None) -> None:
+        super().__init__(mesh, axis, 1)
+
+
+class ShardingStage2(ShardingStage):
+    """ZeRO-2: optimizer states and gradients (reduce-scattered) sharded along the axis."""
+
+    def __init__(self, mesh: ProcessMesh, axis: int | str | None = None) -> None:
+        super().__init__(mesh, axis, 2)
+
+
+class ShardingStage3(ShardingStage):
+    """ZeRO-3: parameters too, gathered before each module's forward and freed after it."""
+
+    def __init__(self, mesh: ProcessMesh, axis: int | str | None = None) -> None:
+        super().__init__(mesh, axis, 3)
+
+
+def param_axis(stage: ShardingStage, spec: DistSpec, where: str) -> int:
+    """The data-parallel axis index in the parameter's own mesh (checked against the stage mesh)."""
+    name = stage.axis_name
+    mesh = spec.mesh
+    outside = sorted(set(mesh.process_ids) - set(stage.mesh.process_ids))
+    if outside:
+        raise ValueError(
+            f"shard_optimizer: {where} lives on {mesh!r}, whose ranks {outside} are not in the "
+            f"sharding mesh {stage.mesh!r}"
+        )
+    if name not in mesh.dim_names:
+        raise ValueError(
+            f"shard_optimizer: {where} lives on {mesh!r}, which has no mesh axis named {name!r} "
+            f"(its axes are {mesh.dim_names}); name the data-parallel axis in both meshes alike"
+        )
+    return mesh.axis_index(name)
+
+
+def shard_layout(spec: DistSpec, axis: int) -> DistSpec | None:
+    """The layout of the parameter ``spec`` with mesh ``axis`` changed from Replicate to Shard.
+
+    Picks the first tensor dim (dim 0 when possible) whose other sharding axes all come before
+    ``axis``, so the new shard is a ``torch.chunk`` piece of the current local shard (no data
+    moves) in the default shard order. None when the parameter stays as it is: already sharded
+    on ``axis``, a 0-d tensor, or no such dim.
+    """
+    placements = list(spec.placements)
+    if isinstance(placements[axis], Partial):
+        raise ValueError(f"shard_optimizer: a parameter is Partial on mesh axis {axis}: {spec}")
+    if not isinstance(placements[axis], Replicate):
+        return None
+    for dim in range(spec.ndim):
+        others = [a for a, p in enumerate(placements) if isinstance(p, Shard) and p.dim == dim]
+        if all(a < axis for a in others):
+            placements[axis] = Shard(dim)
+            order = [(d, axes) for d, axes in spec.shard_order if d != dim]
+            if len(others) > 1:
+                order.append((dim, spec.axes_of_dim(dim) + (axis,)))
+            return spec.with_placements(placements, tuple(order))
+    return None
+
+
+def check_stage(shard_fn: Any) -> ShardingStage | None:
+    """``shard_fn`` as a stage (None: plain data parallel); TypeError for anything else."""
+    if shard_fn is None or isinstance(shard_fn, ShardingStage):
+        return shard_fn
+    raise TypeError(
+        "shard_optimizer: shard_fn must be ap.ShardingStage1/2/3(mesh, axis) or None, "
+        f"got {type(shard_fn).__name__}"
+    )
