@@ -1,0 +1,312 @@
+"""Train a small GPT on the shipped corpus with DP x TP (+ Megatron SP, ZeRO), checked against one process.
+
+    torchrun --standalone --nproc-per-node 4 examples/train_gpt.py            # dp=2 x tp=2, SP on
+    torchrun --standalone --nproc-per-node 4 examples/train_gpt.py --dp 4 --zero 3
+    torchrun --standalone --nproc-per-node 4 examples/train_gpt.py --dp 1 --tp 4 --no-sp
+    python examples/train_gpt.py --dp 1 --tp 1                               # one process
+
+The model (examples/gpt_model.py) is written for one device. The mesh is ``dp x mp``; the
+parallel plan makes the qkv and MLP-up Linears column-parallel, the two output projections
+row-parallel, the token embedding vocabulary-parallel (and so the tied LM head: logits stay
+split over the vocabulary and the loss is computed without gathering them); with ``--sp``
+the LayerNorms and residual stream are split on the sequence dim between the blocks
+(Megatron sequence parallel: all-gather before qkv/fc, reduce-scatter after the projections).
+``--zero`` shards the AdamW states (1), also the gradients (2), also the parameters (3) over
+``dp``. Each data-parallel rank loads only its part of every batch.
+
+With ``--check`` (default) rank 0 then trains the same model, same seed, same batches in one
+process and compares the loss at every step and every final parameter (rtol 1e-5); any
+mismatch makes every rank exit non-zero.
+
+Training state is explicit (``TrainState``: step, losses, the data sampler's position and the
+RNG state), so a checkpoint can save and restore it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import autoparallel as ap  # noqa: E402
+from gpt_data import CharTokenizer, ResumableSampler, TokenWindows, load_corpus  # noqa: E402
+from gpt_model import GPT, GPTConfig, lm_loss  # noqa: E402
+
+RTOL = 1e-5
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dp", type=int, default=2, help="data-parallel degree (mesh axis 'dp')")
+    p.add_argument("--tp", type=int, default=2, help="tensor-parallel degree (mesh axis 'mp')")
+    p.add_argument("--sp", action=argparse.BooleanOptionalAction, default=True, help="Megatron sequence parallel")
+    p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0, help="ZeRO stage over 'dp'")
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--batch", type=int, default=16, help="global batch (sequences per step)")
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--width", type=int, default=64)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--tied", action=argparse.BooleanOptionalAction, default=True, help="tie the LM head to the embedding")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
+                   help="compare with a single-process run on rank 0")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bar on stderr")
+    return p.parse_args(argv)
+
+
+def check_config(args: argparse.Namespace, world: int, vocab: int) -> None:
+    """Raise ValueError (same on every rank, before any collective) for a bad configuration."""
+    if args.dp < 1 or args.tp < 1 or args.dp * args.tp != world:
+        raise ValueError(f"--dp {args.dp} x --tp {args.tp} = {args.dp * args.tp} ranks, but the world has {world} "
+                         f"(run with torchrun --nproc-per-node {args.dp * args.tp}, or change --dp/--tp)")
+    if args.batch % args.dp:
+        raise ValueError(f"--batch {args.batch} is not divisible by --dp {args.dp}")
+    if args.heads % args.tp or (4 * args.width) % args.tp or vocab % args.tp:
+        raise ValueError(f"--tp {args.tp} must divide --heads {args.heads}, 4 x --width {4 * args.width} "
+                         f"and the vocabulary size {vocab}")
+    if args.sp and args.tp > 1 and args.seq % args.tp:
+        raise ValueError(f"--sp needs --seq {args.seq} divisible by --tp {args.tp}")
+    if args.zero and args.dp == 1:
+        raise ValueError(f"--zero {args.zero} shards over 'dp' and needs --dp > 1")
+
+
+@dataclass
+class TrainState:
+    """Everything a resumed run needs besides model and optimizer: step, losses, data position, RNG."""
+
+    step: int = 0
+    losses: list[float] = field(default_factory=list)
+    sampler: dict[str, int] = field(default_factory=dict)
+    rng: torch.Tensor | None = None
+
+
+class ProgressBar:
+    """A progress bar on stderr: bar, step, loss, tokens/s; redrawn in place on a terminal."""
+
+    def __init__(self, total: int, enabled: bool, width: int = 24) -> None:
+        self.total, self.enabled, self.width = total, enabled, width
+        self.tty = sys.stderr.isatty()
+        self.every = max(1, total // 10)
+
+    def update(self, step: int, loss: float, tokens_per_s: float) -> None:
+        if not self.enabled or (not self.tty and step % self.every and step != self.total):
+            return
+        filled = self.width * step // max(self.total, 1)
+        bar = "#" * filled + "." * (self.width - filled)
+        line = f"[{bar}] step {step:>{len(str(self.total))}}/{self.total}  loss {loss:.4f}  {tokens_per_s:,.0f} tok/s"
+        sys.stderr.write(("\r" + line) if self.tty else (line + "\n"))
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled and self.tty:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+def parallelize_gpt(model: GPT, mesh: ap.ProcessMesh, sp: bool) -> GPT:
+    """Lay ``model`` out on ``mesh``: TP (+ SP) on axis "mp", parameters replicated on "dp"."""
+    R, S = ap.Replicate(), ap.Shard
+    col, row, rep = [R, S(0)], [R, S(1)], [R, R]
+    act = [S(0), S(1)] if sp else [S(0), R]      # residual stream (B, T, W) between the blocks
+    full = [S(0), R]                             # inputs of the column-parallel Linears
+
+    def put(module: nn.Module, name: str, placements: list[ap.Placement]) -> None:
+        if getattr(module, name) is not None:
+            setattr(module, name, ap.shard_tensor(getattr(module, name), mesh, placements))
+
+    def to(placements: list[ap.Placement]) -> Any:
+        return lambda m, args, out: ap.reshard(out, mesh, placements)
+
+    def pre(placements: list[ap.Placement]) -> Any:
+        return lambda m, args: (ap.reshard(args[0], mesh, placements), *args[1:])
+
+    for block in model.blocks:
+        for lin in (block.attn.qkv, block.mlp.fc):
+            put(lin, "weight", col)
+            put(lin, "bias", col)
+        for lin in (block.attn.proj, block.mlp.proj):
+            put(lin, "weight", row)
+            put(lin, "bias", rep)
+        for sub in (block.attn, block.mlp):
+            sub.register_forward_pre_hook(pre(full))
+            sub.register_forward_hook(to(act))
+        for ln in (block.ln1, block.ln2):
+            put(ln, "weight", rep)
+            put(ln, "bias", rep)
+    put(model.tok, "weight", col)                # vocabulary-parallel embedding
+    model.tok.register_forward_hook(to(act))
+    put(model.pos, "weight", rep)
+    put(model.ln_f, "weight", rep)
+    put(model.ln_f, "bias", rep)
+    if model.cfg.tied:
+        model.head.weight = model.tok.weight
+    else:
+        put(model.head, "weight", col)           # logits split over the vocabulary: loss parallel
+    model.head.register_forward_pre_hook(pre(full))
+    return model
+
+
+def wrap_optimizer(opt: torch.optim.Optimizer, mesh: ap.ProcessMesh, zero: int) -> torch.optim.Optimizer:
+    """ZeRO stage ``zero`` over axis "dp" (0: the optimizer as it is)."""
+    if zero == 0:
+        return opt
+    stage = {1: ap.ShardingStage1, 2: ap.ShardingStage2, 3: ap.ShardingStage3}[zero]
+    return ap.shard_optimizer(opt, stage(mesh, "dp"))
+
+
+def shard_batches(loader: Iterable[Batch], mesh: ap.ProcessMesh) -> Iterator[Batch]:
+    """Batches from ``loader`` as DistTensors split on the batch dim over "dp"."""
+    for x, y in loader:
+        yield (ap.shard_tensor(x, mesh, [ap.Shard(0), ap.Replicate()]),
+               ap.shard_tensor(y, mesh, [ap.Shard(0), ap.Replicate()]))
+
+
+def make_loader(data: TokenWindows, batch: int, seed: int) -> tuple[DataLoader, ResumableSampler]:
+    """A DataLoader over ``data`` whose sampler's position is the run's data position."""
+    sampler = ResumableSampler(len(data), seed=seed)
+    return DataLoader(data, batch_size=batch, sampler=sampler, drop_last=True), sampler
+
+
+def scalar(x: torch.Tensor) -> float:
+    """A Python float from a loss (a DistTensor is gathered first)."""
+    x = x.detach()
+    return float(x.full_tensor() if isinstance(x, ap.DistTensor) else x)
+
+
+def train(model: nn.Module, opt: torch.optim.Optimizer, batches: Iterator[Batch], sampler: ResumableSampler,
+          state: TrainState, steps: int, tokens_per_step: int, bar: ProgressBar) -> TrainState:
+    """Run steps ``state.step .. steps-1``, updating ``state`` after each one."""
+    times = [time.perf_counter()]
+    while state.step < steps:
+        x, y = next(batches)
+        loss = lm_loss(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        state.losses.append(scalar(loss))
+        state.step += 1
+        state.sampler, state.rng = sampler.state_dict(), torch.get_rng_state()
+        times.append(time.perf_counter())
+        recent = times[-11:]                     # tokens/s over the last (up to) 10 steps
+        rate = tokens_per_step * (len(recent) - 1) / (recent[-1] - recent[0])
+        bar.update(state.step, state.losses[-1], rate)
+    bar.close()
+    return state
+
+
+def make_optimizer(model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+
+
+def reference_run(reference: nn.Module, data: TokenWindows, args: argparse.Namespace) -> list[float]:
+    """The same training in this process only, on plain tensors."""
+    loader, sampler = make_loader(data, args.batch, args.seed)
+    torch.manual_seed(args.seed + 1)
+    state = train(reference, make_optimizer(reference, args.lr), iter(loader), sampler, TrainState(), args.steps,
+                  args.batch * args.seq, ProgressBar(args.steps, False))
+    return state.losses
+
+
+def compare(losses: list[float], ref: list[float], params: dict[str, torch.Tensor],
+            ref_params: dict[str, torch.Tensor]) -> tuple[bool, str]:
+    """(ok, table): loss per step and the worst parameter, relative to the single-process run."""
+    rel = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, ref)]
+    rows = ["  step | parallel loss | single-process loss | rel. diff", "  -----+---------------+---------------------+----------"]
+    shown = sorted({0, len(rel) - 1, *range(0, len(rel), max(1, len(rel) // 8))})
+    rows += [f"  {i + 1:>4} | {losses[i]:>13.6f} | {ref[i]:>19.6f} | {rel[i]:.1e}" for i in shown]
+    worst_name, worst_abs, worst_rel, bad = "", 0.0, 0.0, []
+    for name, q in ref_params.items():
+        p = params[name]
+        err = (p - q).abs()
+        if not torch.all(err <= 1e-6 + RTOL * q.abs()):
+            bad.append(f"{name} ({int((err > 1e-6 + RTOL * q.abs()).sum())} of {q.numel()}, max abs {float(err.max()):.1e})")
+        r = float((err / q.abs().clamp_min(1e-6)).max())
+        if r > worst_rel:
+            worst_name, worst_abs, worst_rel = name, float(err.max()), r
+    ok_params = not bad
+    ok_loss = len(losses) == len(ref) and max(rel, default=0.0) <= RTOL
+    rows.append(f"  loss: max rel. diff {max(rel, default=0.0):.2e} over {len(rel)} steps (rtol {RTOL:g}): "
+                f"{'PASS' if ok_loss else 'FAIL'}")
+    rows.append(f"  parameters: {len(ref_params)} tensors, |diff| <= 1e-6 + {RTOL:g}|ref|: {'PASS' if ok_params else 'FAIL'} "
+                f"(largest rel. diff {worst_rel:.1e} in {worst_name}, abs {worst_abs:.1e})")
+    rows += [f"    outside: {b}" for b in bad]
+    return ok_loss and ok_params, "\n".join(rows)
+
+
+def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter as a full plain tensor (collective for DistTensors: call on every rank)."""
+    out = {}
+    for name, p in model.named_parameters():
+        out[name] = (p.full_tensor() if isinstance(p, ap.DistTensor) else p).detach().clone()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    rank, world = ap.get_rank(), ap.get_world_size()
+    text = load_corpus()
+    tok = CharTokenizer(text, multiple_of=8)
+    check_config(args, world, tok.vocab_size)
+    data = TokenWindows(tok.encode(text), args.seq)
+    cfg = GPTConfig(vocab=tok.vocab_size, seq=args.seq, layers=args.layers, width=args.width,
+                    heads=args.heads, tied=args.tied)
+
+    torch.manual_seed(args.seed)
+    model = GPT(cfg)
+    reference = copy.deepcopy(model) if args.check and rank == 0 else None
+    mesh = ap.ProcessMesh(torch.arange(world).reshape(args.dp, args.tp).tolist(), dim_names=["dp", "mp"])
+    model = parallelize_gpt(model, mesh, sp=args.sp)
+    opt = wrap_optimizer(make_optimizer(model, args.lr), mesh, args.zero)
+    loader, sampler = make_loader(data, args.batch, args.seed)
+    batches = shard_batches(loader, mesh)
+
+    if rank == 0:
+        n = sum(p.numel() for p in GPT(cfg).parameters())
+        print(f"GPT {args.layers} layers x width {args.width}, {args.heads} heads, vocab {tok.vocab_size}, "
+              f"{n:,} parameters; corpus {len(text):,} chars, {len(data)} windows of {args.seq}")
+        print(f"mesh dp={args.dp} x mp={args.tp}, sequence parallel {'on' if args.sp and args.tp > 1 else 'off'}, "
+              f"ZeRO stage {args.zero}; {args.steps} steps of {args.batch} x {args.seq} tokens")
+    torch.manual_seed(args.seed + 1)
+    t0 = time.perf_counter()
+    state = train(model, opt, batches, sampler, TrainState(), args.steps, args.batch * args.seq,
+                  ProgressBar(args.steps, args.progress and rank == 0))
+    elapsed = time.perf_counter() - t0
+    if rank == 0:
+        print(f"{args.steps} steps in {elapsed:.1f}s ({elapsed / args.steps * 1e3:.0f} ms/step), "
+              f"final loss {state.losses[-1]:.4f}")
+    if not args.check:
+        return 0
+    params = full_params(model)
+    verdict: list[Any] = [True]
+    if rank == 0:
+        assert reference is not None
+        ref_losses = reference_run(reference, data, args)
+        ok, table = compare(state.losses, ref_losses, params, full_params(reference))
+        print(f"comparison with the single-process run (seed {args.seed}):\n{table}")
+        verdict = [ok]
+    if world > 1:
+        dist.broadcast_object_list(verdict, src=0)
+    if not verdict[0]:
+        print(f"rank {rank}: the distributed run differs from the single-process run", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
