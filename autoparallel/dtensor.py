@@ -144,7 +144,7 @@ class _ShardTensor(torch.autograd.Function):
         ctx.spec = spec
         ctx.shape = full.shape
         local = reshard_local(full.detach(), replicated(spec), spec)
-        return DistTensor._wrap(local, spec)
+        return DistTensor._wrap(local.contiguous(), spec)  # the wrapper advertises contiguous strides
 
     @staticmethod
     def backward(ctx: Any, grad: DistTensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]

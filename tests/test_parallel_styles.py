@@ -231,3 +231,139 @@ def test_dp_tp_sp_gpt_tied_head(world4: Any) -> None:
     # into each column-parallel region and the head (2 * 2 + 1); loss parallel as above
     assert fwd == {"reduce_scatter@tp": 5, "all_gather@tp": 5, "all_reduce@tp": 2, "all_reduce@dp": 1}, fwd
     assert bwd.get("reduce_scatter@tp") == 5 and bwd.get("all_gather@tp") == 5, bwd
+
+
+# ---- shard_layer ----------------------------------------------------------------------------
+class Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.fc, self.out = nn.Embedding(7, 4), nn.Linear(4, 6), nn.Linear(4, 7, bias=False)
+        self.out.weight = self.emb.weight
+        self.register_buffer("scale", torch.tensor([0.5, 1.0, 1.5, 2.0, 2.5, 3.0]))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.emb(idx)
+        return self.out(h) + (self.fc(h) * self.scale).sum(-1, keepdim=True)
+
+
+def _shard_layer(rank: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    ref = Tied()
+    model = _clone(ref)
+    mesh = ap.ProcessMesh([0, 1, 2, 3], ["x"])
+    seen: list[str] = []
+
+    def shard_fn(name: str, layer: nn.Module, m: ap.ProcessMesh) -> None:
+        seen.append(name)
+        if name == "fc":
+            layer.weight = ap.shard_tensor(layer.weight, m, [Shard(0)])
+
+    ap.shard_layer(model, mesh, shard_fn,
+                   input_fn=lambda inputs, m: tuple(ap.shard_tensor(x, m, [R]) for x in inputs),
+                   output_fn=lambda out, m: out.full_tensor())
+    assert seen == ["", "emb", "fc", "out"], seen
+    assert model.out.weight is model.emb.weight  # tied parameters stay one Parameter
+    for name, p in model.named_parameters():
+        assert isinstance(p, nn.Parameter) and isinstance(p, ap.DistTensor), name
+    assert list(model.fc.weight.placements) == [Shard(0)] and list(model.fc.bias.placements) == [R]
+    assert isinstance(model.scale, ap.DistTensor) and list(model.scale.placements) == [R]
+    idx = torch.tensor([[1, 5, 6], [0, 2, 2]])
+    out = model(idx)  # plain in (input_fn), plain out (output_fn)
+    want = ref(idx)
+    assert type(out) is torch.Tensor and _close(out, want)
+    out.square().sum().backward()
+    want.square().sum().backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert _close(p.grad.full_tensor(), q.grad), name
+    return {"params": len(list(model.parameters()))}
+
+
+def test_shard_layer_shard_fn_hooks_buffers_and_ties(world4: Any) -> None:
+    assert world4.run(_shard_layer)[0] == {"params": 3}
+
+
+# ---- bad configurations ---------------------------------------------------------------------
+def _error(fn: Any) -> str:
+    try:
+        fn()
+    except (TypeError, ValueError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def _bad_configs(rank: int) -> dict[str, Any]:
+    mesh2 = ap.ProcessMesh([[0, 1], [2, 3]], ["dp", "mp"])
+    mesh1 = ap.ProcessMesh([0, 1, 2, 3], ["tp"])
+    models: list[nn.Module] = []
+
+    def fresh(cls: Any = Block) -> nn.Module:
+        models.append(cls())
+        return models[-1]
+
+    errors = {
+        "axis": _error(lambda: ap.parallelize(fresh(), mesh2, TP_PLAN, axis="tp")),
+        "no_tp_name": _error(lambda: ap.parallelize(fresh(), ap.ProcessMesh([[0, 1], [2, 3]], ["a", "b"]), TP_PLAN)),
+        "pattern": _error(lambda: ap.parallelize(fresh(), mesh1, {**TP_PLAN, "attn.qvk": ap.ColWiseParallel()})),
+        "type": _error(lambda: ap.parallelize(fresh(), mesh1, {"ln_1": ap.ColWiseParallel()})),
+        "class": _error(lambda: ap.parallelize(fresh(), mesh1, {"ln_1": ap.SequenceParallel})),
+        "twice": _error(lambda: ap.parallelize(fresh(), mesh1, {"attn.*": ap.ColWiseParallel(), "attn.proj": ap.RowWiseParallel()})),
+        "tied": _error(lambda: ap.parallelize(fresh(lambda: GPT(tied=True)), mesh1,
+                                              {"wte": ap.VocabParallelEmbedding(), "head": ap.RowWiseParallel()})),
+        "layout": _error(lambda: ap.parallelize(fresh(), mesh2, {"": ap.PrepareLayerInput([[Shard(0)]])})),
+    }
+    # every failed parallelize left its model untouched (all checks run before any conversion)
+    untouched = all(not isinstance(p, ap.DistTensor) for m in models for p in m.parameters())
+    # a sequence length (3) not dividing the tp degree (4): raised by the pre-hook of the first
+    # SequenceParallel region, before any collective of the step
+    model = ap.parallelize(Block(), mesh1, {**TP_PLAN, "ln_*": ap.SequenceParallel()})
+    errors["seq"] = _error(lambda: model(ap.shard_tensor(torch.randn(2, 3, 8), mesh1, [R])))
+    ok = model(ap.shard_tensor(torch.randn(2, 4, 8), mesh1, [R])).full_tensor().shape == (2, 4, 8)
+    return {"errors": errors, "untouched": untouched, "healthy": ok}
+
+
+def test_bad_configurations_raise_on_every_rank_and_world_survives(world4: Any) -> None:
+    res = world4.run(_bad_configs)
+    assert all(r == res[0] for r in res), res  # the same error on every rank
+    e = res[0]["errors"]
+    assert res[0]["untouched"] and res[0]["healthy"]
+    assert e["axis"].startswith("ValueError") and "'tp'" in e["axis"] and "['dp', 'mp']" in e["axis"], e["axis"]
+    assert e["no_tp_name"].startswith("ValueError") and "['a', 'b']" in e["no_tp_name"], e["no_tp_name"]
+    assert e["pattern"].startswith("ValueError") and "'attn.qvk'" in e["pattern"], e["pattern"]
+    assert e["type"].startswith("TypeError") and "LayerNorm" in e["type"] and "'ln_1'" in e["type"], e["type"]
+    assert e["class"].startswith("TypeError") and "SequenceParallel()" in e["class"], e["class"]
+    assert e["twice"].startswith("ValueError") and "'attn.proj'" in e["twice"], e["twice"]
+    assert e["tied"].startswith("ValueError") and "head.weight" in e["tied"] and "wte.weight" in e["tied"], e["tied"]
+    assert e["layout"].startswith("ValueError") and "2-d mesh" in e["layout"], e["layout"]
+    assert e["seq"].startswith("ValueError") and "sequence length 3" in e["seq"] and "degree 4" in e["seq"], e["seq"]
+
+
+# ---- pure: planning without processes -------------------------------------------------------
+def test_resolve_axis_defaults_and_names() -> None:
+    assert resolve_axis(ap.ProcessMesh([[0, 1], [2, 3]], ["dp", "mp"]), None) == 1
+    assert resolve_axis(ap.ProcessMesh([[0, 1], [2, 3]], ["tp", "dp"]), None) == 0
+    assert resolve_axis(ap.ProcessMesh([0, 1], ["x"]), None) == 0
+    assert resolve_axis(ap.ProcessMesh([[0, 1], [2, 3]], ["a", "b"]), "b") == 1
+    with pytest.raises(ValueError, match="tp.*mp"):
+        resolve_axis(ap.ProcessMesh([[0, 1], [2, 3]], ["tp", "mp"]), None)
+
+
+def test_match_plan_patterns_in_plan_order() -> None:
+    model = GPT()
+    plan = {"": ap.PrepareLayerInput([None]), "blocks.*.attn.qkv": ap.ColWiseParallel(), "*.mlp.fc": ap.ColWiseParallel()}
+    names = [(pat, name) for pat, name, _, _ in match_plan(model, plan)]
+    assert names == [("", ""), ("blocks.*.attn.qkv", "blocks.0.attn.qkv"), ("blocks.*.attn.qkv", "blocks.1.attn.qkv"),
+                     ("*.mlp.fc", "blocks.0.mlp.fc"), ("*.mlp.fc", "blocks.1.mlp.fc")]
+    # Prepare* styles stack on a module that a parameter style also covers
+    assert len(match_plan(model, {"head": ap.ColWiseParallel(), "h*": ap.PrepareLayerOutput([R])})) == 2
+
+
+def test_style_parameter_placements() -> None:
+    lin, emb = nn.Linear(4, 6), nn.Embedding(9, 4)
+    assert ap.ColWiseParallel().param_placements(lin) == {"weight": Shard(0), "bias": Shard(0)}
+    assert ap.ColWiseParallel().param_placements(emb) == {"weight": Shard(1)}
+    assert ap.RowWiseParallel().param_placements(lin) == {"weight": Shard(1), "bias": R}
+    assert ap.VocabParallelEmbedding().param_placements(emb) == {"weight": Shard(0)}
+    with pytest.raises(ValueError, match="max_norm"):
+        ap.VocabParallelEmbedding().check("e", nn.Embedding(9, 4, max_norm=1.0), ap.ProcessMesh([0, 1]), 0)
+    with pytest.raises(TypeError, match="gather_output"):
+        ap.ColWiseParallel(gather_output=1)  # type: ignore[arg-type]
