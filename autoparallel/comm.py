@@ -214,6 +214,27 @@ def send_recv(
         record("send_recv", mesh, None, peers, sent, recv)
 
 
+def isend(sends: Sequence[tuple[torch.Tensor, int]], tag: int, mesh: object = None) -> list[object]:
+    """Start sending each ``(tensor, dst_rank)`` with ``tag``; returns the works to wait on.
+
+    Does not block: pipeline stages post a send and go on computing (keep the tensors alive
+    until the works complete). The receiver matches by ``(source rank, tag)``.
+    """
+    works: list[object] = [dist.isend(t.contiguous(), peer, tag=tag) for t, peer in sends]
+    if sends:
+        record("send_recv", mesh, None, tuple(sorted({p for _, p in sends})), sum(_nbytes(t) for t, _ in sends), 0)
+    return works
+
+
+def recv(recvs: Sequence[tuple[torch.Tensor, int]], tag: int, mesh: object = None) -> None:
+    """Fill each ``(buffer, src_rank)`` from the message with ``tag``; blocks until all arrived."""
+    works = [dist.irecv(b, peer, tag=tag) for b, peer in recvs]
+    for w in works:
+        w.wait()  # type: ignore[union-attr]
+    if recvs:
+        record("send_recv", mesh, None, tuple(sorted({p for _, p in recvs})), 0, sum(_nbytes(b) for b, _ in recvs))
+
+
 def _numel(shape: Sequence[int]) -> int:
     n = 1
     for s in shape:

@@ -1,5 +1,51 @@
-"""Pipeline parallelism across stage meshes: stage splitting and schedules as data."""
+"""Pipeline parallelism across stage meshes: stage splitting and schedules as data.
+
+* :mod:`.stage` — :class:`Stage`, :func:`split_sequential`, :func:`stages_from_annotations`
+* :mod:`.schedule` — :func:`build_schedule` (FThenB, 1F1B, Interleaved1F1B) as per-mesh action lists
+* :mod:`.simulate` — :func:`simulate`: send/recv matching, deadlock check, ideal timeline, bubble
+* :mod:`.runner` — :class:`Pipeline`: runs a schedule on real ranks, gradients accumulate
+* :mod:`.timeline` — SVG timelines of executed or simulated schedules
+* :mod:`.memory` — :class:`ActivationMeter`: bytes saved for backward
+"""
 
 from __future__ import annotations
 
-__all__: list[str] = []
+from autoparallel.pipeline.memory import ActivationMeter
+from autoparallel.pipeline.runner import Event, Pipeline
+from autoparallel.pipeline.schedule import (
+    SCHEDULES,
+    Action,
+    Schedule,
+    ScheduleError,
+    build_schedule,
+    theoretical_bubble,
+)
+from autoparallel.pipeline.simulate import SimResult, simulate
+from autoparallel.pipeline.stage import Stage, split_sequential, stages_from_annotations
+from autoparallel.pipeline.timeline import (
+    bubble_fraction,
+    events_from_simulation,
+    timeline_svg,
+    write_timeline,
+)
+
+__all__ = [
+    "SCHEDULES",
+    "Action",
+    "ActivationMeter",
+    "Event",
+    "Pipeline",
+    "Schedule",
+    "ScheduleError",
+    "SimResult",
+    "Stage",
+    "bubble_fraction",
+    "build_schedule",
+    "events_from_simulation",
+    "simulate",
+    "split_sequential",
+    "stages_from_annotations",
+    "theoretical_bubble",
+    "timeline_svg",
+    "write_timeline",
+]

@@ -1,0 +1,311 @@
+"""``Pipeline``: run stages over micro-batches by a schedule; gradients accumulate in ``.grad``.
+
+Every rank builds the same ``Pipeline`` and calls ``step`` at the same point. Before anything
+is sent, all checks run on metadata (same error on every rank): stage meshes disjoint and
+round robin, every parameter on its stage's mesh, the schedule simulated free of deadlock,
+the batch divisible into micro-batches. The layouts crossing each stage boundary are found once
+per input layout by a shape pass: every rank runs every stage on zeros under ``no_grad`` (ranks
+outside a stage's mesh only propagate metadata), so sender and receiver agree on the plan of
+every transfer without exchanging metadata. Then each rank runs its stage mesh's action list.
+
+Loss: ``loss_fn(output, target)`` per micro-batch on the last stage, scaled by ``1 / M`` before
+its backward, so the accumulated gradients are those of the mean loss over the whole batch
+(a mean loss over equal micro-batches equals the full-batch mean).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+
+from autoparallel import runtime
+from autoparallel.api import shard_tensor
+from autoparallel.dtensor import DistTensor, grad_spec
+from autoparallel.mesh import ProcessMesh
+from autoparallel.pipeline import p2p
+from autoparallel.pipeline.memory import ActivationMeter
+from autoparallel.pipeline.schedule import COMPUTE, Schedule, build_schedule
+from autoparallel.pipeline.simulate import simulate
+from autoparallel.pipeline.stage import Stage, check_meshes
+from autoparallel.placement import Partial, Replicate
+from autoparallel.spec import DistSpec
+from reshard.executor import reshard_local
+
+LossFn = Callable[..., torch.Tensor]
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One executed action on this rank: wall-clock ``start``/``end`` (``time.perf_counter``)."""
+
+    rank: int
+    stage: int
+    kind: str
+    microbatch: int
+    chunk: int
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class _Layouts:
+    inputs: tuple[DistSpec, ...]  # per chunk: layout of its input
+    outputs: tuple[DistSpec, ...]  # per chunk: layout of its output
+    loss: DistSpec
+
+
+def _zeros(spec: DistSpec) -> DistTensor:
+    coord = spec.mesh.coordinate_of(runtime.get_rank())
+    local = torch.zeros(spec.local_shape(coord), dtype=spec.dtype, device=runtime.default_device())
+    return DistTensor._wrap(local, spec)
+
+
+def _as_layout(t: torch.Tensor, spec: DistSpec) -> torch.Tensor:
+    """This rank's local shard of ``t`` (a DistTensor on ``spec.mesh``) in layout ``spec``."""
+    assert isinstance(t, DistTensor)
+    local = t._local.detach()
+    return local if t._spec == spec else reshard_local(local, t._spec, spec)
+
+
+@contextlib.contextmanager
+def _shape_pass(modules: Sequence[torch.nn.Module]) -> Iterator[None]:
+    """No grad, eval mode (no dropout RNG, no batch-norm statistics), RNG state restored."""
+    modes = [(m, m.training) for mod in modules for m in mod.modules()]
+    rng = torch.random.get_rng_state()
+    try:
+        for m, _ in modes:
+            m.training = False
+        with torch.no_grad():
+            yield
+    finally:
+        for m, mode in modes:
+            m.training = mode
+        torch.random.set_rng_state(rng)
+
+
+class Pipeline:
+    """Stages (chunks, in forward order) run over ``num_microbatches`` by ``schedule``.
+
+    ``schedule``: "FThenB" (GPipe), "1F1B" or "Interleaved1F1B" (several chunks per mesh).
+    ``loss_fn(output, target)`` (or ``loss_fn(output)`` when ``step`` gets no target) runs on
+    the last stage for each micro-batch.
+    """
+
+    def __init__(self, stages: Sequence[Stage], loss_fn: LossFn, *, num_microbatches: int, schedule: str = "1F1B") -> None:
+        if not isinstance(stages, (list, tuple)) or not stages or not all(isinstance(s, Stage) for s in stages):
+            raise TypeError("Pipeline: stages must be a non-empty list of ap.pipeline.Stage")
+        if not callable(loss_fn):
+            raise TypeError(f"Pipeline: loss_fn must be callable, got {type(loss_fn).__name__}")
+        self.stages = list(stages)
+        self.meshes = self._meshes()
+        self._check_params()
+        p = len(self.meshes)
+        self.schedule: Schedule = build_schedule(schedule, p, num_microbatches, len(self.stages) // p)
+        simulate(self.schedule)  # deadlock, order and matching checks before anything runs
+        self.loss_fn = loss_fn
+        rank = runtime.get_rank()
+        self.rank = rank
+        self.stage_index = next((i for i, m in enumerate(self.meshes) if rank in m), None)
+        self._layouts: dict[tuple[DistSpec, DistSpec | None], _Layouts] = {}
+        self.events: list[Event] = []
+        self.meter: ActivationMeter | None = None
+
+    # ---- checks (metadata only) -----------------------------------------------------------
+    def _meshes(self) -> list[ProcessMesh]:
+        distinct = list(dict.fromkeys(s.mesh for s in self.stages))
+        check_meshes(distinct)
+        p = len(distinct)
+        order = [distinct.index(s.mesh) for s in self.stages]
+        if len(self.stages) % p or order != [c % p for c in range(len(self.stages))]:
+            raise ValueError(
+                f"Pipeline: stages must visit the {p} stage meshes round robin (chunk c on mesh c % {p}); "
+                f"got mesh order {order}"
+            )
+        return distinct
+
+    def _check_params(self) -> None:
+        for c, st in enumerate(self.stages):
+            for name, prm in st.module.named_parameters():
+                if not isinstance(prm, DistTensor):
+                    raise ValueError(
+                        f"Pipeline: parameter {name!r} of stage {c} ({st.name}) is a plain tensor: that layer "
+                        "is not assigned to a stage mesh (shard_tensor it, or build stages with split_sequential)"
+                    )
+                if prm.process_mesh != st.mesh:
+                    raise ValueError(
+                        f"Pipeline: parameter {name!r} of stage {c} lives on {prm.process_mesh!r}, not on the "
+                        f"stage mesh {st.mesh!r}"
+                    )
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.schedule.num_microbatches
+
+    def split(self, x: Any, mesh: ProcessMesh, what: str) -> list[Any]:
+        """``x`` cut into micro-batches along dim 0: each data-parallel shard cuts its own rows."""
+        m = self.num_microbatches
+        if x is None:
+            return [None] * m
+        if not isinstance(x, DistTensor):
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"Pipeline.step: {what} must be a tensor, got {type(x).__name__}")
+            x = shard_tensor(x.detach(), mesh, [Replicate()] * mesh.ndim)
+        spec = x._spec
+        if spec.mesh != mesh:
+            raise ValueError(f"Pipeline.step: {what} live on {spec.mesh!r}; they must be on the stage mesh {mesh!r}")
+        if not spec.shape:
+            raise ValueError(f"Pipeline.step: {what} is a 0-d tensor; it needs a batch dim to split")
+        if any(isinstance(pl, Partial) for pl in spec.placements):
+            raise ValueError(f"Pipeline.step: {what} is Partial {list(spec.placements)}; reduce it first")
+        shards = 1
+        for a in spec.axes_of_dim(0):
+            shards *= mesh.shape[a]
+        batch = spec.shape[0]
+        if batch % (m * shards):
+            raise ValueError(
+                f"Pipeline.step: {m} micro-batches do not divide the {what} batch of {batch} samples"
+                + (f" split over {shards} data-parallel shards ({batch / shards:g} rows per shard)" if shards > 1 else "")
+            )
+        mb = DistSpec(mesh, spec.placements, (batch // m,) + tuple(spec.shape[1:]), spec.dtype, spec.shard_order)
+        local = x._local.detach()
+        pieces = local.chunk(m) if mesh.coordinate_of(self.rank) is not None else [local] * m
+        return [DistTensor._wrap(piece, mb) for piece in pieces]
+
+    # ---- layouts of the tensors crossing stage boundaries ---------------------------------
+    def _next_spec(self, out: DistSpec, nxt: Stage) -> DistSpec:
+        if nxt.input_placements is not None:
+            placements = tuple(nxt.input_placements)
+        elif nxt.mesh.dim_names == out.mesh.dim_names and nxt.mesh.shape == out.mesh.shape:
+            placements = tuple(Replicate() if isinstance(pl, Partial) else pl for pl in out.placements)
+        else:
+            placements = (Replicate(),) * nxt.mesh.ndim
+        return DistSpec(nxt.mesh, placements, out.shape, out.dtype)
+
+    def layouts(self, x_spec: DistSpec, t_spec: DistSpec | None) -> _Layouts:
+        """Input/output layout of every chunk for a micro-batch laid out as ``x_spec`` (cached)."""
+        key = (x_spec, t_spec)
+        if key in self._layouts:
+            return self._layouts[key]
+        inputs, outputs = [x_spec], []
+        with _shape_pass([s.module for s in self.stages]):
+            y: Any = None
+            for c, st in enumerate(self.stages):
+                y = st.module(_zeros(inputs[c]))
+                if not isinstance(y, DistTensor) or y.process_mesh != st.mesh:
+                    got = y.process_mesh if isinstance(y, DistTensor) else type(y).__name__
+                    raise TypeError(f"Pipeline: stage {c} ({st.name}) must return one DistTensor on its mesh, got {got}")
+                outputs.append(y._spec)
+                if c + 1 < len(self.stages):
+                    inputs.append(self._next_spec(y._spec, self.stages[c + 1]))
+            loss = self.loss_fn(y) if t_spec is None else self.loss_fn(y, _zeros(t_spec))
+            if not isinstance(loss, DistTensor) or loss.numel() != 1:
+                raise TypeError(f"Pipeline: loss_fn must return a one-element DistTensor, got {type(loss).__name__} {tuple(loss.shape)}")
+        out = _Layouts(tuple(inputs), tuple(outputs), loss._spec)
+        self._layouts[key] = out
+        return out
+
+    # ---- one training step ----------------------------------------------------------------
+    def step(self, inputs: Any, target: Any = None, *, record: bool = False) -> DistTensor:
+        """Forward and backward of every micro-batch; returns the mean loss (on the last mesh).
+
+        Parameter gradients are accumulated into ``.grad`` (call ``optimizer.zero_grad()``
+        between steps as usual). With ``record``, ``self.events`` holds this rank's timeline.
+        """
+        xs = self.split(inputs, self.meshes[0], "inputs")
+        ts = self.split(target, self.stages[-1].mesh, "targets")
+        lay = self.layouts(xs[0]._spec, None if ts[0] is None else ts[0]._spec)
+        self.events = []
+        if self.stage_index is None:
+            return _zeros(lay.loss)
+        losses = _Run(self, lay, xs, ts, record).execute()
+        if not losses:  # not the last stage mesh: the loss lives there
+            return _zeros(lay.loss)
+        total = losses[0]
+        for extra in losses[1:]:
+            total = total + extra
+        total = total / len(losses)
+        return DistTensor._wrap(_as_layout(total, lay.loss), lay.loss)
+
+
+class _Run:
+    """One step's state on this rank: stashed activations, gradients, sends in flight."""
+
+    def __init__(self, pipe: Pipeline, lay: _Layouts, xs: list[Any], ts: list[Any], record: bool) -> None:
+        self.pipe, self.lay, self.xs, self.ts, self.record = pipe, lay, xs, ts, record
+        self.v = len(pipe.stages)
+        self.m = pipe.num_microbatches
+        self.inputs: dict[tuple[int, int], DistTensor] = {}
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.grads_out: dict[tuple[int, int], DistTensor] = {}
+        self.grads_in: dict[tuple[int, int], torch.Tensor] = {}
+        self.losses: dict[int, torch.Tensor] = {}
+        self.pending = p2p.PendingSends()
+        self.device = runtime.default_device()
+
+    def execute(self) -> list[torch.Tensor]:
+        pipe = self.pipe
+        stage = pipe.stage_index
+        assert stage is not None
+        try:
+            for a in pipe.schedule.actions[stage]:
+                t0 = time.perf_counter()
+                tag = a.tag(self.v, self.m) if a.kind not in COMPUTE else -1
+                getattr(self, "_" + a.kind.lower())(a.microbatch, a.chunk, tag)
+                if self.record:
+                    pipe.events.append(Event(pipe.rank, stage, a.kind, a.microbatch, a.chunk, t0, time.perf_counter()))
+        finally:
+            self.pending.wait()
+        return [self.losses[i] for i in sorted(self.losses)]
+
+    def _plan(self, c: int, backward: bool) -> Any:
+        """Plan of the boundary into chunk ``c`` (forward) or out of it (backward)."""
+        src, dst = self.lay.outputs[c - 1], self.lay.inputs[c]
+        return p2p.boundary_plan(grad_spec(dst), grad_spec(src)) if backward else p2p.boundary_plan(src, dst)
+
+    def _recv_f(self, mb: int, c: int, tag: int) -> None:
+        local = p2p.recv(self._plan(c, False), tag, self.device)
+        self.inputs[(mb, c)] = DistTensor._wrap(local, self.lay.inputs[c], requires_grad=True)
+
+    def _f(self, mb: int, c: int, tag: int) -> None:
+        pipe = self.pipe
+        x = self.xs[mb] if c == 0 else self.inputs[(mb, c)]
+        track = pipe.meter.track() if pipe.meter is not None else contextlib.nullcontext()
+        with track:
+            y = pipe.stages[c].module(x)
+            if c == self.v - 1:
+                y = pipe.loss_fn(y) if self.ts[mb] is None else pipe.loss_fn(y, self.ts[mb])
+                self.losses[mb] = y.detach()
+        self.outputs[(mb, c)] = y
+
+    def _send_f(self, mb: int, c: int, tag: int) -> None:
+        local = _as_layout(self.outputs[(mb, c)], self.lay.outputs[c])
+        p2p.send(local, self._plan(c + 1, False), tag, self.pending)
+
+    def _recv_b(self, mb: int, c: int, tag: int) -> None:
+        spec = grad_spec(self.lay.outputs[c])
+        self.grads_out[(mb, c)] = DistTensor._wrap(p2p.recv(self._plan(c + 1, True), tag, self.device), spec)
+
+    def _b(self, mb: int, c: int, tag: int) -> None:
+        y = self.outputs.pop((mb, c))
+        if c == self.v - 1:
+            if y.requires_grad:
+                (y / self.m).backward()
+        else:
+            g_out = self.grads_out.pop((mb, c))
+            if y.requires_grad:
+                torch.autograd.backward(y, g_out)
+        if c > 0:
+            x = self.inputs.pop((mb, c))
+            spec = grad_spec(self.lay.inputs[c])
+            g = x.grad if x.grad is not None else _zeros(spec)
+            self.grads_in[(mb, c)] = _as_layout(g, spec)
+
+    def _send_b(self, mb: int, c: int, tag: int) -> None:
+        p2p.send(self.grads_in.pop((mb, c)), self._plan(c, True), tag, self.pending)
+
+
+__all__ = ["Event", "Pipeline"]

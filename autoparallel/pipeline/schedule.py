@@ -1,0 +1,226 @@
+"""Pipeline schedules as data: one ordered list of actions per stage mesh.
+
+A model is cut into ``V = p * v`` chunks (virtual stages); chunk ``c`` lives on stage mesh
+``c % p`` (``v`` chunks per mesh, round robin as in interleaved 1F1B). Each mesh runs its list
+in order; every rank of that mesh runs the same list, so collectives inside a stage line up.
+
+Actions: ``F``/``B`` (forward/backward of micro-batch ``m`` on chunk ``c``), ``SEND_F``/
+``RECV_F`` (the activation crossing into chunk ``c + 1`` / into chunk ``c``), ``SEND_B``/
+``RECV_B`` (the input gradient of chunk ``c`` going back / the output gradient of chunk ``c``
+coming in). Sends do not block; a receive blocks until its send has been posted. Message keys
+``(direction, micro-batch, receiving-side chunk)`` make matching independent of order.
+
+Schedules are pure functions of ``(p, M, v)``; :mod:`autoparallel.pipeline.simulate` checks
+them (deadlock freedom, forward before backward, counts) without processes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+F, B = "F", "B"
+SEND_F, RECV_F, SEND_B, RECV_B = "SEND_F", "RECV_F", "SEND_B", "RECV_B"
+COMPUTE = (F, B)
+KINDS = (F, B, SEND_F, RECV_F, SEND_B, RECV_B)
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    """One step of a stage mesh's list: ``kind`` on micro-batch ``microbatch`` of ``chunk``.
+
+    ``peer`` is the stage mesh on the other side of a send/recv (None for compute).
+    """
+
+    kind: str
+    microbatch: int
+    chunk: int
+    peer: int | None = None
+
+    def key(self) -> tuple[str, int, int]:
+        """Message key ``(direction, micro-batch, boundary)``; boundary = chunk after the cut."""
+        boundary = {SEND_F: self.chunk + 1, RECV_F: self.chunk, SEND_B: self.chunk, RECV_B: self.chunk + 1}
+        if self.kind not in boundary:
+            raise ValueError(f"{self} is not a send or receive")
+        return (self.kind[-1], self.microbatch, boundary[self.kind])
+
+    def tag(self, num_chunks: int, num_microbatches: int) -> int:
+        """A tag unique within one step: (direction, boundary, micro-batch) packed in an int."""
+        d, m, b = self.key()
+        return ((0 if d == F else 1) * num_chunks + b) * num_microbatches + m
+
+    def __str__(self) -> str:
+        s = f"{self.kind}{self.microbatch}"
+        if self.chunk is not None:
+            s += f"c{self.chunk}"
+        if self.peer is not None:
+            s += f"{'->' if self.kind.startswith('SEND') else '<-'}s{self.peer}"
+        return s
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Per-stage-mesh action lists for ``num_microbatches`` over ``num_stages * num_chunks`` chunks."""
+
+    name: str
+    num_stages: int
+    num_microbatches: int
+    num_chunks: int  # chunks per stage mesh (v)
+    actions: tuple[tuple[Action, ...], ...]
+
+    @property
+    def num_virtual(self) -> int:
+        return self.num_stages * self.num_chunks
+
+    def stage_of(self, chunk: int) -> int:
+        """Stage mesh index that holds ``chunk``."""
+        return chunk % self.num_stages
+
+    def compute_order(self, stage: int) -> list[Action]:
+        return [a for a in self.actions[stage] if a.kind in COMPUTE]
+
+    def __str__(self) -> str:
+        head = f"{self.name}: {self.num_stages} stage meshes x {self.num_chunks} chunks, {self.num_microbatches} micro-batches"
+        rows = [f"  stage {s}: " + " ".join(str(a) for a in acts) for s, acts in enumerate(self.actions)]
+        return "\n".join([head, *rows])
+
+    def validate(self) -> "object":
+        """Simulate the schedule; raise ``ScheduleError`` on deadlock or misordering."""
+        from autoparallel.pipeline.simulate import simulate
+
+        return simulate(self)
+
+
+# ---- compute orders ---------------------------------------------------------------------
+def _fthenb(p: int, m: int, v: int, s: int) -> list[tuple[str, int, int]]:
+    chunks = [j * p + s for j in range(v)]
+    fwd = [(F, mb, c) for c in chunks for mb in range(m)]
+    bwd = [(B, mb, c) for c in reversed(chunks) for mb in range(m)]
+    return fwd + bwd
+
+
+def _one_f_one_b(p: int, m: int, v: int, s: int) -> list[tuple[str, int, int]]:
+    warmup = min(p - s - 1, m)
+    order = [(F, mb, s) for mb in range(warmup)]
+    for i in range(m - warmup):
+        order += [(F, warmup + i, s), (B, i, s)]
+    order += [(B, mb, s) for mb in range(m - warmup, m)]
+    return order
+
+
+def _interleaved(p: int, m: int, v: int, s: int) -> list[tuple[str, int, int]]:
+    """Megatron-LM's interleaved order: groups of ``p`` micro-batches sweep the chunks."""
+    total = m * v
+
+    def mb(k: int) -> int:
+        return (k // (p * v)) * p + k % p
+
+    def chunk(k: int, forward: bool) -> int:
+        j = (k % (p * v)) // p
+        return (j if forward else v - 1 - j) * p + s
+
+    warmup = total if m == p else min((p - s - 1) * 2 + (v - 1) * p, total)
+    order = [(F, mb(k), chunk(k, True)) for k in range(warmup)]
+    for k in range(total - warmup):
+        order += [(F, mb(warmup + k), chunk(warmup + k, True)), (B, mb(k), chunk(k, False))]
+    order += [(B, mb(k), chunk(k, False)) for k in range(total - warmup, total)]
+    return order
+
+
+def _with_comm(order: list[tuple[str, int, int]], p: int, v: int) -> tuple[Action, ...]:
+    """Insert the receive before and the send after each compute that crosses a mesh."""
+    last = p * v - 1
+    out: list[Action] = []
+    for kind, mb, c in order:
+        if kind == F:
+            if c > 0:
+                out.append(Action(RECV_F, mb, c, (c - 1) % p))
+            out.append(Action(F, mb, c))
+            if c < last:
+                out.append(Action(SEND_F, mb, c, (c + 1) % p))
+        else:
+            if c < last:
+                out.append(Action(RECV_B, mb, c, (c + 1) % p))
+            out.append(Action(B, mb, c))
+            if c > 0:
+                out.append(Action(SEND_B, mb, c, (c - 1) % p))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class _Kind:
+    order: Callable[[int, int, int, int], list[tuple[str, int, int]]]
+    chunked: bool  # accepts v > 1
+
+
+SCHEDULES = {
+    "FThenB": _Kind(_fthenb, True),
+    "1F1B": _Kind(_one_f_one_b, False),
+    "Interleaved1F1B": _Kind(_interleaved, True),
+}
+_ALIASES = {"gpipe": "FThenB", "fthenb": "FThenB", "1f1b": "1F1B", "interleaved1f1b": "Interleaved1F1B",
+            "interleaved": "Interleaved1F1B", "vpp": "Interleaved1F1B"}
+
+
+class ScheduleError(ValueError):
+    """A schedule that cannot run: bad sizes, deadlock, or misordered actions."""
+
+
+def schedule_name(name: str) -> str:
+    """Canonical schedule name for ``name`` (case-insensitive; gpipe, interleaved, vpp accepted)."""
+    canon = _ALIASES.get(str(name).lower().replace("-", "").replace("_", ""))
+    if canon is None:
+        raise ScheduleError(f"unknown pipeline schedule {name!r}; choose one of {list(SCHEDULES)}")
+    return canon
+
+
+def build_schedule(name: str, num_stages: int, num_microbatches: int, num_chunks: int = 1) -> Schedule:
+    """The action lists of schedule ``name`` for ``num_stages`` meshes, micro-batches and chunks."""
+    canon = schedule_name(name)
+    for what, value in (("num_stages", num_stages), ("num_microbatches", num_microbatches), ("num_chunks", num_chunks)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ScheduleError(f"{canon}: {what} must be a positive int, got {value!r}")
+    kind = SCHEDULES[canon]
+    if num_chunks > 1 and not kind.chunked:
+        raise ScheduleError(
+            f"{canon} runs one chunk per stage mesh, got {num_chunks} chunks per mesh; use Interleaved1F1B"
+        )
+    if canon == "Interleaved1F1B" and num_microbatches % num_stages:
+        raise ScheduleError(
+            f"Interleaved1F1B needs the micro-batch count to be a multiple of the {num_stages} stage "
+            f"meshes (at least {num_stages}); got {num_microbatches} micro-batches"
+        )
+    actions = tuple(
+        _with_comm(kind.order(num_stages, num_microbatches, num_chunks, s), num_stages, num_chunks)
+        for s in range(num_stages)
+    )
+    return Schedule(canon, num_stages, num_microbatches, num_chunks, actions)
+
+
+def theoretical_bubble(name: str, num_stages: int, num_microbatches: int, num_chunks: int = 1) -> float:
+    """Idle fraction of an ideal run (equal stage costs, free communication).
+
+    FThenB and 1F1B: ``(p - 1) / (m + p - 1)``; with ``v`` chunks per mesh (interleaved, or
+    looping FThenB): ``(p - 1) / (v * m + p - 1)`` (each chunk costs ``1 / v`` of a stage),
+    which assumes ``m >= p`` (with fewer micro-batches every loop over the chunks idles again).
+    """
+    schedule_name(name)
+    p, m, v = num_stages, num_microbatches, num_chunks
+    return (p - 1) / (v * m + p - 1)
+
+
+__all__ = [
+    "Action",
+    "B",
+    "F",
+    "RECV_B",
+    "RECV_F",
+    "SCHEDULES",
+    "SEND_B",
+    "SEND_F",
+    "Schedule",
+    "ScheduleError",
+    "build_schedule",
+    "schedule_name",
+    "theoretical_bubble",
+]
