@@ -8,12 +8,38 @@ world of one, and nothing is initialised.
 
 from __future__ import annotations
 
+import datetime
 import os
 
 import torch
 import torch.distributed as dist
 
 _TORCHRUN_VARS = ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")
+TIMEOUT_VAR = "AUTOPARALLEL_TIMEOUT"
+
+
+def collective_timeout() -> datetime.timedelta | None:
+    """Timeout of every collective of a world we initialise: ``AUTOPARALLEL_TIMEOUT`` seconds.
+
+    Unset: torch's default. A rank that died or hangs then makes the others raise after this
+    long instead of waiting forever.
+    """
+    raw = os.environ.get(TIMEOUT_VAR, "").strip()
+    if not raw:
+        return None
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ValueError(f"{TIMEOUT_VAR}={raw!r}: expected a positive number of seconds")
+    return datetime.timedelta(seconds=seconds)
+
+
+def collective_timeout_s() -> str:
+    """The timeout in force, for error messages."""
+    t = collective_timeout()
+    return f"{TIMEOUT_VAR}={t.total_seconds():g}s" if t else f"torch's default; set {TIMEOUT_VAR} to shorten it"
 
 
 def torchrun_env_present() -> bool:
@@ -33,7 +59,7 @@ def ensure_world() -> None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend=backend)
+        dist.init_process_group(backend=backend, timeout=collective_timeout())
 
 
 _rank_cache: dict[object, int] = {}

@@ -1,0 +1,64 @@
+"""The checkpoint's control messages between ranks (small picklable metadata, never tensors).
+
+``exchange`` is an all-gather of one object per rank over the default world; it is how every
+rank learns every other rank's plan inputs and outcome, so all ranks take the same decision
+(commit or not, raise or not) after it. A rank that died or hangs makes the others fail here
+with a ``CheckpointError`` within the process group's timeout (``AUTOPARALLEL_TIMEOUT``) instead
+of waiting forever. In a world of one, nothing is sent.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+
+from autoparallel import runtime
+from autoparallel.checkpoint.metadata import CheckpointError
+
+
+def world_size() -> int:
+    return runtime.get_world_size()
+
+
+def exchange(obj: Any, where: str, phase: str) -> list[Any]:
+    """Every rank's ``obj`` in rank order (all ranks must call it in the same phase)."""
+    if runtime.get_world_size() == 1:
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    try:
+        dist.all_gather_object(out, obj)
+    except Exception as e:  # noqa: BLE001 - gloo/NCCL raise RuntimeError or DistError subtypes
+        raise CheckpointError(
+            f"{where}: rank {runtime.get_rank()} lost contact with the other ranks while {phase} "
+            f"(a rank died, hung, or is not calling {where}; collective timeout "
+            f"{runtime.collective_timeout_s()}): {type(e).__name__}: {e}") from e
+    return out
+
+
+def agree(errors: list[tuple[str, str]], where: str, phase: str) -> None:
+    """Raise on every rank if any rank reported an error.
+
+    ``errors`` holds this rank's ``(kind, message)`` pairs; kind ``"value"`` (the state dict does
+    not fit) raises ValueError, anything else CheckpointError. Messages are deduplicated and the
+    ranks reporting each are named.
+    """
+    raise_gathered(exchange(errors, where, phase), where)
+
+
+def raise_gathered(everyone: list[list[tuple[str, str]]], where: str) -> None:
+    """``agree`` for errors already gathered from every rank (rank order)."""
+    by_msg: dict[tuple[str, str], list[int]] = {}
+    for rank, errs in enumerate(everyone):
+        for e in errs:
+            by_msg.setdefault(tuple(e), []).append(rank)  # type: ignore[arg-type]
+    if not by_msg:
+        return
+    n = len(everyone)
+    lines = [msg if len(ranks) == n else f"[rank(s) {ranks}] {msg}" for (_, msg), ranks in by_msg.items()]
+    text = f"{where}: {lines[0]}" if len(lines) == 1 else f"{where}:\n  " + "\n  ".join(lines[:12])
+    if len(lines) > 12:
+        text += f"\n  ... and {len(lines) - 12} more"
+    if any(kind == "value" for kind, _ in by_msg):
+        raise ValueError(text)
+    raise CheckpointError(text)

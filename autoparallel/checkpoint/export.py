@@ -1,0 +1,75 @@
+"""``export_state_dict``: one plain ``torch.save`` file of full tensors, for inference.
+
+Every DistTensor is gathered with ``ap.unshard_dtensor`` (Partial values reduced), and rank 0
+writes the state dict's structure with plain full tensors and plain values to a temporary name
+and renames it into place. Read it back anywhere with ``torch.load(file, weights_only=True)``,
+or into any layout with ``ap.load_state_dict(target, file)``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from autoparallel import runtime
+from autoparallel.checkpoint import _world
+from autoparallel.checkpoint.flat import flatten, map_leaves
+from autoparallel.checkpoint.metadata import CheckpointError
+
+WHERE = "export_state_dict"
+
+
+def _check_rank0(flat: dict[str, Any]) -> list[tuple[str, str]]:
+    """Errors for DistTensors rank 0 (the writer) cannot gather."""
+    out = []
+    for key, leaf in flat.items():
+        spec = getattr(leaf, "_spec", None)
+        if spec is not None and 0 not in spec.mesh:
+            out.append(("value", f"{key!r} lives on {spec.mesh!r}, which lacks rank 0 (the writer); "
+                                 "reshard it onto a mesh containing rank 0 first"))
+    return out
+
+
+def export_state_dict(state_dict: dict[str, Any], file: str | os.PathLike[str]) -> None:
+    """Write ``state_dict`` with full plain tensors to the single file ``file`` (rank 0 writes).
+
+    Collective over the default world: every rank calls it with its state dict. Rank 0 must
+    hold every key that any rank holds (e.g. not a pipeline stage's private keys).
+    """
+    rank = runtime.get_rank()
+    errors: list[tuple[str, str]] = []
+    flat: dict[str, Any] = {}
+    try:
+        flat = flatten(state_dict, WHERE)
+    except (TypeError, ValueError) as e:
+        errors.append(("value", str(e)))
+    if rank == 0:
+        errors += _check_rank0(flat)
+    gathered = _world.exchange((errors, list(flat)), WHERE, "checking the state dicts")
+    lacking = [k for g in gathered for k in g[1] if k not in set(gathered[0][1])]
+    everyone = [g[0] + ([("value", f"rank 0 lacks keys other ranks hold: {sorted(set(lacking))[:8]}")]
+                        if lacking else []) for g in gathered]
+    _world.raise_gathered(everyone, WHERE)
+    full: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for key, leaf in flat.items():
+            if getattr(leaf, "_spec", None) is not None:
+                from autoparallel.api import unshard_dtensor  # noqa: PLC0415  (api imports the dtensor stack)
+
+                full[key] = unshard_dtensor(leaf).detach()
+            elif isinstance(leaf, torch.Tensor):
+                full[key] = leaf.detach().cpu().clone()
+    status = None
+    if rank == 0:
+        path = os.fspath(file)
+        tmp = path + ".tmp"
+        try:
+            torch.save(map_leaves(state_dict, lambda k, v: full.get(k, v) if isinstance(v, torch.Tensor) else v), tmp)
+            os.replace(tmp, path)
+        except Exception as e:  # noqa: BLE001 - reported to every rank below
+            status = f"rank 0 could not write {path!r}: {type(e).__name__}: {e}"
+    statuses = _world.exchange(status, WHERE, "writing")
+    if statuses[0]:
+        raise CheckpointError(f"{WHERE}: {statuses[0]}")
