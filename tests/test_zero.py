@@ -11,6 +11,7 @@ gradient clipping; DP x TP on a 2x2 mesh with ZeRO on dp; ZeRO-3 memory; bad con
 from __future__ import annotations
 
 import copy
+import weakref
 from typing import Any, Callable
 
 import pytest
@@ -150,14 +151,15 @@ def test_strategies_match_one_process(world4, opt_name: str) -> None:  # type: i
     assert set(res["dp"]["states"]) == {"(Replicate(),)"}
     assert set(res["zero3"]["params"]) == {"(Shard(0),)"} and set(res["zero1"]["params"]) == {"(Replicate(),)"}
     # one bucket (default 25 MB): DP one all-reduce per step; ZeRO-1 + one all-gather; ZeRO-2
-    # reduce-scatters instead of all-reducing; ZeRO-3 steps without communicating (its
-    # forward gathers and its backward reduce-scatters, once per Linear)
+    # reduce-scatters instead of all-reducing; ZeRO-3 steps without communicating: its forward
+    # gathers once per Linear, its backward gathers the second weight again (saved for the
+    # input gradient; the first Linear's input needs none) and reduce-scatters once per Linear
     assert all(c == {"all_reduce": 1} for c in res["dp"]["step"]), res["dp"]["step"]
     assert all(c == {"all_reduce": 1, "all_gather": 1} for c in res["zero1"]["step"]), res["zero1"]["step"]
     assert all(c == {"reduce_scatter": 1, "all_gather": 1} for c in res["zero2"]["step"]), res["zero2"]["step"]
     assert all(c == {} for c in res["zero3"]["step"]), res["zero3"]["step"]
     for f, f_dp in zip(res["zero3"]["fwd"], res["dp"]["fwd"]):
-        assert f.get("all_gather", 0) - f_dp.get("all_gather", 0) == 2
+        assert f.get("all_gather", 0) - f_dp.get("all_gather", 0) == 3
         assert f.get("reduce_scatter", 0) - f_dp.get("reduce_scatter", 0) == 2
 
 
@@ -193,6 +195,26 @@ def test_clipping_and_dp_x_tp(world4):  # type: ignore[no-untyped-def]
     # one reduce-scatter (the dp-sharded grads) + one all-reduce (the column bias) + one all-gather
     assert all(c == {"reduce_scatter": 1, "all_reduce": 1, "all_gather": 1} for c in tp2["step"]), tp2["step"]
     assert set(res["tp-zero3"]["params"]) >= {"(Shard(1), Shard(0))", "(Shard(0), Shard(1))"}
+
+
+def _freed(rank: int) -> dict[str, Any]:
+    """ZeRO-3: a gathered weight dies when its module's forward ends, before backward."""
+    mesh = ap.ProcessMesh([0, 1, 2, 3], ["dp"])
+    model = ap.shard_layer(_mlp(), mesh)
+    ap.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), ap.ShardingStage3(mesh))
+    seen: list[Any] = []
+    model[2].register_forward_pre_hook(lambda m, a: seen.append((str(m.weight.placements), weakref.ref(m.weight))))
+    x, y = _batches(1)[0]
+    loss = F.cross_entropy(model(ap.shard_tensor(x, mesh, [S0])), ap.shard_tensor(y, mesh, [S0]))
+    alive = seen[0][1]() is not None
+    loss.backward()
+    return {"used": seen[0][0], "alive_before_backward": alive, "weight": str(model[2].weight.placements),
+            "grad": str(model[2].weight.grad.placements)}
+
+
+def test_zero3_frees_gathered_parameters(world4):  # type: ignore[no-untyped-def]
+    res = world4.run(_freed)[0]
+    assert res == {"used": "(Replicate(),)", "alive_before_backward": False, "weight": "(Shard(0),)", "grad": "(Shard(0),)"}, res
 
 
 # ---- state dicts -------------------------------------------------------------------------

@@ -9,6 +9,11 @@ on first use) then, for any module whose own parameters are ZeRO-3 sharded:
   module's attribute (``module.weight``) resolve to the gathered tensor;
 * after ``forward``: drop that reference.
 
+While the module runs, autograd saves no gathered parameter: a saved-tensor hook replaces any
+tensor viewing a gathered parameter's storage (``weight.t()`` saved by ``addmm``) with a token,
+and backward all-gathers that parameter again when it needs it. So a full parameter lives only
+while its module computes (forward) or its gradient is computed (backward).
+
 The gather is an autograd function whose backward is the mirror image: the gradients (Partial
 over the data-parallel axis) are reduce-scattered in one collective straight into the shard
 layout, so a full gradient never persists.
@@ -16,6 +21,7 @@ layout, so a full gradient never persists.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +35,9 @@ from autoparallel.spec import DistSpec
 from reshard.executor import reshard_local
 
 _ATTR = "_ap_zero3"
+_CALLS = "_ap_zero3_calls"  # per module: a stack of (saved-tensor hooks, gathered storages)
 _HOOKS: list[Any] = []  # the two global module hooks, once installed
+_LIVE: dict[int, "_Regather"] = {}  # storage address of a gathered local -> how to gather it again
 
 
 @dataclass(frozen=True)
@@ -65,7 +73,7 @@ def zero3_layout(p: torch.Tensor) -> Zero3Layout | None:
 def _install_hooks() -> None:
     if not _HOOKS:
         _HOOKS.append(torch.nn.modules.module.register_module_forward_pre_hook(_before_forward))
-        _HOOKS.append(torch.nn.modules.module.register_module_forward_hook(_after_forward))
+        _HOOKS.append(torch.nn.modules.module.register_module_forward_hook(_after_forward, always_call=True))
 
 
 def _own_sharded(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -78,13 +86,79 @@ def _before_forward(module: torch.nn.Module, args: Any) -> None:
         return
     layouts = tuple(getattr(p, _ATTR) for _, p in own)
     fulls = _GatherParams.apply(layouts, *[p for _, p in own])
-    for (name, _), full in zip(own, fulls):
+    live = []
+    for (name, p), full, layout in zip(own, fulls, layouts):
         module.__dict__[name] = full  # found before Module.__getattr__ looks in _parameters
+        if full._local.numel():
+            key = full._local.untyped_storage().data_ptr()
+            _LIVE[key] = _Regather(p, layout)  # type: ignore[arg-type]  # a DistTensor (has _ATTR)
+            live.append(key)
+    hooks = torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
+    hooks.__enter__()
+    module.__dict__.setdefault(_CALLS, []).append((hooks, live))
 
 
 def _after_forward(module: torch.nn.Module, args: Any, output: Any) -> None:
+    calls = module.__dict__.get(_CALLS)
+    if not calls:
+        return
+    hooks, live = calls.pop()
+    hooks.__exit__(None, None, None)
+    for key in live:
+        _LIVE.pop(key, None)
     for name, _ in _own_sharded(module):
         module.__dict__.pop(name, None)
+
+
+class _Regather:
+    """Gathers one ZeRO-3 parameter again (backward); shares the result while it is alive."""
+
+    def __init__(self, param: DistTensor, layout: Zero3Layout) -> None:
+        self.param = weakref.ref(param)
+        self.layout = layout
+        self.cached: Any = None
+
+    def local(self) -> torch.Tensor:
+        full = self.cached() if self.cached is not None else None
+        if full is None:
+            param = self.param()
+            assert param is not None, "a ZeRO-3 parameter was freed before its backward"
+            coord = self.layout.full.mesh.coordinate_of(runtime.get_rank())
+            assert coord is not None
+            (full,) = buckets.all_gather(
+                [param._local], [self.layout.dim], [self.layout.full.local_shape(coord)],
+                self.layout.full.mesh, self.layout.axis,
+            )
+            self.cached = weakref.ref(full)
+        return full
+
+
+@dataclass(frozen=True)
+class _Saved:
+    """A saved DistTensor viewing a gathered parameter: what to gather and how to view it."""
+
+    source: _Regather
+    spec: DistSpec
+    stride: tuple[int, ...]
+    size: tuple[int, ...]
+    local_stride: tuple[int, ...]
+    offset: int
+
+
+def _pack(t: torch.Tensor) -> Any:
+    if isinstance(t, DistTensor) and _LIVE and t._local.numel():
+        source = _LIVE.get(t._local.untyped_storage().data_ptr())
+        if source is not None:
+            loc = t._local
+            return _Saved(source, t._spec, t._stride, tuple(loc.shape), tuple(loc.stride()), int(loc.storage_offset()))
+    return t
+
+
+def _unpack(saved: Any) -> Any:
+    if not isinstance(saved, _Saved):
+        return saved
+    local = saved.source.local().as_strided(saved.size, saved.local_stride, saved.offset)
+    return DistTensor._wrap(local, saved.spec, saved.stride)
 
 
 def _groups(layouts: tuple[Zero3Layout, ...], dtypes: list[torch.dtype]) -> dict[tuple[Any, ...], list[int]]:
