@@ -129,7 +129,8 @@ class _FromLocal(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, local: torch.Tensor, spec: DistSpec) -> DistTensor:  # type: ignore[override]
         ctx.spec = spec
-        return DistTensor._wrap(local.view_as(local), spec)
+        # the wrapper advertises contiguous strides: a non-contiguous shard is copied
+        return DistTensor._wrap(local.view_as(local) if local.is_contiguous() else local.contiguous(), spec)
 
     @staticmethod
     def backward(ctx: Any, grad: DistTensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]

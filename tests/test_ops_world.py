@@ -183,6 +183,10 @@ def _views(rank: int) -> bool:
     assert _close(one_row.squeeze().full_tensor(), reference((4, 3), 19))
     m = make_dist(reference((5, 4), 11), mesh, (Shard(1),))
     assert _close(m.t().full_tensor(), reference((5, 4), 11).t())
+    full = reference((4, 2, 6), 12)
+    strided = full[rank:rank + 1, :, 1:5]  # a non-contiguous local shard: views must still work
+    g = ap.dtensor_from_local(strided, mesh, [Shard(0)])
+    assert _close(g.reshape(4, 8).full_tensor(), full[:, :, 1:5].reshape(4, 8))
     return True
 
 
