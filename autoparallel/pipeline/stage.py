@@ -16,6 +16,7 @@ is on metadata only, so a bad split raises the same error on every rank.
 from __future__ import annotations
 
 from collections import OrderedDict
+from fnmatch import fnmatchcase
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -144,20 +145,21 @@ def split_sequential(
     starts = _starts(names, split_points, count)
     if input_placements is not None and len(input_placements) != count:
         raise ValueError(f"split_sequential: {len(input_placements)} input_placements for {count} stages")
+    pieces = [nn.Sequential(OrderedDict(blocks[lo:(starts[c + 1] if c + 1 < count else len(blocks))]))
+              for c, lo in enumerate(starts)]
+    plans = _stage_plans(pieces, plan)
     stages = []
-    for c, lo in enumerate(starts):
-        hi = starts[c + 1] if c + 1 < count else len(blocks)
-        parts = blocks[lo:hi]
+    for c, piece in enumerate(pieces):
+        parts = list(piece.named_children())
         mesh = meshes[c % len(meshes)]
-        piece = nn.Sequential(OrderedDict(parts))
         for pname, p in piece.named_parameters():
             if isinstance(p, DistTensor) and p.process_mesh != mesh:
                 raise ValueError(
                     f"split_sequential: parameter {pname} of stage {c} is already on {p.process_mesh!r}, "
                     f"but stage {c} runs on {mesh!r}"
                 )
-        if plan is not None:
-            parallelize(piece, mesh, plan)
+        if plans[c]:
+            parallelize(piece, mesh, plans[c])
         else:
             shard_layer(piece, mesh, shard_fn)
         ip = None if input_placements is None else input_placements[c]
@@ -165,6 +167,20 @@ def split_sequential(
             ip = [check_placement(x) for x in ip]
         stages.append(Stage(piece, mesh, ip, _span(parts)))
     return stages
+
+
+def _stage_plans(pieces: list[nn.Sequential], plan: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """Each stage's part of ``plan`` (the patterns matching its modules); a pattern matching none raises."""
+    if plan is None:
+        return [{} for _ in pieces]
+    if not isinstance(plan, dict):
+        raise TypeError(f"split_sequential: plan must be a dict {{module-name pattern: style}}, got {type(plan).__name__}")
+    names = [[n for n, _ in piece.named_modules()] for piece in pieces]
+    out = [{k: v for k, v in plan.items() if any(fnmatchcase(n, k) for n in ns)} for ns in names]
+    unused = [k for k in plan if not any(k in sub for sub in out)]
+    if unused:
+        raise ValueError(f"split_sequential: plan patterns {unused} match no layer of any stage")
+    return out
 
 
 def _starts(names: list[str], split_points: Sequence[str] | None, count: int) -> list[int]:
