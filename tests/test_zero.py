@@ -97,10 +97,10 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 def _train(
     rank: int, strategy: str, opt_name: str, foreach: bool | None, *, tp: bool = False, bucket_bytes: int | None = None,
-    clip: bool = False, wrap: bool = True,
+    clip: bool = False, wrap: bool = True, grid: list[list[int]] | None = None,
 ) -> dict[str, Any]:
     """Train STEPS steps distributed and on one process; check equality; return the collectives."""
-    mesh = ap.ProcessMesh([[0, 1], [2, 3]], ["dp", "mp"]) if tp else ap.ProcessMesh([0, 1, 2, 3], ["dp"])
+    mesh = ap.ProcessMesh(grid or [[0, 1], [2, 3]], ["dp", "mp"]) if tp else ap.ProcessMesh([0, 1, 2, 3], ["dp"])
     ref = _mlp()
     model = _dist_model(ref, mesh, tp)
     kw = {} if foreach is None else {"foreach": foreach}
@@ -181,6 +181,7 @@ def _clip_and_tp(rank: int) -> dict[str, Any]:
     out = {s: _train(rank, s, "adamw", None, clip=True)["step"] for s in ("dp", "zero2")}
     out["tp-zero2"] = _train(rank, "zero2", "sgd", None, tp=True)
     out["tp-zero3"] = _train(rank, "zero3", "adam", True, tp=True)
+    out["dp1-zero2"] = _train(rank, "zero2", "sgd", None, tp=True, grid=[[0, 1, 2, 3]])  # dp axis of size 1
     return out
 
 
@@ -195,6 +196,8 @@ def test_clipping_and_dp_x_tp(world4):  # type: ignore[no-untyped-def]
     # one reduce-scatter (the dp-sharded grads) + one all-reduce (the column bias) + one all-gather
     assert all(c == {"reduce_scatter": 1, "all_reduce": 1, "all_gather": 1} for c in tp2["step"]), tp2["step"]
     assert set(res["tp-zero3"]["params"]) >= {"(Shard(1), Shard(0))", "(Shard(0), Shard(1))"}
+    # a size-1 dp axis: the Partial over it is already the value, nothing moves for it
+    assert all("reduce_scatter" not in c and "all_gather" not in c for c in res["dp1-zero2"]["step"]), res["dp1-zero2"]
 
 
 def _freed(rank: int) -> dict[str, Any]:

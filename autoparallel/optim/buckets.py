@@ -3,7 +3,8 @@
 Every function packs this rank's pieces into one flat buffer, issues ONE collective on one mesh
 axis through ``autoparallel.comm`` (so ``CommDebugMode`` sees it) and unpacks. Bucket
 boundaries come from metadata only (``plan_buckets``), so every rank issues the same sequence.
-Uneven ``torch.chunk`` pieces are padded to the largest per-rank segment.
+Uneven ``torch.chunk`` pieces are padded to the largest per-rank segment. On a size-1 axis
+nothing is communicated (a Partial over one rank is already the value).
 """
 
 from __future__ import annotations
@@ -65,7 +66,9 @@ def _numel(shape: Sequence[int]) -> int:
 
 
 def all_reduce(locals_: Sequence[torch.Tensor], mesh: ProcessMesh, axis: int, reduce_type: str) -> list[torch.Tensor]:
-    """Reduce every tensor over ``axis`` with one all-reduce; returns new tensors."""
+    """Reduce every tensor over ``axis`` with one all-reduce (none on a size-1 axis)."""
+    if mesh.shape[axis] == 1:
+        return list(locals_)
     flat = torch.cat([t.reshape(-1) for t in locals_])  # [sum numel]
     flat = comm.all_reduce(flat, mesh, axis, reduce_type)
     return [piece.view(t.shape) for piece, t in zip(flat.split([t.numel() for t in locals_]), locals_)]
@@ -79,6 +82,8 @@ def reduce_scatter(
     One reduce-scatter: segment ``r`` of the buffer holds member ``r``'s pieces of every tensor.
     """
     n, me = _line(mesh, axis)
+    if n == 1:
+        return list(locals_)
     segments = [torch.cat([_chunk(t, d, n, r).reshape(-1) for t, d in zip(locals_, dims)]) for r in range(n)]
     width = max(s.numel() for s in segments)  # member 0 has the largest pieces
     buf = torch.cat([_pad(s, width) for s in segments])  # [n * width]
@@ -97,6 +102,8 @@ def all_gather(
     ``full_shapes`` are the shapes before chunking (the same on every member of the axis line).
     """
     n, _ = _line(mesh, axis)
+    if n == 1:
+        return list(pieces)
     shapes = [[_chunk_shape(f, d, n, r) for f, d in zip(full_shapes, dims)] for r in range(n)]
     sizes = [[_numel(s) for s in row] for row in shapes]
     width = sum(sizes[0])
