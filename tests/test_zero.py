@@ -163,11 +163,35 @@ def test_strategies_match_one_process(world4, opt_name: str) -> None:  # type: i
         assert f.get("reduce_scatter", 0) - f_dp.get("reduce_scatter", 0) == 2
 
 
+def _param_groups(rank: int) -> list[str]:
+    """Two groups (the second added after wrapping, its own lr) under ZeRO-2, and an LR scheduler."""
+    mesh = ap.ProcessMesh([0, 1, 2, 3], ["dp"])
+    ref = _mlp()
+    model = _dist_model(ref, mesh, False)
+    opts = []
+    for m, wrap in ((model, True), (ref, False)):
+        opt: Any = torch.optim.SGD(m[0].parameters(), lr=0.1, momentum=0.9)
+        if wrap:
+            opt = ap.shard_optimizer(opt, ap.ShardingStage2(mesh))
+        opt.add_param_group({"params": m[2].parameters(), "lr": 0.05})
+        opts.append((opt, torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)))
+    for x, y in _batches(3):
+        F.cross_entropy(model(ap.shard_tensor(x, mesh, [S0])), ap.shard_tensor(y, mesh, [S0])).backward()
+        F.cross_entropy(ref(x), y).backward()
+        for opt, sched in opts:
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        _close(p.detach().full_tensor(), q.detach(), "param groups")
+    return [str(v.placements) for st in opts[0][0].state.values() for v in st.values()]
+
+
 def _buckets_and_plain(rank: int) -> dict[str, Any]:
     # 4 parameters of 384, 48, 240 and 20 bytes: a 400-byte limit gives buckets [w0], [b0, w2, b2]
     small = _train(rank, "dp", "sgd", None, bucket_bytes=400)
     plain = _train(rank, "dp", "sgd", True, wrap=False)  # no shard_optimizer: Partial grads reduced lazily
-    return {"small": small["step"], "plain": plain["states"]}
+    return {"small": small["step"], "plain": plain["states"], "groups": _param_groups(rank)}
 
 
 def test_dp_one_all_reduce_per_bucket_and_plain_optimizer(world4):  # type: ignore[no-untyped-def]
@@ -175,6 +199,7 @@ def test_dp_one_all_reduce_per_bucket_and_plain_optimizer(world4):  # type: igno
     assert plan_buckets([384, 48, 240, 20], 400) == [[0], [1, 2, 3]]
     assert all(c == {"all_reduce": 2} for c in res["small"]), res["small"]
     assert res["plain"], "the plain optimizer created states"
+    assert res["groups"] == ["(Shard(0),)"] * 4, res["groups"]  # momentum of all 4 params, sharded
 
 
 def _clip_and_tp(rank: int) -> dict[str, Any]:

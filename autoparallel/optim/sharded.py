@@ -19,7 +19,7 @@ the optimizer's own ops, one parameter at a time.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import torch
 
@@ -115,10 +115,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Add a group of parameters (after construction: planned and checked like the others)."""
         if not getattr(self, "_ready", False):  # Optimizer.__init__ passing the adopted groups
             return
-        self.inner.add_param_group(param_group)
-        group = self.inner.param_groups[-1]
-        plan = self._plan_group(group, len(self.inner.param_groups) - 1)
-        group["params"] = [self._adopt(*item) for item in plan]
+        params = param_group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        plan = self._plan_group({"params": params}, len(self.inner.param_groups))  # checks first
+        self.inner.add_param_group({**param_group, "params": [self._adopt(*item) for item in plan]})
 
     # ---- the step -----------------------------------------------------------------------
     @torch.no_grad()
@@ -296,7 +296,3 @@ def _meta_bytes(spec: DistSpec) -> int:
         n *= s
     return n * spec.itemsize
 
-
-def all_params(opt: ShardedOptimizer) -> Iterable[torch.Tensor]:
-    """The model parameters ``opt`` updates (not the shards it steps)."""
-    return [s.param for s in opt._slots]
