@@ -79,12 +79,17 @@ def test_plain_python_is_a_world_of_one() -> None:
 
 
 def test_main_job_runs_under_torchrun() -> None:
+    """The README's main job (examples/train_gpt.py: dp=2 x tp=2 + SP) in a small size, its own check on."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     env["OMP_NUM_THREADS"] = "1"
+    small = ["--steps", "3", "--batch", "8", "--seq", "16", "--layers", "1", "--width", "32", "--heads", "2"]
     out = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-         os.path.join(ROOT, "examples", "train_mlp.py"), "--steps", "6"],
+         os.path.join(ROOT, "examples", "train_gpt.py"), *small],
         capture_output=True, text=True, env=env, timeout=300,
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
-    assert "parameters match: True" in out.stdout
+    assert "mesh dp=2 x mp=2, sequence parallel on" in out.stdout
+    assert "loss: max rel. diff" in out.stdout and "over 3 steps (rtol 1e-05): PASS" in out.stdout, out.stdout
+    assert "(rtol 1e-05): PASS" in out.stdout.split("parameters:")[1], out.stdout
+    assert "step 3/3" in out.stderr  # the progress bar (rank 0, stderr)
