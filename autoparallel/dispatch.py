@@ -23,7 +23,7 @@ from reshard.executor import run_any
 from reshard.plan import RELABEL, SLICE, Plan
 from reshard.planner import LATENCY_BYTES
 from spmd_rules.base import LocalContext, OpCall, ScalarMeta, Strategy, TensorMeta
-from spmd_rules.registry import get_local_impl, get_rule
+from spmd_rules.registry import get_local_impl, get_out_shapes, get_rule
 
 _warned: set[str] = set()
 
@@ -44,17 +44,23 @@ class Decision:
     restore: tuple[Plan | CrossMeshPlan | None, ...] = ()  # per written input: back to its layout
     slots: Any = None                         # where each DistTensor sits in (args, kwargs)
     detached_view: bool = False               # a view op whose input had to be moved first
+    fallback: bool = False                    # no rule: replicated inputs, the kernel's outputs
 
 
 def dispatch(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Run ``func`` on DistTensors of class ``cls`` (the body of ``__torch_dispatch__``)."""
     dts: list[Any] = []
-    key = (func, _key(cls, args, dts), _key(cls, tuple(kwargs.items()), dts) if kwargs else ())
+    plain: list[torch.Tensor] = []
+    key = (func, _key(cls, args, dts, plain), _key(cls, tuple(kwargs.items()), dts, plain) if kwargs else ())
     if not dts:
         return func(*args, **kwargs)
+    if plain:  # rare: adopt them as Replicate, then key the call again
+        args, kwargs = _adopt_plain(cls, func, args, kwargs, dts, plain)
+        dts, plain = [], []
+        key = (func, _key(cls, args, dts, plain), _key(cls, tuple(kwargs.items()), dts, plain) if kwargs else ())
     decision = _CACHE.get(key)
     if decision is None:
-        decision = _finish(cls, _decide(cls, func, args, kwargs, dts), args, kwargs, [t._spec for t in dts])
+        decision = _finish(cls, func, _decide(cls, func, args, kwargs, dts), args, kwargs, [t._spec for t in dts])
         if len(_CACHE) >= MAX_CACHED_DECISIONS:  # e.g. a changing Python scalar in the key
             _CACHE.clear()
         _CACHE[key] = decision
@@ -70,14 +76,18 @@ _VALUE_OPS = frozenset({
     torch.ops.aten.is_nonzero.default,
 })
 MAX_CACHED_DECISIONS = 65536
+# Views whose local implementation computes a new tensor (a lazy conj/neg bit cannot live on the
+# wrapper): like views of a moved input, writes through them raise instead of being lost.
+_MATERIALISED_VIEWS = frozenset({torch.ops.aten._conj.default, torch.ops.aten._neg_view.default})
 
 
 def clear_cache() -> None:
     _CACHE.clear()
 
 
-def _key(cls: Any, items: tuple[Any, ...], dts: list[Any]) -> tuple[Any, ...]:
-    """Hashable description of the arguments; collects DistTensors into ``dts`` in order."""
+def _key(cls: Any, items: tuple[Any, ...], dts: list[Any], plain: list[torch.Tensor]) -> tuple[Any, ...]:
+    """Hashable description of the arguments; collects DistTensors into ``dts`` in order, and
+    plain tensors of one or more dims into ``plain`` (0-dim ones count as scalars)."""
     out: list[Any] = []
     for a in items:
         if isinstance(a, cls):
@@ -85,16 +95,63 @@ def _key(cls: Any, items: tuple[Any, ...], dts: list[Any]) -> tuple[Any, ...]:
             out.append((a._spec, a._stride))
         elif isinstance(a, torch.Tensor):
             if a.dim() != 0:
-                raise TypeError(
-                    f"cannot mix a DistTensor with a plain tensor of shape {tuple(a.shape)}; "
-                    "make it a DistTensor first (ap.shard_tensor)"
-                )
+                plain.append(a)
             out.append(("scalar_tensor", a.dtype))
         elif isinstance(a, (list, tuple)):
-            out.append((type(a).__name__, _key(cls, tuple(a), dts)))
+            out.append((type(a).__name__, _key(cls, tuple(a), dts, plain)))
         else:
             out.append(a)
     return tuple(out)
+
+
+def _adopt_plain(
+    cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], dts: list[Any], plain: list[torch.Tensor]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``args``/``kwargs`` with every plain tensor of one or more dims made a Replicate DistTensor.
+
+    The policy (docs/plain_tensors.md): a plain tensor mixed with DistTensors in one op is the
+    same full value on every rank, like a Python scalar, so it is Replicate on the DistTensors'
+    mesh. Torch itself makes such tensors inside decompositions and backward formulas (zeros,
+    ones, index tensors), and user code indexes with them (``x[idx]``). A plain tensor is refused
+    (TypeError, before any collective) when it requires grad (its gradient would have to be a
+    plain tensor), when the op writes it (the write could not reach it), or when the DistTensors
+    live on several meshes (no mesh to replicate it on).
+    """
+    what = f"{func}: cannot mix a DistTensor with a plain tensor of shape {tuple(plain[0].shape)}"
+    meshes = list(dict.fromkeys(d._spec.mesh for d in dts))
+    if len(meshes) > 1:
+        raise TypeError(f"{what}: the DistTensors live on {len(meshes)} meshes, so it has no mesh to be "
+                        "replicated on; make it a DistTensor first (ap.shard_tensor)")
+    grad = next((t for t in plain if t.requires_grad), None)
+    if grad is not None:
+        raise TypeError(f"{func}: cannot mix a DistTensor with a plain tensor of shape {tuple(grad.shape)} "
+                        "that requires grad (its gradient would be a plain tensor on every rank); make it a "
+                        "DistTensor first (ap.shard_tensor)")
+    written = {id(t) for t in _written_args(func, args, kwargs)}
+    hit = next((t for t in plain if id(t) in written), None)
+    if hit is not None:
+        raise TypeError(f"{func}: cannot write a DistTensor result into a plain tensor of shape "
+                        f"{tuple(hit.shape)}; make it a DistTensor first (ap.shard_tensor)")
+    mesh = meshes[0]
+    rep = tuple(Replicate() for _ in range(mesh.ndim))
+    member = _coord(mesh) is not None
+    adopted: dict[int, Any] = {}
+
+    def adopt(t: torch.Tensor) -> Any:
+        if id(t) not in adopted:
+            local = t if member else t.new_empty((0,))
+            stride = tuple(t.stride()) if t.layout == torch.strided else None
+            adopted[id(t)] = cls._wrap(local, DistSpec(mesh, rep, tuple(t.shape), t.dtype), stride)
+        return adopted[id(t)]
+
+    def walk(a: Any) -> Any:
+        if isinstance(a, torch.Tensor) and not isinstance(a, cls) and a.dim() != 0:
+            return adopt(a)
+        if isinstance(a, (list, tuple)):
+            return type(a)(walk(x) for x in a)
+        return a
+
+    return walk(args), {k: walk(v) for k, v in kwargs.items()}
 
 
 def _map(cls: Any, items: Any, fn: Callable[[Any], Any]) -> Any:
@@ -158,6 +215,12 @@ def _decide(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], 
         tuple(s.placements for s in specs),
         tuple(mesh.shape),
     )
+    shapes = get_out_shapes(func)
+    fixed = shapes(call) if shapes is not None else None
+    if fixed is not None:  # the CPU kernel's shapes, where its meta kernel says otherwise
+        outs = [o if o is None or s is None else torch.empty(s, dtype=o.dtype, device="meta") for o, s in zip(outs, fixed)]
+        out_metas = tuple(TensorMeta(tuple(o.shape), o.dtype) if o is not None else None for o in outs)
+        call = replace(call, out=out_metas)
     rule = get_rule(func)
     strategies = rule(call) if rule is not None else []
     if mutated:
@@ -170,7 +233,7 @@ def _decide(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], 
         strategies = [s for s in strategies if all(s.inputs[i] == specs[i].placements for i in mutated)] or strategies
     if not strategies:
         why = "it has no SPMD rule" if rule is None else "its rule offered no strategy"
-        return _fallback_decision(func, specs, mesh, outs, mutated, reason=why)
+        return _fallback_decision(func, specs, mesh, outs, mutated, reason=why, kind=out_kind)
     best = min(strategies, key=lambda s: _cost(s, specs, mesh, out_metas))
     plans = tuple(_plan(spec, req) for spec, req in zip(specs, best.inputs))
     out_specs = tuple(
@@ -227,8 +290,11 @@ def _largest_local_numel(shape: tuple[int, ...], placements: tuple[Any, ...], me
 
 def _fallback_decision(
     func: Any, specs: list[DistSpec], mesh: Any, outs: list[Any] | None, mutated: tuple[int, ...], reason: str,
-    warn: bool = True,
+    warn: bool = True, kind: str = "tensor",
 ) -> Decision:
+    """Gather every input to Replicate and run the op itself; members wrap what the kernel
+    returns (its shapes may differ from the meta kernel's, e.g. empty saved statistics), so the
+    ``outs`` metas (None: no meta kernel) only give the layout for ranks outside the mesh."""
     name = str(func)
     if warn and name not in _warned:
         _warned.add(name)
@@ -240,23 +306,24 @@ def _fallback_decision(
     rep = tuple(Replicate() for _ in range(mesh.ndim))
     plans = tuple(_plan(s, rep) for s in specs)
     if outs is None:
-        return Decision(mesh, plans, (), (), "unknown", None, None, None, mutated, _coord(mesh), _in_specs(specs, plans))
-    kind = "none" if not outs else "tensor" if len(outs) == 1 else "tuple"
+        return Decision(mesh, plans, (), (), "unknown", None, None, None, mutated, _coord(mesh), _in_specs(specs, plans),
+                        fallback=True)
     out_specs = tuple(DistSpec(mesh, rep, tuple(o.shape), o.dtype) if o is not None else None for o in outs)
     strides = tuple(tuple(o.stride()) if o is not None else None for o in outs)
-    return Decision(mesh, plans, out_specs, strides, kind, None, None, None, mutated, _coord(mesh), _in_specs(specs, plans))
+    return Decision(mesh, plans, out_specs, strides, kind, None, None, None, mutated, _coord(mesh), _in_specs(specs, plans),
+                    fallback=True)
 
 
 def _in_specs(specs: list[DistSpec], plans: tuple[Plan | CrossMeshPlan | None, ...]) -> tuple[DistSpec, ...]:
     return tuple(p.dst if p is not None else s for s, p in zip(specs, plans))
 
 
-def _finish(cls: Any, d: Decision, args: tuple[Any, ...], kwargs: dict[str, Any], specs: list[DistSpec]) -> Decision:
+def _finish(cls: Any, func: Any, d: Decision, args: tuple[Any, ...], kwargs: dict[str, Any], specs: list[DistSpec]) -> Decision:
     """Add what execution needs: where the DistTensors sit, and for in-place writes the way back
     to each written tensor's own layout (in-place ops never change a tensor's layout)."""
     back = tuple(None if d.in_specs[i] == specs[i] else plan_best(d.in_specs[i], specs[i]) for i in d.mutated)
-    returns_view = any(r.alias_info is not None for r in func_returns(d))
-    moved_input = any(_copies(p) for p in d.plans)
+    returns_view = any(r.alias_info is not None for r in func._schema.returns)
+    moved_input = func in _MATERIALISED_VIEWS or any(_copies(p) for p in d.plans)
     return replace(d, restore=back, slots=_slots(cls, args, kwargs), detached_view=returns_view and moved_input)
 
 
@@ -267,10 +334,6 @@ def _copies(plan: Plan | CrossMeshPlan | None) -> bool:
     if isinstance(plan, CrossMeshPlan):
         return True
     return any(s.kind not in (SLICE, RELABEL) for s in plan.steps)
-
-
-def func_returns(d: Decision) -> list[Any]:
-    return list(d.call.op._schema.returns) if d.call is not None else []
 
 
 def _slots(cls: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -330,8 +393,8 @@ def _flatten_out(out: Any) -> tuple[str, list[Any]]:
     return "value", []
 
 
-def _mutated_inputs(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], dts: list[Any]) -> tuple[int, ...]:
-    """Positions (in ``dts``) of the DistTensors the op writes: ``self`` of ``add_``, ``out=``."""
+def _written_args(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    """The arguments the op writes: ``self`` of ``add_``, ``out=``."""
     written: list[Any] = []
     for i, arg in enumerate(func._schema.arguments):
         alias = arg.alias_info
@@ -339,7 +402,12 @@ def _mutated_inputs(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], dt
             continue
         value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
         written.extend(value if isinstance(value, (list, tuple)) else [value])
-    ids = [id(t) for t in written]
+    return written
+
+
+def _mutated_inputs(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], dts: list[Any]) -> tuple[int, ...]:
+    """Positions (in ``dts``) of the DistTensors the op writes."""
+    ids = [id(t) for t in _written_args(func, args, kwargs)]
     return tuple(i for i, t in enumerate(dts) if id(t) in ids)
 
 
@@ -372,17 +440,21 @@ def _execute(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
             out = func(*largs, **lkwargs)
     else:
         out = None
-    if d.out_kind == "unknown":  # fallback without meta kernel: learn the outputs now
+    if d.fallback and member and not d.mutated:  # the kernel's outputs, whatever meta said
         return _wrap_unknown(cls, out, d)
+    if d.out_kind == "unknown" and not d.mutated:
+        raise RuntimeError(f"autoparallel: {func} has no meta kernel and ran on a rank outside its mesh")
     if d.mutated:
-        # Written tensors keep their identity; they now hold the shard they were written in.
+        # Written tensors keep their identity and their layout. A written input that had to move
+        # is copied back INTO its own shard: views of it (and what it is a view of) see the write.
         for i, back in zip(d.mutated, d.restore):
-            if member:
-                dts[i]._local = locs[i] if back is None else run_any(locs[i], back)
-        if d.out_kind in ("none", "value"):
-            return None if d.out_kind == "none" else d.value
+            if member and back is not None:
+                dts[i]._local.copy_(run_any(locs[i], back))
+        kind = d.out_kind if d.out_kind != "unknown" else _flatten_out(out)[0] if member else "tensor"
+        if kind in ("none", "value"):
+            return None if kind == "none" else d.value
         written = [dts[i] for i in d.mutated]
-        return written[0] if d.out_kind == "tensor" else type(written)(written) if d.out_kind == "list" else tuple(written)
+        return written[0] if kind == "tensor" else type(written)(written) if kind == "list" else tuple(written)
     if member:
         _, louts = _flatten_out(out)
     else:
@@ -403,13 +475,23 @@ def _execute(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
 
 
 def _wrap_unknown(cls: Any, out: Any, d: Decision) -> Any:
-    if out is None:
-        raise RuntimeError("autoparallel: an op without a meta kernel ran on a rank outside its mesh")
+    """Replicate DistTensors of exactly what a replicated (fallback) kernel returned."""
     kind, outs = _flatten_out(out)
-    if kind == "value":
+    if kind in ("value", "none"):
         return out
     rep = tuple(Replicate() for _ in range(d.mesh.ndim))
-    wrapped = [None if o is None else cls._wrap(o, DistSpec(d.mesh, rep, tuple(o.shape), o.dtype), tuple(o.stride())) for o in outs]  # type: ignore[attr-defined]
+    wrapped: list[Any] = []
+    for o in outs:
+        if o is None:
+            wrapped.append(None)
+            continue
+        if o.is_conj() or o.is_neg():  # the wrapper cannot carry the lazy bit: materialise it
+            o = o.resolve_conj().resolve_neg()
+        stride = tuple(o.stride()) if o.layout == torch.strided else None
+        w = cls._wrap(o, DistSpec(d.mesh, rep, tuple(o.shape), o.dtype), stride)
+        if d.detached_view:
+            w._detached_view = True
+        wrapped.append(w)
     if kind == "tensor":
         return wrapped[0]
     return tuple(wrapped) if kind == "tuple" else wrapped

@@ -39,7 +39,7 @@ from autoparallel.placement import Partial, Placement, Shard
 from spmd_rules.base import P_SUM, R, AxisStrategy, LocalContext, OpCall, TensorMeta, broadcast_dim
 from spmd_rules.base import input_slots as _slots
 from spmd_rules.base import named_strategy as _make
-from spmd_rules.registry import register_axis_rule, register_local_impl
+from spmd_rules.registry import register_axis_rule, register_local_impl, register_out_shapes
 
 aten = torch.ops.aten
 
@@ -259,6 +259,12 @@ def batch_norm_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
         outs = [Shard(d)] + [Shard(0) if d == 1 and o is not None and o.shape == (x.shape[1],) else R for o in call.out[1:]]
         strategies.append(_make(call, _channel_placed(call, x, d, ("input",)), outs))
     return strategies
+
+
+@register_out_shapes(BATCH_NORM_OPS)
+def batch_norm_out_shapes(call: OpCall) -> tuple[tuple[int, ...] | None, ...] | None:
+    """Eval mode: the kernel returns empty saved statistics (its meta kernel says (C,))."""
+    return None if _training(call) else (None, (0,), (0,))
 
 
 @register_axis_rule(aten.native_batch_norm_backward.default)

@@ -12,8 +12,10 @@ from __future__ import annotations
 import torch
 
 from autoparallel.placement import Placement, Shard
-from spmd_rules.base import P_SUM, R, AxisStrategy, OpCall, follow
-from spmd_rules.registry import register_axis_rule
+from typing import Any
+
+from spmd_rules.base import P_SUM, R, AxisStrategy, LocalContext, OpCall, follow
+from spmd_rules.registry import register_axis_rule, register_local_impl
 
 aten = torch.ops.aten
 
@@ -92,3 +94,11 @@ def addmv_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
     return einsum_strategies("mk,k->m", call, (1, 2), bias=0)
 
 
+@register_local_impl([aten.addmv, aten.addmm, aten.baddbmm])
+def add_product_local(ctx: LocalContext, bias: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    """Broadcast the bias to the local output shape first: with an empty shard the CPU kernel
+    returns the un-broadcast bias (``addmv(ones(1), ones(0, k), v)`` has shape (1,), not (0,))."""
+    shape = ctx.out_shapes[0]
+    if shape is not None and tuple(bias.shape) != tuple(shape):
+        bias = bias.expand(shape)
+    return ctx.call.op(bias, *args, **kwargs)

@@ -25,7 +25,7 @@ aten = torch.ops.aten
 
 COPY_OPS = [
     aten.clone, aten.detach, aten.alias, aten.contiguous, aten._to_copy, aten.positive,
-    aten.lift_fresh, aten.zero_, aten.zero, aten.view_as_real, aten.conj, aten.resolve_conj,
+    aten.lift_fresh, aten.zero_, aten.zero, aten.conj, aten.resolve_conj,
     aten.resolve_neg,
 ]
 NEG_OPS = [aten.neg, aten.neg_]

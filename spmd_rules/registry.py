@@ -9,9 +9,11 @@ from autoparallel.placement import partials_compatible
 from spmd_rules.base import AxisRule, AxisStrategy, MeshRule, OpCall, Strategy
 
 LocalImpl = Callable[..., Any]
+OutShapes = Callable[[OpCall], Sequence[tuple[int, ...] | None] | None]
 
 _MESH_RULES: dict[Any, MeshRule] = {}
 _LOCAL_IMPLS: dict[Any, LocalImpl] = {}
+_OUT_SHAPES: dict[Any, OutShapes] = {}
 MAX_COMBINATIONS = 512
 
 
@@ -56,6 +58,25 @@ def register_local_impl(ops: Any | Iterable[Any]) -> Callable[[LocalImpl], Local
         return fn
 
     return deco
+
+
+def register_out_shapes(ops: Any | Iterable[Any]) -> Callable[[OutShapes], OutShapes]:
+    """Decorator: ``fn(call)`` -> the global shape of each output where the CPU kernel returns
+    another shape than the meta kernel says (None per output, or for all: trust the meta kernel).
+
+    E.g. eval-mode ``native_batch_norm`` returns empty saved statistics on CPU, (C,) on meta.
+    """
+
+    def deco(fn: OutShapes) -> OutShapes:
+        for op in _as_list(ops):
+            _OUT_SHAPES[op] = fn
+        return fn
+
+    return deco
+
+
+def get_out_shapes(op: Any) -> OutShapes | None:
+    return _OUT_SHAPES.get(op) or _OUT_SHAPES.get(getattr(op, "overloadpacket", None))
 
 
 def get_local_impl(op: Any) -> LocalImpl | None:

@@ -161,3 +161,82 @@ def squeeze_local(ctx: LocalContext, x: torch.Tensor, *args: object, **kwargs: o
     in a dim that is not, and a plain local ``squeeze()`` would drop it."""
     dims = sorted(_squeezed(ctx.call))
     return aten.squeeze.dims(x, dims) if dims else aten.alias.default(x)
+
+
+# ---- complex views, lazy conj/neg bits, diagonal ---------------------------------------------
+def _linear_view_rule(dim_map: Callable[[OpCall, int], int | None]) -> Callable[[OpCall, int, int], list[AxisStrategy]]:
+    """``_follow_rule`` for views that reinterpret numbers (complex <-> pairs of reals): a
+    Partial passes only for sum/avg (a max of complex numbers is not defined)."""
+    follow_dims = _follow_rule(dim_map)
+
+    def rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
+        p = call.placements[0][axis]
+        if isinstance(p, Partial) and p.reduce_type not in ("sum", "avg"):
+            return [AxisStrategy((R,), (R,))]
+        return follow_dims(call, axis, size)
+
+    return rule
+
+
+def _view_as_complex_map(call: OpCall, d: int) -> int | None:
+    """The last dim (the pairs) becomes the complex numbers: it cannot stay sharded."""
+    return None if d == call.inputs[0].ndim - 1 else d
+
+
+# view_as_real appends the (real, imag) dim: every input dim keeps its number.
+register_axis_rule(aten.view_as_real)(_linear_view_rule(lambda call, d: d))
+register_axis_rule(aten.view_as_complex)(_linear_view_rule(_view_as_complex_map))
+register_axis_rule([aten._conj, aten._neg_view])(_linear_view_rule(lambda call, d: d))
+
+
+@register_local_impl([aten._conj, aten._neg_view])
+def lazy_bit_local(ctx: LocalContext, x: torch.Tensor) -> torch.Tensor:
+    """The wrapper cannot carry a lazy conj/neg bit (kernels read the local shard's bits, ops
+    on the wrapper see none): compute the values instead. The dispatcher marks the result as
+    not aliasing its input, so a write through it raises instead of being lost."""
+    return torch.conj_physical(x) if ctx.call.op.overloadpacket is aten._conj else torch.neg(x)
+
+
+def _diagonal_dims(call: OpCall) -> tuple[int, int, int]:
+    nd = call.inputs[0].ndim
+    return int(_arg(call, 1, "offset", 0)), int(_arg(call, 2, "dim1", 0)) % nd, int(_arg(call, 3, "dim2", 1)) % nd
+
+
+def _diagonal_map(call: OpCall, d: int) -> int | None:
+    """Other dims keep their order, the diagonal comes last. ``dim1`` (rows) may stay sharded
+    for ``offset >= 0`` when row piece i holds exactly diagonal piece i (the diagonal, of length
+    ``L = min(n, m - offset)``, is cut like the rows); ``dim2`` likewise for ``offset <= 0``."""
+    x, out = call.inputs[0], call.out[0]
+    assert out is not None
+    offset, d1, d2 = _diagonal_dims(call)
+    n, m = x.shape[d1], x.shape[d2]
+    length = out.shape[-1]
+    if d == d1:
+        return out.ndim - 1 if offset >= 0 and _cut_alike(call, d, n, length) else None
+    if d == d2:
+        return out.ndim - 1 if offset <= 0 and _cut_alike(call, d, m, length) else None
+    return d - sum(1 for k in (d1, d2) if k < d)
+
+
+def _cut_alike(call: OpCall, d: int, size: int, length: int) -> bool:
+    """Whether ``torch.chunk`` pieces of ``size`` and of ``length <= size`` start alike: always
+    when equal; else when one mesh axis shards dim ``d`` and both pieces have the same step."""
+    if length <= 0:
+        return False
+    if length == size:
+        return True
+    axes = [a for a, p in enumerate(call.placements[0]) if p == Shard(d)]
+    k = call.mesh_shape[axes[0]] if len(axes) == 1 else 0
+    return k > 0 and -(-size // k) == -(-length // k)
+
+
+register_axis_rule(aten.diagonal)(_follow_rule(_diagonal_map))
+
+
+@register_local_impl(aten.diagonal)
+def diagonal_local(ctx: LocalContext, x: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+    """The local diagonal of a shard at offsets (r, c) of (dim1, dim2) is shifted by r - c."""
+    assert ctx.coord is not None
+    offset, d1, d2 = _diagonal_dims(ctx.call)
+    box = ctx.in_specs[0].local_box(ctx.coord)
+    return aten.diagonal.default(x, offset + box[d1][0] - box[d2][0], d1, d2)
