@@ -59,11 +59,34 @@ def _mixed_meshes(rank: int) -> None:
     a + b
 
 
-def _mixed_plain(rank: int) -> None:
+# A plain tensor mixed with DistTensors is Replicate on their mesh (docs/plain_tensors.md),
+# unless it requires grad, the op writes it, or the DistTensors live on several meshes.
+def _mixed_plain_requires_grad(rank: int) -> None:
     a = ap.shard_tensor(torch.ones(4), ap.ProcessMesh([0, 1, 2, 3]), [Shard(0)])
     with pytest.raises(TypeError):  # Python operators replace the message with their own
-        a + torch.ones(4)
-    torch.add(a, torch.ones(4))
+        a + torch.ones(4, requires_grad=True)
+    torch.add(a, torch.ones(4, requires_grad=True))
+
+
+def _mixed_plain_written(rank: int) -> None:
+    a = ap.shard_tensor(torch.ones(4), ap.ProcessMesh([0, 1, 2, 3]), [Shard(0)])
+    torch.ones(4).add_(a)
+
+
+def _mixed_plain_two_meshes(rank: int) -> None:
+    a = ap.shard_tensor(torch.ones(4), ap.ProcessMesh([0, 1, 2, 3]), [Shard(0)])
+    b = ap.shard_tensor(torch.ones(4), ap.ProcessMesh([[0, 1], [2, 3]]), [R, R])
+    torch.where(a > 0, b, torch.zeros(4))
+
+
+def _plain_is_replicate(rank: int) -> bool:
+    mesh = ap.ProcessMesh([0, 1, 2, 3])
+    a = ap.shard_tensor(torch.arange(8.0), mesh, [Shard(0)])
+    idx = torch.tensor([7, 0, 3])
+    picked = a[idx]  # index tensors are plain in user code
+    summed = a + torch.arange(8.0)
+    return (picked.placements[0] == R and torch.equal(picked.full_tensor(), torch.tensor([7.0, 0.0, 3.0]))
+            and torch.equal(summed.full_tensor(), 2 * torch.arange(8.0)))
 
 
 def _bad_placement_type(rank: int) -> None:
@@ -89,7 +112,9 @@ CASES = [
     (_bad_reduce_type, ValueError, "reduce type 'prod' is unknown"),
     (_from_local_inconsistent, ValueError, "should hold (2, 4)"),
     (_mixed_meshes, ValueError, "different meshes"),
-    (_mixed_plain, TypeError, "plain tensor of shape (4,)"),
+    (_mixed_plain_requires_grad, TypeError, "plain tensor of shape (4,) that requires grad"),
+    (_mixed_plain_written, TypeError, "into a plain tensor of shape (4,)"),
+    (_mixed_plain_two_meshes, TypeError, "no mesh to be replicated on"),
     (_bad_placement_type, TypeError, "is not a Replicate"),
     (_bad_mesh_type, TypeError, "must be an ap.ProcessMesh"),
     (_mixed_partial_kinds, ValueError, "do not commute"),
@@ -103,3 +128,7 @@ def test_bad_input_raises_on_every_rank(world4, fn, exc, text):  # type: ignore[
     # the harness re-raises the same type only when every rank raised it
     assert text in str(info.value)
     assert all(world4.run(_healthy))
+
+
+def test_plain_tensor_without_grad_is_replicate(world4):  # type: ignore[no-untyped-def]
+    assert all(world4.run(_plain_is_replicate))
