@@ -226,13 +226,18 @@ def isend(sends: Sequence[tuple[torch.Tensor, int]], tag: int, mesh: object = No
     return works
 
 
-def recv(recvs: Sequence[tuple[torch.Tensor, int]], tag: int, mesh: object = None) -> None:
-    """Fill each ``(buffer, src_rank)`` from the message with ``tag``; blocks until all arrived."""
-    works = [dist.irecv(b, peer, tag=tag) for b, peer in recvs]
-    for w in works:
-        w.wait()  # type: ignore[union-attr]
+def irecv(recvs: Sequence[tuple[torch.Tensor, int]], tag: int, mesh: object = None) -> list[object]:
+    """Post receives into each ``(buffer, src_rank)`` with ``tag``; wait on the returned works."""
+    works: list[object] = [dist.irecv(b, peer, tag=tag) for b, peer in recvs]
     if recvs:
         record("send_recv", mesh, None, tuple(sorted({p for _, p in recvs})), 0, sum(_nbytes(b) for b, _ in recvs))
+    return works
+
+
+def recv(recvs: Sequence[tuple[torch.Tensor, int]], tag: int, mesh: object = None) -> None:
+    """Fill each ``(buffer, src_rank)`` from the message with ``tag``; blocks until all arrived."""
+    for w in irecv(recvs, tag, mesh):
+        w.wait()  # type: ignore[attr-defined]
 
 
 def _numel(shape: Sequence[int]) -> int:

@@ -129,6 +129,7 @@ def _check(results: list[dict[str, Any]], last_mesh: list[int]) -> None:
 
 TWO = [[0, 1, 2, 3], [4, 5, 6, 7]]
 FOUR = [[0, 1], [2, 3], [4, 5], [6, 7]]
+ONES = [[0], [1], [2], [3]]  # one-rank stage meshes run modules on local tensors; ranks 4-7 idle
 
 
 @pytest.mark.parametrize("groups", [TWO, FOUR], ids=["2stages", "4stages"])
@@ -143,7 +144,8 @@ def test_naive_pipeline_matches_single_process(world8, groups):  # type: ignore[
     (FOUR, "1F1B", 4, 1),
     (TWO, "Interleaved1F1B", 4, 2),
     (FOUR, "Interleaved1F1B", 4, 2),
-], ids=["fthenb-2", "fthenb-4", "1f1b-2", "1f1b-4", "interleaved-2x2", "interleaved-4x2"])
+    (ONES, "Interleaved1F1B", 8, 2),
+], ids=["fthenb-2", "fthenb-4", "1f1b-2", "1f1b-4", "interleaved-2x2", "interleaved-4x2", "interleaved-4x2-one-rank-stages"])
 def test_scheduled_pipeline_matches_single_process(world8, groups, schedule, m, chunks):  # type: ignore[no-untyped-def]
     _check(world8.run(_scheduled, groups, schedule, m, chunks), groups[-1])
 

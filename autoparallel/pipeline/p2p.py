@@ -59,20 +59,44 @@ def send(local: torch.Tensor, plan: CrossMeshPlan, tag: int, pending: PendingSen
     pending.tensors.extend(t for t, _ in sends)
 
 
-def recv(plan: CrossMeshPlan, tag: int, device: torch.device) -> torch.Tensor:
-    """Receiver half: this rank's shard of ``plan.dst``, assembled from the sent pieces."""
+@dataclass
+class PendingRecv:
+    """Receives posted for one boundary crossing; ``wait`` assembles this rank's shard."""
+
+    plan: CrossMeshPlan
+    out: torch.Tensor
+    box: Box
+    pieces: list[tuple[torch.Tensor, Box]]
+    works: list[object]
+
+    def wait(self) -> torch.Tensor:
+        for w in self.works:
+            w.wait()  # type: ignore[attr-defined]
+        for buf, box in self.pieces:
+            _region(self.out, self.box, box).copy_(buf)
+        return run_plan(self.out, self.plan.post)
+
+
+def post_recv(plan: CrossMeshPlan, tag: int, device: torch.device) -> PendingRecv:
+    """Receiver half, started: post this rank's receives now, assemble later with ``wait``."""
     rank = runtime.get_rank()
     coord = plan.dst.mesh.coordinate_of(rank)
     assert coord is not None, f"rank {rank} receives on a mesh it is not in"
     full = plan.post.src
     out = torch.empty(full.local_shape(coord), dtype=plan.dst.dtype, device=device)
     box = full.local_box(coord)
-    pieces = [(torch.empty([n for _, n in t.box], dtype=plan.dst.dtype, device=device), t)
-              for t in plan.transfers if t.dst_rank == rank]
-    comm.recv([(buf, t.src_rank) for buf, t in pieces], tag, mesh=(plan.src.mesh, plan.dst.mesh))
-    for buf, t in pieces:
-        _region(out, box, t.box).copy_(buf)
-    return run_plan(out, plan.post)
+    mine = [t for t in plan.transfers if t.dst_rank == rank]
+    if len(mine) == 1 and mine[0].box == box:  # one sender holds all of it: receive in place
+        works = comm.irecv([(out, mine[0].src_rank)], tag, mesh=(plan.src.mesh, plan.dst.mesh))
+        return PendingRecv(plan, out, box, [], works)
+    pieces = [(torch.empty([n for _, n in t.box], dtype=plan.dst.dtype, device=device), t) for t in mine]
+    works = comm.irecv([(buf, t.src_rank) for buf, t in pieces], tag, mesh=(plan.src.mesh, plan.dst.mesh))
+    return PendingRecv(plan, out, box, [(buf, t.box) for buf, t in pieces], works)
 
 
-__all__ = ["PendingSends", "boundary_plan", "recv", "send"]
+def recv(plan: CrossMeshPlan, tag: int, device: torch.device) -> torch.Tensor:
+    """Receiver half: this rank's shard of ``plan.dst``, assembled from the sent pieces."""
+    return post_recv(plan, tag, device).wait()
+
+
+__all__ = ["PendingRecv", "PendingSends", "boundary_plan", "post_recv", "recv", "send"]

@@ -27,8 +27,9 @@ from autoparallel.api import shard_tensor
 from autoparallel.dtensor import DistTensor, grad_spec
 from autoparallel.mesh import ProcessMesh
 from autoparallel.pipeline import p2p
+from autoparallel.pipeline.local import LocalStage, runs_locally
 from autoparallel.pipeline.memory import ActivationMeter
-from autoparallel.pipeline.schedule import COMPUTE, Schedule, build_schedule
+from autoparallel.pipeline.schedule import COMPUTE, RECV_B, RECV_F, Action, Schedule, build_schedule
 from autoparallel.pipeline.simulate import simulate
 from autoparallel.pipeline.stage import Stage, check_meshes
 from autoparallel.placement import Partial, Replicate
@@ -36,6 +37,9 @@ from autoparallel.spec import DistSpec
 from reshard.executor import reshard_local
 
 LossFn = Callable[..., torch.Tensor]
+# Receives are posted this many actions before they are needed (the sender's data then moves
+# while this rank computes); their buffers are allocated at posting time.
+RECV_AHEAD_ACTIONS = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +114,7 @@ class Pipeline:
         rank = runtime.get_rank()
         self.rank = rank
         self.stage_index = next((i for i, m in enumerate(self.meshes) if rank in m), None)
+        self.local = [runs_locally(st) for st in self.stages]
         self._layouts: dict[tuple[DistSpec, DistSpec | None], _Layouts] = {}
         self.events: list[Event] = []
         self.meter: ActivationMeter | None = None
@@ -198,7 +203,7 @@ class Pipeline:
                 if not isinstance(y, DistTensor) or y.process_mesh != st.mesh:
                     got = y.process_mesh if isinstance(y, DistTensor) else type(y).__name__
                     raise TypeError(f"Pipeline: stage {c} ({st.name}) must return one DistTensor on its mesh, got {got}")
-                outputs.append(y._spec)
+                outputs.append(y._spec.with_placements([Replicate()] * st.mesh.ndim) if self.local[c] else y._spec)
                 if c + 1 < len(self.stages):
                     inputs.append(self._next_spec(y._spec, self.stages[c + 1]))
             loss = self.loss_fn(y) if t_spec is None else self.loss_fn(y, _zeros(t_spec))
@@ -244,21 +249,30 @@ class _Run:
         self.grads_in: dict[tuple[int, int], torch.Tensor] = {}
         self.losses: dict[int, torch.Tensor] = {}
         self.pending = p2p.PendingSends()
+        self.posted: dict[tuple[str, int, int], p2p.PendingRecv] = {}
+        self.local = {c: LocalStage(st) for c, st in enumerate(pipe.stages)
+                      if pipe.local[c] and pipe.stage_index == pipe.schedule.stage_of(c)}
         self.device = runtime.default_device()
 
     def execute(self) -> list[torch.Tensor]:
         pipe = self.pipe
         stage = pipe.stage_index
         assert stage is not None
+        actions = pipe.schedule.actions[stage]
+        recvs = [i for i, a in enumerate(actions) if a.kind in (RECV_F, RECV_B)]
         try:
-            for a in pipe.schedule.actions[stage]:
+            for i, a in enumerate(actions):
                 t0 = time.perf_counter()
+                while recvs and recvs[0] < i + RECV_AHEAD_ACTIONS:  # post receives early: data flows during compute
+                    self._post(actions[recvs.pop(0)])
                 tag = a.tag(self.v, self.m) if a.kind not in COMPUTE else -1
                 getattr(self, "_" + a.kind.lower())(a.microbatch, a.chunk, tag)
                 if self.record:
                     pipe.events.append(Event(pipe.rank, stage, a.kind, a.microbatch, a.chunk, t0, time.perf_counter()))
         finally:
             self.pending.wait()
+        for loc in self.local.values():
+            loc.flush_grads()
         return [self.losses[i] for i in sorted(self.losses)]
 
     def _plan(self, c: int, backward: bool) -> Any:
@@ -266,8 +280,12 @@ class _Run:
         src, dst = self.lay.outputs[c - 1], self.lay.inputs[c]
         return p2p.boundary_plan(grad_spec(dst), grad_spec(src)) if backward else p2p.boundary_plan(src, dst)
 
+    def _post(self, a: Action) -> None:
+        plan = self._plan(a.chunk, False) if a.kind == RECV_F else self._plan(a.chunk + 1, True)
+        self.posted[(a.kind, a.microbatch, a.chunk)] = p2p.post_recv(plan, a.tag(self.v, self.m), self.device)
+
     def _recv_f(self, mb: int, c: int, tag: int) -> None:
-        local = p2p.recv(self._plan(c, False), tag, self.device)
+        local = self.posted.pop((RECV_F, mb, c)).wait()
         self.inputs[(mb, c)] = DistTensor._wrap(local, self.lay.inputs[c], requires_grad=True)
 
     def _f(self, mb: int, c: int, tag: int) -> None:
@@ -275,7 +293,8 @@ class _Run:
         x = self.xs[mb] if c == 0 else self.inputs[(mb, c)]
         track = pipe.meter.track() if pipe.meter is not None else contextlib.nullcontext()
         with track:
-            y = pipe.stages[c].module(x)
+            st = pipe.stages[c]
+            y = self.local[c].forward(x) if c in self.local else st.module(x)
             if c == self.v - 1:
                 y = pipe.loss_fn(y) if self.ts[mb] is None else pipe.loss_fn(y, self.ts[mb])
                 self.losses[mb] = y.detach()
@@ -287,7 +306,7 @@ class _Run:
 
     def _recv_b(self, mb: int, c: int, tag: int) -> None:
         spec = grad_spec(self.lay.outputs[c])
-        self.grads_out[(mb, c)] = DistTensor._wrap(p2p.recv(self._plan(c + 1, True), tag, self.device), spec)
+        self.grads_out[(mb, c)] = DistTensor._wrap(self.posted.pop((RECV_B, mb, c)).wait(), spec)
 
     def _b(self, mb: int, c: int, tag: int) -> None:
         y = self.outputs.pop((mb, c))

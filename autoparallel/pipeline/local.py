@@ -1,0 +1,59 @@
+"""Stages on one-rank meshes run their module on plain local tensors.
+
+On a mesh of one rank every placement holds the whole tensor, so the SPMD dispatch of each op
+would only wrap and unwrap: the result is the same without it. :class:`LocalStage` runs such a
+stage through ``torch.func.functional_call`` with plain leaf tensors that share the parameters'
+storage, lets autograd accumulate their gradients over the micro-batches at plain-tensor cost,
+and adds the sum into the DistTensor parameters' ``.grad`` once per step. Eligibility is
+decided from metadata only (the same on every rank): a one-rank mesh, no forward hooks, no
+gradient hooks on the parameters (those must see every micro-batch's gradient).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from autoparallel.api import dtensor_from_local
+from autoparallel.dtensor import DistTensor, grad_spec
+from autoparallel.pipeline.stage import Stage
+from autoparallel.placement import Replicate
+
+
+def runs_locally(st: Stage) -> bool:
+    """Whether ``st`` can run on local tensors (one-rank mesh, no hooks)."""
+    if st.mesh.size != 1:
+        return False
+    if any(m._forward_hooks or m._forward_pre_hooks for m in st.module.modules()):
+        return False
+    return not any(p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None) for p in st.module.parameters())
+
+
+class LocalStage:
+    """One step of a local stage on this rank: leaf tensors in, gradients flushed at the end."""
+
+    def __init__(self, st: Stage) -> None:
+        self.st = st
+        self.params: dict[str, nn.Parameter] = dict(st.module.named_parameters())
+        self.leaves = {n: p._local.detach().requires_grad_(p.requires_grad) for n, p in self.params.items()}  # type: ignore[attr-defined]
+        self.buffers = {n: b._local if isinstance(b, DistTensor) else b for n, b in st.module.named_buffers()}
+
+    def forward(self, x: DistTensor) -> DistTensor:
+        """``st.module(x)`` computed on local tensors, returned Replicate on the stage mesh."""
+        y = torch.func.functional_call(self.st.module, {**self.leaves, **self.buffers}, (x.to_local(),))
+        if not isinstance(y, torch.Tensor):
+            raise TypeError(f"Pipeline: stage {self.st.name} must return one tensor, got {type(y).__name__}")
+        return dtensor_from_local(y, self.st.mesh, [Replicate()] * self.st.mesh.ndim)
+
+    def flush_grads(self) -> None:
+        """Add the step's accumulated local gradients into the parameters' ``.grad``."""
+        with torch.no_grad():
+            for n, leaf in self.leaves.items():
+                if leaf.grad is None:
+                    continue
+                p = self.params[n]
+                g = DistTensor._wrap(leaf.grad, grad_spec(p._spec))  # type: ignore[attr-defined]
+                p.grad = g if p.grad is None else p.grad + g
+
+
+__all__ = ["LocalStage", "runs_locally"]

@@ -1,0 +1,315 @@
+"""Pipeline benchmark: our schedules vs ``torch.distributed.pipelining`` on 4 gloo ranks.
+
+    python benchmarks/pipeline.py                       # 4 ranks, 4 stages, 8 micro-batches
+    python benchmarks/pipeline.py --hidden 256 --batch 128 --repeat 3
+    python benchmarks/pipeline.py --json /tmp/pipeline.json --timeline /tmp/1f1b.svg
+
+Spawns its own world (multiprocessing ``spawn``, gloo, a ``FileStore`` in a temp dir, one
+thread per rank). The model is 8 MLP blocks (Linear H->4H, GELU, Linear 4H->H, residual); with
+one chunk per rank each stage holds 2 blocks, interleaved runs 2 chunks of 1 block per rank.
+Every schedule runs the same weights and micro-batches through
+
+* ours: ``ap.pipeline.split_sequential`` + ``ap.pipeline.Pipeline`` (DistTensor parameters on
+  1-rank stage meshes), schedules FThenB, 1F1B, Interleaved1F1B;
+* torch: ``PipelineStage`` + ``ScheduleGPipe`` / ``Schedule1F1B`` / ``ScheduleInterleaved1F1B``.
+
+Per schedule it reports the step time (forward + backward of all micro-batches; max over
+ranks, median over ``--repeat`` steps after one warm-up step), the peak activation memory per
+rank (bytes autograd saved for backward, measured with ``ap.pipeline.ActivationMeter`` on both
+libraries; parameters and the input batch excluded), and, for ours, the measured bubble (idle
+share of the common span, from the executed timeline) next to the ideal ``(p-1)/(v*m+p-1)``.
+It also checks that both libraries compute the same loss.
+
+Targets: 1F1B peak activation memory on the first stage <= 0.65 x FThenB's; measured bubble
+<= 1.2 x the ideal; step time <= 1.1 x torch's (GPipe and 1F1B). On a machine with fewer
+cores than ranks the stages do not run in parallel and the timing figures say so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+SCHEDULES = [("FThenB", "ScheduleGPipe", 1), ("1F1B", "Schedule1F1B", 1), ("Interleaved1F1B", "ScheduleInterleaved1F1B", 2)]
+
+
+class Block(nn.Module):
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.up, self.act, self.down = nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(self.act(self.up(x)))
+
+
+def mse(y: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    return (y - t).square().mean()
+
+
+def _paired(steps: list[Any], repeat: int) -> list[list[tuple[float, float]]]:
+    """(wall, CPU) seconds of each step function, alternating them so load hits all alike.
+
+    One warm-up call each first (shape inference, plan caches); the last timed call records.
+    """
+    for fn in steps:
+        dist.barrier()
+        fn(False)
+    times: list[list[tuple[float, float]]] = [[] for _ in steps]
+    for i in range(repeat):
+        for k, fn in enumerate(steps):
+            dist.barrier()
+            t0, c0 = time.perf_counter(), time.process_time()
+            fn(i == repeat - 1)
+            times[k].append((time.perf_counter() - t0, time.process_time() - c0))
+    return times
+
+
+def make_ours(rank: int, blocks: list[Block], x: torch.Tensor, t: torch.Tensor, name: str, chunks: int, opts: dict[str, Any]) -> tuple[Any, Any]:
+    import autoparallel as ap
+    from autoparallel.pipeline import ActivationMeter, Pipeline, split_sequential
+
+    world = dist.get_world_size()
+    meshes = [ap.ProcessMesh([r], ["dp"]) for r in range(world)]
+    model = nn.Sequential(*copy.deepcopy(blocks))
+    pipe = Pipeline(split_sequential(model, meshes, num_chunks=chunks), mse, num_microbatches=opts["microbatches"], schedule=name)
+    xd = ap.shard_tensor(x, meshes[0], [ap.Replicate()])
+    td = ap.shard_tensor(t, meshes[-1], [ap.Replicate()])
+    pipe.meter = ActivationMeter(exclude=[*model.parameters(), xd, td])
+    out: dict[str, Any] = {}
+
+    def step(last: bool) -> None:
+        model.zero_grad()
+        pipe.meter.reset_peak()  # type: ignore[union-attr]
+        loss = pipe.step(xd, td, record=last)
+        if rank == world - 1:
+            out["loss"] = float(loss.to_local())
+
+    def finish() -> dict[str, Any]:
+        out["peak"] = pipe.meter.peak  # type: ignore[union-attr]
+        out["events"] = [(e.rank, e.stage, e.kind, e.microbatch, e.chunk, e.start, e.end) for e in pipe.events]
+        return out
+
+    return step, finish
+
+
+class _Mark(torch.autograd.Function):
+    """Identity whose backward calls ``hook`` (marks when a stage's backward starts)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, hook: Any) -> torch.Tensor:  # type: ignore[override]
+        ctx.hook = hook
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        ctx.hook()
+        return grad, None
+
+
+class Timed(nn.Module):
+    """Wraps a torch stage module and records forward and backward intervals on this rank.
+
+    Forward: the module call. Backward: from the output's gradient arriving (``_Mark``) to the
+    last parameter gradient accumulated (``register_post_accumulate_grad_hook``).
+    """
+
+    def __init__(self, inner: nn.Module, rank: int, stage: int, log: list[tuple]) -> None:
+        super().__init__()
+        self.inner, self.rank, self.stage, self.log = inner, rank, stage, log
+        self.open: list[float] = []
+        for prm in inner.parameters():
+            prm.register_post_accumulate_grad_hook(self._grad_done)
+
+    def _grad_done(self, _: torch.Tensor) -> None:
+        if self.open:
+            self.log[self.open[0]] = self.log[self.open[0]][:-1] + (time.perf_counter(),)
+
+    def _b_start(self) -> None:
+        now = time.perf_counter()
+        self.log.append((self.rank, self.rank, "B", 0, self.stage, now, now))
+        self.open[:] = [len(self.log) - 1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t0 = time.perf_counter()
+        y = self.inner(x)
+        self.log.append((self.rank, self.rank, "F", 0, self.stage, t0, time.perf_counter()))
+        return _Mark.apply(y, self._b_start)
+
+
+def make_torch(rank: int, blocks: list[Block], x: torch.Tensor, t: torch.Tensor, cls_name: str, chunks: int, opts: dict[str, Any]) -> tuple[Any, Any]:
+    from torch.distributed import pipelining
+
+    from autoparallel.pipeline import ActivationMeter
+
+    world = dist.get_world_size()
+    n = world * chunks
+    log: list[tuple] = []
+    pieces = [Timed(nn.Sequential(*copy.deepcopy(blocks[c * len(blocks) // n:(c + 1) * len(blocks) // n])), rank, c, log)
+              for c in range(n)]
+    mine = [c for c in range(n) if c % world == rank]
+    stages = [pipelining.PipelineStage(pieces[c], c, n, torch.device("cpu")) for c in mine]
+    cls = getattr(pipelining, cls_name)
+    sched = cls(stages if chunks > 1 else stages[0], n_microbatches=opts["microbatches"], loss_fn=mse)
+    meter = ActivationMeter(exclude=[p for c in mine for p in pieces[c].parameters()] + [x, t])
+    out: dict[str, Any] = {}
+
+    def step(last: bool) -> None:
+        if last:
+            log.clear()
+        for c in mine:
+            pieces[c].zero_grad()
+        meter.reset_peak()
+        with meter.track():
+            if rank == 0:
+                sched.step(x)
+            elif rank == world - 1:
+                losses: list[torch.Tensor] = []
+                sched.step(target=t, losses=losses)
+                out["loss"] = float(torch.stack(losses).mean())
+            else:
+                sched.step()
+
+    def finish() -> dict[str, Any]:
+        out["peak"] = meter.peak
+        out["events"] = list(log)
+        return out
+
+    return step, finish
+
+
+def _worker(rank: int, world: int, path: str, opts: dict[str, Any], result_path: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(path, world), rank=rank, world_size=world)
+    torch.manual_seed(0)
+    blocks = [Block(opts["hidden"]) for _ in range(8)]
+    x, t = torch.randn(opts["batch"], opts["hidden"]), torch.randn(opts["batch"], opts["hidden"])
+    rows = []
+    for name, torch_cls, chunks in SCHEDULES:
+        ours_step, ours_done = make_ours(rank, blocks, x, t, name, chunks, opts)
+        torch_step, torch_done = make_torch(rank, blocks, x, t, torch_cls, chunks, opts)
+        times = _paired([ours_step, torch_step], opts["repeat"])
+        ours, theirs = ours_done(), torch_done()
+        ours["times"], theirs["times"] = [w for w, _ in times[0]], [w for w, _ in times[1]]
+        ours["cpu"], theirs["cpu"] = [c for _, c in times[0]], [c for _, c in times[1]]
+        rows.append({"schedule": name, "torch": torch_cls, "chunks": chunks, "ours": ours, "theirs": theirs})
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, rows)
+    if rank == 0:
+        with open(result_path, "w") as f:
+            json.dump(gathered, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _median_max(per_rank: list[list[float]]) -> float:
+    """Median over steps of the slowest rank's time for that step (ms)."""
+    return 1000 * statistics.median(max(ts) for ts in zip(*per_rank))
+
+
+def report(gathered: list[list[dict[str, Any]]], opts: dict[str, Any]) -> tuple[list[str], bool, dict[str, Any]]:
+    from autoparallel.pipeline import Event, bubble_fraction, theoretical_bubble
+
+    p, m = len(gathered), opts["microbatches"]
+    lines = [f"{p} gloo ranks, {p} stage meshes, {m} micro-batches, batch {opts['batch']} x hidden {opts['hidden']}, "
+             f"{os.cpu_count()} CPU cores, load average {os.getloadavg()[0]:.1f}; step = forward+backward of all micro-batches "
+             f"(median of {opts['repeat']} alternating with torch's, max over ranks); cpu ratio = CPU seconds ours / torch, all ranks",
+             f"{'schedule':<16}{'ours ms':>9}{'torch ms':>10}{'ratio':>7}{'cpu ratio':>10}  {'peak activation MiB per rank (ours | torch)':<46}"
+             f"{'bubble':>8}{'torch':>7}{'ideal':>7}{'ratio':>7}"]
+    summary: dict[str, Any] = {}
+    for i, row in enumerate(gathered[0]):
+        name, chunks = row["schedule"], row["chunks"]
+        ours_ms = _median_max([g[i]["ours"]["times"] for g in gathered])
+        torch_ms = _median_max([g[i]["theirs"]["times"] for g in gathered])
+        cpu = sum(sum(g[i]["ours"]["cpu"]) for g in gathered) / sum(sum(g[i]["theirs"]["cpu"]) for g in gathered)
+        peaks = [g[i]["ours"]["peak"] / 2**20 for g in gathered]
+        tpeaks = [g[i]["theirs"]["peak"] / 2**20 for g in gathered]
+        events = [Event(*e) for g in gathered for e in g[i]["ours"]["events"]]
+        bubble, ideal = bubble_fraction(events), theoretical_bubble(name, p, m, chunks)
+        torch_bubble = bubble_fraction([Event(*e) for g in gathered for e in g[i]["theirs"]["events"]])
+        loss_ours, loss_torch = gathered[-1][i]["ours"]["loss"], gathered[-1][i]["theirs"]["loss"]
+        tevents = [Event(*e) for g in gathered for e in g[i]["theirs"]["events"]]
+        summary[name] = {"ours_ms": ours_ms, "torch_ms": torch_ms, "peaks": peaks, "torch_peaks": tpeaks, "tevents": tevents,
+                         "bubble": bubble, "ideal": ideal, "loss": (loss_ours, loss_torch), "events": events}
+        mem = " ".join(f"{v:.2f}" for v in peaks) + " | " + " ".join(f"{v:.2f}" for v in tpeaks)
+        lines.append(f"{name:<16}{ours_ms:>9.1f}{torch_ms:>10.1f}{ours_ms / torch_ms:>7.2f}{cpu:>10.2f}  {mem:<46}"
+                     f"{bubble:>8.3f}{torch_bubble:>7.3f}{ideal:>7.3f}{bubble / ideal:>7.2f}")
+    lines.append("ours, where each rank's last step went (ms): compute/recv wait/send/other (torch's compute)")
+    for name, s in summary.items():
+        parts = []
+        for r in range(p):
+            evs = [e for e in s["events"] if e.rank == r]
+            span = max(e.end for e in s["events"]) - min(e.start for e in s["events"])
+            f = {k: 1000 * sum(e.end - e.start for e in evs if e.kind in ks)
+                 for k, ks in (("c", ("F", "B")), ("r", ("RECV_F", "RECV_B")), ("s", ("SEND_F", "SEND_B")))}
+            tc = 1000 * sum(e.end - e.start for e in s["tevents"] if e.rank == r)
+            parts.append(f"r{r} {f['c']:.0f}/{f['r']:.0f}/{f['s']:.0f}/{1000 * span - sum(f.values()):.0f} ({tc:.0f})")
+        lines.append(f"  {name:<16}" + "  ".join(parts))
+    ok = True
+    checks = []
+    mem_ratio = summary["1F1B"]["peaks"][0] / summary["FThenB"]["peaks"][0]
+    checks.append((f"1F1B / FThenB peak activation memory on stage 0: {mem_ratio:.3f} (target <= 0.65)", mem_ratio <= 0.65))
+    for name, s in summary.items():
+        r = s["bubble"] / s["ideal"]
+        checks.append((f"{name} bubble measured / ideal: {s['bubble']:.3f} / {s['ideal']:.3f} = {r:.2f} (target <= 1.2)", r <= 1.2))
+    for name in ("FThenB", "1F1B", "Interleaved1F1B"):
+        s = summary[name]
+        r = s["ours_ms"] / s["torch_ms"]
+        tgt = name != "Interleaved1F1B"
+        checks.append((f"{name} step time ours / torch: {r:.2f}" + (" (target <= 1.1)" if tgt else " (no target)"), r <= 1.1 if tgt else None))
+    for name, s in summary.items():
+        a, b = s["loss"]
+        checks.append((f"{name} loss ours {a:.6f} vs torch {b:.6f}", abs(a - b) <= 1e-5 * abs(b)))
+    for text, passed in checks:
+        lines.append(f"  {text}: {'PASS' if passed else 'info' if passed is None else 'FAIL'}")
+        ok = ok and passed is not False
+    return lines, ok, summary
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nprocs", type=int, default=4)
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--json", default=None, help="write the figures here")
+    parser.add_argument("--timeline", default=None, help="write our executed 1F1B step as an SVG timeline")
+    args = parser.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    opts = {"microbatches": args.microbatches, "batch": args.batch, "hidden": args.hidden, "repeat": args.repeat}
+    tmp = tempfile.mkdtemp()
+    result_path = os.path.join(tmp, "result.json")
+    mp.spawn(_worker, args=(args.nprocs, os.path.join(tmp, "store"), opts, result_path), nprocs=args.nprocs)
+    with open(result_path) as f:
+        gathered = json.load(f)
+    lines, ok, summary = report(gathered, opts)
+    print("\n".join(lines))
+    if args.timeline:
+        from autoparallel.pipeline import write_timeline
+
+        s = summary["1F1B"]
+        write_timeline(args.timeline, s["events"], f"ours, 1F1B, {args.nprocs} stages, {args.microbatches} micro-batches: "
+                       f"idle {s['bubble']:.1%} (ideal {s['ideal']:.1%})")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({k: {kk: vv for kk, vv in v.items() if kk not in ("events", "tevents")} for k, v in summary.items()}, f, indent=1)
+    print("overall:", "PASS" if ok else "FAIL")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
