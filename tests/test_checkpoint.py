@@ -469,6 +469,18 @@ def test_plan_one_writer_per_box_balanced() -> None:
         plan_save([[Item("w", "float32", (8, 4), box(0, 4))]])
 
 
+def test_each_block_read_is_verified_by_exactly_one_reader() -> None:
+    from autoparallel.checkpoint.planner import blocks_to_verify
+
+    claims = [[("w", 0, 0, 8), ("b", 0, 0, 1)], [("w", 0, 0, 8)], [("w", 0, 4, 6), ("w", 1, 0, 3)], []]
+    mine = [blocks_to_verify(claims, r) for r in range(4)]
+    read = {(k, c, b) for cl in claims for k, c, b0, b1 in cl for b in range(b0, b1)}
+    assert sorted(x for m in mine for x in m) == sorted(read)  # every block once, by one reader
+    for r, m in enumerate(mine):
+        assert all(any(k == x[0] and c == x[1] and b0 <= x[2] < b1 for k, c, b0, b1 in claims[r]) for x in m)
+    assert min(len(m) for m in mine[:3]) >= 3  # spread: the 8 shared blocks of w go to 0, 1 and 2
+
+
 def test_metadata_rejects_bad_fields() -> None:
     from autoparallel.checkpoint.metadata import TensorEntry, from_json, to_json
     from autoparallel.checkpoint.metadata import Chunk as C

@@ -3,9 +3,10 @@
 The target decides the layout: each rank computes the global box each of its tensors holds
 (a DistTensor's local shard on any mesh, placements, uneven sizes or shard order; a plain
 tensor's whole value), intersects it with the stored chunks, and reads only those pieces: the
-rows of each chunk the box needs, widened to the CRC blocks that verify them. No pickle is
-ever run: a checkpoint folder is JSON plus raw bytes, an exported file is read with
-``torch.load(weights_only=True)``.
+rows of each chunk the box needs. Every CRC block some rank reads is verified by exactly one of
+the ranks reading it (``planner.blocks_to_verify``; that rank reads the whole block), and any
+mismatch fails the load on every rank. No pickle is ever run: a checkpoint folder is JSON plus
+raw bytes, an exported file is read with ``torch.load(weights_only=True)``.
 
 Errors are agreed before anything is changed: every rank checks the target against the
 metadata (missing/unexpected keys, shapes, kinds) and the data files it needs (present, long
@@ -17,7 +18,8 @@ partly loaded values, its plain values are untouched.
 from __future__ import annotations
 
 import os
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Container
 
 import torch
 
@@ -25,6 +27,7 @@ from autoparallel import runtime
 from autoparallel.checkpoint import _world
 from autoparallel.checkpoint.flat import flatten, replace_values
 from autoparallel.checkpoint.metadata import (
+    CRC_BLOCK,
     CheckpointError,
     Chunk,
     Entry,
@@ -33,9 +36,16 @@ from autoparallel.checkpoint.metadata import (
     from_json,
     numel,
 )
-from autoparallel.checkpoint.planner import box_numel, check_target, overlaps, target_box, unexpected_keys
+from autoparallel.checkpoint.planner import (
+    Claim,
+    blocks_to_verify,
+    box_numel,
+    check_target,
+    target_box,
+    unexpected_keys,
+)
 from autoparallel.checkpoint.storage import DataReader, read_metadata_text
-from autoparallel.spec import Box
+from autoparallel.spec import Box, intersect_boxes
 
 WHERE = "load_state_dict"
 
@@ -53,21 +63,19 @@ class FolderSource:
     def check(self, key: str, chunk: Chunk) -> str | None:
         return self.reader.check_file(chunk, key)
 
-    def read(self, key: str, entry: TensorEntry, chunk: Chunk, ov: Box) -> torch.Tensor:
-        """The stored values of global region ``ov`` (inside ``chunk``)."""
-        item = torch.empty((), dtype=entry.dtype).element_size()
+    def read(self, key: str, entry: TensorEntry, piece: Piece, verify: Container[int]) -> torch.Tensor:
+        """The stored values of ``piece.ov`` (global region inside ``piece.chunk``)."""
+        chunk, ov = piece.chunk, piece.ov
+        raw = self.reader.read_range(chunk, piece.lo, piece.hi, verify, key).view(entry.dtype)
         if not chunk.shape:
-            return self.reader.read_rows(chunk, 0, chunk.nbytes, key).view(entry.dtype).reshape(())
-        row = numel(chunk.shape[1:]) * item
-        r0 = ov[0][0] - chunk.offset[0]
-        r1 = r0 + ov[0][1]
-        t = self.reader.read_rows(chunk, r0 * row, r1 * row, key).view(entry.dtype).reshape((r1 - r0, *chunk.shape[1:]))
+            return raw.reshape(())
+        t = raw.reshape((ov[0][1], *chunk.shape[1:]))
         for d in range(1, len(ov)):
             t = t.narrow(d, ov[d][0] - chunk.offset[d], ov[d][1])
         return t
 
-    def read_whole_into(self, key: str, chunk: Chunk, out: torch.Tensor) -> None:
-        self.reader.read_into(chunk, 0, out.view(-1).view(torch.uint8), key)
+    def read_whole_into(self, key: str, chunk: Chunk, out: torch.Tensor, verify: Container[int]) -> None:
+        self.reader.read_into(chunk, 0, out.view(-1).view(torch.uint8), verify, key)
 
     def close(self) -> None:
         self.reader.close()
@@ -98,13 +106,13 @@ class FileSource:
     def check(self, key: str, chunk: Chunk) -> str | None:
         return None
 
-    def read(self, key: str, entry: TensorEntry, chunk: Chunk, ov: Box) -> torch.Tensor:
+    def read(self, key: str, entry: TensorEntry, piece: Piece, verify: Container[int]) -> torch.Tensor:
         t = self.full[key]
-        for d, (o, n) in enumerate(ov):
+        for d, (o, n) in enumerate(piece.ov):
             t = t.narrow(d, o, n)
         return t
 
-    def read_whole_into(self, key: str, chunk: Chunk, out: torch.Tensor) -> None:
+    def read_whole_into(self, key: str, chunk: Chunk, out: torch.Tensor, verify: Container[int]) -> None:
         raise AssertionError("FileSource has no direct reads")
 
     def close(self) -> None:
@@ -122,55 +130,102 @@ def open_source(path: str) -> Source:
     raise CheckpointError(f"no checkpoint at {path!r}: neither a checkpoint folder nor a file")
 
 
-def _local(leaf: torch.Tensor) -> torch.Tensor:
-    local = getattr(leaf, "_local", None)
-    return (leaf if local is None else local).detach()
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """One stored chunk's overlap with a target box: chunk-relative bytes ``[lo, hi)`` hold its rows."""
+
+    chunk_index: int
+    chunk: Chunk
+    ov: Box
+    lo: int
+    hi: int
 
 
-def _reads(source: Source, flat: dict[str, Any], rank: int) -> list[tuple[str, torch.Tensor, Box, bool]]:
-    """(key, local tensor, box, zero-fill) for every target tensor this rank must fill."""
+@dataclass(frozen=True, slots=True)
+class Target:
+    """A tensor this rank fills: its local data, the global box it holds, the pieces to read."""
+
+    key: str
+    local: torch.Tensor
+    box: Box
+    zero: bool
+    pieces: tuple[Piece, ...]
+
+
+class _Blocks:
+    """The blocks of one chunk this rank verifies, as a container of block numbers."""
+
+    def __init__(self, verify: set[tuple[str, int, int]], key: str, ci: int) -> None:
+        self.verify, self.key, self.ci = verify, key, ci
+
+    def __contains__(self, block: object) -> bool:
+        return (self.key, self.ci, block) in self.verify
+
+
+def _piece(ci: int, chunk: Chunk, ov: Box, itemsize: int) -> Piece:
+    if not chunk.shape:
+        return Piece(ci, chunk, ov, 0, chunk.nbytes)
+    row = numel(chunk.shape[1:]) * itemsize
+    r0 = ov[0][0] - chunk.offset[0]
+    return Piece(ci, chunk, ov, r0 * row, (r0 + ov[0][1]) * row)
+
+
+def plan_reads(source: Source, flat: dict[str, Any], rank: int) -> list[Target]:
+    """Every target tensor this rank fills (shapes already checked to match)."""
     out = []
     for key, leaf in flat.items():
-        if isinstance(leaf, torch.Tensor) and isinstance(source.entries.get(key), TensorEntry):
-            box, zero = target_box(leaf, rank)
-            if box is not None and box_numel(box) > 0:
-                out.append((key, _local(leaf), box, zero))
+        entry = source.entries.get(key)
+        if not isinstance(leaf, torch.Tensor) or not isinstance(entry, TensorEntry) or tuple(leaf.shape) != entry.shape:
+            continue
+        box, zero = target_box(leaf, rank)
+        if box is None or box_numel(box) == 0:
+            continue
+        local = getattr(leaf, "_local", leaf).detach()
+        item = torch.empty((), dtype=entry.dtype).element_size()
+        pieces = () if zero else tuple(
+            _piece(ci, c, ov, item) for ci, c in enumerate(entry.chunks)
+            if (ov := intersect_boxes(box, c.box)) is not None)
+        out.append(Target(key, local, box, zero, pieces))
     return out
 
 
-def _fill(source: Source, key: str, local: torch.Tensor, box: Box, zero: bool) -> None:
-    """Fill ``local`` (this rank's data of global region ``box``) from the stored chunks."""
-    if zero:
-        local.zero_()
+def _claims(source: Source, targets: list[Target]) -> list[Claim]:
+    if not isinstance(source, FolderSource):
+        return []
+    return [(t.key, p.chunk_index, p.lo // CRC_BLOCK, (p.hi - 1) // CRC_BLOCK + 1)
+            for t in targets for p in t.pieces if p.hi > p.lo]
+
+
+def _fill(source: Source, t: Target, verify: set[tuple[str, int, int]]) -> None:
+    """Fill ``t.local`` (this rank's data of global region ``t.box``) from the stored chunks."""
+    if t.zero:
+        t.local.zero_()
         return
-    entry = source.entries[key]
+    entry = source.entries[t.key]
     assert isinstance(entry, TensorEntry)
-    filled = 0
-    for chunk, ov in overlaps(box, entry.chunks):
-        filled += box_numel(ov)
-        if (source.direct and ov == box == chunk.box and local.dtype == entry.dtype
+    local, filled = t.local, 0
+    for p in t.pieces:
+        filled += box_numel(p.ov)
+        mine = _Blocks(verify, t.key, p.chunk_index)
+        if (source.direct and p.ov == t.box == p.chunk.box and local.dtype == entry.dtype
                 and local.device.type == "cpu" and local.is_contiguous()):
-            source.read_whole_into(key, chunk, local)  # straight into the target's memory
+            source.read_whole_into(t.key, p.chunk, local, mine)  # straight into the target's memory
             continue
         dst = local
-        for d, (o, n) in enumerate(ov):
-            dst = dst.narrow(d, o - box[d][0], n)
-        dst.copy_(source.read(key, entry, chunk, ov))
-    if filled != box_numel(box):
-        raise CheckpointError(f"{source.name}: the stored chunks of {key!r} cover {filled} of the "
-                              f"{box_numel(box)} elements of the region {list(box)} this rank needs")
+        for d, (o, n) in enumerate(p.ov):
+            dst = dst.narrow(d, o - t.box[d][0], n)
+        dst.copy_(source.read(t.key, entry, p, mine))
+    if filled != box_numel(t.box):
+        raise CheckpointError(f"{source.name}: the stored chunks of {t.key!r} cover {filled} of the "
+                              f"{box_numel(t.box)} elements of the region {list(t.box)} this rank needs")
 
 
-def _check(source: Source, flat: dict[str, Any], strict: bool, rank: int) -> tuple[list[tuple[str, str]], list[str]]:
+def _check(source: Source, flat: dict[str, Any], targets: list[Target], strict: bool) -> tuple[list[tuple[str, str]], list[str]]:
     """(errors, checkpoint keys this rank's target lacks) from metadata and file sizes only."""
     errors = [("value", m) for m in check_target(source.entries, flat, source.name, strict)]
-    for key, _, box, zero in _reads(source, flat, rank):
-        entry = source.entries[key]
-        assert isinstance(entry, TensorEntry)
-        if zero or tuple(entry.shape) != tuple(flat[key].shape):
-            continue
-        for chunk, _ in overlaps(box, entry.chunks):
-            why = source.check(key, chunk)
+    for t in targets:
+        for p in t.pieces:
+            why = source.check(t.key, p.chunk)
             if why:
                 errors.append(("io", why))
     extra = [k for k in source.entries if k not in flat] if strict else []
@@ -191,15 +246,18 @@ def load_state_dict(state_dict: dict[str, Any], path: str | os.PathLike[str], *,
     extra: list[str] = []
     source: Source | None = None
     flat: dict[str, Any] = {}
+    targets: list[Target] = []
     try:
         flat = flatten(state_dict, WHERE)
         source = open_source(os.fspath(path))
-        errors, extra = _check(source, flat, strict, rank)
+        targets = plan_reads(source, flat, rank)
+        errors, extra = _check(source, flat, targets, strict)
     except (TypeError, ValueError) as e:
         errors.append(("value", str(e)))
     except (CheckpointError, OSError) as e:
         errors.append(("io", str(e)))
-    gathered = _world.exchange((errors, extra), WHERE, "checking the checkpoint against the state dicts")
+    claims = _claims(source, targets) if source is not None else []
+    gathered = _world.exchange((errors, extra, claims), WHERE, "checking the checkpoint against the state dicts")
     everyone = [g[0] for g in gathered]
     if strict:
         common = [("value", m) for m in unexpected_keys([g[1] for g in gathered], f"the checkpoint {os.fspath(path)!r}")]
@@ -207,7 +265,7 @@ def load_state_dict(state_dict: dict[str, Any], path: str | os.PathLike[str], *,
     try:
         _world.raise_gathered(everyone, WHERE)
         assert source is not None
-        _read_all(source, flat, rank)
+        _read_all(source, targets, blocks_to_verify([g[2] for g in gathered], rank))
     finally:
         if source is not None:
             source.close()
@@ -215,12 +273,12 @@ def load_state_dict(state_dict: dict[str, Any], path: str | os.PathLike[str], *,
     replace_values(state_dict, lambda key, leaf: _new_value(entries, key, leaf))
 
 
-def _read_all(source: Source, flat: dict[str, Any], rank: int) -> None:
+def _read_all(source: Source, targets: list[Target], verify: set[tuple[str, int, int]]) -> None:
     errors: list[tuple[str, str]] = []
     try:
         with torch.no_grad():
-            for key, local, box, zero in _reads(source, flat, rank):
-                _fill(source, key, local, box, zero)
+            for t in targets:
+                _fill(source, t, verify)
     except CheckpointError as e:
         errors.append(("io", str(e)))
     _world.agree(errors, WHERE, "reading the checkpoint")

@@ -8,17 +8,21 @@ holding it: chunks are taken largest first and each goes to the holder given the
 so far (ties: lowest rank), which spreads replicated tensors over their replicas.
 
 Load: ``check_target`` compares a target with the checkpoint entries and lists every mismatch;
-``target_box`` and ``overlaps`` give the region a rank fills and the stored pieces it reads.
+``target_box`` gives the region a rank fills;
+``blocks_to_verify`` splits the checksum work: every CRC block that some rank reads is verified
+by exactly one of its readers (spread evenly), so a tensor read by every rank is checked once,
+not once per rank, and a corrupted block is still always detected.
 """
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 
-from autoparallel.checkpoint.metadata import DTYPES, Chunk, Entry, TensorEntry, numel
+from autoparallel.checkpoint.metadata import DTYPES, Entry, TensorEntry, numel
 from autoparallel.placement import Partial
 from autoparallel.spec import Box, DistSpec, intersect_boxes
 
@@ -130,16 +134,6 @@ def target_box(t: torch.Tensor, rank: int) -> tuple[Box | None, bool]:
     return spec.without_partial().local_box(coord), zero
 
 
-def overlaps(box: Box, chunks: Sequence[Chunk]) -> list[tuple[Chunk, Box]]:
-    """Every stored chunk that meets ``box``, with the global region they share."""
-    out = []
-    for c in chunks:
-        ov = intersect_boxes(box, c.box)
-        if ov is not None:
-            out.append((c, ov))
-    return out
-
-
 def check_target(entries: dict[str, Entry], target: dict[str, Any], source: str, strict: bool) -> list[str]:
     """Every way ``target`` (flattened) does not fit the checkpoint ``entries``; empty when it fits.
 
@@ -178,3 +172,27 @@ def _few(keys: list[str], n: int = 8) -> str:
     shown = ", ".join(repr(k) for k in keys[:n])
     return shown + (f", ... ({len(keys) - n} more)" if len(keys) > n else "")
 
+
+
+Claim = tuple[str, int, int, int]  # key, chunk index, first block, last block + 1 (a rank reads them)
+
+
+def blocks_to_verify(claims_by_rank: Sequence[Sequence[Claim]], rank: int) -> set[tuple[str, int, int]]:
+    """(key, chunk index, block) of every block ``rank`` must verify (pure; same on every rank).
+
+    A block read by ranks ``r_0 < ... < r_{n-1}`` is verified by ``r_{(block + salt) % n}``, where
+    the salt depends only on the key and chunk, so single-block chunks spread over ranks too.
+    """
+    by_chunk: dict[tuple[str, int], list[tuple[int, int, int]]] = {}
+    for r, claims in enumerate(claims_by_rank):
+        for key, ci, b0, b1 in claims:
+            by_chunk.setdefault((key, ci), []).append((r, b0, b1))
+    mine = set()
+    for key, ci, b0, b1 in claims_by_rank[rank]:
+        ranges = by_chunk[(key, ci)]
+        salt = zlib.crc32(key.encode()) + ci
+        for b in range(b0, b1):
+            readers = sorted({r for r, lo, hi in ranges if lo <= b < hi})
+            if readers[(b + salt) % len(readers)] == rank:
+                mine.add((key, ci, b))
+    return mine

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import re
 import zlib
-from typing import Sequence
+from typing import Container, Sequence
 
 import torch
 
@@ -48,10 +48,6 @@ def _view(t: torch.Tensor) -> memoryview:
     return memoryview(t.numpy())  # type: ignore[arg-type]  # numpy arrays implement the buffer protocol
 
 
-def crc_blocks(buf: memoryview) -> tuple[int, ...]:
-    return tuple(zlib.crc32(buf[i:i + CRC_BLOCK]) for i in range(0, len(buf), CRC_BLOCK))
-
-
 def write_data_file(path: str, tensors: Sequence[torch.Tensor], fsync: bool) -> list[tuple[int, int, tuple[int, ...]]]:
     """Write ``tensors`` back to back; (start, nbytes, CRC-32 per block) of each."""
     out = []
@@ -63,10 +59,14 @@ def write_data_file(path: str, tensors: Sequence[torch.Tensor], fsync: bool) -> 
                 f.write(b"\0" * pad)
                 pos += pad
             mv = _view(as_bytes(t))
-            done = 0
-            while done < len(mv):
-                done += f.write(mv[done:])  # type: ignore[operator]  # raw writes return the count
-            out.append((pos, len(mv), crc_blocks(mv)))
+            crcs = []
+            for i in range(0, len(mv), CRC_BLOCK):  # checksum each block while it is in cache
+                block = mv[i:i + CRC_BLOCK]
+                crcs.append(zlib.crc32(block))
+                done = 0
+                while done < len(block):
+                    done += f.write(block[done:])  # type: ignore[operator]  # raw writes return the count
+            out.append((pos, len(mv), tuple(crcs)))
             pos += len(mv)
         if fsync:
             os.fsync(f.fileno())
@@ -155,34 +155,40 @@ class DataReader:
                 raise CheckpointError(f"data file {name!r} is missing from {self.folder!r}") from None
         return fd
 
-    def read_into(self, chunk: Chunk, lo: int, out: torch.Tensor, key: str) -> None:
-        """Fill uint8 ``out`` with chunk bytes ``[lo, lo + len(out))``; ``lo`` and the end are
-        block-aligned (or the chunk end), so every block read is verified."""
+    def read_into(self, chunk: Chunk, lo: int, out: torch.Tensor, verify: Container[int], key: str) -> None:
+        """Fill uint8 ``out`` with chunk bytes ``[lo, lo + len(out))``, block by block, checking the
+        CRC-32 of every block in ``verify`` (those blocks must lie wholly inside the range)."""
         mv = _view(out)
-        fd, pos = self._fd(chunk.file), chunk.start + lo
-        done = 0
-        while done < len(mv):
-            n = os.preadv(fd, [mv[done:]], pos + done)
-            if n <= 0:
-                raise CheckpointError(f"data file {chunk.file!r} is truncated: {key!r} needs bytes "
-                                      f"[{chunk.start}, {chunk.start + chunk.nbytes}), the file ends "
-                                      f"at {pos + done}")
-            done += n
-        first = lo // CRC_BLOCK
-        for i, crc in enumerate(crc_blocks(mv)):
-            if crc != chunk.crc32[first + i]:
-                b0 = chunk.start + (first + i) * CRC_BLOCK
+        fd, hi = self._fd(chunk.file), lo + len(mv)
+        pos = lo
+        while pos < hi:
+            blk = pos // CRC_BLOCK
+            end = min((blk + 1) * CRC_BLOCK, hi)
+            piece = mv[pos - lo:end - lo]
+            done = 0
+            while done < len(piece):
+                n = os.preadv(fd, [piece[done:]], chunk.start + pos + done)
+                if n <= 0:
+                    raise CheckpointError(
+                        f"data file {chunk.file!r} is truncated: {key!r} needs bytes [{chunk.start}, "
+                        f"{chunk.start + chunk.nbytes}), the file ends at {chunk.start + pos + done}")
+                done += n
+            if blk in verify and zlib.crc32(piece) != chunk.crc32[blk]:
+                b0 = chunk.start + blk * CRC_BLOCK
                 raise CheckpointError(
                     f"data file {chunk.file!r} is corrupted: checksum mismatch in bytes "
-                    f"[{b0}, {min(b0 + CRC_BLOCK, chunk.start + chunk.nbytes)}) holding {key!r}")
+                    f"[{b0}, {chunk.start + end}) holding {key!r}")
+            pos = end
 
-    def read_rows(self, chunk: Chunk, lo: int, hi: int, key: str) -> torch.Tensor:
-        """Chunk bytes ``[lo, hi)`` as uint8, reading and verifying whole CRC blocks around them."""
-        b0 = lo // CRC_BLOCK * CRC_BLOCK
-        b1 = min(-(-hi // CRC_BLOCK) * CRC_BLOCK, chunk.nbytes)
-        buf = torch.empty(b1 - b0, dtype=torch.uint8)
-        self.read_into(chunk, b0, buf, key)
-        return buf[lo - b0:hi - b0]
+    def read_range(self, chunk: Chunk, lo: int, hi: int, verify: Container[int], key: str) -> torch.Tensor:
+        """Chunk bytes ``[lo, hi)`` as uint8; the range read grows to whole blocks where a block
+        in ``verify`` is cut by it, so that block can be checked."""
+        first, last = lo // CRC_BLOCK, (hi - 1) // CRC_BLOCK
+        a = first * CRC_BLOCK if first in verify else lo
+        b = min((last + 1) * CRC_BLOCK, chunk.nbytes) if last in verify else hi
+        buf = torch.empty(b - a, dtype=torch.uint8)
+        self.read_into(chunk, a, buf, verify, key)
+        return buf[lo - a:hi - a]
 
     def close(self) -> None:
         for fd in self._fds.values():
