@@ -5,6 +5,7 @@
     torchrun --standalone --nproc-per-node 8 examples/train_pipeline.py --pp 2 --chunks 2 --schedule Interleaved1F1B
     torchrun --standalone --nproc-per-node 8 examples/train_pipeline.py --dp 1 --tp 2 --pp 4 --microbatches 8
     torchrun --standalone --nproc-per-node 8 examples/train_pipeline.py --schedule naive
+    torchrun --standalone --nproc-per-node 8 examples/train_pipeline.py --zero 2
 
 The Paddle auto-parallel guide's section 4.4 example, rewritten for autoparallel: two stage
 meshes ``[[0, 1], [2, 3]]`` and ``[[4, 5], [6, 7]]`` with axes ``dp`` (data parallel) and ``tp``
@@ -104,6 +105,7 @@ def parse() -> argparse.Namespace:
     ap_.add_argument("--seq", type=int, default=8)
     ap_.add_argument("--hidden", type=int, default=64)
     ap_.add_argument("--steps", type=int, default=5)
+    ap_.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="ZeRO stage inside each stage mesh (dp axis)")
     ap_.add_argument("--timeline", default=None, help="write the last step's executed schedule as SVG")
     return ap_.parse_args()
 
@@ -135,6 +137,10 @@ def main() -> None:
     data = RandomDataset(args.seq, args.hidden, args.batch * args.steps)
     loader = ap.shard_dataloader(DataLoader(data, batch_size=args.batch), meshes=[meshes[0], meshes[-1]], shard_dims="dp")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    if args.zero:  # one sharding mesh over all stages; each parameter shards along its own stage's dp axis
+        world_mesh = ap.ProcessMesh(np.arange(world).reshape(args.pp, args.dp, args.tp), dim_names=["pp", "dp", "tp"])
+        stage_cls = {1: ap.ShardingStage1, 2: ap.ShardingStage2, 3: ap.ShardingStage3}[args.zero]
+        opt = ap.shard_optimizer(opt, stage_cls(world_mesh, "dp"))
 
     losses, t0 = [], time.perf_counter()
     for step, (x, label) in enumerate(loader):

@@ -151,7 +151,7 @@ def test_scheduled_pipeline_matches_single_process(world8, groups, schedule, m, 
 
 
 # ---- 3-D hybrid: dp=2 x tp=2 inside each stage mesh, pp=2 across them ----------------------
-def _hybrid(rank: int, schedule: str, chunks: int) -> dict[str, Any]:
+def _hybrid(rank: int, schedule: str, chunks: int, zero: int = 0) -> dict[str, Any]:
     from torch.utils.data import DataLoader, TensorDataset
 
     torch.manual_seed(0)
@@ -166,6 +166,9 @@ def _hybrid(rank: int, schedule: str, chunks: int) -> dict[str, Any]:
     pipe = Pipeline(stages, _mse, num_microbatches=2, schedule=schedule)
     loader = ap.shard_dataloader(DataLoader(TensorDataset(xs, ts), batch_size=BATCH), [mesh0, mesh1], shard_dims="dp")
     opt, ref_opt, losses, ref_losses = _sgd(model), _sgd(ref), [], []
+    if zero:  # ZeRO inside every stage: states (and grads for 2) sharded along each stage's dp axis
+        world = ap.ProcessMesh([[[0, 1], [2, 3]], [[4, 5], [6, 7]]], dim_names=["pp", "dp", "tp"])
+        opt = ap.shard_optimizer(opt, {1: ap.ShardingStage1, 2: ap.ShardingStage2}[zero](world, "dp"))
     for (xb, tb), k in zip(loader, range(STEPS)):
         opt.zero_grad()
         losses.append(pipe.step(xb, tb))
@@ -178,9 +181,10 @@ def _hybrid(rank: int, schedule: str, chunks: int) -> dict[str, Any]:
     return _compare(rank, model, ref, losses, ref_losses)
 
 
-@pytest.mark.parametrize("schedule, chunks", [("1F1B", 1), ("Interleaved1F1B", 2)])
-def test_3d_hybrid_dp_tp_pp_matches_single_process(world8, schedule, chunks):  # type: ignore[no-untyped-def]
-    _check(world8.run(_hybrid, schedule, chunks), [4, 5, 6, 7])
+@pytest.mark.parametrize("schedule, chunks, zero", [("1F1B", 1, 0), ("Interleaved1F1B", 2, 2)],
+                         ids=["1f1b", "interleaved-zero2"])
+def test_3d_hybrid_dp_tp_pp_matches_single_process(world8, schedule, chunks, zero):  # type: ignore[no-untyped-def]
+    _check(world8.run(_hybrid, schedule, chunks, zero), [4, 5, 6, 7])
 
 
 # ---- bad input: the same clear error on every rank before any transfer; world stays healthy --
