@@ -131,7 +131,7 @@ def test_plan_trains_like_one_process(world4, zero: int, sp: bool, optim: str) -
         opt.zero_grad()
         loss.backward()
         opt.step()
-        ref_losses.append(float(loss))
+        ref_losses.append(float(loss.detach()))
     ref_params = {n: p.detach() for n, p in reference.named_parameters()}
     for losses, params, counts in world4.run(_train_parallel, cfg, batches, zero, sp, optim):
         ok, rows = train_gpt.loss_table(losses, ref_losses)
