@@ -223,6 +223,16 @@ def _bad_schedule(rank: int) -> None:
     Pipeline(_stages(FOUR, chunks=2), _mse, num_microbatches=2, schedule="Interleaved1F1B")
 
 
+def _no_reduction(y: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    return (y - t).square()  # forgot .mean()
+
+
+def _bad_loss(rank: int) -> None:
+    pipe = Pipeline(_stages(FOUR), _no_reduction, num_microbatches=2, schedule="FThenB")
+    x, t, _ = _data()
+    pipe.step(ap.shard_tensor(x, pipe.meshes[0], [Shard(0)]), ap.shard_tensor(t, pipe.meshes[-1], [Shard(0)]))
+
+
 def _healthy(rank: int) -> bool:
     x = ap.shard_tensor(torch.arange(16.0), ap.ProcessMesh(list(range(8))), [Shard(0)])
     return bool(torch.equal(x.full_tensor(), torch.arange(16.0)))
@@ -234,7 +244,8 @@ def _healthy(rank: int) -> bool:
     (_bad_unassigned_annotation, ValueError, r"layer '5' is not assigned to a stage: parameter 5.fc1.weight is a plain tensor"),
     (_bad_unassigned_stage, ValueError, r"parameter 'extra.weight' of stage 1 \(4..7\) is a plain tensor"),
     (_bad_schedule, ScheduleError, r"Interleaved1F1B needs the micro-batch count to be a multiple of the 4 stage meshes.*got 2"),
-], ids=["microbatches", "overlap", "unassigned-annotation", "unassigned-stage", "schedule-needs-more"])
+    (_bad_loss, TypeError, r"loss_fn must return a one-element DistTensor, got DistTensor \(8, 8\)"),
+], ids=["microbatches", "overlap", "unassigned-annotation", "unassigned-stage", "schedule-needs-more", "loss-not-scalar"])
 def test_bad_input_same_error_on_every_rank(world8, fn, error, match):  # type: ignore[no-untyped-def]
     with pytest.raises(error, match=match) as info:
         world8.run(fn, timeout=60)

@@ -117,6 +117,8 @@ def test_schedule_errors_name_the_values() -> None:
         build_schedule("1F1B", 2, 4, 2)
     with pytest.raises(ScheduleError, match=r"multiple of the 4 stage meshes.*got 6 micro-batches"):
         build_schedule("Interleaved1F1B", 4, 6, 2)
+    with pytest.raises(ScheduleError, match=r"2 chunks on a single stage mesh would send to itself"):
+        build_schedule("Interleaved1F1B", 1, 4, 2)
     with pytest.raises(ScheduleError, match=r"num_microbatches must be a positive int, got 0"):
         build_schedule("gpipe", 2, 0)
 

@@ -6,6 +6,7 @@
 * :mod:`.runner` — :class:`Pipeline`: runs a schedule on real ranks, gradients accumulate
 * :mod:`.timeline` — SVG timelines of executed or simulated schedules
 * :mod:`.memory` — :class:`ActivationMeter`: bytes saved for backward
+* :mod:`.p2p` — the two halves of a cross-mesh reshard, run apart; :mod:`.local` — one-rank stages
 """
 
 from __future__ import annotations

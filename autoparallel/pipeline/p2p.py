@@ -35,6 +35,11 @@ class PendingSends:
     works: list[object] = field(default_factory=list)
     tensors: list[torch.Tensor] = field(default_factory=list)
 
+    def reap(self) -> None:
+        """Forget the sends that completed (their tensors may be freed)."""
+        keep = [(w, t) for w, t in zip(self.works, self.tensors) if not w.is_completed()]  # type: ignore[attr-defined]
+        self.works, self.tensors = [w for w, _ in keep], [t for _, t in keep]
+
     def wait(self) -> None:
         for w in self.works:
             w.wait()  # type: ignore[attr-defined]
@@ -55,6 +60,7 @@ def send(local: torch.Tensor, plan: CrossMeshPlan, tag: int, pending: PendingSen
     held = run_plan(local, plan.pre)
     box = plan.pre.dst.local_box(coord)
     sends = [(_region(held, box, t.box).contiguous(), t.dst_rank) for t in plan.transfers if t.src_rank == rank]
+    pending.reap()
     pending.works.extend(comm.isend(sends, tag, mesh=(plan.src.mesh, plan.dst.mesh)))
     pending.tensors.extend(t for t, _ in sends)
 

@@ -260,17 +260,15 @@ class _Run:
         assert stage is not None
         actions = pipe.schedule.actions[stage]
         recvs = [i for i, a in enumerate(actions) if a.kind in (RECV_F, RECV_B)]
-        try:
-            for i, a in enumerate(actions):
-                t0 = time.perf_counter()
-                while recvs and recvs[0] < i + RECV_AHEAD_ACTIONS:  # post receives early: data flows during compute
-                    self._post(actions[recvs.pop(0)])
-                tag = a.tag(self.v, self.m) if a.kind not in COMPUTE else -1
-                getattr(self, "_" + a.kind.lower())(a.microbatch, a.chunk, tag)
-                if self.record:
-                    pipe.events.append(Event(pipe.rank, stage, a.kind, a.microbatch, a.chunk, t0, time.perf_counter()))
-        finally:
-            self.pending.wait()
+        for i, a in enumerate(actions):
+            t0 = time.perf_counter()
+            while recvs and recvs[0] < i + RECV_AHEAD_ACTIONS:  # post receives early: data flows during compute
+                self._post(actions[recvs.pop(0)])
+            tag = a.tag(self.v, self.m) if a.kind not in COMPUTE else -1
+            getattr(self, "_" + a.kind.lower())(a.microbatch, a.chunk, tag)
+            if self.record:
+                pipe.events.append(Event(pipe.rank, stage, a.kind, a.microbatch, a.chunk, t0, time.perf_counter()))
+        self.pending.wait()  # not in a finally: after an error, unmatched sends would never complete
         for loc in self.local.values():
             loc.flush_grads()
         return [self.losses[i] for i in sorted(self.losses)]

@@ -181,6 +181,8 @@ def build_schedule(name: str, num_stages: int, num_microbatches: int, num_chunks
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ScheduleError(f"{canon}: {what} must be a positive int, got {value!r}")
     kind = SCHEDULES[canon]
+    if num_stages == 1 and num_chunks > 1:
+        raise ScheduleError(f"{canon}: {num_chunks} chunks on a single stage mesh would send to itself; use num_chunks=1")
     if num_chunks > 1 and not kind.chunked:
         raise ScheduleError(
             f"{canon} runs one chunk per stage mesh, got {num_chunks} chunks per mesh; use Interleaved1F1B"
