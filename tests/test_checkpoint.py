@@ -507,8 +507,18 @@ def test_flatten_rejects_unsupported_values_and_clashes() -> None:
     with pytest.raises(TypeError, match=r"'a.b' is a set"):
         flatten({"a": {"b": {1}}}, "save_state_dict")
     with pytest.raises(ValueError, match="same key 'a.b'"):
-        flatten({"a.b": 1, "a": {"b": 2}}, "save_state_dict")
-    assert list(flatten({"s": {0: {"m": torch.ones(1)}}, "g": [(0.9, 0.99)]}, "x")) == ["s.0.m", "g.0.0", "g.0.1"]
+        flatten({"a.b": torch.ones(1), "a": {"b": torch.ones(1)}}, "save_state_dict")
+    flat = flatten({"s": {0: {"m": torch.ones(1), "k": 2}}, "g": [{"betas": (0.9, 0.99), 3: None}], "e": {}}, "x")
+    assert list(flat) == ["s.0.m", "s.0.k", "g", "e"]  # containers without tensors are single values
+
+
+def test_plain_value_containers_roundtrip_whatever_the_target_holds(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    train = {"step": 5, "losses": [2.5, float("inf"), 1e-300], "sampler": {"epoch": 1, 7: (2, "x")}, "flag": None}
+    ap.save_state_dict({"w": torch.arange(3.0), "train": train}, str(tmp_path))  # a world of one
+    target = {"w": torch.zeros(3), "train": {"step": 0, "losses": [], "sampler": {}, "flag": True}}
+    ap.load_state_dict(target, str(tmp_path))
+    assert target["train"] == train and type(target["train"]["sampler"][7]) is tuple
+    assert torch.equal(target["w"], torch.arange(3.0))
 
 
 def test_collective_timeout_from_environment(monkeypatch) -> None:  # type: ignore[no-untyped-def]

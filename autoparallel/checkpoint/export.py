@@ -58,7 +58,7 @@ def export_state_dict(state_dict: dict[str, Any], file: str | os.PathLike[str]) 
             if getattr(leaf, "_spec", None) is not None:
                 from autoparallel.api import unshard_dtensor  # noqa: PLC0415  (api imports the dtensor stack)
 
-                full[key] = unshard_dtensor(leaf).detach()
+                full[key] = unshard_dtensor(leaf).detach().cpu()
             elif isinstance(leaf, torch.Tensor):
                 full[key] = leaf.detach().cpu().clone()
     status = None
@@ -66,7 +66,7 @@ def export_state_dict(state_dict: dict[str, Any], file: str | os.PathLike[str]) 
         path = os.fspath(file)
         tmp = path + ".tmp"
         try:
-            torch.save(map_leaves(state_dict, lambda k, v: full.get(k, v) if isinstance(v, torch.Tensor) else v), tmp)
+            torch.save(map_leaves(state_dict, lambda k, v: full[k]), tmp)
             os.replace(tmp, path)
         except Exception as e:  # noqa: BLE001 - reported to every rank below
             status = f"rank 0 could not write {path!r}: {type(e).__name__}: {e}"

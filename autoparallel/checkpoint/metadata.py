@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from autoparallel.checkpoint.flat import decode_value, encode_value
 from autoparallel.spec import Box
 
 FORMAT = "autoparallel.checkpoint"
@@ -69,7 +70,7 @@ class TensorEntry:
 
 @dataclass(frozen=True, slots=True)
 class ValueEntry:
-    """A plain value (None, bool, int, float, str) stored in the metadata itself."""
+    """A plain value (None/bool/int/float/str, or a container of them) stored in the metadata."""
 
     value: Any
 
@@ -103,7 +104,7 @@ def to_json(entries: dict[str, Entry]) -> str:
     out: dict[str, Any] = {}
     for key, e in entries.items():
         if isinstance(e, ValueEntry):
-            out[key] = {"kind": "value", "value": e.value}
+            out[key] = {"kind": "value", "value": encode_value(e.value)}
             continue
         out[key] = {"kind": "tensor", "dtype": DTYPE_NAMES[e.dtype], "shape": list(e.shape),
                     "chunks": [{"offset": list(c.offset), "shape": list(c.shape), "file": c.file,
@@ -152,9 +153,10 @@ def _entry(key: str, e: object) -> Entry:
     if not isinstance(e, dict) or e.get("kind") not in ("value", "tensor"):
         raise CheckpointError(f"metadata of {key!r} is not a value or tensor entry: {e!r:.200}")
     if e["kind"] == "value":
-        if not isinstance(e.get("value"), (type(None), bool, int, float, str)):
-            raise CheckpointError(f"metadata of {key!r}: value {e.get('value')!r:.200} is not a plain value")
-        return ValueEntry(e["value"])
+        try:
+            return ValueEntry(decode_value(e.get("value"), key))
+        except (ValueError, RecursionError) as err:
+            raise CheckpointError(f"metadata of {key!r}: {err}") from None
     if e.get("dtype") not in DTYPES:
         raise CheckpointError(f"metadata of {key!r}: unknown dtype {e.get('dtype')!r}")
     dtype = DTYPES[e["dtype"]]
