@@ -14,6 +14,7 @@ from functools import lru_cache
 from typing import Any, Callable
 
 import torch
+from torch.utils._mode_utils import no_dispatch
 
 from autoparallel import runtime
 from autoparallel.placement import Replicate, Shard
@@ -79,6 +80,13 @@ MAX_CACHED_DECISIONS = 65536
 # Views whose local implementation computes a new tensor (a lazy conj/neg bit cannot live on the
 # wrapper): like views of a moved input, writes through them raise instead of being lost.
 _MATERIALISED_VIEWS = frozenset({torch.ops.aten._conj.default, torch.ops.aten._neg_view.default})
+# In-place views (they change the tensor's own shape or strides) and their out-of-place view.
+_aten = torch.ops.aten
+_INPLACE_VIEWS = {
+    _aten.squeeze_.default: _aten.squeeze.default, _aten.squeeze_.dim: _aten.squeeze.dim,
+    _aten.squeeze_.dims: _aten.squeeze.dims, _aten.unsqueeze_.default: _aten.unsqueeze.default,
+    _aten.transpose_.default: _aten.transpose.int, _aten.t_.default: _aten.t.default,
+}
 
 
 def clear_cache() -> None:
@@ -190,6 +198,8 @@ def _decide(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], 
         return torch.empty((), dtype=t.dtype, device="meta")
 
     mutated = _mutated_inputs(func, args, kwargs, dts)
+    if func in _INPLACE_VIEWS:  # run as the out-of-place view, then re-point the wrapper
+        return Decision(mesh, (None,) * len(dts), (), (), "inplace_view", _INPLACE_VIEWS[func], None, None, (), None)
     if func in _VALUE_OPS:
         return _fallback_decision(func, specs, mesh, None, mutated, reason="", warn=False)
     try:
@@ -415,6 +425,8 @@ def _mutated_inputs(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], dt
 def _execute(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], dts: list[Any], d: Decision) -> Any:
     if d.out_kind == "value" and not d.mutated:
         return d.value
+    if d.out_kind == "inplace_view":
+        return _inplace_view(cls, func, d.value, args, kwargs)
     for i in d.mutated:
         if getattr(dts[i], "_detached_view", False):
             raise RuntimeError(
@@ -472,6 +484,30 @@ def _execute(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
     if d.out_kind == "none":
         return None
     return tuple(wrapped) if d.out_kind == "tuple" else wrapped
+
+
+def _inplace_view(cls: Any, func: Any, view_op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``x.squeeze_()`` and kin: ``x`` becomes the out-of-place view ``view_op(x)`` (its shard, a
+    view of the old one, and its layout), and the wrapper's own sizes and strides follow."""
+    x = args[0]
+    out = dispatch(cls, view_op, args, kwargs)
+    if getattr(out, "_detached_view", False):
+        raise RuntimeError(
+            f"{func}: the layout of the DistTensor had to change to take this view in place; "
+            f"reshard it first (e.g. to Replicate) or use the out-of-place {view_op}"
+        )
+    x._local, x._spec, x._stride = out._local, out._spec, out._stride
+    # Change the wrapper's metadata by running the op's meta kernel on it, dispatching nowhere
+    # else (as torch.utils._python_dispatch.return_and_correct_aliasing does).
+    with no_dispatch():
+        meta_in_tls = torch._C._meta_in_tls_dispatch_include()
+        torch._C._set_meta_in_tls_dispatch_include(True)
+        try:
+            func(*args, **kwargs)
+        finally:
+            torch._C._set_meta_in_tls_dispatch_include(meta_in_tls)
+    assert tuple(x.shape) == x._spec.shape, (func, tuple(x.shape), x._spec)
+    return x
 
 
 def _wrap_unknown(cls: Any, out: Any, d: Decision) -> Any:
