@@ -279,6 +279,8 @@ def _load_other_model(rank: int, folder: str, change: str) -> bool:
         del target["optim"]["state"][2]
     elif change == "shape":
         target["model"]["w1"] = torch.zeros(8, 7)
+    elif change == "fresh optimizer":
+        target["optim"]["state"] = {}
     else:  # non-strict: the extra key is left alone, the rest loads
         target["model"]["w3"] = torch.full((2,), 5.0)
         del target["optim"]["state"][2]
@@ -334,6 +336,7 @@ def test_damaged_checkpoints_raise_on_every_rank(world4, tmp_path):  # type: ign
     ("extra", ValueError, r"1 key\(s\) of the target state dict are not in .*'model.w3'"),
     ("missing", ValueError, r"3 key\(s\) in .* are not in the target state dict of any rank.*'optim.state.2.exp_avg'"),
     ("shape", ValueError, r"'model.w1': shape mismatch: the target has shape \[8, 7\], .* has \[8, 6\]"),
+    ("fresh optimizer", ValueError, r"'optim' holds no tensors in the target .*init_optimizer_state"),
 ])
 def test_different_model_raises_on_every_rank(world4, tmp_path, change, exc, text):  # type: ignore[no-untyped-def]
     world4.run(_save_train, str(tmp_path))
@@ -422,14 +425,15 @@ def _train(m: torch.nn.Module, opt: torch.optim.Optimizer, steps: int, start: in
 
 
 def _resume(rank: int, folder: str) -> list:
-    """Train 2 steps on tp4, checkpoint, train 2 more; resume on dp x tp: same losses and params."""
+    """Train 2 steps on tp4, checkpoint, train 2 more; resume on dp x tp + ZeRO-2: same losses, params."""
     m = _model("tp4")
     opt = torch.optim.AdamW(m.parameters(), lr=0.05, weight_decay=0.1, foreach=False)
     _train(m, opt, 2, 0)
     ap.save_state_dict({"model": m.state_dict(), "optim": opt.state_dict(), "data": {"step": 2}}, folder)
     straight = _train(m, opt, 2, 2)
-    m2 = _model("dp_tp")
-    opt2 = torch.optim.AdamW(m2.parameters(), lr=0.05, weight_decay=0.1, foreach=False)
+    m2 = _model("dp_tp")  # resumed on dp x tp with ZeRO-2: optimizer states Shard on "dp"
+    opt2 = ap.shard_optimizer(torch.optim.AdamW(m2.parameters(), lr=0.05, weight_decay=0.1, foreach=False),
+                              ap.ShardingStage2(m2[0].weight.process_mesh, "dp"))
     before = [p.full_tensor().clone() for p in m2.parameters()]
     ap.checkpoint.init_optimizer_state(opt2)
     assert all(torch.equal(p.full_tensor(), b) for p, b in zip(m2.parameters(), before)), "init changed params"
@@ -440,13 +444,14 @@ def _resume(rank: int, folder: str) -> list:
     resumed = _train(m2, opt2, 2, sd["data"]["step"])
     same = all(torch.allclose(p.full_tensor(), q.full_tensor(), rtol=1e-5, atol=1e-6)
                for p, q in zip(m.parameters(), m2.parameters()))
-    return [straight, resumed, same, opt2.state_dict()["state"][0]["step"].item()]
+    zero = opt2.state_dict()["state"][0]["exp_avg"]
+    return [straight, resumed, same, opt2.state_dict()["state"][0]["step"].item(), str(zero.placements[0])]
 
 
 def test_resume_training_on_another_layout(world4, tmp_path):  # type: ignore[no-untyped-def]
-    straight, resumed, same, step = world4.run(_resume, str(tmp_path))[0]
+    straight, resumed, same, step, zero_placement = world4.run(_resume, str(tmp_path))[0]
     assert np.allclose(straight, resumed, rtol=1e-5), (straight, resumed)
-    assert same and step == 4.0
+    assert same and step == 4.0 and zero_placement.startswith("S("), zero_placement
 
 
 # ---- pure: plan, metadata, flatten, timeout --------------------------------------------------

@@ -141,6 +141,13 @@ def check_target(entries: dict[str, Entry], target: dict[str, Any], source: str,
     """
     errors = []
     missing = [k for k in target if k not in entries]
+    for k in missing:  # e.g. an optimizer before its first step: {"state": {}, ...} has no tensors
+        below = next((e for e in entries if e.startswith(k + ".")), None)
+        if below is not None:
+            errors.append(f"{k!r} holds no tensors in the target but {source} has tensors under it "
+                          f"(e.g. {below!r}); build that state first (for an optimizer: "
+                          "ap.checkpoint.init_optimizer_state(optimizer))")
+    missing = [k for k in missing if not any(e.startswith(k + ".") for e in entries)]
     if missing and strict:
         errors.append(f"{len(missing)} key(s) of the target state dict are not in {source}: {_few(missing)}")
     for key, leaf in target.items():

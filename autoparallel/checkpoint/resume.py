@@ -94,15 +94,21 @@ def set_rng_state(state: Mapping[str, torch.Tensor], generators: Mapping[str, to
             raise ValueError(f"set_rng_state: unknown entry {key!r}")
 
 
-def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+def init_optimizer_state(optimizer: torch.optim.Optimizer, *, _every_param: bool = False) -> None:
     """Create ``optimizer``'s per-parameter state without changing any parameter.
 
     Runs one ``step()`` with zero gradients and every learning rate set to 0, then restores the
-    learning rates and clears the gradients. Does nothing if the state already exists.
+    learning rates and clears the gradients. Does nothing if the state already exists. A wrapper
+    holding the real optimizer as ``.inner`` (``ap.shard_optimizer``) has its inner optimizer
+    initialised directly, on the parameters (or ZeRO shards) that optimizer steps: no collective.
     """
     if len(optimizer.state) > 0:
         return
-    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    inner = getattr(optimizer, "inner", None)
+    if isinstance(inner, torch.optim.Optimizer):  # its ZeRO shards get gradients, not requires_grad
+        init_optimizer_state(inner, _every_param=True)
+        return
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad or _every_param]
     if any(p.grad is not None for p in params):
         raise ValueError("init_optimizer_state: parameters already have gradients; call it right "
                          "after building the optimizer, before any backward")
