@@ -12,15 +12,17 @@ The state dict: 8 fp32 tensors of ``(rows, 1024)`` totalling ``--mb`` MB. Saved 
 written once by one of them), four ``[Shard(0), Shard(1)]``. Loaded into a different layout on a
 1-d ``tp=4`` mesh: the first four ``[Shard(1)]``, the others ``[Shard(0)]``. torch runs the same
 with ``DTensor``s on ``DeviceMesh("cpu", ...)`` and ``dcp.save`` / ``dcp.load`` (its defaults:
-one file per rank, ``sync_files=True``). Ours uses its defaults (``fsync=True``, CRC-32 of
-every byte written and read).
+one file per rank, ``sync_files=True``; ``--no-fsync`` sets ``sync_files=False``). Ours uses
+its defaults (``fsync=True``; a CRC-32 of every byte written; every block read is verified by
+one of the ranks reading it).
 
-Reported per library (median over ``--repeat`` runs after one untimed warm-up run, each run a
-fresh folder; the wall time between two barriers, so the slowest rank counts): save seconds, load seconds (into the other layout),
-bytes written (all files of the folder). Both loads are checked against the values saved.
-The sides run back to back in every repeat (alternating which goes first), and the ratio
-reported is the median over repeats of ours/torch in the same repeat, which cancels most of the
-drift of a machine shared with other jobs (the ratio of the medians is printed too).
+Reported per library, the median over ``--repeat`` runs after one untimed warm-up run. Each run
+uses a fresh folder, and all folders are deleted only at the end. Times are the wall time
+between two barriers, so the slowest rank counts: save seconds, load seconds (into the other
+layout), and bytes written (all files of the folder). Both loads are checked against the values
+saved. The two sides run back to back in every repeat, alternating which goes first. The ratio
+reported is the median over repeats of ours/torch within the same repeat, which cancels most
+of the drift of a machine shared with other jobs; the ratio of the medians is printed too.
 Targets: ours <= 1.0 x torch's time for save and for load.
 """
 
@@ -54,7 +56,8 @@ def _values(box: tuple[tuple[int, int], ...], rows: int, seed: int) -> Any:
     return (r * 7.0 + c * 0.5 + seed) % 1000.0
 
 
-def _box(rows: int, placements: list[tuple[str, int]], mesh_shape: tuple[int, ...], coord: tuple[int, ...]):  # type: ignore[no-untyped-def]
+def _box(rows: int, placements: list[tuple[str, int]], mesh_shape: tuple[int, ...],
+         coord: tuple[int, ...]) -> tuple[tuple[int, int], tuple[int, int]]:
     """Global box of a (rows, COLS) tensor at ``coord`` (even splits; placements as ("S", d)/("R", 0))."""
     off, size = [0, 0], [rows, COLS]
     for axis, (kind, d) in enumerate(placements):

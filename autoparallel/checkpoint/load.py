@@ -220,7 +220,8 @@ def _fill(source: Source, t: Target, verify: set[tuple[str, int, int]]) -> None:
                               f"{box_numel(t.box)} elements of the region {list(t.box)} this rank needs")
 
 
-def _check(source: Source, flat: dict[str, Any], targets: list[Target], strict: bool) -> tuple[list[tuple[str, str]], list[str]]:
+def _check(source: Source, flat: dict[str, Any], targets: list[Target],
+           strict: bool) -> tuple[list[tuple[str, str]], list[str]]:
     """(errors, checkpoint keys this rank's target lacks) from metadata and file sizes only."""
     errors = [("value", m) for m in check_target(source.entries, flat, source.name, strict)]
     for t in targets:
@@ -260,7 +261,8 @@ def load_state_dict(state_dict: dict[str, Any], path: str | os.PathLike[str], *,
     gathered = _world.exchange((errors, extra, claims), WHERE, "checking the checkpoint against the state dicts")
     everyone = [g[0] for g in gathered]
     if strict:
-        common = [("value", m) for m in unexpected_keys([g[1] for g in gathered], f"the checkpoint {os.fspath(path)!r}")]
+        name = f"the checkpoint {os.fspath(path)!r}"
+        common = [("value", m) for m in unexpected_keys([g[1] for g in gathered], name)]
         everyone = [errs + common for errs in everyone]
     try:
         _world.raise_gathered(everyone, WHERE)

@@ -157,7 +157,7 @@ def check_target(entries: dict[str, Entry], target: dict[str, Any], source: str,
         is_tensor = isinstance(leaf, torch.Tensor)
         if is_tensor != isinstance(e, TensorEntry):
             want = "a tensor" if is_tensor else "a plain value"
-            have = "a tensor" if isinstance(e, TensorEntry) else f"the value {e.value!r:.60}"  # type: ignore[union-attr]
+            have = "a tensor" if isinstance(e, TensorEntry) else f"the value {e.value!r:.60}"
             errors.append(f"{key!r}: the target holds {want} but {source} holds {have}")
         elif isinstance(e, TensorEntry) and tuple(leaf.shape) != e.shape:
             errors.append(f"{key!r}: shape mismatch: the target has shape {list(leaf.shape)}, "

@@ -92,7 +92,8 @@ def build_entries(plan: SavePlan, records: list[Record]) -> dict[str, Entry]:
         chunks = []
         for i, c in enumerate(e.chunks):
             file, start, nbytes, crc = where[(key, i)]
-            chunks.append(Chunk(tuple(o for o, _ in c.box), tuple(n for _, n in c.box), file, start, nbytes, tuple(crc)))
+            offset, shape = tuple(o for o, _ in c.box), tuple(n for _, n in c.box)
+            chunks.append(Chunk(offset, shape, file, start, nbytes, tuple(crc)))
         entries[key] = TensorEntry(e.shape, DTYPES[e.dtype], tuple(chunks))
     return entries
 
