@@ -20,7 +20,8 @@ from autoparallel import Partial, Replicate, Shard
 from autoparallel.placement import chunk_bounds
 from spmd_rules import LocalContext, OpCall, Strategy, TensorMeta, get_local_impl, get_rule
 from tests.layouts import make_dist
-from tests.test_rules import _map, _tensors, combine, shard
+from tests.treeutil import map_tensors, tensors_in
+from tests.test_rules import combine, shard
 
 aten = torch.ops.aten
 R = Replicate()
@@ -40,15 +41,15 @@ def _outs(out: Any) -> list[Any]:
 
 
 def _clone(x: Any) -> Any:
-    return _map(x, lambda t: t.clone())
+    return map_tensors(x, lambda t: t.clone())
 
 
 def make_call(op: Any, args: tuple, kwargs: dict, placements: list, n: int) -> OpCall:
     outs = _outs(op(*_clone(args), **_clone(kwargs)))
-    inputs = _tensors(args) + _tensors(kwargs)
+    inputs = tensors_in(args) + tensors_in(kwargs)
     metas = {id(t): _meta(t) for t in inputs}
     return OpCall(
-        op, _map(args, lambda t: metas[id(t)]), _map(kwargs, lambda t: metas[id(t)]),
+        op, map_tensors(args, lambda t: metas[id(t)]), map_tensors(kwargs, lambda t: metas[id(t)]),
         tuple(metas[id(t)] for t in inputs), tuple(_meta(o) for o in outs),  # type: ignore[misc]
         tuple((p,) for p in placements), (n,),
     )
@@ -155,11 +156,11 @@ def _run(op: Any, call: OpCall, s: Strategy, expected: list, i: int, args: tuple
 @pytest.mark.parametrize("n", [3])  # uneven shards, and empty ones on the 2-long dims
 @pytest.mark.parametrize("op, args, kwargs", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
 def test_offered_strategies_are_exact(op: Any, args: tuple, kwargs: dict, n: int) -> None:
-    inputs = _tensors(args) + _tensors(kwargs)
+    inputs = tensors_in(args) + tensors_in(kwargs)
     gen = torch.Generator().manual_seed(0)
     g_args, g_kwargs = _clone(args), _clone(kwargs)
     expected = _outs(op(*g_args, **g_kwargs))
-    expected_inputs = _tensors(g_args) + _tensors(g_kwargs)  # after any in-place update
+    expected_inputs = tensors_in(g_args) + tensors_in(g_kwargs)  # after any in-place update
     rule = get_rule(op)
     assert rule is not None, op
     seen: set[Strategy] = set()
@@ -175,7 +176,7 @@ def test_offered_strategies_are_exact(op: Any, args: tuple, kwargs: dict, n: int
         for i in range(n):
             it = iter([pc[i] for pc in pieces])
             take = lambda _t: next(it)  # noqa: E731
-            local_out.append(_outs(_run(op, call, s, expected, i, _map(args, take), _map(kwargs, take))))
+            local_out.append(_outs(_run(op, call, s, expected, i, map_tensors(args, take), map_tensors(kwargs, take))))
         for k, want in enumerate(expected):
             if want is None:
                 continue

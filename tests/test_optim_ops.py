@@ -23,7 +23,8 @@ from autoparallel import Partial, Replicate, Shard, dispatch
 from spmd_rules.base import LocalContext, OpCall, ScalarMeta, Strategy, TensorMeta
 from spmd_rules.registry import get_local_impl, get_rule
 from tests.layouts import make_dist
-from tests.test_rules import _map, _tensors, combine, shard
+from tests.treeutil import map_tensors, tensors_in
+from tests.test_rules import combine, shard
 
 aten = torch.ops.aten
 R = Replicate()
@@ -38,15 +39,15 @@ def _rnd(*shape: int, seed: int) -> torch.Tensor:
 
 def _make_call(op: Any, args: tuple, kwargs: dict, placements: list, n: int, scalars: set[int]) -> OpCall:
     """The ``OpCall`` the dispatcher would build; tensors in ``scalars`` are plain 0-dim scalars."""
-    out = op(*_map(args, lambda t: t.clone()), **_map(kwargs, lambda t: t.clone()))
+    out = op(*map_tensors(args, lambda t: t.clone()), **map_tensors(kwargs, lambda t: t.clone()))
     outs = [] if out is None else [out] if isinstance(out, torch.Tensor) else list(out)
-    inputs = [t for t in _tensors(args) + _tensors(kwargs) if id(t) not in scalars]
+    inputs = [t for t in tensors_in(args) + tensors_in(kwargs) if id(t) not in scalars]
     metas = {id(t): TensorMeta(tuple(t.shape), t.dtype) for t in inputs}
 
     def to_meta(t: torch.Tensor) -> Any:
         return metas[id(t)] if id(t) in metas else ScalarMeta(t.dtype)
 
-    return OpCall(op, _map(args, to_meta), _map(kwargs, to_meta), tuple(metas[id(t)] for t in inputs),
+    return OpCall(op, map_tensors(args, to_meta), map_tensors(kwargs, to_meta), tuple(metas[id(t)] for t in inputs),
                   tuple(TensorMeta(tuple(o.shape), o.dtype) for o in outs), tuple((p,) for p in placements), (n,))
 
 
@@ -60,7 +61,7 @@ def _ctx(call: OpCall, s: Strategy, rank: int, n: int) -> LocalContext:
 
 def _simulate(call: OpCall, args: tuple, kwargs: dict, s: Strategy, n: int, scalars: set[int]) -> tuple[list, list]:
     """Run the op on every simulated rank's pieces; return (outputs, inputs after the op) recombined."""
-    inputs = [t for t in _tensors(args) + _tensors(kwargs) if id(t) not in scalars]
+    inputs = [t for t in tensors_in(args) + tensors_in(kwargs) if id(t) not in scalars]
     gen = torch.Generator().manual_seed(1)
     pieces = {id(t): shard(t, p[0], n, gen) for t, p in zip(inputs, s.inputs)}
     impl = get_local_impl(call.op)
@@ -71,7 +72,7 @@ def _simulate(call: OpCall, args: tuple, kwargs: dict, s: Strategy, n: int, scal
         def piece(t: torch.Tensor) -> torch.Tensor:
             return local[id(t)][i] if id(t) in local else t.clone()
 
-        largs, lkw = _map(args, piece), _map(kwargs, piece)
+        largs, lkw = map_tensors(args, piece), map_tensors(kwargs, piece)
         out = impl(_ctx(call, s, i, n), *largs, **lkw) if impl is not None else call.op(*largs, **lkw)
         outs.append([] if out is None else [out] if isinstance(out, torch.Tensor) else list(out))
         after.append([local[id(t)][i] for t in inputs])
@@ -133,12 +134,12 @@ def _fused_cases() -> list[tuple[Any, tuple, dict]]:
 
 def _check_exact(op: Any, args: tuple, kwargs: dict, n: int) -> int:
     """For several current layouts of the inputs: the rule's one strategy computes the right thing."""
-    scalars = {id(t) for t in _tensors(args) if t.dim() == 0 and op.overloadpacket.__name__.startswith("_fused")}
-    inputs = [t for t in _tensors(args) + _tensors(kwargs) if id(t) not in scalars]
-    expected_args, expected_kw = _map(args, lambda t: t.clone()), _map(kwargs, lambda t: t.clone())
+    scalars = {id(t) for t in tensors_in(args) if t.dim() == 0 and op.overloadpacket.__name__.startswith("_fused")}
+    inputs = [t for t in tensors_in(args) + tensors_in(kwargs) if id(t) not in scalars]
+    expected_args, expected_kw = map_tensors(args, lambda t: t.clone()), map_tensors(kwargs, lambda t: t.clone())
     expected = op(*expected_args, **expected_kw)
     want_out = [] if expected is None else list(expected)
-    want_in = [t for t in _tensors(expected_args) + _tensors(expected_kw) if t.dim() or not scalars]
+    want_in = [t for t in tensors_in(expected_args) + tensors_in(expected_kw) if t.dim() or not scalars]
     checked = 0
     for k in range(len(CURRENT)):
         placements = []

@@ -23,7 +23,8 @@ from autoparallel import Partial, Replicate, Shard
 from autoparallel.placement import Placement, chunk_bounds, partials_compatible
 from spmd_rules import LocalContext, OpCall, Strategy, get_local_impl, get_rule
 from tests.layouts import make_dist, reference
-from tests.test_rules import _map, _tensors, make_call, meta, strategies
+from tests.treeutil import map_tensors, tensors_in
+from tests.test_rules import make_call, meta, strategies
 
 aten = torch.ops.aten
 R = Replicate()
@@ -243,7 +244,7 @@ def _as_tuple(out: Any) -> tuple[torch.Tensor, ...]:
 
 
 def check_strategy(op: Any, args: tuple, kwargs: dict, s: Strategy, mesh_shape: tuple[int, ...], gen: torch.Generator) -> None:
-    inputs = _tensors(args)
+    inputs = tensors_in(args)
     expected = _as_tuple(op(*args, **kwargs))
     dist_in = [distribute(t, p, mesh_shape, gen) for t, p in zip(inputs, s.inputs)]
     call = make_call(op, args, [p for p in s.inputs], mesh_shape, kwargs)
@@ -251,7 +252,7 @@ def check_strategy(op: Any, args: tuple, kwargs: dict, s: Strategy, mesh_shape: 
     local_outs: list[dict] = [{} for _ in expected]
     for coord in itertools.product(*(range(n) for n in mesh_shape)):
         it = iter([d[coord] for d in dist_in])
-        largs = _map(args, lambda _t: next(it))
+        largs = map_tensors(args, lambda _t: next(it))
         if impl is not None:
             shapes = tuple(local_shape(e.shape, p, mesh_shape, coord) for e, p in zip(expected, s.outputs))
             out = _as_tuple(impl(LocalContext(call, shapes, coord=coord), *largs, **kwargs))
@@ -349,7 +350,7 @@ def _currents(x: torch.Tensor, mesh_shape: tuple[int, ...]) -> list[tuple[Placem
 @pytest.mark.parametrize("op, args, kwargs", BRUTE, ids=[f"{op}-{i}" for i, (op, _, _) in enumerate(BRUTE)])
 def test_offered_strategies_are_exact(op: Any, args: tuple, kwargs: dict, mesh_shape: tuple[int, ...]) -> None:
     gen = torch.Generator().manual_seed(1)
-    x = _tensors(args)[0]
+    x = tensors_in(args)[0]
     seen: set[Strategy] = set()
     for cur in _currents(x, mesh_shape):
         seen.update(strategies(make_call(op, args, [cur], mesh_shape, kwargs)))
