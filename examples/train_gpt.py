@@ -278,9 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     model = parallelize_gpt(model, mesh, sp=args.sp)
     opt = wrap_optimizer(make_optimizer(model, args), mesh, args.zero)
     loader, sampler = make_loader(data, args.batch, args.seed)
-    # Each rank loads only its dp slice. (dp=1: batches stay whole; a batch split over a size-1
-    # axis gives gradients Partial over that axis, which shard_optimizer cannot reduce yet.)
-    batches = iter(ap.shard_dataloader(loader, mesh, shard_dims="dp" if args.dp > 1 else None))
+    batches = iter(ap.shard_dataloader(loader, mesh, shard_dims="dp"))  # each rank loads its dp slice
 
     if rank == 0:
         n = sum(p.numel() for p in GPT(cfg).parameters())
