@@ -1,9 +1,10 @@
 """Shared pytest configuration.
 
 * Puts the repo root on ``sys.path`` so ``import autoparallel`` works.
-* Module-scoped multi-process gloo worlds: use the ready-made fixtures ``world2``,
-  ``world4``, ``world8`` (started lazily by the first test that asks for one,
-  closed at the end of the module), or declare your own in a test module with
+* Multi-process gloo worlds: use the ready-made fixtures ``world2``, ``world4``,
+  ``world8`` (started lazily by the first test that asks for one and shared by every
+  module until the end of the run — worker functions must not leave global state
+  behind that changes later tests), or declare a module-scoped one in a test module with
   ``world6 = world_fixture(6)`` (the fixture takes the variable's name). Worker
   functions must be module-level: ``world4.run(fn, *args)`` calls ``fn(rank, *args)``.
 * Marker ``gpu``: tests needing CUDA/NCCL, auto-skipped when CUDA is unavailable.
@@ -24,9 +25,9 @@ from tests.world import World, WorkerError, world_fixture  # noqa: E402
 
 __all__ = ["World", "WorkerError", "world_fixture"]
 
-world2 = world_fixture(2)
-world4 = world_fixture(4)
-world8 = world_fixture(8)
+world2 = world_fixture(2, scope="session")
+world4 = world_fixture(4, scope="session")
+world8 = world_fixture(8, scope="session")
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -269,11 +269,15 @@ class World:
         raise WorkerError(f"{what}: rank(s) {sorted(failures)} raised:\n{text}", failures)
 
 
-def world_fixture(nprocs: int) -> Any:
-    """Module-scoped fixture factory: ``world4 = world_fixture(4)`` in a test module."""
+def world_fixture(nprocs: int, scope: str = "module") -> Any:
+    """Fixture factory: ``world4 = world_fixture(4)`` in a test module (one world per module).
+
+    ``scope="session"`` (the shared ``world2/4/8`` of conftest.py) keeps one world for the whole
+    run: starting a world costs seconds of CPU per rank, and most modules need the same sizes.
+    """
     import pytest
 
-    @pytest.fixture(scope="module")
+    @pytest.fixture(scope=scope)  # type: ignore[call-overload]  # scope is one of pytest's names
     def _world() -> Iterator[World]:
         w = World(nprocs)
         try:
