@@ -244,7 +244,7 @@ def _decide(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], 
     if not strategies:
         why = "it has no SPMD rule" if rule is None else "its rule offered no strategy"
         return _fallback_decision(func, specs, mesh, outs, mutated, reason=why, kind=out_kind)
-    best = min(strategies, key=lambda s: _cost(s, specs, mesh, out_metas))
+    best = _cheapest(strategies, specs, mesh, out_metas)
     plans = tuple(_plan(spec, req) for spec, req in zip(specs, best.inputs))
     out_specs = tuple(
         DistSpec(mesh, pl, m.shape, m.dtype) if m is not None else None for m, pl in zip(out_metas, best.outputs)
@@ -269,6 +269,21 @@ def _plan_price(spec: DistSpec, req: tuple[Any, ...]) -> int | None:
     if plan is None:
         return None
     return plan.max_bytes() + (LATENCY_BYTES if plan.collectives() else 0)
+
+
+def _cheapest(strategies: list[Strategy], specs: list[DistSpec], mesh: Any, out_metas: tuple[TensorMeta | None, ...]) -> Strategy:
+    """The first strategy of least ``_cost``, planning as few reshards as possible.
+
+    The cost is lexicographic with bytes moved and inputs changed first, so when some strategy
+    takes every input as it is, only such strategies can win: they are compared without running
+    the planner for the others (the same choice, at a fraction of a cache miss's time).
+    """
+    free = [s for s in strategies if all(_as_is(spec, req) for spec, req in zip(specs, s.inputs))]
+    return min(free or strategies, key=lambda s: _cost(s, specs, mesh, out_metas))
+
+
+def _as_is(spec: DistSpec, req: tuple[Any, ...]) -> bool:
+    return not spec.shard_order and tuple(req) == tuple(spec.placements)
 
 
 def _cost(s: Strategy, specs: list[DistSpec], mesh: Any, out_metas: tuple[TensorMeta | None, ...]) -> tuple[int, int, int]:
