@@ -4,6 +4,8 @@
     torchrun --standalone --nproc-per-node 4 examples/train_gpt.py --dp 4 --zero 3
     torchrun --standalone --nproc-per-node 4 examples/train_gpt.py --dp 1 --tp 4 --no-sp
     python examples/train_gpt.py --dp 1 --tp 1                               # one process
+    torchrun --standalone --nproc-per-node 4 examples/train_gpt.py --ckpt ckpt --save-every 10
+    torchrun --standalone --nproc-per-node 4 examples/train_gpt.py --ckpt ckpt --resume
 
 The model (examples/gpt_model.py) is written for one device. The mesh is ``dp x mp``; the
 parallel plan makes the qkv and MLP-up Linears column-parallel, the two output projections
@@ -33,18 +35,27 @@ the same one-process experiment drifts to 9e-6 in the loss and 4e-5 normwise by 
 1.4e-7 and 1.0e-6 by step 100).
 
 Training state is explicit (``TrainState``: step, losses, the data sampler's position and the
-RNG state), so a checkpoint can save and restore it.
+RNG state), so a checkpoint can save and restore it. ``--ckpt DIR --save-every N`` saves model,
+optimizer, that state and every rank's RNG with ``ap.save_state_dict`` every N steps and after
+the last one; ``--resume`` loads the last checkpoint in DIR and continues: on the same layout the
+losses are bitwise those of an uninterrupted run; on another layout of the same world size
+(the RNG is per rank) they agree to roundoff. ``--die-at-step K --die-rank R`` simulates a fault:
+rank R exits abruptly after step K (status 0, so torchrun does not tear the job down itself: the
+others must notice, as ranks on other nodes would). The survivors then fail in their next
+collective with a "lost contact" error within ``AUTOPARALLEL_TIMEOUT`` seconds and exit with
+status 1 (see docs/checkpoint.md, "Resuming training exactly").
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import json
 import os
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -83,6 +94,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
                    help="compare with a single-process run on rank 0")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bar on stderr")
+    p.add_argument("--ckpt", default=None, metavar="DIR", help="checkpoint folder (saved every --save-every steps)")
+    p.add_argument("--save-every", type=int, default=10, metavar="N",
+                   help="with --ckpt: save every N steps and after the last step (0: only after the last)")
+    p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --ckpt DIR")
+    p.add_argument("--losses-out", default=None, metavar="FILE", help="rank 0 writes the per-step losses as JSON")
+    p.add_argument("--die-at-step", type=int, default=None, metavar="K",
+                   help="simulated fault: rank --die-rank exits abruptly after step K")
+    p.add_argument("--die-rank", type=int, default=0, metavar="R", help="the rank --die-at-step kills")
     return p.parse_args(argv)
 
 
@@ -100,6 +119,13 @@ def check_config(args: argparse.Namespace, world: int, vocab: int) -> None:
         raise ValueError(f"--sp needs --seq {args.seq} divisible by --tp {args.tp}")
     if args.zero and args.dp == 1:
         raise ValueError(f"--zero {args.zero} shards over 'dp' and needs --dp > 1")
+    if args.resume and not args.ckpt:
+        raise ValueError("--resume needs --ckpt DIR (the folder holding the checkpoint)")
+    if args.save_every < 0:
+        raise ValueError(f"--save-every {args.save_every} must be >= 0")
+    if args.die_at_step is not None and not (1 <= args.die_at_step < args.steps and 0 <= args.die_rank < world):
+        raise ValueError(f"--die-at-step {args.die_at_step} --die-rank {args.die_rank}: need 1 <= K < --steps "
+                         f"{args.steps} and 0 <= R < world size {world}")
 
 
 @dataclass
@@ -176,8 +202,9 @@ def scalar(x: torch.Tensor) -> float:
 
 
 def train(model: nn.Module, opt: torch.optim.Optimizer, batches: Iterator[Batch], sampler: ResumableSampler,
-          state: TrainState, steps: int, tokens_per_step: int, bar: ProgressBar) -> TrainState:
-    """Run steps ``state.step .. steps-1``, updating ``state`` after each one."""
+          state: TrainState, steps: int, tokens_per_step: int, bar: ProgressBar,
+          after_step: Callable[[TrainState], None] | None = None) -> TrainState:
+    """Run steps ``state.step .. steps-1``, updating ``state`` after each one (then ``after_step(state)``)."""
     times = [time.perf_counter()]
     while state.step < steps:
         x, y = next(batches)
@@ -192,8 +219,72 @@ def train(model: nn.Module, opt: torch.optim.Optimizer, batches: Iterator[Batch]
         recent = times[-11:]                     # tokens/s over the last (up to) 10 steps
         rate = tokens_per_step * (len(recent) - 1) / (recent[-1] - recent[0])
         bar.update(state.step, state.losses[-1], rate)
+        if after_step is not None:
+            after_step(state)
     bar.close()
     return state
+
+
+def checkpoint_dict(model: nn.Module, opt: torch.optim.Optimizer, state: TrainState) -> dict[str, Any]:
+    """What a checkpoint holds: model, optimizer, step, losses, data position, every rank's RNG (collective)."""
+    return {"model": model.state_dict(), "optim": opt.state_dict(),
+            "train": {"step": state.step, "losses": list(state.losses), "sampler": dict(state.sampler)},
+            "rng": ap.checkpoint.rng_state()}
+
+
+def load_checkpoint(folder: str, model: nn.Module, opt: torch.optim.Optimizer,
+                    sampler: ResumableSampler) -> TrainState:
+    """Fill model, optimizer, sampler and this rank's RNG from ``folder``; the state to continue from.
+
+    Model and optimizer load into whatever layout they have; the RNG needs the saving run's world size.
+    """
+    ap.checkpoint.init_optimizer_state(opt)  # the moments exist (in their layout) to be filled
+    sd = checkpoint_dict(model, opt, TrainState())
+    ap.load_state_dict(sd, folder)
+    model.load_state_dict(sd["model"])
+    opt.load_state_dict(sd["optim"])
+    ap.checkpoint.set_rng_state(sd["rng"])
+    sampler.load_state_dict(sd["train"]["sampler"])
+    return TrainState(step=sd["train"]["step"], losses=list(sd["train"]["losses"]),
+                      sampler=sampler.state_dict(), rng=torch.get_rng_state())
+
+
+class Checkpointer:
+    """The per-step hook: save every ``--save-every`` steps and after the last, then the simulated fault."""
+
+    def __init__(self, args: argparse.Namespace, model: nn.Module, opt: torch.optim.Optimizer, rank: int) -> None:
+        self.args, self.model, self.opt, self.rank = args, model, opt, rank
+        self.saved_step: int | None = None
+        self.last = time.perf_counter()  # when the last step (and its save) ended
+
+    def __call__(self, state: TrainState) -> None:
+        a = self.args
+        if a.ckpt and (state.step == a.steps or (a.save_every and state.step % a.save_every == 0)):
+            ap.save_state_dict(checkpoint_dict(self.model, self.opt, state), a.ckpt)
+            self.saved_step = state.step
+        if a.die_at_step == state.step and a.die_rank == self.rank:
+            print(f"rank {self.rank}: simulated fault (--die-at-step {state.step}): exiting abruptly", flush=True)
+            sys.stderr.flush()
+            os._exit(0)  # no cleanup, no error report: the other ranks must notice on their own
+        self.last = time.perf_counter()
+
+
+def comm_error(e: BaseException) -> bool:
+    """True for a failed collective: torch.distributed's errors, gloo's timeouts and closed connections."""
+    return (isinstance(e, (dist.DistError, ap.checkpoint.CheckpointError))
+            or "gloo" in str(e).lower() or "connection" in str(e).lower())
+
+
+def lost_contact(rank: int, state: TrainState, hook: Checkpointer, args: argparse.Namespace, e: Exception) -> str:
+    """The survivors' message when a collective of the training step fails (a rank died or hung)."""
+    from autoparallel import runtime
+
+    detail = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+    where = (f"the last checkpoint in {args.ckpt} is from step {hook.saved_step}" if hook.saved_step is not None
+             else f"this run saved no checkpoint{' to ' + args.ckpt if args.ckpt else ''}")
+    return (f"rank {rank}: step {state.step + 1} failed after {time.perf_counter() - hook.last:.1f}s: lost contact "
+            f"with the other ranks (a rank died or hung; collective timeout {runtime.collective_timeout_s()}): "
+            f"{type(e).__name__}: {detail}\n{where}; restart the job with --resume to continue from it")
 
 
 def make_optimizer(model: nn.Module, args: argparse.Namespace) -> torch.optim.Optimizer:
@@ -277,8 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     mesh = ap.ProcessMesh(torch.arange(world).reshape(args.dp, args.tp).tolist(), dim_names=["dp", "mp"])
     model = parallelize_gpt(model, mesh, sp=args.sp)
     opt = wrap_optimizer(make_optimizer(model, args), mesh, args.zero)
-    loader, sampler = make_loader(data, args.batch, args.seed)
-    batches = iter(ap.shard_dataloader(loader, mesh, shard_dims="dp"))  # each rank loads its dp slice
+    loader, sampler = make_loader(data, args.batch, args.seed)  # each rank loads its dp slice (below)
 
     if rank == 0:
         n = sum(p.numel() for p in GPT(cfg).parameters())
@@ -287,13 +377,33 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mesh dp={args.dp} x mp={args.tp}, sequence parallel {'on' if args.sp and args.tp > 1 else 'off'}, "
               f"ZeRO stage {args.zero}, {args.optim}; {args.steps} steps of {args.batch} x {args.seq} tokens")
     torch.manual_seed(args.seed + 1)
+    state = TrainState()
+    if args.resume:
+        assert args.ckpt is not None
+        state = load_checkpoint(args.ckpt, model, opt, sampler)
+        if rank == 0:
+            print(f"resumed from the checkpoint in {args.ckpt} at step {state.step}")
+    batches = iter(ap.shard_dataloader(loader, mesh, shard_dims="dp"))  # after the sampler's position is set
+    hook = Checkpointer(args, model, opt, rank)
+    hook.saved_step = state.step if args.resume else None
+    first = state.step
     t0 = time.perf_counter()
-    state = train(model, opt, batches, sampler, TrainState(), args.steps, args.batch * args.seq,
-                  ProgressBar(args.steps, args.progress and rank == 0))
+    try:
+        state = train(model, opt, batches, sampler, state, args.steps, args.batch * args.seq,
+                      ProgressBar(args.steps, args.progress and rank == 0), hook)
+    except RuntimeError as e:
+        if world == 1 or not comm_error(e):
+            raise
+        print(lost_contact(rank, state, hook, args, e), file=sys.stderr, flush=True)
+        os._exit(1)  # no process-group teardown: it would wait on the lost rank
     elapsed = time.perf_counter() - t0
+    done = max(args.steps - first, 1)
     if rank == 0:
-        print(f"{args.steps} steps in {elapsed:.1f}s ({elapsed / args.steps * 1e3:.0f} ms/step), "
+        print(f"{args.steps - first} steps in {elapsed:.1f}s ({elapsed / done * 1e3:.0f} ms/step), "
               f"final loss {state.losses[-1]:.4f}")
+        if args.losses_out:
+            with open(args.losses_out, "w") as f:
+                json.dump(state.losses, f)
     if not args.check:
         return 0
     params = full_params(model)
