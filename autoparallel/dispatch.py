@@ -11,7 +11,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass, replace
 from functools import lru_cache
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from torch.utils._mode_utils import no_dispatch
@@ -271,7 +271,7 @@ def _plan_price(spec: DistSpec, req: tuple[Any, ...]) -> int | None:
     return plan.max_bytes() + (LATENCY_BYTES if plan.collectives() else 0)
 
 
-def _cheapest(strategies: list[Strategy], specs: list[DistSpec], mesh: Any, out_metas: tuple[TensorMeta | None, ...]) -> Strategy:
+def _cheapest(strategies: Sequence[Strategy], specs: list[DistSpec], mesh: Any, out_metas: tuple[TensorMeta | None, ...]) -> Strategy:
     """The first strategy of least ``_cost``, planning as few reshards as possible.
 
     The cost is lexicographic with bytes moved and inputs changed first, so when some strategy
