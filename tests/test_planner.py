@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from autoparallel import DistSpec, Partial, ProcessMesh, Replicate, Shard, cost
 from reshard import Plan, ReshardError, Step, plan_reshard
-from reshard.planner import LOCAL_STEP_WEIGHT, _weight
+from reshard.planner import LOCAL_STEP_WEIGHT, _weight, plan_cost
 
 R = Replicate()
 S0, S1, S2 = Shard(0), Shard(1), Shard(2)
@@ -501,7 +501,7 @@ def test_random_plans(pair: tuple[DistSpec, DistSpec], seed: int) -> None:
 
 @settings(max_examples=60, deadline=None)
 @given(spec_pairs(), st.data())
-def test_single_axis_change_is_at_most_one_collective(
+def test_single_axis_change_is_one_collective_unless_replicas_split_a_reduction(
     pair: tuple[DistSpec, DistSpec], data: st.DataObject
 ) -> None:
     src, _ = pair
@@ -515,11 +515,30 @@ def test_single_axis_change_is_at_most_one_collective(
         return  # keep one reduce type per layout
     dst = _set(src, a, new)
     plan = plan_reshard(src, dst)
-    assert len(plan.collectives()) <= 1, str(plan)
-    assert all(s.axis == a for s in plan.steps), str(plan)
+    replicas = any(isinstance(p, Replicate) and src.mesh.shape[b] > 1 for b, p in enumerate(src.placements) if b != a)
+    if isinstance(old, Partial) and replicas and len(plan.collectives()) > 1:
+        # The one exception, on purpose: replicas on another axis split the reduction (slice,
+        # reduce a smaller piece, gather). It must beat the one-collective plan (all-reduce on
+        # axis a, then a local slice if dst is sharded there).
+        via = _set(src, a, Replicate())
+        one_collective = _weight(Step("all_reduce", a, src, via)) + LOCAL_STEP_WEIGHT
+        assert plan_cost(plan) < one_collective, str(plan)
+    else:
+        assert len(plan.collectives()) <= 1, str(plan)
+        assert all(s.axis == a for s in plan.steps), str(plan)
     for s in plan.steps:
         for c in coords(src.mesh):
             assert s.bytes_at(c) == reference_bytes(s, c), (str(s), c)
+
+
+def test_replicas_split_a_reduction_on_a_2x3_mesh() -> None:
+    """[R, P] -> [R, R] on 2x3 (found by the property above): slice on d0, all-reduce half, gather."""
+    mesh = ProcessMesh(np.arange(6).reshape(2, 3), dim_names=["d0", "d1"])
+    src = DistSpec(mesh, (R, Partial("sum")), (4, 5, 5), F32)
+    plan = plan_reshard(src, _set(src, 1, R))
+    assert plan.collectives() == ["all_reduce", "all_gather"], str(plan)
+    one_collective = _weight(Step("all_reduce", 1, src, _set(src, 1, R)))
+    assert plan_cost(plan) < one_collective
 
 
 @settings(max_examples=30, deadline=None)
