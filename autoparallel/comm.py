@@ -240,6 +240,13 @@ def recv(recvs: Sequence[tuple[torch.Tensor, int]], tag: int, mesh: object = Non
         w.wait()  # type: ignore[attr-defined]
 
 
+def all_gather_object(obj: object) -> list[object]:
+    """Every rank's picklable ``obj`` in rank order, over the whole world (control messages only)."""
+    out: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def _numel(shape: Sequence[int]) -> int:
     n = 1
     for s in shape:

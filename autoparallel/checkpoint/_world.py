@@ -11,9 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch.distributed as dist
-
-from autoparallel import runtime
+from autoparallel import comm, runtime
 from autoparallel.checkpoint.metadata import CheckpointError
 
 
@@ -25,9 +23,8 @@ def exchange(obj: Any, where: str, phase: str) -> list[Any]:
     """Every rank's ``obj`` in rank order (all ranks must call it in the same phase)."""
     if runtime.get_world_size() == 1:
         return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
     try:
-        dist.all_gather_object(out, obj)
+        out = comm.all_gather_object(obj)
     except Exception as e:  # noqa: BLE001 - gloo/NCCL raise RuntimeError or DistError subtypes
         raise CheckpointError(
             f"{where}: rank {runtime.get_rank()} lost contact with the other ranks while {phase} "
