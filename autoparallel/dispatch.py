@@ -46,6 +46,7 @@ class Decision:
     slots: Any = None                         # where each DistTensor sits in (args, kwargs)
     detached_view: bool = False               # a view op whose input had to be moved first
     fallback: bool = False                    # no rule: replicated inputs, the kernel's outputs
+    out_alias: tuple[int | None, ...] = ()    # per output: the written input it is (None: new)
 
 
 def dispatch(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -122,8 +123,9 @@ def _adopt_plain(
     mesh. Torch itself makes such tensors inside decompositions and backward formulas (zeros,
     ones, index tensors), and user code indexes with them (``x[idx]``). A plain tensor is refused
     (TypeError, before any collective) when it requires grad (its gradient would have to be a
-    plain tensor), when the op writes it (the write could not reach it), or when the DistTensors
-    live on several meshes (no mesh to replicate it on).
+    plain tensor), when the op writes it and the mesh is not the whole world (ranks outside the
+    mesh would not write it; inside, the adopted tensor's shard IS the plain tensor, so the full
+    result lands in it), or when the DistTensors live on several meshes (no mesh to replicate on).
     """
     what = f"{func}: cannot mix a DistTensor with a plain tensor of shape {tuple(plain[0].shape)}"
     meshes = list(dict.fromkeys(d._spec.mesh for d in dts))
@@ -135,12 +137,13 @@ def _adopt_plain(
         raise TypeError(f"{func}: cannot mix a DistTensor with a plain tensor of shape {tuple(grad.shape)} "
                         "that requires grad (its gradient would be a plain tensor on every rank); make it a "
                         "DistTensor first (ap.shard_tensor)")
+    mesh = meshes[0]
     written = {id(t) for t in _written_args(func, args, kwargs)}
     hit = next((t for t in plain if id(t) in written), None)
-    if hit is not None:
+    if hit is not None and mesh.size != runtime.get_world_size():
         raise TypeError(f"{func}: cannot write a DistTensor result into a plain tensor of shape "
-                        f"{tuple(hit.shape)}; make it a DistTensor first (ap.shard_tensor)")
-    mesh = meshes[0]
+                        f"{tuple(hit.shape)}: the ranks outside mesh {mesh} would not write it; "
+                        "make it a DistTensor first (ap.shard_tensor)")
     rep = tuple(Replicate() for _ in range(mesh.ndim))
     member = _coord(mesh) is not None
     adopted: dict[int, Any] = {}
@@ -207,8 +210,9 @@ def _decide(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], 
     except Exception:  # no meta kernel: compute replicated and learn the outputs from it
         return _fallback_decision(func, specs, mesh, None, mutated, reason="it has no meta kernel")
     out_kind, outs = _flatten_out(fake_out)
-    for k, i in enumerate(mutated):
-        if k < len(outs) and outs[k] is not None and tuple(outs[k].shape) != specs[i].shape:
+    alias = _out_aliases(func, args, kwargs, dts, mutated, len(outs))
+    for k, i in enumerate(alias):
+        if i is not None and outs[k] is not None and tuple(outs[k].shape) != specs[i].shape:
             raise RuntimeError(
                 f"{func} changes the shape of a DistTensor in place ({tuple(specs[i].shape)} -> "
                 f"{tuple(outs[k].shape)}); use the out-of-place op instead"
@@ -238,12 +242,12 @@ def _decide(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], 
         # the input was written in: (R, P) -> P is fine for ``x * y`` but would leave a summand in
         # a tensor still labelled R. Then prefer strategies that keep the written layouts.
         strategies = [
-            s for s in strategies if all(s.outputs[k] == s.inputs[i] for k, i in enumerate(mutated) if k < len(s.outputs))
+            s for s in strategies if all(i is None or s.outputs[k] == s.inputs[i] for k, i in enumerate(alias))
         ]
         strategies = [s for s in strategies if all(s.inputs[i] == specs[i].placements for i in mutated)] or strategies
     if not strategies:
         why = "it has no SPMD rule" if rule is None else "its rule offered no strategy"
-        return _fallback_decision(func, specs, mesh, outs, mutated, reason=why, kind=out_kind)
+        return replace(_fallback_decision(func, specs, mesh, outs, mutated, reason=why, kind=out_kind), out_alias=alias)
     best = _cheapest(strategies, specs, mesh, out_metas)
     plans = tuple(_plan(spec, req) for spec, req in zip(specs, best.inputs))
     out_specs = tuple(
@@ -252,7 +256,7 @@ def _decide(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], 
     strides = tuple(tuple(o.stride()) if o is not None else None for o in outs)
     return Decision(
         mesh, plans, out_specs, strides, out_kind, None, get_local_impl(func), call, mutated, _coord(mesh),
-        _in_specs(specs, plans),
+        _in_specs(specs, plans), out_alias=alias,
     )
 
 
@@ -430,6 +434,32 @@ def _written_args(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> l
     return written
 
 
+def _out_aliases(
+    func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], dts: list[Any], mutated: tuple[int, ...], n_out: int
+) -> tuple[int | None, ...]:
+    """Per output, the position in ``dts`` of the written input it returns (``add_``'s self, the
+    ``out=`` tensors), None for a new tensor (``_native_batch_norm_legit`` writes its running
+    stats and returns new ones). From the schema's alias sets; outputs paired with the written
+    inputs in order where a set names a list argument."""
+    if not mutated:
+        return (None,) * n_out
+    by_set: dict[str, Any] = {}
+    for i, arg in enumerate(func._schema.arguments):
+        a = arg.alias_info
+        if a is not None and a.is_write:
+            value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
+            by_set.update((name, value) for name in a.before_set)
+    pos = {id(t): k for k, t in enumerate(dts)}
+    out: list[int | None] = []
+    for r in func._schema.returns[:n_out]:
+        a = r.alias_info
+        value = by_set.get(next(iter(a.before_set))) if a is not None and a.is_write and a.before_set else None
+        if isinstance(value, (list, tuple)):
+            return tuple(mutated[k] if k < len(mutated) else None for k in range(n_out))
+        out.append(pos.get(id(value)) if value is not None else None)
+    return tuple(out) + (None,) * (n_out - len(out))
+
+
 def _mutated_inputs(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], dts: list[Any]) -> tuple[int, ...]:
     """Positions (in ``dts``) of the DistTensors the op writes."""
     ids = [id(t) for t in _written_args(func, args, kwargs)]
@@ -480,8 +510,9 @@ def _execute(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
         kind = d.out_kind if d.out_kind != "unknown" else _flatten_out(out)[0] if member else "tensor"
         if kind in ("none", "value"):
             return None if kind == "none" else d.value
-        written = [dts[i] for i in d.mutated]
-        return written[0] if kind == "tensor" else type(written)(written) if kind == "list" else tuple(written)
+        if d.out_kind == "unknown" or all(a is not None for a in d.out_alias):
+            written = [dts[i] for i in (d.out_alias if d.out_kind != "unknown" else d.mutated) if i is not None]
+            return written[0] if kind == "tensor" else type(written)(written) if kind == "list" else tuple(written)
     if member:
         _, louts = _flatten_out(out)
     else:
@@ -494,6 +525,8 @@ def _execute(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
         for w in wrapped:
             if w is not None:
                 w._detached_view = True
+    if d.mutated:  # new outputs next to written inputs: the written ones are returned as themselves
+        wrapped = [w if a is None else dts[a] for w, a in zip(wrapped, d.out_alias)]
     if d.out_kind == "tensor":
         return wrapped[0]
     if d.out_kind == "none":

@@ -340,6 +340,8 @@ def _scatter_positional(call: OpCall, axis: int, dim: int) -> list[AxisStrategy]
 @register_axis_rule([aten.scatter_add, aten.scatter_add_])
 def scatter_add_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
     """``scatter_add(x, dim, idx, src)``: positional dims pass; idx+src split along dim add into P(sum) x."""
+    if len(call.inputs) < 3:  # a plain 0-dim idx or src is a scalar, not an input: 0-dim x, replicate
+        return [AxisStrategy((R,) * len(call.inputs), (R,))]
     x, idx, src = call.inputs[0], call.inputs[1], call.inputs[2]
     dim = _norm(_arg(call, 1, "dim"), x.ndim)
     strategies = [AxisStrategy((R, R, R), (R,))] + _scatter_positional(call, axis, dim)

@@ -60,7 +60,8 @@ def _mixed_meshes(rank: int) -> None:
 
 
 # A plain tensor mixed with DistTensors is Replicate on their mesh (docs/plain_tensors.md),
-# unless it requires grad, the op writes it, or the DistTensors live on several meshes.
+# unless it requires grad, the op writes it while ranks lie outside the mesh, or the
+# DistTensors live on several meshes.
 def _mixed_plain_requires_grad(rank: int) -> None:
     a = ap.shard_tensor(torch.ones(4), ap.ProcessMesh([0, 1, 2, 3]), [Shard(0)])
     with pytest.raises(TypeError):  # Python operators replace the message with their own
@@ -69,8 +70,8 @@ def _mixed_plain_requires_grad(rank: int) -> None:
 
 
 def _mixed_plain_written(rank: int) -> None:
-    a = ap.shard_tensor(torch.ones(4), ap.ProcessMesh([0, 1, 2, 3]), [Shard(0)])
-    torch.ones(4).add_(a)
+    a = ap.shard_tensor(torch.ones(4), ap.ProcessMesh([0, 1]), [Shard(0)])
+    torch.ones(4).add_(a)  # ranks 2 and 3 would not write it
 
 
 def _mixed_plain_two_meshes(rank: int) -> None:
@@ -85,8 +86,10 @@ def _plain_is_replicate(rank: int) -> bool:
     idx = torch.tensor([7, 0, 3])
     picked = a[idx]  # index tensors are plain in user code
     summed = a + torch.arange(8.0)
+    buf = torch.zeros(8)
+    buf.add_(a)  # the mesh spans the world: every rank's plain tensor gets the full value
     return (picked.placements[0] == R and torch.equal(picked.full_tensor(), torch.tensor([7.0, 0.0, 3.0]))
-            and torch.equal(summed.full_tensor(), 2 * torch.arange(8.0)))
+            and torch.equal(summed.full_tensor(), 2 * torch.arange(8.0)) and torch.equal(buf, torch.arange(8.0)))
 
 
 def _bad_placement_type(rank: int) -> None:
@@ -113,7 +116,7 @@ CASES = [
     (_from_local_inconsistent, ValueError, "should hold (2, 4)"),
     (_mixed_meshes, ValueError, "different meshes"),
     (_mixed_plain_requires_grad, TypeError, "plain tensor of shape (4,) that requires grad"),
-    (_mixed_plain_written, TypeError, "into a plain tensor of shape (4,)"),
+    (_mixed_plain_written, TypeError, "the ranks outside mesh"),
     (_mixed_plain_two_meshes, TypeError, "no mesh to be replicated on"),
     (_bad_placement_type, TypeError, "is not a Replicate"),
     (_bad_mesh_type, TypeError, "must be an ap.ProcessMesh"),
