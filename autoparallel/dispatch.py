@@ -3,7 +3,8 @@
 A *decision* (chosen input layouts, their reshard plans, output specs and strides) is a pure
 function of the op, the inputs' specs and strides, and the non-tensor arguments, so it is cached
 on exactly that key and every rank reaches the same one. Execution then only runs the cached
-plans and the local op.
+plans and the local op. Walking the arguments (key, plain tensors, slots, written inputs) lives
+in ``autoparallel.dispatch_args``.
 """
 
 from __future__ import annotations
@@ -16,7 +17,17 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.utils._mode_utils import no_dispatch
 
-from autoparallel import runtime
+from autoparallel.dispatch_args import (
+    adopt_plain,
+    call_key,
+    dist_slots,
+    flatten_out,
+    map_args,
+    mesh_coord,
+    mutated_inputs,
+    out_aliases,
+    place_locals,
+)
 from autoparallel.placement import Replicate, Shard
 from autoparallel.spec import DistSpec, _itemsize
 from reshard.crossmesh import CrossMeshPlan, plan_best
@@ -53,13 +64,13 @@ def dispatch(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any])
     """Run ``func`` on DistTensors of class ``cls`` (the body of ``__torch_dispatch__``)."""
     dts: list[Any] = []
     plain: list[torch.Tensor] = []
-    key = (func, _key(cls, args, dts, plain), _key(cls, tuple(kwargs.items()), dts, plain) if kwargs else ())
+    key = (func, call_key(cls, args, dts, plain), call_key(cls, tuple(kwargs.items()), dts, plain) if kwargs else ())
     if not dts:
         return func(*args, **kwargs)
     if plain:  # rare: adopt them as Replicate, then key the call again
-        args, kwargs = _adopt_plain(cls, func, args, kwargs, dts, plain)
+        args, kwargs = adopt_plain(cls, func, args, kwargs, dts, plain)
         dts, plain = [], []
-        key = (func, _key(cls, args, dts, plain), _key(cls, tuple(kwargs.items()), dts, plain) if kwargs else ())
+        key = (func, call_key(cls, args, dts, plain), call_key(cls, tuple(kwargs.items()), dts, plain) if kwargs else ())
     decision = _CACHE.get(key)
     if decision is None:
         decision = _finish(cls, func, _decide(cls, func, args, kwargs, dts), args, kwargs, [t._spec for t in dts])
@@ -94,90 +105,6 @@ def clear_cache() -> None:
     _CACHE.clear()
 
 
-def _key(cls: Any, items: tuple[Any, ...], dts: list[Any], plain: list[torch.Tensor]) -> tuple[Any, ...]:
-    """Hashable description of the arguments; collects DistTensors into ``dts`` in order, and
-    plain tensors of one or more dims into ``plain`` (0-dim ones count as scalars)."""
-    out: list[Any] = []
-    for a in items:
-        if isinstance(a, cls):
-            dts.append(a)
-            out.append((a._spec, a._stride))
-        elif isinstance(a, torch.Tensor):
-            if a.dim() != 0:
-                plain.append(a)
-            out.append(("scalar_tensor", a.dtype))
-        elif isinstance(a, (list, tuple)):
-            out.append((type(a).__name__, _key(cls, tuple(a), dts, plain)))
-        else:
-            out.append(a)
-    return tuple(out)
-
-
-def _adopt_plain(
-    cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], dts: list[Any], plain: list[torch.Tensor]
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """``args``/``kwargs`` with every plain tensor of one or more dims made a Replicate DistTensor.
-
-    The policy (docs/plain_tensors.md): a plain tensor mixed with DistTensors in one op is the
-    same full value on every rank, like a Python scalar, so it is Replicate on the DistTensors'
-    mesh. Torch itself makes such tensors inside decompositions and backward formulas (zeros,
-    ones, index tensors), and user code indexes with them (``x[idx]``). A plain tensor is refused
-    (TypeError, before any collective) when it requires grad (its gradient would have to be a
-    plain tensor), when the op writes it and the mesh is not the whole world (ranks outside the
-    mesh would not write it; inside, the adopted tensor's shard IS the plain tensor, so the full
-    result lands in it), or when the DistTensors live on several meshes (no mesh to replicate on).
-    """
-    what = f"{func}: cannot mix a DistTensor with a plain tensor of shape {tuple(plain[0].shape)}"
-    meshes = list(dict.fromkeys(d._spec.mesh for d in dts))
-    if len(meshes) > 1:
-        raise TypeError(f"{what}: the DistTensors live on {len(meshes)} meshes, so it has no mesh to be "
-                        "replicated on; make it a DistTensor first (ap.shard_tensor)")
-    grad = next((t for t in plain if t.requires_grad), None)
-    if grad is not None:
-        raise TypeError(f"{func}: cannot mix a DistTensor with a plain tensor of shape {tuple(grad.shape)} "
-                        "that requires grad (its gradient would be a plain tensor on every rank); make it a "
-                        "DistTensor first (ap.shard_tensor)")
-    mesh = meshes[0]
-    written = {id(t) for t in _written_args(func, args, kwargs)}
-    hit = next((t for t in plain if id(t) in written), None)
-    if hit is not None and mesh.size != runtime.get_world_size():
-        raise TypeError(f"{func}: cannot write a DistTensor result into a plain tensor of shape "
-                        f"{tuple(hit.shape)}: the ranks outside mesh {mesh} would not write it; "
-                        "make it a DistTensor first (ap.shard_tensor)")
-    rep = tuple(Replicate() for _ in range(mesh.ndim))
-    member = _coord(mesh) is not None
-    adopted: dict[int, Any] = {}
-
-    def adopt(t: torch.Tensor) -> Any:
-        if id(t) not in adopted:
-            local = t if member else t.new_empty((0,))
-            stride = tuple(t.stride()) if t.layout == torch.strided else None
-            adopted[id(t)] = cls._wrap(local, DistSpec(mesh, rep, tuple(t.shape), t.dtype), stride)
-        return adopted[id(t)]
-
-    def walk(a: Any) -> Any:
-        if isinstance(a, torch.Tensor) and not isinstance(a, cls) and a.dim() != 0:
-            return adopt(a)
-        if isinstance(a, (list, tuple)):
-            return type(a)(walk(x) for x in a)
-        return a
-
-    return walk(args), {k: walk(v) for k, v in kwargs.items()}
-
-
-def _map(cls: Any, items: Any, fn: Callable[[Any], Any]) -> Any:
-    if isinstance(items, dict):
-        return {k: _map(cls, v, fn) for k, v in items.items()}
-    if isinstance(items, cls):
-        return fn(items)
-    if isinstance(items, (list, tuple)):
-        mapped = [_map(cls, a, fn) for a in items]
-        return type(items)(mapped) if isinstance(items, tuple) else mapped
-    if isinstance(items, torch.Tensor) and items.dim() == 0:
-        return fn(items)
-    return items
-
-
 # ---- deciding ----------------------------------------------------------------------------
 def _decide(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], dts: list[Any]) -> Decision:
     mesh = dts[0]._spec.mesh
@@ -200,17 +127,17 @@ def _decide(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], 
             return torch.empty_strided(t._spec.shape, t._stride, dtype=t._spec.dtype, device="meta")
         return torch.empty((), dtype=t.dtype, device="meta")
 
-    mutated = _mutated_inputs(func, args, kwargs, dts)
+    mutated = mutated_inputs(func, args, kwargs, dts)
     if func in _INPLACE_VIEWS:  # run as the out-of-place view, then re-point the wrapper
         return Decision(mesh, (None,) * len(dts), (), (), "inplace_view", _INPLACE_VIEWS[func], None, None, (), None)
     if func in _VALUE_OPS:
         return _fallback_decision(func, specs, mesh, None, mutated, reason="", warn=False)
     try:
-        fake_out = func(*_map(cls, args, to_fake), **_map(cls, kwargs, to_fake))
+        fake_out = func(*map_args(cls, args, to_fake), **map_args(cls, kwargs, to_fake))
     except Exception:  # no meta kernel: compute replicated and learn the outputs from it
         return _fallback_decision(func, specs, mesh, None, mutated, reason="it has no meta kernel")
-    out_kind, outs = _flatten_out(fake_out)
-    alias = _out_aliases(func, args, kwargs, dts, mutated, len(outs))
+    out_kind, outs = flatten_out(fake_out)
+    alias = out_aliases(func, args, kwargs, dts, mutated, len(outs))
     for k, i in enumerate(alias):
         if i is not None and outs[k] is not None and tuple(outs[k].shape) != specs[i].shape:
             raise RuntimeError(
@@ -222,8 +149,8 @@ def _decide(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], 
     out_metas = tuple(TensorMeta(tuple(o.shape), o.dtype) if o is not None else None for o in outs)
     call = OpCall(
         func,
-        _map(cls, args, to_meta),
-        _map(cls, kwargs, to_meta),
+        map_args(cls, args, to_meta),
+        map_args(cls, kwargs, to_meta),
         tuple(to_meta(d) for d in dts),
         out_metas,
         tuple(s.placements for s in specs),
@@ -255,7 +182,7 @@ def _decide(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], 
     )
     strides = tuple(tuple(o.stride()) if o is not None else None for o in outs)
     return Decision(
-        mesh, plans, out_specs, strides, out_kind, None, get_local_impl(func), call, mutated, _coord(mesh),
+        mesh, plans, out_specs, strides, out_kind, None, get_local_impl(func), call, mutated, mesh_coord(mesh),
         _in_specs(specs, plans), out_alias=alias,
     )
 
@@ -335,11 +262,11 @@ def _fallback_decision(
     rep = tuple(Replicate() for _ in range(mesh.ndim))
     plans = tuple(_plan(s, rep) for s in specs)
     if outs is None:
-        return Decision(mesh, plans, (), (), "unknown", None, None, None, mutated, _coord(mesh), _in_specs(specs, plans),
+        return Decision(mesh, plans, (), (), "unknown", None, None, None, mutated, mesh_coord(mesh), _in_specs(specs, plans),
                         fallback=True)
     out_specs = tuple(DistSpec(mesh, rep, tuple(o.shape), o.dtype) if o is not None else None for o in outs)
     strides = tuple(tuple(o.stride()) if o is not None else None for o in outs)
-    return Decision(mesh, plans, out_specs, strides, kind, None, None, None, mutated, _coord(mesh), _in_specs(specs, plans),
+    return Decision(mesh, plans, out_specs, strides, kind, None, None, None, mutated, mesh_coord(mesh), _in_specs(specs, plans),
                     fallback=True)
 
 
@@ -353,7 +280,7 @@ def _finish(cls: Any, func: Any, d: Decision, args: tuple[Any, ...], kwargs: dic
     back = tuple(None if d.in_specs[i] == specs[i] else plan_best(d.in_specs[i], specs[i]) for i in d.mutated)
     returns_view = any(r.alias_info is not None for r in func._schema.returns)
     moved_input = func in _MATERIALISED_VIEWS or any(_copies(p) for p in d.plans)
-    return replace(d, restore=back, slots=_slots(cls, args, kwargs), detached_view=returns_view and moved_input)
+    return replace(d, restore=back, slots=dist_slots(cls, args, kwargs), detached_view=returns_view and moved_input)
 
 
 def _copies(plan: Plan | CrossMeshPlan | None) -> bool:
@@ -363,107 +290,6 @@ def _copies(plan: Plan | CrossMeshPlan | None) -> bool:
     if isinstance(plan, CrossMeshPlan):
         return True
     return any(s.kind not in (SLICE, RELABEL) for s in plan.steps)
-
-
-def _slots(cls: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Positions of the DistTensors: ``((arg index, k | (k or None per element)), ...)`` for args,
-    the same keyed by name for kwargs; None when tensors nest deeper than one list."""
-    k = 0
-
-    def walk(items: Any) -> list[tuple[Any, Any]] | None:
-        nonlocal k
-        out: list[tuple[Any, Any]] = []
-        for pos, a in items:
-            if isinstance(a, cls):
-                out.append((pos, k))
-                k += 1
-            elif isinstance(a, (list, tuple)) and any(isinstance(x, (cls, list, tuple)) for x in a):
-                inner: list[int | None] = []
-                for x in a:
-                    if isinstance(x, cls):
-                        inner.append(k)
-                        k += 1
-                    elif isinstance(x, (list, tuple)):
-                        return None
-                    else:
-                        inner.append(None)
-                out.append((pos, tuple(inner)))
-        return out
-
-    a = walk(enumerate(args))
-    kw = walk(kwargs.items()) if a is not None else None
-    return None if a is None or kw is None else (tuple(a), tuple(kw))
-
-
-def _place(items: Any, slots: Any, locs: list[torch.Tensor]) -> Any:
-    """``items`` (a list of args, or a dict of kwargs) with DistTensors swapped for locals."""
-    for pos, k in slots:
-        if type(k) is int:
-            items[pos] = locs[k]
-        else:
-            seq = items[pos]
-            items[pos] = type(seq)(x if j is None else locs[j] for x, j in zip(seq, k))
-    return items
-
-
-def _coord(mesh: Any) -> tuple[int, ...] | None:
-    return mesh.coordinate_of(runtime.get_rank())
-
-
-def _flatten_out(out: Any) -> tuple[str, list[Any]]:
-    if out is None:
-        return "none", []
-    if isinstance(out, torch.Tensor):
-        return "tensor", [out]
-    if isinstance(out, (tuple, list)) and all(o is None or isinstance(o, torch.Tensor) for o in out) and any(
-        isinstance(o, torch.Tensor) for o in out
-    ):
-        return ("tuple" if isinstance(out, tuple) else "list"), list(out)
-    return "value", []
-
-
-def _written_args(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
-    """The arguments the op writes: ``self`` of ``add_``, ``out=``."""
-    written: list[Any] = []
-    for i, arg in enumerate(func._schema.arguments):
-        alias = arg.alias_info
-        if alias is None or not alias.is_write:
-            continue
-        value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
-        written.extend(value if isinstance(value, (list, tuple)) else [value])
-    return written
-
-
-def _out_aliases(
-    func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], dts: list[Any], mutated: tuple[int, ...], n_out: int
-) -> tuple[int | None, ...]:
-    """Per output, the position in ``dts`` of the written input it returns (``add_``'s self, the
-    ``out=`` tensors), None for a new tensor (``_native_batch_norm_legit`` writes its running
-    stats and returns new ones). From the schema's alias sets; outputs paired with the written
-    inputs in order where a set names a list argument."""
-    if not mutated:
-        return (None,) * n_out
-    by_set: dict[str, Any] = {}
-    for i, arg in enumerate(func._schema.arguments):
-        a = arg.alias_info
-        if a is not None and a.is_write:
-            value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
-            by_set.update((name, value) for name in a.before_set)
-    pos = {id(t): k for k, t in enumerate(dts)}
-    out: list[int | None] = []
-    for r in func._schema.returns[:n_out]:
-        a = r.alias_info
-        value = by_set.get(next(iter(a.before_set))) if a is not None and a.is_write and a.before_set else None
-        if isinstance(value, (list, tuple)):
-            return tuple(mutated[k] if k < len(mutated) else None for k in range(n_out))
-        out.append(pos.get(id(value)) if value is not None else None)
-    return tuple(out) + (None,) * (n_out - len(out))
-
-
-def _mutated_inputs(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], dts: list[Any]) -> tuple[int, ...]:
-    """Positions (in ``dts``) of the DistTensors the op writes."""
-    ids = [id(t) for t in _written_args(func, args, kwargs)]
-    return tuple(i for i, t in enumerate(dts) if id(t) in ids)
 
 
 # ---- executing ---------------------------------------------------------------------------
@@ -483,12 +309,12 @@ def _execute(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
     if member:
         locs = [t._local if p is None else run_any(t._local, p) for t, p in zip(dts, d.plans)]
         if d.slots is not None:
-            largs = _place(list(args), d.slots[0], locs)
-            lkwargs = _place(dict(kwargs), d.slots[1], locs) if d.slots[1] else kwargs
+            largs = place_locals(list(args), d.slots[0], locs)
+            lkwargs = place_locals(dict(kwargs), d.slots[1], locs) if d.slots[1] else kwargs
         else:
             moved = {id(t): loc for t, loc in zip(dts, locs)}
-            largs = _map(cls, args, lambda t: moved[id(t)] if isinstance(t, cls) else t)
-            lkwargs = _map(cls, kwargs, lambda t: moved[id(t)] if isinstance(t, cls) else t)
+            largs = map_args(cls, args, lambda t: moved[id(t)] if isinstance(t, cls) else t)
+            lkwargs = map_args(cls, kwargs, lambda t: moved[id(t)] if isinstance(t, cls) else t)
         if d.local_fn is not None:
             assert d.call is not None
             shapes = tuple(None if s is None else s.local_shape(d.coord) for s in d.out_specs)
@@ -507,14 +333,14 @@ def _execute(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
         for i, back in zip(d.mutated, d.restore):
             if member and back is not None:
                 dts[i]._local.copy_(run_any(locs[i], back))
-        kind = d.out_kind if d.out_kind != "unknown" else _flatten_out(out)[0] if member else "tensor"
+        kind = d.out_kind if d.out_kind != "unknown" else flatten_out(out)[0] if member else "tensor"
         if kind in ("none", "value"):
             return None if kind == "none" else d.value
         if d.out_kind == "unknown" or all(a is not None for a in d.out_alias):
             written = [dts[i] for i in (d.out_alias if d.out_kind != "unknown" else d.mutated) if i is not None]
             return written[0] if kind == "tensor" else type(written)(written) if kind == "list" else tuple(written)
     if member:
-        _, louts = _flatten_out(out)
+        _, louts = flatten_out(out)
     else:
         louts = [None if s is None else torch.empty((0,), dtype=s.dtype, device=dts[0]._local.device) for s in d.out_specs]
     wrapped = [
@@ -560,7 +386,7 @@ def _inplace_view(cls: Any, func: Any, view_op: Any, args: tuple[Any, ...], kwar
 
 def _wrap_unknown(cls: Any, out: Any, d: Decision) -> Any:
     """Replicate DistTensors of exactly what a replicated (fallback) kernel returned."""
-    kind, outs = _flatten_out(out)
+    kind, outs = flatten_out(out)
     if kind in ("value", "none"):
         return out
     rep = tuple(Replicate() for _ in range(d.mesh.ndim))
