@@ -218,6 +218,13 @@ def _regressions(rank: int) -> dict[str, Any]:
     ref = torch.ops.aten.native_batch_norm(x, w, w, w, w, False, 0.1, 1e-5)
     got = torch.ops.aten.native_batch_norm(*(ap.shard_tensor(t, mesh, [R]) for t in (x, w, w, w, w)), False, 0.1, 1e-5)
     out["batch_norm_eval"] = [tuple(g.shape) == tuple(r.shape) == tuple(g._local.shape) for g, r in zip(got, ref)]
+    # An op writing some inputs and returning new tensors returns the new ones (was: the written).
+    stats, dstats = (torch.zeros(2), torch.ones(2)), [ap.shard_tensor(t, mesh, [R]) for t in (torch.zeros(2), torch.ones(2))]
+    ref = torch.ops.aten._native_batch_norm_legit(x, w, w, *stats, True, 0.1, 1e-5)
+    got = torch.ops.aten._native_batch_norm_legit(ap.shard_tensor(x, mesh, [Shard(1)]), *(ap.shard_tensor(w, mesh, [R]),) * 2,
+                                                  *dstats, True, 0.1, 1e-5)
+    out["batch_norm_legit"] = ([torch.allclose(g.full_tensor(), r, atol=1e-5) for g, r in zip(got, ref)]
+                               + [torch.allclose(d.full_tensor(), s) for d, s in zip(dstats, stats)])
     # The replicate fallback wraps what the kernel returned (_embedding_bag's shapes differ from meta).
     weight, idx, offsets = torch.randn(10, 5), torch.tensor([1, 2, 4, 5, 4]), torch.tensor([0, 2])
     ref = torch.ops.aten._embedding_bag(weight, idx, offsets, False, 0, False, torch.ones(5))
@@ -259,7 +266,7 @@ def test_silently_wrong_results_found_by_op_db_stay_fixed(world: Any) -> None:
 
     for res in world.run(_regressions):
         assert res["addmv"] == (True, True, True), res
-        assert all(res["batch_norm_eval"]) and all(res["embedding_bag"]), res
+        assert all(res["batch_norm_eval"]) and all(res["embedding_bag"]) and all(res["batch_norm_legit"]), res
         assert res["hfftn"] and res["view_as_real"] == (True, True, True), res
         assert res["writes"] == (True, True), res
         assert res["inplace_view"] == ((5, 6), (1, 5), Shard(0), True, True), res
