@@ -204,7 +204,9 @@ def _regressions(rank: int) -> dict[str, Any]:
     import autoparallel as ap
     from autoparallel import Replicate, Shard
 
-    mesh, R, out = _mesh(), Replicate(), {}
+    mesh, R = _mesh(), Replicate()
+    out: dict[str, Any] = {}
+    got: Any
     torch.manual_seed(0)
     # addmv with a size-1 bias and rows sharded unevenly: the CPU kernel returns the un-broadcast
     # bias for an empty shard (rank 3 held (1,) under a (0,) layout).
@@ -237,9 +239,10 @@ def _regressions(rank: int) -> dict[str, Any]:
     out["hfftn"] = torch.allclose(torch.fft.hfftn(ap.shard_tensor(z, mesh, [Shard(0)]), norm="ortho").full_tensor(),
                                   torch.fft.hfftn(z, norm="ortho"), atol=1e-4)
     c = torch.randn(5, 6, dtype=torch.complex64)
-    real = torch.view_as_real(ap.shard_tensor(c, mesh, [R]))  # was labelled Shard(1)
+    real: Any = torch.view_as_real(ap.shard_tensor(c, mesh, [R]))  # was labelled Shard(1)
+    got = torch.view_as_real(ap.shard_tensor(c, mesh, [Shard(1)]))
     out["view_as_real"] = (real.placements[0] == R, torch.equal(real.full_tensor(), torch.view_as_real(c)),
-                           torch.view_as_real(ap.shard_tensor(c, mesh, [Shard(1)])).placements[0] == Shard(1))
+                           got.placements[0] == Shard(1))
     # In-place writes reach the base: through a sharded diagonal (householder/ormqr backward) and
     # through a view whose in-place op had to move it (its result used to be re-bound, not copied back).
     a = torch.randn(6, 5)
@@ -254,7 +257,7 @@ def _regressions(rank: int) -> dict[str, Any]:
     out["writes"] = (torch.equal(base.full_tensor(), want), torch.allclose(row.full_tensor(), want_row))
     # In-place views (matmul of a vector squeezes its result in place) re-point the wrapper.
     x = ap.shard_tensor(a.clone()[None], mesh, [Shard(2)])
-    view = x[0]
+    view: Any = x[0]
     x.squeeze_(0).t_().mul_(2.0)
     out["inplace_view"] = (tuple(x.shape), x.stride(), x.placements[0], torch.equal(x.full_tensor(), 2 * a.t()),
                            torch.equal(view.full_tensor(), 2 * a))
