@@ -282,7 +282,8 @@ def _class_dim(ndim: int) -> int:
 
 @register_axis_rule(NLL_FORWARD)
 def nll_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
-    """Batch dims with the target (sum: P; none: sharded; mean: P with a global total weight);
+    """Batch dims with the target (sum: P; none: sharded; mean: R, the global sum over the global
+    total weight, both reduced in one all-reduce);
     the class dim with the target replicated (P); a Partial input (P). Outputs: (loss, total_weight)."""
     slots = _slots(call)
     x = call.inputs[slots["self"]]
@@ -292,7 +293,7 @@ def nll_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
     if "target" in slots:
         for d in _dims(call, slots["self"], axis, [d for d in range(x.ndim) if d != cdim]):
             td = d - (d > cdim)
-            loss = Shard(td) if reduction == NONE else P_SUM
+            loss = Shard(td) if reduction == NONE else R if reduction == MEAN else P_SUM
             strategies.append(_make(call, {"self": Shard(d), "target": Shard(td)}, [loss, P_SUM if reduction == SUM else R]))
     for d in _dims(call, slots["self"], axis, [cdim]):
         strategies.append(_make(call, {"self": Shard(d)}, [P_SUM, R]))
@@ -359,7 +360,8 @@ def nll_forward_local(
     ctx: LocalContext, x: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None,
     reduction: int = MEAN, ignore_index: int = -100,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Class-sharded: score only local classes. ``mean`` over batch shards: local sum / global weight."""
+    """Class-sharded: score only local classes. ``mean`` over batch shards: the sum and the total
+    weight are all-reduced together (one collective) and divided: the loss is Replicate there."""
     spec, cdim, off, n, batch_axes = _nll_layout(ctx)
     classes = spec.shape[cdim]
     op = ctx.call.op
@@ -378,8 +380,8 @@ def nll_forward_local(
         s, tw = loss.sum(), w_t.sum()
         if reduction == SUM:
             return s, tw
-    tw = _all_reduce(tw, spec, batch_axes, "sum")
-    return s / tw, tw
+    both = _all_reduce(torch.stack([s, tw.to(s.dtype)]), spec, batch_axes, "sum")  # (2,): sum, weight
+    return both[0] / both[1], both[1].to(tw.dtype)
 
 
 @register_local_impl(NLL_BACKWARD)

@@ -129,7 +129,7 @@ def test_embedding_strategies() -> None:
 
 def test_nll_strategies() -> None:
     x, t = rnd(6, 5), torch.tensor([0, 4, -100, 1, 1, 3])
-    for reduction, loss, tw in [(0, S0, R), (1, P, R), (2, P, P)]:
+    for reduction, loss, tw in [(0, S0, R), (1, R, R), (2, P, P)]:  # mean: sum and weight reduced together
         call = make_call(aten.nll_loss_forward.default, (x, t, None, reduction, -100), [S0, S0])
         assert offers(call, [S0, S0], [loss, tw]), reduction
         assert offers(call, [S1, R], [P, R])  # class-sharded: loss parallel
