@@ -1,18 +1,21 @@
-"""ZeRO-3 parameters: stored sharded, gathered around each module's forward, freed after it.
+"""ZeRO-3 parameters: stored sharded, gathered per unit around its forward, freed after it.
 
 ``shard_parameter_`` changes a parameter's layout in place (same Python object, so the model
 and the optimizer keep their references): the data-parallel axis goes from Replicate to Shard
 and the local shard shrinks to a ``torch.chunk`` piece. Two process-wide module hooks (installed
-on first use) then, for any module whose own parameters are ZeRO-3 sharded:
+on first use) then work per *unit*: the first module a forward reaches that holds ZeRO-3
+parameters is a unit, and so is every child of an ``nn.ModuleList``/``nn.ModuleDict`` inside it
+(a transformer's blocks); a unit owns the parameters of its submodules that are not units.
 
-* before ``forward``: all-gather them (one collective per module, mesh and dtype) and let the
-  module's attribute (``module.weight``) resolve to the gathered tensor;
-* after ``forward``: drop that reference.
+* before a unit's ``forward``: all-gather its parameters (one collective per mesh, axis and
+  dtype) and let each module's attribute (``module.weight``) resolve to the gathered tensor;
+* after it: drop those references.
 
-While the module runs, autograd saves no gathered parameter: a saved-tensor hook replaces any
-tensor viewing a gathered parameter's storage (``weight.t()`` saved by ``addmm``) with a token,
-and backward all-gathers that parameter again when it needs it. So a full parameter lives only
-while its module computes (forward) or its gradient is computed (backward).
+While the unit runs, autograd saves no gathered parameter: a saved-tensor hook replaces any
+tensor viewing a gathered parameter's storage (``weight.t()`` saved by ``addmm``, DistTensor or
+the plain shard of a local region) with a token, and backward all-gathers the unit's parameters
+again, in one collective, when the first token is unpacked. So full parameters live only while
+their unit computes (forward) or its gradients are computed (backward).
 
 The gather is an autograd function whose backward is the mirror image: the gradients (Partial
 over the data-parallel axis) are reduce-scattered in one collective straight into the shard
@@ -35,9 +38,11 @@ from autoparallel.spec import DistSpec
 from reshard.executor import reshard_local
 
 _ATTR = "_ap_zero3"
-_CALLS = "_ap_zero3_calls"  # per module: a stack of (saved-tensor hooks, gathered storages)
+_UNIT = "_ap_zero3_unit"    # per module: the _Unit that gathers its parameters (None: it has none)
+_CALLS = "_ap_zero3_calls"  # per module: a stack of the unit calls its forward entered (or None)
 _HOOKS: list[Any] = []  # the two global module hooks, once installed
-_LIVE: dict[int, "_Regather"] = {}  # storage address of a gathered local -> how to gather it again
+_LIVE: dict[int, tuple["_UnitGather", int]] = {}  # storage address of a gathered local -> its source
+_UNSET = object()
 
 
 @dataclass(frozen=True)
@@ -76,89 +81,175 @@ def _install_hooks() -> None:
         _HOOKS.append(torch.nn.modules.module.register_module_forward_hook(_after_forward, always_call=True))
 
 
-def _own_sharded(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    return [(n, p) for n, p in module._parameters.items() if p is not None and hasattr(p, _ATTR)]
+class _Unit:
+    """The ZeRO-3 parameters one module gathers in one collective: its own and those of every
+    submodule that is not a unit itself. The module a forward first reaches is a unit, and so is
+    each child of an ``nn.ModuleList``/``nn.ModuleDict`` (a transformer's blocks): like FSDP
+    wrapping each block and the root, one all-gather per block in forward and one in backward."""
+
+    def __init__(self, root: torch.nn.Module) -> None:
+        self.root = root
+        self.slots: list[tuple[torch.nn.Module, str]] = []
+        self.active = 0
+
+    def gather(self) -> "_UnitCall":
+        """All-gather the unit's parameters; their modules' attributes resolve to the result."""
+        params: list[DistTensor] = []
+        index: dict[int, int] = {}
+        where: list[int | None] = []
+        for m, a in self.slots:
+            p = m._parameters[a]
+            if p is None or not hasattr(p, _ATTR):
+                where.append(None)
+                continue
+            where.append(index.setdefault(id(p), len(params)))
+            if where[-1] == len(params):
+                params.append(p)  # type: ignore[arg-type]  # a DistTensor (has _ATTR)
+        layouts = tuple(getattr(p, _ATTR) for p in params)
+        source = _UnitGather(params, layouts)
+        fulls = _GatherParams.apply(layouts, source, *params)
+        for (m, a), k in zip(self.slots, where):
+            if k is not None:
+                m.__dict__[a] = fulls[k]  # found before Module.__getattr__ looks in _parameters
+        live = []
+        for k, full in enumerate(fulls):
+            if full._local.numel():
+                key = full._local.untyped_storage().data_ptr()
+                _LIVE[key] = (source, k)
+                live.append(key)
+        hooks = torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
+        hooks.__enter__()
+        self.active += 1
+        return _UnitCall(self, hooks, live)
+
+
+@dataclass
+class _UnitCall:
+    unit: _Unit
+    hooks: Any
+    live: list[int]
+
+    def close(self) -> None:
+        self.hooks.__exit__(None, None, None)
+        for key in self.live:
+            _LIVE.pop(key, None)
+        self.unit.active -= 1
+        if not self.unit.active:
+            for m, a in self.unit.slots:
+                m.__dict__.pop(a, None)
+
+
+def _assign(module: torch.nn.Module, unit: _Unit) -> None:
+    module.__dict__[_UNIT] = unit
+    unit.slots += [(module, a) for a, p in module._parameters.items() if p is not None and hasattr(p, _ATTR)]
+    for child in module.children():
+        _assign(child, _Unit(child) if isinstance(module, (torch.nn.ModuleList, torch.nn.ModuleDict)) else unit)
+
+
+def _unit_of(module: torch.nn.Module) -> _Unit | None:
+    unit = module.__dict__.get(_UNIT, _UNSET)
+    if unit is _UNSET:
+        if not any(hasattr(p, _ATTR) for p in module.parameters()):
+            module.__dict__[_UNIT] = None
+            return None
+        _assign(module, _Unit(module))
+        unit = module.__dict__[_UNIT]
+    return unit  # type: ignore[return-value]
 
 
 def _before_forward(module: torch.nn.Module, args: Any) -> None:
-    own = _own_sharded(module)
-    if not own:
+    unit = _unit_of(module)
+    if unit is None:
         return
-    layouts = tuple(getattr(p, _ATTR) for _, p in own)
-    fulls = _GatherParams.apply(layouts, *[p for _, p in own])
-    live = []
-    for (name, p), full, layout in zip(own, fulls, layouts):
-        module.__dict__[name] = full  # found before Module.__getattr__ looks in _parameters
-        if full._local.numel():
-            key = full._local.untyped_storage().data_ptr()
-            _LIVE[key] = _Regather(p, layout)  # type: ignore[arg-type]  # a DistTensor (has _ATTR)
-            live.append(key)
-    hooks = torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
-    hooks.__enter__()
-    module.__dict__.setdefault(_CALLS, []).append((hooks, live))
+    call = None
+    if unit.root is module:
+        call = unit.gather()
+    elif not unit.active:  # called on its own, outside the unit that owns it: gather its own
+        own = _Unit(module)
+        own.slots = [(m, a) for m, a in unit.slots if m is module]
+        call = own.gather() if own.slots else None
+    module.__dict__.setdefault(_CALLS, []).append(call)
 
 
 def _after_forward(module: torch.nn.Module, args: Any, output: Any) -> None:
     calls = module.__dict__.get(_CALLS)
-    if not calls:
-        return
-    hooks, live = calls.pop()
-    hooks.__exit__(None, None, None)
-    for key in live:
-        _LIVE.pop(key, None)
-    for name, _ in _own_sharded(module):
-        module.__dict__.pop(name, None)
+    if calls:
+        call = calls.pop()
+        if call is not None:
+            call.close()
 
 
-class _Regather:
-    """Gathers one ZeRO-3 parameter again (backward); shares the result while it is alive."""
+class _UnitGather:
+    """Gathers a unit's parameters again for backward, all in one collective, and keeps them
+    until the unit's gather node runs its backward (every use of them is done by then)."""
 
-    def __init__(self, param: DistTensor, layout: Zero3Layout) -> None:
-        self.param = weakref.ref(param)
-        self.layout = layout
-        self.cached: Any = None
+    def __init__(self, params: list[DistTensor], layouts: tuple[Zero3Layout, ...]) -> None:
+        self.params = [weakref.ref(p) for p in params]
+        self.layouts = layouts
+        self.cached: list[torch.Tensor] | None = None
 
-    def local(self) -> torch.Tensor:
-        full = self.cached() if self.cached is not None else None
-        if full is None:
-            param = self.param()
-            assert param is not None, "a ZeRO-3 parameter was freed before its backward"
-            coord = self.layout.full.mesh.coordinate_of(runtime.get_rank())
-            assert coord is not None
-            (full,) = buckets.all_gather(
-                [param._local], [self.layout.dim], [self.layout.full.local_shape(coord)],
-                self.layout.full.mesh, self.layout.axis,
-            )
-            self.cached = weakref.ref(full)
-        return full
+    def local(self, k: int) -> torch.Tensor:
+        if self.cached is None:
+            params = [ref() for ref in self.params]
+            assert all(p is not None for p in params), "a ZeRO-3 parameter was freed before its backward"
+            self.cached = _gather_locals(params, self.layouts)  # type: ignore[arg-type]
+        return self.cached[k]
+
+    def release(self) -> None:
+        self.cached = None
 
 
 @dataclass(frozen=True)
 class _Saved:
-    """A saved DistTensor viewing a gathered parameter: what to gather and how to view it."""
+    """A saved tensor viewing a gathered parameter: what to gather and how to view it."""
 
-    source: _Regather
-    spec: DistSpec
-    stride: tuple[int, ...]
+    source: _UnitGather
+    index: int
+    spec: DistSpec | None  # None: a plain (local) tensor, saved inside a local region
+    stride: tuple[int, ...] | None
     size: tuple[int, ...]
     local_stride: tuple[int, ...]
     offset: int
 
 
 def _pack(t: torch.Tensor) -> Any:
-    if isinstance(t, DistTensor) and _LIVE and t._local.numel():
-        source = _LIVE.get(t._local.untyped_storage().data_ptr())
-        if source is not None:
-            loc = t._local
-            return _Saved(source, t._spec, t._stride, tuple(loc.shape), tuple(loc.stride()), int(loc.storage_offset()))
-    return t
+    if not _LIVE:
+        return t
+    loc = t._local if isinstance(t, DistTensor) else t
+    if loc.layout != torch.strided or not loc.numel():
+        return t
+    found = _LIVE.get(loc.untyped_storage().data_ptr())
+    if found is None:
+        return t
+    spec, stride = (t._spec, t._stride) if isinstance(t, DistTensor) else (None, None)
+    return _Saved(found[0], found[1], spec, stride, tuple(loc.shape), tuple(loc.stride()), int(loc.storage_offset()))
 
 
 def _unpack(saved: Any) -> Any:
     if not isinstance(saved, _Saved):
         return saved
-    local = saved.source.local().as_strided(saved.size, saved.local_stride, saved.offset)
-    return DistTensor._wrap(local, saved.spec, saved.stride)
+    local = saved.source.local(saved.index).as_strided(saved.size, saved.local_stride, saved.offset)
+    return local if saved.spec is None else DistTensor._wrap(local, saved.spec, saved.stride)
+
+
+def _gather_locals(params: list[DistTensor], layouts: tuple[Zero3Layout, ...]) -> list[torch.Tensor]:
+    """The full local tensors of ``params`` (one all-gather per mesh, axis and dtype)."""
+    rank = runtime.get_rank()
+    outs: list[torch.Tensor | None] = [None] * len(params)
+    for (mesh, axis, _), idx in _groups(layouts, [p.dtype for p in params]).items():
+        coord = mesh.coordinate_of(rank)
+        if coord is None:
+            fulls = [params[k]._local for k in idx]
+        else:
+            fulls = buckets.all_gather(
+                [params[k]._local for k in idx],
+                [layouts[k].dim for k in idx],
+                [layouts[k].full.local_shape(coord) for k in idx],
+                mesh, axis,
+            )
+        for k, full in zip(idx, fulls):
+            outs[k] = full
+    return outs  # type: ignore[return-value]
 
 
 def _groups(layouts: tuple[Zero3Layout, ...], dtypes: list[torch.dtype]) -> dict[tuple[Any, ...], list[int]]:
@@ -175,27 +266,15 @@ class _GatherParams(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, layouts: tuple[Zero3Layout, ...], *params: DistTensor) -> tuple[DistTensor, ...]:  # type: ignore[override]
+    def forward(ctx: Any, layouts: tuple[Zero3Layout, ...], source: _UnitGather, *params: DistTensor) -> tuple[DistTensor, ...]:  # type: ignore[override]
         ctx.layouts = layouts
-        rank = runtime.get_rank()
-        outs: list[DistTensor | None] = [None] * len(params)
-        for (mesh, axis, _), idx in _groups(layouts, [p.dtype for p in params]).items():
-            coord = mesh.coordinate_of(rank)
-            if coord is None:
-                fulls = [params[k]._local for k in idx]
-            else:
-                fulls = buckets.all_gather(
-                    [params[k]._local for k in idx],
-                    [layouts[k].dim for k in idx],
-                    [layouts[k].full.local_shape(coord) for k in idx],
-                    mesh, axis,
-                )
-            for k, full in zip(idx, fulls):
-                outs[k] = DistTensor._wrap(full, layouts[k].full)
-        return tuple(outs)  # type: ignore[arg-type]
+        ctx.source = source
+        fulls = _gather_locals(list(params), layouts)
+        return tuple(DistTensor._wrap(full, lay.full) for full, lay in zip(fulls, layouts))
 
     @staticmethod
     def backward(ctx: Any, *grads: DistTensor | None) -> tuple[Any, ...]:  # type: ignore[override]
+        ctx.source.release()  # every use of the gathered parameters is behind us
         layouts: tuple[Zero3Layout, ...] = ctx.layouts
         rank = runtime.get_rank()
         out: list[DistTensor | None] = [None] * len(grads)
@@ -210,7 +289,7 @@ class _GatherParams(torch.autograd.Function):
                 pieces = buckets.reduce_scatter(summands, [layouts[k].dim for k in ks], mesh, axis, "sum")
             for k, piece in zip(ks, pieces):
                 out[k] = DistTensor._wrap(piece, layouts[k].shard)
-        return (None, *out)
+        return (None, None, *out)
 
 
 def _summand(grad: DistTensor, layout: Zero3Layout) -> torch.Tensor:
