@@ -6,7 +6,8 @@ The wrapper is a ``torch.optim.Optimizer`` (LR schedulers accept it) around an u
 1. ``reduce_gradients``: every Partial gradient of a mesh is reduced in buckets — one
    collective per bucket and mesh axis (all-reduce; reduce-scatter along the data-parallel axis
    for stages 2 and 3).
-2. The inner optimizer steps. Stages 1/2 give it, per parameter, a *shard*: a DistTensor that
+2. The inner optimizer steps — on the local shards when it is elementwise and every gradient
+   and state has its parameter's layout (``autoparallel.optim.local_step``). Stages 1/2 give it, per parameter, a *shard*: a DistTensor that
    is this rank's ``torch.chunk`` piece of the parameter along the data-parallel axis (a view of
    the parameter's local shard), so its states (momentum, ``exp_avg``...) are created sharded.
    Stage 3 shards the parameters themselves in place (``autoparallel.optim.zero3``).
@@ -26,6 +27,7 @@ import torch
 from autoparallel import runtime
 from autoparallel.dtensor import DistTensor
 from autoparallel.optim import buckets
+from autoparallel.optim.local_step import local_step
 from autoparallel.optim.stages import ShardingStage, check_stage, param_axis, shard_layout
 from autoparallel.optim.zero3 import shard_parameter_
 from autoparallel.placement import Partial, Replicate, Shard, chunk_bounds
@@ -82,6 +84,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.param_groups = optimizer.param_groups
         self.state = optimizer.state
         self._ready = True
+        self.stepped_locally = False  # whether the last step ran on local shards (optim.local_step)
 
     # ---- setting up ---------------------------------------------------------------------
     def _plan_group(self, group: dict[str, Any], k: int) -> list[tuple[torch.Tensor, int | None, DistSpec | None]]:
@@ -226,7 +229,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 loss = closure()
         self.reduce_gradients()
         self._attach_shard_grads()
-        self.inner.step()
+        self.stepped_locally = local_step(self.inner)
+        if not self.stepped_locally:
+            self.inner.step()
         self._gather_updated()
         for s in self._slots:
             if s.stepped is not s.param:
