@@ -77,10 +77,14 @@ def dispatch(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any])
         if len(_CACHE) >= MAX_CACHED_DECISIONS:  # e.g. a changing Python scalar in the key
             _CACHE.clear()
         _CACHE[key] = decision
+    if TRACES:  # a local region is being traced (autoparallel.regions)
+        return TRACES[-1].observe(func, decision, args, kwargs, lambda: _execute(cls, func, args, kwargs, dts, decision))
     return _execute(cls, func, args, kwargs, dts, decision)
 
 
 _CACHE: dict[Any, Decision] = {}
+# Observers of the op path while a local region is traced (autoparallel.regions._Trace).
+TRACES: list[Any] = []
 # Ops whose result is a Python value of the whole tensor (``x.item()``, ``torch.equal``): they
 # need the replicated value by definition, so running them replicated is the rule, not a gap.
 _VALUE_OPS = frozenset({

@@ -97,8 +97,9 @@ def addmv_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
 @register_local_impl([aten.addmv, aten.addmm, aten.baddbmm])
 def add_product_local(ctx: LocalContext, bias: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
     """Broadcast the bias to the local output shape first: with an empty shard the CPU kernel
-    returns the un-broadcast bias (``addmv(ones(1), ones(0, k), v)`` has shape (1,), not (0,))."""
+    returns the un-broadcast bias (``addmv(ones(1), ones(0, k), v)`` has shape (1,), not (0,)).
+    Other shards call the op as it is (what the same code on plain tensors calls)."""
     shape = ctx.out_shapes[0]
-    if shape is not None and tuple(bias.shape) != tuple(shape):
+    if shape is not None and 0 in shape and tuple(bias.shape) != tuple(shape):
         bias = bias.expand(shape)
     return ctx.call.op(bias, *args, **kwargs)

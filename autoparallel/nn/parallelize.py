@@ -16,6 +16,7 @@ from torch import nn
 
 from autoparallel.mesh import ProcessMesh
 from autoparallel.nn.shard_layer import ParamSharder
+from autoparallel.regions import enable_local_regions
 from autoparallel.nn.styles import ParallelStyle, PlanContext, SequenceParallel
 
 TP_AXIS_NAMES = ("mp", "tp")
@@ -126,4 +127,5 @@ def parallelize(layer: nn.Module, mesh: ProcessMesh, plan: dict[str, Any], *, ax
     for _, name, module, style in matches:
         style.apply(name, module, ctx)
     ctx.sharder.replicate_rest(layer)
+    enable_local_regions(layer)
     return layer

@@ -18,6 +18,7 @@ from autoparallel.api import shard_tensor
 from autoparallel.dtensor import DistTensor
 from autoparallel.mesh import ProcessMesh
 from autoparallel.placement import Placement, Replicate
+from autoparallel.regions import enable_local_regions
 
 ShardFn = Callable[[str, nn.Module, ProcessMesh], None]
 InputFn = Callable[[Any, ProcessMesh], Any]
@@ -140,7 +141,8 @@ def shard_layer(
     it leaves plain becomes Replicate on every mesh axis (parameters stay ``nn.Parameter``).
     ``input_fn(inputs, mesh)`` runs as a forward pre-hook on ``layer`` (``inputs`` is the tuple
     of positional arguments; a returned value replaces them) and ``output_fn(outputs, mesh)``
-    as a forward hook (a returned value replaces the output).
+    as a forward hook (a returned value replaces the output). Submodules that compute without
+    moving data run on local shards (``autoparallel.regions``).
     """
     if not isinstance(layer, nn.Module):
         raise TypeError(f"shard_layer: layer must be an nn.Module, got {type(layer).__name__}")
@@ -159,6 +161,7 @@ def shard_layer(
                     _record_replacement(sharder, sub, a, old, new, _qual(name, a))
     sharder.replicate_rest(layer)
     install_io_hooks(layer, mesh, input_fn, output_fn)
+    enable_local_regions(layer)
     return layer
 
 

@@ -1,0 +1,309 @@
+"""Local regions (autoparallel.regions) and the optimizer's local step (autoparallel.optim.local_step).
+
+A module runs on local shards only when its DistTensor execution moves no data and the same
+code on plain shards issues the same aten calls. Each test compares the region run with the
+DistTensor run (regions disabled) and, where the layout allows it, with one process: values,
+gradients and their layouts, the verdict and its reason, and the collectives.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import autoparallel as ap
+from autoparallel.placement import Partial, Replicate, Shard
+from autoparallel.regions import disable_local_regions, enable_local_regions, local_regions_report
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+
+R, S0 = Replicate(), Shard(0)
+
+
+# ---- modules ------------------------------------------------------------------------------------
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(6, 8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class GlobalSize(MLP):
+    """Scales by the batch size read from the input: global on DistTensors, local on shards."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * (1.0 / x.shape[0])
+
+
+class BatchCentred(MLP):
+    """Subtracts the batch mean: needs the whole batch (a reduction across shards)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x)
+        return self.fc2(h - h.mean(0))
+
+
+class WithDropout(MLP):
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.drop = nn.Dropout(p)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(super().forward(x))
+
+
+class TwoOutputs(MLP):
+    """A sharded output beside a replicated one (the bias norm)."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return super().forward(x), self.fc2.bias * 2
+
+
+class PosAdd(nn.Module):
+    """x + a learned position table: the table's region output is Replicate, its gradient
+    arrives Partial (summed over the batch shards) or sharded (sequence shards)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = nn.Embedding(8, 4)
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x + self.pos(torch.arange(x.shape[1])))
+
+
+# ---- helpers ------------------------------------------------------------------------------------
+def _mesh() -> ap.ProcessMesh:
+    return ap.ProcessMesh([0, 1, 2, 3], dim_names=["dp"])
+
+
+def _run(model: nn.Module, x: torch.Tensor, placements: list[Any], local: bool, steps: int = 3) -> dict[str, Any]:
+    """SGD steps on the DistTensor model; returns outputs, grads (with layouts), params, report."""
+    mesh = _mesh()
+    ap.shard_layer(model, mesh)
+    torch.manual_seed(1)  # dropout masks: the same draws on both runs
+    if not local:
+        disable_local_regions(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+    out: dict[str, Any] = {"losses": [], "grad_layouts": {}, "comm": []}
+    for _ in range(steps):
+        xs = ap.shard_tensor(x, mesh, placements)
+        with ap.CommDebugMode() as fwd:
+            y = model(xs)
+        y = y[0] if isinstance(y, tuple) else y
+        loss = (y * y).mean()
+        opt.zero_grad()
+        with ap.CommDebugMode() as bwd:
+            loss.backward()
+        out["grad_layouts"] = {n: list(p.grad.placements) for n, p in model.named_parameters() if p.grad is not None}
+        opt.step()
+        out["losses"].append(float(loss.detach().full_tensor()))
+        out["comm"].append((fwd.get_comm_counts(), bwd.get_comm_counts()))
+    out["params"] = {n: p.detach().full_tensor() for n, p in model.named_parameters()}
+    out["report"] = local_regions_report(model)
+    return out
+
+
+def _compare(rank: int, cls: Any, x_shape: tuple[int, ...], placements: list[Any], *args: Any) -> dict[str, Any]:
+    """The same training with and without regions; returns the region run's report and facts."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(*x_shape, generator=g)
+    torch.manual_seed(0)
+    a = cls(*args)
+    torch.manual_seed(0)
+    b = cls(*args)
+    plain, local = _run(a, x, placements, local=False), _run(b, x, placements, local=True)
+    assert local["losses"] == pytest.approx(plain["losses"], rel=1e-6), (local["losses"], plain["losses"])
+    for n, p in plain["params"].items():
+        torch.testing.assert_close(local["params"][n], p, rtol=1e-6, atol=1e-7)
+    return {"report": local["report"], "grad_layouts": local["grad_layouts"], "plain_grad_layouts": plain["grad_layouts"],
+            "comm": local["comm"], "plain_comm": plain["comm"]}
+
+
+# ---- verdicts -----------------------------------------------------------------------------------
+def test_batch_parallel_mlp_runs_locally(world4: Any) -> None:
+    results = world4.run(_compare, MLP, (8, 6), [S0])
+    r = results[0]
+    assert r["report"] == {"<root>": ["local"]}
+    assert all(x["report"] == r["report"] for x in results)  # every rank reached the same verdict
+    # the replicated parameters' gradients arrive Partial over the batch shards, as on DistTensors
+    assert r["grad_layouts"] == r["plain_grad_layouts"] == {n: [Partial("sum")] for n in r["grad_layouts"]}
+    assert r["comm"][-1][0] == {}  # forward: nothing moved
+
+
+@pytest.mark.parametrize("cls, args, reason", [
+    (GlobalSize, (), "differs on local tensors"),        # x.shape[0] is global on DistTensors
+    (BatchCentred, (), "moves an input"),                # the batch mean needs every shard
+    (WithDropout, (0.5,), "is random"),                  # DistTensor dropout draws the single-device mask
+    (TwoOutputs, (), "sharded on mesh axis 0 and replicated"),
+])
+def test_refused_modules_run_on_disttensors(world4: Any, cls: Any, args: tuple[Any, ...], reason: str) -> None:
+    results = world4.run(_compare, cls, (8, 6), [S0], *args)
+    verdict = results[0]["report"]["<root>"]
+    assert len(verdict) == 1 and verdict[0].startswith("refused") and reason in verdict[0], verdict
+    assert all(x["report"] == results[0]["report"] for x in results)
+
+
+def test_children_of_a_refused_module_become_regions(world4: Any) -> None:
+    report = world4.run(_compare, BatchCentred, (8, 6), [S0])[0]["report"]
+    assert report["fc1"] == ["local"] and report["fc2"] == ["local"], report
+
+
+def test_dropout_without_probability_is_local(world4: Any) -> None:
+    assert world4.run(_compare, WithDropout, (8, 6), [S0], 0.0)[0]["report"]["<root>"] == ["local"]
+
+
+def test_uneven_batch_is_refused(world4: Any) -> None:
+    report = world4.run(_compare, MLP, (7, 6), [S0])[0]["report"]
+    assert "split unevenly" in report["<root>"][0], report
+
+
+def test_replicated_input_is_not_a_region_of_its_own_but_trains(world4: Any) -> None:
+    # Replicate everywhere: a region (the same computation on every rank), gradients Replicate
+    r = world4.run(_compare, MLP, (8, 6), [R])[0]
+    assert r["report"] == {"<root>": ["local"]}
+    assert r["grad_layouts"] == r["plain_grad_layouts"]
+
+
+def test_replicated_output_gradient_stays_partial(world4: Any) -> None:
+    # The position table is computed replicated; its gradient is a sum over the batch shards.
+    # The region backward runs on the summands (Partial) instead of all-reducing them.
+    r = world4.run(_compare, PosAdd, (8, 8, 4), [S0])[0]
+    assert r["report"]["<root>"] == ["local"], r["report"]
+    assert r["grad_layouts"]["pos.weight"] == [Partial("sum")], r["grad_layouts"]
+    assert r["comm"][-1][1] == {}, r["comm"][-1]  # backward: no collective
+
+
+def test_sequence_sharded_gradient_into_replicated_output_is_zero_padded(world4: Any) -> None:
+    # Sequence shards: the root is refused (the arange table must be sliced), the table alone is
+    # a Replicate region whose gradient arrives sharded — zero-padded into a summand, no gather.
+    r = world4.run(_compare, PosAdd, (2, 8, 4), [Shard(1)])[0]
+    assert r["report"]["pos"] == ["local"], r["report"]
+    assert "all_gather" not in r["comm"][-1][1], r["comm"][-1]
+
+
+# ---- signatures ---------------------------------------------------------------------------------
+def _signatures(rank: int) -> dict[str, list[str]]:
+    mesh = _mesh()
+    torch.manual_seed(0)
+    model = ap.shard_layer(MLP(), mesh)
+    x = torch.randn(8, 6)
+    for placements in ([S0], [S0], [R]):
+        model(ap.shard_tensor(x, mesh, placements))
+    model.eval()
+    with torch.no_grad():
+        model(ap.shard_tensor(x, mesh, [S0]))
+    return local_regions_report(model)
+
+
+def test_each_signature_is_checked_once(world4: Any) -> None:
+    report = world4.run(_signatures)[0]
+    # train/S(0), train/R, eval+no_grad/S(0): three verdicts for four calls
+    assert report == {"<root>": ["local", "local", "local"]}, report
+
+
+def test_switches() -> None:
+    mesh = ap.ProcessMesh([0], dim_names=["dp"])
+    model = ap.shard_layer(MLP(), mesh)
+    assert "forward" in model.__dict__
+    disable_local_regions(model)
+    assert "forward" not in model.__dict__ and local_regions_report(model) == {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("AUTOPARALLEL_LOCAL_REGIONS", "0")
+        enable_local_regions(model)
+        assert "forward" not in model.__dict__
+    with pytest.raises(TypeError, match="nn.Module"):
+        enable_local_regions(torch.zeros(1))  # type: ignore[arg-type]
+
+
+# ---- GPT: data parallel and ZeRO-3 -------------------------------------------------------------
+def _gpt(rank: int, stage3: bool) -> dict[str, Any]:
+    from gpt_model import GPT, GPTConfig, lm_loss
+
+    cfg = GPTConfig(vocab=16, seq=8, layers=2, width=16, heads=2)
+    g = torch.Generator().manual_seed(1)
+    data = [torch.randint(0, 16, (8, 9), generator=g) for _ in range(3)]
+    torch.manual_seed(0)
+    ref, model = GPT(cfg), GPT(cfg)
+    model.load_state_dict(ref.state_dict())
+    mesh = _mesh()
+    ap.shard_layer(model, mesh)
+    # SGD: AdamW would turn the summation-order rounding of near-zero embedding gradients into
+    # lr-sized steps (see examples/train_gpt.py --help); the local AdamW step is checked below
+    opt = ap.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                             ap.ShardingStage3(mesh, "dp") if stage3 else None)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    comms = []
+    for d in data:
+        x, y = d[:, :-1], d[:, 1:]
+        with ap.CommDebugMode() as comm:
+            loss = lm_loss(model(ap.shard_tensor(x, mesh, [S0])), ap.shard_tensor(y, mesh, [S0]))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        comms.append(comm.get_comm_counts())
+        ref_loss = lm_loss(ref(x), y)
+        ref_opt.zero_grad()
+        ref_loss.backward()
+        ref_opt.step()
+        torch.testing.assert_close(loss.detach().full_tensor(), ref_loss.detach(), rtol=1e-5, atol=1e-6)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.detach().full_tensor(), q.detach(), rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+    return {"report": local_regions_report(model), "comm": comms[-1], "local_step": opt.stepped_locally}
+
+
+def test_data_parallel_gpt_is_one_region_and_matches_one_process(world4: Any) -> None:
+    r = world4.run(_gpt, False)[0]
+    assert r["report"] == {"<root>": ["local"]}, r["report"]
+    assert r["local_step"]
+    # the loss's sum and token count (one all-reduce), the gradient bucket (one all-reduce)
+    assert r["comm"] == {"all_reduce": 2}, r["comm"]
+
+
+def test_zero3_gpt_gathers_per_block(world4: Any) -> None:
+    r = world4.run(_gpt, True)[0]
+    report = r["report"]
+    assert "ZeRO-3" in report["<root>"][0] and report["blocks.0"] == report["blocks.1"] == ["local"], report
+    # three units (root, two blocks): one all-gather each in forward and in backward, one
+    # reduce-scatter each; the loss's all-reduce
+    assert r["comm"] == {"all_gather": 6, "reduce_scatter": 3, "all_reduce": 1}, r["comm"]
+    assert r["local_step"]
+
+
+# ---- the optimizer's local step ------------------------------------------------------------------
+class MySGD(torch.optim.SGD):
+    """A subclass: its step could read whole tensors, so it steps on DistTensors."""
+
+
+class MyAdamW(torch.optim.AdamW):
+    """As MySGD."""
+
+
+def _local_step(rank: int, cls: Any) -> tuple[bool, list[float]]:
+    mesh = ap.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "tp"])
+    torch.manual_seed(0)
+    model = ap.parallelize(MLP(), mesh, {"fc1": ap.ColWiseParallel(), "fc2": ap.RowWiseParallel()})
+    kw = {"momentum": 0.9} if issubclass(cls, torch.optim.SGD) else {"weight_decay": 0.1}
+    opt = ap.shard_optimizer(cls(model.parameters(), lr=0.1, **kw), ap.ShardingStage1(mesh, "dp"))
+    x = ap.shard_tensor(torch.randn(8, 6, generator=torch.Generator().manual_seed(2)), mesh, [S0, R])
+    for _ in range(3):
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+    return opt.stepped_locally, [float(p.detach().full_tensor().sum()) for p in model.parameters()]
+
+
+@pytest.mark.parametrize("cls, subclass", [(torch.optim.SGD, MySGD), (torch.optim.AdamW, MyAdamW)])
+def test_elementwise_optimizer_steps_locally_with_the_same_result(world4: Any, cls: Any, subclass: Any) -> None:
+    local, ref = world4.run(_local_step, cls)[0], world4.run(_local_step, subclass)[0]
+    assert local[0] and not ref[0]
+    assert local[1] == pytest.approx(ref[1], rel=1e-6)
+
