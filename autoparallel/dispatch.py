@@ -62,6 +62,9 @@ class Decision:
 
 def dispatch(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Run ``func`` on DistTensors of class ``cls`` (the body of ``__torch_dispatch__``)."""
+    if func is _DETACH and not TRACES and not kwargs and len(args) == 1 and type(args[0]) is cls:
+        x = args[0]  # autograd detaches every gradient it accumulates: same layout, no decision
+        return cls._wrap(x._local.detach(), x._spec, x._stride)
     dts: list[Any] = []
     plain: list[torch.Tensor] = []
     key = (func, call_key(cls, args, dts, plain), call_key(cls, tuple(kwargs.items()), dts, plain) if kwargs else ())
@@ -83,6 +86,7 @@ def dispatch(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any])
 
 
 _CACHE: dict[Any, Decision] = {}
+_DETACH = torch.ops.aten.detach.default
 # Observers of the op path while a local region is traced (autoparallel.regions._Trace).
 TRACES: list[Any] = []
 # Ops whose result is a Python value of the whole tensor (``x.item()``, ``torch.equal``): they

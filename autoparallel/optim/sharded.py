@@ -85,6 +85,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.state = optimizer.state
         self._ready = True
         self.stepped_locally = False  # whether the last step ran on local shards (optim.local_step)
+        self._reduced: dict[Any, DistSpec] = {}  # (grad layout, axis, slot's axis and shard) -> reduced layout
 
     # ---- setting up ---------------------------------------------------------------------
     def _plan_group(self, group: dict[str, Any], k: int) -> list[tuple[torch.Tensor, int | None, DistSpec | None]]:
@@ -172,6 +173,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _reduced_layout(self, s: _Slot, spec: DistSpec, axis: int) -> DistSpec:
         """The gradient's layout after reducing ``axis``: Replicate, or the shard layout (stage >= 2)."""
+        key = (spec, axis, s.axis, s.shard)
+        out = self._reduced.get(key)
+        if out is None:
+            out = self._reduced[key] = self._reduce_layout(s, spec, axis)
+        return out
+
+    def _reduce_layout(self, s: _Slot, spec: DistSpec, axis: int) -> DistSpec:
         placements = list(spec.placements)
         placements[axis] = Replicate()
         reduced = spec.with_placements(placements, spec.shard_order)
