@@ -14,7 +14,8 @@ TP (tp=4)      parallelize(gpt_plan(sp=False))            parallelize_module (Co
                                                           parallel embedding, loss_parallel)
 DPxTP+SP 2x2   parallelize(gpt_plan(sp=True)) +           parallelize_module with SequenceParallel on
                shard_optimizer over "dp"                  "tp" + replicate() (FSDP2-style DDP) on "dp"
-ZeRO-3 (dp=4)  shard_optimizer(ShardingStage3)            fully_shard per block and the root
+ZeRO-3 (dp=4)  shard_optimizer(ShardingStage3): one unit   fully_shard per block and the root
+               per block and the root
 =============  =========================================  =============================================
 
 Printed per layout: step time (median over rounds of the mean step, slowest rank), the ratio
@@ -27,13 +28,18 @@ not in it). Then the ZeRO-3 target: ours' parameter + optimizer bytes per rank <
 the replicated (DP) figure. Both sides' losses are checked against each other (they compute
 the same training). PASS/FAIL lines are measurements, printed as they come out.
 
-Measured on the shared 2-core machine (load average 10-15 from other jobs; ratios moved by
-+-0.2 between runs): at the example's size (width 64) ours/torch was DP 3.9-6.9, TP 1.05-1.24,
-DPxTP+SP 1.0-1.7, ZeRO-3 2.6-3.0; at --width 256 --heads 8 --seq 128: DP 1.55, TP 1.03,
-DPxTP+SP 1.08, ZeRO-3 1.91. DDP and FSDP2 compute on plain tensors, ours dispatches every op
-of a DP/ZeRO step on DistTensors (~750 ops per step), and ours' ZeRO-3 gathers per module (35
-all-gathers + 16 reduce-scatters per step for 2 blocks; FSDP2 groups per block). ZeRO-3
-parameter + optimizer bytes per rank: 0.250 of replicated on both sides.
+Measured on the 2-core machine (load ~3 from other jobs; ratios move by about +-0.1 between
+runs), with local regions (docs/local_regions.md), the optimizer's local step and ZeRO-3 units:
+at the example's size (width 64) ours/torch was DP 1.21-1.35, TP 0.89-0.93, DPxTP+SP 0.98-1.03,
+ZeRO-3 0.95-0.97; at --width 256 --heads 8 --seq 128: DP 1.07, TP 0.96, DPxTP+SP 0.98, ZeRO-3
+1.01. The DP gap at width 64 is the loss: cross-entropy's mean over a batch split on dp needs
+the global count of counted tokens (``ignore_index`` makes it data-dependent), so ours
+all-reduces (sum, count) inside the forward — a synchronisation point between forward and
+backward, ~8 ms of a 50 ms step with 4 ranks on 2 cores, where DDP's two (gradients, the loss
+report) both come at the end of the step — while DDP averages per-rank means (equal to one
+device only when every rank counts the same number of tokens). With that all-reduce replaced by a local stand-in
+(a wrong value, for measurement only) DP measured 1.07. ZeRO-3 parameter + optimizer bytes per
+rank: 0.250 of replicated on both sides.
 """
 
 from __future__ import annotations
