@@ -30,7 +30,7 @@ row-parallel Linear does not). ``AUTOPARALLEL_LOCAL_REGIONS=0`` turns the featur
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
@@ -132,6 +132,7 @@ class _Verdict:
     out_specs: tuple[DistSpec | None, ...] = ()      # per output leaf (None: not a DistTensor)
     arg_grads: tuple[DistSpec | None, ...] = ()      # per argument leaf: its gradient's layout
     slot_grads: tuple[DistSpec | None, ...] = ()     # per parameter/buffer slot
+    out_local_shapes: tuple[tuple[int, ...] | None, ...] = ()  # per output leaf, on this rank
 
     @property
     def local(self) -> bool:
@@ -203,7 +204,7 @@ class _Region:
         if not any(isinstance(x, DistTensor) for x in leaves) and not any(isinstance(t, DistTensor) for t in tensors):
             return None
         key = (tree, tuple(parts), slot_parts, _ties(tensors), tuple(m.training for m in self.modules),
-               torch.is_grad_enabled())
+               torch.is_grad_enabled(), _autocast_state())
         try:
             hash(key)
         except TypeError:
@@ -263,7 +264,8 @@ class _Region:
                 return _refused("an output's local shape differs from its layout")
             elif lo.numel() and _storage(lo) in inputs:
                 return _refused("an output aliases an input")
-        return verdict
+        shapes = tuple(None if s is None else s.local_shape(coord) for s in verdict.out_specs)
+        return replace(verdict, out_local_shapes=shapes)
 
     # ---- running on shards -------------------------------------------------------------------
     def _run_local(self, verdict: _Verdict, leaves: list[Any], tree: Any, tensors: list[torch.Tensor],
@@ -302,8 +304,21 @@ class _Region:
         if spy is not None:
             return out
         outs, _ = tree_flatten(out)
+        for o, s, shape in zip(outs, verdict.out_specs, verdict.out_local_shapes):
+            if s is not None and (not isinstance(o, torch.Tensor) or o.dtype != s.dtype or tuple(o.shape) != shape):
+                raise RuntimeError(
+                    f"local region {type(self.module).__name__}: an output came out as "
+                    f"{getattr(o, 'dtype', type(o).__name__)} {tuple(getattr(o, 'shape', ()))} where its traced "
+                    f"layout {s} gives {s.dtype} {shape} locally; the module behaves differently from its "
+                    "traced call with the same signature. Run with AUTOPARALLEL_LOCAL_REGIONS=0 and report it."
+                )
         wrapped = [o if s is None else _wrap_out(o, s, call) for o, s in zip(outs, verdict.out_specs)]  # type: ignore[arg-type]
         return tree_unflatten(wrapped, verdict.out_tree)
+
+
+def _autocast_state() -> tuple[Any, ...]:
+    """Autocast changes which ops run and their dtypes: part of the signature."""
+    return tuple((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda"))
 
 
 def _coord(verdict: _Verdict) -> tuple[int, ...]:

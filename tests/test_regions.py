@@ -307,3 +307,18 @@ def test_elementwise_optimizer_steps_locally_with_the_same_result(world4: Any, c
     assert local[0] and not ref[0]
     assert local[1] == pytest.approx(ref[1], rel=1e-6)
 
+
+
+def test_autocast_is_part_of_the_signature() -> None:
+    mesh = ap.ProcessMesh([0], dim_names=["dp"])
+    torch.manual_seed(0)
+    model = ap.shard_layer(MLP(), mesh)
+    x = ap.shard_tensor(torch.randn(4, 6), mesh, [S0])
+    assert model(x).dtype == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = model(x)
+    disable_local_regions(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = model(x)
+    assert y.dtype == ref.dtype == torch.bfloat16
+    assert torch.equal(y.full_tensor(), ref.full_tensor())
