@@ -357,3 +357,27 @@ def _write_through_view(rank: int) -> str:
 def test_write_through_a_moved_view_raises(world4):  # type: ignore[no-untyped-def]
     for msg in world4.run(_write_through_view):
         assert "would not reach the original tensor" in msg
+
+
+def _mean_cross_entropy_with_ignored_targets(rank: int) -> tuple[bool, bool, dict[str, int], list[object]]:
+    mesh = _mesh1()
+    logits = reference((8, 5), 21).requires_grad_()
+    target = torch.tensor([0, 4, 1, 3, -100, -100, -100, 2])  # rank 2 counts no token, rank 3 one
+    d = make_dist(logits.detach(), mesh, (Shard(0),)).requires_grad_()
+    t = make_dist(target, mesh, (Shard(0),))
+    with ap.CommDebugMode() as comm:
+        loss = F.cross_entropy(d, t)
+    loss.backward()
+    ref = F.cross_entropy(logits, target)
+    ref.backward()
+    assert d.grad is not None and logits.grad is not None
+    same = _close(loss.full_tensor(), ref) and _close(d.grad.full_tensor(), logits.grad)
+    return same, loss.to_local().numel() == 1, comm.get_comm_counts(), list(loss.placements)
+
+
+def test_mean_cross_entropy_over_batch_shards_is_the_global_mean(world4):  # type: ignore[no-untyped-def]
+    # the mean divides by the count of counted targets over every shard (not a mean of per-rank
+    # means): the sum and the count travel in one all-reduce and the loss is Replicate
+    for same, scalar, comm, placements in world4.run(_mean_cross_entropy_with_ignored_targets):
+        assert same and scalar
+        assert comm == {"all_reduce": 1} and placements == [Replicate()], (comm, placements)
