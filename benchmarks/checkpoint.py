@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import shutil
 import statistics
@@ -221,28 +220,12 @@ def _worker(rank: int, world: int, store: str, opts: dict[str, Any], out: str) -
 
 
 def spawn(opts: dict[str, Any], timeout: float) -> dict[str, Any]:
-    tmp = tempfile.mkdtemp(prefix="ap_ckpt_bench_")
-    env = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "TORCH_CPP_LOG_LEVEL": "ERROR"}
-    os.environ.update(env)
-    ctx = mp.get_context("spawn")
-    out = os.path.join(tmp, "figures.json")
-    opts = {**opts, "workdir": tmp}
-    procs = [ctx.Process(target=_worker, args=(r, 4, os.path.join(tmp, "store"), opts, out)) for r in range(4)]
-    try:
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout
-        for p in procs:
-            p.join(max(1.0, deadline - time.monotonic()))
-        if any(p.exitcode != 0 for p in procs):
-            raise RuntimeError(f"benchmark ranks exited with {[p.exitcode for p in procs]}")
-        with open(out) as f:
-            return json.load(f)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        shutil.rmtree(tmp, ignore_errors=True)
+    """Run the benchmark on 4 spawned gloo ranks (their files in a temporary folder); the figures."""
+    if ROOT not in sys.path:
+        sys.path.insert(0, ROOT)
+    from benchmarks._spawn import run_spawned
+
+    return run_spawned(_worker, 4, opts, timeout, prefix="ap_ckpt_bench_")  # type: ignore[no-any-return]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

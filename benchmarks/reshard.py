@@ -65,7 +65,6 @@ import math
 import os
 import statistics
 import sys
-import tempfile
 import time
 import traceback
 import warnings
@@ -483,55 +482,10 @@ def _worker(rank: int, world: int, store_path: str, opts: dict[str, Any], out_pa
 
 
 def spawn_world(world: int, opts: dict[str, Any], timeout: float) -> dict[str, Any]:
-    import multiprocessing as mp
+    """Run the cases on a spawned gloo world of ``world`` ranks; rank 0's rows."""
+    from benchmarks._spawn import run_spawned
 
-    ctx = mp.get_context("spawn")
-    tmp = tempfile.mkdtemp(prefix="ap_reshard_bench_")
-    store_path, out_path = os.path.join(tmp, "store"), os.path.join(tmp, "rows.json")
-    env = {"OMP_NUM_THREADS": "1", "TORCH_CPP_LOG_LEVEL": "ERROR"}
-    if sys.platform.startswith("linux"):
-        env["GLOO_SOCKET_IFNAME"] = os.environ.get("GLOO_SOCKET_IFNAME", "lo")
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    procs = []
-    try:
-        for r in range(world):
-            p = ctx.Process(target=_worker, args=(r, world, store_path, opts, out_path), name=f"reshard-bench-{r}")
-            p.start()
-            procs.append(p)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    deadline = time.monotonic() + timeout
-    try:
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-        hung = [p for p in procs if p.is_alive()]
-        failed = [p for p in procs if not p.is_alive() and p.exitcode != 0]
-        if hung or failed:
-            raise RuntimeError(
-                f"world of {world}: ranks {[procs.index(p) for p in failed]} failed, "
-                f"{[procs.index(p) for p in hung]} still running after {timeout:.0f} s"
-            )
-        with open(out_path) as f:
-            return json.load(f)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-        for name in ("store", "rows.json"):
-            try:
-                os.remove(os.path.join(tmp, name))
-            except OSError:
-                pass
-        try:
-            os.rmdir(tmp)
-        except OSError:
-            pass
+    return run_spawned(_worker, world, opts, timeout, prefix="ap_reshard_bench_")  # type: ignore[no-any-return]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
