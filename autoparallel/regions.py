@@ -15,7 +15,7 @@ module is such a region, and from then on runs it on local tensors:
    (the ranks along it computed disjoint pieces) or every input is Replicate (they computed
    the same thing). This gives each input's gradient layout: a Replicate input (a parameter
    of a data-parallel model) used on a sharded axis gets a Partial(sum) gradient there.
-3. **Replay** the module once on local shards (detached copies, RNG restored) and require the
+3. **Replay** the module once on copies of the local shards (RNG restored) and require the
    very same aten calls with the same shapes and non-tensor arguments. This catches Python
    code that reads global sizes (``x / x.shape[0]``), hooks that reshard, and anything that
    behaves differently on plain tensors.
@@ -239,7 +239,7 @@ class _Region:
         replay = _Trace(replay=True)
         try:
             with torch.random.fork_rng(devices=[]):
-                local_out = self._run_local(verdict, leaves, tree, tensors, spy=replay)
+                local_out, replay_inputs = self._run_local(verdict, leaves, tree, tensors, spy=replay)
         except Exception as e:  # noqa: BLE001  (any failure on plain tensors refuses the region)
             return _refused(f"it fails on local tensors ({type(e).__name__}: {str(e)[:80]})")
         if replay.reason:
@@ -255,7 +255,7 @@ class _Region:
         if local_tree != verdict.out_tree:
             return _refused("its output structure differs on local tensors")
         coord = _coord(verdict)
-        inputs = {_storage(x._local) for x in [*leaves, *tensors] if isinstance(x, DistTensor) and x._local.numel()}
+        inputs = {_storage(t) for t in replay_inputs.values() if t.numel()}
         for d, lo, spec in zip(dist_leaves, local_leaves, verdict.out_specs):
             if spec is None:
                 if isinstance(d, torch.Tensor) or d != lo:
@@ -282,6 +282,10 @@ class _Region:
                 want.setdefault(id(t), (t, g))
         call = None if spy is not None else _Call(single=sum(o is not None for o in verdict.out_specs) == 1)
         local = _localize(list(want.values()), grad, call)
+        if spy is not None:  # plain tensor arguments: copies too (see _localize)
+            for x in leaves:
+                if isinstance(x, torch.Tensor) and not isinstance(x, DistTensor):
+                    local.setdefault(id(x), x.detach().clone())
         largs, lkwargs = tree_unflatten([local.get(id(x), x) for x in leaves], tree)
         saved = []
         for m, a in self.slots:
@@ -302,7 +306,7 @@ class _Region:
                 else:
                     m.__dict__[a] = prev
         if spy is not None:
-            return out
+            return out, local
         outs, _ = tree_flatten(out)
         for o, s, shape in zip(outs, verdict.out_specs, verdict.out_local_shapes):
             if s is not None and (not isinstance(o, torch.Tensor) or o.dtype != s.dtype or tuple(o.shape) != shape):
@@ -505,16 +509,20 @@ class _Spy(TorchDispatchMode):
 
 # ---- crossing between DistTensors and shards -------------------------------------------------------
 def _localize(items: list[tuple[DistTensor, DistSpec | None]], grad: bool, call: "_Call | None") -> dict[int, torch.Tensor]:
-    """id of each DistTensor -> its shard; those needing a gradient go through one autograd node
-    (``call`` None: a replay, on detached shards)."""
+    """id of each DistTensor -> its shard; those needing a gradient go through one autograd node.
+    ``call`` None (a replay): detached copies, so an in-place write in the module (a counter
+    buffer, an input) does not happen twice."""
     out: dict[int, torch.Tensor] = {}
     needs = [(t, g) for t, g in items if grad and t.requires_grad and g is not None]
+    if call is None:
+        for t, _ in items:
+            out[id(t)] = t._local.detach().clone()
+        for t, _ in needs:
+            out[id(t)].requires_grad_(True)
+        return out
     for t, _ in items:
         out[id(t)] = t._local
-    if call is None:
-        for t, _ in needs:
-            out[id(t)] = t._local.detach().requires_grad_(True)
-    elif needs:
+    if needs:
         locs = _Localize.apply(call, tuple(g for _, g in needs), *[t for t, _ in needs])
         for (t, _), loc in zip(needs, locs):
             out[id(t)] = loc

@@ -322,3 +322,30 @@ def test_autocast_is_part_of_the_signature() -> None:
         ref = model(x)
     assert y.dtype == ref.dtype == torch.bfloat16
     assert torch.equal(y.full_tensor(), ref.full_tensor())
+
+
+class Counting(MLP):
+    """Writes in place: a buffer counting calls, and the input (scaled in place)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.add_(1)
+        return super().forward(x.mul_(2))
+
+
+def test_in_place_writes_happen_once_per_call() -> None:
+    # the first call of a signature runs the module twice (trace, replay): the replay works on
+    # copies, so the buffer and the input are written once per call, as without regions
+    mesh = ap.ProcessMesh([0], dim_names=["dp"])
+    torch.manual_seed(0)
+    model = ap.shard_layer(Counting(), mesh)
+    x = ap.shard_tensor(torch.ones(4, 6), mesh, [S0])
+    with torch.no_grad():
+        for _ in range(3):
+            model(x)
+    assert local_regions_report(model) == {"<root>": ["local"]}
+    assert float(model.calls.full_tensor()) == 3.0
+    assert torch.equal(x.full_tensor(), torch.full((4, 6), 8.0))
