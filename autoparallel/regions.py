@@ -309,7 +309,8 @@ class _Region:
             return out, local
         outs, _ = tree_flatten(out)
         for o, s, shape in zip(outs, verdict.out_specs, verdict.out_local_shapes):
-            if s is not None and (not isinstance(o, torch.Tensor) or o.dtype != s.dtype or tuple(o.shape) != shape):
+            if s is not None and (not isinstance(o, torch.Tensor) or isinstance(o, DistTensor) or o.dtype != s.dtype
+                                  or tuple(o.shape) != shape):
                 raise RuntimeError(
                     f"local region {type(self.module).__name__}: an output came out as "
                     f"{getattr(o, 'dtype', type(o).__name__)} {tuple(getattr(o, 'shape', ()))} where its traced "

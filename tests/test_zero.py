@@ -365,3 +365,39 @@ def test_bad_configurations_raise_everywhere(world4):  # type: ignore[no-untyped
         with pytest.raises(exc, match=msg):
             world4.run(_bad, case)
     assert world4.run(_healthy) == [4.0] * 4
+
+
+def _late_sharding(rank: int) -> list[dict[str, int]]:
+    """A model that ran forwards before ZeRO-3 sharded it (while another model's ZeRO-3 hooks were
+    already installed) still gathers per unit afterwards, and trains like one process."""
+    mesh = ap.ProcessMesh([0, 1, 2, 3], ["dp"])
+    other = _dist_model(_mlp(), mesh, False)
+    ap.shard_optimizer(torch.optim.SGD(other.parameters(), lr=0.1), ap.ShardingStage3(mesh, "dp"))
+    ref = _mlp()
+    model = _dist_model(ref, mesh, False)
+    x, _ = _batches(1)[0]
+    model(ap.shard_tensor(x, mesh, [Shard(0)]))  # a forward before sharding
+    opt = ap.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), ap.ShardingStage3(mesh, "dp"))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    comms = []
+    for x, y in _batches():
+        with ap.CommDebugMode() as comm:
+            loss = F.cross_entropy(model(ap.shard_tensor(x, mesh, [Shard(0)])), ap.shard_tensor(y, mesh, [Shard(0)]))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        comms.append(comm.get_comm_counts())
+        ref_loss = F.cross_entropy(ref(x), y)
+        ref_opt.zero_grad()
+        ref_loss.backward()
+        ref_opt.step()
+        _close(loss.detach().full_tensor(), ref_loss.detach(), "loss")
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        _close(p.detach().full_tensor(), q.detach(), name)
+    return comms
+
+
+def test_zero3_units_follow_sharding_done_after_a_forward(world4):  # type: ignore[no-untyped-def]
+    for comms in world4.run(_late_sharding):
+        # one unit: a gather in forward and in backward, one reduce-scatter; the loss's all-reduce
+        assert all(c == {"all_gather": 2, "reduce_scatter": 1, "all_reduce": 1} for c in comms), comms

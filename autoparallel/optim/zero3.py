@@ -43,6 +43,7 @@ _CALLS = "_ap_zero3_calls"  # per module: a stack of the unit calls its forward 
 _HOOKS: list[Any] = []  # the two global module hooks, once installed
 _LIVE: dict[int, tuple["_UnitGather", int]] = {}  # storage address of a gathered local -> its source
 _UNSET = object()
+_GENERATION = [0]  # bumped whenever a parameter is sharded: unit assignments made before are stale
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,7 @@ def shard_parameter_(p: DistTensor, axis: int, shard: DistSpec) -> None:
         p._local = local.narrow(layout.dim, *chunk_bounds(local.shape[layout.dim], full.mesh.shape[axis], coord[axis])).clone()
     p._spec = shard
     setattr(p, _ATTR, layout)
+    _GENERATION[0] += 1
     _install_hooks()
 
 
@@ -140,21 +142,23 @@ class _UnitCall:
 
 
 def _assign(module: torch.nn.Module, unit: _Unit) -> None:
-    module.__dict__[_UNIT] = unit
+    module.__dict__[_UNIT] = (_GENERATION[0], unit)
     unit.slots += [(module, a) for a, p in module._parameters.items() if p is not None and hasattr(p, _ATTR)]
     for child in module.children():
         _assign(child, _Unit(child) if isinstance(module, (torch.nn.ModuleList, torch.nn.ModuleDict)) else unit)
 
 
 def _unit_of(module: torch.nn.Module) -> _Unit | None:
-    unit = module.__dict__.get(_UNIT, _UNSET)
-    if unit is _UNSET:
+    """The unit gathering ``module``'s parameters; assigned when a forward first reaches it (the
+    outermost module first), again after any parameter was sharded since."""
+    entry = module.__dict__.get(_UNIT, _UNSET)
+    if entry is _UNSET or entry[0] != _GENERATION[0]:  # type: ignore[index]
         if not any(hasattr(p, _ATTR) for p in module.parameters()):
-            module.__dict__[_UNIT] = None
+            module.__dict__[_UNIT] = (_GENERATION[0], None)
             return None
         _assign(module, _Unit(module))
-        unit = module.__dict__[_UNIT]
-    return unit  # type: ignore[return-value]
+        entry = module.__dict__[_UNIT]
+    return entry[1]  # type: ignore[index,no-any-return]
 
 
 def _before_forward(module: torch.nn.Module, args: Any) -> None:
