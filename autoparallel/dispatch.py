@@ -87,7 +87,7 @@ def dispatch(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any])
 
 _CACHE: dict[Any, Decision] = {}
 _DETACH = torch.ops.aten.detach.default
-# Observers of the op path while a local region is traced (autoparallel.regions._Trace).
+# Observers of the op path while a local region is traced (autoparallel.regions.checks._Trace).
 TRACES: list[Any] = []
 # Ops whose result is a Python value of the whole tensor (``x.item()``, ``torch.equal``): they
 # need the replicated value by definition, so running them replicated is the rule, not a gap.

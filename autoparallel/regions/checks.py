@@ -1,0 +1,194 @@
+"""The checks behind a local region's verdict: layouts before the trace, the trace itself (every
+dispatch decision and the aten calls made on local shards), and the classification of its
+outputs into gradient layouts. See ``autoparallel.regions``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from autoparallel import dispatch as _dispatch
+from autoparallel import runtime
+from autoparallel.dtensor import DistTensor
+from autoparallel.placement import Partial, Replicate, Shard
+from autoparallel.spec import DistSpec
+
+
+# ---- verdicts ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Verdict:
+    """What the trace of one signature found: refused (``reason``) or how to run locally."""
+
+    reason: str = ""
+    out_tree: Any = None
+    out_specs: tuple[DistSpec | None, ...] = ()      # per output leaf (None: not a DistTensor)
+    arg_grads: tuple[DistSpec | None, ...] = ()      # per argument leaf: its gradient's layout
+    slot_grads: tuple[DistSpec | None, ...] = ()     # per parameter/buffer slot
+    out_local_shapes: tuple[tuple[int, ...] | None, ...] = ()  # per output leaf, on this rank
+
+    @property
+    def local(self) -> bool:
+        return not self.reason
+
+    def summary(self) -> str:
+        return "local" if self.local else f"refused: {self.reason}"
+
+
+def _refused(reason: str) -> _Verdict:
+    return _Verdict(reason=reason)
+
+
+# ---- checks on metadata --------------------------------------------------------------------------
+def _precheck(leaves: list[Any], tensors: list[torch.Tensor]) -> str:
+    """Why this signature cannot be a region, from layouts alone ('' when it may be one)."""
+    dts = [x for x in [*leaves, *tensors] if isinstance(x, DistTensor)]
+    mesh = dts[0]._spec.mesh
+    for x in leaves:
+        if isinstance(x, torch.Tensor) and not isinstance(x, DistTensor) and x.requires_grad:
+            return "a plain tensor argument requires grad"
+    for t in dts:
+        spec = t._spec
+        if spec.mesh != mesh:
+            return "its DistTensors live on several meshes"
+        if spec.partial_axes():
+            return f"an input is Partial ({spec})"
+        if getattr(t, "_ap_zero3", None) is not None:
+            return "it owns ZeRO-3 sharded parameters (gathered by their unit)"
+        for dim in range(len(spec.shape)):
+            pieces = 1
+            for a in spec.axes_of_dim(dim):
+                pieces *= mesh.shape[a]
+            if spec.shape[dim] % pieces:
+                return f"an input's dim {dim} of size {spec.shape[dim]} is split unevenly ({pieces} pieces)"
+    if mesh.coordinate_of(runtime.get_rank()) is None:
+        return "this rank is outside the mesh"
+    return ""
+
+
+def _classify(out: Any, leaves: list[Any], tensors: list[torch.Tensor]) -> _Verdict:
+    """Output layouts -> gradient layouts of the inputs, or why the outputs do not allow it."""
+    outs, out_tree = tree_flatten(out)
+    specs = tuple(o._spec if isinstance(o, DistTensor) else None for o in outs)
+    dist_out = [s for s in specs if s is not None]
+    if not dist_out:
+        return _refused("it returns no DistTensor")
+    for o, s in zip(outs, specs):
+        if s is None and isinstance(o, torch.Tensor):
+            return _refused("it returns a plain tensor")
+    mesh = dist_out[0].mesh
+    if any(s.mesh != mesh for s in dist_out):
+        return _refused("its outputs live on another mesh")
+    if any(s.partial_axes() for s in dist_out):
+        return _refused("an output is Partial (a reduction is left pending)")
+    inputs = [x for x in [*leaves, *tensors] if isinstance(x, DistTensor)]
+    sharded: list[int] = []
+    for a in range(mesh.ndim):
+        kinds = {isinstance(s.placements[a], Shard) for s in dist_out}
+        if kinds == {True, False}:
+            return _refused(f"its outputs are sharded on mesh axis {a} and replicated on it")
+        if True in kinds:
+            sharded.append(a)
+        elif any(not isinstance(t._spec.placements[a], Replicate) for t in inputs):
+            return _refused(f"an input is sharded on mesh axis {a} but no output is")
+
+    def grad_of(x: Any) -> DistSpec | None:
+        if not isinstance(x, DistTensor):
+            return None
+        pl = [Partial("sum") if a in sharded and isinstance(p, Replicate) else p for a, p in enumerate(x._spec.placements)]
+        return x._spec.with_placements(pl, x._spec.shard_order)
+
+    return _Verdict(out_tree=out_tree, out_specs=specs, arg_grads=tuple(grad_of(x) for x in leaves),
+                    slot_grads=tuple(grad_of(t) for t in tensors))
+
+
+# ---- recording aten calls ------------------------------------------------------------------------
+def _describe(x: Any) -> Any:
+    """An aten argument as comparable metadata: tensors by shape and dtype, the rest by value."""
+    if isinstance(x, torch.Tensor):
+        return ("T", tuple(x.shape), x.dtype)
+    if isinstance(x, (list, tuple)):
+        return (type(x).__name__, tuple(_describe(v) for v in x))
+    if isinstance(x, dict):
+        return ("dict", tuple((k, _describe(v)) for k, v in x.items()))
+    return x
+
+
+_aten = torch.ops.aten
+_SIZED = frozenset({_aten.view.default, _aten._unsafe_view.default, _aten.reshape.default, _aten.expand.default})
+
+
+class _Trace:
+    """Aten calls on local tensors, in order, and the first reason to refuse the region.
+
+    In a trace, DistTensor ops go through dispatch, which reports each decision (``observe``)
+    and runs the local computation under the spy; plain ops (factories) are recorded directly.
+    In a replay every op must be on plain tensors.
+    """
+
+    def __init__(self, replay: bool = False) -> None:
+        self.replay = replay
+        self.ops: list[tuple[Any, ...]] = []
+        self.reason = ""
+
+    def refuse(self, reason: str) -> None:
+        self.reason = self.reason or reason
+
+    def spy(self) -> "_Spy":
+        return _Spy(self)
+
+    def observe(self, func: Any, decision: Any, args: tuple[Any, ...], kwargs: dict[str, Any], run: Callable[[], Any]) -> Any:
+        """Called by dispatch for each DistTensor op of a trace: check, then run under the spy."""
+        if decision.fallback or decision.out_kind in ("value", "unknown"):
+            self.refuse(f"{func} runs replicated or returns a Python value")
+        elif any(p is not None for p in decision.plans):
+            self.refuse(f"{func} moves an input")
+        elif _is_random(func, args, kwargs):
+            self.refuse(f"{func} is random (its DistTensor result is the single-device draw)")
+        with _Spy(self):
+            return run()
+
+    def record(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        if func in _SIZED:  # the size may say -1 where the other side says the number
+            args = args[:1] + args[2:]
+        self.ops.append((func, _describe(args), _describe(kwargs), _describe(out)))
+
+
+def _is_random(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """A seeded op that draws: attention and dropout with probability 0 do not."""
+    if torch.Tag.nondeterministic_seeded not in func.tags:
+        return False
+    for k, a in enumerate(func._schema.arguments):
+        if a.name in ("dropout_p", "p"):
+            value = kwargs.get(a.name, args[k] if k < len(args) else a.default_value)
+            return bool(value)
+    return True
+
+
+class _Spy(TorchDispatchMode):
+    """Records plain aten calls into a trace; hands DistTensor calls on to dispatch."""
+
+    def __init__(self, trace: _Trace) -> None:
+        super().__init__()
+        self.trace = trace
+
+    def __enter__(self) -> "_Spy":
+        _dispatch.TRACES.append(self.trace)
+        return super().__enter__()  # type: ignore[no-any-return]
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        _dispatch.TRACES.pop()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if any(issubclass(t, DistTensor) for t in types):
+            if self.trace.replay:
+                self.trace.refuse(f"{func} meets a DistTensor on local tensors")
+            return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        self.trace.record(func, args, kwargs, out)
+        return out

@@ -1,0 +1,129 @@
+"""Crossing between a region's DistTensors and the plain shards it runs on, as autograd nodes:
+one node for every input that needs a gradient, one per output. See ``autoparallel.regions``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from autoparallel import runtime
+from autoparallel.dtensor import DistTensor
+from autoparallel.placement import Partial, Replicate, Shard, chunk_bounds
+from autoparallel.spec import DistSpec
+from reshard.executor import reshard_local
+
+
+def _localize(items: list[tuple[DistTensor, DistSpec | None]], grad: bool, call: "_Call | None") -> dict[int, torch.Tensor]:
+    """id of each DistTensor -> its shard; those needing a gradient go through one autograd node.
+    ``call`` None (a replay): detached copies, so an in-place write in the module (a counter
+    buffer, an input) does not happen twice."""
+    out: dict[int, torch.Tensor] = {}
+    needs = [(t, g) for t, g in items if grad and t.requires_grad and g is not None]
+    if call is None:
+        for t, _ in items:
+            out[id(t)] = t._local.detach().clone()
+        for t, _ in needs:
+            out[id(t)].requires_grad_(True)
+        return out
+    for t, _ in items:
+        out[id(t)] = t._local
+    if needs:
+        locs = _Localize.apply(call, tuple(g for _, g in needs), *[t for t, _ in needs])
+        for (t, _), loc in zip(needs, locs):
+            out[id(t)] = loc
+    return out
+
+
+class _Call:
+    """One local run of a region, shared by its input and output autograd nodes.
+
+    ``partial``: mesh axes on which the region's (single) output is Replicate but its gradient
+    arrived Partial(sum). The backward is linear in that gradient, so it runs on the summands
+    and the inputs' gradients are Partial(sum) there too — no all-reduce inside the backward
+    (the DistTensor path would also pass the Partial on, to the optimizer's bucketed reduction).
+    """
+
+    def __init__(self, single: bool) -> None:
+        self.single = single
+        self.partial: tuple[int, ...] = ()
+
+
+class _Localize(torch.autograd.Function):
+    """DistTensors -> their local shards, as one autograd node.
+
+    Backward: each shard's gradient becomes a DistTensor in the layout the region's
+    classification gave it (a Replicate input used on a sharded axis: Partial(sum) there; on
+    the ``call.partial`` axes, Partial(sum)). Unused outputs get no gradient (not zeros): an
+    unused parameter keeps ``grad is None``.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, call: _Call, specs: tuple[DistSpec, ...], *xs: DistTensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        ctx.call, ctx.specs = call, specs
+        ctx.set_materialize_grads(False)
+        return tuple(x._local.view_as(x._local) for x in xs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
+        specs = ctx.specs if not ctx.call.partial else tuple(_with_partial(s, ctx.call.partial) for s in ctx.specs)
+        return (None, None, *[
+            None if g is None else DistTensor._wrap(g if g.is_contiguous() else g.contiguous(), s)
+            for g, s in zip(grads, specs)
+        ])
+
+
+class _Out(torch.autograd.Function):
+    """A region's local output -> its DistTensor. Backward: the gradient in the output's layout
+    (a Partial(sum) gradient on an axis where the output is Replicate stays Partial for a
+    single-output region: see ``_Call``), then its shard."""
+
+    @staticmethod
+    def forward(ctx: Any, local: torch.Tensor, spec: DistSpec, call: _Call) -> DistTensor:  # type: ignore[override]
+        ctx.spec, ctx.call = spec, call
+        return DistTensor._wrap(local.view_as(local) if local.is_contiguous() else local.contiguous(), spec)
+
+    @staticmethod
+    def backward(ctx: Any, grad: DistTensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+        target: DistSpec = ctx.spec
+        local, spec = grad._local, grad._spec
+        if ctx.call.single:
+            keep = []
+            coord = spec.mesh.coordinate_of(runtime.get_rank())
+            for a, (p, q) in enumerate(zip(spec.placements, target.placements)):
+                if not isinstance(q, Replicate) or coord is None:
+                    continue
+                if p == Partial("sum"):
+                    keep.append(a)
+                elif isinstance(p, Shard) and spec.axes_of_dim(p.dim) == (a,):
+                    # a shard of the gradient of a replicated output: zero-padded to the whole
+                    # dim it is a summand (Partial(sum)) of that gradient — no all-gather
+                    local = _zero_pad(local, p.dim, spec.shape[p.dim], spec.mesh.shape[a], coord[a])
+                    spec = spec.with_placements([Partial("sum") if b == a else x for b, x in enumerate(spec.placements)],
+                                                spec.shard_order)
+                    keep.append(a)
+            if keep:
+                ctx.call.partial = tuple(keep)
+                target = _with_partial(target, ctx.call.partial)
+        return reshard_local(local, spec, target), None, None
+
+
+def _zero_pad(local: torch.Tensor, dim: int, size: int, parts: int, index: int) -> torch.Tensor:
+    """``local`` (piece ``index`` of ``parts`` along ``dim``) inside zeros of the whole ``size``."""
+    off, length = chunk_bounds(size, parts, index)
+    shape = list(local.shape)
+    shape[dim] = size
+    full = local.new_zeros(shape)
+    full.narrow(dim, off, length).copy_(local)
+    return full
+
+
+def _with_partial(spec: DistSpec, axes: tuple[int, ...]) -> DistSpec:
+    pl = [Partial("sum") if a in axes and isinstance(p, Replicate) else p for a, p in enumerate(spec.placements)]
+    return spec.with_placements(pl, spec.shard_order)
+
+
+def _wrap_out(local: torch.Tensor, spec: DistSpec, call: _Call) -> DistTensor:
+    if local.requires_grad:
+        return _Out.apply(local, spec, call)  # type: ignore[no-any-return]
+    return DistTensor._wrap(local if local.is_contiguous() else local.contiguous(), spec)

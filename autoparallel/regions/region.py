@@ -1,0 +1,304 @@
+"""The per-module wrapper of local regions: signature, first call (trace, classify, replay),
+local runs. See ``autoparallel.regions``."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from autoparallel import runtime
+from autoparallel.debug import CommDebugMode
+from autoparallel.dtensor import DistTensor
+from autoparallel.regions.checks import _classify, _precheck, _refused, _Trace, _Verdict
+from autoparallel.regions.crossing import _Call, _localize, _wrap_out
+from autoparallel.spec import DistSpec
+
+_ATTR = "_ap_region"
+_MODE: list[str] = []          # "trace" (a parent is tracing) or "local" (running on shards)
+MAX_SIGNATURES = 16            # per module; beyond that (a changing scalar argument) give up
+_MISSING = object()
+
+
+def _enabled() -> bool:
+    return os.environ.get("AUTOPARALLEL_LOCAL_REGIONS", "1") not in ("0", "false", "off")
+
+
+# ---- public API ----------------------------------------------------------------------------
+def enable_local_regions(module: nn.Module) -> nn.Module:
+    """Let ``module`` (and, where it is refused, its submodules) run on local shards; in place."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"enable_local_regions: expected an nn.Module, got {type(module).__name__}")
+    if _enabled():
+        _install(module)
+    return module
+
+
+def disable_local_regions(module: nn.Module) -> nn.Module:
+    """Remove the wrappers from ``module`` and every submodule; in place."""
+    for m in module.modules():
+        region = m.__dict__.pop(_ATTR, None)
+        if region is not None:
+            m.__dict__.pop("forward", None)
+    return module
+
+
+def local_regions_report(module: nn.Module) -> dict[str, list[str]]:
+    """Per wrapped submodule name: one line per signature seen, ``local`` or ``refused: why``."""
+    out: dict[str, list[str]] = {}
+    for name, m in module.named_modules():
+        region = m.__dict__.get(_ATTR)
+        if region is not None:
+            out[name or "<root>"] = [v.summary() for v in region.verdicts.values()]
+    return out
+
+
+# ---- installing ------------------------------------------------------------------------------
+def _install(module: nn.Module) -> None:
+    if isinstance(module, (nn.ModuleList, nn.ModuleDict)):  # containers are never called
+        for child in module.children():
+            _install(child)
+        return
+    if _ATTR in module.__dict__ or not _has_dist_state(module):
+        return
+    region = _Region(module)
+    module.__dict__[_ATTR] = region
+    module.__dict__["forward"] = region.run  # a bound method: copy.deepcopy gives the copy its own
+
+
+def _has_dist_state(module: nn.Module) -> bool:
+    return any(isinstance(t, DistTensor) for t in [*module.parameters(), *module.buffers()])
+
+
+def _slots(module: nn.Module) -> list[tuple[nn.Module, str]]:
+    """Every (submodule, attribute) holding a parameter or buffer, ties included."""
+    out = []
+    for m in module.modules():
+        out += [(m, a) for a, t in m._parameters.items() if t is not None]
+        out += [(m, a) for a, t in m._buffers.items() if t is not None]
+    return out
+
+
+def _current(m: nn.Module, attr: str) -> torch.Tensor:
+    """What ``m.<attr>`` resolves to now (a ZeRO-3 gathered tensor shadows the parameter)."""
+    t = m.__dict__.get(attr)
+    if t is None:
+        t = m._parameters.get(attr)
+    if t is None:
+        t = m._buffers[attr]
+    assert t is not None, (type(m).__name__, attr)
+    return t
+
+
+# ---- the per-module wrapper --------------------------------------------------------------------
+class _Region:
+    """The wrapper state of one module: its original forward, slots and verdicts."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.forward: Callable[..., Any] = module.forward
+        self.slots = _slots(module)
+        self.modules = list(module.modules())
+        self.verdicts: dict[Any, _Verdict] = {}
+        self.children_done = False
+
+    def run(self, *args: Any, **kwargs: Any) -> Any:
+        """The module's ``forward`` while regions are enabled."""
+        return self.call(args, kwargs)
+
+    def call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if _MODE:  # inside a parent's trace or local run: behave as the plain module
+            return self.forward(*args, **kwargs)
+        leaves, tree = tree_flatten((args, kwargs))
+        tensors = [_current(m, a) for m, a in self.slots]
+        key = self._key(leaves, tree, tensors)
+        if key is None:
+            return self._plain(args, kwargs)
+        verdict = self.verdicts.get(key)
+        if verdict is None:
+            if len(self.verdicts) >= MAX_SIGNATURES:
+                return self._plain(args, kwargs)
+            return self._first_call(key, leaves, tree, tensors, args, kwargs)
+        if verdict.local:
+            return self._run_local(verdict, leaves, tree, tensors)
+        return self._plain(args, kwargs)
+
+    def _plain(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The usual DistTensor path; submodules get their own chance to be regions."""
+        if not self.children_done:
+            self.children_done = True
+            for child in self.module.children():
+                _install(child)
+        return self.forward(*args, **kwargs)
+
+    def _key(self, leaves: list[Any], tree: Any, tensors: list[torch.Tensor]) -> Any:
+        """The signature, or None when this call cannot be a region (no DistTensor at all)."""
+        parts: list[Any] = []
+        for x in leaves:
+            if isinstance(x, DistTensor):
+                parts.append((x._spec, x._stride, x.requires_grad))
+            elif isinstance(x, torch.Tensor):
+                parts.append(("plain", tuple(x.shape), x.dtype, x.requires_grad))
+            else:
+                parts.append(("value", x))
+        slot_parts = tuple(
+            (t._spec, t.requires_grad) if isinstance(t, DistTensor) else ("plain", tuple(t.shape), t.requires_grad)
+            for t in tensors
+        )
+        if not any(isinstance(x, DistTensor) for x in leaves) and not any(isinstance(t, DistTensor) for t in tensors):
+            return None
+        key = (tree, tuple(parts), slot_parts, _ties(tensors), tuple(m.training for m in self.modules),
+               torch.is_grad_enabled(), _autocast_state())
+        try:
+            hash(key)
+        except TypeError:
+            return None
+        return key
+
+    # ---- first call of a signature: trace, classify, replay ---------------------------------
+    def _first_call(self, key: Any, leaves: list[Any], tree: Any, tensors: list[torch.Tensor],
+                    args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        reason = _precheck(leaves, tensors)
+        if reason:
+            self.verdicts[key] = _refused(reason)
+            return self._plain(args, kwargs)
+        trace = _Trace()
+        with CommDebugMode() as comm, _mode("trace"), trace.spy():
+            out = self.forward(*args, **kwargs)
+        verdict = _refused(trace.reason) if trace.reason else (
+            _refused(f"it communicates ({comm.records[0].kind})") if comm.records else
+            _classify(out, leaves, tensors))
+        if verdict.local:
+            verdict = self._replay(verdict, trace, out, leaves, tree, tensors)
+        self.verdicts[key] = verdict
+        if not verdict.local and not self.children_done:
+            self.children_done = True
+            for child in self.module.children():
+                _install(child)
+        return out
+
+    def _replay(self, verdict: _Verdict, trace: "_Trace", out: Any, leaves: list[Any], tree: Any,
+                tensors: list[torch.Tensor]) -> _Verdict:
+        """Run once on detached local shards; the aten calls must be the traced ones."""
+        replay = _Trace(replay=True)
+        try:
+            with torch.random.fork_rng(devices=[]):
+                local_out, replay_inputs = self._run_local(verdict, leaves, tree, tensors, spy=replay)
+        except Exception as e:  # noqa: BLE001  (any failure on plain tensors refuses the region)
+            return _refused(f"it fails on local tensors ({type(e).__name__}: {str(e)[:80]})")
+        if replay.reason:
+            return _refused(replay.reason)
+        if len(replay.ops) != len(trace.ops):
+            return _refused(f"on local tensors it runs {len(replay.ops)} aten calls, not {len(trace.ops)}")
+        for k, (a, b) in enumerate(zip(trace.ops, replay.ops)):
+            if a != b:
+                return _refused(f"aten call {k} differs on local tensors ({a[0]} vs {b[0]}): "
+                                "it reads global sizes or layouts")
+        dist_leaves, _ = tree_flatten(out)
+        local_leaves, local_tree = tree_flatten(local_out)
+        if local_tree != verdict.out_tree:
+            return _refused("its output structure differs on local tensors")
+        coord = _coord(verdict)
+        inputs = {_storage(t) for t in replay_inputs.values() if t.numel()}
+        for d, lo, spec in zip(dist_leaves, local_leaves, verdict.out_specs):
+            if spec is None:
+                if isinstance(d, torch.Tensor) or d != lo:
+                    return _refused("a non-DistTensor output differs on local tensors")
+            elif tuple(lo.shape) != spec.local_shape(coord) or lo.dtype != spec.dtype:
+                return _refused("an output's local shape differs from its layout")
+            elif lo.numel() and _storage(lo) in inputs:
+                return _refused("an output aliases an input")
+        shapes = tuple(None if s is None else s.local_shape(coord) for s in verdict.out_specs)
+        return replace(verdict, out_local_shapes=shapes)
+
+    # ---- running on shards -------------------------------------------------------------------
+    def _run_local(self, verdict: _Verdict, leaves: list[Any], tree: Any, tensors: list[torch.Tensor],
+                   spy: "_Trace | None" = None) -> Any:
+        """Run the module on shards. With ``spy`` (a replay): on detached shards, recording its
+        aten calls, returning the local outputs."""
+        grad = torch.is_grad_enabled()
+        want: dict[int, tuple[DistTensor, DistSpec | None]] = {}
+        for x, g in zip(leaves, verdict.arg_grads):
+            if isinstance(x, DistTensor):
+                want.setdefault(id(x), (x, g))
+        for t, g in zip(tensors, verdict.slot_grads):
+            if isinstance(t, DistTensor):
+                want.setdefault(id(t), (t, g))
+        call = None if spy is not None else _Call(single=sum(o is not None for o in verdict.out_specs) == 1)
+        local = _localize(list(want.values()), grad, call)
+        if spy is not None:  # plain tensor arguments: copies too (see _localize)
+            for x in leaves:
+                if isinstance(x, torch.Tensor) and not isinstance(x, DistTensor):
+                    local.setdefault(id(x), x.detach().clone())
+        largs, lkwargs = tree_unflatten([local.get(id(x), x) for x in leaves], tree)
+        saved = []
+        for m, a in self.slots:
+            t = _current(m, a)
+            saved.append(m.__dict__.get(a, _MISSING))
+            m.__dict__[a] = local.get(id(t), t)
+        try:
+            with _mode("local"):
+                if spy is None:
+                    out = self.forward(*largs, **lkwargs)
+                else:
+                    with spy.spy():
+                        out = self.forward(*largs, **lkwargs)
+        finally:
+            for (m, a), prev in zip(self.slots, saved):
+                if prev is _MISSING:
+                    del m.__dict__[a]
+                else:
+                    m.__dict__[a] = prev
+        if spy is not None:
+            return out, local
+        outs, _ = tree_flatten(out)
+        for o, s, shape in zip(outs, verdict.out_specs, verdict.out_local_shapes):
+            if s is not None and (not isinstance(o, torch.Tensor) or isinstance(o, DistTensor) or o.dtype != s.dtype
+                                  or tuple(o.shape) != shape):
+                raise RuntimeError(
+                    f"local region {type(self.module).__name__}: an output came out as "
+                    f"{getattr(o, 'dtype', type(o).__name__)} {tuple(getattr(o, 'shape', ()))} where its traced "
+                    f"layout {s} gives {s.dtype} {shape} locally; the module behaves differently from its "
+                    "traced call with the same signature. Run with AUTOPARALLEL_LOCAL_REGIONS=0 and report it."
+                )
+        wrapped = [o if s is None else _wrap_out(o, s, call) for o, s in zip(outs, verdict.out_specs)]  # type: ignore[arg-type]
+        return tree_unflatten(wrapped, verdict.out_tree)
+
+
+def _autocast_state() -> tuple[Any, ...]:
+    """Autocast changes which ops run and their dtypes: part of the signature."""
+    return tuple((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda"))
+
+
+def _coord(verdict: _Verdict) -> tuple[int, ...]:
+    spec = next(s for s in verdict.out_specs if s is not None)
+    coord = spec.mesh.coordinate_of(runtime.get_rank())
+    assert coord is not None
+    return coord
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _ties(tensors: list[torch.Tensor]) -> tuple[int, ...]:
+    """Which slots hold the same tensor: per slot, the index of its first occurrence."""
+    first: dict[int, int] = {}
+    return tuple(first.setdefault(id(t), k) for k, t in enumerate(tensors))
+
+
+class _mode:
+    """Push ``name`` on the region mode stack for the duration of a ``with`` block."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __enter__(self) -> None:
+        _MODE.append(self.name)
+
+    def __exit__(self, *exc: object) -> None:
+        _MODE.pop()
