@@ -30,6 +30,7 @@ from autoparallel.optim import ShardingStage1, ShardingStage2, ShardingStage3, s
 from autoparallel.data import shard_dataloader  # noqa: E402
 from autoparallel import pipeline  # noqa: E402,F401
 from autoparallel.checkpoint import load_state_dict, save_state_dict  # noqa: E402
+from autoparallel.regions import disable_local_regions, enable_local_regions, local_regions_report  # noqa: E402
 
 __all__ = [
     "CommDebugMode",
@@ -68,7 +69,10 @@ __all__ = [
     "ShardingStage2",
     "ShardingStage3",
     "VocabParallelEmbedding",
+    "disable_local_regions",
+    "enable_local_regions",
     "load_state_dict",
+    "local_regions_report",
     "parallelize",
     "pipeline",
     "save_state_dict",
