@@ -349,3 +349,23 @@ def test_in_place_writes_happen_once_per_call() -> None:
     assert local_regions_report(model) == {"<root>": ["local"]}
     assert float(model.calls.full_tensor()) == 3.0
     assert torch.equal(x.full_tensor(), torch.full((4, 6), 8.0))
+
+
+class Growing(MLP):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        return out + self.extra(out) if hasattr(self, "extra") else out
+
+
+def test_a_submodule_added_later_is_seen() -> None:
+    mesh = ap.ProcessMesh([0], dim_names=["dp"])
+    torch.manual_seed(0)
+    model = ap.shard_layer(Growing(), mesh)
+    x = ap.shard_tensor(torch.randn(4, 6), mesh, [S0])
+    model(x)
+    model.extra = ap.shard_layer(nn.Linear(3, 3), mesh)  # after the first call
+    y = model(x)
+    disable_local_regions(model)
+    torch.testing.assert_close(y.full_tensor(), model(x).full_tensor())
+    y.sum().backward()
+    assert model.extra.weight.grad is not None

@@ -83,6 +83,11 @@ def _slots(module: nn.Module) -> list[tuple[nn.Module, str]]:
     return out
 
 
+def _structure(module: nn.Module) -> tuple[tuple[int, int, int], ...]:
+    """Which submodules there are and how many parameters and buffers each holds."""
+    return tuple((id(m), len(m._parameters), len(m._buffers)) for m in module.modules())
+
+
 def _current(m: nn.Module, attr: str) -> torch.Tensor:
     """What ``m.<attr>`` resolves to now (a ZeRO-3 gathered tensor shadows the parameter)."""
     t = m.__dict__.get(attr)
@@ -101,6 +106,7 @@ class _Region:
     def __init__(self, module: nn.Module) -> None:
         self.module = module
         self.forward: Callable[..., Any] = module.forward
+        self.shape = _structure(module)
         self.slots = _slots(module)
         self.modules = list(module.modules())
         self.verdicts: dict[Any, _Verdict] = {}
@@ -114,6 +120,10 @@ class _Region:
         if _MODE:  # inside a parent's trace or local run: behave as the plain module
             return self.forward(*args, **kwargs)
         leaves, tree = tree_flatten((args, kwargs))
+        shape = _structure(self.module)
+        if shape != self.shape:  # a submodule, parameter or buffer was added or removed: start over
+            self.shape, self.slots, self.modules = shape, _slots(self.module), list(self.module.modules())
+            self.verdicts.clear()
         tensors = [_current(m, a) for m, a in self.slots]
         key = self._key(leaves, tree, tensors)
         if key is None:
