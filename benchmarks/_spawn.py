@@ -19,6 +19,8 @@ import tempfile
 import time
 from typing import Any, Callable
 
+from tests.world import environment
+
 Worker = Callable[[int, int, str, dict[str, Any], str], None]
 
 
@@ -30,20 +32,12 @@ def run_spawned(worker: Worker, world: int, opts: dict[str, Any], timeout: float
     env = {"OMP_NUM_THREADS": "1", "TORCH_CPP_LOG_LEVEL": "ERROR"}
     if sys.platform.startswith("linux"):
         env["GLOO_SOCKET_IFNAME"] = os.environ.get("GLOO_SOCKET_IFNAME", "lo")
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)  # the children inherit it at start
     procs = []
-    try:
+    with environment(env):  # the children inherit it at start
         for r in range(world):
             p = ctx.Process(target=worker, args=(r, world, store, {**opts, "workdir": tmp}, out), name=f"{prefix}{r}")
             p.start()
             procs.append(p)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     try:
         deadline = time.monotonic() + timeout
         for p in procs:

@@ -18,6 +18,7 @@ Contract:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import multiprocessing as mp
@@ -36,6 +37,21 @@ from typing import Any, Callable, Iterator
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _STOP = "__stop__"
 _READY = -1  # call id of the "process group is up" message
+
+
+@contextlib.contextmanager
+def environment(env: dict[str, str]) -> Iterator[None]:
+    """Set ``env`` in ``os.environ`` for the block (processes started in it inherit it), then restore."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 @dataclass
@@ -128,20 +144,12 @@ class World:
                "PYTHONPATH": REPO_ROOT + (os.pathsep + pp if pp else "")}
         if sys.platform.startswith("linux"):  # gloo on loopback: no hostname resolution
             env["GLOO_SOCKET_IFNAME"] = os.environ.get("GLOO_SOCKET_IFNAME", "lo")
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)  # the children inherit the environment at start()
-        try:
+        with environment(env):  # the children inherit the environment at start()
             self._procs = [self._ctx.Process(
                 target=_worker, args=(r, self.nprocs, store_path, self._tasks[r], self._results),
                 name=f"world{self.nprocs}-rank{r}", daemon=True) for r in range(self.nprocs)]
             for p in self._procs:
                 p.start()
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
         self._broken = False
         try:
             self._collect(_READY, self.startup_timeout_s, what="start-up")
