@@ -369,3 +369,18 @@ def test_a_submodule_added_later_is_seen() -> None:
     torch.testing.assert_close(y.full_tensor(), model(x).full_tensor())
     y.sum().backward()
     assert model.extra.weight.grad is not None
+
+
+def test_disabling_restores_an_instance_forward() -> None:
+    mesh = ap.ProcessMesh([0], dim_names=["dp"])
+    model = nn.Linear(3, 3)
+
+    def scaled(x: torch.Tensor) -> torch.Tensor:
+        return x * 7
+
+    model.forward = scaled  # type: ignore[method-assign]
+    ap.shard_layer(model, mesh)
+    x = ap.shard_tensor(torch.ones(2, 3), mesh, [S0])
+    assert torch.equal(model(x).full_tensor(), torch.full((2, 3), 7.0))
+    disable_local_regions(model)
+    assert model.forward is scaled

@@ -44,6 +44,8 @@ def disable_local_regions(module: nn.Module) -> nn.Module:
         region = m.__dict__.pop(_ATTR, None)
         if region is not None:
             m.__dict__.pop("forward", None)
+            if region.own_forward is not _MISSING:  # an instance forward set before ours
+                m.__dict__["forward"] = region.own_forward
     return module
 
 
@@ -106,6 +108,7 @@ class _Region:
     def __init__(self, module: nn.Module) -> None:
         self.module = module
         self.forward: Callable[..., Any] = module.forward
+        self.own_forward = module.__dict__.get("forward", _MISSING)
         self.shape = _structure(module)
         self.slots = _slots(module)
         self.modules = list(module.modules())
