@@ -113,6 +113,10 @@ class DistSpec:
     ) -> "DistSpec":
         return DistSpec(self.mesh, tuple(placements), self.shape, self.dtype, shard_order)
 
+    def with_dtype(self, dtype: torch.dtype) -> "DistSpec":
+        """The same layout for a tensor of another dtype (an optimizer state of a parameter)."""
+        return self if dtype == self.dtype else DistSpec(self.mesh, self.placements, self.shape, dtype, self.shard_order)
+
     def without_partial(self) -> "DistSpec":
         """The same layout with every Partial axis made Replicate (the reduced value's layout)."""
         if not self.partial_axes():

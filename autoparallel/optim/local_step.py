@@ -21,7 +21,6 @@ from typing import Any
 import torch
 
 from autoparallel.dtensor import DistTensor
-from autoparallel.spec import DistSpec
 
 ELEMENTWISE = (
     torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
@@ -91,8 +90,7 @@ def _rewrap(old: dict[str, Any], new: dict[str, Any], p: DistTensor) -> dict[str
         if isinstance(prev, DistTensor) and prev._local is v:
             out[k] = prev
         elif isinstance(v, torch.Tensor) and v.dim() > 0:
-            spec = DistSpec(p._spec.mesh, p._spec.placements, p._spec.shape, v.dtype, p._spec.shard_order)
-            out[k] = DistTensor._wrap(v if v.is_contiguous() else v.contiguous(), spec)
+            out[k] = DistTensor._wrap(v if v.is_contiguous() else v.contiguous(), p._spec.with_dtype(v.dtype))
         else:
             out[k] = v
     return out

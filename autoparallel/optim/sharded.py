@@ -7,9 +7,10 @@ The wrapper is a ``torch.optim.Optimizer`` (LR schedulers accept it) around an u
    collective per bucket and mesh axis (all-reduce; reduce-scatter along the data-parallel axis
    for stages 2 and 3).
 2. The inner optimizer steps — on the local shards when it is elementwise and every gradient
-   and state has its parameter's layout (``autoparallel.optim.local_step``). Stages 1/2 give it, per parameter, a *shard*: a DistTensor that
-   is this rank's ``torch.chunk`` piece of the parameter along the data-parallel axis (a view of
-   the parameter's local shard), so its states (momentum, ``exp_avg``...) are created sharded.
+   and state has its parameter's layout (``autoparallel.optim.local_step``). Stages 1/2 give
+   it, per parameter, a *shard*: a DistTensor that is this rank's ``torch.chunk`` piece of the
+   parameter along the data-parallel axis (a view of the parameter's local shard), so its
+   states (momentum, ``exp_avg``...) are created sharded.
    Stage 3 shards the parameters themselves in place (``autoparallel.optim.zero3``).
 3. Stages 1/2: the updated shards are all-gathered back into the parameters, in buckets.
 
@@ -176,10 +177,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         key = (spec, axis, s.axis, s.shard)
         out = self._reduced.get(key)
         if out is None:
-            out = self._reduced[key] = self._reduce_layout(s, spec, axis)
+            out = self._reduced[key] = self._reduced_layout_uncached(s, spec, axis)
         return out
 
-    def _reduce_layout(self, s: _Slot, spec: DistSpec, axis: int) -> DistSpec:
+    def _reduced_layout_uncached(self, s: _Slot, spec: DistSpec, axis: int) -> DistSpec:
         placements = list(spec.placements)
         placements[axis] = Replicate()
         reduced = spec.with_placements(placements, spec.shard_order)
@@ -292,8 +293,7 @@ def _to_layout(value: Any, param: torch.Tensor) -> Any:
     """A loaded state value in the parameter's layout (values of another shape stay as they are)."""
     if not isinstance(param, DistTensor) or not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(param.shape):
         return value
-    dst = param._spec.with_placements(param._spec.placements, param._spec.shard_order)
-    dst = DistSpec(dst.mesh, dst.placements, dst.shape, value.dtype, dst.shard_order)
+    dst = param._spec.with_dtype(value.dtype)
     if isinstance(value, DistTensor):
         if value._spec == dst:
             return value

@@ -14,7 +14,8 @@ from torch.utils._pytree import tree_flatten
 from autoparallel import dispatch as _dispatch
 from autoparallel import runtime
 from autoparallel.dtensor import DistTensor
-from autoparallel.placement import Partial, Replicate, Shard
+from autoparallel.placement import Replicate, Shard
+from autoparallel.regions.crossing import with_partial
 from autoparallel.spec import DistSpec
 
 
@@ -96,10 +97,7 @@ def _classify(out: Any, leaves: list[Any], tensors: list[torch.Tensor]) -> _Verd
             return _refused(f"an input is sharded on mesh axis {a} but no output is")
 
     def grad_of(x: Any) -> DistSpec | None:
-        if not isinstance(x, DistTensor):
-            return None
-        pl = [Partial("sum") if a in sharded and isinstance(p, Replicate) else p for a, p in enumerate(x._spec.placements)]
-        return x._spec.with_placements(pl, x._spec.shard_order)
+        return with_partial(x._spec, tuple(sharded)) if isinstance(x, DistTensor) else None
 
     return _Verdict(out_tree=out_tree, out_specs=specs, arg_grads=tuple(grad_of(x) for x in leaves),
                     slot_grads=tuple(grad_of(t) for t in tensors))

@@ -66,7 +66,7 @@ class _Localize(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
-        specs = ctx.specs if not ctx.call.partial else tuple(_with_partial(s, ctx.call.partial) for s in ctx.specs)
+        specs = ctx.specs if not ctx.call.partial else tuple(with_partial(s, ctx.call.partial) for s in ctx.specs)
         return (None, None, *[
             None if g is None else DistTensor._wrap(g if g.is_contiguous() else g.contiguous(), s)
             for g, s in zip(grads, specs)
@@ -104,7 +104,7 @@ class _Out(torch.autograd.Function):
                     keep.append(a)
             if keep:
                 ctx.call.partial = tuple(keep)
-                target = _with_partial(target, ctx.call.partial)
+                target = with_partial(target, ctx.call.partial)
         return reshard_local(local, spec, target), None, None
 
 
@@ -118,7 +118,8 @@ def _zero_pad(local: torch.Tensor, dim: int, size: int, parts: int, index: int) 
     return full
 
 
-def _with_partial(spec: DistSpec, axes: tuple[int, ...]) -> DistSpec:
+def with_partial(spec: DistSpec, axes: tuple[int, ...]) -> DistSpec:
+    """``spec`` with Replicate made Partial(sum) on ``axes`` (a gradient summed over them)."""
     pl = [Partial("sum") if a in axes and isinstance(p, Replicate) else p for a, p in enumerate(spec.placements)]
     return spec.with_placements(pl, spec.shard_order)
 

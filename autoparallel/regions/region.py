@@ -142,11 +142,14 @@ class _Region:
 
     def _plain(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The usual DistTensor path; submodules get their own chance to be regions."""
+        self._try_children()
+        return self.forward(*args, **kwargs)
+
+    def _try_children(self) -> None:
         if not self.children_done:
             self.children_done = True
             for child in self.module.children():
                 _install(child)
-        return self.forward(*args, **kwargs)
 
     def _key(self, leaves: list[Any], tree: Any, tensors: list[torch.Tensor]) -> Any:
         """The signature, or None when this call cannot be a region (no DistTensor at all)."""
@@ -188,10 +191,8 @@ class _Region:
         if verdict.local:
             verdict = self._replay(verdict, trace, out, leaves, tree, tensors)
         self.verdicts[key] = verdict
-        if not verdict.local and not self.children_done:
-            self.children_done = True
-            for child in self.module.children():
-                _install(child)
+        if not verdict.local:
+            self._try_children()
         return out
 
     def _replay(self, verdict: _Verdict, trace: "_Trace", out: Any, leaves: list[Any], tree: Any,
