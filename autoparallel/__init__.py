@@ -10,6 +10,7 @@ from autoparallel.mesh import ProcessMesh
 from autoparallel.spec import DistSpec
 from autoparallel.debug import CommDebugMode, CommRecord
 from autoparallel.dtensor import DistTensor
+from autoparallel import pending  # noqa: F401  (installs the deferred-statistic hooks)
 from autoparallel.api import dtensor_from_local, reshard, shard_tensor, unshard_dtensor
 from autoparallel.local_map import LocalLayer, local_map
 from autoparallel.runtime import get_rank, get_world_size

@@ -93,6 +93,19 @@ def all_reduce(local: torch.Tensor, mesh: "ProcessMesh", axis: int, reduce_type:
     return out
 
 
+def all_reduce_start(local: torch.Tensor, mesh: "ProcessMesh", axis: int) -> tuple[torch.Tensor, object]:
+    """Start summing ``local`` over the axis without waiting: (result buffer, work to wait on).
+
+    The buffer holds the sum once ``work.wait()`` returns; read it only after that. Every
+    member must start the same collectives in the same order, as for the blocking ones.
+    """
+    group, line, _ = _group(mesh, axis)
+    out = local.contiguous().clone()
+    work = dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group, async_op=True)  # type: ignore[arg-type]
+    record("all_reduce", mesh, axis, line, *cost.all_reduce_bytes(_nbytes(out), len(line)))
+    return out, work
+
+
 def all_gather(local: torch.Tensor, mesh: "ProcessMesh", axis: int, dim: int, sizes: Sequence[int]) -> torch.Tensor:
     """Concatenate the members' pieces along tensor ``dim``; ``sizes`` are their lengths there."""
     group, line, grank = _group(mesh, axis)

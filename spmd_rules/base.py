@@ -60,6 +60,9 @@ class LocalContext:
     in_specs: tuple[Any, ...] = ()    # DistSpec of each tensor input as the op runs
     out_specs: tuple[Any, ...] = ()   # DistSpec of each output (None: not a tensor)
     coord: tuple[int, ...] | None = None  # this rank's mesh coordinate
+    # The dispatcher accepts deferred outputs (autoparallel.deferred): a statistic's all-reduce
+    # may be started and waited on later. False: compute every output now.
+    may_defer: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -41,7 +41,7 @@ from typing import Any, Sequence
 
 import torch
 
-from autoparallel import comm
+from autoparallel import comm, deferred
 from autoparallel.placement import Partial, Placement, Shard
 from spmd_rules.base import P_SUM, R, AxisStrategy, LocalContext, OpCall, TensorMeta
 from spmd_rules.base import input_slots as _slots
@@ -380,7 +380,15 @@ def nll_forward_local(
         s, tw = loss.sum(), w_t.sum()
         if reduction == SUM:
             return s, tw
-    both = _all_reduce(torch.stack([s, tw.to(s.dtype)]), spec, batch_axes, "sum")  # (2,): sum, weight
+    both = torch.stack([s, tw.to(s.dtype)])  # (2,): sum, total weight
+    if len(batch_axes) == 1 and ctx.may_defer:
+        # Start the all-reduce and return at once: the loss and the total weight are computed
+        # on first use; the backward runs unscaled and the optimizer scales the gradients.
+        stat = deferred.Stat(both, spec.mesh, batch_axes[0])
+        dtype = tw.dtype
+        return (deferred.defer(s.new_empty(()), stat, lambda _, st: st.result()[0] / st.result()[1]),
+                deferred.defer(tw.new_empty(()), stat, lambda _, st: st.result()[1].to(dtype)))
+    both = _all_reduce(both, spec, batch_axes, "sum")
     return both[0] / both[1], both[1].to(tw.dtype)
 
 

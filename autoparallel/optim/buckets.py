@@ -65,29 +65,38 @@ def _numel(shape: Sequence[int]) -> int:
     return n
 
 
-def all_reduce(locals_: Sequence[torch.Tensor], mesh: ProcessMesh, axis: int, reduce_type: str) -> list[torch.Tensor]:
-    """Reduce every tensor over ``axis`` with one all-reduce (none on a size-1 axis)."""
+def all_reduce(
+    locals_: Sequence[torch.Tensor], mesh: ProcessMesh, axis: int, reduce_type: str, scale: torch.Tensor | None = None
+) -> list[torch.Tensor]:
+    """Reduce every tensor over ``axis`` with one all-reduce (none on a size-1 axis), then
+    multiply the results by ``scale`` (a 0-dim tensor) if given."""
     if mesh.shape[axis] == 1:
-        return list(locals_)
+        return list(locals_) if scale is None else [t * scale for t in locals_]
     flat = torch.cat([t.reshape(-1) for t in locals_])  # [sum numel]
     flat = comm.all_reduce(flat, mesh, axis, reduce_type)
+    if scale is not None:
+        flat.mul_(scale)
     return [piece.view(t.shape) for piece, t in zip(flat.split([t.numel() for t in locals_]), locals_)]
 
 
 def reduce_scatter(
-    locals_: Sequence[torch.Tensor], dims: Sequence[int], mesh: ProcessMesh, axis: int, reduce_type: str
+    locals_: Sequence[torch.Tensor], dims: Sequence[int], mesh: ProcessMesh, axis: int, reduce_type: str,
+    scale: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
-    """Reduce every tensor over ``axis`` and keep this rank's ``torch.chunk`` piece along its dim.
+    """Reduce every tensor over ``axis`` and keep this rank's ``torch.chunk`` piece along its dim
+    (times ``scale``, a 0-dim tensor, if given).
 
     One reduce-scatter: segment ``r`` of the buffer holds member ``r``'s pieces of every tensor.
     """
     n, me = _line(mesh, axis)
     if n == 1:
-        return list(locals_)
+        return list(locals_) if scale is None else [t * scale for t in locals_]
     segments = [torch.cat([_chunk(t, d, n, r).reshape(-1) for t, d in zip(locals_, dims)]) for r in range(n)]
     width = max(s.numel() for s in segments)  # member 0 has the largest pieces
     buf = torch.cat([_pad(s, width) for s in segments])  # [n * width]
     mine = comm.reduce_scatter(buf, mesh, axis, 0, reduce_type)  # [width]
+    if scale is not None:
+        mine = mine * scale
     shapes = [_chunk_shape(t.shape, d, n, me) for t, d in zip(locals_, dims)]
     sizes = [_numel(s) for s in shapes]
     pieces = mine[: sum(sizes)].split(sizes)

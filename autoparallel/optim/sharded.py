@@ -29,8 +29,10 @@ from autoparallel import runtime
 from autoparallel.dtensor import DistTensor
 from autoparallel.optim import buckets
 from autoparallel.optim.local_step import local_step
+from autoparallel.optim.reduction import BucketOp, SlotLayout, meta_bytes, plan_reduction
 from autoparallel.optim.stages import ShardingStage, check_stage, param_axis, shard_layout
 from autoparallel.optim.zero3 import shard_parameter_
+from autoparallel.pending import scaled_raw
 from autoparallel.placement import Partial, Replicate, Shard, chunk_bounds
 from autoparallel.spec import DistSpec
 from reshard.executor import reshard_local
@@ -86,7 +88,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.state = optimizer.state
         self._ready = True
         self.stepped_locally = False  # whether the last step ran on local shards (optim.local_step)
-        self._reduced: dict[Any, DistSpec] = {}  # (grad layout, axis, slot's axis and shard) -> reduced layout
+        self._plans: dict[Any, tuple[BucketOp, ...]] = {}  # gradient layouts -> reduction plan
 
     # ---- setting up ---------------------------------------------------------------------
     def _plan_group(self, group: dict[str, Any], k: int) -> list[tuple[torch.Tensor, int | None, DistSpec | None]]:
@@ -128,67 +130,53 @@ class ShardedOptimizer(torch.optim.Optimizer):
     # ---- the step -----------------------------------------------------------------------
     @torch.no_grad()
     def reduce_gradients(self) -> None:
-        """Reduce every Partial gradient, one collective per bucket and mesh axis."""
-        todo = [s for s in self._slots if isinstance(s.param.grad, DistTensor) and s.param.grad._spec.partial_axes()]
-        meshes: dict[Any, list[_Slot]] = {}
-        for s in todo:
-            meshes.setdefault(s.param.grad._spec.mesh, []).append(s)  # type: ignore[union-attr]
-        for mesh, slots in meshes.items():
-            for axis in self._axis_order(mesh, slots):
-                self._reduce_axis(mesh, axis, slots)
+        """Reduce every Partial gradient, one collective per bucket and mesh axis.
 
-    def _axis_order(self, mesh: Any, slots: list[_Slot]) -> list[int]:
-        """Scatter along the data-parallel axis first (the later all-reduces are then smaller)."""
-        first = [s.axis for s in slots if s.axis is not None and self._scatters()]
-        return list(dict.fromkeys(first + list(range(mesh.ndim))))
+        Gradients still waiting on a deferred mean (``autoparallel.pending``) go in unscaled
+        and each reduced bucket is scaled once. The plan depends on the layouts only and is
+        kept for the next step with the same layouts.
+        """
+        grads = [s.param.grad for s in self._slots]
+        stats: list[Any] = []
+        waits: list[int | None] = []
+        for g in grads:
+            pending = scaled_raw(g)
+            if pending is None:
+                waits.append(None)
+                continue
+            k = next((j for j, st in enumerate(stats) if st is pending[1]), None)
+            if k is None:
+                stats.append(pending[1])
+                k = len(stats) - 1
+            waits.append(k)
+        key = (tuple(g._spec if isinstance(g, DistTensor) else None for g in grads), tuple(waits))
+        plan = self._plans.get(key)
+        if plan is None:
+            if len(self._plans) >= 64:  # layouts that keep changing: do not grow without bound
+                self._plans.clear()
+            layouts = [SlotLayout(s.axis, s.shard) for s in self._slots]
+            plan = self._plans[key] = plan_reduction(key[0], key[1], layouts, self._scatters(), self.bucket_bytes)
+        rank = runtime.get_rank()
+        for op in plan:
+            chosen = [self._slots[i] for i in op.members]
+            member = op.mesh.coordinate_of(rank) is not None
+            if op.stat is not None:
+                locs = [s.param.grad._raw for s in chosen]  # type: ignore[union-attr]
+                scale = stats[op.stat].inverse_count() if member else None
+            else:
+                locs = [s.param.grad._local for s in chosen]  # type: ignore[union-attr]
+                scale = None
+            if not member:
+                results = locs
+            elif op.kind == "rs":
+                results = buckets.reduce_scatter(locs, op.dims, op.mesh, op.axis, op.reduce_type, scale)
+            else:
+                results = buckets.all_reduce(locs, op.mesh, op.axis, op.reduce_type, scale)
+            for s, target, local in zip(chosen, op.targets, results):
+                s.param.grad = DistTensor._wrap(local, target)
 
     def _scatters(self) -> bool:
         return self.stage is not None and self.stage.stage >= 2
-
-    def _reduce_axis(self, mesh: Any, axis: int, slots: list[_Slot]) -> None:
-        groups: dict[tuple[Any, ...], list[tuple[_Slot, DistSpec]]] = {}
-        for s in slots:
-            g = s.param.grad
-            assert isinstance(g, DistTensor)
-            p = g._spec.placements[axis]
-            if not isinstance(p, Partial):
-                continue
-            target = self._reduced_layout(s, g._spec, axis)
-            kind = "rs" if isinstance(target.placements[axis], Shard) else "ar"
-            groups.setdefault((kind, p.reduce_type, g.dtype), []).append((s, target))
-        member = mesh.coordinate_of(runtime.get_rank()) is not None
-        for (kind, reduce_type, _), items in groups.items():
-            sizes = [_meta_bytes(s.param.grad._spec) for s, _ in items]  # type: ignore[union-attr]
-            for bucket in buckets.plan_buckets(sizes, self.bucket_bytes):
-                chosen = [items[i] for i in bucket]
-                grads = [s.param.grad for s, _ in chosen]
-                if not member:
-                    results = [g._local for g in grads]  # type: ignore[union-attr]
-                elif kind == "rs":
-                    dims = [t.placements[axis].dim for _, t in chosen]  # type: ignore[union-attr]
-                    results = buckets.reduce_scatter([g._local for g in grads], dims, mesh, axis, reduce_type)  # type: ignore[union-attr]
-                else:
-                    results = buckets.all_reduce([g._local for g in grads], mesh, axis, reduce_type)  # type: ignore[union-attr]
-                for (s, target), local in zip(chosen, results):
-                    s.param.grad = DistTensor._wrap(local, target)
-
-    def _reduced_layout(self, s: _Slot, spec: DistSpec, axis: int) -> DistSpec:
-        """The gradient's layout after reducing ``axis``: Replicate, or the shard layout (stage >= 2)."""
-        key = (spec, axis, s.axis, s.shard)
-        out = self._reduced.get(key)
-        if out is None:
-            out = self._reduced[key] = self._reduced_layout_uncached(s, spec, axis)
-        return out
-
-    def _reduced_layout_uncached(self, s: _Slot, spec: DistSpec, axis: int) -> DistSpec:
-        placements = list(spec.placements)
-        placements[axis] = Replicate()
-        reduced = spec.with_placements(placements, spec.shard_order)
-        if axis == s.axis and s.shard is not None and self._scatters():
-            target = shard_layout(reduced, axis)
-            if target is not None and target.placements[axis] == s.shard.placements[axis]:
-                return target
-        return reduced
 
     @torch.no_grad()
     def _gather_updated(self) -> None:
@@ -201,7 +189,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for (mesh, axis, _), slots in groups.items():
             if mesh.coordinate_of(rank) is None:
                 continue
-            sizes = [_meta_bytes(s.param._spec) for s in slots]  # type: ignore[attr-defined]
+            sizes = [meta_bytes(s.param._spec) for s in slots]  # type: ignore[attr-defined]
             for bucket in buckets.plan_buckets(sizes, self.bucket_bytes):
                 chosen = [slots[i] for i in bucket]
                 fulls = buckets.all_gather(
@@ -300,12 +288,3 @@ def _to_layout(value: Any, param: torch.Tensor) -> Any:
         return DistTensor._wrap(reshard_local(value._local, value._spec, dst), dst)
     full = dst.with_placements([Replicate()] * dst.mesh.ndim)
     return DistTensor._wrap(reshard_local(value.to(param._local.device), full, dst).clone(), dst)
-
-
-def _meta_bytes(spec: DistSpec) -> int:
-    """Bytes of the largest local shard (mesh coordinate 0): the same number on every rank."""
-    n = 1
-    for s in spec.local_shape((0,) * spec.mesh.ndim):
-        n *= s
-    return n * spec.itemsize
-

@@ -8,7 +8,9 @@ from typing import Any
 import torch
 
 from autoparallel import runtime
+from autoparallel.deferred import Stat
 from autoparallel.dtensor import DistTensor
+from autoparallel.pending import PendingTensor, scaled_raw
 from autoparallel.placement import Partial, Replicate, Shard, chunk_bounds
 from autoparallel.spec import DistSpec
 from reshard.executor import reshard_local
@@ -42,11 +44,16 @@ class _Call:
     arrived Partial(sum). The backward is linear in that gradient, so it runs on the summands
     and the inputs' gradients are Partial(sum) there too — no all-reduce inside the backward
     (the DistTensor path would also pass the Partial on, to the optimizer's bucketed reduction).
+
+    ``stat``: the gradient of the (single) output arrived as an unscaled pending gradient
+    (``autoparallel.pending``); by the same linearity the inputs' gradients leave unscaled too,
+    pending on the same statistic.
     """
 
     def __init__(self, single: bool) -> None:
         self.single = single
         self.partial: tuple[int, ...] = ()
+        self.stat: Stat | None = None
 
 
 class _Localize(torch.autograd.Function):
@@ -67,8 +74,11 @@ class _Localize(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
         specs = ctx.specs if not ctx.call.partial else tuple(with_partial(s, ctx.call.partial) for s in ctx.specs)
+        stat = ctx.call.stat
         return (None, None, *[
-            None if g is None else DistTensor._wrap(g if g.is_contiguous() else g.contiguous(), s)
+            None if g is None else
+            DistTensor._wrap(g if g.is_contiguous() else g.contiguous(), s) if stat is None else
+            PendingTensor.make(g if g.is_contiguous() else g.contiguous(), s, None, stat)
             for g, s in zip(grads, specs)
         ])
 
@@ -86,7 +96,7 @@ class _Out(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: DistTensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
         target: DistSpec = ctx.spec
-        local, spec = grad._local, grad._spec
+        local, spec = grad._local if (raw := _unscaled(grad, ctx.call)) is None else raw, grad._spec
         if ctx.call.single:
             keep = []
             coord = spec.mesh.coordinate_of(runtime.get_rank())
@@ -106,6 +116,17 @@ class _Out(torch.autograd.Function):
                 ctx.call.partial = tuple(keep)
                 target = with_partial(target, ctx.call.partial)
         return reshard_local(local, spec, target), None, None
+
+
+def _unscaled(grad: DistTensor, call: _Call) -> torch.Tensor | None:
+    """The unscaled shard of a pending gradient arriving at a single-output region (whose
+    backward, linear in it, may run unscaled: ``call.stat`` carries the scale across); None
+    otherwise (the gradient is resolved)."""
+    pending = scaled_raw(grad)
+    if pending is None or not call.single or torch.is_grad_enabled():
+        return None
+    call.stat = pending[1]
+    return pending[0]
 
 
 def _zero_pad(local: torch.Tensor, dim: int, size: int, parts: int, index: int) -> torch.Tensor:
