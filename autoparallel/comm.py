@@ -81,11 +81,12 @@ def _pad_dim(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(pad_shape)], dim=dim)
 
 
-def all_reduce(local: torch.Tensor, mesh: "ProcessMesh", axis: int, reduce_type: str) -> torch.Tensor:
-    """Reduce ``local`` over the axis; every member gets the result (a new tensor)."""
+def all_reduce(local: torch.Tensor, mesh: "ProcessMesh", axis: int, reduce_type: str, in_place: bool = False) -> torch.Tensor:
+    """Reduce ``local`` over the axis; every member gets the result (a new tensor, or with
+    ``in_place`` a contiguous ``local`` itself: a buffer the caller owns)."""
     group, line, _ = _group(mesh, axis)
     n = len(line)
-    out = local.contiguous().clone()
+    out = local if in_place and local.is_contiguous() else local.contiguous().clone()
     dist.all_reduce(out, op=_reduce_op(reduce_type), group=group)  # type: ignore[arg-type]
     if reduce_type == "avg":
         out = out / n if out.is_floating_point() or out.is_complex() else out // n

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from autoparallel import comm, runtime
 from autoparallel.mesh import ProcessMesh
@@ -72,11 +73,11 @@ def all_reduce(
     multiply the results by ``scale`` (a 0-dim tensor) if given."""
     if mesh.shape[axis] == 1:
         return list(locals_) if scale is None else [t * scale for t in locals_]
-    flat = torch.cat([t.reshape(-1) for t in locals_])  # [sum numel]
-    flat = comm.all_reduce(flat, mesh, axis, reduce_type)
+    flat = _flatten_dense_tensors(list(locals_))  # [sum numel], a new buffer: reduced in place
+    flat = comm.all_reduce(flat, mesh, axis, reduce_type, in_place=True)
     if scale is not None:
         flat.mul_(scale)
-    return [piece.view(t.shape) for piece, t in zip(flat.split([t.numel() for t in locals_]), locals_)]
+    return list(_unflatten_dense_tensors(flat, list(locals_)))  # views of ``flat``
 
 
 def reduce_scatter(

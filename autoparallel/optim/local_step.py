@@ -16,11 +16,13 @@ and the user-visible ``optimizer.state`` keeps DistTensor states keyed by the pa
 from __future__ import annotations
 
 from collections import defaultdict
+from functools import lru_cache
 from typing import Any
 
 import torch
 
 from autoparallel.dtensor import DistTensor
+from autoparallel.placement import Partial
 
 ELEMENTWISE = (
     torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
@@ -32,22 +34,35 @@ def can_step_locally(optimizer: torch.optim.Optimizer) -> bool:
     """Whether every parameter, gradient and state tensor allows a local step (metadata only)."""
     if type(optimizer) not in ELEMENTWISE:  # a subclass may override step with anything
         return False
+    state = optimizer.state
     for group in optimizer.param_groups:
         if group.get("differentiable", False):
             return False
         for p in group["params"]:
-            if not isinstance(p, DistTensor) or p._spec.partial_axes():
+            if not isinstance(p, DistTensor):
+                return False
+            spec = p._spec
+            if _has_partial(spec.placements):
                 return False
             g = p.grad
-            if g is not None and (not isinstance(g, DistTensor) or g._spec != p._spec):
+            if g is not None and (not isinstance(g, DistTensor) or (g._spec is not spec and g._spec != spec)):
                 return False
-            for v in optimizer.state.get(p, {}).values():
+            for v in state.get(p, _NO_STATE).values():
                 if isinstance(v, DistTensor):
-                    if v._spec.placements != p._spec.placements or v._spec.shape != p._spec.shape:
+                    vs = v._spec
+                    if vs is not spec and (vs.placements != spec.placements or vs.shape != spec.shape):
                         return False
                 elif isinstance(v, torch.Tensor) and v.dim() > 0:
                     return False
     return True
+
+
+_NO_STATE: dict[str, Any] = {}
+
+
+@lru_cache(maxsize=1024)
+def _has_partial(placements: tuple[Any, ...]) -> bool:
+    return any(isinstance(p, Partial) for p in placements)
 
 
 def local_step(optimizer: torch.optim.Optimizer) -> bool:

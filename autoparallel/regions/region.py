@@ -85,9 +85,10 @@ def _slots(module: nn.Module) -> list[tuple[nn.Module, str]]:
     return out
 
 
-def _structure(module: nn.Module) -> tuple[tuple[int, int, int], ...]:
-    """Which submodules there are and how many parameters and buffers each holds."""
-    return tuple((id(m), len(m._parameters), len(m._buffers)) for m in module.modules())
+def _structure(modules: list[nn.Module]) -> tuple[tuple[Any, ...], ...]:
+    """Per module of the tree as last seen: how many parameters and buffers it holds and which
+    children (a flat walk: a change anywhere in the tree shows in some module's entry)."""
+    return tuple((len(m._parameters), len(m._buffers), *m._modules.values()) for m in modules)
 
 
 def _current(m: nn.Module, attr: str) -> torch.Tensor:
@@ -109,9 +110,9 @@ class _Region:
         self.module = module
         self.forward: Callable[..., Any] = module.forward
         self.own_forward = module.__dict__.get("forward", _MISSING)
-        self.shape = _structure(module)
-        self.slots = _slots(module)
         self.modules = list(module.modules())
+        self.shape = _structure(self.modules)
+        self.slots = _slots(module)
         self.verdicts: dict[Any, _Verdict] = {}
         self.children_done = False
 
@@ -123,9 +124,9 @@ class _Region:
         if _MODE:  # inside a parent's trace or local run: behave as the plain module
             return self.forward(*args, **kwargs)
         leaves, tree = tree_flatten((args, kwargs))
-        shape = _structure(self.module)
-        if shape != self.shape:  # a submodule, parameter or buffer was added or removed: start over
-            self.shape, self.slots, self.modules = shape, _slots(self.module), list(self.module.modules())
+        if _structure(self.modules) != self.shape:  # a submodule, parameter or buffer was added or removed
+            self.modules = list(self.module.modules())
+            self.shape, self.slots = _structure(self.modules), _slots(self.module)
             self.verdicts.clear()
         tensors = [_current(m, a) for m, a in self.slots]
         key = self._key(leaves, tree, tensors)
