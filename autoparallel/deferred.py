@@ -27,7 +27,7 @@ from autoparallel import comm
 # id(placeholder) -> (placeholder, stat, finish): local outputs of the op now running whose value
 # is ``finish(placeholder, stat)``; the dispatcher claims them when it wraps outputs.
 FRESH: dict[int, tuple[torch.Tensor, "Stat", Callable[[torch.Tensor, "Stat"], torch.Tensor]]] = {}
-# Set by ``autoparallel.pending`` when the first statistic is started: [intercept, adopt].
+# Set by ``autoparallel.pending`` at import: [intercept, adopt, carry] (see there).
 HOOKS: list[Callable[..., Any]] = []
 ACTIVE: list[bool] = []   # non-empty once a statistic was started (the dispatcher's fast check)
 

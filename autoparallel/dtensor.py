@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from autoparallel import runtime
+from autoparallel import deferred, runtime
 from autoparallel.dispatch import dispatch
 from autoparallel.mesh import Dims, ProcessMesh
 from autoparallel.placement import Partial, Replicate
@@ -194,6 +194,10 @@ class _Reshard(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: DistTensor) -> tuple[DistTensor, None]:  # type: ignore[override]
         target = grad_spec(ctx.src)
+        if deferred.ACTIVE and not torch.is_grad_enabled():  # a pending gradient moves unscaled
+            moved = deferred.HOOKS[2](grad, lambda local: reshard_local(local, grad._spec, target), target)
+            if moved is not None:
+                return moved, None
         return DistTensor._wrap(reshard_local(grad._local, grad._spec, target), target), None
 
 

@@ -195,4 +195,13 @@ def adopt(wrapped: list[Any]) -> list[Any]:
     return out
 
 
-deferred.HOOKS[:] = [intercept, adopt]
+def carry(grad: Any, move: Callable[[torch.Tensor], torch.Tensor], spec: DistSpec) -> "PendingTensor | None":
+    """A layout change (``move`` of the shard, a linear map: collectives of sums, slices,
+    gathers) of a pending scaled gradient, still pending; None when ``grad`` is not one."""
+    pending = scaled_raw(grad)
+    if pending is None or any(isinstance(p, Partial) and p.reduce_type not in ("sum", "avg") for p in grad._spec.placements):
+        return None
+    return PendingTensor.make(move(pending[0]), spec, None, pending[1])
+
+
+deferred.HOOKS[:] = [intercept, adopt, carry]

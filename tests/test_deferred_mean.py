@@ -124,6 +124,56 @@ def test_reading_the_loss_before_backward_waits_without_hanging(world4: Any, who
     assert ("early" in results[1]) == (who == "all") and "early" in results[0]
 
 
+class TwoHeads(nn.Module):
+    """Head ``a`` feeds the cross-entropy (pending gradients), head ``b`` a squared mean (not).
+    Called piece by piece (``heads``): the ops run on DistTensors, so the pending gradient
+    passes through the dispatcher's linear ops (mm, t, sum) rather than a local region."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk, self.a, self.b = nn.Linear(6, 8), nn.Linear(8, 5), nn.Linear(8, 3)
+
+    def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.tanh(self.trunk(x))
+        return self.a(h), self.b(h)
+
+
+def _mixed(rank: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    ref, model = TwoHeads(), TwoHeads()
+    model.load_state_dict(ref.state_dict())
+    mesh = _mesh()
+    ap.shard_layer(model, mesh)
+    opt = ap.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(4)
+    for _ in range(3):
+        x, y = torch.randn(8, 6, generator=g), torch.randint(0, 5, (8,), generator=g)
+        y[:3] = -100
+        a, b = model.heads(ap.shard_tensor(x, mesh, [S0]))
+        loss = F.cross_entropy(a, ap.shard_tensor(y, mesh, [S0])) + (b * b).mean()
+        ra, rb = ref.heads(x)
+        ref_loss = F.cross_entropy(ra, y) + (rb * rb).mean()
+        opt.zero_grad()
+        loss.backward()
+        pending = {n: type(p.grad) is PendingTensor and p.grad.is_pending for n, p in model.named_parameters()}
+        with ap.CommDebugMode() as step:
+            opt.step()
+        ref_opt.zero_grad()
+        ref_loss.backward()
+        ref_opt.step()
+        torch.testing.assert_close(loss.detach().full_tensor(), ref_loss.detach(), rtol=1e-5, atol=1e-6)
+    _assert_params_match(model, ref)
+    return {"pending": pending, "step": step.get_comm_counts()}
+
+
+def test_pending_and_other_gradients_share_one_bucket(world4: Any) -> None:
+    r = world4.run(_mixed)[0]
+    assert r["pending"]["a.weight"] and r["pending"]["a.bias"], r["pending"]
+    assert not r["pending"]["b.weight"] and not r["pending"]["trunk.weight"], r["pending"]
+    assert r["step"] == {"all_reduce": 1}, r["step"]  # one bucket; only its pending members scaled
+
+
 # ---- without shard_optimizer: the pending gradients resolve where they are used -------------------
 def _plain_optimizer(rank: int, extra: str) -> dict[str, Any]:
     ref, model = _pair(1)
@@ -202,21 +252,23 @@ def _spec(mesh: ap.ProcessMesh, placements: list[Any], shape: tuple[int, ...] = 
     return DistSpec(mesh, tuple(placements), shape, torch.float32)
 
 
-def test_plan_groups_pending_gradients_by_statistic_and_buckets_them() -> None:
+def test_plan_buckets_pending_gradients_with_the_others() -> None:
     mesh = ap.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "tp"])
     P = Partial("sum")
     specs = [_spec(mesh, [P, R]), _spec(mesh, [P, P]), _spec(mesh, [R, Shard(1)]), None, _spec(mesh, [P, R])]
     stats = [0, 0, 0, None, None]
     slots = [SlotLayout(None, None)] * 5
     plan = plan_reduction(specs, stats, slots, scatters=False, bucket_bytes=1 << 20)
-    # axis 0: the pending ones (0, 1) in one bucket, scaled; 4 separately (not pending)
-    assert [(op.axis, op.kind, op.members, op.stat) for op in plan] == [
-        (0, "ar", (0, 1), 0), (0, "ar", (4,), None), (1, "ar", (1,), None)]
-    assert plan[0].targets == (_spec(mesh, [R, R]), _spec(mesh, [R, P]))
+    # axis 0: one bucket; pending members (0, 1) are scaled after it, 4 is not pending; axis 1:
+    # member 1 again, scaled already by its first collective
+    assert [(op.axis, op.kind, op.members, op.stats) for op in plan] == [
+        (0, "ar", (0, 1, 4), (0, 0, None)), (1, "ar", (1,), (None,))]
+    assert plan[0].stat is None and plan[1].stat is None
+    assert plan[0].targets == (_spec(mesh, [R, R]), _spec(mesh, [R, P]), _spec(mesh, [R, R]))
     # the same inputs give the same plan (every rank plans alike); small buckets split it
     assert plan_reduction(specs, stats, slots, False, 1 << 20) == plan
     small = plan_reduction(specs, stats, slots, False, 8 * 4 * 4)
-    assert [op.members for op in small if op.axis == 0] == [(0,), (1,), (4,)]
+    assert [(op.members, op.stat) for op in small if op.axis == 0] == [((0,), 0), ((1,), 0), ((4,), None)]
 
 
 def test_plan_scatters_the_data_parallel_axis_first_for_zero2() -> None:

@@ -29,7 +29,13 @@ class BucketOp:
     members: tuple[int, ...]
     targets: tuple[DistSpec, ...]    # each member's gradient layout afterwards
     dims: tuple[int, ...]            # "rs": the tensor dim each member is scattered along
-    stat: int | None                 # the deferred statistic whose scale the members await
+    stats: tuple[int | None, ...]    # per member: the deferred statistic whose scale it awaits
+
+    @property
+    def stat(self) -> int | None:
+        """The statistic every member awaits (one scale for the whole bucket), else None."""
+        first = self.stats[0]
+        return first if all(s == first for s in self.stats) else None
 
 
 @dataclass(frozen=True)
@@ -46,7 +52,7 @@ def plan_reduction(
 ) -> tuple[BucketOp, ...]:
     """The collectives reducing every Partial gradient: per mesh, per axis (the data-parallel
     axis first when ZeRO >= 2 scatters it: the later all-reduces are then smaller), per
-    (kind, reduce type, dtype, statistic), per bucket of at most ``bucket_bytes``.
+    (kind, reduce type, dtype), per bucket of at most ``bucket_bytes``.
 
     ``specs[i]``: slot ``i``'s gradient layout (None: no DistTensor gradient); ``stats[i]``:
     the index of the statistic it waits on (None: not pending). A pending gradient is scaled
@@ -71,18 +77,18 @@ def plan_reduction(
                     continue
                 target = reduced_layout(spec, axis, slots[i], scatters)
                 kind = "rs" if isinstance(target.placements[axis], Shard) else "ar"
-                stat = waiting[i] if p.reduce_type in ("sum", "avg") else None
-                groups.setdefault((kind, p.reduce_type, spec.dtype, stat), []).append((i, target))
-            for (kind, reduce_type, _, stat), items in groups.items():
+                groups.setdefault((kind, p.reduce_type, spec.dtype), []).append((i, target))
+            for (kind, reduce_type, _), items in groups.items():
                 sizes = [meta_bytes(cur[i]) for i, _ in items]  # type: ignore[arg-type]
                 for bucket in buckets.plan_buckets(sizes, bucket_bytes):
                     chosen = [items[k] for k in bucket]
                     dims = tuple(t.placements[axis].dim for _, t in chosen) if kind == "rs" else ()  # type: ignore[union-attr]
+                    stat_of = tuple(waiting[i] if reduce_type in ("sum", "avg") else None for i, _ in chosen)
                     ops.append(BucketOp(mesh, axis, kind, reduce_type, tuple(i for i, _ in chosen),
-                                        tuple(t for _, t in chosen), dims, stat))
+                                        tuple(t for _, t in chosen), dims, stat_of))
                 for i, target in items:
                     cur[i] = target
-                    if stat is not None:
+                    if reduce_type in ("sum", "avg"):
                         waiting[i] = None
     return tuple(ops)
 

@@ -160,18 +160,20 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for op in plan:
             chosen = [self._slots[i] for i in op.members]
             member = op.mesh.coordinate_of(rank) is not None
-            if op.stat is not None:
-                locs = [s.param.grad._raw for s in chosen]  # type: ignore[union-attr]
-                scale = stats[op.stat].inverse_count() if member else None
-            else:
-                locs = [s.param.grad._local for s in chosen]  # type: ignore[union-attr]
-                scale = None
+            # pending members go in unscaled (``_raw``); one scale for a bucket that all awaits
+            # one statistic (the usual case), else each pending member's result is scaled
+            locs = [s.param.grad._raw if k is not None else s.param.grad._local  # type: ignore[union-attr]
+                    for s, k in zip(chosen, op.stats)]
+            whole = op.stat
+            scale = stats[whole].inverse_count() if whole is not None and member else None
             if not member:
                 results = locs
             elif op.kind == "rs":
                 results = buckets.reduce_scatter(locs, op.dims, op.mesh, op.axis, op.reduce_type, scale)
             else:
                 results = buckets.all_reduce(locs, op.mesh, op.axis, op.reduce_type, scale)
+            if whole is None and member:
+                results = [r if k is None else r * stats[k].inverse_count() for r, k in zip(results, op.stats)]
             for s, target, local in zip(chosen, op.targets, results):
                 s.param.grad = DistTensor._wrap(local, target)
 
