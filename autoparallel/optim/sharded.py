@@ -227,14 +227,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.reduce_gradients()
-        self._attach_shard_grads()
+        sharded = any(s.stepped is not s.param for s in self._slots)  # stages 1/2
+        if sharded:
+            self._attach_shard_grads()
         self.stepped_locally = local_step(self.inner)
         if not self.stepped_locally:
             self.inner.step()
-        self._gather_updated()
-        for s in self._slots:
-            if s.stepped is not s.param:
-                s.stepped.grad = None
+        if sharded:
+            self._gather_updated()
+            for s in self._slots:
+                if s.stepped is not s.param:
+                    s.stepped.grad = None
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
