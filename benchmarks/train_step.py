@@ -28,18 +28,19 @@ not in it). Then the ZeRO-3 target: ours' parameter + optimizer bytes per rank <
 the replicated (DP) figure. Both sides' losses are checked against each other (they compute
 the same training). PASS/FAIL lines are measurements, printed as they come out.
 
-Measured on the 2-core machine (load ~3 from other jobs; ratios move by about +-0.1 between
-runs), with local regions (docs/local_regions.md), the optimizer's local step and ZeRO-3 units:
-at the example's size (width 64) ours/torch was DP 1.21-1.35, TP 0.89-0.93, DPxTP+SP 0.98-1.03,
-ZeRO-3 0.95-0.97; at --width 256 --heads 8 --seq 128: DP 1.07, TP 0.96, DPxTP+SP 0.98, ZeRO-3
-1.01. The DP gap at width 64 is the loss: cross-entropy's mean over a batch split on dp needs
-the global count of counted tokens (``ignore_index`` makes it data-dependent), so ours
-all-reduces (sum, count) inside the forward — a synchronisation point between forward and
-backward, ~8 ms of a 50 ms step with 4 ranks on 2 cores, where DDP's two (gradients, the loss
-report) both come at the end of the step — while DDP averages per-rank means (equal to one
-device only when every rank counts the same number of tokens). With that all-reduce replaced by a local stand-in
-(a wrong value, for measurement only) DP measured 1.07. ZeRO-3 parameter + optimizer bytes per
-rank: 0.250 of replicated on both sides.
+Measured on the 2-core machine (load ~2-3 from other jobs; ratios move by about +-0.1 between
+runs), with local regions (docs/local_regions.md), the optimizer's local step, ZeRO-3 units and
+the deferred batch mean (docs/deferred_mean.md): at the example's size (width 64) ours/torch was
+DP 1.09-1.29 over five full runs (median 1.13; DP-only runs 1.15-1.26), TP 0.88-0.97, and over
+three runs DPxTP+SP 0.92-0.99, ZeRO-3 0.90-0.95. DP at width 64 is where our per-step Python work weighs most: in one process
+ours spends ~2.5-3.5 ms more CPU per step than plain torch (region entry, the loss's ops on
+DistTensors, ~26 gradient wrappers through ``__torch_dispatch__`` in backward, the bucketed
+reduction and the local step), and 4 ranks share 2 cores, so that doubles in wall time. The
+loss no longer adds a wait: cross-entropy's global mean (``ignore_index`` makes the count of
+counted tokens data-dependent) starts its (sum, count) all-reduce in the forward and the
+optimizer applies 1/count to the reduced gradients; DDP instead averages per-rank means, which
+equals one device only when every rank counts the same number of tokens. ZeRO-3 parameter +
+optimizer bytes per rank: 0.250 of replicated on both sides.
 """
 
 from __future__ import annotations
