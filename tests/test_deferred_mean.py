@@ -278,3 +278,60 @@ def test_plan_scatters_the_data_parallel_axis_first_for_zero2() -> None:
     plan = plan_reduction([spec, spec], [0, 0], [SlotLayout(0, shard)] * 2, scatters=True, bucket_bytes=1 << 20)
     assert [(op.kind, op.members, op.dims, op.stat) for op in plan] == [("rs", (0, 1), (0, 0), 0)]
     assert plan[0].targets == (shard, shard)
+
+
+# ---- the table of ops a pending gradient passes through unscaled (pure) ----------------------------
+def _samples() -> dict[Any, tuple[Any, ...]]:
+    """One call per op of ``LINEAR``/``JOINT`` (float64 CPU tensors)."""
+    a = torch.ops.aten
+    g = torch.Generator().manual_seed(0)
+
+    def r(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+    x, y = r(3, 4, 5), r(3, 4, 5)
+    logits = r(6, 7)
+    ln_x = r(6, 8)
+    mean, rstd = ln_x.mean(1, keepdim=True), (ln_x.var(1, unbiased=False, keepdim=True) + 1e-5).rsqrt()
+    q, k, v = r(2, 2, 5, 4), r(2, 2, 5, 4), r(2, 2, 5, 4)
+    out, lse = a._scaled_dot_product_flash_attention_for_cpu.default(q, k, v)
+    return {
+        a.view.default: (x, [12, 5]), a._unsafe_view.default: (x, [3, 20]), a.expand.default: (r(3, 1), [3, 4]),
+        a.t.default: (r(3, 4),), a.transpose.int: (x, 0, 2), a.permute.default: (x, [2, 0, 1]),
+        a.squeeze.default: (r(3, 1, 4),), a.squeeze.dim: (r(3, 1, 4), 1), a.squeeze.dims: (r(3, 1, 4), [1]),
+        a.unsqueeze.default: (x, 1), a.slice.Tensor: (x, 1, 1, 3), a.select.int: (x, 2, 3), a.alias.default: (x,),
+        a.detach.default: (x,), a.clone.default: (x,), a._to_copy.default: (x,), a.neg.default: (x,),
+        a.mul.Scalar: (x, 2.5), a.div.Scalar: (x, 3.0), a.div.Tensor: (x, y.abs() + 1), a.sum.default: (x,),
+        a.sum.dim_IntList: (x, [0, 2]),
+        a._log_softmax_backward_data.default: (logits, torch.log_softmax(logits, 1), 1, torch.float64),
+        a._softmax_backward_data.default: (logits, torch.softmax(logits, 1), 1, torch.float64),
+        a.gelu_backward.default: (x, y), a.threshold_backward.default: (x, y, 0.0),
+        a.native_dropout_backward.default: (x, y > 0, 2.0),
+        a.embedding_dense_backward.default: (r(5, 3), torch.tensor([0, 2, 2, 4, 1]), 6, -1, True),
+        a.native_layer_norm_backward.default: (r(6, 8), ln_x, [8], mean, rstd, r(8), r(8), [True, True, True]),
+        a._scaled_dot_product_flash_attention_for_cpu_backward.default: (r(2, 2, 5, 4), q, k, v, out, lse, 0.0, False),
+        a.mm.default: (r(3, 4), r(4, 5)), a.bmm.default: (r(2, 3, 4), r(2, 4, 5)), a.mul.Tensor: (x, y),
+        a.add.Tensor: (x, y), a.sub.Tensor: (x, y),
+    }
+
+
+def _outs(o: Any) -> list[torch.Tensor]:
+    return [t for t in (o if isinstance(o, (tuple, list)) else [o]) if isinstance(t, torch.Tensor)]
+
+
+def test_every_listed_op_is_linear_in_its_listed_arguments() -> None:
+    """op(.., s * x_k, ..) == s * op(.., x_k, ..) for each listed position (each alone for
+    LINEAR; all together for JOINT): what lets a scale wait until the optimizer."""
+    from autoparallel.pending import JOINT, LINEAR
+
+    samples = _samples()
+    assert set(LINEAR) | set(JOINT) <= set(samples), set(LINEAR) | set(JOINT) - set(samples)
+    for op in list(LINEAR) + list(JOINT):
+        args = samples[op]
+        groups = [[k] for k in LINEAR[op]] if op in LINEAR else [list(JOINT[op])]
+        base = _outs(op(*args))
+        for ks in groups:
+            for s in (-1.7, 0.3):
+                scaled = tuple(a * s if k in ks else a for k, a in enumerate(args))
+                for got, want in zip(_outs(op(*scaled)), base):
+                    torch.testing.assert_close(got, want * s, rtol=1e-9, atol=1e-12, msg=lambda m, op=op, ks=ks: f"{op} {ks}: {m}")
