@@ -7,6 +7,7 @@ Every aten op reaching ``__torch_dispatch__`` goes through ``autoparallel.dispat
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any
 
 import torch
@@ -19,7 +20,9 @@ from autoparallel.spec import DistSpec
 from reshard.executor import reshard_local
 
 
+@lru_cache(maxsize=4096)
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Row-major strides of ``shape`` (cached: every wrapper without explicit strides asks)."""
     strides, acc = [], 1
     for s in reversed(shape):
         strides.append(acc)

@@ -116,7 +116,7 @@ class ProcessMesh:
         return np.array(self._ids, dtype=np.int64).reshape(self._shape)
 
     def __eq__(self, other: object) -> bool:
-        return (
+        return self is other or (
             isinstance(other, ProcessMesh)
             and self._hash == other._hash
             and self._shape == other._shape

@@ -48,6 +48,15 @@ class DistSpec:
     def __hash__(self) -> int:  # fields are immutable: hash them once
         return self._hash
 
+    def __eq__(self, other: object) -> bool:  # the same object, or the stored hashes differ: fast
+        if self is other:
+            return True
+        if not isinstance(other, DistSpec):
+            return NotImplemented
+        return (self._hash == other._hash and self.shape == other.shape and self.dtype == other.dtype
+                and self.placements == other.placements and self.shard_order == other.shard_order
+                and self.mesh == other.mesh)
+
     def __post_init__(self) -> None:
         placements = tuple(self.placements)
         for p in placements:
