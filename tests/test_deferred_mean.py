@@ -174,6 +174,36 @@ def test_pending_and_other_gradients_share_one_bucket(world4: Any) -> None:
     assert r["step"] == {"all_reduce": 1}, r["step"]  # one bucket; only its pending members scaled
 
 
+def _zero(rank: int, stage: int) -> dict[str, Any]:
+    ref, model = _pair(3)
+    mesh = _mesh()
+    ap.shard_layer(model, mesh)
+    shard_fn = {1: ap.ShardingStage1, 2: ap.ShardingStage2, 3: ap.ShardingStage3}[stage](mesh, "dp")
+    # SGD: AdamW turns the summation-order rounding of near-zero gradients into lr-sized steps
+    # (examples/train_gpt.py --help), which an elementwise comparison would flag
+    opt = ap.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4), shard_fn)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+    for x, y in _batches(3):
+        loss = _ce(model(ap.shard_tensor(x, mesh, [S0])), ap.shard_tensor(y, mesh, [S0]))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        ref_loss = _ce(ref(x), y)
+        ref_opt.zero_grad()
+        ref_loss.backward()
+        ref_opt.step()
+        torch.testing.assert_close(loss.detach().full_tensor(), ref_loss.detach(), rtol=1e-5, atol=1e-6)
+    _assert_params_match(model, ref)
+    return {}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_stages_scale_the_deferred_mean(world4: Any, stage: int) -> None:
+    """Stage 2 scales the reduce-scattered bucket; stage 3 reduces inside the backward (each
+    unit's gradients are resolved there); every stage matches one process."""
+    world4.run(_zero, stage)
+
+
 # ---- without shard_optimizer: the pending gradients resolve where they are used -------------------
 def _plain_optimizer(rank: int, extra: str) -> dict[str, Any]:
     ref, model = _pair(1)
