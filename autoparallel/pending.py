@@ -60,6 +60,7 @@ class PendingTensor(DistTensor):
     def _local(self) -> torch.Tensor:
         if self._done is None:
             self._done = self._finish(self._raw, self._stat)
+            self._raw = self._done  # the unscaled shard is no longer needed: free it
         return self._done
 
     @_local.setter
