@@ -84,25 +84,25 @@ def _pad_dim(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
 def all_reduce(local: torch.Tensor, mesh: "ProcessMesh", axis: int, reduce_type: str, in_place: bool = False) -> torch.Tensor:
     """Reduce ``local`` over the axis; every member gets the result (a new tensor, or with
     ``in_place`` a contiguous ``local`` itself: a buffer the caller owns)."""
-    group, line, _ = _group(mesh, axis)
-    n = len(line)
-    out = local if in_place and local.is_contiguous() else local.contiguous().clone()
-    dist.all_reduce(out, op=_reduce_op(reduce_type), group=group)  # type: ignore[arg-type]
+    out, work = all_reduce_start(local, mesh, axis, reduce_type, in_place)
+    work.wait()  # type: ignore[attr-defined]
     if reduce_type == "avg":
+        n = mesh.shape[axis]
         out = out / n if out.is_floating_point() or out.is_complex() else out // n
-    record("all_reduce", mesh, axis, line, *cost.all_reduce_bytes(_nbytes(out), n))
     return out
 
 
-def all_reduce_start(local: torch.Tensor, mesh: "ProcessMesh", axis: int) -> tuple[torch.Tensor, object]:
-    """Start summing ``local`` over the axis without waiting: (result buffer, work to wait on).
+def all_reduce_start(
+    local: torch.Tensor, mesh: "ProcessMesh", axis: int, reduce_type: str = "sum", in_place: bool = False
+) -> tuple[torch.Tensor, object]:
+    """Start reducing ``local`` over the axis without waiting: (result buffer, work to wait on).
 
-    The buffer holds the sum once ``work.wait()`` returns; read it only after that. Every
-    member must start the same collectives in the same order, as for the blocking ones.
+    The buffer holds the result once ``work.wait()`` returns (for ``avg``: the sum; dividing
+    is ``all_reduce``'s). Every member must start the same collectives in the same order.
     """
     group, line, _ = _group(mesh, axis)
-    out = local.contiguous().clone()
-    work = dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group, async_op=True)  # type: ignore[arg-type]
+    out = local if in_place and local.is_contiguous() else local.contiguous().clone()
+    work = dist.all_reduce(out, op=_reduce_op(reduce_type), group=group, async_op=True)  # type: ignore[arg-type]
     record("all_reduce", mesh, axis, line, *cost.all_reduce_bytes(_nbytes(out), len(line)))
     return out, work
 

@@ -27,9 +27,9 @@ from autoparallel import comm
 # id(placeholder) -> (placeholder, stat, finish): local outputs of the op now running whose value
 # is ``finish(placeholder, stat)``; the dispatcher claims them when it wraps outputs.
 FRESH: dict[int, tuple[torch.Tensor, "Stat", Callable[[torch.Tensor, "Stat"], torch.Tensor]]] = {}
-# Set by ``autoparallel.pending`` at import: [intercept, adopt, carry] (see there).
-HOOKS: list[Callable[..., Any]] = []
-ACTIVE: list[bool] = []   # non-empty once a statistic was started (the dispatcher's fast check)
+# Set by ``autoparallel.pending`` at import (it defines the pending tensor class, which this
+# module and the dispatcher cannot import): turns the wrapped outputs claimed in FRESH pending.
+ADOPT: list[Callable[[list[Any]], list[Any]]] = []
 
 
 class Stat:
@@ -40,8 +40,6 @@ class Stat:
     def __init__(self, local: torch.Tensor, mesh: Any, axis: int) -> None:
         self._buf, self._work = comm.all_reduce_start(local, mesh, axis)
         self._scale: torch.Tensor | None = None
-        if not ACTIVE:
-            ACTIVE.append(True)
 
     def result(self) -> torch.Tensor:
         if self._work is not None:

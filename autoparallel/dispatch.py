@@ -75,10 +75,6 @@ def dispatch(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any])
         args, kwargs = adopt_plain(cls, func, args, kwargs, dts, plain)
         dts, plain = [], []
         key = (func, call_key(cls, args, dts, plain), call_key(cls, tuple(kwargs.items()), dts, plain) if kwargs else ())
-    if _deferred.ACTIVE:  # a pending input may pass through unresolved (autoparallel.pending)
-        out = _deferred.HOOKS[0](cls, func, args, kwargs, dts)
-        if out is not NotImplemented:
-            return out
     decision = _CACHE.get(key)
     if decision is None:
         decision = _finish(cls, func, _decide(cls, func, args, kwargs, dts), args, kwargs, [t._spec for t in dts])
@@ -331,7 +327,7 @@ def _execute(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
         if d.local_fn is not None:
             assert d.call is not None
             shapes = tuple(None if s is None else s.local_shape(d.coord) for s in d.out_specs)
-            may_defer = bool(_deferred.HOOKS) and not TRACES and torch.is_grad_enabled()
+            may_defer = not TRACES and torch.is_grad_enabled()
             out = d.local_fn(LocalContext(d.call, shapes, d.in_specs, d.out_specs, d.coord, may_defer), *largs, **lkwargs)
         else:
             out = func(*largs, **lkwargs)
@@ -362,7 +358,7 @@ def _execute(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
         for lo, s, st in zip(louts, d.out_specs, d.out_strides)
     ]
     if _deferred.FRESH:  # the op started a deferred statistic: its outputs wait on it
-        wrapped = _deferred.HOOKS[1](wrapped)
+        wrapped = _deferred.ADOPT[0](wrapped)
     if d.detached_view:
         for w in wrapped:
             if w is not None:

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from autoparallel import deferred, runtime
+from autoparallel import runtime
 from autoparallel.dispatch import dispatch
 from autoparallel.mesh import Dims, ProcessMesh
 from autoparallel.placement import Partial, Replicate
@@ -97,6 +97,11 @@ class DistTensor(torch.Tensor):
     def to_local(self, *, grad_placements: Any = None) -> torch.Tensor:
         """This rank's shard (differentiable; its gradient flows back as a DistTensor)."""
         return _ToLocal.apply(self, grad_placements)
+
+    def _moved(self, move: Any, spec: DistSpec) -> "DistTensor":
+        """This value in layout ``spec``: ``move`` (a layout change, linear) applied to the shard.
+        A pending gradient (``autoparallel.pending``) moves its unscaled shard instead."""
+        return DistTensor._wrap(move(self._local), spec)
 
     def full_tensor(self) -> torch.Tensor:
         """The whole value on every rank of the mesh (differentiable); empty off the mesh."""
@@ -197,11 +202,7 @@ class _Reshard(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: DistTensor) -> tuple[DistTensor, None]:  # type: ignore[override]
         target = grad_spec(ctx.src)
-        if deferred.ACTIVE and not torch.is_grad_enabled():  # a pending gradient moves unscaled
-            moved = deferred.HOOKS[2](grad, lambda local: reshard_local(local, grad._spec, target), target)
-            if moved is not None:
-                return moved, None
-        return DistTensor._wrap(reshard_local(grad._local, grad._spec, target), target), None
+        return grad._moved(lambda local: reshard_local(local, grad._spec, target), target), None
 
 
 def _rank() -> int:

@@ -6,9 +6,9 @@ One class, two kinds:
   statistic's all-reduce is done;
 - a *scaled gradient*: ``raw * stat.inverse_count()``. The backward of a deferred mean
   (``nll_loss_backward`` run with total weight 1) makes one; it passes *unscaled* through ops
-  linear in it (``LINEAR``), through a local region's backward (``autoparallel.regions``) and
-  autograd's gradient accumulation, to the optimizer's bucketed reduction, which scales each
-  reduced bucket once. The backward being linear in its incoming gradient, scaling at the end
+  linear in it (``LINEAR``), layout changes (``_moved``), a local region's backward
+  (``autoparallel.regions``) and autograd's gradient accumulation, to the optimizer's bucketed
+  reduction, which scales each reduced bucket once. The backward being linear in its incoming gradient, scaling at the end
   equals scaling at the start (up to rounding: fp32 agrees to ~1e-7).
 
 Anything else resolves the value first: reading ``_local`` (any other op, ``to_local``,
@@ -76,19 +76,35 @@ class PendingTensor(DistTensor):
     def __torch_dispatch__(  # type: ignore[override]
         cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
-        if func is _DETACH and len(args) == 1 and not kwargs and args[0]._done is None:
-            x = args[0]  # autograd detaches each gradient it keeps: still pending
-            return cls.make(x._raw.detach(), x._spec, x._stride, x._stat, None if x._scaled else x._finish)
-        return dispatch(DistTensor, func, args, kwargs or {})
+        """Torch calls this (a subclass goes first) for every op with a PendingTensor argument,
+        so plain DistTensor ops never pay for the checks below."""
+        kwargs = kwargs or {}
+        out = _intercept(func, args, kwargs)
+        return dispatch(DistTensor, func, args, kwargs) if out is NotImplemented else out
+
+    def _moved(self, move: Any, spec: DistSpec) -> DistTensor:
+        if _pending(self) and self._scaled and not torch.is_grad_enabled() and _sums_only(self._spec):
+            return PendingTensor.make(move(self._raw), spec, None, self._stat)  # a linear map: unscaled
+        return super()._moved(move, spec)
 
 
 def _scale(raw: torch.Tensor, stat: deferred.Stat) -> torch.Tensor:
     return raw * stat.inverse_count()
 
 
+def _pending(t: Any) -> bool:
+    """Whether ``t`` is a PendingTensor whose value is not computed yet."""
+    return type(t) is PendingTensor and t._done is None
+
+
+def _sums_only(spec: DistSpec) -> bool:
+    """No Partial(max/min): a scale commutes with summing summands, not with their max."""
+    return not any(isinstance(p, Partial) and p.reduce_type not in ("sum", "avg") for p in spec.placements)
+
+
 def scaled_raw(t: Any) -> tuple[torch.Tensor, deferred.Stat] | None:
     """(unscaled shard, statistic) of a pending scaled gradient; None for anything else."""
-    if type(t) is PendingTensor and t._done is None and t._scaled:
+    if _pending(t) and t._scaled:
         return t._raw, t._stat
     return None
 
@@ -120,43 +136,45 @@ METADATA_ONLY = frozenset({
 NLL_BACKWARD = frozenset({aten.nll_loss_backward.default, aten.nll_loss2d_backward.default})
 
 
-def intercept(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], dts: list[Any]) -> Any:
+def _intercept(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Run ``func`` without resolving its pending arguments where that is exact; NotImplemented
     lets the dispatcher run it normally (reading ``_local`` resolves them)."""
-    if not any(type(d) is PendingTensor and d._done is None for d in dts):
-        return NotImplemented
+    where = [k for k, a in enumerate(args) if _pending(a)]
+    if not where and not any(_pending(v) for v in kwargs.values()):
+        return NotImplemented  # resolved ones, or pending ones nested in a list: resolve
+    if func is _DETACH and where == [0] and len(args) == 1:  # autograd detaches each gradient it keeps
+        x = args[0]
+        return PendingTensor.make(x._raw.detach(), x._spec, x._stride, x._stat, None if x._scaled else x._finish)
     if func in METADATA_ONLY:
-        return dispatch(cls, func, *_substitute(args, kwargs, {}))
-    if torch.is_grad_enabled() or any(type(v) is PendingTensor and v._done is None for v in kwargs.values()):
+        return dispatch(DistTensor, func, *_substitute(args, kwargs, {}))
+    if torch.is_grad_enabled() or any(_pending(v) for v in kwargs.values()):
         return NotImplemented  # a differentiable use (create_graph, a forward op): resolve
     if func in NLL_BACKWARD:
-        return _nll_backward(cls, func, args, kwargs)
-    where = [k for k, a in enumerate(args) if type(a) is PendingTensor and a._done is None]
+        return _nll_backward(func, args, kwargs)
     if not all(args[k]._scaled for k in where) or len({id(args[k]._stat) for k in where}) != 1:
         return NotImplemented
-    if any(isinstance(p, Partial) and p.reduce_type not in ("sum", "avg") for k in where for p in args[k]._spec.placements):
-        return NotImplemented  # max/min of summands does not commute with a scale
+    if not all(_sums_only(args[k]._spec) for k in where):
+        return NotImplemented
     if func in LINEAR:
         ok = len(where) == 1 and where[0] in LINEAR[func]
     else:
         ok = func in JOINT and tuple(where) == JOINT[func]
     if not ok:
         return NotImplemented
-    stat = args[where[0]]._stat
-    out = dispatch(cls, func, *_substitute(args, kwargs, {}))
-    return _rewrap(out, stat)
+    out = dispatch(DistTensor, func, *_substitute(args, kwargs, {}))
+    return _rewrap(out, args[where[0]]._stat)
 
 
-def _nll_backward(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _nll_backward(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """The backward of a deferred mean: run with total weight 1, scale by 1/total later."""
     names = [a.name for a in func._schema.arguments]
     bound = dict(zip(names, args)) | kwargs
-    tw = bound.get("total_weight")
-    if (type(tw) is not PendingTensor or tw._scaled or int(bound.get("reduction", MEAN)) != MEAN
-            or any(type(v) is PendingTensor and v._done is None for k, v in bound.items() if k != "total_weight")):
+    tw: Any = bound.get("total_weight")
+    if (not _pending(tw) or tw._scaled or int(bound.get("reduction", MEAN)) != MEAN
+            or any(_pending(v) for k, v in bound.items() if k != "total_weight")):
         return NotImplemented
     one = DistTensor._wrap(torch.ones_like(tw._raw), tw._spec, tw._stride)
-    out = dispatch(cls, func, *_substitute(args, kwargs, {id(tw): one}))
+    out = dispatch(DistTensor, func, *_substitute(args, kwargs, {id(tw): one}))
     return _rewrap(out, tw._stat)
 
 
@@ -165,7 +183,7 @@ def _substitute(args: tuple[Any, ...], kwargs: dict[str, Any], extra: dict[int, 
     def sub(a: Any) -> Any:
         if id(a) in extra:
             return extra[id(a)]
-        if type(a) is PendingTensor and a._done is None:
+        if _pending(a):
             return DistTensor._wrap(a._raw, a._spec, a._stride)
         if isinstance(a, (list, tuple)):
             return type(a)(sub(v) for v in a)
@@ -196,13 +214,4 @@ def adopt(wrapped: list[Any]) -> list[Any]:
     return out
 
 
-def carry(grad: Any, move: Callable[[torch.Tensor], torch.Tensor], spec: DistSpec) -> "PendingTensor | None":
-    """A layout change (``move`` of the shard, a linear map: collectives of sums, slices,
-    gathers) of a pending scaled gradient, still pending; None when ``grad`` is not one."""
-    pending = scaled_raw(grad)
-    if pending is None or any(isinstance(p, Partial) and p.reduce_type not in ("sum", "avg") for p in grad._spec.placements):
-        return None
-    return PendingTensor.make(move(pending[0]), spec, None, pending[1])
-
-
-deferred.HOOKS[:] = [intercept, adopt, carry]
+deferred.ADOPT[:] = [adopt]

@@ -97,7 +97,7 @@ def reduce_scatter(
     buf = torch.cat([_pad(s, width) for s in segments])  # [n * width]
     mine = comm.reduce_scatter(buf, mesh, axis, 0, reduce_type)  # [width]
     if scale is not None:
-        mine = mine * scale
+        mine.mul_(scale)
     shapes = [_chunk_shape(t.shape, d, n, me) for t, d in zip(locals_, dims)]
     sizes = [_numel(s) for s in shapes]
     pieces = mine[: sum(sizes)].split(sizes)

@@ -33,7 +33,7 @@ from autoparallel.optim.reduction import BucketOp, SlotLayout, meta_bytes, plan_
 from autoparallel.optim.stages import ShardingStage, check_stage, param_axis, shard_layout
 from autoparallel.optim.zero3 import shard_parameter_
 from autoparallel.pending import scaled_raw
-from autoparallel.placement import Partial, Replicate, Shard, chunk_bounds
+from autoparallel.placement import Replicate, chunk_bounds
 from autoparallel.spec import DistSpec
 from reshard.executor import reshard_local
 
@@ -81,6 +81,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise ValueError("shard_optimizer: wrap the optimizer before its first step (it already holds state)")
         plans = [self._plan_group(g, k) for k, g in enumerate(optimizer.param_groups)]  # all checks first
         self._slots: list[_Slot] = []
+        self._sharded = False
         for group, plan in zip(optimizer.param_groups, plans):
             group["params"] = [self._adopt(*item) for item in plan]
         super().__init__(optimizer.param_groups, optimizer.defaults)
@@ -116,6 +117,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             else:
                 stepped = DistTensor._wrap(_narrow_to(p._local, p._spec, shard, axis), shard)  # type: ignore[attr-defined,arg-type]
         self._slots.append(_Slot(p, stepped, axis, shard))
+        self._sharded |= stepped is not p  # stages 1/2 step a shard of the parameter
         return stepped
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -137,18 +139,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
         kept for the next step with the same layouts.
         """
         grads = [s.param.grad for s in self._slots]
-        stats: list[Any] = []
+        stats: list[Any] = []     # the statistics pending gradients wait on, by first appearance
+        index: dict[int, int] = {}
         waits: list[int | None] = []
         for g in grads:
             pending = scaled_raw(g)
-            if pending is None:
-                waits.append(None)
-                continue
-            k = next((j for j, st in enumerate(stats) if st is pending[1]), None)
-            if k is None:
+            if pending is not None and id(pending[1]) not in index:
+                index[id(pending[1])] = len(stats)
                 stats.append(pending[1])
-                k = len(stats) - 1
-            waits.append(k)
+            waits.append(None if pending is None else index[id(pending[1])])
         key = (tuple(g._spec if isinstance(g, DistTensor) else None for g in grads), tuple(waits))
         plan = self._plans.get(key)
         if plan is None:
@@ -227,13 +226,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.reduce_gradients()
-        sharded = any(s.stepped is not s.param for s in self._slots)  # stages 1/2
-        if sharded:
+        if self._sharded:
             self._attach_shard_grads()
         self.stepped_locally = local_step(self.inner)
         if not self.stepped_locally:
             self.inner.step()
-        if sharded:
+        if self._sharded:
             self._gather_updated()
             for s in self._slots:
                 if s.stepped is not s.param:

@@ -75,12 +75,7 @@ class _Localize(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
         specs = ctx.specs if not ctx.call.partial else tuple(with_partial(s, ctx.call.partial) for s in ctx.specs)
         stat = ctx.call.stat
-        return (None, None, *[
-            None if g is None else
-            DistTensor._wrap(g if g.is_contiguous() else g.contiguous(), s) if stat is None else
-            PendingTensor.make(g if g.is_contiguous() else g.contiguous(), s, None, stat)
-            for g, s in zip(grads, specs)
-        ])
+        return (None, None, *[None if g is None else _wrap_grad(g, s, stat) for g, s in zip(grads, specs)])
 
 
 class _Out(torch.autograd.Function):
@@ -96,7 +91,8 @@ class _Out(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: DistTensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
         target: DistSpec = ctx.spec
-        local, spec = grad._local if (raw := _unscaled(grad, ctx.call)) is None else raw, grad._spec
+        raw = _unscaled(grad, ctx.call)
+        local, spec = grad._local if raw is None else raw, grad._spec
         if ctx.call.single:
             keep = []
             coord = spec.mesh.coordinate_of(runtime.get_rank())
@@ -116,6 +112,12 @@ class _Out(torch.autograd.Function):
                 ctx.call.partial = tuple(keep)
                 target = with_partial(target, ctx.call.partial)
         return reshard_local(local, spec, target), None, None
+
+
+def _wrap_grad(g: torch.Tensor, spec: DistSpec, stat: Stat | None) -> DistTensor:
+    """A local gradient as a DistTensor of ``spec``; still unscaled (pending) with ``stat``."""
+    g = g if g.is_contiguous() else g.contiguous()
+    return DistTensor._wrap(g, spec) if stat is None else PendingTensor.make(g, spec, None, stat)
 
 
 def _unscaled(grad: DistTensor, call: _Call) -> torch.Tensor | None:
