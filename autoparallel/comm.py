@@ -29,12 +29,15 @@ _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _groups: dict[tuple[int, ...], object] = {}
 _world_token: list[object] = [None]
+# (mesh, axis, rank) -> what ``_group`` returns, for the current world (cleared with ``_groups``)
+_resolved: dict[tuple[object, int, int], tuple[object, tuple[int, ...], tuple[int, ...]]] = {}
 
 
 def _group_cache() -> dict[tuple[int, ...], object]:
     world = dist.group.WORLD if dist.is_initialized() else None
     if _world_token[0] is not world:
         _groups.clear()
+        _resolved.clear()
         _world_token[0] = world
     return _groups
 
@@ -53,16 +56,20 @@ def create_mesh_groups(mesh: "ProcessMesh") -> None:
             cache[key] = dist.group.WORLD if key == tuple(range(world)) else dist.new_group(list(key))
 
 
-def _group(mesh: "ProcessMesh", axis: int) -> tuple[object, tuple[int, ...], list[int]]:
+def _group(mesh: "ProcessMesh", axis: int) -> tuple[object, tuple[int, ...], tuple[int, ...]]:
     """(process group, axis line in coordinate order, group rank of each coordinate)."""
     rank = runtime.get_rank()
+    cache = _group_cache()
+    found = _resolved.get((mesh, axis, rank))
+    if found is not None:
+        return found
     line = mesh.axis_group_of(axis, rank)
     assert line is not None, f"rank {rank} called a collective on a mesh it is not in"
     key = tuple(sorted(line))
-    cache = _group_cache()
     if key not in cache:
         mesh.bind()
-    return cache[key], line, [key.index(r) for r in line]
+    found = _resolved[mesh, axis, rank] = (cache[key], line, tuple(key.index(r) for r in line))
+    return found
 
 
 def _reduce_op(reduce_type: str) -> dist.ReduceOp:

@@ -59,7 +59,7 @@ class ProcessMesh:
     ((2, 2), 2)
     """
 
-    __slots__ = ("_shape", "_ids", "_dim_names", "_hash", "_bound")
+    __slots__ = ("_shape", "_ids", "_dim_names", "_hash", "_bound", "_coords", "_lines")
 
     def __init__(self, mesh: Any, dim_names: Sequence[str] | None = None) -> None:
         arr = _to_array(mesh)
@@ -87,6 +87,8 @@ class ProcessMesh:
         self._dim_names = tuple(names)
         self._hash = hash((self._shape, self._ids, self._dim_names))
         self._bound = False
+        self._coords: dict[int, tuple[int, ...] | None] = {}  # rank -> coordinate (a mesh never changes)
+        self._lines: dict[tuple[int, int], tuple[int, ...] | None] = {}  # (axis, rank) -> axis line
         if runtime.world_available():
             self.bind()
 
@@ -153,10 +155,17 @@ class ProcessMesh:
     def coordinate_of(self, rank: int) -> tuple[int, ...] | None:
         """Coordinate of ``rank`` in the mesh, or None when it is not a member."""
         try:
+            return self._coords[rank]
+        except KeyError:
+            pass
+        try:
             flat = self._ids.index(rank)
         except ValueError:
-            return None
-        return tuple(int(c) for c in np.unravel_index(flat, self._shape))
+            coord = None
+        else:
+            coord = tuple(int(c) for c in np.unravel_index(flat, self._shape))
+        self._coords[rank] = coord
+        return coord
 
     def rank_at(self, coord: Sequence[int]) -> int:
         return self._ids[int(np.ravel_multi_index(tuple(coord), self._shape))]
@@ -167,12 +176,17 @@ class ProcessMesh:
         return [tuple(int(r) for r in row) for row in arr]
 
     def axis_group_of(self, axis: int, rank: int) -> tuple[int, ...] | None:
+        """The ranks on ``rank``'s line along ``axis``, in coordinate order (None: not a member)."""
+        try:
+            return self._lines[axis, rank]
+        except KeyError:
+            pass
         coord = self.coordinate_of(rank)
-        if coord is None:
-            return None
-        return tuple(
+        line = None if coord is None else tuple(
             self.rank_at(coord[:axis] + (i,) + coord[axis + 1:]) for i in range(self._shape[axis])
         )
+        self._lines[axis, rank] = line
+        return line
 
     # ---- sub-meshes ---------------------------------------------------------------------
     def get_mesh_with_dim(self, dim_name: str, index: int | None = None) -> "ProcessMesh":

@@ -32,29 +32,7 @@ ELEMENTWISE = (
 
 def can_step_locally(optimizer: torch.optim.Optimizer) -> bool:
     """Whether every parameter, gradient and state tensor allows a local step (metadata only)."""
-    if type(optimizer) not in ELEMENTWISE:  # a subclass may override step with anything
-        return False
-    state = optimizer.state
-    for group in optimizer.param_groups:
-        if group.get("differentiable", False):
-            return False
-        for p in group["params"]:
-            if not isinstance(p, DistTensor):
-                return False
-            spec = p._spec
-            if _has_partial(spec.placements):
-                return False
-            g = p.grad
-            if g is not None and (not isinstance(g, DistTensor) or (g._spec is not spec and g._spec != spec)):
-                return False
-            for v in state.get(p, _NO_STATE).values():
-                if isinstance(v, DistTensor):
-                    vs = v._spec
-                    if vs is not spec and (vs.placements != spec.placements or vs.shape != spec.shape):
-                        return False
-                elif isinstance(v, torch.Tensor) and v.dim() > 0:
-                    return False
-    return True
+    return _local_view(optimizer) is not None
 
 
 _NO_STATE: dict[str, Any] = {}
@@ -65,35 +43,83 @@ def _has_partial(placements: tuple[Any, ...]) -> bool:
     return any(isinstance(p, Partial) for p in placements)
 
 
-def local_step(optimizer: torch.optim.Optimizer) -> bool:
-    """Step ``optimizer`` on local shards if ``can_step_locally``; True when it did."""
-    if not can_step_locally(optimizer):
-        return False
+_View = tuple[list[list[torch.Tensor]], list[tuple[DistTensor, torch.Tensor, Any]], dict[torch.Tensor, dict[str, Any]]]
+
+
+def _local_view(optimizer: torch.optim.Optimizer) -> _View | None:
+    """The optimizer seen on local shards, or None when some layout forbids it (checked on
+    metadata only, in one pass): per group the local parameters; per parameter (parameter,
+    local, gradient); the local state dicts keyed by the locals."""
+    if type(optimizer) not in ELEMENTWISE:  # a subclass may override step with anything
+        return None
     state = optimizer.state
-    groups = [g["params"] for g in optimizer.param_groups]
-    pairs: list[tuple[DistTensor, torch.Tensor]] = []
-    local_state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
+    groups: list[list[torch.Tensor]] = []
+    items: list[tuple[DistTensor, torch.Tensor, Any]] = []
+    local_state: dict[torch.Tensor, dict[str, Any]] = {}
     for group in optimizer.param_groups:
+        if group.get("differentiable", False):
+            return None
         locs = []
         for p in group["params"]:
+            if not isinstance(p, DistTensor):
+                return None
+            spec = p._spec
+            if _has_partial(spec.placements):
+                return None
+            g = p.grad
+            if g is not None and (not isinstance(g, DistTensor) or (g._spec is not spec and g._spec != spec)):
+                return None
             loc = p._local
-            loc.grad = None if p.grad is None else p.grad._local
-            if p in state:
-                local_state[loc] = {k: v._local if isinstance(v, DistTensor) else v for k, v in state[p].items()}
-            pairs.append((p, loc))
+            st = state.get(p)
+            if st:
+                ls: dict[str, Any] = {}
+                for k, v in st.items():
+                    if isinstance(v, DistTensor):
+                        vs = v._spec
+                        if vs is not spec and (vs.placements != spec.placements or vs.shape != spec.shape):
+                            return None
+                        ls[k] = v._local
+                    elif isinstance(v, torch.Tensor) and v.dim() > 0:
+                        return None
+                    else:
+                        ls[k] = v
+                local_state[loc] = ls
+            items.append((p, loc, g))
             locs.append(loc)
+        groups.append(locs)
+    return groups, items, local_state
+
+
+def local_step(optimizer: torch.optim.Optimizer) -> bool:
+    """Step ``optimizer`` on local shards if ``can_step_locally``; True when it did."""
+    view = _local_view(optimizer)
+    if view is None:
+        return False
+    local_groups, items, local_state = view
+    before = {loc: (tuple(st), tuple(st.values())) for loc, st in local_state.items()}
+    state = optimizer.state
+    groups = [g["params"] for g in optimizer.param_groups]
+    for _, loc, g in items:
+        loc.grad = None if g is None else g._local
+    for group, locs in zip(optimizer.param_groups, local_groups):
         group["params"] = locs
-    optimizer.state = local_state
+    optimizer.state = defaultdict(dict, local_state)
     try:
         optimizer.step()
     finally:
+        stepped = optimizer.state
         optimizer.state = state
         for group, params in zip(optimizer.param_groups, groups):
             group["params"] = params
-        for p, loc in pairs:
+        for p, loc, _ in items:
             loc.grad = None
-            if loc in local_state:
-                state[p] = _rewrap(state.get(p, {}), local_state[loc], p)
+            new = stepped.get(loc)
+            if new is None:
+                continue
+            old = before.get(loc)
+            if old is not None and old[0] == tuple(new) and all(a is b for a, b in zip(old[1], new.values())):
+                continue  # updated in place (the usual step): the DistTensor states already see it
+            state[p] = _rewrap(state.get(p, {}), new, p)
     return True
 
 

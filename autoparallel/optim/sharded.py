@@ -137,18 +137,27 @@ class ShardedOptimizer(torch.optim.Optimizer):
         Gradients still waiting on a deferred mean (``autoparallel.pending``) go in unscaled
         and each reduced bucket is scaled once. The plan depends on the layouts only and is
         kept for the next step with the same layouts.
+
+        Each reduced gradient keeps its object: it is re-laid out in place (new local shard and
+        layout, the same global value), as ``dist.all_reduce`` reduces a tensor in place.
         """
         grads = [s.param.grad for s in self._slots]
         stats: list[Any] = []     # the statistics pending gradients wait on, by first appearance
         index: dict[int, int] = {}
         waits: list[int | None] = []
+        specs: list[DistSpec | None] = []
         for g in grads:
             pending = scaled_raw(g)
-            if pending is not None and id(pending[1]) not in index:
-                index[id(pending[1])] = len(stats)
-                stats.append(pending[1])
-            waits.append(None if pending is None else index[id(pending[1])])
-        key = (tuple(g._spec if isinstance(g, DistTensor) else None for g in grads), tuple(waits))
+            if pending is None:
+                waits.append(None)
+            else:
+                k = index.get(id(pending[1]))
+                if k is None:
+                    k = index[id(pending[1])] = len(stats)
+                    stats.append(pending[1])
+                waits.append(k)
+            specs.append(g._spec if isinstance(g, DistTensor) else None)
+        key = (tuple(specs), tuple(waits))
         plan = self._plans.get(key)
         if plan is None:
             if len(self._plans) >= 64:  # layouts that keep changing: do not grow without bound
@@ -157,12 +166,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
             plan = self._plans[key] = plan_reduction(key[0], key[1], layouts, self._scatters(), self.bucket_bytes)
         rank = runtime.get_rank()
         for op in plan:
-            chosen = [self._slots[i] for i in op.members]
+            chosen = [grads[i] for i in op.members]
             member = op.mesh.coordinate_of(rank) is not None
             # pending members go in unscaled (``_raw``); one scale for a bucket that all awaits
             # one statistic (the usual case), else each pending member's result is scaled
-            locs = [s.param.grad._raw if k is not None else s.param.grad._local  # type: ignore[union-attr]
-                    for s, k in zip(chosen, op.stats)]
+            locs = [g._raw if k is not None else g._local for g, k in zip(chosen, op.stats)]
             whole = op.stat
             scale = stats[whole].inverse_count() if whole is not None and member else None
             if not member:
@@ -173,8 +181,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 results = buckets.all_reduce(locs, op.mesh, op.axis, op.reduce_type, scale)
             if whole is None and member:
                 results = [r if k is None else r * stats[k].inverse_count() for r, k in zip(results, op.stats)]
-            for s, target, local in zip(chosen, op.targets, results):
-                s.param.grad = DistTensor._wrap(local, target)
+            for g, target, local, k in zip(chosen, op.targets, results, op.stats):
+                _relayout(g, local, target, k is not None)
 
     def _scatters(self) -> bool:
         return self.stage is not None and self.stage.stage >= 2
@@ -269,6 +277,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return f"ShardedOptimizer({self.stage!r}, {self.inner!r})"
+
+
+def _relayout(g: Any, local: torch.Tensor, spec: DistSpec, was_pending: bool) -> None:
+    """Make the gradient ``g`` hold ``local`` in layout ``spec`` (its global value unchanged: a
+    reduction moves the same value into another layout). A pending gradient is resolved."""
+    if was_pending:
+        g._done = g._raw = local  # a PendingTensor whose value is now computed
+    else:
+        g._local = local
+    g._spec = spec
 
 
 def _narrow_to(local: torch.Tensor, spec: DistSpec, shard: DistSpec, axis: int) -> torch.Tensor:
