@@ -59,6 +59,7 @@ class Decision:
     detached_view: bool = False               # a view op whose input had to be moved first
     fallback: bool = False                    # no rule: replicated inputs, the kernel's outputs
     out_alias: tuple[int | None, ...] = ()    # per output: the written input it is (None: new)
+    contexts: tuple[LocalContext, LocalContext] | None = None  # what local_fn gets (may_defer False, True)
 
 
 def dispatch(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -289,7 +290,13 @@ def _finish(cls: Any, func: Any, d: Decision, args: tuple[Any, ...], kwargs: dic
     back = tuple(None if d.in_specs[i] == specs[i] else plan_best(d.in_specs[i], specs[i]) for i in d.mutated)
     returns_view = any(r.alias_info is not None for r in func._schema.returns)
     moved_input = func in _MATERIALISED_VIEWS or any(_copies(p) for p in d.plans)
-    return replace(d, restore=back, slots=dist_slots(cls, args, kwargs), detached_view=returns_view and moved_input)
+    contexts = None
+    if d.local_fn is not None and d.coord is not None:
+        assert d.call is not None
+        shapes = tuple(None if s is None else s.local_shape(d.coord) for s in d.out_specs)
+        contexts = tuple(LocalContext(d.call, shapes, d.in_specs, d.out_specs, d.coord, defer) for defer in (False, True))
+    return replace(d, restore=back, slots=dist_slots(cls, args, kwargs), detached_view=returns_view and moved_input,
+                   contexts=contexts)
 
 
 def _copies(plan: Plan | CrossMeshPlan | None) -> bool:
@@ -325,10 +332,9 @@ def _execute(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
             largs = map_args(cls, args, lambda t: moved[id(t)] if isinstance(t, cls) else t)
             lkwargs = map_args(cls, kwargs, lambda t: moved[id(t)] if isinstance(t, cls) else t)
         if d.local_fn is not None:
-            assert d.call is not None
-            shapes = tuple(None if s is None else s.local_shape(d.coord) for s in d.out_specs)
-            may_defer = not TRACES and torch.is_grad_enabled()
-            out = d.local_fn(LocalContext(d.call, shapes, d.in_specs, d.out_specs, d.coord, may_defer), *largs, **lkwargs)
+            assert d.contexts is not None
+            # deferring is allowed in a differentiable forward outside region traces
+            out = d.local_fn(d.contexts[not TRACES and torch.is_grad_enabled()], *largs, **lkwargs)
         else:
             out = func(*largs, **lkwargs)
     else:

@@ -120,7 +120,12 @@ class DistSpec:
     def with_placements(
         self, placements: Sequence[Placement], shard_order: tuple[tuple[int, tuple[int, ...]], ...] = ()
     ) -> "DistSpec":
-        return DistSpec(self.mesh, tuple(placements), self.shape, self.dtype, shard_order)
+        """The same tensor in another layout (cached: specs are values)."""
+        placements, shard_order = tuple(placements), tuple(shard_order)
+        try:
+            return _with_placements(self, placements, shard_order)
+        except TypeError:  # unhashable input: build it uncached, for the constructor's own error
+            return DistSpec(self.mesh, placements, self.shape, self.dtype, shard_order)
 
     def with_dtype(self, dtype: torch.dtype) -> "DistSpec":
         """The same layout for a tensor of another dtype (an optimizer state of a parameter)."""
@@ -146,6 +151,13 @@ class DistSpec:
     def __str__(self) -> str:
         order = f" order={dict(self.shard_order)}" if self.shard_order else ""
         return f"{placements_str(self.placements)} {tuple(self.shape)}{order}"
+
+
+@lru_cache(maxsize=16384)
+def _with_placements(
+    spec: DistSpec, placements: tuple[Placement, ...], shard_order: tuple[tuple[int, tuple[int, ...]], ...]
+) -> DistSpec:
+    return DistSpec(spec.mesh, placements, spec.shape, spec.dtype, shard_order)
 
 
 def intersect_boxes(a: Box, b: Box) -> Box | None:

@@ -51,9 +51,13 @@ class OpCall:
     mesh_shape: tuple[int, ...]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class LocalContext:
-    """What a local implementation knows besides the local arguments."""
+    """What a local implementation knows besides the local arguments.
+
+    Compared and hashed by identity: the dispatcher builds one per cached decision, so a local
+    implementation may cache what it derives from it (``functools.lru_cache`` on the context).
+    """
 
     call: OpCall
     out_shapes: tuple[tuple[int, ...] | None, ...]  # this rank's local output shapes

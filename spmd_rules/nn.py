@@ -37,6 +37,8 @@ covered for the devices that emit them.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from typing import Any, Sequence
 
 import torch
@@ -65,9 +67,11 @@ def _dims(call: OpCall, i: int, axis: int, dims: Sequence[int]) -> list[int]:
     return [d for d in dims if m.shape[d] >= 2 or cur == Shard(d)]
 
 
-def _axes_sharding(spec: Any, dim: int) -> list[int]:
-    """Mesh axes (of more than one rank) that shard tensor ``dim`` of ``spec``."""
-    return [a for a, p in enumerate(spec.placements) if p == Shard(dim) and spec.mesh.shape[a] > 1]
+@lru_cache(maxsize=4096)
+def _axes_sharding(spec: Any, dim: int) -> tuple[int, ...]:
+    """Mesh axes (of more than one rank) that shard tensor ``dim`` of ``spec`` (cached: every
+    local softmax and loss asks)."""
+    return tuple(a for a, p in enumerate(spec.placements) if isinstance(p, Shard) and p.dim == dim and spec.mesh.shape[a] > 1)
 
 
 def _all_reduce(t: torch.Tensor, spec: Any, axes: Sequence[int], reduce_type: str) -> torch.Tensor:
@@ -341,7 +345,8 @@ def _nll_pick(
     return w_t, mine, (target - off).clamp(0, max(n - 1, 0))
 
 
-def _nll_layout(ctx: LocalContext) -> tuple[Any, int, int, int, list[int]]:
+@lru_cache(maxsize=1024)
+def _nll_layout(ctx: LocalContext) -> tuple[Any, int, int, int, tuple[int, ...]]:
     """(input spec, class dim, local class offset, local class count, axes sharding the target)."""
     assert ctx.coord is not None
     slots = _slots(ctx.call)
@@ -349,9 +354,9 @@ def _nll_layout(ctx: LocalContext) -> tuple[Any, int, int, int, list[int]]:
     cdim = _class_dim(spec.ndim)
     off, n = spec.local_box(ctx.coord)[cdim]
     tspec = ctx.in_specs[slots["target"]] if "target" in slots else None
-    batch_axes = [] if tspec is None else [
+    batch_axes = () if tspec is None else tuple(
         a for a, p in enumerate(tspec.placements) if isinstance(p, Shard) and tspec.mesh.shape[a] > 1
-    ]
+    )
     return spec, cdim, off, n, batch_axes
 
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+import torch.optim.optimizer as _optim
 
 from autoparallel import runtime
 from autoparallel.dtensor import DistTensor
@@ -228,7 +229,30 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 s.stepped.grad = DistTensor._wrap(reshard_local(g._local, g._spec, s.shard), s.shard)  # type: ignore[arg-type]
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
-        """Reduce gradients (bucketed), step the inner optimizer, gather updated parameters."""
+        """Reduce gradients (bucketed), step the inner optimizer, gather updated parameters.
+
+        Step hooks (``register_step_pre_hook``/``post_hook`` on this optimizer, and the global
+        ones) run around it as around any optimizer's step. The profiler range is the inner
+        optimizer's (``Optimizer.step#AdamW.step``): torch's own step wrapper, which would open a
+        second range around this one, is not installed (``hooked`` below), as it costs more than
+        the rest of this method's Python on a small model.
+        """
+        args: tuple[Any, ...] = (self,) if closure is None else (self, closure)
+        kwargs: dict[str, Any] = {}
+        for pre_hook in (*_optim._global_optimizer_pre_hooks.values(), *self._optimizer_step_pre_hooks.values()):
+            result = pre_hook(self, args, kwargs)
+            if result is not None:
+                if not (isinstance(result, tuple) and len(result) == 2):
+                    raise RuntimeError(f"a step pre-hook must return None or (args, kwargs), got {result!r}")
+                args, kwargs = result
+        out = self._step(*args[1:], **kwargs)
+        for post_hook in (*self._optimizer_step_post_hooks.values(), *_optim._global_optimizer_post_hooks.values()):
+            post_hook(self, args, kwargs)
+        return out
+
+    step.hooked = True  # type: ignore[attr-defined]  # tells torch.optim.Optimizer not to wrap it again
+
+    def _step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():
