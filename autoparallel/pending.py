@@ -20,6 +20,7 @@ same on every rank — so every rank scales at the same points and replicas stay
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any, Callable, cast
 
 import torch
@@ -78,6 +79,8 @@ class PendingTensor(DistTensor):
     ) -> Any:
         """Torch calls this (a subclass goes first) for every op with a PendingTensor argument,
         so plain DistTensor ops never pay for the checks below."""
+        if func is _DETACH and len(args) == 1 and not kwargs and _pending(args[0]):
+            return _detached(args[0])  # autograd detaches every gradient it keeps: the hot case
         kwargs = kwargs or {}
         out = _intercept(func, args, kwargs)
         return dispatch(DistTensor, func, args, kwargs) if out is NotImplemented else out
@@ -142,9 +145,8 @@ def _intercept(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     where = [k for k, a in enumerate(args) if _pending(a)]
     if not where and not any(_pending(v) for v in kwargs.values()):
         return NotImplemented  # resolved ones, or pending ones nested in a list: resolve
-    if func is _DETACH and where == [0] and len(args) == 1:  # autograd detaches each gradient it keeps
-        x = args[0]
-        return PendingTensor.make(x._raw.detach(), x._spec, x._stride, x._stat, None if x._scaled else x._finish)
+    if func is _DETACH and where == [0] and len(args) == 1:
+        return _detached(args[0])
     if func in METADATA_ONLY:
         return dispatch(DistTensor, func, *_substitute(args, kwargs, {}))
     if torch.is_grad_enabled() or any(_pending(v) for v in kwargs.values()):
@@ -165,10 +167,19 @@ def _intercept(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return _rewrap(out, args[where[0]]._stat)
 
 
+@lru_cache(maxsize=None)
+def _arg_names(func: Any) -> tuple[str, ...]:
+    return tuple(a.name for a in func._schema.arguments)
+
+
+def _detached(x: PendingTensor) -> PendingTensor:
+    """``x.detach()``: the same pending value (or unscaled gradient) on a detached shard."""
+    return PendingTensor.make(x._raw.detach(), x._spec, x._stride, x._stat, None if x._scaled else x._finish)
+
+
 def _nll_backward(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """The backward of a deferred mean: run with total weight 1, scale by 1/total later."""
-    names = [a.name for a in func._schema.arguments]
-    bound = dict(zip(names, args)) | kwargs
+    bound = dict(zip(_arg_names(func), args)) | kwargs
     tw: Any = bound.get("total_weight")
     if (not _pending(tw) or tw._scaled or int(bound.get("reduction", MEAN)) != MEAN
             or any(_pending(v) for k, v in bound.items() if k != "total_weight")):

@@ -69,7 +69,9 @@ class _Localize(torch.autograd.Function):
     def forward(ctx: Any, call: _Call, specs: tuple[DistSpec, ...], *xs: DistTensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
         ctx.call, ctx.specs = call, specs
         ctx.set_materialize_grads(False)
-        return tuple(x._local.view_as(x._local) for x in xs)
+        # new tensors on the shards' storage (not the shards: this node would become their
+        # history); ``detach`` rather than ``view_as`` spares autograd's view bookkeeping
+        return tuple(x._local.detach() for x in xs)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]

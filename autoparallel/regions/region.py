@@ -123,7 +123,7 @@ class _Region:
     def call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if _MODE:  # inside a parent's trace or local run: behave as the plain module
             return self.forward(*args, **kwargs)
-        leaves, tree = tree_flatten((args, kwargs))
+        leaves, tree = _flatten_call(args, kwargs)
         if _structure(self.modules) != self.shape:  # a submodule, parameter or buffer was added or removed
             self.modules = list(self.module.modules())
             self.shape, self.slots = _structure(self.modules), _slots(self.module)
@@ -132,7 +132,10 @@ class _Region:
         key = self._key(leaves, tree, tensors)
         if key is None:
             return self._plain(args, kwargs)
-        verdict = self.verdicts.get(key)
+        try:
+            verdict = self.verdicts.get(key)
+        except TypeError:  # an unhashable non-tensor argument: no signature
+            return self._plain(args, kwargs)
         if verdict is None:
             if len(self.verdicts) >= MAX_SIGNATURES:
                 return self._plain(args, kwargs)
@@ -168,13 +171,8 @@ class _Region:
         )
         if not any(isinstance(x, DistTensor) for x in leaves) and not any(isinstance(t, DistTensor) for t in tensors):
             return None
-        key = (tree, tuple(parts), slot_parts, _ties(tensors), tuple(m.training for m in self.modules),
-               torch.is_grad_enabled(), _autocast_state())
-        try:
-            hash(key)
-        except TypeError:
-            return None
-        return key
+        return (tree, tuple(parts), slot_parts, _ties(tensors), tuple(m.training for m in self.modules),
+                torch.is_grad_enabled(), _autocast_state())
 
     # ---- first call of a signature: trace, classify, replay ---------------------------------
     def _first_call(self, key: Any, leaves: list[Any], tree: Any, tensors: list[torch.Tensor],
@@ -249,7 +247,7 @@ class _Region:
             for x in leaves:
                 if isinstance(x, torch.Tensor) and not isinstance(x, DistTensor):
                     local.setdefault(id(x), x.detach().clone())
-        largs, lkwargs = tree_unflatten([local.get(id(x), x) for x in leaves], tree)
+        largs, lkwargs = _unflatten_call([local.get(id(x), x) for x in leaves], tree)
         saved = []
         for m, a in self.slots:
             t = _current(m, a)
@@ -270,7 +268,7 @@ class _Region:
                     m.__dict__[a] = prev
         if spy is not None:
             return out, local
-        outs, _ = tree_flatten(out)
+        outs = [out] if isinstance(out, torch.Tensor) else tree_flatten(out)[0]
         for o, s, shape in zip(outs, verdict.out_specs, verdict.out_local_shapes):
             if s is not None and (not isinstance(o, torch.Tensor) or isinstance(o, DistTensor) or o.dtype != s.dtype
                                   or tuple(o.shape) != shape):
@@ -281,7 +279,31 @@ class _Region:
                     "traced call with the same signature. Run with AUTOPARALLEL_LOCAL_REGIONS=0 and report it."
                 )
         wrapped = [o if s is None else _wrap_out(o, s, call) for o, s in zip(outs, verdict.out_specs)]  # type: ignore[arg-type]
+        if isinstance(out, torch.Tensor) and verdict.out_tree.is_leaf():
+            return wrapped[0]
         return tree_unflatten(wrapped, verdict.out_tree)
+
+
+# arity -> the tree spec of a call with that many positional tensors and no keywords (the usual
+# ``module(x)``): such calls skip the general pytree walk
+_POSITIONAL: dict[int, Any] = {}
+
+
+def _flatten_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], Any]:
+    """``tree_flatten((args, kwargs))``, fast for positional tensors only."""
+    if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
+        spec = _POSITIONAL.get(len(args))
+        if spec is None:
+            spec = _POSITIONAL[len(args)] = tree_flatten((args, kwargs))[1]
+        return list(args), spec
+    return tree_flatten((args, kwargs))
+
+
+def _unflatten_call(values: list[Any], tree: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The inverse of ``_flatten_call``."""
+    if _POSITIONAL.get(len(values)) is tree:
+        return tuple(values), {}
+    return tree_unflatten(values, tree)
 
 
 def _autocast_state() -> tuple[Any, ...]:
