@@ -96,6 +96,10 @@ class DistTensor(torch.Tensor):
 
     def to_local(self, *, grad_placements: Any = None) -> torch.Tensor:
         """This rank's shard (differentiable; its gradient flows back as a DistTensor)."""
+        if not (self.requires_grad and torch.is_grad_enabled()):  # nothing to differentiate
+            if grad_placements is not None:
+                self._spec.with_placements(grad_placements)  # the same checks as with autograd
+            return self._local.view_as(self._local)
         return _ToLocal.apply(self, grad_placements)
 
     def _moved(self, move: Any, spec: DistSpec) -> "DistTensor":
@@ -105,6 +109,8 @@ class DistTensor(torch.Tensor):
 
     def full_tensor(self) -> torch.Tensor:
         """The whole value on every rank of the mesh (differentiable); empty off the mesh."""
+        if not (self.requires_grad and torch.is_grad_enabled()):  # nothing to differentiate
+            return _full_local(self)
         return _FullTensor.apply(self)
 
     def __repr__(self) -> str:  # type: ignore[override]
@@ -176,14 +182,19 @@ class _ToLocal(torch.autograd.Function):
         return DistTensor._wrap(grad, ctx.spec), None
 
 
+def _full_local(x: DistTensor) -> torch.Tensor:
+    """The whole value of ``x`` as a plain tensor (never the shard object itself)."""
+    out = reshard_local(x._local, x._spec, replicated(x._spec))
+    return out.view_as(out) if out is x._local else out
+
+
 class _FullTensor(torch.autograd.Function):
     """DistTensor -> the whole value on every member. Backward: slice back to the layout."""
 
     @staticmethod
     def forward(ctx: Any, x: DistTensor) -> torch.Tensor:  # type: ignore[override]
         ctx.spec = x._spec
-        out = reshard_local(x._local, x._spec, replicated(x._spec))
-        return out.view_as(out) if out is x._local else out  # never hand out the shard itself
+        return _full_local(x)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[DistTensor]:  # type: ignore[override]
