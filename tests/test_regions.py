@@ -384,3 +384,71 @@ def test_disabling_restores_an_instance_forward() -> None:
     assert torch.equal(model(x).full_tensor(), torch.full((2, 3), 7.0))
     disable_local_regions(model)
     assert model.forward is scaled
+
+
+# ---- region parameters and autograd -------------------------------------------------------------
+def _twins() -> tuple[nn.Module, nn.Module, Any]:
+    """The same MLP as a region and on DistTensors (regions disabled), and an input."""
+    mesh = ap.ProcessMesh([0], dim_names=["dp"])
+    torch.manual_seed(0)
+    region = ap.shard_layer(MLP(), mesh)
+    torch.manual_seed(0)
+    plain = ap.shard_layer(MLP(), mesh)
+    disable_local_regions(plain)
+    x = ap.shard_tensor(torch.randn(4, 6), mesh, [S0])
+    region(x)  # the first call traces
+    assert local_regions_report(region) == {"<root>": ["local"]}
+    return region, plain, x
+
+
+def _grads(model: nn.Module) -> dict[str, Any]:
+    return {n: None if p.grad is None else p.grad.full_tensor() for n, p in model.named_parameters()}
+
+
+def _assert_same(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert a.keys() == b.keys()
+    for n in a:
+        assert (a[n] is None) == (b[n] is None), n
+        if a[n] is not None:
+            torch.testing.assert_close(a[n], b[n], rtol=1e-6, atol=1e-7)
+
+
+def test_region_parameters_get_gradients_as_autograd_gives_them() -> None:
+    """A region hands its parameters' gradients to them directly where autograd's accumulation
+    would store them as they are; everywhere else autograd's own semantics hold."""
+    region, plain, x = _twins()
+    # autograd.grad: the gradients come back and no .grad is written
+    g1 = torch.autograd.grad(region(x).square().sum(), list(region.parameters()))
+    g2 = torch.autograd.grad(plain(x).square().sum(), list(plain.parameters()))
+    assert all(p.grad is None for p in region.parameters())
+    for u, v in zip(g1, g2):
+        torch.testing.assert_close(u.full_tensor(), v.full_tensor())
+    # backward(inputs=...): only the listed parameter gets a gradient
+    for m in (region, plain):
+        m(x).square().sum().backward(inputs=[m.fc1.weight])
+    _assert_same(_grads(region), _grads(plain))
+    assert region.fc2.weight.grad is None
+    # a second backward accumulates; a use outside the region adds to the same gradient
+    for m in (region, plain):
+        m.zero_grad(set_to_none=True)
+        m(x).square().sum().backward()
+        (m(x).sum() + (m.fc2.bias * 3).sum()).backward()
+    _assert_same(_grads(region), _grads(plain))
+    # tensor hooks see (and may change) the gradient; post-accumulate hooks see the result
+    seen: dict[str, list[Any]] = {"region": [], "plain": []}
+    for name, m in (("region", region), ("plain", plain)):
+        m.zero_grad(set_to_none=True)
+        m.fc1.weight.register_hook(lambda g: g * 2)
+        m.fc2.weight.register_post_accumulate_grad_hook(lambda p, name=name: seen[name].append(p.grad.full_tensor()))
+        m(x).square().sum().backward()
+    _assert_same(_grads(region), _grads(plain))
+    assert len(seen["region"]) == len(seen["plain"]) == 1
+    torch.testing.assert_close(seen["region"][0], seen["plain"][0])
+    # create_graph: the gradients are differentiable (a gradient penalty trains the same)
+    for m in (region, plain):
+        m.zero_grad(set_to_none=True)
+        gs = torch.autograd.grad(m(x).square().sum(), list(m.parameters()), create_graph=True)
+        assert all(g.requires_grad for g in gs)
+        sum(g.square().sum() for g in gs).backward()
+    _assert_same(_grads(region), _grads(plain))
+    assert all(p.grad is not None for p in region.parameters())

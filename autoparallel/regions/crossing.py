@@ -9,7 +9,7 @@ import torch
 
 from autoparallel import runtime
 from autoparallel.deferred import Stat
-from autoparallel.dtensor import DistTensor
+from autoparallel.dtensor import DistTensor, _FromLocal
 from autoparallel.pending import PendingTensor, scaled_raw
 from autoparallel.placement import Partial, Replicate, Shard, chunk_bounds
 from autoparallel.spec import DistSpec
@@ -68,6 +68,7 @@ class _Localize(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, call: _Call, specs: tuple[DistSpec, ...], *xs: DistTensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
         ctx.call, ctx.specs = call, specs
+        ctx.leaves = tuple(x if x.grad_fn is None else None for x in xs)  # parameters: see _accumulate
         ctx.set_materialize_grads(False)
         # new tensors on the shards' storage (not the shards: this node would become their
         # history); ``detach`` rather than ``view_as`` spares autograd's view bookkeeping
@@ -76,8 +77,40 @@ class _Localize(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
         specs = ctx.specs if not ctx.call.partial else tuple(with_partial(s, ctx.call.partial) for s in ctx.specs)
+        if torch.is_grad_enabled():  # create_graph: the gradients stay differentiable
+            return (None, None, *[None if g is None else _FromLocal.apply(g.contiguous(), s) for g, s in zip(grads, specs)])
         stat = ctx.call.stat
-        return (None, None, *[None if g is None else _wrap_grad(g, s, stat) for g, s in zip(grads, specs)])
+        out = [None if g is None else _wrap_grad(g, s, stat) for g, s in zip(grads, specs)]
+        _accumulate(ctx, out)
+        return (None, None, *out)
+
+
+def _accumulate(ctx: Any, grads: list[DistTensor | None]) -> None:
+    """Give each parameter without a gradient its gradient directly, in place of autograd's
+    accumulation node (whose ``detach`` of a DistTensor gradient costs a trip through
+    ``__torch_dispatch__`` per parameter per step). The node then receives no gradient.
+
+    Only where the node would store the gradient as it is: this ``backward()`` runs the node
+    (not ``autograd.grad``, which captures gradients instead, nor ``backward(inputs=...)``
+    without this parameter), the parameter has no gradient yet (accumulating into one is the
+    node's job) and no tensor hook (hooks see the gradient on its way to the node). Hooks
+    registered on the node object itself are not visible from Python: they see no gradient
+    for a region's parameter.
+    """
+    for k, ((node, _), leaf, g) in enumerate(zip(ctx.next_functions, ctx.leaves, grads)):
+        if (g is None or leaf is None or leaf.grad is not None or leaf._backward_hooks
+                or leaf._post_accumulate_grad_hooks or getattr(node, "variable", None) is not leaf):
+            continue
+        try:
+            if not _will_run(node):
+                continue
+        except RuntimeError:  # autograd.grad(): it asks nothing of leaves (they are captured)
+            continue
+        leaf.grad = g
+        grads[k] = None
+
+
+_will_run = getattr(torch._C, "_will_engine_execute_node", lambda node: False)
 
 
 class _Out(torch.autograd.Function):
@@ -94,7 +127,11 @@ class _Out(torch.autograd.Function):
     def backward(ctx: Any, grad: DistTensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
         target: DistSpec = ctx.spec
         raw = _unscaled(grad, ctx.call)
-        local, spec = grad._local if raw is None else raw, grad._spec
+        if raw is not None:
+            local = raw
+        else:  # with create_graph, differentiable: the backward of this backward reaches ``grad``
+            local = grad.to_local() if torch.is_grad_enabled() else grad._local
+        spec = grad._spec
         if ctx.call.single:
             keep = []
             coord = spec.mesh.coordinate_of(runtime.get_rank())
