@@ -60,6 +60,7 @@ class Decision:
     fallback: bool = False                    # no rule: replicated inputs, the kernel's outputs
     out_alias: tuple[int | None, ...] = ()    # per output: the written input it is (None: new)
     contexts: tuple[LocalContext, LocalContext] | None = None  # what local_fn gets (may_defer False, True)
+    simple: bool = False                      # one new tensor out, nothing written: wrap it and return
 
 
 def dispatch(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -295,8 +296,10 @@ def _finish(cls: Any, func: Any, d: Decision, args: tuple[Any, ...], kwargs: dic
         assert d.call is not None
         shapes = tuple(None if s is None else s.local_shape(d.coord) for s in d.out_specs)
         contexts = tuple(LocalContext(d.call, shapes, d.in_specs, d.out_specs, d.coord, defer) for defer in (False, True))
-    return replace(d, restore=back, slots=dist_slots(cls, args, kwargs), detached_view=returns_view and moved_input,
-                   contexts=contexts)
+    detached_view = returns_view and moved_input
+    simple = d.out_kind == "tensor" and not d.mutated and not d.fallback and not detached_view
+    return replace(d, restore=back, slots=dist_slots(cls, args, kwargs), detached_view=detached_view,
+                   contexts=contexts, simple=simple)
 
 
 def _copies(plan: Plan | CrossMeshPlan | None) -> bool:
@@ -337,6 +340,8 @@ def _execute(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
             out = d.local_fn(d.contexts[not TRACES and torch.is_grad_enabled()], *largs, **lkwargs)
         else:
             out = func(*largs, **lkwargs)
+        if d.simple and not _deferred.FRESH and isinstance(out, torch.Tensor):
+            return cls._wrap(out, d.out_specs[0], d.out_strides[0])
     else:
         out = None
     if d.fallback and member and not d.mutated:  # the kernel's outputs, whatever meta said

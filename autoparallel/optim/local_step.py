@@ -38,9 +38,9 @@ def can_step_locally(optimizer: torch.optim.Optimizer) -> bool:
 _NO_STATE: dict[str, Any] = {}
 
 
-@lru_cache(maxsize=1024)
-def _has_partial(placements: tuple[Any, ...]) -> bool:
-    return any(isinstance(p, Partial) for p in placements)
+@lru_cache(maxsize=4096)
+def _has_partial(spec: Any) -> bool:
+    return any(isinstance(p, Partial) for p in spec.placements)
 
 
 _View = tuple[list[list[torch.Tensor]], list[tuple[DistTensor, torch.Tensor, Any]], dict[torch.Tensor, dict[str, Any]]]
@@ -64,7 +64,7 @@ def _local_view(optimizer: torch.optim.Optimizer) -> _View | None:
             if not isinstance(p, DistTensor):
                 return None
             spec = p._spec
-            if _has_partial(spec.placements):
+            if _has_partial(spec):
                 return None
             g = p.grad
             if g is not None and (not isinstance(g, DistTensor) or (g._spec is not spec and g._spec != spec)):

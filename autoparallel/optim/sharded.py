@@ -20,7 +20,7 @@ the optimizer's own ops, one parameter at a time.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
@@ -164,7 +164,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if len(self._plans) >= 64:  # layouts that keep changing: do not grow without bound
                 self._plans.clear()
             layouts = [SlotLayout(s.axis, s.shard) for s in self._slots]
-            plan = self._plans[key] = plan_reduction(key[0], key[1], layouts, self._scatters(), self.bucket_bytes)
+            plan = plan_reduction(key[0], key[1], layouts, self._scatters(), self.bucket_bytes)
+            # a reduced gradient in its parameter's layout gets the parameter's spec object, so
+            # the local step's layout check is an identity test
+            own = [s.param._spec if isinstance(s.param, DistTensor) else None for s in self._slots]
+            plan = self._plans[key] = tuple(
+                replace(op, targets=tuple(own[i] if own[i] == t else t for i, t in zip(op.members, op.targets)))
+                for op in plan
+            )
         rank = runtime.get_rank()
         for op in plan:
             chosen = [grads[i] for i in op.members]
