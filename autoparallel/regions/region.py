@@ -249,10 +249,10 @@ class _Region:
                     local.setdefault(id(x), x.detach().clone())
         largs, lkwargs = _unflatten_call([local.get(id(x), x) for x in leaves], tree)
         saved = []
-        for m, a in self.slots:
-            t = _current(m, a)
-            saved.append(m.__dict__.get(a, _MISSING))
-            m.__dict__[a] = local.get(id(t), t)
+        for (m, a), t in zip(self.slots, tensors):  # ``tensors``: what each slot resolves to now
+            d = m.__dict__
+            saved.append(d.get(a, _MISSING))
+            d[a] = local.get(id(t), t)
         try:
             with _mode("local"):
                 if spy is None:
