@@ -295,7 +295,8 @@ def _finish(cls: Any, func: Any, d: Decision, args: tuple[Any, ...], kwargs: dic
     if d.local_fn is not None and d.coord is not None:
         assert d.call is not None
         shapes = tuple(None if s is None else s.local_shape(d.coord) for s in d.out_specs)
-        contexts = tuple(LocalContext(d.call, shapes, d.in_specs, d.out_specs, d.coord, defer) for defer in (False, True))
+        contexts = (LocalContext(d.call, shapes, d.in_specs, d.out_specs, d.coord, False),
+                    LocalContext(d.call, shapes, d.in_specs, d.out_specs, d.coord, True))
     detached_view = returns_view and moved_input
     simple = d.out_kind == "tensor" and not d.mutated and not d.fallback and not detached_view
     return replace(d, restore=back, slots=dist_slots(cls, args, kwargs), detached_view=detached_view,

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 import autoparallel as ap
 from autoparallel.placement import Partial, Replicate, Shard
@@ -452,3 +454,39 @@ def test_region_parameters_get_gradients_as_autograd_gives_them() -> None:
         sum(g.square().sum() for g in gs).backward()
     _assert_same(_grads(region), _grads(plain))
     assert all(p.grad is not None for p in region.parameters())
+
+
+def test_sharded_optimizer_step_runs_step_hooks_once() -> None:
+    """ShardedOptimizer.step is not wrapped a second time by torch.optim (its profiler range
+    is the inner optimizer's): its own and the global step hooks still run, once, in order,
+    and a pre-hook may replace the arguments."""
+    mesh = ap.ProcessMesh([0], dim_names=["dp"])
+    torch.manual_seed(0)
+    model = ap.shard_layer(MLP(), mesh)
+    opt = ap.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    x = ap.shard_tensor(torch.randn(4, 6), mesh, [S0])
+    calls: list[str] = []
+    handles = [
+        register_optimizer_step_pre_hook(lambda o, a, k: calls.append(f"global pre {type(o).__name__}")),
+        opt.register_step_pre_hook(lambda o, a, k: calls.append("pre")),
+        opt.register_step_post_hook(lambda o, a, k: calls.append("post")),
+        register_optimizer_step_post_hook(lambda o, a, k: calls.append(f"global post {type(o).__name__}")),
+    ]
+    model(x).square().sum().backward()
+    opt.step()
+    for h in handles:
+        h.remove()
+    assert calls == ["global pre ShardedOptimizer", "pre", "global pre SGD", "global post SGD", "post",
+                     "global post ShardedOptimizer"], calls
+    # a pre-hook may swap in a closure; the step returns what the closure returned
+    handle = opt.register_step_pre_hook(lambda o, a, k: ((o,), {"closure": lambda: torch.tensor(7.0)}))
+    assert float(opt.step()) == 7.0
+    handle.remove()
+    # an LR scheduler sees the steps (no "lr_scheduler.step() before optimizer.step()" warning)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    model(x).square().sum().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.step()
+        sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.05)

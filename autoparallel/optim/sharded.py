@@ -167,14 +167,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
             plan = plan_reduction(key[0], key[1], layouts, self._scatters(), self.bucket_bytes)
             # a reduced gradient in its parameter's layout gets the parameter's spec object, so
             # the local step's layout check is an identity test
-            own = [s.param._spec if isinstance(s.param, DistTensor) else None for s in self._slots]
+            own: list[Any] = [s.param._spec if isinstance(s.param, DistTensor) else None for s in self._slots]
             plan = self._plans[key] = tuple(
                 replace(op, targets=tuple(own[i] if own[i] == t else t for i, t in zip(op.members, op.targets)))
                 for op in plan
             )
         rank = runtime.get_rank()
         for op in plan:
-            chosen = [grads[i] for i in op.members]
+            chosen: list[Any] = [grads[i] for i in op.members]
             member = op.mesh.coordinate_of(rank) is not None
             # pending members go in unscaled (``_raw``); one scale for a bucket that all awaits
             # one statistic (the usual case), else each pending member's result is scaled

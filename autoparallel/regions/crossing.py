@@ -94,8 +94,8 @@ def _accumulate(ctx: Any, grads: list[DistTensor | None]) -> None:
     (not ``autograd.grad``, which captures gradients instead, nor ``backward(inputs=...)``
     without this parameter), the parameter has no gradient yet (accumulating into one is the
     node's job) and no tensor hook (hooks see the gradient on its way to the node). Hooks
-    registered on the node object itself are not visible from Python: they see no gradient
-    for a region's parameter.
+    registered on the node object itself are not visible from Python: they are called with
+    None in place of the gradient (docs/local_regions.md).
     """
     for k, ((node, _), leaf, g) in enumerate(zip(ctx.next_functions, ctx.leaves, grads)):
         if (g is None or leaf is None or leaf.grad is not None or leaf._backward_hooks
@@ -106,6 +106,7 @@ def _accumulate(ctx: Any, grads: list[DistTensor | None]) -> None:
                 continue
         except RuntimeError:  # autograd.grad(): it asks nothing of leaves (they are captured)
             continue
+        assert leaf is not None
         leaf.grad = g
         grads[k] = None
 
