@@ -28,15 +28,20 @@ not in it). Then the ZeRO-3 target: ours' parameter + optimizer bytes per rank <
 the replicated (DP) figure. Both sides' losses are checked against each other (they compute
 the same training). PASS/FAIL lines are measurements, printed as they come out.
 
-Measured on the 2-core machine (load ~2-3 from other jobs; ratios move by about +-0.1 between
-runs), with local regions (docs/local_regions.md), the optimizer's local step, ZeRO-3 units and
-the deferred batch mean (docs/deferred_mean.md): at the example's size (width 64) ours/torch was
-DP 1.09-1.29 over five full runs (median 1.13; DP-only runs 1.15-1.26), TP 0.88-0.97, and over
-three runs DPxTP+SP 0.92-0.99, ZeRO-3 0.90-0.95. DP at width 64 is where our per-step Python work weighs most: in one process
-ours spends ~2.5-3.5 ms more CPU per step than plain torch (region entry, the loss's ops on
-DistTensors, ~26 gradient wrappers through ``__torch_dispatch__`` in backward, the bucketed
-reduction and the local step), and 4 ranks share 2 cores, so that doubles in wall time. The
-loss no longer adds a wait: cross-entropy's global mean (``ignore_index`` makes the count of
+Measured on the 2-core machine (load ~2-4 from other jobs; ratios move by about +-0.1 between
+runs, more when a load spike hits one side's rounds), with local regions
+(docs/local_regions.md), the optimizer's local step, ZeRO-3 units and the deferred batch mean
+(docs/deferred_mean.md): at the example's size (width 64) ours/torch was DP 1.08, 1.17, 1.10
+over three full runs and 1.03, 1.15, 1.08, 1.06 in DP-only runs (``--layouts DP --rounds 7``;
+one more, 1.35, had ours' rounds at 84 ms against a usual 43-50), TP 0.80-0.87, DPxTP+SP
+0.90-0.93, ZeRO-3 0.89-0.91 (one run 1.20 under a load spike). DP at width 64 is where our
+per-step Python work weighs most. In one process, ours spends ~2-2.7 ms more CPU per step than
+plain torch (~11 ms): the region's entry and its one autograd node for 26 parameters, the
+loss's ops on DistTensors (each a trip through ``__torch_dispatch__``), the bucketed
+reduction and the local step; 4 ranks share 2 cores, so that weighs double in wall time. The
+region hands the parameters their gradients directly (no per-parameter ``detach`` through
+``__torch_dispatch__`` in autograd's accumulation), reduced gradients are re-laid out in place,
+and the loss adds no wait: cross-entropy's global mean (``ignore_index`` makes the count of
 counted tokens data-dependent) starts its (sum, count) all-reduce in the forward and the
 optimizer applies 1/count to the reduced gradients; DDP instead averages per-rank means, which
 equals one device only when every rank counts the same number of tokens. ZeRO-3 parameter +

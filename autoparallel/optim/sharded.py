@@ -39,6 +39,12 @@ from autoparallel.spec import DistSpec
 from reshard.executor import reshard_local
 
 
+# torch.optim's global step hooks (register_optimizer_step_pre_hook/post_hook), which torch's own
+# step wrapper runs and ShardedOptimizer.step runs itself
+_GLOBAL_PRE: dict[Any, Any] = getattr(_optim, "_global_optimizer_pre_hooks", {})
+_GLOBAL_POST: dict[Any, Any] = getattr(_optim, "_global_optimizer_post_hooks", {})
+
+
 @dataclass
 class _Slot:
     """One parameter: the model's tensor, the tensor the inner optimizer steps, their layouts."""
@@ -246,14 +252,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """
         args: tuple[Any, ...] = (self,) if closure is None else (self, closure)
         kwargs: dict[str, Any] = {}
-        for pre_hook in (*_optim._global_optimizer_pre_hooks.values(), *self._optimizer_step_pre_hooks.values()):
+        for pre_hook in (*_GLOBAL_PRE.values(), *self._optimizer_step_pre_hooks.values()):
             result = pre_hook(self, args, kwargs)
             if result is not None:
                 if not (isinstance(result, tuple) and len(result) == 2):
                     raise RuntimeError(f"a step pre-hook must return None or (args, kwargs), got {result!r}")
                 args, kwargs = result
         out = self._step(*args[1:], **kwargs)
-        for post_hook in (*self._optimizer_step_post_hooks.values(), *_optim._global_optimizer_post_hooks.values()):
+        for post_hook in (*self._optimizer_step_post_hooks.values(), *_GLOBAL_POST.values()):
             post_hook(self, args, kwargs)
         return out
 
