@@ -44,6 +44,7 @@ class DistSpec:
     dtype: torch.dtype
     shard_order: tuple[tuple[int, tuple[int, ...]], ...] = field(default=())
     _hash: int = field(default=0, init=False, repr=False, compare=False)
+    has_partial: bool = field(default=False, init=False, repr=False, compare=False)  # some axis is Partial
 
     def __hash__(self) -> int:  # fields are immutable: hash them once
         return self._hash
@@ -87,6 +88,7 @@ class DistSpec:
         object.__setattr__(self, "shape", shape)
         object.__setattr__(self, "shard_order", _canonical_order(tuple(norm), self.shard_order))
         object.__setattr__(self, "_hash", hash((self.mesh, self.placements, shape, self.dtype, self.shard_order)))
+        object.__setattr__(self, "has_partial", any(isinstance(p, Partial) for p in norm))
 
     # ---- derived ------------------------------------------------------------------------
     @property

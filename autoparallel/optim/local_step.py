@@ -15,14 +15,13 @@ and the user-visible ``optimizer.state`` keeps DistTensor states keyed by the pa
 
 from __future__ import annotations
 
+import operator
 from collections import defaultdict
-from functools import lru_cache
 from typing import Any
 
 import torch
 
 from autoparallel.dtensor import DistTensor
-from autoparallel.placement import Partial
 
 ELEMENTWISE = (
     torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
@@ -36,11 +35,6 @@ def can_step_locally(optimizer: torch.optim.Optimizer) -> bool:
 
 
 _NO_STATE: dict[str, Any] = {}
-
-
-@lru_cache(maxsize=4096)
-def _has_partial(spec: Any) -> bool:
-    return any(isinstance(p, Partial) for p in spec.placements)
 
 
 _View = tuple[list[list[torch.Tensor]], list[tuple[DistTensor, torch.Tensor, Any]], dict[torch.Tensor, dict[str, Any]]]
@@ -64,7 +58,7 @@ def _local_view(optimizer: torch.optim.Optimizer) -> _View | None:
             if not isinstance(p, DistTensor):
                 return None
             spec = p._spec
-            if _has_partial(spec):
+            if spec.has_partial:
                 return None
             g = p.grad
             if g is not None and (not isinstance(g, DistTensor) or (g._spec is not spec and g._spec != spec)):
@@ -117,7 +111,7 @@ def local_step(optimizer: torch.optim.Optimizer) -> bool:
             if new is None:
                 continue
             old = before.get(loc)
-            if old is not None and old[0] == tuple(new) and all(a is b for a, b in zip(old[1], new.values())):
+            if old is not None and old[0] == tuple(new) and all(map(operator.is_, old[1], new.values())):
                 continue  # updated in place (the usual step): the DistTensor states already see it
             state[p] = _rewrap(state.get(p, {}), new, p)
     return True
