@@ -55,15 +55,11 @@ class DistTensor(torch.Tensor):
         requires_grad: bool = False,
     ) -> "DistTensor":
         stride = stride if stride is not None else contiguous_strides(spec.shape)
-        r = torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
-            cls,
-            spec.shape,
-            strides=stride,
-            dtype=spec.dtype,
-            device=local.device,
-            layout=local.layout,
-            requires_grad=requires_grad,
-        )
+        if _POSITIONAL_WRAPPER[0]:  # the same call without keyword parsing (every op output comes here)
+            r = _make_wrapper(cls, spec.shape, stride, None, None, spec.dtype, local.layout, local.device, False, requires_grad)
+        else:
+            r = _make_wrapper(cls, spec.shape, strides=stride, dtype=spec.dtype, device=local.device,
+                              layout=local.layout, requires_grad=requires_grad)
         r._local = local
         r._spec = spec
         r._stride = tuple(stride)
@@ -121,6 +117,26 @@ class DistTensor(torch.Tensor):
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise TypeError("DistTensor cannot be pickled; use ap.save_state_dict or full_tensor()")
+
+
+_make_wrapper = torch.Tensor._make_wrapper_subclass  # type: ignore[attr-defined]
+
+
+def _positional_wrapper_ok() -> bool:
+    """Whether ``_make_wrapper_subclass`` takes (size, strides, storage_offset, memory_format,
+    dtype, layout, device, pin_memory, requires_grad) positionally in this torch (a private
+    API: checked once here, keywords otherwise)."""
+    try:
+        probe = _make_wrapper(DistTensor, (2, 3), (1, 2), None, None, torch.float64, torch.strided,
+                              torch.device("cpu"), False, True)
+    except Exception:  # noqa: BLE001
+        return False
+    return (tuple(probe.shape) == (2, 3) and probe.stride() == (1, 2) and probe.dtype == torch.float64
+            and probe.layout == torch.strided and probe.device == torch.device("cpu") and probe.requires_grad)
+
+
+_POSITIONAL_WRAPPER = [False]
+_POSITIONAL_WRAPPER[0] = _positional_wrapper_ok()
 
 
 # ---- differentiable conversions -----------------------------------------------------------
