@@ -31,12 +31,12 @@ the same training). PASS/FAIL lines are measurements, printed as they come out.
 Measured on the 2-core machine (load ~2-4 from other jobs; ratios move by about +-0.1 between
 runs, more when a load spike hits one side's rounds), with local regions
 (docs/local_regions.md), the optimizer's local step, ZeRO-3 units and the deferred batch mean
-(docs/deferred_mean.md): at the example's size (width 64) ours/torch was DP 1.08, 1.17, 1.10
-over three full runs and 1.03, 1.15, 1.08, 1.06 in DP-only runs (``--layouts DP --rounds 7``;
-one more, 1.35, had ours' rounds at 84 ms against a usual 43-50), TP 0.80-0.87, DPxTP+SP
-0.90-0.93, ZeRO-3 0.89-0.91 (one run 1.20 under a load spike). DP at width 64 is where our
-per-step Python work weighs most. In one process, ours spends ~2-2.7 ms more CPU per step than
-plain torch (~11 ms): the region's entry and its one autograd node for 26 parameters, the
+(docs/deferred_mean.md): at the example's size (width 64) ours/torch was DP 1.05, 1.08, 1.00,
+1.11, 1.07, 1.10 over six full runs and 1.02, 1.13, 0.99, 1.08, 1.05 in DP-only runs
+(``--layouts DP --rounds 7``): median 1.07, 9 of 11 runs within 1.1. TP 0.81-0.85, DPxTP+SP
+0.90-0.95, ZeRO-3 0.89-0.92 (three full runs). DP at width 64 is where our
+per-step Python work weighs most. In one process, ours spends ~1.7-2.5 ms more CPU per step
+than plain torch (7.7-11 ms as the machine's load varies): the region's entry and its one autograd node for 26 parameters, the
 loss's ops on DistTensors (each a trip through ``__torch_dispatch__``), the bucketed
 reduction and the local step; 4 ranks share 2 cores, so that weighs double in wall time. The
 region hands the parameters their gradients directly (no per-parameter ``detach`` through
