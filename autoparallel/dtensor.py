@@ -55,7 +55,7 @@ class DistTensor(torch.Tensor):
         requires_grad: bool = False,
     ) -> "DistTensor":
         stride = stride if stride is not None else contiguous_strides(spec.shape)
-        if _POSITIONAL_WRAPPER[0]:  # the same call without keyword parsing (every op output comes here)
+        if _POSITIONAL_WRAPPER:  # the same call without keyword parsing (every op output comes here)
             r = _make_wrapper(cls, spec.shape, stride, None, None, spec.dtype, local.layout, local.device, False, requires_grad)
         else:
             r = _make_wrapper(cls, spec.shape, strides=stride, dtype=spec.dtype, device=local.device,
@@ -135,8 +135,7 @@ def _positional_wrapper_ok() -> bool:
             and probe.layout == torch.strided and probe.device == torch.device("cpu") and probe.requires_grad)
 
 
-_POSITIONAL_WRAPPER = [False]
-_POSITIONAL_WRAPPER[0] = _positional_wrapper_ok()
+_POSITIONAL_WRAPPER = _positional_wrapper_ok()
 
 
 # ---- differentiable conversions -----------------------------------------------------------

@@ -145,8 +145,6 @@ def _intercept(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     where = [k for k, a in enumerate(args) if _pending(a)]
     if not where and not any(_pending(v) for v in kwargs.values()):
         return NotImplemented  # resolved ones, or pending ones nested in a list: resolve
-    if func is _DETACH and where == [0] and len(args) == 1:
-        return _detached(args[0])
     if func in METADATA_ONLY:
         return dispatch(DistTensor, func, *_substitute(args, kwargs, {}))
     if torch.is_grad_enabled() or any(_pending(v) for v in kwargs.values()):

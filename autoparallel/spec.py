@@ -135,7 +135,7 @@ class DistSpec:
 
     def without_partial(self) -> "DistSpec":
         """The same layout with every Partial axis made Replicate (the reduced value's layout)."""
-        if not self.partial_axes():
+        if not self.has_partial:
             return self
         placements = [Replicate() if isinstance(p, Partial) else p for p in self.placements]
         return self.with_placements(placements, self.shard_order)

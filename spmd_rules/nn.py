@@ -38,7 +38,6 @@ covered for the devices that emit them.
 from __future__ import annotations
 
 from functools import lru_cache
-
 from typing import Any, Sequence
 
 import torch

@@ -104,6 +104,17 @@ def _mixed_partial_kinds(rank: int) -> None:
     ap.shard_tensor(torch.ones(4), ap.ProcessMesh([[0, 1], [2, 3]]), [Partial("max"), Partial("sum")])
 
 
+def _to_local_bad_grad_placements(rank: int) -> None:
+    x = ap.shard_tensor(torch.ones(4, 6), ap.ProcessMesh([0, 1, 2, 3]), [Shard(0)]).requires_grad_()
+    x.to_local(grad_placements=[Shard(2)])  # differentiable: checked by the autograd node
+
+
+def _to_local_bad_grad_placements_no_grad(rank: int) -> None:
+    x = ap.shard_tensor(torch.ones(4, 6), ap.ProcessMesh([0, 1, 2, 3]), [Shard(0)])
+    with torch.no_grad():
+        x.to_local(grad_placements=[Shard(2)])  # nothing to differentiate: the same check
+
+
 CASES = [
     (_shard_out_of_range, ValueError, "tensor dim 3 does not exist"),
     (_placements_count, ValueError, "need one per mesh axis"),
@@ -121,6 +132,8 @@ CASES = [
     (_bad_placement_type, TypeError, "is not a Replicate"),
     (_bad_mesh_type, TypeError, "must be an ap.ProcessMesh"),
     (_mixed_partial_kinds, ValueError, "do not commute"),
+    (_to_local_bad_grad_placements, ValueError, "tensor dim 2 does not exist"),
+    (_to_local_bad_grad_placements_no_grad, ValueError, "tensor dim 2 does not exist"),
 ]
 
 

@@ -53,7 +53,7 @@ def reduce_partials(flat: dict[str, Any]) -> dict[str, Any]:
     out = dict(flat)
     for key, leaf in flat.items():
         spec = getattr(leaf, "_spec", None)
-        if spec is not None and spec.partial_axes():
+        if spec is not None and spec.has_partial:
             reduced = spec.without_partial()
             with torch.no_grad():
                 out[key] = reshard(leaf, spec.mesh, list(reduced.placements), shard_order=reduced.shard_order)

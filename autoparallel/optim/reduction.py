@@ -60,7 +60,7 @@ def plan_reduction(
     """
     cur = list(specs)
     waiting = list(stats)
-    todo = [i for i, s in enumerate(cur) if s is not None and s.partial_axes()]
+    todo = [i for i, s in enumerate(cur) if s is not None and s.has_partial]
     meshes: dict[Any, list[int]] = {}
     for i in todo:
         meshes.setdefault(cur[i].mesh, []).append(i)  # type: ignore[union-attr]

@@ -55,7 +55,7 @@ def _precheck(leaves: list[Any], tensors: list[torch.Tensor]) -> str:
         spec = t._spec
         if spec.mesh != mesh:
             return "its DistTensors live on several meshes"
-        if spec.partial_axes():
+        if spec.has_partial:
             return f"an input is Partial ({spec})"
         if getattr(t, "_ap_zero3", None) is not None:
             return "it owns ZeRO-3 sharded parameters (gathered by their unit)"
@@ -83,7 +83,7 @@ def _classify(out: Any, leaves: list[Any], tensors: list[torch.Tensor]) -> _Verd
     mesh = dist_out[0].mesh
     if any(s.mesh != mesh for s in dist_out):
         return _refused("its outputs live on another mesh")
-    if any(s.partial_axes() for s in dist_out):
+    if any(s.has_partial for s in dist_out):
         return _refused("an output is Partial (a reduction is left pending)")
     inputs = [x for x in [*leaves, *tensors] if isinstance(x, DistTensor)]
     sharded: list[int] = []

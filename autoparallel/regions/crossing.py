@@ -68,7 +68,6 @@ class _Localize(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, call: _Call, specs: tuple[DistSpec, ...], *xs: DistTensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
         ctx.call, ctx.specs = call, specs
-        ctx.leaves = tuple(x if x.grad_fn is None else None for x in xs)  # parameters: see _accumulate
         ctx.set_materialize_grads(False)
         # new tensors on the shards' storage (not the shards: this node would become their
         # history); ``detach`` rather than ``view_as`` spares autograd's view bookkeeping
@@ -97,16 +96,16 @@ def _accumulate(ctx: Any, grads: list[DistTensor | None]) -> None:
     registered on the node object itself are not visible from Python: they are called with
     None in place of the gradient (docs/local_regions.md).
     """
-    for k, ((node, _), leaf, g) in enumerate(zip(ctx.next_functions, ctx.leaves, grads)):
+    for k, ((node, _), g) in enumerate(zip(ctx.next_functions, grads)):
+        leaf = getattr(node, "variable", None)  # set on accumulation nodes only: a parameter's
         if (g is None or leaf is None or leaf.grad is not None or leaf._backward_hooks
-                or leaf._post_accumulate_grad_hooks or getattr(node, "variable", None) is not leaf):
+                or leaf._post_accumulate_grad_hooks):
             continue
         try:
             if not _will_run(node):
                 continue
         except RuntimeError:  # autograd.grad(): it asks nothing of leaves (they are captured)
             continue
-        assert leaf is not None
         leaf.grad = g
         grads[k] = None
 
