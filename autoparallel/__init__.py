@@ -3,37 +3,81 @@
 Write a single-device model, annotate tensors with a ``ProcessMesh`` and placements, and run
 under ``torchrun``: every op on a ``DistTensor`` is propagated by SPMD rules and the needed
 collectives are inserted by a reshard planner.
+
+This module is the public face and nothing else: each name below is imported from the layer
+that defines it on first access (PEP 562), so ``import autoparallel.placement`` (or
+``import spmd_rules``, which uses the value types) runs no engine, runtime or model code.
+The layers, bottom up (docs/architecture.md): values (``placement``, ``mesh``, ``spec``,
+``cost``, and ``compat``: the private torch names) -> ``spmd_rules`` and ``reshard``'s planner -> ``runtime`` -> ``engine`` -> model-level
+APIs (``api``, ``factory``, ``local_map``, ``nn``, ``optim``, ``data``, ``pipeline``,
+``checkpoint``, ``regions``).
 """
 
-from autoparallel.placement import Partial, Placement, Replicate, Shard  # noqa: I001  (order: values first)
-from autoparallel.mesh import ProcessMesh
-from autoparallel.spec import DistSpec
-from autoparallel.debug import CommDebugMode, CommRecord
-from autoparallel.dtensor import DistTensor
-from autoparallel import pending  # noqa: F401  (installs the deferred-statistic hooks)
-from autoparallel.api import dtensor_from_local, reshard, shard_tensor, unshard_dtensor
-from autoparallel.local_map import LocalLayer, local_map
-from autoparallel.runtime import get_rank, get_world_size
-from autoparallel.factory import empty, full, ones, rand, randn, zeros
-from spmd_rules.registry import register_axis_rule, register_local_impl, register_rule
-import spmd_rules  # noqa: F401,E402  (registers every rule family)
-from autoparallel.nn import (  # noqa: E402
-    ColWiseParallel,
-    PrepareLayerInput,
-    PrepareLayerOutput,
-    RowWiseParallel,
-    SequenceParallel,
-    VocabParallelEmbedding,
-    parallelize,
-    shard_layer,
-)
-from autoparallel.optim import ShardingStage1, ShardingStage2, ShardingStage3, shard_optimizer  # noqa: E402
-from autoparallel.data import shard_dataloader  # noqa: E402
-from autoparallel import pipeline  # noqa: E402,F401
-from autoparallel.checkpoint import load_state_dict, save_state_dict  # noqa: E402
-from autoparallel.regions import disable_local_regions, enable_local_regions, local_regions_report  # noqa: E402
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# public name -> the module that defines it
+_EXPORTS: dict[str, str] = {
+    # values
+    "Partial": "autoparallel.placement",
+    "Placement": "autoparallel.placement",
+    "Replicate": "autoparallel.placement",
+    "Shard": "autoparallel.placement",
+    "ProcessMesh": "autoparallel.mesh",
+    "DistSpec": "autoparallel.spec",
+    # rules
+    "register_axis_rule": "spmd_rules.registry",
+    "register_local_impl": "spmd_rules.registry",
+    "register_rule": "spmd_rules.registry",
+    # runtime
+    "get_rank": "autoparallel.runtime.world",
+    "get_world_size": "autoparallel.runtime.world",
+    "CommDebugMode": "autoparallel.runtime.debug",
+    "CommRecord": "autoparallel.runtime.debug",
+    # engine
+    "DistTensor": "autoparallel.engine.dtensor",
+    # model level
+    "dtensor_from_local": "autoparallel.api",
+    "reshard": "autoparallel.api",
+    "shard_tensor": "autoparallel.api",
+    "unshard_dtensor": "autoparallel.api",
+    "LocalLayer": "autoparallel.local_map",
+    "local_map": "autoparallel.local_map",
+    "empty": "autoparallel.factory",
+    "full": "autoparallel.factory",
+    "ones": "autoparallel.factory",
+    "rand": "autoparallel.factory",
+    "randn": "autoparallel.factory",
+    "zeros": "autoparallel.factory",
+    "ColWiseParallel": "autoparallel.nn",
+    "PrepareLayerInput": "autoparallel.nn",
+    "PrepareLayerOutput": "autoparallel.nn",
+    "RowWiseParallel": "autoparallel.nn",
+    "SequenceParallel": "autoparallel.nn",
+    "VocabParallelEmbedding": "autoparallel.nn",
+    "parallelize": "autoparallel.nn",
+    "shard_layer": "autoparallel.nn",
+    "ShardingStage1": "autoparallel.optim",
+    "ShardingStage2": "autoparallel.optim",
+    "ShardingStage3": "autoparallel.optim",
+    "shard_optimizer": "autoparallel.optim",
+    "shard_dataloader": "autoparallel.data",
+    "load_state_dict": "autoparallel.checkpoint",
+    "save_state_dict": "autoparallel.checkpoint",
+    "disable_local_regions": "autoparallel.regions",
+    "enable_local_regions": "autoparallel.regions",
+    "local_regions_report": "autoparallel.regions",
+}
+# sub-packages reachable as attributes (``ap.pipeline.Pipeline``, ``ap.checkpoint``, ...)
+_SUBMODULES = frozenset({
+    "api", "checkpoint", "compat", "cost", "data", "engine", "factory", "local_map", "mesh", "nn",
+    "optim", "pipeline", "placement", "regions", "runtime", "spec",
+})
 
 __all__ = [
+    "ColWiseParallel",
     "CommDebugMode",
     "CommRecord",
     "DistSpec",
@@ -41,45 +85,87 @@ __all__ = [
     "LocalLayer",
     "Partial",
     "Placement",
-    "ProcessMesh",
-    "Replicate",
-    "Shard",
-    "dtensor_from_local",
-    "get_rank",
-    "get_world_size",
-    "local_map",
-    "register_axis_rule",
-    "register_local_impl",
-    "register_rule",
-    "reshard",
-    "shard_tensor",
-    "unshard_dtensor",
-    "empty",
-    "full",
-    "ones",
-    "rand",
-    "randn",
-    "zeros",
-    # model level (autoparallel.nn, .optim, .data, .checkpoint; pipelines under ap.pipeline)
-    "ColWiseParallel",
     "PrepareLayerInput",
     "PrepareLayerOutput",
+    "ProcessMesh",
+    "Replicate",
     "RowWiseParallel",
     "SequenceParallel",
+    "Shard",
     "ShardingStage1",
     "ShardingStage2",
     "ShardingStage3",
     "VocabParallelEmbedding",
     "disable_local_regions",
+    "dtensor_from_local",
+    "empty",
     "enable_local_regions",
+    "full",
+    "get_rank",
+    "get_world_size",
     "load_state_dict",
+    "local_map",
     "local_regions_report",
+    "ones",
     "parallelize",
     "pipeline",
+    "rand",
+    "randn",
+    "register_axis_rule",
+    "register_local_impl",
+    "register_rule",
+    "reshard",
     "save_state_dict",
     "shard_dataloader",
     "shard_layer",
     "shard_optimizer",
+    "shard_tensor",
+    "unshard_dtensor",
+    "zeros",
 ]
-
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    """Import a public name's module on first access and keep the name here."""
+    module = _EXPORTS.get(name)
+    if module is not None:
+        value = getattr(importlib.import_module(module), name)
+    elif name in _SUBMODULES:
+        value = importlib.import_module(f"{__name__}.{name}")
+    else:
+        raise AttributeError(f"module 'autoparallel' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS) | _SUBMODULES)
+
+
+if TYPE_CHECKING:  # for type checkers and IDEs; nothing is imported at run time
+    from autoparallel import pipeline
+    from autoparallel.api import dtensor_from_local, reshard, shard_tensor, unshard_dtensor
+    from autoparallel.checkpoint import load_state_dict, save_state_dict
+    from autoparallel.data import shard_dataloader
+    from autoparallel.engine.dtensor import DistTensor
+    from autoparallel.factory import empty, full, ones, rand, randn, zeros
+    from autoparallel.local_map import LocalLayer, local_map
+    from autoparallel.mesh import ProcessMesh
+    from autoparallel.nn import (
+        ColWiseParallel,
+        PrepareLayerInput,
+        PrepareLayerOutput,
+        RowWiseParallel,
+        SequenceParallel,
+        VocabParallelEmbedding,
+    )
+    from autoparallel.nn.parallelize import parallelize
+    from autoparallel.nn.shard_layer import shard_layer
+    from autoparallel.optim import ShardingStage1, ShardingStage2, ShardingStage3, shard_optimizer
+    from autoparallel.placement import Partial, Placement, Replicate, Shard
+    from autoparallel.regions import disable_local_regions, enable_local_regions, local_regions_report
+    from autoparallel.runtime.debug import CommDebugMode, CommRecord
+    from autoparallel.runtime.world import get_rank, get_world_size
+    from autoparallel.spec import DistSpec
+    from spmd_rules.registry import register_axis_rule, register_local_impl, register_rule

@@ -11,7 +11,9 @@ from typing import Any, Sequence
 import torch
 
 from autoparallel import runtime
-from autoparallel.dtensor import DistTensor, _FromLocal, _Reshard, _ShardTensor
+from autoparallel.runtime import groups
+from autoparallel.engine import layout
+from autoparallel.engine.dtensor import DistTensor
 from autoparallel.mesh import ProcessMesh
 from autoparallel.placement import Placement, Shard, check_placement
 from autoparallel.spec import DistSpec
@@ -22,7 +24,7 @@ ShardOrder = Sequence[tuple[int, Sequence[int]]] | dict[int, Sequence[int]] | No
 def _check_mesh(mesh: Any, where: str) -> ProcessMesh:
     if not isinstance(mesh, ProcessMesh):
         raise TypeError(f"{where}: mesh must be an ap.ProcessMesh, got {type(mesh).__name__}")
-    mesh.bind()
+    groups.ensure(mesh)  # every rank passes here: the mesh's process groups, same order everywhere
     return mesh
 
 
@@ -72,11 +74,11 @@ def shard_tensor(
     requires_grad = data.requires_grad if stop_gradient is None else not stop_gradient
     if is_param:
         with torch.no_grad():
-            out = _ShardTensor.apply(_local_device(data.detach()), spec)
+            out = layout.shard_full(_local_device(data.detach()), spec)
         return torch.nn.Parameter(out, requires_grad=requires_grad)  # type: ignore[return-value]
-    out = _ShardTensor.apply(_local_device(data), spec)
+    out = layout.shard_full(_local_device(data), spec)
     if stop_gradient:
-        out = out.detach()
+        out = out.detach()  # type: ignore[assignment]  # a DistTensor's detach is one
     elif requires_grad and not out.requires_grad:
         out.requires_grad_(True)
     return out
@@ -118,7 +120,7 @@ def dtensor_from_local(
         )
     if coord is None:
         local = local.new_empty((0,))
-    return _FromLocal.apply(local, spec)
+    return layout.from_local(local, spec)
 
 
 def reshard(x: DistTensor, mesh: ProcessMesh, placements: Sequence[Placement], *, shard_order: ShardOrder = None) -> DistTensor:
@@ -127,10 +129,11 @@ def reshard(x: DistTensor, mesh: ProcessMesh, placements: Sequence[Placement], *
         raise TypeError(f"reshard: x must be a DistTensor, got {type(x).__name__}; use shard_tensor for plain tensors")
     placements = _check_placements(placements, "reshard")
     mesh = _check_mesh(mesh, "reshard")
-    dst = DistSpec(mesh, placements, x._spec.shape, x._spec.dtype, _order(shard_order))
-    if dst == x._spec:
+    src = layout.spec_of(x)
+    dst = DistSpec(mesh, placements, src.shape, src.dtype, _order(shard_order))
+    if dst == src:
         return x
-    return _Reshard.apply(x, dst)
+    return layout.reshard(x, dst)
 
 
 def unshard_dtensor(x: DistTensor) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 The model is the bandwidth-optimal algorithm for each collective: ring all-reduce and
 reduce-scatter, direct exchange for all-gather and all-to-all. The planner prices its steps
-with these functions and ``CommDebugMode`` records what ``autoparallel.comm`` issued with the
+with these functions and ``CommDebugMode`` records what ``autoparallel.runtime.comm`` issued with the
 same ones, so tests can check that a plan moved exactly what it promised.
 """
 

@@ -21,6 +21,7 @@ import torch
 from torch.utils.data import DataLoader, Sampler
 
 from autoparallel import runtime
+from autoparallel.runtime import groups
 from autoparallel.api import dtensor_from_local
 from autoparallel.mesh import ProcessMesh
 from autoparallel.placement import Placement, Replicate, Shard
@@ -232,7 +233,7 @@ def shard_dataloader(
             f"shard_dataloader: batch_size {bs} is not divisible by the data-parallel degree {degree}"
         )
     for t in targets:
-        t.mesh.bind()
+        groups.ensure(t.mesh)
     return ShardDataloader(dataloader, targets, keys)
 
 

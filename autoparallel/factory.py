@@ -19,7 +19,8 @@ import torch
 
 from autoparallel import runtime
 from autoparallel.api import _check_mesh, _check_placements
-from autoparallel.dtensor import DistTensor
+from autoparallel.engine import layout
+from autoparallel.engine.dtensor import DistTensor
 from autoparallel.mesh import ProcessMesh
 from autoparallel.placement import Partial, Placement
 from autoparallel.spec import DistSpec
@@ -48,7 +49,7 @@ def _spec(where: str, shape: tuple[int, ...], mesh: ProcessMesh, placements: Seq
 def _wrap(spec: DistSpec, local: torch.Tensor | None, requires_grad: bool) -> DistTensor:
     if local is None:  # outside the mesh
         local = torch.empty((0,), dtype=spec.dtype, device=runtime.default_device())
-    return DistTensor(local, spec, requires_grad=requires_grad)
+    return layout.wrap(local, spec, None, requires_grad)
 
 
 def _constant(where: str, shape: tuple[int, ...], value: Any, mesh: ProcessMesh, placements: Sequence[Placement],

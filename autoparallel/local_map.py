@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from autoparallel.api import dtensor_from_local, reshard
-from autoparallel.dtensor import DistTensor
+from autoparallel.engine.dtensor import DistTensor
 from autoparallel.mesh import ProcessMesh
 from autoparallel.placement import Placement
 

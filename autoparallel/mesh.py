@@ -1,19 +1,20 @@
 """``ProcessMesh``: an n-d array of ranks with named axes.
 
-A mesh is a value (hashable, comparable). Where a world exists when the mesh is built, the
-process groups of each mesh axis are created right away — every rank must build every mesh
-in the same order, as with any ``torch.distributed.new_group`` call. A mesh built before any
-world exists is pure metadata (the planner and rules work on it) and binds its groups on first
-communication.
+A mesh is a value (frozen, hashable, comparable): building one issues no collective and
+creates no process group. The runtime (``autoparallel.runtime.groups``) creates a mesh's groups
+when the mesh enters the world through an entry point every rank passes. The two things a mesh
+reads of the world are its size (ranks outside it are refused at once) and this process's rank,
+for ``mesh["dp"]`` (the line through this rank): the default group's, else torchrun's
+``WORLD_SIZE``/``RANK``. It reads them; it never creates the world.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any, Sequence
 
 import numpy as np
-
-from autoparallel import comm, runtime
+import torch
 
 
 class Dims(tuple):  # type: ignore[type-arg]
@@ -59,7 +60,7 @@ class ProcessMesh:
     ((2, 2), 2)
     """
 
-    __slots__ = ("_shape", "_ids", "_dim_names", "_hash", "_bound", "_coords", "_lines")
+    __slots__ = ("_shape", "_ids", "_dim_names", "_hash", "_family", "_coords", "_lines")
 
     def __init__(self, mesh: Any, dim_names: Sequence[str] | None = None) -> None:
         arr = _to_array(mesh)
@@ -86,11 +87,13 @@ class ProcessMesh:
         self._ids = Dims(ids)
         self._dim_names = tuple(names)
         self._hash = hash((self._shape, self._ids, self._dim_names))
-        self._bound = False
+        self._family: ProcessMesh | None = None  # the mesh a per-rank sub-mesh was taken from
+        world = _world_size()
+        bad = [r for r in ids if world is not None and r >= world]
+        if bad:
+            raise ValueError(f"ProcessMesh {arr.tolist()}: ranks {bad} are not in the world of size {world}")
         self._coords: dict[int, tuple[int, ...] | None] = {}  # rank -> coordinate (a mesh never changes)
         self._lines: dict[tuple[int, int], tuple[int, ...] | None] = {}  # (axis, rank) -> axis line
-        if runtime.world_available():
-            self.bind()
 
     # ---- values -------------------------------------------------------------------------
     @property
@@ -215,11 +218,7 @@ class ProcessMesh:
             key = (key,)
         if isinstance(key, tuple) and key and all(isinstance(k, str) for k in key):
             axes = [self.axis_index(k) for k in key]
-            if runtime.world_available():
-                # The sub-mesh differs per rank; its axis lines are this mesh's, so create them
-                # all here (every rank) and the sub-mesh's own bind finds them made.
-                self.bind()
-            rank = runtime.get_rank()
+            rank = _this_rank()
             coord = self.coordinate_of(rank)
             if coord is None:
                 raise ValueError(f"mesh[{key!r}]: rank {rank} is not in {self!r}")
@@ -227,7 +226,10 @@ class ProcessMesh:
             sub = self.mesh[index]
             kept = [i for i in range(self.ndim) if i in axes]
             sub = np.transpose(sub, [kept.index(a) for a in axes])
-            return ProcessMesh(sub, list(key))
+            out = ProcessMesh(sub, list(key))
+            # differs per rank: its groups are created as this mesh's lines, the same everywhere
+            out._family = self._family or self
+            return out
         sub = self.mesh[key]
         if np.ndim(sub) == 0:
             return ProcessMesh([int(sub)], [self._dim_names[-1]])
@@ -239,16 +241,28 @@ class ProcessMesh:
         kept_names = [n for i, n in enumerate(names) if i not in dropped]
         return ProcessMesh(sub, kept_names[: np.ndim(sub)])
 
-    # ---- process groups -----------------------------------------------------------------
-    def bind(self) -> None:
-        """Validate the ranks against the world and create every axis's process groups."""
-        if self._bound:
-            return
-        world = runtime.get_world_size()
-        bad = [r for r in self._ids if r >= world]
-        if bad:
-            raise ValueError(
-                f"ProcessMesh {self.mesh.tolist()}: ranks {bad} are not in the world of size {world}"
-            )
-        comm.create_mesh_groups(self)
-        self._bound = True
+    @property
+    def family(self) -> "ProcessMesh | None":
+        """The mesh this per-rank sub-mesh (``mesh["dp"]``) was taken from, else None. Not part
+        of the value (equality and hash ignore it): it tells the runtime which lines to create
+        so that every rank creates the same groups."""
+        return self._family
+
+
+def _world_size() -> int | None:
+    """The world's size where one is known (initialised, or torchrun's ``WORLD_SIZE``), else
+    None (a mesh built before any world is checked when it enters one). Reads, never creates."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return int(dist.get_world_size())
+    size = os.environ.get("WORLD_SIZE")
+    return int(size) if size and size.isdigit() else None
+
+
+def _this_rank() -> int:
+    """This process's rank: the default group's, else torchrun's ``RANK`` (the world may be
+    initialised later from it), else 0. Reads the world; never creates it."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return int(dist.get_rank())
+    return int(os.environ.get("RANK", "0"))

@@ -19,7 +19,7 @@ import tempfile
 import time
 from typing import Any, Callable
 
-from tests.world import environment
+from tests.world_harness import environment
 
 Worker = Callable[[int, int, str, dict[str, Any], str], None]
 

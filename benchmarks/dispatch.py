@@ -82,7 +82,7 @@ def _worker(rank: int, world: int, path: str, iters: int, cache_miss: bool) -> N
         rows.append((name, p, t, o))
     miss = None
     if cache_miss:
-        from autoparallel import dispatch
+        from autoparallel.engine import dispatch
 
         samples = []
         for n in range(20):

@@ -9,11 +9,11 @@ no port)::
     python benchmarks/op_coverage.py --limit 50 --json /tmp/cov.json
     python benchmarks/op_coverage.py --write-known-failures     # refresh the known-failures file
 
-Every (op, variant, library) goes through ``tests/op_conformance.py: run_op`` (see its docstring
+Every (op, variant, library) goes through ``tests/conformance/harness.py: run_op`` (see its docstring
 for the verdicts). Printed: pass rates per variant and phase for both libraries (passes over
 cases that ran: skips are left out), every ``WRONG`` (silently incorrect) result of ours with the
 sample's shapes and the largest error, hangs, our failures that torch passes, and our failures
-missing from ``tests/op_db_known_failures.py``. ``--json`` gets every record.
+missing from ``tests/conformance/known_failures.py``. ``--json`` gets every record.
 ``--check`` exits 1 on any ``WRONG`` of ours, or on a pass rate below torch's.
 """
 
@@ -36,10 +36,10 @@ if __name__ in ("__main__", "__mp_main__"):
     if sys.path[:1] != [REPO_ROOT]:
         sys.path.insert(0, REPO_ROOT)
 
-from tests import op_conformance as oc  # noqa: E402
-from tests.world import World  # noqa: E402
+from tests.conformance import harness as oc  # noqa: E402
+from tests.world_harness import World  # noqa: E402
 
-KNOWN_FAILURES_PATH = os.path.join(REPO_ROOT, "tests", "op_db_known_failures.py")
+KNOWN_FAILURES_PATH = os.path.join(REPO_ROOT, "tests", "conformance", "known_failures.py")
 
 
 def _rate(counts: dict[str, int]) -> str:
@@ -190,7 +190,7 @@ def report(args: argparse.Namespace, records: list[dict[str, Any]], variants: li
         if fallbacks:
             print("  " + ", ".join(fallbacks))
         unlisted = oc.unlisted(records)
-        print(f"\nfailures of ours not in tests/op_db_known_failures.py: {len(unlisted)}")
+        print(f"\nfailures of ours not in tests/conformance/known_failures.py: {len(unlisted)}")
         for key, why in unlisted[:50]:
             print(f"  {key}: {why}")
         if len(unlisted) > 50:

@@ -20,7 +20,7 @@ placements)`` it reports, on rank 0:
     fails if the collectives ``ap.CommDebugMode`` recorded do not match that kind.
 ``ours B``
     bytes this rank *received* during ``ap.reshard(x, mesh, dst)``, as recorded by
-    ``ap.CommDebugMode`` (``autoparallel.comm`` prices every collective it issues with the
+    ``ap.CommDebugMode`` (``autoparallel.runtime.comm`` prices every collective it issues with the
     formulas of ``autoparallel/cost.py``; point-to-point transfers count their buffers). Max
     over ranks. Each rank's figure must equal what ``plan_best(...).bytes_per_rank`` promised.
 ``torch B``

@@ -1,10 +1,11 @@
-"""Run a plan on this rank's local shard; every collective goes through ``autoparallel.comm``."""
+"""Run a plan on this rank's local shard; every collective goes through ``autoparallel.runtime.comm``."""
 
 from __future__ import annotations
 
 import torch
 
-from autoparallel import comm, runtime
+from autoparallel import runtime
+from autoparallel.runtime import comm
 from autoparallel.placement import Partial, Shard
 from autoparallel.spec import Box, DistSpec, intersect_boxes
 from reshard.crossmesh import CrossMeshPlan, plan_best

@@ -5,11 +5,6 @@ Importing this package registers every rule family. Users add rules for their ow
 product over axes).
 """
 
-# The value types (mesh, placement, spec) live in ``autoparallel``, whose package __init__ pulls
-# in the dispatcher, which imports this package: initialise ``autoparallel`` first so either
-# import order works.
-import autoparallel  # noqa: F401,I001
-
 
 from spmd_rules import (  # noqa: F401  (importing a family registers its rules)
     conv_attention,

@@ -24,10 +24,11 @@ shards:
   replicated.
 - ``native_dropout_backward``: pointwise, linear in the gradient.
 
-Collectives inside local implementations (loss-parallel softmax: two ``[rows, 1]`` all-reduces;
-NLL ``mean`` over batch shards: one scalar all-reduce) go through ``autoparallel.comm`` on every
-member of the mesh. The dispatcher's cost model does not see these bytes; they are small
-against gathering the sharded logits, which is what the strategies avoid.
+Rules are strategies only. Where a strategy's local step needs a collective (loss-parallel
+softmax: two ``[rows, 1]`` all-reduces; NLL ``mean`` over batch shards: one scalar all-reduce)
+the step is a kernel of the engine (``autoparallel.engine.kernels``), which receives its
+collectives from the context the engine passes. The dispatcher's cost model does not see these
+bytes; they are small against gathering the sharded logits, which is what the strategies avoid.
 
 ``native_dropout`` (random) is left to the random-op rules; eval-mode dropout issues no op.
 ``F.rms_norm`` on CPU decomposes into pointwise ops and ``mean`` (no rule needed here); the fused
@@ -42,9 +43,8 @@ from typing import Any, Sequence
 
 import torch
 
-from autoparallel import comm, deferred
 from autoparallel.placement import Partial, Placement, Shard
-from spmd_rules.base import P_SUM, R, AxisStrategy, LocalContext, OpCall, TensorMeta
+from spmd_rules.base import P_SUM, R, AxisStrategy, LocalContext, OpCall
 from spmd_rules.base import input_slots as _slots
 from spmd_rules.base import named_strategy as _make
 from spmd_rules.registry import register_axis_rule, register_local_impl
@@ -67,19 +67,13 @@ def _dims(call: OpCall, i: int, axis: int, dims: Sequence[int]) -> list[int]:
 
 
 @lru_cache(maxsize=4096)
-def _axes_sharding(spec: Any, dim: int) -> tuple[int, ...]:
+def axes_sharding(spec: Any, dim: int) -> tuple[int, ...]:
     """Mesh axes (of more than one rank) that shard tensor ``dim`` of ``spec`` (cached: every
     local softmax and loss asks)."""
     return tuple(a for a, p in enumerate(spec.placements) if isinstance(p, Shard) and p.dim == dim and spec.mesh.shape[a] > 1)
 
 
-def _all_reduce(t: torch.Tensor, spec: Any, axes: Sequence[int], reduce_type: str) -> torch.Tensor:
-    for a in axes:
-        t = comm.all_reduce(t, spec.mesh, a, reduce_type)
-    return t
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
@@ -123,50 +117,6 @@ def softmax_backward_rule(call: OpCall, axis: int, size: int) -> list[AxisStrate
     strategies += [AxisStrategy((Shard(d), Shard(d)), (Shard(d),)) for d in dims]
     strategies += [AxisStrategy((Partial(t), R), (Partial(t),)) for t in LINEAR]
     return strategies
-
-
-@register_local_impl(SOFTMAX_OPS)
-def softmax_local(ctx: LocalContext, x: torch.Tensor, dim: int, half_to_float: bool) -> torch.Tensor:
-    """Over a sharded dim: global row max and row sum of exponentials by all-reduce."""
-    d = dim % max(x.ndim, 1)
-    spec = ctx.in_specs[0]
-    axes = _axes_sharding(spec, d)
-    if not axes:
-        return ctx.call.op(x, dim, half_to_float)
-    out_meta = ctx.call.out[0]
-    assert out_meta is not None
-    xf = x.to(_compute_dtype(out_meta.dtype))
-    if xf.shape[d]:
-        local_max = xf.amax(d, keepdim=True)
-    else:  # an empty piece of an uneven shard
-        local_max = xf.new_full(xf.shape[:d] + (1,) + xf.shape[d + 1:], float("-inf"))
-    shifted = xf - _all_reduce(local_max, spec, axes, "max")
-    e = shifted.exp()
-    total = _all_reduce(e.sum(d, keepdim=True), spec, axes, "sum")
-    if ctx.call.op.overloadpacket is aten._log_softmax:
-        return (shifted - total.log()).to(out_meta.dtype)
-    return (e / total).to(out_meta.dtype)
-
-
-@register_local_impl(SOFTMAX_BACKWARD_OPS)
-def softmax_backward_local(
-    ctx: LocalContext, grad: torch.Tensor, out: torch.Tensor, dim: int, input_dtype: torch.dtype
-) -> torch.Tensor:
-    """Over a sharded dim: the row sum the gradient needs comes from an all-reduce."""
-    d = dim % max(out.ndim, 1)
-    spec = ctx.in_specs[1]
-    axes = _axes_sharding(spec, d)
-    if not axes:
-        return ctx.call.op(grad, out, dim, input_dtype)
-    out_meta = ctx.call.out[0]
-    assert out_meta is not None
-    ct = _compute_dtype(out_meta.dtype)
-    g, y = grad.to(ct), out.to(ct)
-    if ctx.call.op.overloadpacket is aten._log_softmax_backward_data:
-        res = g - y.exp() * _all_reduce(g.sum(d, keepdim=True), spec, axes, "sum")
-    else:
-        res = y * (g - _all_reduce((g * y).sum(d, keepdim=True), spec, axes, "sum"))
-    return res.to(out_meta.dtype)
 
 
 # ---- layer norm / RMS norm ------------------------------------------------------------------
@@ -330,7 +280,7 @@ def nll_backward_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
     return strategies
 
 
-def _nll_pick(
+def nll_pick(
     target: torch.Tensor, weight: torch.Tensor | None, ignore_index: int, classes: int, off: int, n: int,
     dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -345,7 +295,7 @@ def _nll_pick(
 
 
 @lru_cache(maxsize=1024)
-def _nll_layout(ctx: LocalContext) -> tuple[Any, int, int, int, tuple[int, ...]]:
+def nll_layout(ctx: LocalContext) -> tuple[Any, int, int, int, tuple[int, ...]]:
     """(input spec, class dim, local class offset, local class count, axes sharding the target)."""
     assert ctx.coord is not None
     slots = _slots(ctx.call)
@@ -359,56 +309,19 @@ def _nll_layout(ctx: LocalContext) -> tuple[Any, int, int, int, tuple[int, ...]]
     return spec, cdim, off, n, batch_axes
 
 
-@register_local_impl(NLL_FORWARD)
-def nll_forward_local(
-    ctx: LocalContext, x: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None,
-    reduction: int = MEAN, ignore_index: int = -100,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Class-sharded: score only local classes. ``mean`` over batch shards: the sum and the total
-    weight are all-reduced together (one collective) and divided: the loss is Replicate there."""
-    spec, cdim, off, n, batch_axes = _nll_layout(ctx)
-    classes = spec.shape[cdim]
-    op = ctx.call.op
-    if n == classes:
-        if reduction != MEAN or not batch_axes:
-            return op(x, target, weight, reduction, ignore_index)
-        s, tw = op(x, target, weight, SUM, ignore_index)
-    else:
-        w_t, mine, idx = _nll_pick(target, weight, ignore_index, classes, off, n, x.dtype)
-        loss = torch.zeros_like(w_t)
-        if n:
-            picked = x.gather(cdim, idx.unsqueeze(cdim)).squeeze(cdim)
-            loss = torch.where(mine, -w_t * picked, 0)
-        if reduction == NONE:
-            return loss, x.new_zeros(())
-        s, tw = loss.sum(), w_t.sum()
-        if reduction == SUM:
-            return s, tw
-    both = torch.stack([s, tw.to(s.dtype)])  # (2,): sum, total weight
-    if len(batch_axes) == 1 and ctx.may_defer:
-        # Start the all-reduce and return at once: the loss and the total weight are computed
-        # on first use; the backward runs unscaled and the optimizer scales the gradients.
-        stat = deferred.Stat(both, spec.mesh, batch_axes[0])
-        dtype = tw.dtype
-        return (deferred.defer(s.new_empty(()), stat, lambda _, st: st.result()[0] / st.result()[1]),
-                deferred.defer(tw.new_empty(()), stat, lambda _, st: st.result()[1].to(dtype)))
-    both = _all_reduce(both, spec, batch_axes, "sum")
-    return both[0] / both[1], both[1].to(tw.dtype)
-
-
 @register_local_impl(NLL_BACKWARD)
 def nll_backward_local(
     ctx: LocalContext, grad: torch.Tensor, x: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None,
     reduction: int, ignore_index: int, total_weight: torch.Tensor,
 ) -> torch.Tensor:
     """Class-sharded: write -w[t] * grad only where the target class is local."""
-    spec, cdim, off, n, _ = _nll_layout(ctx)
+    spec, cdim, off, n, _ = nll_layout(ctx)
     classes = spec.shape[cdim]
     if n == classes:
         return ctx.call.op(grad, x, target, weight, reduction, ignore_index, total_weight)
     out = torch.zeros_like(x)
     if n:
-        w_t, mine, idx = _nll_pick(target, weight, ignore_index, classes, off, n, x.dtype)
+        w_t, mine, idx = nll_pick(target, weight, ignore_index, classes, off, n, x.dtype)
         g = grad / total_weight if reduction == MEAN else grad
         coef = torch.where(mine, -w_t * g, 0).to(x.dtype)
         out.scatter_(cdim, idx.unsqueeze(cdim), coef.unsqueeze(cdim))

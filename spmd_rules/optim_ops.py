@@ -28,6 +28,7 @@ from typing import Any, Sequence
 
 import torch
 
+from autoparallel.compat import all_op_schemas
 from autoparallel.placement import Partial, Placement, Replicate, Shard
 from spmd_rules.base import R, LocalContext, OpCall, Strategy, TensorMeta
 from spmd_rules.registry import get_local_impl, get_rule, register_local_impl, register_rule
@@ -219,7 +220,7 @@ def _assemble(call: OpCall, groups: Sequence[_Group], chosen: Sequence[Strategy]
 # ---- foreach: elementwise families -------------------------------------------------------------
 def _foreach_ops() -> list[Any]:
     ops = []
-    for schema in torch._C._jit_get_all_schemas():
+    for schema in all_op_schemas():
         if not schema.name.startswith("aten::_foreach_") or schema.overload_name.endswith("out"):
             continue
         name = schema.name.removeprefix("aten::")

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from autoparallel import comm, runtime
+from autoparallel import runtime
+from autoparallel.runtime import comm
 from autoparallel.checkpoint.metadata import CheckpointError
 
 

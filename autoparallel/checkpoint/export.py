@@ -23,9 +23,11 @@ WHERE = "export_state_dict"
 
 def _check_rank0(flat: dict[str, Any]) -> list[tuple[str, str]]:
     """Errors for DistTensors rank 0 (the writer) cannot gather."""
+    from autoparallel.engine import layout  # noqa: PLC0415  (the engine loads on first use, not with the package)
+
     out = []
     for key, leaf in flat.items():
-        spec = getattr(leaf, "_spec", None)
+        spec = layout.spec_or_none(leaf)
         if spec is not None and 0 not in spec.mesh:
             out.append(("value", f"{key!r} lives on {spec.mesh!r}, which lacks rank 0 (the writer); "
                                  "reshard it onto a mesh containing rank 0 first"))
@@ -53,9 +55,11 @@ def export_state_dict(state_dict: dict[str, Any], file: str | os.PathLike[str]) 
                         if lacking else []) for g in gathered]
     _world.raise_gathered(everyone, WHERE)
     full: dict[str, torch.Tensor] = {}
+    from autoparallel.engine import layout  # noqa: PLC0415  (the engine loads on first use, not with the package)
+
     with torch.no_grad():
         for key, leaf in flat.items():
-            if getattr(leaf, "_spec", None) is not None:
+            if layout.is_dist(leaf):
                 from autoparallel.api import unshard_dtensor  # noqa: PLC0415  (api imports the dtensor stack)
 
                 full[key] = unshard_dtensor(leaf).detach().cpu()

@@ -172,6 +172,8 @@ def _piece(ci: int, chunk: Chunk, ov: Box, itemsize: int) -> Piece:
 
 def plan_reads(source: Source, flat: dict[str, Any], rank: int) -> list[Target]:
     """Every target tensor this rank fills (shapes already checked to match)."""
+    from autoparallel.engine import layout  # noqa: PLC0415  (the engine loads on first use, not with the package)
+
     out = []
     for key, leaf in flat.items():
         entry = source.entries.get(key)
@@ -180,7 +182,7 @@ def plan_reads(source: Source, flat: dict[str, Any], rank: int) -> list[Target]:
         box, zero = target_box(leaf, rank)
         if box is None or box_numel(box) == 0:
             continue
-        local = getattr(leaf, "_local", leaf).detach()
+        local = layout.local_or_plain(leaf).detach()
         item = torch.empty((), dtype=entry.dtype).element_size()
         pieces = () if zero else tuple(
             _piece(ci, c, ov, item) for ci, c in enumerate(entry.chunks)

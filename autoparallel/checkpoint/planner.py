@@ -123,7 +123,9 @@ def target_box(t: torch.Tensor, rank: int) -> tuple[Box | None, bool]:
     A plain tensor holds everything. A DistTensor holds its reduced layout's box; a rank that is
     not the first on a ``Partial(sum)`` axis holds zeros (the value lives on the first rank).
     """
-    spec: DistSpec | None = getattr(t, "_spec", None)
+    from autoparallel.engine import layout  # noqa: PLC0415  (the engine loads on first use, not with the package)
+
+    spec: DistSpec | None = layout.spec_or_none(t)
     if spec is None:
         return tuple((0, s) for s in t.shape), False
     coord = spec.mesh.coordinate_of(rank)

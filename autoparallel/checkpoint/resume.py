@@ -66,14 +66,15 @@ def rng_state(generators: Mapping[str, torch.Generator] | None = None) -> dict[s
 
 def set_rng_state(state: Mapping[str, torch.Tensor], generators: Mapping[str, torch.Generator] | None = None) -> None:
     """Restore this rank's generators from ``state`` (as returned by ``rng_state`` and then loaded)."""
+    from autoparallel.engine import layout  # noqa: PLC0415  (the engine loads on first use, not with the package)
+
     rank, world = runtime.get_rank(), runtime.get_world_size()
     rows = {}
     for key, t in state.items():
         if t.shape[0] != world:
             raise ValueError(f"set_rng_state: {key!r} holds the states of {t.shape[0]} ranks; this world "
                              f"has {world} (RNG states can only be restored on the same world size)")
-        local = getattr(t, "_local", None)
-        rows[key] = (local[0] if local is not None else t[rank]).detach().cpu()
+        rows[key] = (layout.local_of(t)[0] if layout.is_dist(t) else t[rank]).detach().cpu()
     for key, row in rows.items():
         if key == "torch":
             torch.set_rng_state(row.to(torch.uint8).clone())

@@ -49,10 +49,11 @@ def describe(flat: dict[str, Any], rank: int) -> list[Item]:
 def reduce_partials(flat: dict[str, Any]) -> dict[str, Any]:
     """``flat`` with every Partial DistTensor replaced by its reduced value (same mesh)."""
     from autoparallel.api import reshard  # noqa: PLC0415  (api imports the dtensor stack)
+    from autoparallel.engine import layout  # noqa: PLC0415
 
     out = dict(flat)
     for key, leaf in flat.items():
-        spec = getattr(leaf, "_spec", None)
+        spec = layout.spec_or_none(leaf)
         if spec is not None and spec.has_partial:
             reduced = spec.without_partial()
             with torch.no_grad():
@@ -61,8 +62,10 @@ def reduce_partials(flat: dict[str, Any]) -> dict[str, Any]:
 
 
 def local_data(leaf: torch.Tensor) -> torch.Tensor:
-    local = getattr(leaf, "_local", None)
-    return (leaf if local is None else local).detach()
+    """This rank's data of ``leaf``: a DistTensor's shard, a plain tensor itself (detached)."""
+    from autoparallel.engine import layout  # noqa: PLC0415  (the engine loads on first use, not with the package)
+
+    return layout.local_or_plain(leaf).detach()
 
 
 def write_owned(folder: str, plan: SavePlan, flat: dict[str, Any], save_id: str, rank: int,

@@ -19,7 +19,7 @@ from typing import Any, Sequence, Union
 import torch
 
 from autoparallel.api import reshard, shard_tensor
-from autoparallel.dtensor import DistTensor
+from autoparallel.engine.dtensor import DistTensor
 from autoparallel.mesh import ProcessMesh
 from autoparallel.placement import PLACEMENT_TYPES, Placement, Replicate, check_placement
 

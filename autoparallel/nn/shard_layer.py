@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from autoparallel.api import shard_tensor
-from autoparallel.dtensor import DistTensor
+from autoparallel.engine.dtensor import DistTensor
 from autoparallel.mesh import ProcessMesh
 from autoparallel.placement import Placement, Replicate
 from autoparallel.regions import enable_local_regions

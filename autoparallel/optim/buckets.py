@@ -1,7 +1,7 @@
 """Bucketed collectives: many tensors' local shards through one flat buffer per collective.
 
 Every function packs this rank's pieces into one flat buffer, issues ONE collective on one mesh
-axis through ``autoparallel.comm`` (so ``CommDebugMode`` sees it) and unpacks. Bucket
+axis through ``autoparallel.runtime.comm`` (so ``CommDebugMode`` sees it) and unpacks. Bucket
 boundaries come from metadata only (``plan_buckets``), so every rank issues the same sequence.
 Uneven ``torch.chunk`` pieces are padded to the largest per-rank segment. On a size-1 axis
 nothing is communicated (a Partial over one rank is already the value).
@@ -12,9 +12,10 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from autoparallel import comm, runtime
+from autoparallel import runtime
+from autoparallel.compat import flatten_dense_tensors, unflatten_dense_tensors
+from autoparallel.runtime import comm
 from autoparallel.mesh import ProcessMesh
 from autoparallel.placement import chunk_bounds
 
@@ -73,11 +74,11 @@ def all_reduce(
     multiply the results by ``scale`` (a 0-dim tensor) if given."""
     if mesh.shape[axis] == 1:
         return list(locals_) if scale is None else [t * scale for t in locals_]
-    flat = _flatten_dense_tensors(list(locals_))  # [sum numel], a new buffer: reduced in place
+    flat = flatten_dense_tensors(list(locals_))  # [sum numel], a new buffer: reduced in place
     flat = comm.all_reduce(flat, mesh, axis, reduce_type, in_place=True)
     if scale is not None:
         flat.mul_(scale)
-    return list(_unflatten_dense_tensors(flat, list(locals_)))  # views of ``flat``
+    return list(unflatten_dense_tensors(flat, list(locals_)))  # views of ``flat``
 
 
 def reduce_scatter(

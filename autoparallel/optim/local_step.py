@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from autoparallel.dtensor import DistTensor
+from autoparallel.engine import layout
+from autoparallel.engine.dtensor import DistTensor
 
 ELEMENTWISE = (
     torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
@@ -47,6 +48,7 @@ def _local_view(optimizer: torch.optim.Optimizer) -> _View | None:
     if type(optimizer) not in ELEMENTWISE:  # a subclass may override step with anything
         return None
     state = optimizer.state
+    spec_of, local_of = layout.spec_of, layout.local_of
     groups: list[list[torch.Tensor]] = []
     items: list[tuple[DistTensor, torch.Tensor, Any]] = []
     local_state: dict[torch.Tensor, dict[str, Any]] = {}
@@ -57,22 +59,22 @@ def _local_view(optimizer: torch.optim.Optimizer) -> _View | None:
         for p in group["params"]:
             if not isinstance(p, DistTensor):
                 return None
-            spec = p._spec
+            spec = spec_of(p)
             if spec.has_partial:
                 return None
             g = p.grad
-            if g is not None and (not isinstance(g, DistTensor) or (g._spec is not spec and g._spec != spec)):
+            if g is not None and (not isinstance(g, DistTensor) or ((gs := spec_of(g)) is not spec and gs != spec)):
                 return None
-            loc = p._local
+            loc = local_of(p)
             st = state.get(p)
             if st:
                 ls: dict[str, Any] = {}
                 for k, v in st.items():
                     if isinstance(v, DistTensor):
-                        vs = v._spec
+                        vs = spec_of(v)
                         if vs is not spec and (vs.placements != spec.placements or vs.shape != spec.shape):
                             return None
-                        ls[k] = v._local
+                        ls[k] = local_of(v)
                     elif isinstance(v, torch.Tensor) and v.dim() > 0:
                         return None
                     else:
@@ -93,8 +95,9 @@ def local_step(optimizer: torch.optim.Optimizer) -> bool:
     before = {loc: (tuple(st), tuple(st.values())) for loc, st in local_state.items()}
     state = optimizer.state
     groups = [g["params"] for g in optimizer.param_groups]
+    local_of = layout.local_of
     for _, loc, g in items:
-        loc.grad = None if g is None else g._local
+        loc.grad = None if g is None else local_of(g)
     for group, locs in zip(optimizer.param_groups, local_groups):
         group["params"] = locs
     optimizer.state = defaultdict(dict, local_state)
@@ -122,10 +125,10 @@ def _rewrap(old: dict[str, Any], new: dict[str, Any], p: DistTensor) -> dict[str
     out: dict[str, Any] = {}
     for k, v in new.items():
         prev = old.get(k)
-        if isinstance(prev, DistTensor) and prev._local is v:
+        if isinstance(prev, DistTensor) and layout.local_of(prev) is v:
             out[k] = prev
         elif isinstance(v, torch.Tensor) and v.dim() > 0:
-            out[k] = DistTensor._wrap(v if v.is_contiguous() else v.contiguous(), p._spec.with_dtype(v.dtype))
+            out[k] = layout.wrap(v if v.is_contiguous() else v.contiguous(), layout.spec_of(p).with_dtype(v.dtype))
         else:
             out[k] = v
     return out

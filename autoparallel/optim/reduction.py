@@ -1,7 +1,7 @@
 """The optimizer's gradient reduction: planned from the gradients' layouts, replayed each step.
 
 ``plan_reduction`` is a pure function of metadata — each parameter's gradient layout, which
-gradients wait on a deferred statistic (``autoparallel.pending``), the ZeRO stage's shard
+gradients wait on a deferred statistic (``autoparallel.engine.pending``), the ZeRO stage's shard
 layouts and the bucket size — so every rank plans the same collectives in the same order.
 ``ShardedOptimizer`` keeps the plan for the layouts it last saw; a step with the same layouts
 (every step of a steady training loop) only packs, reduces and unpacks.

@@ -24,25 +24,22 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
-import torch.optim.optimizer as _optim
 
-from autoparallel import runtime
-from autoparallel.dtensor import DistTensor
+from autoparallel import compat, runtime
+from autoparallel.engine import layout
+from autoparallel.engine.dtensor import DistTensor
 from autoparallel.optim import buckets
 from autoparallel.optim.local_step import local_step
 from autoparallel.optim.reduction import BucketOp, SlotLayout, meta_bytes, plan_reduction
 from autoparallel.optim.stages import ShardingStage, check_stage, param_axis, shard_layout
-from autoparallel.optim.zero3 import shard_parameter_
-from autoparallel.pending import scaled_raw
+from autoparallel.optim.zero3 import Zero3Params
 from autoparallel.placement import Replicate, chunk_bounds
 from autoparallel.spec import DistSpec
-from reshard.executor import reshard_local
 
 
 # torch.optim's global step hooks (register_optimizer_step_pre_hook/post_hook), which torch's own
 # step wrapper runs and ShardedOptimizer.step runs itself
-_GLOBAL_PRE: dict[Any, Any] = getattr(_optim, "_global_optimizer_pre_hooks", {})
-_GLOBAL_POST: dict[Any, Any] = getattr(_optim, "_global_optimizer_post_hooks", {})
+_GLOBAL_PRE, _GLOBAL_POST = compat.optimizer_global_hooks()
 
 
 @dataclass
@@ -88,6 +85,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise ValueError("shard_optimizer: wrap the optimizer before its first step (it already holds state)")
         plans = [self._plan_group(g, k) for k, g in enumerate(optimizer.param_groups)]  # all checks first
         self._slots: list[_Slot] = []
+        self._zero3 = Zero3Params()  # stage 3: the parameters it shards and the hooks gathering them
         self._sharded = False
         for group, plan in zip(optimizer.param_groups, plans):
             group["params"] = [self._adopt(*item) for item in plan]
@@ -112,17 +110,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     f"shard_optimizer: {where} is a plain tensor; make the model's parameters "
                     "DistTensors first (ap.shard_layer, ap.parallelize or ap.shard_tensor)"
                 )
-            axis = param_axis(self.stage, p._spec, where)
-            out.append((p, axis, shard_layout(p._spec, axis)))
+            spec = layout.spec_of(p)
+            axis = param_axis(self.stage, spec, where)
+            out.append((p, axis, shard_layout(spec, axis)))
         return out
 
     def _adopt(self, p: torch.Tensor, axis: int | None, shard: DistSpec | None) -> torch.Tensor:
         stepped = p
         if shard is not None and self.stage is not None:
             if self.stage.stage == 3:
-                shard_parameter_(p, axis, shard)  # type: ignore[arg-type]
+                self._zero3.shard_(p, axis, shard)  # type: ignore[arg-type]
             else:
-                stepped = DistTensor._wrap(_narrow_to(p._local, p._spec, shard, axis), shard)  # type: ignore[attr-defined,arg-type]
+                stepped = layout.wrap(_narrow_to(layout.local_of(p), layout.spec_of(p), shard, axis), shard)  # type: ignore[arg-type]
         self._slots.append(_Slot(p, stepped, axis, shard))
         self._sharded |= stepped is not p  # stages 1/2 step a shard of the parameter
         return stepped
@@ -141,7 +140,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def reduce_gradients(self) -> None:
         """Reduce every Partial gradient, one collective per bucket and mesh axis.
 
-        Gradients still waiting on a deferred mean (``autoparallel.pending``) go in unscaled
+        Gradients still waiting on a deferred mean (``autoparallel.engine.pending``) go in unscaled
         and each reduced bucket is scaled once. The plan depends on the layouts only and is
         kept for the next step with the same layouts.
 
@@ -153,6 +152,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         index: dict[int, int] = {}
         waits: list[int | None] = []
         specs: list[DistSpec | None] = []
+        scaled_raw, spec_or_none = layout.scaled_raw, layout.spec_or_none
         for g in grads:
             pending = scaled_raw(g)
             if pending is None:
@@ -163,7 +163,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     k = index[id(pending[1])] = len(stats)
                     stats.append(pending[1])
                 waits.append(k)
-            specs.append(g._spec if isinstance(g, DistTensor) else None)
+            specs.append(spec_or_none(g))
         key = (tuple(specs), tuple(waits))
         plan = self._plans.get(key)
         if plan is None:
@@ -173,18 +173,19 @@ class ShardedOptimizer(torch.optim.Optimizer):
             plan = plan_reduction(key[0], key[1], layouts, self._scatters(), self.bucket_bytes)
             # a reduced gradient in its parameter's layout gets the parameter's spec object, so
             # the local step's layout check is an identity test
-            own: list[Any] = [s.param._spec if isinstance(s.param, DistTensor) else None for s in self._slots]
+            own: list[Any] = [spec_or_none(s.param) for s in self._slots]
             plan = self._plans[key] = tuple(
                 replace(op, targets=tuple(own[i] if own[i] == t else t for i, t in zip(op.members, op.targets)))
                 for op in plan
             )
         rank = runtime.get_rank()
+        raw_of, local_of, relayout_ = layout.raw_of, layout.local_of, layout.relayout_
         for op in plan:
             chosen: list[Any] = [grads[i] for i in op.members]
             member = op.mesh.coordinate_of(rank) is not None
-            # pending members go in unscaled (``_raw``); one scale for a bucket that all awaits
+            # pending members go in unscaled (``raw_of``); one scale for a bucket that all awaits
             # one statistic (the usual case), else each pending member's result is scaled
-            locs = [g._raw if k is not None else g._local for g, k in zip(chosen, op.stats)]
+            locs = [raw_of(g) if k is not None else local_of(g) for g, k in zip(chosen, op.stats)]
             whole = op.stat
             scale = stats[whole].inverse_count() if whole is not None and member else None
             if not member:
@@ -195,8 +196,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 results = buckets.all_reduce(locs, op.mesh, op.axis, op.reduce_type, scale)
             if whole is None and member:
                 results = [r if k is None else r * stats[k].inverse_count() for r, k in zip(results, op.stats)]
-            for g, target, local, k in zip(chosen, op.targets, results, op.stats):
-                _relayout(g, local, target, k is not None)
+            for g, target, local in zip(chosen, op.targets, results):
+                relayout_(g, local, target)  # the same value in place; a pending gradient is resolved
 
     def _scatters(self) -> bool:
         return self.stage is not None and self.stage.stage >= 2
@@ -207,39 +208,40 @@ class ShardedOptimizer(torch.optim.Optimizer):
         groups: dict[tuple[Any, ...], list[_Slot]] = {}
         for s in self._slots:
             if s.stepped is not s.param:
-                groups.setdefault((s.param._spec.mesh, s.axis, s.param.dtype), []).append(s)  # type: ignore[attr-defined]
+                groups.setdefault((layout.spec_of(s.param).mesh, s.axis, s.param.dtype), []).append(s)  # type: ignore[arg-type]
         rank = runtime.get_rank()
         for (mesh, axis, _), slots in groups.items():
             if mesh.coordinate_of(rank) is None:
                 continue
-            sizes = [meta_bytes(s.param._spec) for s in slots]  # type: ignore[attr-defined]
+            sizes = [meta_bytes(layout.spec_of(s.param)) for s in slots]  # type: ignore[arg-type]
             for bucket in buckets.plan_buckets(sizes, self.bucket_bytes):
                 chosen = [slots[i] for i in bucket]
                 fulls = buckets.all_gather(
-                    [s.stepped._local for s in chosen],  # type: ignore[attr-defined]
+                    [layout.local_of(s.stepped) for s in chosen],  # type: ignore[arg-type]
                     [s.shard.placements[axis].dim for s in chosen],  # type: ignore[union-attr]
-                    [tuple(s.param._local.shape) for s in chosen],  # type: ignore[attr-defined]
+                    [tuple(layout.local_of(s.param).shape) for s in chosen],  # type: ignore[arg-type]
                     mesh, axis,
                 )
                 for s, full in zip(chosen, fulls):
-                    s.param._local.copy_(full)  # type: ignore[attr-defined]
+                    layout.local_of(s.param).copy_(full)  # type: ignore[arg-type]
 
     def _attach_shard_grads(self) -> None:
         """Stages 1/2: point each shard at its parameter's current values and give it its gradient."""
+        spec_of, local_of = layout.spec_of, layout.local_of
         for s in self._slots:
             if s.stepped is s.param:
                 continue
             p = s.param
-            s.stepped._local = _narrow_to(p._local, p._spec, s.shard, s.axis)  # type: ignore[attr-defined,arg-type]
+            layout.set_local_(s.stepped, _narrow_to(local_of(p), spec_of(p), s.shard, s.axis))  # type: ignore[arg-type]
             g = p.grad
             if g is None:
                 s.stepped.grad = None
             elif not isinstance(g, DistTensor):
                 raise TypeError(f"shard_optimizer: a DistTensor parameter has a plain gradient of shape {tuple(g.shape)}")
-            elif g._spec == s.shard:
+            elif (gs := spec_of(g)) == s.shard:
                 s.stepped.grad = g
             else:
-                s.stepped.grad = DistTensor._wrap(reshard_local(g._local, g._spec, s.shard), s.shard)  # type: ignore[arg-type]
+                s.stepped.grad = layout.wrap(layout.move(local_of(g), gs, s.shard), s.shard)  # type: ignore[arg-type]
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Reduce gradients (bucketed), step the inner optimizer, gather updated parameters.
@@ -316,16 +318,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return f"ShardedOptimizer({self.stage!r}, {self.inner!r})"
 
 
-def _relayout(g: Any, local: torch.Tensor, spec: DistSpec, was_pending: bool) -> None:
-    """Make the gradient ``g`` hold ``local`` in layout ``spec`` (its global value unchanged: a
-    reduction moves the same value into another layout). A pending gradient is resolved."""
-    if was_pending:
-        g._done = g._raw = local  # a PendingTensor whose value is now computed
-    else:
-        g._local = local
-    g._spec = spec
-
-
 def _narrow_to(local: torch.Tensor, spec: DistSpec, shard: DistSpec, axis: int) -> torch.Tensor:
     """This rank's piece of ``local`` (layout ``spec``) in layout ``shard``: a view along one dim."""
     coord = spec.mesh.coordinate_of(runtime.get_rank())
@@ -339,10 +331,11 @@ def _to_layout(value: Any, param: torch.Tensor) -> Any:
     """A loaded state value in the parameter's layout (values of another shape stay as they are)."""
     if not isinstance(param, DistTensor) or not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(param.shape):
         return value
-    dst = param._spec.with_dtype(value.dtype)
+    dst = layout.spec_of(param).with_dtype(value.dtype)
     if isinstance(value, DistTensor):
-        if value._spec == dst:
+        src = layout.spec_of(value)
+        if src == dst:
             return value
-        return DistTensor._wrap(reshard_local(value._local, value._spec, dst), dst)
+        return layout.wrap(layout.move(layout.local_of(value), src, dst), dst)
     full = dst.with_placements([Replicate()] * dst.mesh.ndim)
-    return DistTensor._wrap(reshard_local(value.to(param._local.device), full, dst).clone(), dst)
+    return layout.wrap(layout.move(value.to(layout.local_of(param).device), full, dst).clone(), dst)

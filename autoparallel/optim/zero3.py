@@ -1,11 +1,28 @@
 """ZeRO-3 parameters: stored sharded, gathered per unit around its forward, freed after it.
 
-``shard_parameter_`` changes a parameter's layout in place (same Python object, so the model
-and the optimizer keep their references): the data-parallel axis goes from Replicate to Shard
-and the local shard shrinks to a ``torch.chunk`` piece. Two process-wide module hooks (installed
-on first use) then work per *unit*: the first module a forward reaches that holds ZeRO-3
-parameters is a unit, and so is every child of an ``nn.ModuleList``/``nn.ModuleDict`` inside it
-(a transformer's blocks); a unit owns the parameters of its submodules that are not units.
+A stage-3 ``ShardedOptimizer`` owns one :class:`Zero3Params`: the parameters it sharded, the
+hooks that gather them and their state. ``Zero3Params.shard_`` changes a parameter's layout in
+place (same Python object, so the model and the optimizer keep their references): the
+data-parallel axis goes from Replicate to Shard and the local shard shrinks to a
+``torch.chunk`` piece.
+
+The hooks are per model, and owned. The optimizer is given parameters, not the model, so until
+a forward reaches a module holding them one process-wide forward pre-hook (the *finder*) looks
+at module calls: the first module it sees holding some of the owner's parameters is a model's
+root, and it and every submodule get their own forward pre/post hooks, ahead of the module's
+other hooks. Once one root holds every live parameter of the owner the finder is removed, and
+other models' forwards run no ZeRO-3 code. The state is the owner's (the gathered storages, the
+generation) and the model's (each module's unit and calls, kept per owner), never a module
+global, so nothing depends on import order or on what another model did. The per-module hooks
+die with the model's modules; when the owner's last parameter dies, the finder and every hook
+it registered are removed. The hooks are tied to the parameters' life, not the optimizer's:
+the parameters stay stored sharded after the optimizer is gone (``ap.shard_optimizer(...)``
+may be called for its effect alone) and must still be gathered. Parameters of one model
+sharded by two stage-3 optimizers are gathered by each owner's units (one collective each).
+
+The hooks work per *unit*: the first module a forward reaches that holds ZeRO-3 parameters is a
+unit, and so is every child of an ``nn.ModuleList``/``nn.ModuleDict`` inside it (a
+transformer's blocks); a unit owns the parameters of its submodules that are not units.
 
 * before a unit's ``forward``: all-gather its parameters (one collective per mesh, axis and
   dtype) and let each module's attribute (``module.weight``) resolve to the gathered tensor;
@@ -24,26 +41,24 @@ layout, so a full gradient never persists.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from autoparallel import runtime
-from autoparallel.dtensor import DistTensor
+from autoparallel.engine import layout
+from autoparallel.engine.dtensor import DistTensor
 from autoparallel.optim import buckets
 from autoparallel.placement import Partial, chunk_bounds
 from autoparallel.spec import DistSpec
-from reshard.executor import reshard_local
 
-_ATTR = "_ap_zero3"
-_UNIT = "_ap_zero3_unit"    # per module: the _Unit that gathers its parameters (None: it has none)
-_CALLS = "_ap_zero3_calls"  # per module: a stack of the unit calls its forward entered (or None)
-_HOOKS: list[Any] = []  # the two global module hooks, once installed
-_LIVE: dict[int, tuple["_UnitGather", int]] = {}  # storage address of a gathered local -> its source
-_UNSET = object()
-_GENERATION = [0]  # bumped whenever a parameter is sharded: unit assignments made before are stale
+_ATTR = "_ap_zero3"         # per parameter: its Zero3Layout
+_SEATS = "_ap_zero3_seats"  # per module: {owner: _Seat}, what each Zero3Params keeps on it
 
 
 @dataclass(frozen=True)
@@ -59,28 +74,191 @@ class Zero3Layout:
         return self.shard.placements[self.axis].dim  # type: ignore[union-attr]
 
 
-def shard_parameter_(p: DistTensor, axis: int, shard: DistSpec) -> None:
-    """Store ``p`` in layout ``shard`` from now on (in place; no data moves: a local slice)."""
-    full = p._spec
-    layout = Zero3Layout(axis, shard, full)
-    coord = full.mesh.coordinate_of(runtime.get_rank())
-    if coord is not None:
-        local = p._local
-        p._local = local.narrow(layout.dim, *chunk_bounds(local.shape[layout.dim], full.mesh.shape[axis], coord[axis])).clone()
-    p._spec = shard
-    setattr(p, _ATTR, layout)
-    _GENERATION[0] += 1
-    _install_hooks()
-
-
 def zero3_layout(p: torch.Tensor) -> Zero3Layout | None:
     return getattr(p, _ATTR, None)
 
 
-def _install_hooks() -> None:
-    if not _HOOKS:
-        _HOOKS.append(torch.nn.modules.module.register_module_forward_pre_hook(_before_forward))
-        _HOOKS.append(torch.nn.modules.module.register_module_forward_hook(_after_forward, always_call=True))
+class _Seat:
+    """What one owner keeps on one module: its unit (assigned at ``generation``), the unit calls
+    its forward entered (a stack; None for a call that gathered nothing), whether it is hooked."""
+
+    __slots__ = ("generation", "unit", "calls", "hooked")
+
+    def __init__(self) -> None:
+        self.generation = -1
+        self.unit: _Unit | None = None
+        self.calls: list[_UnitCall | None] = []
+        self.hooked = False
+
+
+class _Live(dict[int, tuple["_UnitGather", int]]):
+    """The storage address of each gathered parameter's local (while its unit runs) -> its source
+    and index; its ``pack`` is the saved-tensor hook, so a kept graph pins this map, not the owner."""
+
+    def pack(self, t: torch.Tensor) -> Any:
+        if not self:
+            return t
+        loc = layout.local_or_plain(t)
+        if loc.layout != torch.strided or not loc.numel():
+            return t
+        found = self.get(loc.untyped_storage().data_ptr())
+        if found is None:
+            return t
+        spec, stride = (layout.spec_of(t), layout.stride_of(t)) if layout.is_dist(t) else (None, None)
+        return _Saved(found[0], found[1], spec, stride, tuple(loc.shape), tuple(loc.stride()), int(loc.storage_offset()))
+
+
+class Zero3Params:
+    """The parameters one stage-3 optimizer sharded, and the per-model hooks that gather them."""
+
+    def __init__(self) -> None:
+        self.generation = 0  # bumped whenever a parameter is sharded: units assigned before are stale
+        self.live = _Live()
+        self._params: dict[int, weakref.ref[DistTensor]] = {}  # id -> the live sharded parameters
+        self._roots: list[weakref.ref[nn.Module]] = []  # the models' roots the finder found
+        self._hooks: list[tuple[weakref.ref[nn.Module], RemovableHandle, RemovableHandle]] = []
+        self._finder: RemovableHandle | None = None  # the process-wide pre-hook, while needed
+        self._recheck = False  # parameters were sharded after roots were found: do they hold them?
+        # modules the finder saw holding none of the parameters: id -> (module, generation then)
+        self._plain: dict[int, tuple[weakref.ref[nn.Module], int]] = {}
+
+    # ---- parameters -----------------------------------------------------------------------
+    def shard_(self, p: DistTensor, axis: int, shard: DistSpec) -> None:
+        """Store ``p`` in layout ``shard`` from now on (in place; no data moves: a local slice)."""
+        full = layout.spec_of(p)
+        lay = Zero3Layout(axis, shard, full)
+        local = layout.local_of(p)
+        coord = full.mesh.coordinate_of(runtime.get_rank())
+        if coord is not None:
+            local = local.narrow(lay.dim, *chunk_bounds(local.shape[lay.dim], full.mesh.shape[axis], coord[axis])).clone()
+        layout.relayout_(p, local, shard)
+        setattr(p, _ATTR, lay)
+        key = id(p)
+        self._params[key] = weakref.ref(p, functools.partial(self._gone, key))
+        self.generation += 1
+        self._recheck = bool(self._roots)
+        if self._finder is None:
+            self._finder = torch.nn.modules.module.register_module_forward_pre_hook(self._find)
+
+    def owns(self, p: Any) -> bool:
+        """Whether ``p`` is a live parameter this owner sharded."""
+        ref = self._params.get(id(p))
+        return ref is not None and ref() is p
+
+    def _gone(self, key: int, ref: weakref.ref[DistTensor]) -> None:
+        """A parameter died; with the last one every hook this owner registered goes."""
+        if self._params.get(key) is ref:
+            del self._params[key]
+        if self._params:
+            return
+        self._stop_finding()
+        for module_ref, pre, post in self._hooks:
+            pre.remove()
+            post.remove()
+            module = module_ref()
+            if module is not None:
+                module.__dict__.get(_SEATS, {}).pop(self, None)
+        self._hooks.clear()
+        self._roots.clear()
+
+    # ---- finding the models ---------------------------------------------------------------
+    def _find(self, module: nn.Module, args: Any) -> None:
+        """The process-wide pre-hook while no found root holds every parameter: a module holding
+        some of them that is not hooked yet is a root; hook it and its submodules, and do its
+        pre-hook's work for this call (its own hook runs from the next call on)."""
+        hooked = self._seat_hooked(module)
+        if self._recheck:  # parameters sharded since the roots were hooked (add_param_group)
+            self._recheck = False
+            roots = [m for m in (r() for r in self._roots) if m is not None]
+            if any([self._hook(m) for m in roots]):  # a list: every root's new submodules hooked
+                self._stop_finding()
+        if hooked:
+            return
+        if not self._seat_hooked(module):
+            seen = self._plain.get(id(module))
+            if seen is not None and seen[1] == self.generation and seen[0]() is module:
+                return
+            if not any(self.owns(p) for p in module.parameters()):
+                key = id(module)
+                self._plain[key] = (weakref.ref(module, functools.partial(self._unsee, key)), self.generation)
+                return
+            self._roots.append(weakref.ref(module))
+            if self._hook(module):
+                self._stop_finding()
+        self._before(module, args)
+
+    def _unsee(self, key: int, ref: weakref.ref[nn.Module]) -> None:
+        self._plain.pop(key, None)
+
+    def _seat_hooked(self, module: nn.Module) -> bool:
+        seat = module.__dict__.get(_SEATS, {}).get(self)
+        return seat is not None and seat.hooked
+
+    def _stop_finding(self) -> None:
+        if self._finder is not None:
+            self._finder.remove()
+            self._finder = None
+
+    def _hook(self, root: nn.Module) -> bool:
+        """Hook ``root`` and its submodules (once each); whether they hold every live parameter."""
+        for m in root.modules():
+            seat = self._seat(m)
+            if not seat.hooked:
+                seat.hooked = True
+                pre = m.register_forward_pre_hook(self._before, prepend=True)
+                post = m.register_forward_hook(self._after, prepend=True, always_call=True)
+                self._hooks.append((weakref.ref(m), pre, post))
+        held = {id(p) for p in root.parameters()}
+        return all(k in held for k in self._params)
+
+    # ---- units ----------------------------------------------------------------------------
+    def _seat(self, module: nn.Module) -> _Seat:
+        seats = module.__dict__.get(_SEATS)
+        if seats is None:
+            seats = module.__dict__[_SEATS] = {}
+        seat = seats.get(self)
+        if seat is None:
+            seat = seats[self] = _Seat()
+        return seat
+
+    def _assign(self, module: nn.Module, unit: _Unit) -> None:
+        seat = self._seat(module)
+        seat.generation, seat.unit = self.generation, unit
+        unit.slots += [(module, a) for a, p in module._parameters.items() if p is not None and self.owns(p)]
+        for child in module.children():
+            self._assign(child, _Unit(self, child) if isinstance(module, (nn.ModuleList, nn.ModuleDict)) else unit)
+
+    def _unit_of(self, module: nn.Module) -> _Unit | None:
+        """The unit gathering ``module``'s parameters; assigned when a forward first reaches it (the
+        outermost module first), again after any parameter was sharded since."""
+        seat = self._seat(module)
+        if seat.generation != self.generation:
+            if not any(self.owns(p) for p in module.parameters()):
+                seat.generation, seat.unit = self.generation, None
+                return None
+            self._assign(module, _Unit(self, module))
+        return seat.unit
+
+    def _before(self, module: nn.Module, args: Any) -> None:
+        seat = self._seat(module)
+        unit = seat.unit if seat.generation == self.generation else self._unit_of(module)
+        if unit is None:
+            return
+        call = None
+        if unit.root is module:
+            call = unit.gather()
+        elif not unit.active:  # called on its own, outside the unit that owns it: gather its own
+            own = _Unit(self, module)
+            own.slots = [(m, a) for m, a in unit.slots if m is module]
+            call = own.gather() if own.slots else None
+        seat.calls.append(call)
+
+    def _after(self, module: nn.Module, args: Any, output: Any) -> None:
+        calls = self._seat(module).calls
+        if calls:
+            call = calls.pop()
+            if call is not None:
+                call.close()
 
 
 class _Unit:
@@ -89,24 +267,26 @@ class _Unit:
     each child of an ``nn.ModuleList``/``nn.ModuleDict`` (a transformer's blocks): like FSDP
     wrapping each block and the root, one all-gather per block in forward and one in backward."""
 
-    def __init__(self, root: torch.nn.Module) -> None:
+    def __init__(self, owner: Zero3Params, root: nn.Module) -> None:
+        self.owner = owner
         self.root = root
-        self.slots: list[tuple[torch.nn.Module, str]] = []
+        self.slots: list[tuple[nn.Module, str]] = []
         self.active = 0
 
-    def gather(self) -> "_UnitCall":
+    def gather(self) -> _UnitCall:
         """All-gather the unit's parameters; their modules' attributes resolve to the result."""
+        owner = self.owner
         params: list[DistTensor] = []
         index: dict[int, int] = {}
         where: list[int | None] = []
         for m, a in self.slots:
             p = m._parameters[a]
-            if p is None or not hasattr(p, _ATTR):
+            if p is None or not owner.owns(p):
                 where.append(None)
                 continue
             where.append(index.setdefault(id(p), len(params)))
             if where[-1] == len(params):
-                params.append(p)  # type: ignore[arg-type]  # a DistTensor (has _ATTR)
+                params.append(p)  # type: ignore[arg-type]  # a DistTensor (owned)
         layouts = tuple(getattr(p, _ATTR) for p in params)
         source = _UnitGather(params, layouts)
         fulls = _GatherParams.apply(layouts, source, *params)
@@ -115,11 +295,12 @@ class _Unit:
                 m.__dict__[a] = fulls[k]  # found before Module.__getattr__ looks in _parameters
         live = []
         for k, full in enumerate(fulls):
-            if full._local.numel():
-                key = full._local.untyped_storage().data_ptr()
-                _LIVE[key] = (source, k)
+            local = layout.local_of(full)
+            if local.numel():
+                key = local.untyped_storage().data_ptr()
+                owner.live[key] = (source, k)
                 live.append(key)
-        hooks = torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
+        hooks = torch.autograd.graph.saved_tensors_hooks(owner.live.pack, _unpack)
         hooks.__enter__()
         self.active += 1
         return _UnitCall(self, hooks, live)
@@ -134,53 +315,11 @@ class _UnitCall:
     def close(self) -> None:
         self.hooks.__exit__(None, None, None)
         for key in self.live:
-            _LIVE.pop(key, None)
+            self.unit.owner.live.pop(key, None)
         self.unit.active -= 1
         if not self.unit.active:
             for m, a in self.unit.slots:
                 m.__dict__.pop(a, None)
-
-
-def _assign(module: torch.nn.Module, unit: _Unit) -> None:
-    module.__dict__[_UNIT] = (_GENERATION[0], unit)
-    unit.slots += [(module, a) for a, p in module._parameters.items() if p is not None and hasattr(p, _ATTR)]
-    for child in module.children():
-        _assign(child, _Unit(child) if isinstance(module, (torch.nn.ModuleList, torch.nn.ModuleDict)) else unit)
-
-
-def _unit_of(module: torch.nn.Module) -> _Unit | None:
-    """The unit gathering ``module``'s parameters; assigned when a forward first reaches it (the
-    outermost module first), again after any parameter was sharded since."""
-    entry = module.__dict__.get(_UNIT, _UNSET)
-    if entry is _UNSET or entry[0] != _GENERATION[0]:  # type: ignore[index]
-        if not any(hasattr(p, _ATTR) for p in module.parameters()):
-            module.__dict__[_UNIT] = (_GENERATION[0], None)
-            return None
-        _assign(module, _Unit(module))
-        entry = module.__dict__[_UNIT]
-    return entry[1]  # type: ignore[index,no-any-return]
-
-
-def _before_forward(module: torch.nn.Module, args: Any) -> None:
-    unit = _unit_of(module)
-    if unit is None:
-        return
-    call = None
-    if unit.root is module:
-        call = unit.gather()
-    elif not unit.active:  # called on its own, outside the unit that owns it: gather its own
-        own = _Unit(module)
-        own.slots = [(m, a) for m, a in unit.slots if m is module]
-        call = own.gather() if own.slots else None
-    module.__dict__.setdefault(_CALLS, []).append(call)
-
-
-def _after_forward(module: torch.nn.Module, args: Any, output: Any) -> None:
-    calls = module.__dict__.get(_CALLS)
-    if calls:
-        call = calls.pop()
-        if call is not None:
-            call.close()
 
 
 class _UnitGather:
@@ -216,24 +355,11 @@ class _Saved:
     offset: int
 
 
-def _pack(t: torch.Tensor) -> Any:
-    if not _LIVE:
-        return t
-    loc = t._local if isinstance(t, DistTensor) else t
-    if loc.layout != torch.strided or not loc.numel():
-        return t
-    found = _LIVE.get(loc.untyped_storage().data_ptr())
-    if found is None:
-        return t
-    spec, stride = (t._spec, t._stride) if isinstance(t, DistTensor) else (None, None)
-    return _Saved(found[0], found[1], spec, stride, tuple(loc.shape), tuple(loc.stride()), int(loc.storage_offset()))
-
-
 def _unpack(saved: Any) -> Any:
     if not isinstance(saved, _Saved):
         return saved
     local = saved.source.local(saved.index).as_strided(saved.size, saved.local_stride, saved.offset)
-    return local if saved.spec is None else DistTensor._wrap(local, saved.spec, saved.stride)
+    return local if saved.spec is None else layout.wrap(local, saved.spec, saved.stride)
 
 
 def _gather_locals(params: list[DistTensor], layouts: tuple[Zero3Layout, ...]) -> list[torch.Tensor]:
@@ -243,10 +369,10 @@ def _gather_locals(params: list[DistTensor], layouts: tuple[Zero3Layout, ...]) -
     for (mesh, axis, _), idx in _groups(layouts, [p.dtype for p in params]).items():
         coord = mesh.coordinate_of(rank)
         if coord is None:
-            fulls = [params[k]._local for k in idx]
+            fulls = [layout.local_of(params[k]) for k in idx]
         else:
             fulls = buckets.all_gather(
-                [params[k]._local for k in idx],
+                [layout.local_of(params[k]) for k in idx],
                 [layouts[k].dim for k in idx],
                 [layouts[k].full.local_shape(coord) for k in idx],
                 mesh, axis,
@@ -274,7 +400,7 @@ class _GatherParams(torch.autograd.Function):
         ctx.layouts = layouts
         ctx.source = source
         fulls = _gather_locals(list(params), layouts)
-        return tuple(DistTensor._wrap(full, lay.full) for full, lay in zip(fulls, layouts))
+        return tuple(layout.wrap(full, lay.full) for full, lay in zip(fulls, layouts))
 
     @staticmethod
     def backward(ctx: Any, *grads: DistTensor | None) -> tuple[Any, ...]:  # type: ignore[override]
@@ -292,15 +418,13 @@ class _GatherParams(torch.autograd.Function):
             else:
                 pieces = buckets.reduce_scatter(summands, [layouts[k].dim for k in ks], mesh, axis, "sum")
             for k, piece in zip(ks, pieces):
-                out[k] = DistTensor._wrap(piece, layouts[k].shard)
+                out[k] = layout.wrap(piece, layouts[k].shard)
         return (None, None, *out)
 
 
-def _summand(grad: DistTensor, layout: Zero3Layout) -> torch.Tensor:
+def _summand(grad: DistTensor, lay: Zero3Layout) -> torch.Tensor:
     """This rank's local summand of ``grad`` laid out as ``full`` but Partial(sum) on the axis."""
-    placements = list(layout.full.placements)
-    placements[layout.axis] = Partial("sum")
-    target = layout.full.with_placements(placements, layout.full.shard_order)
-    if grad._spec == target:
-        return grad._local
-    return reshard_local(grad._local, grad._spec, target)
+    placements = list(lay.full.placements)
+    placements[lay.axis] = Partial("sum")
+    target = lay.full.with_placements(placements, lay.full.shard_order)
+    return layout.move(layout.local_of(grad), layout.spec_of(grad), target)

@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from autoparallel.api import dtensor_from_local
-from autoparallel.dtensor import DistTensor, grad_spec
+from autoparallel.engine import layout
+from autoparallel.engine.dtensor import DistTensor
 from autoparallel.pipeline.stage import Stage
 from autoparallel.placement import Replicate
 
@@ -35,8 +36,8 @@ class LocalStage:
     def __init__(self, st: Stage) -> None:
         self.st = st
         self.params: dict[str, nn.Parameter] = dict(st.module.named_parameters())
-        self.leaves = {n: p._local.detach().requires_grad_(p.requires_grad) for n, p in self.params.items()}  # type: ignore[attr-defined]
-        self.buffers = {n: b._local if isinstance(b, DistTensor) else b for n, b in st.module.named_buffers()}
+        self.leaves = {n: layout.local_of(p).detach().requires_grad_(p.requires_grad) for n, p in self.params.items()}  # type: ignore[arg-type]
+        self.buffers = {n: layout.local_or_plain(b) for n, b in st.module.named_buffers()}
 
     def forward(self, x: DistTensor) -> DistTensor:
         """``st.module(x)`` computed on local tensors, returned Replicate on the stage mesh."""
@@ -52,7 +53,7 @@ class LocalStage:
                 if leaf.grad is None:
                     continue
                 p = self.params[n]
-                g = DistTensor._wrap(leaf.grad, grad_spec(p._spec))  # type: ignore[attr-defined]
+                g = layout.wrap(leaf.grad, layout.grad_spec(layout.spec_of(p)))  # type: ignore[arg-type]
                 p.grad = g if p.grad is None else p.grad + g
 
 

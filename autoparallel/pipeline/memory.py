@@ -14,11 +14,11 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from autoparallel.dtensor import DistTensor
+from autoparallel.engine import layout
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local if isinstance(t, DistTensor) else t
+    return layout.local_or_plain(t)
 
 
 def _storage(t: torch.Tensor) -> tuple[int, int] | None:

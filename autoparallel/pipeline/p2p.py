@@ -15,10 +15,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from autoparallel import comm, runtime
+from autoparallel import runtime
+from autoparallel.engine import layout
+from autoparallel.runtime import comm
 from autoparallel.spec import Box, DistSpec
 from reshard.crossmesh import CrossMeshPlan, plan_cross_mesh
-from reshard.executor import run_plan
 
 
 def _region(t: torch.Tensor, held: Box, box: Box) -> torch.Tensor:
@@ -57,7 +58,7 @@ def send(local: torch.Tensor, plan: CrossMeshPlan, tag: int, pending: PendingSen
     rank = runtime.get_rank()
     coord = plan.src.mesh.coordinate_of(rank)
     assert coord is not None, f"rank {rank} sends from a mesh it is not in"
-    held = run_plan(local, plan.pre)
+    held = layout.run_plan(local, plan.pre)
     box = plan.pre.dst.local_box(coord)
     sends = [(_region(held, box, t.box).contiguous(), t.dst_rank) for t in plan.transfers if t.src_rank == rank]
     pending.reap()
@@ -80,7 +81,7 @@ class PendingRecv:
             w.wait()  # type: ignore[attr-defined]
         for buf, box in self.pieces:
             _region(self.out, self.box, box).copy_(buf)
-        return run_plan(self.out, self.plan.post)
+        return layout.run_plan(self.out, self.plan.post)
 
 
 def post_recv(plan: CrossMeshPlan, tag: int, device: torch.device) -> PendingRecv:

@@ -24,7 +24,8 @@ import torch
 
 from autoparallel import runtime
 from autoparallel.api import shard_tensor
-from autoparallel.dtensor import DistTensor, grad_spec
+from autoparallel.engine import layout
+from autoparallel.engine.dtensor import DistTensor
 from autoparallel.mesh import ProcessMesh
 from autoparallel.pipeline import p2p
 from autoparallel.pipeline.local import LocalStage, runs_locally
@@ -34,7 +35,6 @@ from autoparallel.pipeline.simulate import simulate
 from autoparallel.pipeline.stage import Stage, check_meshes
 from autoparallel.placement import Partial, Replicate
 from autoparallel.spec import DistSpec
-from reshard.executor import reshard_local
 
 LossFn = Callable[..., torch.Tensor]
 # Receives are posted this many actions before they are needed (the sender's data then moves
@@ -65,14 +65,14 @@ class _Layouts:
 def _zeros(spec: DistSpec) -> DistTensor:
     coord = spec.mesh.coordinate_of(runtime.get_rank())
     local = torch.zeros(spec.local_shape(coord), dtype=spec.dtype, device=runtime.default_device())
-    return DistTensor._wrap(local, spec)
+    return layout.wrap(local, spec)
 
 
 def _as_layout(t: torch.Tensor, spec: DistSpec) -> torch.Tensor:
     """This rank's local shard of ``t`` (a DistTensor on ``spec.mesh``) in layout ``spec``."""
     assert isinstance(t, DistTensor)
-    local = t._local.detach()
-    return local if t._spec == spec else reshard_local(local, t._spec, spec)
+    local, src = layout.local_of(t).detach(), layout.spec_of(t)
+    return local if src == spec else layout.move(local, src, spec)
 
 
 @contextlib.contextmanager
@@ -159,7 +159,7 @@ class Pipeline:
             if not isinstance(x, torch.Tensor):
                 raise TypeError(f"Pipeline.step: {what} must be a tensor, got {type(x).__name__}")
             x = shard_tensor(x.detach(), mesh, [Replicate()] * mesh.ndim)
-        spec = x._spec
+        spec = layout.spec_of(x)
         if spec.mesh != mesh:
             raise ValueError(f"Pipeline.step: {what} live on {spec.mesh!r}; they must be on the stage mesh {mesh!r}")
         if not spec.shape:
@@ -176,9 +176,9 @@ class Pipeline:
                 + (f" split over {shards} data-parallel shards ({batch / shards:g} rows per shard)" if shards > 1 else "")
             )
         mb = DistSpec(mesh, spec.placements, (batch // m,) + tuple(spec.shape[1:]), spec.dtype, spec.shard_order)
-        local = x._local.detach()
+        local = layout.local_of(x).detach()
         pieces = local.chunk(m) if mesh.coordinate_of(self.rank) is not None else [local] * m
-        return [DistTensor._wrap(piece, mb) for piece in pieces]
+        return [layout.wrap(piece, mb) for piece in pieces]
 
     # ---- layouts of the tensors crossing stage boundaries ---------------------------------
     def _next_spec(self, out: DistSpec, nxt: Stage) -> DistSpec:
@@ -203,13 +203,14 @@ class Pipeline:
                 if not isinstance(y, DistTensor) or y.process_mesh != st.mesh:
                     got = y.process_mesh if isinstance(y, DistTensor) else type(y).__name__
                     raise TypeError(f"Pipeline: stage {c} ({st.name}) must return one DistTensor on its mesh, got {got}")
-                outputs.append(y._spec.with_placements([Replicate()] * st.mesh.ndim) if self.local[c] else y._spec)
+                y_spec = layout.spec_of(y)
+                outputs.append(y_spec.with_placements([Replicate()] * st.mesh.ndim) if self.local[c] else y_spec)
                 if c + 1 < len(self.stages):
-                    inputs.append(self._next_spec(y._spec, self.stages[c + 1]))
+                    inputs.append(self._next_spec(y_spec, self.stages[c + 1]))
             loss = self.loss_fn(y) if t_spec is None else self.loss_fn(y, _zeros(t_spec))
             if not isinstance(loss, DistTensor) or loss.numel() != 1:
                 raise TypeError(f"Pipeline: loss_fn must return a one-element DistTensor, got {type(loss).__name__} {tuple(loss.shape)}")
-        out = _Layouts(tuple(inputs), tuple(outputs), loss._spec)
+        out = _Layouts(tuple(inputs), tuple(outputs), layout.spec_of(loss))
         self._layouts[key] = out
         return out
 
@@ -222,7 +223,7 @@ class Pipeline:
         """
         xs = self.split(inputs, self.meshes[0], "inputs")
         ts = self.split(target, self.stages[-1].mesh, "targets")
-        lay = self.layouts(xs[0]._spec, None if ts[0] is None else ts[0]._spec)
+        lay = self.layouts(layout.spec_of(xs[0]), None if ts[0] is None else layout.spec_of(ts[0]))
         self.events = []
         if self.stage_index is None:
             return _zeros(lay.loss)
@@ -233,7 +234,7 @@ class Pipeline:
         for extra in losses[1:]:
             total = total + extra
         total = total / len(losses)
-        return DistTensor._wrap(_as_layout(total, lay.loss), lay.loss)
+        return layout.wrap(_as_layout(total, lay.loss), lay.loss)
 
 
 class _Run:
@@ -276,7 +277,7 @@ class _Run:
     def _plan(self, c: int, backward: bool) -> Any:
         """Plan of the boundary into chunk ``c`` (forward) or out of it (backward)."""
         src, dst = self.lay.outputs[c - 1], self.lay.inputs[c]
-        return p2p.boundary_plan(grad_spec(dst), grad_spec(src)) if backward else p2p.boundary_plan(src, dst)
+        return p2p.boundary_plan(layout.grad_spec(dst), layout.grad_spec(src)) if backward else p2p.boundary_plan(src, dst)
 
     def _post(self, a: Action) -> None:
         plan = self._plan(a.chunk, False) if a.kind == RECV_F else self._plan(a.chunk + 1, True)
@@ -284,7 +285,7 @@ class _Run:
 
     def _recv_f(self, mb: int, c: int, tag: int) -> None:
         local = self.posted.pop((RECV_F, mb, c)).wait()
-        self.inputs[(mb, c)] = DistTensor._wrap(local, self.lay.inputs[c], requires_grad=True)
+        self.inputs[(mb, c)] = layout.wrap(local, self.lay.inputs[c], requires_grad=True)
 
     def _f(self, mb: int, c: int, tag: int) -> None:
         pipe = self.pipe
@@ -303,8 +304,8 @@ class _Run:
         p2p.send(local, self._plan(c + 1, False), tag, self.pending)
 
     def _recv_b(self, mb: int, c: int, tag: int) -> None:
-        spec = grad_spec(self.lay.outputs[c])
-        self.grads_out[(mb, c)] = DistTensor._wrap(self.posted.pop((RECV_B, mb, c)).wait(), spec)
+        spec = layout.grad_spec(self.lay.outputs[c])
+        self.grads_out[(mb, c)] = layout.wrap(self.posted.pop((RECV_B, mb, c)).wait(), spec)
 
     def _b(self, mb: int, c: int, tag: int) -> None:
         y = self.outputs.pop((mb, c))
@@ -317,7 +318,7 @@ class _Run:
                 torch.autograd.backward(y, g_out)
         if c > 0:
             x = self.inputs.pop((mb, c))
-            spec = grad_spec(self.lay.inputs[c])
+            spec = layout.grad_spec(self.lay.inputs[c])
             g = x.grad if x.grad is not None else _zeros(spec)
             self.grads_in[(mb, c)] = _as_layout(g, spec)
 

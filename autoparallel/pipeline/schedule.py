@@ -84,12 +84,6 @@ class Schedule:
         rows = [f"  stage {s}: " + " ".join(str(a) for a in acts) for s, acts in enumerate(self.actions)]
         return "\n".join([head, *rows])
 
-    def validate(self) -> "object":
-        """Simulate the schedule; raise ``ScheduleError`` on deadlock or misordering."""
-        from autoparallel.pipeline.simulate import simulate
-
-        return simulate(self)
-
 
 # ---- compute orders ---------------------------------------------------------------------
 def _fthenb(p: int, m: int, v: int, s: int) -> list[tuple[str, int, int]]:

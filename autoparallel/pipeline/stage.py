@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence
 
 from torch import nn
 
-from autoparallel.dtensor import DistTensor
+from autoparallel.engine.dtensor import DistTensor
 from autoparallel.mesh import ProcessMesh
 from autoparallel.placement import Placement, check_placement
 

@@ -8,12 +8,12 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
-from autoparallel import dispatch as _dispatch
+from autoparallel.engine import dispatch as _dispatch
 from autoparallel import runtime
-from autoparallel.dtensor import DistTensor
+from autoparallel.compat import TorchDispatchMode, tree_flatten
+from autoparallel.engine import layout
+from autoparallel.engine.dtensor import DistTensor
 from autoparallel.placement import Replicate, Shard
 from autoparallel.regions.crossing import with_partial
 from autoparallel.spec import DistSpec
@@ -47,12 +47,12 @@ def _refused(reason: str) -> _Verdict:
 def _precheck(leaves: list[Any], tensors: list[torch.Tensor]) -> str:
     """Why this signature cannot be a region, from layouts alone ('' when it may be one)."""
     dts = [x for x in [*leaves, *tensors] if isinstance(x, DistTensor)]
-    mesh = dts[0]._spec.mesh
+    mesh = layout.spec_of(dts[0]).mesh
     for x in leaves:
         if isinstance(x, torch.Tensor) and not isinstance(x, DistTensor) and x.requires_grad:
             return "a plain tensor argument requires grad"
     for t in dts:
-        spec = t._spec
+        spec = layout.spec_of(t)
         if spec.mesh != mesh:
             return "its DistTensors live on several meshes"
         if spec.has_partial:
@@ -73,7 +73,7 @@ def _precheck(leaves: list[Any], tensors: list[torch.Tensor]) -> str:
 def _classify(out: Any, leaves: list[Any], tensors: list[torch.Tensor]) -> _Verdict:
     """Output layouts -> gradient layouts of the inputs, or why the outputs do not allow it."""
     outs, out_tree = tree_flatten(out)
-    specs = tuple(o._spec if isinstance(o, DistTensor) else None for o in outs)
+    specs = tuple(layout.spec_or_none(o) for o in outs)
     dist_out = [s for s in specs if s is not None]
     if not dist_out:
         return _refused("it returns no DistTensor")
@@ -93,11 +93,11 @@ def _classify(out: Any, leaves: list[Any], tensors: list[torch.Tensor]) -> _Verd
             return _refused(f"its outputs are sharded on mesh axis {a} and replicated on it")
         if True in kinds:
             sharded.append(a)
-        elif any(not isinstance(t._spec.placements[a], Replicate) for t in inputs):
+        elif any(not isinstance(layout.spec_of(t).placements[a], Replicate) for t in inputs):
             return _refused(f"an input is sharded on mesh axis {a} but no output is")
 
     def grad_of(x: Any) -> DistSpec | None:
-        return with_partial(x._spec, tuple(sharded)) if isinstance(x, DistTensor) else None
+        return with_partial(layout.spec_of(x), tuple(sharded)) if isinstance(x, DistTensor) else None
 
     return _Verdict(out_tree=out_tree, out_specs=specs, arg_grads=tuple(grad_of(x) for x in leaves),
                     slot_grads=tuple(grad_of(t) for t in tensors))
@@ -174,12 +174,13 @@ class _Spy(TorchDispatchMode):
         self.trace = trace
 
     def __enter__(self) -> "_Spy":
-        _dispatch.TRACES.append(self.trace)
+        self._door = _dispatch.observed_by(self.trace)  # the engine's door for observers
+        self._door.__enter__()
         return super().__enter__()  # type: ignore[no-any-return]
 
     def __exit__(self, *exc: Any) -> None:
         super().__exit__(*exc)
-        _dispatch.TRACES.pop()
+        self._door.__exit__(*exc)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}

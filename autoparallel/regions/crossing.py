@@ -7,13 +7,11 @@ from typing import Any
 
 import torch
 
-from autoparallel import runtime
-from autoparallel.deferred import Stat
-from autoparallel.dtensor import DistTensor, _FromLocal
-from autoparallel.pending import PendingTensor, scaled_raw
+from autoparallel import compat, runtime
+from autoparallel.engine import layout
+from autoparallel.engine.dtensor import DistTensor
 from autoparallel.placement import Partial, Replicate, Shard, chunk_bounds
 from autoparallel.spec import DistSpec
-from reshard.executor import reshard_local
 
 
 def _localize(items: list[tuple[DistTensor, DistSpec | None]], grad: bool, call: "_Call | None") -> dict[int, torch.Tensor]:
@@ -22,14 +20,15 @@ def _localize(items: list[tuple[DistTensor, DistSpec | None]], grad: bool, call:
     buffer, an input) does not happen twice."""
     out: dict[int, torch.Tensor] = {}
     needs = [(t, g) for t, g in items if grad and t.requires_grad and g is not None]
+    local_of = layout.local_of
     if call is None:
         for t, _ in items:
-            out[id(t)] = t._local.detach().clone()
+            out[id(t)] = local_of(t).detach().clone()
         for t, _ in needs:
             out[id(t)].requires_grad_(True)
         return out
     for t, _ in items:
-        out[id(t)] = t._local
+        out[id(t)] = local_of(t)
     if needs:
         locs = _Localize.apply(call, tuple(g for _, g in needs), *[t for t, _ in needs])
         for (t, _), loc in zip(needs, locs):
@@ -46,14 +45,14 @@ class _Call:
     (the DistTensor path would also pass the Partial on, to the optimizer's bucketed reduction).
 
     ``stat``: the gradient of the (single) output arrived as an unscaled pending gradient
-    (``autoparallel.pending``); by the same linearity the inputs' gradients leave unscaled too,
+    (``autoparallel.engine.pending``); by the same linearity the inputs' gradients leave unscaled too,
     pending on the same statistic.
     """
 
     def __init__(self, single: bool) -> None:
         self.single = single
         self.partial: tuple[int, ...] = ()
-        self.stat: Stat | None = None
+        self.stat: layout.Stat | None = None
 
 
 class _Localize(torch.autograd.Function):
@@ -71,13 +70,14 @@ class _Localize(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         # new tensors on the shards' storage (not the shards: this node would become their
         # history); ``detach`` rather than ``view_as`` spares autograd's view bookkeeping
-        return tuple(x._local.detach() for x in xs)
+        local_of = layout.local_of
+        return tuple(local_of(x).detach() for x in xs)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
         specs = ctx.specs if not ctx.call.partial else tuple(with_partial(s, ctx.call.partial) for s in ctx.specs)
         if torch.is_grad_enabled():  # create_graph: the gradients stay differentiable
-            return (None, None, *[None if g is None else _FromLocal.apply(g.contiguous(), s) for g, s in zip(grads, specs)])
+            return (None, None, *[None if g is None else layout.from_local(g.contiguous(), s) for g, s in zip(grads, specs)])
         stat = ctx.call.stat
         out = [None if g is None else _wrap_grad(g, s, stat) for g, s in zip(grads, specs)]
         _accumulate(ctx, out)
@@ -110,7 +110,7 @@ def _accumulate(ctx: Any, grads: list[DistTensor | None]) -> None:
         grads[k] = None
 
 
-_will_run = getattr(torch._C, "_will_engine_execute_node", lambda node: False)
+_will_run = compat.will_engine_execute_node
 
 
 class _Out(torch.autograd.Function):
@@ -121,7 +121,7 @@ class _Out(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, local: torch.Tensor, spec: DistSpec, call: _Call) -> DistTensor:  # type: ignore[override]
         ctx.spec, ctx.call = spec, call
-        return DistTensor._wrap(local.view_as(local) if local.is_contiguous() else local.contiguous(), spec)
+        return layout.wrap(local.view_as(local) if local.is_contiguous() else local.contiguous(), spec)
 
     @staticmethod
     def backward(ctx: Any, grad: DistTensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
@@ -130,8 +130,8 @@ class _Out(torch.autograd.Function):
         if raw is not None:
             local = raw
         else:  # with create_graph, differentiable: the backward of this backward reaches ``grad``
-            local = grad.to_local() if torch.is_grad_enabled() else grad._local
-        spec = grad._spec
+            local = grad.to_local() if torch.is_grad_enabled() else layout.local_of(grad)
+        spec = layout.spec_of(grad)
         if ctx.call.single:
             keep = []
             coord = spec.mesh.coordinate_of(runtime.get_rank())
@@ -150,20 +150,20 @@ class _Out(torch.autograd.Function):
             if keep:
                 ctx.call.partial = tuple(keep)
                 target = with_partial(target, ctx.call.partial)
-        return reshard_local(local, spec, target), None, None
+        return layout.move(local, spec, target), None, None
 
 
-def _wrap_grad(g: torch.Tensor, spec: DistSpec, stat: Stat | None) -> DistTensor:
+def _wrap_grad(g: torch.Tensor, spec: DistSpec, stat: layout.Stat | None) -> DistTensor:
     """A local gradient as a DistTensor of ``spec``; still unscaled (pending) with ``stat``."""
     g = g if g.is_contiguous() else g.contiguous()
-    return DistTensor._wrap(g, spec) if stat is None else PendingTensor.make(g, spec, None, stat)
+    return layout.wrap(g, spec) if stat is None else layout.pending_gradient(g, spec, stat)
 
 
 def _unscaled(grad: DistTensor, call: _Call) -> torch.Tensor | None:
     """The unscaled shard of a pending gradient arriving at a single-output region (whose
     backward, linear in it, may run unscaled: ``call.stat`` carries the scale across); None
     otherwise (the gradient is resolved)."""
-    pending = scaled_raw(grad)
+    pending = layout.scaled_raw(grad)
     if pending is None or not call.single or torch.is_grad_enabled():
         return None
     call.stat = pending[1]
@@ -189,4 +189,4 @@ def with_partial(spec: DistSpec, axes: tuple[int, ...]) -> DistSpec:
 def _wrap_out(local: torch.Tensor, spec: DistSpec, call: _Call) -> DistTensor:
     if local.requires_grad:
         return _Out.apply(local, spec, call)  # type: ignore[no-any-return]
-    return DistTensor._wrap(local if local.is_contiguous() else local.contiguous(), spec)
+    return layout.wrap(local if local.is_contiguous() else local.contiguous(), spec)

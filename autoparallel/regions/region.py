@@ -9,11 +9,12 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from autoparallel import runtime
-from autoparallel.debug import CommDebugMode
-from autoparallel.dtensor import DistTensor
+from autoparallel.compat import tree_flatten, tree_unflatten
+from autoparallel.runtime.debug import CommDebugMode
+from autoparallel.engine import layout
+from autoparallel.engine.dtensor import DistTensor
 from autoparallel.regions.checks import _classify, _precheck, _refused, _Trace, _Verdict
 from autoparallel.regions.crossing import _Call, _localize, _wrap_out
 from autoparallel.spec import DistSpec
@@ -158,15 +159,16 @@ class _Region:
     def _key(self, leaves: list[Any], tree: Any, tensors: list[torch.Tensor]) -> Any:
         """The signature, or None when this call cannot be a region (no DistTensor at all)."""
         parts: list[Any] = []
+        spec_of, stride_of = layout.spec_of, layout.stride_of  # bound once: every call of the module asks
         for x in leaves:
             if isinstance(x, DistTensor):
-                parts.append((x._spec, x._stride, x.requires_grad))
+                parts.append((spec_of(x), stride_of(x), x.requires_grad))
             elif isinstance(x, torch.Tensor):
                 parts.append(("plain", tuple(x.shape), x.dtype, x.requires_grad))
             else:
                 parts.append(("value", x))
         slot_parts = tuple(
-            (t._spec, t.requires_grad) if isinstance(t, DistTensor) else ("plain", tuple(t.shape), t.requires_grad)
+            (spec_of(t), t.requires_grad) if isinstance(t, DistTensor) else ("plain", tuple(t.shape), t.requires_grad)
             for t in tensors
         )
         if not any(isinstance(x, DistTensor) for x in leaves) and not any(isinstance(t, DistTensor) for t in tensors):

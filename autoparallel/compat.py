@@ -1,0 +1,135 @@
+"""Every private torch name the library uses: why, and what happens when it is gone.
+
+Private names change between releases without notice. Each one is read here, once, and the rest
+of the library uses only the names below. For each: what we need it for, and the fallback when
+this torch does not have it (the library keeps working, at the cost stated). This module imports
+torch only (it sits with the values at the bottom of the layers; the rules use it too).
+
+torch.distributed's own renames (``all_gather_single`` vs ``all_gather_into_tensor``) are public
+API across releases; ``autoparallel.runtime.comm`` picks whichever this torch has.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator
+
+import torch
+
+# ---- tensor subclass -------------------------------------------------------------------------
+# ``_make_wrapper_subclass`` builds a tensor with global metadata and no storage: the DistTensor
+# wrapper (what torch's own DTensor and every wrapper subclass use). No fallback exists: without
+# it there is no wrapper subclass, so a missing name fails at import, naming it.
+make_wrapper_subclass: Callable[..., Any] = torch.Tensor._make_wrapper_subclass  # type: ignore[attr-defined]
+
+
+class _Probe(torch.Tensor):
+    pass
+
+
+def _positional_wrapper_ok() -> bool:
+    """Whether ``_make_wrapper_subclass`` takes (size, strides, storage_offset, memory_format,
+    dtype, layout, device, pin_memory, requires_grad) positionally in this torch. Faster than
+    keywords (every op output is wrapped); keywords otherwise."""
+    try:
+        probe = make_wrapper_subclass(_Probe, (2, 3), (1, 2), None, None, torch.float64, torch.strided,
+                                      torch.device("cpu"), False, True)
+    except Exception:  # noqa: BLE001  (any refusal means: use keywords)
+        return False
+    return (tuple(probe.shape) == (2, 3) and probe.stride() == (1, 2) and probe.dtype == torch.float64
+            and probe.layout == torch.strided and probe.device == torch.device("cpu") and probe.requires_grad)
+
+
+WRAPPER_POSITIONAL = _positional_wrapper_ok()
+
+# A subclass that handles everything in ``__torch_dispatch__`` turns ``__torch_function__`` off
+# (as torch's own wrapper subclasses do). Fallback: torch's default (slower, same results).
+disabled_torch_function_impl: Any = getattr(torch._C, "_disabled_torch_function_impl", torch.Tensor.__torch_function__)
+
+
+# ---- dispatch ----------------------------------------------------------------------------------
+try:  # run a kernel with no Python dispatch in the way (for in-place views' metadata)
+    from torch.utils._mode_utils import no_dispatch
+except ImportError:  # pragma: no cover - older or newer torch
+    def no_dispatch() -> Any:  # type: ignore[misc,no-redef]  # the same context manager
+        return torch._C._DisableTorchDispatch()
+
+try:  # a mode seeing every aten call, for local regions' traces
+    from torch.utils._python_dispatch import TorchDispatchMode
+except ImportError:  # pragma: no cover
+    TorchDispatchMode = None  # type: ignore[assignment,misc]  # local regions then stay off (regions check it)
+
+_get_meta_tls = getattr(torch._C, "_meta_in_tls_dispatch_include", None)
+_set_meta_tls = getattr(torch._C, "_set_meta_in_tls_dispatch_include", None)
+
+
+@contextlib.contextmanager
+def meta_in_tls() -> Iterator[None]:
+    """Dispatch to meta kernels in this block: an in-place view (``x.squeeze_()``) runs its meta
+    kernel on the wrapper itself, which corrects the wrapper's sizes and strides (as
+    ``torch.utils._python_dispatch.return_and_correct_aliasing`` does). Fallback: none; in-place
+    views on DistTensors raise, naming the missing API (their out-of-place forms work)."""
+    if _get_meta_tls is None or _set_meta_tls is None:
+        raise RuntimeError("in-place views of a DistTensor need torch._C._set_meta_in_tls_dispatch_include, "
+                           "which this torch lacks; use the out-of-place view (x = x.squeeze())")
+    before = _get_meta_tls()
+    _set_meta_tls(True)
+    try:
+        yield
+    finally:
+        _set_meta_tls(before)
+
+
+# ---- autograd ----------------------------------------------------------------------------------
+# Whether the running backward will execute an autograd node: a local region hands a parameter
+# its gradient directly only where the accumulation node would run and store it unchanged.
+# Fallback: "no" -- gradients go through autograd's accumulation (correct, one dispatch more per
+# parameter).
+will_engine_execute_node: Callable[[Any], bool] = getattr(torch._C, "_will_engine_execute_node", lambda node: False)
+
+
+# ---- op registry -------------------------------------------------------------------------------
+def all_op_schemas() -> list[Any]:
+    """Every registered op schema (the rules enumerate the ``_foreach_*`` family from it).
+    Fallback: none found -- those ops then run replicated, with the usual warning."""
+    get = getattr(torch._C, "_jit_get_all_schemas", None)
+    return list(get()) if get is not None else []
+
+
+# ---- optimizers --------------------------------------------------------------------------------
+def optimizer_global_hooks() -> tuple[dict[Any, Any], dict[Any, Any]]:
+    """torch.optim's global step hooks (``register_optimizer_step_pre_hook``/``post_hook``), which
+    torch's own step wrapper runs and ``ShardedOptimizer.step`` runs itself. Fallback: no tables
+    -- global hooks are not run around a sharded step (per-optimizer hooks still are)."""
+    import torch.optim.optimizer as optim_module
+
+    return (getattr(optim_module, "_global_optimizer_pre_hooks", {}),
+            getattr(optim_module, "_global_optimizer_post_hooks", {}))
+
+
+# ---- pytrees and flat buffers ---------------------------------------------------------------------
+try:
+    from torch.utils._pytree import tree_flatten, tree_unflatten
+except ImportError:  # pragma: no cover - the public module of newer torch
+    from torch.utils.pytree import tree_flatten, tree_unflatten  # type: ignore[no-redef]
+
+try:  # one flat buffer of many tensors, in C++ (gradient buckets)
+    from torch._utils import _flatten_dense_tensors as flatten_dense_tensors
+    from torch._utils import _unflatten_dense_tensors as unflatten_dense_tensors
+except ImportError:  # pragma: no cover - the same in Python
+    def flatten_dense_tensors(tensors: Any) -> torch.Tensor:  # type: ignore[misc]
+        return torch.cat([t.reshape(-1) for t in tensors])
+
+    def unflatten_dense_tensors(flat: torch.Tensor, tensors: Any) -> list[torch.Tensor]:  # type: ignore[misc]
+        out, offset = [], 0
+        for t in tensors:
+            out.append(flat.narrow(0, offset, t.numel()).view_as(t))
+            offset += t.numel()
+        return out
+
+
+__all__ = [
+    "WRAPPER_POSITIONAL", "TorchDispatchMode", "all_op_schemas", "disabled_torch_function_impl", "flatten_dense_tensors",
+    "make_wrapper_subclass", "meta_in_tls", "no_dispatch", "optimizer_global_hooks", "tree_flatten", "tree_unflatten",
+    "unflatten_dense_tensors", "will_engine_execute_node",
+]

@@ -1,0 +1,53 @@
+"""Aliases: which inputs an op writes (``self`` of ``add_``, ``out=``) and which outputs are
+those inputs, read from the op's schema."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def written_args(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    """The arguments the op writes: ``self`` of ``add_``, ``out=``."""
+    written: list[Any] = []
+    for i, arg in enumerate(func._schema.arguments):
+        alias = arg.alias_info
+        if alias is None or not alias.is_write:
+            continue
+        value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
+        written.extend(value if isinstance(value, (list, tuple)) else [value])
+    return written
+
+
+def out_aliases(
+    func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], dts: list[Any], mutated: tuple[int, ...], n_out: int
+) -> tuple[int | None, ...]:
+    """Per output, the position in ``dts`` of the written input it returns (``add_``'s self, the
+    ``out=`` tensors), None for a new tensor (``_native_batch_norm_legit`` writes its running
+    stats and returns new ones). From the schema's alias sets; outputs paired with the written
+    inputs in order where a set names a list argument."""
+    if not mutated:
+        return (None,) * n_out
+    by_set: dict[str, Any] = {}
+    for i, arg in enumerate(func._schema.arguments):
+        a = arg.alias_info
+        if a is not None and a.is_write:
+            value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
+            by_set.update((name, value) for name in a.before_set)
+    pos = {id(t): k for k, t in enumerate(dts)}
+    out: list[int | None] = []
+    for r in func._schema.returns[:n_out]:
+        a = r.alias_info
+        value = by_set.get(next(iter(a.before_set))) if a is not None and a.is_write and a.before_set else None
+        if isinstance(value, (list, tuple)):
+            return tuple(mutated[k] if k < len(mutated) else None for k in range(n_out))
+        out.append(pos.get(id(value)) if value is not None else None)
+    return tuple(out) + (None,) * (n_out - len(out))
+
+
+def mutated_inputs(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], dts: list[Any]) -> tuple[int, ...]:
+    """Positions (in ``dts``) of the DistTensors the op writes."""
+    ids = [id(t) for t in written_args(func, args, kwargs)]
+    return tuple(i for i, t in enumerate(dts) if id(t) in ids)
+
+
+__all__ = ["mutated_inputs", "out_aliases", "written_args"]

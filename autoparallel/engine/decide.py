@@ -1,0 +1,262 @@
+"""Deciding: rule -> strategy choice -> reshard plans, for one op call (pure metadata, cached by
+the dispatcher).
+
+The rule for the op (``spmd_rules``) offers strategies; the cheapest (bytes moved, inputs
+changed, local output size: lexicographic) wins; the planner (``reshard``) plans each input's
+move. Ops with no rule, or whose rule offers nothing, run replicated and warn once. The result
+is a ``LocalStep`` (or a ``ValueDecision`` / ``InplaceViewDecision``) of
+``autoparallel.engine.decision``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import replace
+from functools import lru_cache
+from typing import Any, Sequence
+
+import torch
+
+from autoparallel.engine.aliases import mutated_inputs, out_aliases
+from autoparallel.engine.decision import Decision, InplaceViewDecision, LocalStep, OutKind, ValueDecision
+from autoparallel.engine.keys import mesh_coord
+from autoparallel.engine.kernels import DEFERRING, Collectives, kernel_for
+from autoparallel.engine.slots import dist_slots, flatten_out, map_args
+from autoparallel.placement import Replicate, Shard
+from autoparallel.spec import DistSpec, _itemsize
+from reshard.crossmesh import CrossMeshPlan, plan_best
+from reshard.plan import RELABEL, SLICE, Plan
+from reshard.planner import LATENCY_BYTES
+from spmd_rules.base import LocalContext, ScalarMeta, Strategy, TensorMeta, OpCall
+from spmd_rules.registry import get_out_shapes, get_rule
+
+_warned: set[str] = set()  # ops that warned they run replicated (once each)
+
+
+def forget_warnings() -> None:
+    """Let every op warn again that it runs replicated (with a cleared decision cache)."""
+    _warned.clear()
+# Ops whose result is a Python value of the whole tensor (``x.item()``, ``torch.equal``): they
+# need the replicated value by definition, so running them replicated is the rule, not a gap.
+_VALUE_OPS = frozenset({
+    torch.ops.aten._local_scalar_dense.default,
+    torch.ops.aten.equal.default,
+    torch.ops.aten.is_nonzero.default,
+})
+# Views whose local implementation computes a new tensor (a lazy conj/neg bit cannot live on the
+# wrapper): like views of a moved input, writes through them raise instead of being lost.
+_MATERIALISED_VIEWS = frozenset({torch.ops.aten._conj.default, torch.ops.aten._neg_view.default})
+# In-place views (they change the tensor's own shape or strides) and their out-of-place view.
+_aten = torch.ops.aten
+INPLACE_VIEWS = {
+    _aten.squeeze_.default: _aten.squeeze.default, _aten.squeeze_.dim: _aten.squeeze.dim,
+    _aten.squeeze_.dims: _aten.squeeze.dims, _aten.unsqueeze_.default: _aten.unsqueeze.default,
+    _aten.transpose_.default: _aten.transpose.int, _aten.t_.default: _aten.t.default,
+}
+
+
+def decide(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], dts: list[Any]) -> Decision:
+    """The decision for ``func`` on these arguments (``dts``: the DistTensors among them, in
+    order): a pure function of their specs, strides and the non-tensor arguments."""
+    return _finish(cls, func, _decide(cls, func, args, kwargs, dts), args, kwargs, [t._spec for t in dts])
+
+
+def _decide(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], dts: list[Any]) -> Decision:
+    mesh = dts[0]._spec.mesh
+    for d in dts[1:]:
+        if d._spec.mesh != mesh:
+            raise ValueError(
+                f"{func}: inputs live on different meshes {mesh} and {d._spec.mesh}; "
+                "reshard one of them onto the other's mesh first (ap.reshard)"
+            )
+    specs = [d._spec for d in dts]
+    metas: dict[int, TensorMeta] = {}
+
+    def to_meta(t: Any) -> Any:
+        if isinstance(t, cls):
+            return metas.setdefault(id(t), TensorMeta(t._spec.shape, t._spec.dtype))
+        return ScalarMeta(t.dtype)
+
+    def to_fake(t: Any) -> Any:
+        if isinstance(t, cls):
+            return torch.empty_strided(t._spec.shape, t._stride, dtype=t._spec.dtype, device="meta")
+        return torch.empty((), dtype=t.dtype, device="meta")
+
+    mutated = mutated_inputs(func, args, kwargs, dts)
+    if func in INPLACE_VIEWS:  # run as the out-of-place view, then re-point the wrapper
+        return InplaceViewDecision(INPLACE_VIEWS[func])
+    if func in _VALUE_OPS:
+        return _fallback_decision(func, specs, mesh, None, mutated, reason="", warn=False)
+    try:
+        fake_out = func(*map_args(cls, args, to_fake), **map_args(cls, kwargs, to_fake))
+    except Exception:  # no meta kernel: compute replicated and learn the outputs from it
+        return _fallback_decision(func, specs, mesh, None, mutated, reason="it has no meta kernel")
+    out_kind, outs = flatten_out(fake_out)
+    alias = out_aliases(func, args, kwargs, dts, mutated, len(outs))
+    for k, i in enumerate(alias):
+        if i is not None and outs[k] is not None and tuple(outs[k].shape) != specs[i].shape:
+            raise RuntimeError(
+                f"{func} changes the shape of a DistTensor in place ({tuple(specs[i].shape)} -> "
+                f"{tuple(outs[k].shape)}); use the out-of-place op instead"
+            )
+    if out_kind is OutKind.VALUE and not mutated:
+        return ValueDecision(fake_out)
+    out_metas = tuple(TensorMeta(tuple(o.shape), o.dtype) if o is not None else None for o in outs)
+    call = OpCall(
+        func,
+        map_args(cls, args, to_meta),
+        map_args(cls, kwargs, to_meta),
+        tuple(to_meta(d) for d in dts),
+        out_metas,
+        tuple(s.placements for s in specs),
+        tuple(mesh.shape),
+    )
+    shapes = get_out_shapes(func)
+    fixed = shapes(call) if shapes is not None else None
+    if fixed is not None:  # the CPU kernel's shapes, where its meta kernel says otherwise
+        outs = [o if o is None or s is None else torch.empty(s, dtype=o.dtype, device="meta") for o, s in zip(outs, fixed)]
+        out_metas = tuple(TensorMeta(tuple(o.shape), o.dtype) if o is not None else None for o in outs)
+        call = replace(call, out=out_metas)
+    rule = get_rule(func)
+    strategies = rule(call) if rule is not None else []
+    if mutated:
+        # An output that IS a written input (``x.mul_(y)``, ``out=``) must come out in the layout
+        # the input was written in: (R, P) -> P is fine for ``x * y`` but would leave a summand in
+        # a tensor still labelled R. Then prefer strategies that keep the written layouts.
+        strategies = [
+            s for s in strategies if all(i is None or s.outputs[k] == s.inputs[i] for k, i in enumerate(alias))
+        ]
+        strategies = [s for s in strategies if all(s.inputs[i] == specs[i].placements for i in mutated)] or strategies
+    if not strategies:
+        why = "it has no SPMD rule" if rule is None else "its rule offered no strategy"
+        return replace(_fallback_decision(func, specs, mesh, outs, mutated, reason=why, kind=out_kind), out_alias=alias,
+                       meta_value=fake_out if out_kind is OutKind.VALUE else None)
+    best = _cheapest(strategies, specs, mesh, out_metas)
+    plans = tuple(_plan(spec, req) for spec, req in zip(specs, best.inputs))
+    out_specs = tuple(
+        DistSpec(mesh, pl, m.shape, m.dtype) if m is not None else None for m, pl in zip(out_metas, best.outputs)
+    )
+    strides = tuple(tuple(o.stride()) if o is not None else None for o in outs)
+    return LocalStep(
+        mesh=mesh, coord=mesh_coord(mesh), plans=plans, in_specs=_in_specs(specs, plans),
+        local_fn=kernel_for(func), call=call, out_kind=out_kind, out_specs=out_specs, out_strides=strides,
+        out_alias=alias, mutated=mutated, meta_value=fake_out if out_kind is OutKind.VALUE else None,
+    )
+
+
+@lru_cache(maxsize=65536)
+def _plan(spec: DistSpec, req: tuple[Any, ...]) -> Plan | CrossMeshPlan | None:
+    """The plan taking ``spec`` to placements ``req`` (default shard order); None if none needed."""
+    dst = spec.with_placements(req) if tuple(req) != spec.placements or spec.shard_order else spec
+    return None if dst == spec else plan_best(spec, dst)
+
+
+@lru_cache(maxsize=65536)
+def _plan_price(spec: DistSpec, req: tuple[Any, ...]) -> int | None:
+    plan = _plan(spec, req)
+    if plan is None:
+        return None
+    return plan.max_bytes() + (LATENCY_BYTES if plan.collectives() else 0)
+
+
+def _cheapest(strategies: Sequence[Strategy], specs: list[DistSpec], mesh: Any, out_metas: tuple[TensorMeta | None, ...]) -> Strategy:
+    """The first strategy of least ``_cost``, planning as few reshards as possible.
+
+    The cost is lexicographic with bytes moved and inputs changed first, so when some strategy
+    takes every input as it is, only such strategies can win: they are compared without running
+    the planner for the others (the same choice, at a fraction of a cache miss's time).
+    """
+    free = [s for s in strategies if all(_as_is(spec, req) for spec, req in zip(specs, s.inputs))]
+    return min(free or strategies, key=lambda s: _cost(s, specs, mesh, out_metas))
+
+
+def _as_is(spec: DistSpec, req: tuple[Any, ...]) -> bool:
+    return not spec.shard_order and tuple(req) == tuple(spec.placements)
+
+
+def _cost(s: Strategy, specs: list[DistSpec], mesh: Any, out_metas: tuple[TensorMeta | None, ...]) -> tuple[int, int, int]:
+    """(bytes moved, inputs changed, largest local output bytes): lexicographic."""
+    moved = changed = 0
+    for spec, req in zip(specs, s.inputs):
+        price = _plan_price(spec, req)
+        if price is not None:
+            changed += 1
+            moved += price
+    compute = 0
+    for m, pl in zip(out_metas, s.outputs):
+        if m is not None:
+            compute += _largest_local_numel(m.shape, pl, tuple(mesh.shape)) * _itemsize(m.dtype)
+    return moved, changed, compute
+
+
+@lru_cache(maxsize=65536)
+def _largest_local_numel(shape: tuple[int, ...], placements: tuple[Any, ...], mesh_shape: tuple[int, ...]) -> int:
+    """Elements of the shard at mesh coordinate 0 (torch.chunk gives it the largest piece)."""
+    n = 1
+    for dim, size in enumerate(shape):
+        for a, p in enumerate(placements):
+            if isinstance(p, Shard) and p.dim % len(shape) == dim:
+                size = -(-size // mesh_shape[a])
+        n *= size
+    return n
+
+
+def _fallback_decision(
+    func: Any, specs: list[DistSpec], mesh: Any, outs: list[Any] | None, mutated: tuple[int, ...], reason: str,
+    warn: bool = True, kind: OutKind = OutKind.TENSOR,
+) -> LocalStep:
+    """Gather every input to Replicate and run the op itself; members wrap what the kernel
+    returns (its shapes may differ from the meta kernel's, e.g. empty saved statistics), so the
+    ``outs`` metas (None: no meta kernel) only give the layout for ranks outside the mesh."""
+    name = str(func)
+    if warn and name not in _warned:
+        _warned.add(name)
+        warnings.warn(
+            f"autoparallel: {name} runs replicated (gather inputs, compute, keep Replicate) because "
+            f"{reason}; register a rule with ap.register_rule to shard it",
+            stacklevel=4,
+        )
+    rep = tuple(Replicate() for _ in range(mesh.ndim))
+    plans = tuple(_plan(s, rep) for s in specs)
+    where = dict(mesh=mesh, coord=mesh_coord(mesh), plans=plans, in_specs=_in_specs(specs, plans), mutated=mutated)
+    if outs is None:
+        return LocalStep(**where, out_kind=OutKind.UNKNOWN, fallback=True)
+    out_specs = tuple(DistSpec(mesh, rep, tuple(o.shape), o.dtype) if o is not None else None for o in outs)
+    strides = tuple(tuple(o.stride()) if o is not None else None for o in outs)
+    return LocalStep(**where, out_kind=kind, out_specs=out_specs, out_strides=strides, fallback=True)
+
+
+def _in_specs(specs: list[DistSpec], plans: tuple[Plan | CrossMeshPlan | None, ...]) -> tuple[DistSpec, ...]:
+    return tuple(p.dst if p is not None else s for s, p in zip(specs, plans))
+
+
+def _finish(cls: Any, func: Any, d: Decision, args: tuple[Any, ...], kwargs: dict[str, Any], specs: list[DistSpec]) -> Decision:
+    """Add what execution needs: where the DistTensors sit, and for in-place writes the way back
+    to each written tensor's own layout (in-place ops never change a tensor's layout)."""
+    if not isinstance(d, LocalStep):
+        return d
+    back = tuple(None if d.in_specs[i] == specs[i] else plan_best(d.in_specs[i], specs[i]) for i in d.mutated)
+    returns_view = any(r.alias_info is not None for r in func._schema.returns)
+    moved_input = func in _MATERIALISED_VIEWS or any(_copies(p) for p in d.plans)
+    contexts = None
+    if d.local_fn is not None and d.coord is not None:
+        assert d.call is not None
+        shapes = tuple(None if s is None else s.local_shape(d.coord) for s in d.out_specs)
+        collectives = Collectives(d.mesh)
+        contexts = (LocalContext(d.call, shapes, d.in_specs, d.out_specs, d.coord, False, collectives),
+                    LocalContext(d.call, shapes, d.in_specs, d.out_specs, d.coord, func in DEFERRING, collectives))
+    detached_view = returns_view and moved_input
+    simple = d.out_kind is OutKind.TENSOR and not d.mutated and not d.fallback and not detached_view
+    return replace(d, restore=back, slots=dist_slots(cls, args, kwargs), detached_view=detached_view,
+                   contexts=contexts, simple=simple)
+
+
+def _copies(plan: Plan | CrossMeshPlan | None) -> bool:
+    """Whether running ``plan`` yields a new tensor rather than a view of the old shard."""
+    if plan is None:
+        return False
+    if isinstance(plan, CrossMeshPlan):
+        return True
+    return any(s.kind not in (SLICE, RELABEL) for s in plan.steps)
+
+

@@ -1,0 +1,83 @@
+"""The op path: ``__torch_dispatch__`` -> cached decision -> local step.
+
+A *decision* (``autoparallel.engine.decision``: chosen input layouts, their reshard plans, the
+local function, output specs and strides) is a pure function of the op, the inputs' specs and
+strides, and the non-tensor arguments, so it is cached on exactly that key (``keys.call_key``)
+and every rank reaches the same one. Deciding lives in ``decide``, running a decision in
+``execute``; this module keys the call, keeps the cache, and is the engine's door for an
+observer of the op path (``observed_by``).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+
+from autoparallel.engine.decide import decide, forget_warnings
+from autoparallel.engine.decision import Decision
+from autoparallel.engine.execute import execute
+from autoparallel.engine.keys import adopt_plain, call_key
+
+_CACHE: dict[Any, Decision] = {}
+MAX_CACHED_DECISIONS = 65536
+_DETACH = torch.ops.aten.detach.default
+# The observers of the op path, innermost last: entered and left only through ``observed_by``.
+_OBSERVERS: list[Any] = []
+
+
+def dispatch(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Run ``func`` on DistTensors of class ``cls`` (the body of ``__torch_dispatch__``)."""
+    if func is _DETACH and not _OBSERVERS and not kwargs and len(args) == 1 and type(args[0]) is cls:
+        x = args[0]  # autograd detaches every gradient it accumulates: same layout, no decision
+        return cls._wrap(x._local.detach(), x._spec, x._stride)
+    dts: list[Any] = []
+    plain: list[torch.Tensor] = []
+    key = (func, call_key(cls, args, dts, plain), call_key(cls, tuple(kwargs.items()), dts, plain) if kwargs else ())
+    if not dts:
+        return func(*args, **kwargs)
+    if plain:  # rare: adopt them as Replicate, then key the call again
+        args, kwargs = adopt_plain(cls, func, args, kwargs, dts, plain)
+        dts, plain = [], []
+        key = (func, call_key(cls, args, dts, plain), call_key(cls, tuple(kwargs.items()), dts, plain) if kwargs else ())
+    decision = _CACHE.get(key)
+    if decision is None:
+        decision = decide(cls, func, args, kwargs, dts)
+        if len(_CACHE) >= MAX_CACHED_DECISIONS:  # e.g. a changing Python scalar in the key
+            _CACHE.clear()
+        _CACHE[key] = decision
+    if _OBSERVERS:  # an observer watches the op path (a local region's trace: autoparallel.regions)
+        return _OBSERVERS[-1].observe(
+            func, decision, args, kwargs, lambda: execute(cls, func, args, kwargs, dts, decision, True, dispatch)
+        )
+    return execute(cls, func, args, kwargs, dts, decision, False, dispatch)
+
+
+def clear_cache() -> None:
+    """Forget every cached decision (and which ops warned that they run replicated)."""
+    _CACHE.clear()
+    forget_warnings()
+
+
+@contextmanager
+def observed_by(observer: Any) -> Iterator[Any]:
+    """The engine's door for an observer of the op path (a local region's trace).
+
+    Inside the block every DistTensor op calls ``observer.observe(func, decision, args, kwargs,
+    run)`` instead of running: ``run()`` executes the op's local step. Kernels may not defer
+    statistics while an observer watches (what it records must run again as it ran).
+    """
+    _OBSERVERS.append(observer)
+    try:
+        yield observer
+    finally:
+        _OBSERVERS.pop()
+
+
+def observed() -> bool:
+    """Whether an observer watches the op path now."""
+    return bool(_OBSERVERS)
+
+
+__all__ = ["clear_cache", "dispatch", "observed", "observed_by"]

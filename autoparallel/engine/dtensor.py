@@ -1,0 +1,291 @@
+"""``DistTensor``: a global tensor whose bytes live as per-rank shards.
+
+A wrapper subclass: the wrapper carries the global shape, stride, dtype and ``requires_grad``
+(so autograd sees the global tensor); ``_local`` is this rank's shard and ``_spec`` its layout.
+Every aten op reaching ``__torch_dispatch__`` goes through ``autoparallel.engine.dispatch``.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any, cast
+
+import torch
+
+from autoparallel import compat, runtime
+from autoparallel.engine import pending
+from autoparallel.engine.deferred import Deferred, Finish, Stat
+from autoparallel.engine.dispatch import dispatch
+from autoparallel.mesh import Dims, ProcessMesh
+from autoparallel.placement import Replicate
+from autoparallel.spec import DistSpec
+from reshard.executor import reshard_local
+
+
+_DETACH = torch.ops.aten.detach.default
+
+
+@lru_cache(maxsize=4096)
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Row-major strides of ``shape`` (cached: every wrapper without explicit strides asks)."""
+    strides, acc = [], 1
+    for s in reversed(shape):
+        strides.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(strides))
+
+
+class DistTensor(torch.Tensor):
+    """A tensor of global ``shape`` laid out on ``process_mesh`` by ``placements``.
+
+    Build one with ``ap.shard_tensor`` or ``ap.dtensor_from_local``; read it back with
+    ``to_local()`` (this rank's shard) or ``full_tensor()`` (the whole value on every member).
+    Ranks outside the mesh hold an empty local tensor and skip compute.
+    """
+
+    _local: torch.Tensor
+    _spec: DistSpec
+    _stride: tuple[int, ...]
+
+    @staticmethod
+    def __new__(cls, local: torch.Tensor, spec: DistSpec, *, requires_grad: bool = False) -> "DistTensor":
+        return cls._wrap(local, spec, None, requires_grad)
+
+    @classmethod
+    def _wrap(
+        cls,
+        local: torch.Tensor,
+        spec: DistSpec,
+        stride: tuple[int, ...] | None = None,
+        requires_grad: bool = False,
+    ) -> "DistTensor":
+        stride = stride if stride is not None else contiguous_strides(spec.shape)
+        if compat.WRAPPER_POSITIONAL:  # the same call without keyword parsing (every op output comes here)
+            r = _make_wrapper(cls, spec.shape, stride, None, None, spec.dtype, local.layout, local.device, False, requires_grad)
+        else:
+            r = _make_wrapper(cls, spec.shape, strides=stride, dtype=spec.dtype, device=local.device,
+                              layout=local.layout, requires_grad=requires_grad)
+        r._local = local
+        r._spec = spec
+        r._stride = tuple(stride)
+        return r
+
+    __torch_function__ = compat.disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(  # type: ignore[override]  # torch types it as a plain function
+        cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        return dispatch(cls, func, args, kwargs or {})
+
+    # ---- layout ---------------------------------------------------------------------------
+    @property
+    def placements(self) -> Dims:
+        return Dims(self._spec.placements)
+
+    @property
+    def process_mesh(self) -> ProcessMesh:
+        return self._spec.mesh
+
+    @property
+    def dist_spec(self) -> DistSpec:
+        return self._spec
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        return tuple(self._local.shape)
+
+    def to_local(self, *, grad_placements: Any = None) -> torch.Tensor:
+        """This rank's shard (differentiable; its gradient flows back as a DistTensor)."""
+        if not (self.requires_grad and torch.is_grad_enabled()):  # nothing to differentiate
+            if grad_placements is not None:
+                self._spec.with_placements(grad_placements)  # the same checks as with autograd
+            return self._local.view_as(self._local)
+        return _ToLocal.apply(self, grad_placements)
+
+    def _moved(self, move: Any, spec: DistSpec) -> "DistTensor":
+        """This value in layout ``spec``: ``move`` (a layout change, linear) applied to the shard.
+        A pending gradient (``autoparallel.engine.pending``) moves its unscaled shard instead."""
+        return DistTensor._wrap(move(self._local), spec)
+
+    @classmethod
+    def _wrap_deferred(cls, w: "DistTensor", mark: Deferred) -> "PendingTensor":
+        """The engine's wrapping of a kernel's ``Deferred`` output ``w``: a pending value."""
+        return PendingTensor.make(mark.placeholder, w._spec, w._stride, mark.stat, mark.finish)
+
+    def full_tensor(self) -> torch.Tensor:
+        """The whole value on every rank of the mesh (differentiable); empty off the mesh."""
+        if not (self.requires_grad and torch.is_grad_enabled()):  # nothing to differentiate
+            return _full_local(self)
+        return _FullTensor.apply(self)
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return (
+            f"DistTensor(local={self._local!r}, mesh={self._spec.mesh!r}, "
+            f"placements={list(self._spec.placements)}, shape={tuple(self._spec.shape)})"
+        )
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError("DistTensor cannot be pickled; use ap.save_state_dict or full_tensor()")
+
+
+class PendingTensor(DistTensor):
+    """A DistTensor whose local value is computed from a deferred statistic on first use.
+
+    Two kinds: a *deferred value* (a batch-mean loss: ``finish(placeholder, stat)``) and a
+    *scaled gradient* (``raw * stat.inverse_count()``), which ops linear in it propagate unscaled
+    (the policy is ``autoparallel.engine.pending``). Reading ``_local`` computes the value.
+    """
+
+    _raw: torch.Tensor                 # scaled gradient: the unscaled shard; value: a placeholder
+    _stat: Stat
+    _finish: Finish
+    _scaled: bool                      # a scaled gradient (propagates through linear ops)
+    _done: torch.Tensor | None         # the resolved shard
+
+    @classmethod
+    def make(
+        cls, raw: torch.Tensor, spec: DistSpec, stride: tuple[int, ...] | None, stat: Stat,
+        finish: Finish | None = None,
+    ) -> "PendingTensor":
+        """A pending tensor of layout ``spec``: ``finish(raw, stat)``; None: a scaled gradient."""
+        r = cast(PendingTensor, cls._wrap(raw, spec, stride))
+        r._raw, r._stat, r._scaled = raw, stat, finish is None
+        r._finish = pending.scale if finish is None else finish
+        r._done = None
+        return r
+
+    @property  # type: ignore[override]  # DistTensor stores _local as a plain attribute
+    def _local(self) -> torch.Tensor:
+        if self._done is None:
+            self._done = self._finish(self._raw, self._stat)
+            self._raw = self._done  # the unscaled shard is no longer needed: free it
+        return self._done
+
+    @_local.setter
+    def _local(self, value: torch.Tensor) -> None:  # a write replaces the value (make clears it)
+        self._done = self._raw = value
+
+    @property
+    def is_pending(self) -> bool:
+        """Whether the value still waits to be computed."""
+        return self._done is None
+
+    @classmethod
+    def __torch_dispatch__(  # type: ignore[override]
+        cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        """Torch calls this (a subclass goes first) for every op with a PendingTensor argument,
+        so plain DistTensor ops never pay for the checks below."""
+        if func is _DETACH and len(args) == 1 and not kwargs and type(args[0]) is PendingTensor and args[0]._done is None:
+            return pending.detached(args[0])  # autograd detaches every gradient it keeps: the hot case
+        kwargs = kwargs or {}
+        out = pending.intercept(DistTensor, func, args, kwargs)
+        return dispatch(DistTensor, func, args, kwargs) if out is NotImplemented else out
+
+    def _moved(self, move: Any, spec: DistSpec) -> DistTensor:
+        if self._done is None and self._scaled and not torch.is_grad_enabled() and pending.sums_only(self._spec):
+            return PendingTensor.make(move(self._raw), spec, None, self._stat)  # a linear map: unscaled
+        return super()._moved(move, spec)
+
+
+
+_make_wrapper = compat.make_wrapper_subclass
+
+
+
+# ---- differentiable conversions -----------------------------------------------------------
+# The gradient of a layout change is the reverse layout change, except that the gradient of a
+# Partial value is Replicate: every summand receives the whole incoming gradient.
+
+
+def grad_spec(spec: DistSpec) -> DistSpec:
+    """Layout the gradient of a tensor of layout ``spec`` comes back in: Partial -> Replicate."""
+    return spec.without_partial()
+
+
+def replicated(spec: DistSpec) -> DistSpec:
+    return spec.with_placements([Replicate()] * spec.mesh.ndim)
+
+
+class _FromLocal(torch.autograd.Function):
+    """local shard -> DistTensor. Backward: gradient to the forward layout (P as R), its shard."""
+
+    @staticmethod
+    def forward(ctx: Any, local: torch.Tensor, spec: DistSpec) -> DistTensor:  # type: ignore[override]
+        ctx.spec = spec
+        # the wrapper advertises contiguous strides: a non-contiguous shard is copied
+        return DistTensor._wrap(local.view_as(local) if local.is_contiguous() else local.contiguous(), spec)
+
+    @staticmethod
+    def backward(ctx: Any, grad: DistTensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return reshard_local(grad._local, grad._spec, grad_spec(ctx.spec)), None
+
+
+class _ShardTensor(torch.autograd.Function):
+    """full tensor (same on every rank) -> DistTensor. Backward: the full gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, full: torch.Tensor, spec: DistSpec) -> DistTensor:  # type: ignore[override]
+        ctx.spec = spec
+        ctx.shape = full.shape
+        local = reshard_local(full.detach(), replicated(spec), spec)
+        return DistTensor._wrap(local.contiguous(), spec)  # the wrapper advertises contiguous strides
+
+    @staticmethod
+    def backward(ctx: Any, grad: DistTensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        full = reshard_local(grad._local, grad._spec, replicated(ctx.spec))
+        if ctx.spec.mesh.coordinate_of(_rank()) is None:
+            full = torch.zeros(ctx.shape, dtype=grad.dtype, device=grad._local.device)
+        return full, None
+
+
+class _ToLocal(torch.autograd.Function):
+    """DistTensor -> its local shard. Backward: the local gradient in ``grad_placements``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: DistTensor, grad_placements: Any) -> torch.Tensor:  # type: ignore[override]
+        ctx.spec = x._spec if grad_placements is None else x._spec.with_placements(grad_placements)
+        return x._local.view_as(x._local)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[DistTensor, None]:  # type: ignore[override]
+        return DistTensor._wrap(grad, ctx.spec), None
+
+
+def _full_local(x: DistTensor) -> torch.Tensor:
+    """The whole value of ``x`` as a plain tensor (never the shard object itself)."""
+    out = reshard_local(x._local, x._spec, replicated(x._spec))
+    return out.view_as(out) if out is x._local else out
+
+
+class _FullTensor(torch.autograd.Function):
+    """DistTensor -> the whole value on every member. Backward: slice back to the layout."""
+
+    @staticmethod
+    def forward(ctx: Any, x: DistTensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.spec = x._spec
+        return _full_local(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[DistTensor]:  # type: ignore[override]
+        target = grad_spec(ctx.spec)
+        return (DistTensor._wrap(reshard_local(grad, replicated(target), target), target),)
+
+
+class _Reshard(torch.autograd.Function):
+    """DistTensor -> the same value in another layout (or mesh). Backward: the reverse move."""
+
+    @staticmethod
+    def forward(ctx: Any, x: DistTensor, dst: DistSpec) -> DistTensor:  # type: ignore[override]
+        ctx.src = x._spec
+        return DistTensor._wrap(reshard_local(x._local, x._spec, dst), dst)
+
+    @staticmethod
+    def backward(ctx: Any, grad: DistTensor) -> tuple[DistTensor, None]:  # type: ignore[override]
+        target = grad_spec(ctx.src)
+        return grad._moved(lambda local: reshard_local(local, grad._spec, target), target), None
+
+
+def _rank() -> int:
+    return runtime.get_rank()

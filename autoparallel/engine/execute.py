@@ -1,0 +1,146 @@
+"""Executing a decision: move the inputs, run the local function on the shards, wrap the outputs.
+
+Eager mode runs this for every op as it comes. In-place and ``out=`` ops keep the written
+tensors' identity and layout (a written input that had to move is copied back into its own
+shard); a kernel's ``Deferred`` outputs become pending DistTensors.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from autoparallel import compat
+from autoparallel.engine.decision import Decision, InplaceViewDecision, LocalStep, OutKind, ValueDecision
+from autoparallel.engine.deferred import split_deferred
+from autoparallel.engine.slots import flatten_out, map_args, place_locals
+from autoparallel.placement import Replicate
+from autoparallel.spec import DistSpec
+from reshard.executor import run_any
+
+
+def execute(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], dts: list[Any], d: Decision,
+            observed: bool, redispatch: Callable[..., Any]) -> Any:
+    """Run decision ``d`` for this call: move the inputs, run the local function, wrap the outputs
+    (``observed``: an observer watches, kernels compute every output now; ``redispatch``: the
+    dispatcher, for an in-place view's out-of-place op)."""
+    if type(d) is ValueDecision:
+        return d.value
+    if type(d) is InplaceViewDecision:
+        return _inplace_view(cls, func, d.view_op, args, kwargs, redispatch)
+    assert isinstance(d, LocalStep)
+    for i in d.mutated:
+        if getattr(dts[i], "_detached_view", False):
+            raise RuntimeError(
+                f"{func}: in-place write to a view of a DistTensor whose layout had to change to "
+                "take the view (e.g. slicing a sharded dim); the write would not reach the original "
+                "tensor. Reshard the original first (e.g. to Replicate on that dim) or write out of place."
+            )
+    member = d.coord is not None
+    if member:
+        locs = [t._local if p is None else run_any(t._local, p) for t, p in zip(dts, d.plans)]
+        if d.slots is not None:
+            largs = place_locals(list(args), d.slots[0], locs)
+            lkwargs = place_locals(dict(kwargs), d.slots[1], locs) if d.slots[1] else kwargs
+        else:
+            moved = {id(t): loc for t, loc in zip(dts, locs)}
+            largs = map_args(cls, args, lambda t: moved[id(t)] if isinstance(t, cls) else t)
+            lkwargs = map_args(cls, kwargs, lambda t: moved[id(t)] if isinstance(t, cls) else t)
+        marks: tuple[Any, ...] = ()
+        if d.local_fn is not None:
+            assert d.contexts is not None
+            # deferring is allowed in a differentiable forward while no observer watches
+            ctx = d.contexts[not observed and torch.is_grad_enabled()]
+            out = d.local_fn(ctx, *largs, **lkwargs)
+            if ctx.may_defer:  # the kernel may have returned Deferred values
+                out, marks = split_deferred(out)
+        else:
+            out = func(*largs, **lkwargs)
+        if d.simple and isinstance(out, torch.Tensor) and not marks:
+            return cls._wrap(out, d.out_specs[0], d.out_strides[0])
+    else:
+        out, marks = None, ()
+    if d.fallback and member and not d.mutated:  # the kernel's outputs, whatever meta said
+        return _wrap_unknown(cls, out, d)
+    if d.out_kind is OutKind.UNKNOWN and not d.mutated:
+        raise RuntimeError(f"autoparallel: {func} has no meta kernel and ran on a rank outside its mesh")
+    if d.mutated:
+        # Written tensors keep their identity and their layout. A written input that had to move
+        # is copied back INTO its own shard: views of it (and what it is a view of) see the write.
+        for i, back in zip(d.mutated, d.restore):
+            if member and back is not None:
+                dts[i]._local.copy_(run_any(locs[i], back))
+        unknown = d.out_kind is OutKind.UNKNOWN
+        kind = flatten_out(out)[0] if unknown and member else OutKind.TENSOR if unknown else d.out_kind
+        if kind is OutKind.NONE or kind is OutKind.VALUE:
+            return None if kind is OutKind.NONE else d.meta_value
+        if unknown or all(a is not None for a in d.out_alias):
+            written = [dts[i] for i in (d.mutated if unknown else d.out_alias) if i is not None]
+            return written[0] if kind is OutKind.TENSOR else written if kind is OutKind.LIST else tuple(written)
+    if member:
+        _, louts = flatten_out(out)
+    else:
+        louts = [None if s is None else torch.empty((0,), dtype=s.dtype, device=dts[0]._local.device) for s in d.out_specs]
+    wrapped = [
+        None if s is None else cls._wrap(lo, s, st)
+        for lo, s, st in zip(louts, d.out_specs, d.out_strides)
+    ]
+    if marks:  # the kernel started a deferred statistic: these outputs wait on it
+        wrapped = [w if m is None or w is None else cls._wrap_deferred(w, m) for w, m in zip(wrapped, marks)]
+    if d.detached_view:
+        for w in wrapped:
+            if w is not None:
+                w._detached_view = True
+    if d.mutated:  # new outputs next to written inputs: the written ones are returned as themselves
+        wrapped = [w if a is None else dts[a] for w, a in zip(wrapped, d.out_alias)]
+    if d.out_kind is OutKind.TENSOR:
+        return wrapped[0]
+    if d.out_kind is OutKind.NONE:
+        return None
+    return tuple(wrapped) if d.out_kind is OutKind.TUPLE else wrapped
+
+
+def _inplace_view(cls: Any, func: Any, view_op: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+                  redispatch: Callable[..., Any]) -> Any:
+    """``x.squeeze_()`` and kin: ``x`` becomes the out-of-place view ``view_op(x)`` (its shard, a
+    view of the old one, and its layout), and the wrapper's own sizes and strides follow."""
+    x = args[0]
+    out = redispatch(cls, view_op, args, kwargs)
+    if getattr(out, "_detached_view", False):
+        raise RuntimeError(
+            f"{func}: the layout of the DistTensor had to change to take this view in place; "
+            f"reshard it first (e.g. to Replicate) or use the out-of-place {view_op}"
+        )
+    x._local, x._spec, x._stride = out._local, out._spec, out._stride
+    # Change the wrapper's metadata by running the op's meta kernel on it, dispatching nowhere
+    # else (as torch.utils._python_dispatch.return_and_correct_aliasing does).
+    with compat.no_dispatch(), compat.meta_in_tls():
+        func(*args, **kwargs)
+    assert tuple(x.shape) == x._spec.shape, (func, tuple(x.shape), x._spec)
+    return x
+
+
+def _wrap_unknown(cls: Any, out: Any, d: LocalStep) -> Any:
+    """Replicate DistTensors of exactly what a replicated (fallback) kernel returned."""
+    kind, outs = flatten_out(out)
+    if kind is OutKind.VALUE or kind is OutKind.NONE:
+        return out
+    rep = tuple(Replicate() for _ in range(d.mesh.ndim))
+    wrapped: list[Any] = []
+    for o in outs:
+        if o is None:
+            wrapped.append(None)
+            continue
+        if o.is_conj() or o.is_neg():  # the wrapper cannot carry the lazy bit: materialise it
+            o = o.resolve_conj().resolve_neg()
+        stride = tuple(o.stride()) if o.layout == torch.strided else None
+        w = cls._wrap(o, DistSpec(d.mesh, rep, tuple(o.shape), o.dtype), stride)
+        if d.detached_view:
+            w._detached_view = True
+        wrapped.append(w)
+    if kind is OutKind.TENSOR:
+        return wrapped[0]
+    return tuple(wrapped) if kind is OutKind.TUPLE else wrapped
+
+

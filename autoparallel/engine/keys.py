@@ -1,0 +1,91 @@
+"""Keys: the hashable description of an op call that decisions are cached on, and the plain
+tensors a call mixes with DistTensors (adopted as Replicate, docs/plain_tensors.md)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from autoparallel import runtime
+from autoparallel.engine.aliases import written_args
+from autoparallel.placement import Replicate
+from autoparallel.spec import DistSpec
+
+
+def call_key(cls: Any, items: tuple[Any, ...], dts: list[Any], plain: list[torch.Tensor]) -> tuple[Any, ...]:
+    """Hashable description of the arguments; collects DistTensors into ``dts`` in order, and
+    plain tensors of one or more dims into ``plain`` (0-dim ones count as scalars)."""
+    out: list[Any] = []
+    for a in items:
+        if isinstance(a, cls):
+            dts.append(a)
+            out.append((a._spec, a._stride))
+        elif isinstance(a, torch.Tensor):
+            if a.dim() != 0:
+                plain.append(a)
+            out.append(("scalar_tensor", a.dtype))
+        elif isinstance(a, (list, tuple)):
+            out.append((type(a).__name__, call_key(cls, tuple(a), dts, plain)))
+        else:
+            out.append(a)
+    return tuple(out)
+
+
+def adopt_plain(
+    cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], dts: list[Any], plain: list[torch.Tensor]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``args``/``kwargs`` with every plain tensor of one or more dims made a Replicate DistTensor.
+
+    The policy (docs/plain_tensors.md): a plain tensor mixed with DistTensors in one op is the
+    same full value on every rank, like a Python scalar, so it is Replicate on the DistTensors'
+    mesh. Torch itself makes such tensors inside decompositions and backward formulas (zeros,
+    ones, index tensors), and user code indexes with them (``x[idx]``). A plain tensor is refused
+    (TypeError, before any collective) when it requires grad (its gradient would have to be a
+    plain tensor), when the op writes it and the mesh is not the whole world (ranks outside the
+    mesh would not write it; inside, the adopted tensor's shard IS the plain tensor, so the full
+    result lands in it), or when the DistTensors live on several meshes (no mesh to replicate on).
+    """
+    what = f"{func}: cannot mix a DistTensor with a plain tensor of shape {tuple(plain[0].shape)}"
+    meshes = list(dict.fromkeys(d._spec.mesh for d in dts))
+    if len(meshes) > 1:
+        raise TypeError(f"{what}: the DistTensors live on {len(meshes)} meshes, so it has no mesh to be "
+                        "replicated on; make it a DistTensor first (ap.shard_tensor)")
+    grad = next((t for t in plain if t.requires_grad), None)
+    if grad is not None:
+        raise TypeError(f"{func}: cannot mix a DistTensor with a plain tensor of shape {tuple(grad.shape)} "
+                        "that requires grad (its gradient would be a plain tensor on every rank); make it a "
+                        "DistTensor first (ap.shard_tensor)")
+    mesh = meshes[0]
+    written = {id(t) for t in written_args(func, args, kwargs)}
+    hit = next((t for t in plain if id(t) in written), None)
+    if hit is not None and mesh.size != runtime.get_world_size():
+        raise TypeError(f"{func}: cannot write a DistTensor result into a plain tensor of shape "
+                        f"{tuple(hit.shape)}: the ranks outside mesh {mesh} would not write it; "
+                        "make it a DistTensor first (ap.shard_tensor)")
+    rep = tuple(Replicate() for _ in range(mesh.ndim))
+    member = mesh_coord(mesh) is not None
+    adopted: dict[int, Any] = {}
+
+    def adopt(t: torch.Tensor) -> Any:
+        if id(t) not in adopted:
+            local = t if member else t.new_empty((0,))
+            stride = tuple(t.stride()) if t.layout == torch.strided else None
+            adopted[id(t)] = cls._wrap(local, DistSpec(mesh, rep, tuple(t.shape), t.dtype), stride)
+        return adopted[id(t)]
+
+    def walk(a: Any) -> Any:
+        if isinstance(a, torch.Tensor) and not isinstance(a, cls) and a.dim() != 0:
+            return adopt(a)
+        if isinstance(a, (list, tuple)):
+            return type(a)(walk(x) for x in a)
+        return a
+
+    return walk(args), {k: walk(v) for k, v in kwargs.items()}
+
+
+def mesh_coord(mesh: Any) -> tuple[int, ...] | None:
+    return mesh.coordinate_of(runtime.get_rank())
+
+
+__all__ = ["adopt_plain", "call_key", "mesh_coord"]

@@ -1,0 +1,1 @@
+"""Tier ``models``: the examples (GPT, simplenet) trained end to end, torchrun included. ``pytest -m models``."""

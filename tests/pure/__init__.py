@@ -1,0 +1,1 @@
+"""Tier ``pure``: one process, no world (rules, planner, values, property tests, schedules). ``pytest -m pure``."""
