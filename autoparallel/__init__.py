@@ -69,11 +69,14 @@ _EXPORTS: dict[str, str] = {
     "disable_local_regions": "autoparallel.regions",
     "enable_local_regions": "autoparallel.regions",
     "local_regions_report": "autoparallel.regions",
+    "DistModel": "autoparallel.static",
+    "Strategy": "autoparallel.static",
+    "to_static": "autoparallel.static",
 }
 # sub-packages reachable as attributes (``ap.pipeline.Pipeline``, ``ap.checkpoint``, ...)
 _SUBMODULES = frozenset({
     "api", "checkpoint", "compat", "cost", "data", "engine", "factory", "local_map", "mesh", "nn",
-    "optim", "pipeline", "placement", "regions", "runtime", "spec",
+    "optim", "pipeline", "placement", "regions", "runtime", "spec", "static",
 })
 
 __all__ = [
@@ -81,6 +84,7 @@ __all__ = [
     "CommDebugMode",
     "CommRecord",
     "DistSpec",
+    "DistModel",
     "DistTensor",
     "LocalLayer",
     "Partial",
@@ -95,6 +99,7 @@ __all__ = [
     "ShardingStage1",
     "ShardingStage2",
     "ShardingStage3",
+    "Strategy",
     "VocabParallelEmbedding",
     "disable_local_regions",
     "dtensor_from_local",
@@ -120,6 +125,7 @@ __all__ = [
     "shard_layer",
     "shard_optimizer",
     "shard_tensor",
+    "to_static",
     "unshard_dtensor",
     "zeros",
 ]
@@ -168,4 +174,5 @@ if TYPE_CHECKING:  # for type checkers and IDEs; nothing is imported at run time
     from autoparallel.runtime.debug import CommDebugMode, CommRecord
     from autoparallel.runtime.world import get_rank, get_world_size
     from autoparallel.spec import DistSpec
+    from autoparallel.static import DistModel, Strategy, to_static
     from spmd_rules.registry import register_axis_rule, register_local_impl, register_rule

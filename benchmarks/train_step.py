@@ -108,7 +108,9 @@ def peak_rise(fn: Callable[[], Any]) -> int:
 
 
 # ---- ours ------------------------------------------------------------------------------------
-def build_ours(layout: str, cfg: Any, x: torch.Tensor, y: torch.Tensor) -> tuple[nn.Module, Any, Callable[[], float]]:
+def build_ours(layout: str, cfg: Any, x: torch.Tensor, y: torch.Tensor,
+               static: str | None = None) -> tuple[nn.Module, Any, Callable[[], float]]:
+    """Ours for ``layout``; ``static`` ("plain" or "inductor"): the step runs through ``ap.to_static``."""
     import autoparallel as ap
     import train_gpt
     from gpt_model import GPT, lm_loss
@@ -139,6 +141,13 @@ def build_ours(layout: str, cfg: Any, x: torch.Tensor, y: torch.Tensor) -> tuple
         loss.backward()
         opt.step()
         return train_gpt.scalar(loss)
+
+    if static is not None:
+        dm = ap.to_static(model, loss=lm_loss, optimizer=opt,
+                          strategy=ap.Strategy(compile=None if static == "plain" else static))
+
+        def step() -> float:  # noqa: F811  (the same step, captured)
+            return train_gpt.scalar(dm(xs, ys))
 
     return model, opt, step
 

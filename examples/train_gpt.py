@@ -91,6 +91,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="AdamW (betas 0.9/0.95, weight decay 0.1) or SGD (momentum 0.9, weight decay 1e-4)")
     p.add_argument("--lr", type=float, default=None, help="learning rate (default 1e-3 for AdamW, 0.1 for SGD)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--static", action="store_true",
+                   help="static mode: capture the training step once (ap.to_static) and replay it")
     p.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
                    help="compare with a single-process run on rank 0")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bar on stderr")
@@ -201,17 +203,25 @@ def scalar(x: torch.Tensor) -> float:
     return float(x.full_tensor() if isinstance(x, ap.DistTensor) else x)
 
 
-def train(model: nn.Module, opt: torch.optim.Optimizer, batches: Iterator[Batch], sampler: ResumableSampler,
+def eager_step(model: nn.Module, opt: torch.optim.Optimizer) -> Callable[[Any, Any], torch.Tensor]:
+    """One training step, eagerly: forward, loss, backward, optimizer step."""
+    def step(x: Any, y: Any) -> torch.Tensor:
+        loss = lm_loss(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        return loss
+    return step
+
+
+def train(step: Callable[[Any, Any], torch.Tensor], batches: Iterator[Batch], sampler: ResumableSampler,
           state: TrainState, steps: int, tokens_per_step: int, bar: ProgressBar,
           after_step: Callable[[TrainState], None] | None = None) -> TrainState:
     """Run steps ``state.step .. steps-1``, updating ``state`` after each one (then ``after_step(state)``)."""
     times = [time.perf_counter()]
     while state.step < steps:
         x, y = next(batches)
-        loss = lm_loss(model(x), y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
+        loss = step(x, y)
         state.losses.append(scalar(loss))
         state.step += 1
         state.sampler, state.rng = sampler.state_dict(), torch.get_rng_state()
@@ -298,7 +308,7 @@ def reference_run(reference: nn.Module, data: TokenWindows, args: argparse.Names
     """The same training in this process only, on plain tensors."""
     loader, sampler = make_loader(data, args.batch, args.seed)
     torch.manual_seed(args.seed + 1)
-    state = train(reference, make_optimizer(reference, args), iter(loader), sampler, TrainState(), args.steps,
+    state = train(eager_step(reference, make_optimizer(reference, args)), iter(loader), sampler, TrainState(), args.steps,
                   args.batch * args.seq, ProgressBar(args.steps, False))
     return state.losses
 
@@ -375,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"GPT {args.layers} layers x width {args.width}, {args.heads} heads, vocab {tok.vocab_size}, "
               f"{n:,} parameters; corpus {len(text):,} chars, {len(data)} windows of {args.seq}")
         print(f"mesh dp={args.dp} x mp={args.tp}, sequence parallel {'on' if args.sp and args.tp > 1 else 'off'}, "
-              f"ZeRO stage {args.zero}, {args.optim}; {args.steps} steps of {args.batch} x {args.seq} tokens")
+              f"ZeRO stage {args.zero}, {args.optim}, {'static' if args.static else 'eager'}; {args.steps} steps of {args.batch} x {args.seq} tokens")
     torch.manual_seed(args.seed + 1)
     state = TrainState()
     if args.resume:
@@ -389,7 +399,9 @@ def main(argv: list[str] | None = None) -> int:
     first = state.step
     t0 = time.perf_counter()
     try:
-        state = train(model, opt, batches, sampler, state, args.steps, args.batch * args.seq,
+        # static: the step is captured once (ap.to_static) and replayed; eager: run op by op
+        step = ap.to_static(model, loss=lm_loss, optimizer=opt) if args.static else eager_step(model, opt)
+        state = train(step, batches, sampler, state, args.steps, args.batch * args.seq,
                       ProgressBar(args.steps, args.progress and rank == 0), hook)
     except RuntimeError as e:
         if world == 1 or not comm_error(e):

@@ -21,7 +21,7 @@ the op (the dispatcher runs nothing there), so their generators do not advance.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -148,3 +148,15 @@ def dropout_local(ctx: LocalContext, x: torch.Tensor, p: float, train: bool | No
 __all__ = [
     "FILL_OPS", "LIKE_RANDOM_OPS", "WHOLE_INPUT_OPS", "dim_order", "full_like_layout", "local_piece",
 ]
+
+
+def draws_random(func: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
+    """Whether this call of ``func`` draws random numbers: a seeded op, unless its dropout
+    probability is 0 (attention and dropout with ``p=0`` draw nothing)."""
+    if torch.Tag.nondeterministic_seeded not in getattr(func, "tags", ()):
+        return False
+    for k, a in enumerate(func._schema.arguments):
+        if a.name in ("dropout_p", "p"):
+            value = kwargs.get(a.name, args[k] if k < len(args) else a.default_value)
+            return bool(value)
+    return True

@@ -25,18 +25,13 @@ def execute(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], 
     """Run decision ``d`` for this call: move the inputs, run the local function, wrap the outputs
     (``observed``: an observer watches, kernels compute every output now; ``redispatch``: the
     dispatcher, for an in-place view's out-of-place op)."""
-    if type(d) is ValueDecision:
-        return d.value
-    if type(d) is InplaceViewDecision:
+    if type(d) is not LocalStep:
+        if type(d) is ValueDecision:
+            return d.value
+        assert type(d) is InplaceViewDecision
         return _inplace_view(cls, func, d.view_op, args, kwargs, redispatch)
-    assert isinstance(d, LocalStep)
-    for i in d.mutated:
-        if getattr(dts[i], "_detached_view", False):
-            raise RuntimeError(
-                f"{func}: in-place write to a view of a DistTensor whose layout had to change to "
-                "take the view (e.g. slicing a sharded dim); the write would not reach the original "
-                "tensor. Reshard the original first (e.g. to Replicate on that dim) or write out of place."
-            )
+    if d.mutated:
+        _check_writable(func, dts, d.mutated)
     member = d.coord is not None
     if member:
         locs = [t._local if p is None else run_any(t._local, p) for t, p in zip(dts, d.plans)]
@@ -48,17 +43,19 @@ def execute(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], 
             largs = map_args(cls, args, lambda t: moved[id(t)] if isinstance(t, cls) else t)
             lkwargs = map_args(cls, kwargs, lambda t: moved[id(t)] if isinstance(t, cls) else t)
         marks: tuple[Any, ...] = ()
-        if d.local_fn is not None:
+        if d.local_fn is None:
+            out = func(*largs, **lkwargs)
+            if d.simple and isinstance(out, torch.Tensor):
+                return cls._wrap(out, d.out_specs[0], d.out_strides[0])
+        else:
             assert d.contexts is not None
             # deferring is allowed in a differentiable forward while no observer watches
             ctx = d.contexts[not observed and torch.is_grad_enabled()]
             out = d.local_fn(ctx, *largs, **lkwargs)
             if ctx.may_defer:  # the kernel may have returned Deferred values
                 out, marks = split_deferred(out)
-        else:
-            out = func(*largs, **lkwargs)
-        if d.simple and isinstance(out, torch.Tensor) and not marks:
-            return cls._wrap(out, d.out_specs[0], d.out_strides[0])
+            if d.simple and isinstance(out, torch.Tensor) and not marks:
+                return cls._wrap(out, d.out_specs[0], d.out_strides[0])
     else:
         out, marks = None, ()
     if d.fallback and member and not d.mutated:  # the kernel's outputs, whatever meta said
@@ -99,6 +96,16 @@ def execute(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], 
     if d.out_kind is OutKind.NONE:
         return None
     return tuple(wrapped) if d.out_kind is OutKind.TUPLE else wrapped
+
+
+def _check_writable(func: Any, dts: list[Any], mutated: tuple[int, ...]) -> None:
+    for i in mutated:
+        if getattr(dts[i], "_detached_view", False):
+            raise RuntimeError(
+                f"{func}: in-place write to a view of a DistTensor whose layout had to change to "
+                "take the view (e.g. slicing a sharded dim); the write would not reach the original "
+                "tensor. Reshard the original first (e.g. to Replicate on that dim) or write out of place."
+            )
 
 
 def _inplace_view(cls: Any, func: Any, view_op: Any, args: tuple[Any, ...], kwargs: dict[str, Any],

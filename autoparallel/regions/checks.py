@@ -17,6 +17,7 @@ from autoparallel.engine.dtensor import DistTensor
 from autoparallel.placement import Replicate, Shard
 from autoparallel.regions.crossing import with_partial
 from autoparallel.spec import DistSpec
+from spmd_rules.random_ops import draws_random
 
 
 # ---- verdicts ----------------------------------------------------------------------------------
@@ -144,7 +145,7 @@ class _Trace:
             self.refuse(f"{func} runs replicated or returns a Python value")
         elif any(p is not None for p in decision.plans):
             self.refuse(f"{func} moves an input")
-        elif _is_random(func, args, kwargs):
+        elif draws_random(func, args, kwargs):
             self.refuse(f"{func} is random (its DistTensor result is the single-device draw)")
         with _Spy(self):
             return run()
@@ -153,17 +154,6 @@ class _Trace:
         if func in _SIZED:  # the size may say -1 where the other side says the number
             args = args[:1] + args[2:]
         self.ops.append((func, _describe(args), _describe(kwargs), _describe(out)))
-
-
-def _is_random(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """A seeded op that draws: attention and dropout with probability 0 do not."""
-    if torch.Tag.nondeterministic_seeded not in func.tags:
-        return False
-    for k, a in enumerate(func._schema.arguments):
-        if a.name in ("dropout_p", "p"):
-            value = kwargs.get(a.name, args[k] if k < len(args) else a.default_value)
-            return bool(value)
-    return True
 
 
 class _Spy(TorchDispatchMode):

@@ -86,8 +86,9 @@ def test_model_shapes_tied_head_and_causality() -> None:
 
 
 def _train_parallel(rank: int, cfg: GPTConfig, batches: list[tuple[torch.Tensor, torch.Tensor]], zero: int,
-                    sp: bool, optim: str) -> tuple[list[float], dict[str, torch.Tensor], dict[tuple[str, Any], int]]:
-    """Train the example's plan on a 2 x 2 mesh: losses, full parameters, collectives per step by (kind, axis)."""
+                    sp: bool, optim: str, static: bool = False) -> tuple[list[float], dict[str, torch.Tensor], dict[tuple[str, Any], int]]:
+    """Train the example's plan on a 2 x 2 mesh: losses, full parameters, collectives per step by (kind, axis).
+    ``static``: through ``ap.to_static`` (step 1 eager, step 2 captured, step 3 replayed)."""
     import autoparallel as ap
     import train_gpt
 
@@ -97,22 +98,22 @@ def _train_parallel(rank: int, cfg: GPTConfig, batches: list[tuple[torch.Tensor,
     train_gpt.parallelize_gpt(model, mesh, sp=sp)
     opt = train_gpt.wrap_optimizer(train_gpt.make_optimizer(model, train_gpt.parse_args(["--optim", optim])), mesh, zero)
     losses = []
+    step = ap.to_static(model, loss=lm_loss, optimizer=opt) if static else train_gpt.eager_step(model, opt)
     with ap.CommDebugMode() as comm:
         for x, y in batches:
             xs = ap.shard_tensor(x, mesh, [ap.Shard(0), ap.Replicate()])
             ys = ap.shard_tensor(y, mesh, [ap.Shard(0), ap.Replicate()])
-            loss = lm_loss(model(xs), ys)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+            loss = step(xs, ys)
             losses.append(train_gpt.scalar(loss))
     counts = Counter((r.kind, r.axis) for r in comm.records)
     return losses, train_gpt.full_params(model), dict(counts)
 
 
-@pytest.mark.parametrize("zero,sp,optim", [(3, True, "adamw"), (0, False, "sgd")])
-def test_plan_trains_like_one_process(world4, zero: int, sp: bool, optim: str) -> None:  # type: ignore[no-untyped-def]
-    """DP x TP (+SP, ZeRO-3): the loss at every step and every parameter equal one process.
+@pytest.mark.parametrize("zero,sp,optim,static", [
+    (3, True, "adamw", False), (0, False, "sgd", False), (3, True, "adamw", True), (0, False, "sgd", True),
+])
+def test_plan_trains_like_one_process(world4, zero: int, sp: bool, optim: str, static: bool) -> None:  # type: ignore[no-untyped-def]
+    """DP x TP (+SP, ZeRO-3), eager and static: the loss at every step and every parameter equal one process.
 
     SGD parameters are compared elementwise; AdamW parameters per tensor in norm (the reason
     is measured in train_gpt.py's docstring, ELEMENTWISE), both at rtol 1e-5.
@@ -133,7 +134,7 @@ def test_plan_trains_like_one_process(world4, zero: int, sp: bool, optim: str) -
         opt.step()
         ref_losses.append(float(loss.detach()))
     ref_params = {n: p.detach() for n, p in reference.named_parameters()}
-    for losses, params, counts in world4.run(_train_parallel, cfg, batches, zero, sp, optim):
+    for losses, params, counts in world4.run(_train_parallel, cfg, batches, zero, sp, optim, static):
         ok, rows = train_gpt.loss_table(losses, ref_losses)
         assert ok, "\n".join(rows)
         ok, rows = train_gpt.param_report(params, ref_params)

@@ -106,3 +106,38 @@ def test_main_job_runs_under_torchrun() -> None:
     assert "loss: max rel. diff" in out.stdout and "over 3 steps (rtol 1e-05): PASS" in out.stdout, out.stdout
     assert "(rtol 1e-05): PASS" in out.stdout.split("parameters:")[1], out.stdout
     assert "step 3/3" in out.stderr  # the progress bar (rank 0, stderr)
+
+
+LIFECYCLE = r"""
+import sys, torch, torch.distributed as dist
+import autoparallel as ap
+from autoparallel.runtime import groups
+mesh = ap.ProcessMesh([0, 1], dim_names=["dp"])  # two of the three ranks: one group, made by all three
+x = ap.shard_tensor(torch.arange(8.0).reshape(4, 2), mesh, [ap.Shard(0)])
+y = (x * 2).full_tensor()
+assert ap.get_rank() == 2 or torch.equal(y, torch.arange(8.0).reshape(4, 2) * 2)
+made = groups.created()
+assert made == [(0, 1)], made
+if sys.argv[1] == "release":  # what interpreter exit does (atexit): our groups, then the world we made
+    groups.release()
+    assert not dist.is_initialized(), "the world the library initialised is destroyed"
+    assert groups.created() == []
+print("OK", made)
+"""
+
+
+@pytest.mark.parametrize("how", ["exit", "release"])
+def test_the_library_owns_its_groups_until_exit(tmp_path, how: str) -> None:  # type: ignore[no-untyped-def]
+    """A script using only the public API exits 0 (runs twice): the groups the runtime created
+    and the world it initialised from torchrun's environment are destroyed at exit, in order."""
+    script = tmp_path / "lifecycle.py"
+    script.write_text(LIFECYCLE)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    for _ in range(2):
+        out = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3", str(script), how],
+            capture_output=True, text=True, env=env, timeout=180,
+        )
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+        assert out.stdout.count("OK") == 3, out.stdout

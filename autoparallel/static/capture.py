@@ -1,0 +1,112 @@
+"""Capture: one call of a step, recorded per rank as a ``torch.fx`` program of local ops.
+
+The step runs once for real under ``make_fx`` (real tensors, so its results are this call's
+results) while the engine works as in eager mode: every DistTensor op reaches the dispatcher,
+which runs the op's cached local step on the shards, and ``make_fx`` records those local ops.
+Collectives are issued as functional collectives (``runtime.comm.functional_collectives``), so
+they are graph nodes too; the program's inputs are the local shards the step reads, in a fixed
+order. Replaying the program runs the same local ops and collectives on new shards, with no
+dispatch, no planning and no Python per op.
+
+A capture is refused (``Capture.refused`` names why; the caller then stays eager for that
+input signature, with a warning) when a replay could not repeat the call (``Watch`` looks for
+the same things in the eager warm-up call, so most refusals happen before any capture): a Python value read
+from a tensor in the step (``.item()``, ``bool(t)``: data-dependent control flow would be
+baked in), a random op (the generator is not a program input yet), a point-to-point transfer
+(pipelines), or an op that ran replicated because it has no rule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from autoparallel.engine import dispatch
+from autoparallel.runtime import comm
+from autoparallel.runtime.debug import CommDebugMode, CommRecord
+from spmd_rules.random_ops import draws_random
+
+aten = torch.ops.aten
+# Ops whose result is a Python value read from a tensor: a replay would bake the value in.
+VALUE_OPS = frozenset({
+    aten._local_scalar_dense.default, aten.item.default, aten.equal.default, aten.is_nonzero.default,
+    aten.allclose.default,
+})
+
+
+@dataclass
+class Capture:
+    """What one capture produced: the program (None when refused), why it was refused, the
+    step's real results (None when the capture stopped part-way: the caller runs the step
+    again eagerly), and the collectives it issued (recorded again at each replay)."""
+
+    program: torch.fx.GraphModule | None
+    refused: str
+    results: Any
+    records: tuple[CommRecord, ...] = field(default_factory=tuple)
+
+
+class Watch:
+    """An observer of the op path (a capture, or the eager warm-up call before it): notes the
+    first reason a replay could not repeat the call, and lets every op run (the call itself
+    completes, eagerly correct)."""
+
+    def __init__(self) -> None:
+        self.reason = ""
+
+    def observe(self, func: Any, decision: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+                run: Callable[[], Any]) -> Any:
+        if not self.reason:
+            if func in VALUE_OPS:
+                self.reason = f"{func} reads a Python value from a DistTensor (data-dependent Python in the step)"
+            elif decision.fallback:
+                self.reason = f"{func} has no SPMD rule and runs replicated"
+            elif draws_random(func, args, kwargs):
+                self.reason = f"{func} is random (the random generator is not a program input yet)"
+        return run()
+
+
+def capture(fn: Callable[..., Any], inputs: Sequence[torch.Tensor]) -> Capture:
+    """Run ``fn(*inputs)`` once for real and record it per rank (see the module docstring).
+
+    ``fn`` returns a flat list of local tensors; they are the program's outputs in order.
+    """
+    results: list[Any] = []
+
+    def traced(*flat: torch.Tensor) -> list[torch.Tensor]:
+        out = fn(*flat)
+        results.append(out)
+        return out
+
+    watch = Watch()
+    with CommDebugMode() as seen, comm.functional_collectives(), dispatch.observed_by(watch):
+        try:
+            gm = make_fx(traced, tracing_mode="real")(*inputs)
+        except comm.CaptureError as e:
+            return Capture(None, str(e), None)
+        except RuntimeError as e:  # make_fx refuses a Python value read from a traced tensor
+            if "_local_scalar_dense" not in str(e) and "data-dependent" not in str(e):
+                raise
+            return Capture(None, "a Python value is read from a tensor (data-dependent Python in the step)", None)
+    reason = watch.reason or _graph_reason(gm)
+    if reason:
+        return Capture(None, reason, results[0] if results else None)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return Capture(gm, "", results[0], tuple(seen.records))
+
+
+def _graph_reason(gm: torch.fx.GraphModule) -> str:
+    """Why the recorded program could not replay the call ('' when it can): plain-tensor code
+    (a local region) reading a Python value, or drawing random numbers."""
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target in VALUE_OPS:
+            return f"{node.target} reads a Python value from a tensor (data-dependent Python in the step)"
+        if draws_random(node.target, node.args, node.kwargs):
+            return f"{node.target} is random (the random generator is not a program input yet)"
+    return ""

@@ -1,0 +1,321 @@
+"""``ap.to_static`` and ``DistModel``: a training step captured once per input signature, replayed.
+
+    dist_model = ap.to_static(model, loader=None, loss=loss_fn, optimizer=opt, strategy=None)
+    dist_model.train();   loss = dist_model(x, y)   # forward, loss, backward, step, zero_grad
+    dist_model.eval();    loss = dist_model(x, y)   # forward + loss
+    dist_model.predict(); out = dist_model(x)       # forward only
+
+Per input signature (mode, each input's layout or plain shape and dtype, the parameters'
+layouts, autograd on/off) the first call runs eagerly (it warms the engine's decisions), the
+second is captured (``autoparallel.static.capture``: it runs for real and is recorded), and
+later calls replay the recorded program on the current local shards. What the program covers:
+forward, loss and backward. The optimizer step runs after it as in eager mode, on the same
+parameter and state objects (``shard_optimizer`` reduces gradients in buckets there), so LR
+schedulers, ``param_groups``, ``model.state_dict()`` and ``ap.save_state_dict`` see exactly
+what eager training gives them, and Python scalars of the step (lr, betas, weight decay) are
+read at every step, never baked into the program.
+
+A signature whose capture is refused runs eagerly from then on, after one warning that names
+the reason (``capture.Capture.refused``). Eager and replayed calls compute the same local ops,
+so static training equals eager training.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+
+from autoparallel.compat import tree_flatten, tree_unflatten
+from autoparallel.engine import dispatch, layout
+from autoparallel.runtime.debug import CommRecord, replay
+from autoparallel.spec import DistSpec
+from autoparallel.static.capture import Capture, Watch, capture
+from autoparallel.static.strategy import Strategy
+
+TRAIN, EVAL, PREDICT = "train", "eval", "predict"
+MAX_PROGRAMS = 16  # signatures kept; more distinct ones than this in use warns (and recaptures)
+
+
+@dataclass
+class _Program:
+    """A captured step: the program, and how to read its outputs."""
+
+    run: Callable[..., Any]
+    out_specs: tuple[tuple[DistSpec, tuple[int, ...]] | None, ...]  # per output: layout (None: plain)
+    grad_index: tuple[int, ...]                                     # parameters that get a gradient, in order
+    records: tuple[CommRecord, ...]
+    tree: Any = None                                                 # predict: how outputs nest
+
+
+class DistModel:
+    """A model, its loss and optimizer run as one captured step per input signature.
+
+    Build it with ``ap.to_static``. ``train()``, ``eval()`` and ``predict()`` choose what a call
+    does; ``loader`` is the loader given to ``to_static``. Parameters and optimizer states are
+    the model's and the optimizer's own objects, updated in place.
+    """
+
+    def __init__(self, model: torch.nn.Module, loader: Any, loss: Callable[..., Any] | None,
+                 optimizer: Any, strategy: Strategy | None) -> None:
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"to_static: model must be a torch.nn.Module, got {type(model).__name__}")
+        if loss is not None and not callable(loss):
+            raise TypeError(f"to_static: loss must be callable, got {type(loss).__name__}")
+        if strategy is not None and not isinstance(strategy, Strategy):
+            raise TypeError(f"to_static: strategy must be an ap.Strategy, got {type(strategy).__name__}")
+        self.network = model
+        self.loss = loss
+        self.optimizer = optimizer
+        self.strategy = strategy or Strategy()
+        self._loader = loader
+        self._mode = TRAIN if loss is not None and optimizer is not None else EVAL if loss is not None else PREDICT
+        self._programs: OrderedDict[Any, _Program | str] = OrderedDict()  # signature -> program, or why eager
+        self._seen: set[Any] = set()       # signatures whose eager warm-up ran
+        self._warned: set[str] = set()
+        self._micro = 0                    # calls since the last optimizer step (gradient merge)
+        if self.strategy.bucket_bytes is not None and hasattr(optimizer, "bucket_bytes"):
+            optimizer.bucket_bytes = self.strategy.bucket_bytes
+        self._apply_mode()
+
+    # ---- modes -------------------------------------------------------------------------------
+    def train(self) -> "DistModel":
+        """Calls train: forward, loss, backward, optimizer step (every ``accumulate_steps`` calls)."""
+        if self.loss is None or self.optimizer is None:
+            raise ValueError("DistModel.train(): to_static was given no loss or no optimizer")
+        self._mode = TRAIN
+        self._apply_mode()
+        return self
+
+    def eval(self) -> "DistModel":
+        """Calls evaluate: forward and loss, no update."""
+        if self.loss is None:
+            raise ValueError("DistModel.eval(): to_static was given no loss")
+        self._mode = EVAL
+        self._apply_mode()
+        return self
+
+    def predict(self) -> "DistModel":
+        """Calls predict: forward only; returns the model's outputs."""
+        self._mode = PREDICT
+        self._apply_mode()
+        return self
+
+    @property
+    def mode(self) -> str:
+        return self._mode
+
+    @property
+    def loader(self) -> Any:
+        return self._loader
+
+    def __iter__(self) -> Iterator[Any]:
+        if self._loader is None:
+            raise TypeError("DistModel: to_static was given no loader")
+        return iter(self._loader)
+
+    def _apply_mode(self) -> None:
+        self.network.train(self._mode == TRAIN)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        return self.network.state_dict(*args, **kwargs)
+
+    # ---- calls ---------------------------------------------------------------------------------
+    def __call__(self, *args: Any) -> Any:
+        if self._mode != PREDICT and len(args) < 2:
+            raise TypeError(f"DistModel in {self._mode} mode takes the inputs and then the label: dist_model(x, y)")
+        if self._mode == TRAIN:
+            return self._call(args)
+        with torch.no_grad():  # evaluation and prediction build no autograd graph
+            return self._call(args)
+
+    def _call(self, args: tuple[Any, ...]) -> Any:
+        params: list[torch.Tensor] = list(self.network.parameters())
+        buffers: list[torch.Tensor] = list(self.network.buffers())
+        key = self._signature(args, params)
+        entry = self._programs.get(key)
+        if isinstance(entry, _Program):
+            self._programs.move_to_end(key)
+            return self._replay(entry, args, params, buffers)
+        if entry is not None:  # refused: eager from now on
+            return self._eager(args, params)
+        if key in self._seen:  # the second call: captured (or refused), it runs for real
+            return self._capture(key, args, params, buffers)
+        self._seen.add(key)  # the first call: eager, watched for what a capture could not repeat
+        watch = Watch()
+        with dispatch.observed_by(watch):
+            value = self._eager(args, params)
+        if watch.reason:
+            self._refuse(key, watch.reason)
+        return value
+
+    def _signature(self, args: tuple[Any, ...], params: list[torch.Tensor]) -> Any:
+        def one(a: Any) -> Any:
+            if layout.is_dist(a):
+                return ("dist", layout.spec_of(a), layout.stride_of(a))
+            if isinstance(a, torch.Tensor):
+                return ("plain", tuple(a.shape), a.dtype, tuple(a.stride()))
+            return ("value", a)
+        return (self._mode, torch.is_grad_enabled(), tuple(one(a) for a in args),
+                tuple(layout.spec_or_none(p) for p in params))
+
+    # ---- eager ---------------------------------------------------------------------------------
+    def _eager(self, args: tuple[Any, ...], params: list[torch.Tensor]) -> Any:
+        if self._mode == PREDICT:
+            return self.network(*args)
+        out = self.network(*args[:-1])
+        loss = self.loss(out, args[-1])  # type: ignore[misc]
+        if self._mode == TRAIN:
+            grads = torch.autograd.grad(loss, [p for p in params if p.requires_grad], allow_unused=True)
+            self._accumulate([p for p in params if p.requires_grad], list(grads))
+            loss = loss.detach()
+        return loss
+
+    # ---- capture -------------------------------------------------------------------------------
+    def _inputs(self, args: tuple[Any, ...]) -> tuple[list[torch.Tensor], Callable[[list[torch.Tensor]], list[Any]]]:
+        """The tensors of ``args`` as program inputs, and how to rebuild the args from them."""
+        flat: list[torch.Tensor] = []
+        how: list[Any] = []
+        for a in args:
+            if layout.is_dist(a):
+                how.append(("dist", len(flat), layout.spec_of(a), layout.stride_of(a)))
+                flat.append(layout.local_of(a))
+            elif isinstance(a, torch.Tensor):
+                how.append(("plain", len(flat)))
+                flat.append(a)
+            else:
+                how.append(("value", a))
+
+        def rebuild(xs: list[torch.Tensor]) -> list[Any]:
+            out: list[Any] = []
+            for h in how:
+                if h[0] == "dist":
+                    out.append(layout.wrap(xs[h[1]], h[2], h[3]))
+                elif h[0] == "plain":
+                    out.append(xs[h[1]])
+                else:
+                    out.append(h[1])
+            return out
+
+        return flat, rebuild
+
+    def _capture(self, key: Any, args: tuple[Any, ...], params: list[torch.Tensor],
+                 buffers: list[torch.Tensor]) -> Any:
+        """Capture this call's step (it runs for real); returns the call's result."""
+        state = [layout.local_or_plain(t) for t in params + buffers]
+        xs, rebuild = self._inputs(args)
+        trained = [p for p in params if p.requires_grad] if self._mode == TRAIN else []
+        got: dict[str, Any] = {}
+
+        def step(*flat: torch.Tensor) -> list[torch.Tensor]:
+            # The parameters' and buffers' shards ARE flat[:len(state)] (the same objects), so the
+            # model reads them as it is; the inputs are rebuilt around their traced shards.
+            inputs = rebuild(list(flat[len(state):]))
+            if self._mode == PREDICT:
+                out = self.network(*inputs)
+                leaves, got["tree"] = tree_flatten(out)
+                got["outs"] = leaves
+                return [layout.local_of(t) if layout.is_dist(t) else t for t in leaves]
+            loss = self.loss(self.network(*inputs[:-1]), inputs[-1])  # type: ignore[misc]
+            got["outs"] = [loss]
+            if self._mode != TRAIN:
+                return [layout.local_of(loss) if layout.is_dist(loss) else loss]
+            grads = torch.autograd.grad(loss, trained, allow_unused=True)
+            got["grads"] = grads
+            present = [g for g in grads if g is not None]
+            got["outs"] = [loss] + present
+            return [layout.local_of(t) if layout.is_dist(t) else t for t in [loss.detach()] + present]
+
+        result: Capture = capture(step, state + xs)
+        if result.results is None:  # stopped part-way: this call runs eagerly
+            self._refuse(key, result.refused)
+            return self._eager(args, params)
+        if self._mode == TRAIN:
+            grads = list(got.get("grads", ()))
+            self._accumulate(trained, grads)
+        outs = got["outs"]
+        first = outs[0].detach() if self._mode != PREDICT and isinstance(outs[0], torch.Tensor) else None
+        value = first if self._mode != PREDICT else tree_unflatten(outs, got["tree"])
+        if result.program is None:
+            self._refuse(key, result.refused)
+            return value
+        grad_index = tuple(i for i, g in enumerate(got.get("grads", ())) if g is not None)
+        specs = tuple((layout.spec_of(o), layout.stride_of(o)) if layout.is_dist(o) else None for o in outs)
+        run: Callable[..., Any] = result.program
+        if self.strategy.compile == "inductor":
+            run = self._compiled(result.program)
+        self._keep(key, _Program(run, specs, grad_index, result.records, got.get("tree")))
+        return value
+
+    def _compiled(self, gm: torch.fx.GraphModule) -> Callable[..., Any]:
+        try:
+            return torch.compile(gm, backend="inductor")  # type: ignore[no-any-return]
+        except Exception as e:  # noqa: BLE001  (any compiler failure: replay the plain program)
+            self._warn(f"compile='inductor' failed ({type(e).__name__}: {e}); replaying the captured program as it is")
+            return gm
+
+    def _keep(self, key: Any, program: _Program | str) -> None:
+        self._programs[key] = program
+        if len(self._programs) > MAX_PROGRAMS:
+            self._programs.popitem(last=False)
+            self._warn(f"more than {MAX_PROGRAMS} input signatures in use (shapes, layouts or modes keep changing): "
+                       "each new one runs eagerly and is captured again; pad or bucket the inputs to reuse programs")
+
+    def _refuse(self, key: Any, reason: str) -> None:
+        self._keep(key, reason)
+        self._warn(f"to_static: this step runs eagerly: {reason}")
+
+    def _warn(self, message: str) -> None:
+        if message not in self._warned:
+            self._warned.add(message)
+            warnings.warn(f"autoparallel: {message}", stacklevel=3)
+
+    # ---- replay --------------------------------------------------------------------------------
+    def _replay(self, prog: _Program, args: tuple[Any, ...], params: list[torch.Tensor], buffers: list[torch.Tensor]) -> Any:
+        state = [layout.local_or_plain(t) for t in params + buffers]
+        xs, _ = self._inputs(args)
+        outs = prog.run(*state, *xs)
+        replay(prog.records)
+        wrapped = [o if s is None else layout.wrap(o, s[0], s[1]) for o, s in zip(outs, prog.out_specs)]
+        if self._mode == PREDICT:
+            return tree_unflatten(wrapped, prog.tree)
+        if self._mode == TRAIN:
+            trained = [p for p in params if p.requires_grad]
+            grads: list[Any] = [None] * len(trained)
+            for i, g in zip(prog.grad_index, wrapped[1:]):
+                grads[i] = g
+            self._accumulate(trained, grads)
+        return wrapped[0]
+
+    # ---- gradients and the optimizer step --------------------------------------------------------
+    def _accumulate(self, params: list[torch.Tensor], grads: list[Any]) -> None:
+        """Add this call's gradients to ``.grad``; on the last call of a merge group, average and
+        step the optimizer, then clear the gradients."""
+        for p, g in zip(params, grads):
+            if g is None:
+                continue
+            g = g.detach()
+            p.grad = g if p.grad is None else p.grad + g
+        self._micro += 1
+        k = self.strategy.accumulate_steps
+        if self._micro < k:
+            return
+        self._micro = 0
+        if k > 1:
+            with torch.no_grad():
+                for p in params:
+                    if p.grad is not None:
+                        p.grad.div_(k)
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+
+
+def to_static(model: torch.nn.Module, loader: Any = None, loss: Callable[..., Any] | None = None,
+              optimizer: Any = None, strategy: Strategy | None = None) -> DistModel:
+    """Wrap ``model`` (laid out with the eager API), ``loss`` and ``optimizer`` so that each call
+    runs one captured step (see ``DistModel``). The mode starts as ``train`` when a loss and an
+    optimizer are given, ``eval`` with a loss only, else ``predict``."""
+    return DistModel(model, loader, loss, optimizer, strategy)

@@ -1,0 +1,40 @@
+"""``ap.Strategy``: the settings of a static (captured) training step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+COMPILERS = (None, "inductor")
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """How ``ap.to_static`` runs a step.
+
+    - ``accumulate_steps``: gradient merge (Paddle's name): gradients of this many calls are
+      summed, divided by ``accumulate_steps`` and stepped once, on the last call of each group
+      (equal micro-batches of a mean loss: the step of the whole batch).
+    - ``bucket_bytes``: the gradient bucket size of a ``shard_optimizer`` optimizer (its
+      reductions run after the captured backward); None keeps the optimizer's.
+    - ``compile``: None replays the captured program as it is; ``"inductor"`` compiles it with
+      ``torch.compile(backend="inductor")`` first (falls back to the plain program, with a
+      warning, where compiling fails).
+    - ``overlap``: overlapping gradient reductions with the backward inside the program is not
+      built yet; True raises, so no run claims it.
+    """
+
+    accumulate_steps: int = 1
+    bucket_bytes: int | None = None
+    compile: str | None = None
+    overlap: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.accumulate_steps, bool) or not isinstance(self.accumulate_steps, int) or self.accumulate_steps < 1:
+            raise ValueError(f"Strategy: accumulate_steps must be an int >= 1, got {self.accumulate_steps!r}")
+        if self.bucket_bytes is not None and (not isinstance(self.bucket_bytes, int) or self.bucket_bytes < 1):
+            raise ValueError(f"Strategy: bucket_bytes must be a positive int or None, got {self.bucket_bytes!r}")
+        if self.compile not in COMPILERS:
+            raise ValueError(f"Strategy: compile must be one of {COMPILERS}, got {self.compile!r}")
+        if self.overlap:
+            raise NotImplementedError("Strategy(overlap=True): overlapping reductions inside the captured program "
+                                      "is not built yet; use overlap=False")

@@ -1,0 +1,147 @@
+"""Static mode: the GPT step captured once (``ap.to_static``) and replayed, vs eager, vs torch.
+
+    python benchmarks/static_step.py                       # width 64, every layout
+    python benchmarks/static_step.py --width 256 --layouts TP --inductor
+
+One spawned world (4 gloo ranks, FileStore, OMP_NUM_THREADS=1) runs, per layout (DP, TP,
+DPxTP+SP, ZeRO-3; the same models and optimizers as ``benchmarks/train_step.py``), in
+alternating rounds of timed steps: ours eager, ours static, with ``--inductor`` ours static
+compiled by inductor, and torch eager (DDP / parallelize_module / FSDP2). Printed: step times
+(median over rounds of the mean step, slowest rank), eager/static speed-up, static/torch ratio,
+the time of the capturing call (the second call of a signature), and whether static trains
+exactly as eager (losses of every step, relative difference).
+
+Targets from the issue: static >= 3x faster than eager on TP at width 64; static <= 0.9x torch
+eager on every layout. PASS/FAIL lines are measurements, printed as they come out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import train_step as ts  # noqa: E402  (the same models, layouts and torch baselines)
+
+WORLD = ts.WORLD
+
+
+def measure(layout: str, cfg: Any, x: torch.Tensor, y: torch.Tensor, args: argparse.Namespace) -> dict[str, Any]:
+    sides: dict[str, Any] = {"eager": ts.build_ours(layout, cfg, x, y)[2]}
+    sides["static"] = ts.build_ours(layout, cfg, x, y, static="plain")[2]
+    if args.inductor:
+        sides["inductor"] = ts.build_ours(layout, cfg, x, y, static="inductor")[2]
+    sides["torch"] = ts.build_torch(layout, cfg, x, y)[2]
+    out: dict[str, Any] = {name: {"losses": [], "times": []} for name in sides}
+    for name, step in sides.items():  # warm-up; the static sides' second call captures
+        for k in range(max(args.warmup, 3)):
+            dist.barrier()
+            t0 = time.perf_counter()
+            out[name]["losses"].append(step())
+            if k == 1:
+                out[name]["capture_s"] = ts._max_over_ranks(int((time.perf_counter() - t0) * 1e6)) / 1e6
+    for _ in range(args.rounds):
+        for name, step in sides.items():
+            dt, losses = ts._timed(step, args.steps)
+            out[name]["times"].append(dt)
+            out[name]["losses"] += losses
+    for name in sides:
+        out[name]["step_s"] = statistics.median(out[name]["times"])
+    for name in [n for n in sides if n not in ("eager", "torch")]:
+        a, b = out[name]["losses"], out["eager"]["losses"]
+        out[name]["rel_diff"] = max(abs(p - q) / abs(q) for p, q in zip(a, b))
+    return out
+
+
+def _worker(rank: int, path: str, args: argparse.Namespace, result_path: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(path, WORLD), rank=rank, world_size=WORLD)
+    from gpt_data import CharTokenizer, load_corpus
+    from gpt_model import GPTConfig
+
+    text = load_corpus()
+    tok = CharTokenizer(text, multiple_of=8)
+    cfg = GPTConfig(vocab=tok.vocab_size, seq=args.seq, layers=args.layers, width=args.width, heads=args.heads)
+    ids = tok.encode(text[: args.batch * (args.seq + 1)])
+    x = ids[: args.batch * args.seq].view(args.batch, args.seq)
+    y = ids[1: args.batch * args.seq + 1].view(args.batch, args.seq)
+    results = {}
+    for layout in args.layouts:
+        results[layout] = measure(layout, cfg, x, y, args)
+        if rank == 0:
+            r = results[layout]
+            print(f"  {layout}: " + ", ".join(f"{n} {r[n]['step_s'] * 1e3:.1f} ms" for n in r), file=sys.stderr, flush=True)
+    if rank == 0:
+        with open(result_path, "w") as f:
+            json.dump(results, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def report(results: dict[str, Any], args: argparse.Namespace) -> bool:
+    print(f"GPT {args.layers} layers x width {args.width}, batch {args.batch} x seq {args.seq}, AdamW; "
+          f"4 gloo ranks, {args.rounds} rounds x {args.steps} steps")
+    compiled = "inductor" in next(iter(results.values()))
+    head = f"{'layout':<10} | {'eager ms':>8} | {'static ms':>9} | " + (f"{'inductor ms':>11} | " if compiled else "")
+    print(head + f"{'torch ms':>8} | {'eager/static':>12} | {'static/torch':>12} | {'capture s':>9} | static vs eager")
+    ok = True
+    for layout, r in results.items():
+        e, s, t = r["eager"]["step_s"], r["static"]["step_s"], r["torch"]["step_s"]
+        row = f"{layout:<10} | {e * 1e3:>8.1f} | {s * 1e3:>9.1f} | "
+        if compiled:
+            row += f"{r['inductor']['step_s'] * 1e3:>11.1f} | "
+        print(row + f"{t * 1e3:>8.1f} | {e / s:>12.2f} | {s / t:>12.2f} | {r['static']['capture_s']:>9.2f} | "
+              f"{r['static']['rel_diff']:.1e}")
+    for layout, r in results.items():
+        s, t = r["static"]["step_s"], r["torch"]["step_s"]
+        passed = s / t <= 0.9
+        ok &= passed
+        print(f"static {layout}: static/torch = {s / t:.2f} (target <= 0.9): {'PASS' if passed else 'FAIL'}")
+    if "TP" in results and args.width == 64:
+        r = results["TP"]
+        speed = r["eager"]["step_s"] / r["static"]["step_s"]
+        ok &= speed >= 3
+        print(f"static TP speed-up over eager: {speed:.2f}x (target >= 3): {'PASS' if speed >= 3 else 'FAIL'}")
+    same = all(r["static"]["rel_diff"] <= 1e-5 for r in results.values())
+    print(f"static trains as eager (loss rel. diff <= 1e-5 on every layout): {'PASS' if same else 'FAIL'}")
+    return ok and same
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layouts", nargs="+", choices=ts.LAYOUTS, default=list(ts.LAYOUTS))
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--width", type=int, default=64)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=5, help="timed steps per round")
+    p.add_argument("--inductor", action="store_true", help="also time the static program compiled by inductor")
+    p.add_argument("--json", help="write the raw results here")
+    args = p.parse_args()
+    os.environ["OMP_NUM_THREADS"] = "1"
+    with tempfile.TemporaryDirectory() as tmp:
+        store, result_path = os.path.join(tmp, "store"), os.path.join(tmp, "results.json")
+        mp.start_processes(_worker, args=(store, args, result_path), nprocs=WORLD, start_method="spawn")
+        with open(result_path) as f:
+            results = json.load(f)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0 if report(results, args) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
