@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # after the repo root: benchmarks/reshard.py must not hide reshard/
 import train_step as ts  # noqa: E402  (the same models, layouts and torch baselines)
 
 WORLD = ts.WORLD
