@@ -48,6 +48,7 @@ world8 = world_fixture(8, scope="session")
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs CUDA/NCCL; skipped without a GPU")
+    config.addinivalue_line("markers", "inductor: compiles with torch.compile(backend=\"inductor\") (a cold compile takes 10-60 s here)")
     for tier, what in TIERS.items():
         config.addinivalue_line("markers", f"{tier}: {what}")
 

@@ -12,8 +12,12 @@ A capture is refused (``Capture.refused`` names why; the caller then stays eager
 input signature, with a warning) when a replay could not repeat the call (``Watch`` looks for
 the same things in the eager warm-up call, so most refusals happen before any capture): a Python value read
 from a tensor in the step (``.item()``, ``bool(t)``: data-dependent control flow would be
-baked in), a random op (the generator is not a program input yet), a point-to-point transfer
-(pipelines), or an op that ran replicated because it has no rule.
+baked in), a point-to-point transfer (pipelines), or an op that ran replicated because it has
+no rule.
+
+Random ops are recorded as the ops they are: a random DistTensor is drawn whole on every rank
+from torch's default generator (``spmd_rules.random_ops``), so the program draws from that
+generator when it runs, in the order eager would: dropout masks equal eager's for the same seed.
 """
 
 from __future__ import annotations
@@ -64,8 +68,6 @@ class Watch:
                 self.reason = f"{func} reads a Python value from a DistTensor (data-dependent Python in the step)"
             elif decision.fallback:
                 self.reason = f"{func} has no SPMD rule and runs replicated"
-            elif draws_random(func, args, kwargs):
-                self.reason = f"{func} is random (the random generator is not a program input yet)"
         return run()
 
 
@@ -101,12 +103,13 @@ def capture(fn: Callable[..., Any], inputs: Sequence[torch.Tensor]) -> Capture:
 
 def _graph_reason(gm: torch.fx.GraphModule) -> str:
     """Why the recorded program could not replay the call ('' when it can): plain-tensor code
-    (a local region) reading a Python value, or drawing random numbers."""
+    (a local region) reading a Python value."""
     for node in gm.graph.nodes:
-        if node.op != "call_function":
-            continue
-        if node.target in VALUE_OPS:
+        if node.op == "call_function" and node.target in VALUE_OPS:
             return f"{node.target} reads a Python value from a tensor (data-dependent Python in the step)"
-        if draws_random(node.target, node.args, node.kwargs):
-            return f"{node.target} is random (the random generator is not a program input yet)"
     return ""
+
+
+def draws(gm: torch.fx.GraphModule) -> bool:
+    """Whether the program draws random numbers (from torch's default generator, when it runs)."""
+    return any(node.op == "call_function" and draws_random(node.target, node.args, node.kwargs) for node in gm.graph.nodes)

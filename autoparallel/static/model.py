@@ -33,7 +33,7 @@ from autoparallel.compat import tree_flatten, tree_unflatten
 from autoparallel.engine import dispatch, layout
 from autoparallel.runtime.debug import CommRecord, replay
 from autoparallel.spec import DistSpec
-from autoparallel.static.capture import Capture, Watch, capture
+from autoparallel.static.capture import Capture, Watch, capture, draws
 from autoparallel.static.strategy import Strategy
 
 TRAIN, EVAL, PREDICT = "train", "eval", "predict"
@@ -247,15 +247,36 @@ class DistModel:
         run: Callable[..., Any] = result.program
         if self.strategy.compile == "inductor":
             run = self._compiled(result.program)
+            if draws(result.program):
+                self._warn("compile='inductor': the step draws random numbers (dropout); inductor draws them with its "
+                           "own generator, so masks differ from eager's for the same seed (compile=None keeps them)")
         self._keep(key, _Program(run, specs, grad_index, result.records, got.get("tree")))
         return value
 
     def _compiled(self, gm: torch.fx.GraphModule) -> Callable[..., Any]:
+        """``gm`` compiled by inductor; where compiling fails (at its first call, before anything
+        runs), the plain program, after a warning naming the error."""
         try:
-            return torch.compile(gm, backend="inductor")  # type: ignore[no-any-return]
+            compiled = torch.compile(gm, backend="inductor")
         except Exception as e:  # noqa: BLE001  (any compiler failure: replay the plain program)
             self._warn(f"compile='inductor' failed ({type(e).__name__}: {e}); replaying the captured program as it is")
             return gm
+        state: dict[str, Callable[..., Any] | None] = {"run": None}
+
+        def run(*flat: torch.Tensor) -> Any:
+            if state["run"] is not None:
+                return state["run"](*flat)
+            try:
+                out = compiled(*flat)
+            except Exception as e:  # noqa: BLE001  (the same on every rank: the same program and compiler)
+                self._warn(f"compile='inductor' failed ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+                           "replaying the captured program as it is")
+                state["run"] = gm
+                return gm(*flat)
+            state["run"] = compiled
+            return out
+
+        return run
 
     def _keep(self, key: Any, program: _Program | str) -> None:
         self._programs[key] = program

@@ -3,10 +3,10 @@
 World part (4 gloo ranks, one world): for DP (bucketed, SGD-momentum), DP x TP on a 2x2 mesh
 (column/row-parallel MLP, AdamW, an LR scheduler changing lr every step), ZeRO-1 and ZeRO-3,
 gradient merge, a batch-size change mid-training (a second program), eval/predict modes and a
-state dict after static training: losses of every step and every parameter equal the eager
-run (the same local ops run: bitwise here, checked at rtol 1e-6), later calls replay a program
-(no dispatch) and issue the collectives eager issues. A step reading a Python value or drawing
-random numbers stays eager, with one warning naming why, and still equals eager.
+state dict after static training, dropout (the program draws the eager masks): losses of every
+step and every parameter equal the eager run (the same local ops run: bitwise here, checked at
+rtol 1e-6), later calls replay a program (no dispatch) and issue the collectives eager issues.
+A step reading a Python value stays eager, with one warning naming why, and still equals eager.
 """
 
 from __future__ import annotations
@@ -180,14 +180,20 @@ def _refused(rank: int, what: str) -> dict[str, Any]:
     return {"eager": eager, "static": _static("dp", data, **kw)}
 
 
-@pytest.mark.parametrize("what", ["item", "dropout"])
-def test_uncapturable_steps_stay_eager_with_one_warning(world4: Any, what: str) -> None:  # type: ignore[no-untyped-def]
-    for res in world4.run(_refused, what):
+def test_uncapturable_steps_stay_eager_with_one_warning(world4: Any) -> None:  # type: ignore[no-untyped-def]
+    for res in world4.run(_refused, "item"):
         _assert_equal(res["eager"], res["static"])
         assert len(res["static"]["warnings"]) == 1, res["static"]["warnings"]
-        reason = "reads a Python value" if what == "item" else "is random"
-        assert "runs eagerly" in res["static"]["warnings"][0] and reason in res["static"]["warnings"][0]
+        assert "runs eagerly" in res["static"]["warnings"][0] and "reads a Python value" in res["static"]["warnings"][0]
         assert res["static"]["kinds"][-1] == ["str"]  # the signature is marked eager
+
+
+def test_dropout_draws_the_eager_masks(world4: Any) -> None:  # type: ignore[no-untyped-def]
+    """The program draws from torch's generator as eager does: the same masks for the same seed."""
+    for res in world4.run(_refused, "dropout"):
+        _assert_equal(res["eager"], res["static"])
+        assert res["static"]["warnings"] == []
+        assert res["static"]["kinds"][-1] == ["_Program"]
 
 
 def _modes(rank: int) -> dict[str, Any]:
@@ -230,3 +236,34 @@ def test_strategy_is_validated() -> None:
         ap.Strategy(overlap=True)
     with pytest.raises(TypeError, match="nn.Module"):
         ap.to_static(lambda x: x)  # type: ignore[arg-type]
+
+
+def _inductor(rank: int) -> dict[str, Any]:
+    mesh = ap.ProcessMesh([0, 1], dim_names=["dp"])
+    data = _data(4)
+    out: dict[str, Any] = {}
+    for comp in (None, "inductor"):
+        torch.manual_seed(0)
+        model = MLP()
+        for m in (model.fc1, model.fc2):
+            m.weight = ap.shard_tensor(m.weight, mesh, [R])
+            m.bias = ap.shard_tensor(m.bias, mesh, [R])
+        opt = ap.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+        dm = ap.to_static(model, loss=F.cross_entropy, optimizer=opt, strategy=ap.Strategy(compile=comp))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            losses = [float(dm(ap.shard_tensor(x, mesh, [S0]), ap.shard_tensor(y, mesh, [S0])).full_tensor()) for x, y in data]
+        out[str(comp)] = {"losses": losses, "params": _full(model),
+                          "warnings": [str(w.message) for w in caught if "autoparallel" in str(w.message)]}
+    return out
+
+
+@pytest.mark.inductor
+def test_inductor_compiled_program_trains_as_the_plain_one(world2: Any) -> None:  # type: ignore[no-untyped-def]
+    """compile='inductor' (a cold compile: tens of seconds here): the same losses and parameters."""
+    for res in world2.run(_inductor, timeout=600):
+        plain, comp = res["None"], res["inductor"]
+        assert comp["warnings"] == [], comp["warnings"]  # it compiled (no fallback)
+        torch.testing.assert_close(torch.tensor(comp["losses"]), torch.tensor(plain["losses"]), rtol=1e-5, atol=1e-6)
+        for a, b in zip(comp["params"], plain["params"]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
