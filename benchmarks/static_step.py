@@ -18,17 +18,14 @@ eager on every layout. PASS/FAIL lines are measurements, printed as they come ou
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # after the repo root: benchmarks/reshard.py must not hide reshard/
 import train_step as ts  # noqa: E402  (the same models, layouts and torch baselines)
@@ -64,28 +61,14 @@ def measure(layout: str, cfg: Any, x: torch.Tensor, y: torch.Tensor, args: argpa
 
 
 def _worker(rank: int, path: str, args: argparse.Namespace, result_path: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(path, WORLD), rank=rank, world_size=WORLD)
-    from gpt_data import CharTokenizer, load_corpus
-    from gpt_model import GPTConfig
-
-    text = load_corpus()
-    tok = CharTokenizer(text, multiple_of=8)
-    cfg = GPTConfig(vocab=tok.vocab_size, seq=args.seq, layers=args.layers, width=args.width, heads=args.heads)
-    ids = tok.encode(text[: args.batch * (args.seq + 1)])
-    x = ids[: args.batch * args.seq].view(args.batch, args.seq)
-    y = ids[1: args.batch * args.seq + 1].view(args.batch, args.seq)
+    cfg, x, y = ts.start_worker(rank, path, args)
     results = {}
     for layout in args.layouts:
         results[layout] = measure(layout, cfg, x, y, args)
         if rank == 0:
             r = results[layout]
             print(f"  {layout}: " + ", ".join(f"{n} {r[n]['step_s'] * 1e3:.1f} ms" for n in r), file=sys.stderr, flush=True)
-    if rank == 0:
-        with open(result_path, "w") as f:
-            json.dump(results, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    ts.finish_worker(rank, results, result_path)
 
 
 def report(results: dict[str, Any], args: argparse.Namespace) -> bool:
@@ -119,28 +102,10 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> bool:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layouts", nargs="+", choices=ts.LAYOUTS, default=list(ts.LAYOUTS))
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--width", type=int, default=64)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--steps", type=int, default=5, help="timed steps per round")
+    ts.add_model_args(p)
     p.add_argument("--inductor", action="store_true", help="also time the static program compiled by inductor")
-    p.add_argument("--json", help="write the raw results here")
     args = p.parse_args()
-    os.environ["OMP_NUM_THREADS"] = "1"
-    with tempfile.TemporaryDirectory() as tmp:
-        store, result_path = os.path.join(tmp, "store"), os.path.join(tmp, "results.json")
-        mp.start_processes(_worker, args=(store, args, result_path), nprocs=WORLD, start_method="spawn")
-        with open(result_path) as f:
-            results = json.load(f)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
-    return 0 if report(results, args) else 1
+    return 0 if report(ts.run_world(_worker, args), args) else 1
 
 
 if __name__ == "__main__":

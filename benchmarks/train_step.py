@@ -289,7 +289,8 @@ def measure(layout: str, cfg: Any, x: torch.Tensor, y: torch.Tensor, args: argpa
     return out
 
 
-def _worker(rank: int, path: str, args: argparse.Namespace, result_path: str) -> None:
+def start_worker(rank: int, path: str, args: argparse.Namespace) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    """Join the spawned world; the GPT config and one batch (x, y) from the shipped corpus."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(path, WORLD), rank=rank, world_size=WORLD)
     from gpt_data import CharTokenizer, load_corpus
@@ -301,6 +302,11 @@ def _worker(rank: int, path: str, args: argparse.Namespace, result_path: str) ->
     ids = tok.encode(text[: args.batch * (args.seq + 1)])
     x = ids[: args.batch * args.seq].view(args.batch, args.seq)
     y = ids[1: args.batch * args.seq + 1].view(args.batch, args.seq)
+    return cfg, x, y
+
+
+def _worker(rank: int, path: str, args: argparse.Namespace, result_path: str) -> None:
+    cfg, x, y = start_worker(rank, path, args)
     results = {}
     for layout in args.layouts:
         results[layout] = measure(layout, cfg, x, y, args)
@@ -308,6 +314,11 @@ def _worker(rank: int, path: str, args: argparse.Namespace, result_path: str) ->
             r = results[layout]
             print(f"  {layout}: ours {r['ours']['step_s'] * 1e3:.1f} ms, torch {r['torch']['step_s'] * 1e3:.1f} ms",
                   file=sys.stderr, flush=True)
+    finish_worker(rank, results, result_path)
+
+
+def finish_worker(rank: int, results: dict[str, Any], result_path: str) -> None:
+    """Rank 0 writes the results; every rank leaves the world."""
     if rank == 0:
         with open(result_path, "w") as f:
             json.dump(results, f)
@@ -348,8 +359,8 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> bool:
     return ok and same
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The model, batch and timing options both step benchmarks take."""
     p.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS))
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq", type=int, default=64)
@@ -360,17 +371,27 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=5, help="timed steps per round")
     p.add_argument("--json", help="write the raw results here")
-    args = p.parse_args()
+
+
+def run_world(worker: Callable[..., None], args: argparse.Namespace) -> dict[str, Any]:
+    """Spawn the 4-rank world running ``worker(rank, store, args, result_path)``; rank 0's results."""
     os.environ["OMP_NUM_THREADS"] = "1"
     with tempfile.TemporaryDirectory() as tmp:
         store, result_path = os.path.join(tmp, "store"), os.path.join(tmp, "results.json")
-        mp.start_processes(_worker, args=(store, args, result_path), nprocs=WORLD, start_method="spawn")
+        mp.start_processes(worker, args=(store, args, result_path), nprocs=WORLD, start_method="spawn")
         with open(result_path) as f:
-            results = json.load(f)
+            results: dict[str, Any] = json.load(f)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
-    return 0 if report(results, args) else 1
+    return results
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(p)
+    args = p.parse_args()
+    return 0 if report(run_world(_worker, args), args) else 1
 
 
 if __name__ == "__main__":

@@ -267,3 +267,46 @@ def test_inductor_compiled_program_trains_as_the_plain_one(world2: Any) -> None:
         torch.testing.assert_close(torch.tensor(comp["losses"]), torch.tensor(plain["losses"]), rtol=1e-5, atol=1e-6)
         for a, b in zip(comp["params"], plain["params"]):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _train(dm_or_model: Any, opt: Any, lay: Any, batches: list[Any], static: bool) -> list[float]:
+    losses = []
+    for x, y in batches:
+        xd, yd = lay(x, y)
+        if static:
+            loss = dm_or_model(xd, yd)
+        else:
+            loss = F.cross_entropy(dm_or_model(xd), yd)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        losses.append(float(loss.detach().full_tensor()))
+    return losses
+
+
+def _resume(rank: int, folder: str, first_static: bool) -> dict[str, Any]:
+    """Train 3 steps (static or eager), save model + optimizer, train 3 more; a fresh model and
+    optimizer of the other mode load the checkpoint and train the same 3 steps."""
+    data = _data(6)
+    model, opt, _, lay = _build("dp")
+    runner = ap.to_static(model, loss=F.cross_entropy, optimizer=opt) if first_static else model
+    _train(runner, opt, lay, data[:3], first_static)
+    ap.save_state_dict({"model": model.state_dict(), "optim": opt.state_dict()}, folder)
+    cont = _train(runner, opt, lay, data[3:], first_static)
+    fresh, fopt, _, _ = _build("dp")
+    ap.checkpoint.init_optimizer_state(fopt)  # the moments exist (in their layout) to be filled
+    sd = {"model": fresh.state_dict(), "optim": fopt.state_dict()}
+    ap.load_state_dict(sd, folder)
+    fresh.load_state_dict(sd["model"])
+    fopt.load_state_dict(sd["optim"])
+    other = ap.to_static(fresh, loss=F.cross_entropy, optimizer=fopt) if not first_static else fresh
+    resumed = _train(other, fopt, lay, data[3:], not first_static)
+    return {"cont": cont, "resumed": resumed, "params": (_full(model), _full(fresh))}
+
+
+@pytest.mark.parametrize("first_static", [True, False])
+def test_checkpoints_move_between_static_and_eager(world4: Any, tmp_path: Any, first_static: bool) -> None:  # type: ignore[no-untyped-def]
+    for res in world4.run(_resume, str(tmp_path / "ckpt"), first_static):
+        torch.testing.assert_close(torch.tensor(res["resumed"]), torch.tensor(res["cont"]), rtol=1e-6, atol=0)
+        for a, b in zip(*res["params"]):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
