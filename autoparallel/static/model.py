@@ -34,6 +34,7 @@ from autoparallel.engine import dispatch, layout
 from autoparallel.runtime.debug import CommRecord, replay
 from autoparallel.spec import DistSpec
 from autoparallel.static.capture import Capture, Watch, capture, draws
+from autoparallel.static.passes import sink_waits
 from autoparallel.static.strategy import Strategy
 
 TRAIN, EVAL, PREDICT = "train", "eval", "predict"
@@ -244,6 +245,8 @@ class DistModel:
             return value
         grad_index = tuple(i for i, g in enumerate(got.get("grads", ())) if g is not None)
         specs = tuple((layout.spec_of(o), layout.stride_of(o)) if layout.is_dist(o) else None for o in outs)
+        if self.strategy.overlap:
+            sink_waits(result.program)
         run: Callable[..., Any] = result.program
         if self.strategy.compile == "inductor":
             run = self._compiled(result.program)

@@ -19,14 +19,15 @@ class Strategy:
     - ``compile``: None replays the captured program as it is; ``"inductor"`` compiles it with
       ``torch.compile(backend="inductor")`` first (falls back to the plain program, with a
       warning, where compiling fails).
-    - ``overlap``: overlapping gradient reductions with the backward inside the program is not
-      built yet; True raises, so no run claims it.
+    - ``overlap``: each collective of the program waits only where its result is first needed
+      (``passes.sink_waits``), so the compute in between overlaps the communication. The
+      values are the same either way.
     """
 
     accumulate_steps: int = 1
     bucket_bytes: int | None = None
     compile: str | None = None
-    overlap: bool = False
+    overlap: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.accumulate_steps, bool) or not isinstance(self.accumulate_steps, int) or self.accumulate_steps < 1:
@@ -35,6 +36,5 @@ class Strategy:
             raise ValueError(f"Strategy: bucket_bytes must be a positive int or None, got {self.bucket_bytes!r}")
         if self.compile not in COMPILERS:
             raise ValueError(f"Strategy: compile must be one of {COMPILERS}, got {self.compile!r}")
-        if self.overlap:
-            raise NotImplementedError("Strategy(overlap=True): overlapping reductions inside the captured program "
-                                      "is not built yet; use overlap=False")
+        if not isinstance(self.overlap, bool):
+            raise TypeError(f"Strategy: overlap must be a bool, got {self.overlap!r}")

@@ -232,8 +232,8 @@ def test_strategy_is_validated() -> None:
         ap.Strategy(accumulate_steps=0)
     with pytest.raises(ValueError, match="compile"):
         ap.Strategy(compile="tvm")
-    with pytest.raises(NotImplementedError, match="overlap"):
-        ap.Strategy(overlap=True)
+    with pytest.raises(TypeError, match="overlap"):
+        ap.Strategy(overlap="yes")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="nn.Module"):
         ap.to_static(lambda x: x)  # type: ignore[arg-type]
 
@@ -310,3 +310,41 @@ def test_checkpoints_move_between_static_and_eager(world4: Any, tmp_path: Any, f
         torch.testing.assert_close(torch.tensor(res["resumed"]), torch.tensor(res["cont"]), rtol=1e-6, atol=0)
         for a, b in zip(*res["params"]):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def _overlap(rank: int) -> dict[str, Any]:
+    data = _data(5)
+    return {flag: _static("dp_tp", data, ap.Strategy(overlap=flag)) for flag in (False, True)}
+
+
+def test_overlap_keeps_the_values(world4: Any) -> None:  # type: ignore[no-untyped-def]
+    for res in world4.run(_overlap):
+        off, on = res[False], res[True]
+        assert on["losses"] == off["losses"]
+        for a, b in zip(on["params"], off["params"]):
+            assert torch.equal(a, b)
+        assert on["comms"] == off["comms"]
+
+
+@pytest.mark.pure
+def test_sink_waits_moves_a_wait_to_its_first_use_and_never_past_a_write() -> None:
+    from autoparallel.static.passes import sink_waits
+
+    fc, aten = torch.ops._c10d_functional, torch.ops.aten
+    g = torch.fx.Graph()
+    x, buf = g.placeholder("x"), g.placeholder("buf")
+    started = g.call_function(fc.all_reduce.default, (x, "sum", "0"))
+    done = g.call_function(fc.wait_tensor.default, (started,))
+    other = g.call_function(aten.mul.Tensor, (x, 2))          # independent compute
+    more = g.call_function(aten.add.Tensor, (other, 1))
+    use = g.call_function(aten.add.Tensor, (done, more))      # first use of the result
+    started2 = g.call_function(fc.all_reduce.default, (use, "sum", "0"))
+    done2 = g.call_function(fc.wait_tensor.default, (started2,))
+    write = g.call_function(aten.add_.Tensor, (buf, 1))       # an in-place write bounds the move
+    use2 = g.call_function(aten.neg.default, (done2,))
+    g.output((use2, write))
+    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    assert sink_waits(gm) == 1
+    order = [n.name for n in gm.graph.nodes]
+    assert order.index(done.name) == order.index(use.name) - 1 and order.index(done.name) > order.index(more.name)
+    assert order.index(done2.name) < order.index(write.name)  # stopped before the write
