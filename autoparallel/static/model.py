@@ -5,8 +5,8 @@
     dist_model.eval();    loss = dist_model(x, y)   # forward + loss
     dist_model.predict(); out = dist_model(x)       # forward only
 
-Per input signature (mode, each input's layout or plain shape and dtype, the parameters'
-layouts, autograd on/off) the first call runs eagerly (it warms the engine's decisions), the
+Per input signature (mode, autograd on/off, each input's layout or plain shape and dtype, the
+parameters' layouts and ``requires_grad``, the modules' hooks and train/eval flags) the first call runs eagerly (it warms the engine's decisions), the
 second is captured (``autoparallel.static.capture``: it runs for real and is recorded), and
 later calls replay the recorded program on the current local shards. What the program covers:
 forward, loss and backward. The optimizer step runs after it as in eager mode, on the same
@@ -161,7 +161,16 @@ class DistModel:
                 return ("plain", tuple(a.shape), a.dtype, tuple(a.stride()))
             return ("value", a)
         return (self._mode, torch.is_grad_enabled(), tuple(one(a) for a in args),
-                tuple(layout.spec_or_none(p) for p in params))
+                tuple((layout.spec_or_none(p), p.requires_grad) for p in params), self._hooks())
+
+    def _hooks(self) -> tuple[Any, ...]:
+        """The model's module hooks and training flags: a hook added or removed, or a submodule
+        switched between train and eval, is a new signature (a program would not run it)."""
+        out: list[Any] = []
+        for m in self.network.modules():
+            out.append((m.training, tuple(m._forward_pre_hooks), tuple(m._forward_hooks),
+                        tuple(m._backward_hooks), tuple(m._backward_pre_hooks)))
+        return tuple(out)
 
     # ---- eager ---------------------------------------------------------------------------------
     def _eager(self, args: tuple[Any, ...], params: list[torch.Tensor]) -> Any:
