@@ -38,7 +38,7 @@ def forget_warnings() -> None:
     _warned.clear()
 # Ops whose result is a Python value of the whole tensor (``x.item()``, ``torch.equal``): they
 # need the replicated value by definition, so running them replicated is the rule, not a gap.
-_VALUE_OPS = frozenset({
+VALUE_OPS = frozenset({
     torch.ops.aten._local_scalar_dense.default,
     torch.ops.aten.equal.default,
     torch.ops.aten.is_nonzero.default,
@@ -85,7 +85,7 @@ def _decide(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], 
     mutated = mutated_inputs(func, args, kwargs, dts)
     if func in INPLACE_VIEWS:  # run as the out-of-place view, then re-point the wrapper
         return InplaceViewDecision(INPLACE_VIEWS[func])
-    if func in _VALUE_OPS:
+    if func in VALUE_OPS:
         return _fallback_decision(func, specs, mesh, None, mutated, reason="", warn=False)
     try:
         fake_out = func(*map_args(cls, args, to_fake), **map_args(cls, kwargs, to_fake))

@@ -75,9 +75,4 @@ def observed_by(observer: Any) -> Iterator[Any]:
         _OBSERVERS.pop()
 
 
-def observed() -> bool:
-    """Whether an observer watches the op path now."""
-    return bool(_OBSERVERS)
-
-
-__all__ = ["clear_cache", "dispatch", "observed", "observed_by"]
+__all__ = ["clear_cache", "dispatch", "observed_by"]

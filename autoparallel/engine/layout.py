@@ -17,8 +17,8 @@ Three kinds of operation:
   shard) and ``shard_full`` (the full value), and ``pending_gradient`` (a scaled gradient kept
   unscaled until read);
 - **move**: ``move`` (a shard from one layout to another: the planner's plan, run),
-  ``run_plan``/``run_any`` (a plan already made), the differentiable ``reshard`` (a DistTensor
-  into another layout or mesh), ``grad_spec``/``replicated`` (the layouts such moves aim at),
+  ``run_plan`` (a plan already made), the differentiable ``reshard`` (a DistTensor
+  into another layout or mesh), ``grad_spec`` (the layout a gradient comes back in),
   and the in-place re-layouts ``relayout_`` (the same object takes a new shard and layout with
   the same global value: ZeRO shards a parameter, a reduced gradient becomes its parameter's
   layout) and ``set_local_`` (a new shard, the same layout). Both resolve a pending gradient:
@@ -39,11 +39,10 @@ from autoparallel.engine.dtensor import (
     _Reshard,
     _ShardTensor,
     grad_spec,
-    replicated,
 )
 from autoparallel.engine.pending import scaled_raw
 from autoparallel.spec import DistSpec
-from reshard.executor import reshard_local, run_any, run_plan
+from reshard.executor import reshard_local, run_plan
 
 
 # ---- read ------------------------------------------------------------------------------------
@@ -140,6 +139,6 @@ def set_local_(t: DistTensor, local: torch.Tensor) -> DistTensor:
 
 __all__ = [
     "Stat", "from_local", "grad_spec", "is_dist", "local_of", "local_or_plain", "move", "pending_gradient",
-    "raw_of", "relayout_", "replicated", "reshard", "run_any", "run_plan", "scaled_raw", "set_local_",
+    "raw_of", "relayout_", "reshard", "run_plan", "scaled_raw", "set_local_",
     "shard_full", "spec_of", "spec_or_none", "stride_of", "wrap",
 ]

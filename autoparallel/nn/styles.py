@@ -36,7 +36,6 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from autoparallel.engine.dtensor import DistTensor
 from autoparallel.mesh import ProcessMesh
 from autoparallel.nn.layout import Layout, check_layout, map_layouts, to_layout
 from autoparallel.nn.shard_layer import ParamSharder

@@ -59,11 +59,6 @@ def functional_collectives() -> Iterator[None]:
         _FUNCTIONAL[0] = before
 
 
-def capturing() -> bool:
-    """Whether collectives are issued as functional collectives now."""
-    return _FUNCTIONAL[0]
-
-
 class _Done:
     """The work of a collective that has completed (functional collectives wait at once)."""
 

@@ -28,17 +28,15 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from autoparallel.engine import dispatch
+from autoparallel.engine import decide, dispatch
 from autoparallel.runtime import comm
 from autoparallel.runtime.debug import CommDebugMode, CommRecord
 from spmd_rules.random_ops import draws_random
 
 aten = torch.ops.aten
-# Ops whose result is a Python value read from a tensor: a replay would bake the value in.
-VALUE_OPS = frozenset({
-    aten._local_scalar_dense.default, aten.item.default, aten.equal.default, aten.is_nonzero.default,
-    aten.allclose.default,
-})
+# Ops whose result is a Python value read from a tensor (the engine's own list, and the composite
+# ones a plain-tensor region may record): a replay would bake the value in.
+VALUE_OPS = decide.VALUE_OPS | {aten.item.default, aten.allclose.default}
 
 
 @dataclass

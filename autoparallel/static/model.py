@@ -75,7 +75,7 @@ class DistModel:
         self._loader = loader
         self._mode = TRAIN if loss is not None and optimizer is not None else EVAL if loss is not None else PREDICT
         self._programs: OrderedDict[Any, _Program | str] = OrderedDict()  # signature -> program, or why eager
-        self._seen: set[Any] = set()       # signatures whose eager warm-up ran
+        self._seen: OrderedDict[Any, None] = OrderedDict()  # signatures whose eager warm-up ran (bounded)
         self._warned: set[str] = set()
         self._micro = 0                    # calls since the last optimizer step (gradient merge)
         if self.strategy.bucket_bytes is not None and hasattr(optimizer, "bucket_bytes"):
@@ -145,7 +145,9 @@ class DistModel:
             return self._eager(args, params)
         if key in self._seen:  # the second call: captured (or refused), it runs for real
             return self._capture(key, args, params, buffers)
-        self._seen.add(key)  # the first call: eager, watched for what a capture could not repeat
+        self._seen[key] = None  # the first call: eager, watched for what a capture could not repeat
+        if len(self._seen) > 4 * MAX_PROGRAMS:
+            self._seen.popitem(last=False)
         watch = Watch()
         with dispatch.observed_by(watch):
             value = self._eager(args, params)

@@ -12,7 +12,6 @@ when things happen. ``Strategy`` switches them on or off.
 
 from __future__ import annotations
 
-from typing import Any
 
 import torch
 
@@ -54,8 +53,3 @@ def sink_waits(gm: torch.fx.GraphModule) -> int:
     gm.recompile()
     return moved
 
-
-def collectives(gm: torch.fx.GraphModule) -> list[Any]:
-    """The program's functional collective nodes, in order (for tests and reports)."""
-    return [n for n in gm.graph.nodes if n.op == "call_function"
-            and getattr(n.target, "namespace", "") == "_c10d_functional" and n.target is not _WAIT]
