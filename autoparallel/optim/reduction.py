@@ -79,6 +79,9 @@ def plan_reduction(
                 kind = "rs" if isinstance(target.placements[axis], Shard) else "ar"
                 groups.setdefault((kind, p.reduce_type, spec.dtype), []).append((i, target))
             for (kind, reduce_type, _), items in groups.items():
+                # last parameters first: the backward produces their gradients first, so the
+                # first bucket is complete earliest (a captured step starts its reduction then)
+                items = items[::-1]
                 sizes = [meta_bytes(cur[i]) for i, _ in items]  # type: ignore[arg-type]
                 for bucket in buckets.plan_buckets(sizes, bucket_bytes):
                     chosen = [items[k] for k in bucket]

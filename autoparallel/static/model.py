@@ -34,7 +34,7 @@ from autoparallel.engine import dispatch, layout
 from autoparallel.runtime.debug import CommRecord, replay
 from autoparallel.spec import DistSpec
 from autoparallel.static.capture import Capture, Watch, capture, draws
-from autoparallel.static.passes import sink_waits
+from autoparallel.static.passes import hoist_starts, sink_waits
 from autoparallel.static.strategy import Strategy
 
 TRAIN, EVAL, PREDICT = "train", "eval", "predict"
@@ -220,6 +220,7 @@ class DistModel:
         state = [layout.local_or_plain(t) for t in params + buffers]
         xs, rebuild = self._inputs(args)
         trained = [p for p in params if p.requires_grad] if self._mode == TRAIN else []
+        reduce_here = self._reduces_in_program(trained)
         got: dict[str, Any] = {}
 
         def step(*flat: torch.Tensor) -> list[torch.Tensor]:
@@ -236,6 +237,8 @@ class DistModel:
             if self._mode != TRAIN:
                 return [layout.local_of(loss) if layout.is_dist(loss) else loss]
             grads = torch.autograd.grad(loss, trained, allow_unused=True)
+            if reduce_here:  # the optimizer's bucketed reductions, as part of the program
+                grads = self._reduced(trained, grads)
             got["grads"] = grads
             present = [g for g in grads if g is not None]
             got["outs"] = [loss] + present
@@ -258,6 +261,7 @@ class DistModel:
         specs = tuple((layout.spec_of(o), layout.stride_of(o)) if layout.is_dist(o) else None for o in outs)
         if self.strategy.overlap:
             sink_waits(result.program)
+            hoist_starts(result.program)
         run: Callable[..., Any] = result.program
         if self.strategy.compile == "inductor":
             run = self._compiled(result.program)
@@ -266,6 +270,25 @@ class DistModel:
                            "own generator, so masks differ from eager's for the same seed (compile=None keeps them)")
         self._keep(key, _Program(run, specs, grad_index, result.records, got.get("tree")))
         return value
+
+    def _reduces_in_program(self, trained: list[torch.Tensor]) -> bool:
+        """Whether the optimizer's gradient reductions go into the program: a ``shard_optimizer``
+        optimizer (``reduce_gradients``), one call per step (no gradient merge: merged gradients
+        are reduced once, at the step) and no gradient left over from outside the step."""
+        return (self.strategy.accumulate_steps == 1 and callable(getattr(self.optimizer, "reduce_gradients", None))
+                and all(p.grad is None for p in trained))
+
+    def _reduced(self, trained: list[torch.Tensor], grads: tuple[Any, ...]) -> list[Any]:
+        """``grads`` reduced by the optimizer's own bucketed plan (the collectives its step would
+        issue, in the same buckets), as the gradients the step then sees."""
+        for p, g in zip(trained, grads):
+            p.grad = g
+        try:
+            self.optimizer.reduce_gradients()
+            return [p.grad for p in trained]
+        finally:
+            for p in trained:
+                p.grad = None
 
     def _compiled(self, gm: torch.fx.GraphModule) -> Callable[..., Any]:
         """``gm`` compiled by inductor; where compiling fails (at its first call, before anything

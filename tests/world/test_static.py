@@ -77,8 +77,11 @@ def _full(model: nn.Module) -> list[torch.Tensor]:
     return [p.full_tensor().detach().clone() for p in model.parameters()]
 
 
-def _eager(kind: str, data: list[Any], accumulate: int = 1, **kw: Any) -> tuple[list[float], list[torch.Tensor], list[dict]]:
+def _eager(kind: str, data: list[Any], accumulate: int = 1, bucket_bytes: int | None = None,
+           **kw: Any) -> tuple[list[float], list[torch.Tensor], list[dict]]:
     model, opt, sched, lay = _build(kind, **kw)
+    if bucket_bytes is not None:
+        opt.bucket_bytes = bucket_bytes
     losses, comms = [], []
     for i, (x, y) in enumerate(data):
         xd, yd = lay(x, y)
@@ -314,18 +317,26 @@ def test_checkpoints_move_between_static_and_eager(world4: Any, tmp_path: Any, f
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
-def _overlap(rank: int) -> dict[str, Any]:
+def _overlap(rank: int, kind: str) -> dict[str, Any]:
     data = _data(5)
-    return {flag: _static("dp_tp", data, ap.Strategy(overlap=flag)) for flag in (False, True)}
+    # small buckets: one reduction per gradient, each started inside the backward when overlapping
+    return {flag: _static(kind, data, ap.Strategy(overlap=flag, bucket_bytes=64)) for flag in (False, True)}
 
 
-def test_overlap_keeps_the_values(world4: Any) -> None:  # type: ignore[no-untyped-def]
-    for res in world4.run(_overlap):
+@pytest.mark.parametrize("kind", ["dp_tp", "dp", "zero3"])
+def test_overlap_keeps_the_values(world4: Any, kind: str) -> None:  # type: ignore[no-untyped-def]
+    eager = world4.run(_compare_eager, kind)
+    for res, ref in zip(world4.run(_overlap, kind), eager):
         off, on = res[False], res[True]
         assert on["losses"] == off["losses"]
         for a, b in zip(on["params"], off["params"]):
             assert torch.equal(a, b)
         assert on["comms"] == off["comms"]
+        _assert_equal(ref, on)
+
+
+def _compare_eager(rank: int, kind: str) -> Any:
+    return _eager(kind, _data(5), bucket_bytes=64)
 
 
 @pytest.mark.pure

@@ -1,0 +1,111 @@
+"""The static-mode scheduling passes (``autoparallel.static.passes``) on hand-built programs:
+what moves, how far, and what bounds a move. Values never change (the same nodes, reordered
+along their dependencies); the world tests in tests/world/test_static.py check the values."""
+
+from __future__ import annotations
+
+import torch
+
+from autoparallel.static.passes import hoist_starts, sink_waits
+
+fc, aten = torch.ops._c10d_functional, torch.ops.aten
+
+
+def _order(gm: torch.fx.GraphModule) -> list[str]:
+    return [n.name for n in gm.graph.nodes]
+
+
+def _backward_with_buckets() -> tuple[torch.fx.GraphModule, dict[str, torch.fx.Node]]:
+    """grad2 is produced first, then grad1; each bucket's all-reduce was recorded at the end."""
+    g = torch.fx.Graph()
+    x, w = g.placeholder("x"), g.placeholder("w")
+    n: dict[str, torch.fx.Node] = {}
+    n["grad2"] = g.call_function(aten.mm.default, (x, w))
+    n["more"] = g.call_function(aten.mul.Tensor, (x, 3))
+    n["grad1"] = g.call_function(aten.mm.default, (n["more"], w))
+    n["tail"] = g.call_function(aten.add.Tensor, (n["grad1"], 1))      # the rest of the backward
+    n["flat2"] = g.call_function(aten.view.default, (n["grad2"], [-1]))
+    n["ar2"] = g.call_function(fc.all_reduce.default, (n["flat2"], "sum", "0"))
+    n["flat1"] = g.call_function(aten.view.default, (n["grad1"], [-1]))
+    n["ar1"] = g.call_function(fc.all_reduce.default, (n["flat1"], "sum", "0"))
+    n["w2"] = g.call_function(fc.wait_tensor.default, (n["ar2"],))
+    n["w1"] = g.call_function(fc.wait_tensor.default, (n["ar1"],))
+    g.output((n["w2"], n["w1"], n["tail"]))
+    return torch.fx.GraphModule(torch.nn.Module(), g), n
+
+
+def test_a_bucket_reduction_starts_as_soon_as_its_gradient_exists() -> None:
+    gm, n = _backward_with_buckets()
+    assert hoist_starts(gm) == 2
+    order = _order(gm)
+
+    def at(key: str) -> int:
+        return order.index(n[key].name)
+    # ar2 (with its packing view) right after grad2, before the rest of the backward
+    assert at("flat2") == at("grad2") + 1 and at("ar2") == at("flat2") + 1
+    assert at("ar2") < at("more")
+    # ar1 right after grad1 and its view, before the tail; the collectives keep their order
+    assert at("ar1") == at("flat1") + 1 and at("flat1") == at("grad1") + 1 and at("ar1") < at("tail")
+    assert at("ar2") < at("ar1")
+
+
+def test_collectives_keep_their_order_and_never_cross_a_write() -> None:
+    g = torch.fx.Graph()
+    x, buf = g.placeholder("x"), g.placeholder("buf")
+    a = g.call_function(aten.mul.Tensor, (x, 2))
+    first = g.call_function(fc.all_reduce.default, (a, "sum", "0"))   # needs ``a``
+    write = g.call_function(aten.add_.Tensor, (buf, 1))
+    second = g.call_function(fc.all_reduce.default, (x, "sum", "0"))  # needs only x, but...
+    w1 = g.call_function(fc.wait_tensor.default, (first,))
+    w2 = g.call_function(fc.wait_tensor.default, (second,))
+    g.output((w1, w2, write))
+    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    hoist_starts(gm)
+    at = _order(gm).index
+    assert at(second.name) > at(write.name) > at(first.name)  # ...stops at the write
+
+
+def test_a_prefetch_runs_at_most_one_collective_ahead() -> None:
+    """Three parameter all-gathers (inputs only): each moves up to the previous one's wait."""
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    shards = [g.placeholder(f"p{i}") for i in range(3)]
+    h = x
+    names = []
+    first_compute = None
+    for i, p in enumerate(shards):
+        h = g.call_function(aten.relu.default, (h,))
+        first_compute = first_compute or h                  # compute of the previous unit
+        flat = g.call_function(aten.view.default, (p, [-1]))
+        ag = g.call_function(fc.all_gather_into_tensor.default, (flat, 4, "0"))
+        wt = g.call_function(fc.wait_tensor.default, (ag,))
+        h = g.call_function(aten.mul.Tensor, (h, wt))                 # this unit uses its parameters
+        names.append((flat.name, ag.name, wt.name, h.name))
+    g.output((h,))
+    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    sink_waits(gm)
+    hoist_starts(gm)
+    at = _order(gm).index
+    # the first gather has no floor: it goes to the top, before any compute
+    assert at(names[0][1]) < at(first_compute.name)
+    for prev, cur in zip(names, names[1:]):
+        # the next unit's gather starts right after this unit's wait, before this unit's compute ends
+        assert at(prev[2]) < at(cur[1]) < at(prev[3])
+
+
+def test_sink_waits_moves_the_rearranging_ops_with_the_wait() -> None:
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    ag = g.call_function(fc.all_gather_into_tensor.default, (x, 2, "0"))
+    wt = g.call_function(fc.wait_tensor.default, (ag,))
+    parts = g.call_function(aten.split.Tensor, (wt, 4))
+    p0 = g.call_function(__import__("operator").getitem, (parts, 0))
+    p1 = g.call_function(__import__("operator").getitem, (parts, 1))
+    whole = g.call_function(aten.cat.default, ([p1, p0], 1))        # group order -> mesh order
+    work = g.call_function(aten.mul.Tensor, (x, 5))                   # independent compute
+    use = g.call_function(aten.add.Tensor, (whole, 1))
+    g.output((use, work))
+    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    assert sink_waits(gm) == 1
+    at = _order(gm).index
+    assert at(work.name) < at(wt.name) < at(parts.name) < at(whole.name) < at(use.name)
