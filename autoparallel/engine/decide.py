@@ -24,6 +24,7 @@ from autoparallel.engine.kernels import DEFERRING, Collectives, kernel_for
 from autoparallel.engine.slots import dist_slots, flatten_out, map_args
 from autoparallel.placement import Replicate, Shard
 from autoparallel.spec import DistSpec, _itemsize
+from autoparallel.strides import dense_strides
 from reshard.crossmesh import CrossMeshPlan, plan_best
 from reshard.plan import RELABEL, SLICE, Plan
 from reshard.planner import LATENCY_BYTES
@@ -58,7 +59,8 @@ INPLACE_VIEWS = {
 def decide(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], dts: list[Any]) -> Decision:
     """The decision for ``func`` on these arguments (``dts``: the DistTensors among them, in
     order): a pure function of their specs, strides and the non-tensor arguments."""
-    return _finish(cls, func, _decide(cls, func, args, kwargs, dts), args, kwargs, [t._spec for t in dts])
+    return _finish(cls, func, _decide(cls, func, args, kwargs, dts), args, kwargs, [t._spec for t in dts],
+                   [t._stride for t in dts])
 
 
 def _decide(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], dts: list[Any]) -> Decision:
@@ -230,9 +232,13 @@ def _in_specs(specs: list[DistSpec], plans: tuple[Plan | CrossMeshPlan | None, .
     return tuple(p.dst if p is not None else s for s, p in zip(specs, plans))
 
 
-def _finish(cls: Any, func: Any, d: Decision, args: tuple[Any, ...], kwargs: dict[str, Any], specs: list[DistSpec]) -> Decision:
-    """Add what execution needs: where the DistTensors sit, and for in-place writes the way back
-    to each written tensor's own layout (in-place ops never change a tensor's layout)."""
+def _finish(cls: Any, func: Any, d: Decision, args: tuple[Any, ...], kwargs: dict[str, Any], specs: list[DistSpec],
+            strides: list[tuple[int, ...]]) -> Decision:
+    """Add what execution needs: where the DistTensors sit, for in-place writes the way back
+    to each written tensor's own layout (in-place ops never change a tensor's layout), and the
+    strides the shards must follow (``autoparallel.strides``): the meta kernel computed the
+    outputs' strides from the inputs' wrapper strides, so a shard a plan copied is made to
+    follow its wrapper's, and every new output's shard the strides its wrapper advertises."""
     if not isinstance(d, LocalStep):
         return d
     back = tuple(None if d.in_specs[i] == specs[i] else plan_best(d.in_specs[i], specs[i]) for i in d.mutated)
@@ -247,8 +253,20 @@ def _finish(cls: Any, func: Any, d: Decision, args: tuple[Any, ...], kwargs: dic
                     LocalContext(d.call, shapes, d.in_specs, d.out_specs, d.coord, func in DEFERRING, collectives))
     detached_view = returns_view and moved_input
     simple = d.out_kind is OutKind.TENSOR and not d.mutated and not d.fallback and not detached_view
+    in_conform: tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...] = ()
+    out_dense: tuple[tuple[int, ...] | None, ...] = ()
+    if d.coord is not None:
+        in_conform = tuple((i, strides[i], dense_strides(d.in_specs[i].local_shape(d.coord), strides[i]))
+                           for i, p in enumerate(d.plans) if _copies(p))
+        # views and written inputs follow their inputs' shards; fallback outputs carry the kernel's own strides
+        fresh = not returns_view and not d.fallback
+        alias = d.out_alias or (None,) * len(d.out_specs)
+        out_dense = tuple(
+            dense_strides(s.local_shape(d.coord), st) if fresh and s is not None and st is not None and a is None else None
+            for s, st, a in zip(d.out_specs, d.out_strides, alias)
+        )
     return replace(d, restore=back, slots=dist_slots(cls, args, kwargs), detached_view=detached_view,
-                   contexts=contexts, simple=simple)
+                   contexts=contexts, simple=simple, in_conform=in_conform, out_dense=out_dense)
 
 
 def _copies(plan: Plan | CrossMeshPlan | None) -> bool:

@@ -50,6 +50,8 @@ class LocalStep:
     # what to move
     plans: tuple[AnyPlan | None, ...]                  # per DistTensor input (None: used as it is)
     in_specs: tuple[DistSpec, ...]                     # each DistTensor input's layout as the op runs
+    in_conform: tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...] = ()  # (input, its wrapper's
+    #   strides, dense local strides in their nesting) per input a plan copies: the moved shard follows them
     restore: tuple[AnyPlan | None, ...] = ()           # per written input: back to its own layout
     slots: Any = None                                  # where each DistTensor sits in (args, kwargs)
     # the local function
@@ -60,6 +62,8 @@ class LocalStep:
     out_kind: OutKind = OutKind.TENSOR
     out_specs: tuple[DistSpec | None, ...] = ()         # per output (None: not a tensor)
     out_strides: tuple[tuple[int, ...] | None, ...] = ()
+    out_dense: tuple[tuple[int, ...] | None, ...] = ()  # per new output: dense local strides nested as
+    #   out_strides (its shard is made to follow them); None: a view or written input, or off the mesh
     out_alias: tuple[int | None, ...] = ()              # per output: the written input it is (None: new)
     mutated: tuple[int, ...] = ()                       # DistTensor inputs written (in place, out=)
     meta_value: Any = None                              # the result where out_kind is VALUE and inputs are written

@@ -7,7 +7,6 @@ Every aten op reaching ``__torch_dispatch__`` goes through ``autoparallel.engine
 
 from __future__ import annotations
 
-from functools import lru_cache
 from typing import Any, cast
 
 import torch
@@ -19,20 +18,17 @@ from autoparallel.engine.dispatch import dispatch
 from autoparallel.mesh import Dims, ProcessMesh
 from autoparallel.placement import Replicate
 from autoparallel.spec import DistSpec
+from autoparallel.strides import conform, contiguous_strides
 from reshard.executor import reshard_local
 
 
 _DETACH = torch.ops.aten.detach.default
 
 
-@lru_cache(maxsize=4096)
-def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """Row-major strides of ``shape`` (cached: every wrapper without explicit strides asks)."""
-    strides, acc = [], 1
-    for s in reversed(shape):
-        strides.append(acc)
-        acc *= max(s, 1)
-    return tuple(reversed(strides))
+def contiguous_local(local: torch.Tensor, spec: DistSpec) -> torch.Tensor:
+    """``local`` made to follow the contiguous wrapper of ``spec`` (``autoparallel.strides``):
+    a shard that a slice, an expanded gradient or a transpose left otherwise is copied."""
+    return conform(local, contiguous_strides(spec.shape))
 
 
 class DistTensor(torch.Tensor):
@@ -106,7 +102,7 @@ class DistTensor(torch.Tensor):
     def _moved(self, move: Any, spec: DistSpec) -> "DistTensor":
         """This value in layout ``spec``: ``move`` (a layout change, linear) applied to the shard.
         A pending gradient (``autoparallel.engine.pending``) moves its unscaled shard instead."""
-        return DistTensor._wrap(move(self._local), spec)
+        return DistTensor._wrap(contiguous_local(move(self._local), spec), spec)
 
     @classmethod
     def _wrap_deferred(cls, w: "DistTensor", mark: Deferred) -> "PendingTensor":
@@ -185,7 +181,7 @@ class PendingTensor(DistTensor):
 
     def _moved(self, move: Any, spec: DistSpec) -> DistTensor:
         if self._done is None and self._scaled and not torch.is_grad_enabled() and pending.sums_only(self._spec):
-            return PendingTensor.make(move(self._raw), spec, None, self._stat)  # a linear map: unscaled
+            return PendingTensor.make(contiguous_local(move(self._raw), spec), spec, None, self._stat)  # linear: unscaled
         return super()._moved(move, spec)
 
 
@@ -250,7 +246,7 @@ class _ToLocal(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[DistTensor, None]:  # type: ignore[override]
-        return DistTensor._wrap(grad, ctx.spec), None
+        return DistTensor._wrap(contiguous_local(grad, ctx.spec), ctx.spec), None
 
 
 def _full_local(x: DistTensor) -> torch.Tensor:
@@ -270,7 +266,7 @@ class _FullTensor(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[DistTensor]:  # type: ignore[override]
         target = grad_spec(ctx.spec)
-        return (DistTensor._wrap(reshard_local(grad, replicated(target), target), target),)
+        return (DistTensor._wrap(contiguous_local(reshard_local(grad, replicated(target), target), target), target),)
 
 
 class _Reshard(torch.autograd.Function):
@@ -279,7 +275,9 @@ class _Reshard(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: DistTensor, dst: DistSpec) -> DistTensor:  # type: ignore[override]
         ctx.src = x._spec
-        return DistTensor._wrap(reshard_local(x._local, x._spec, dst), dst)
+        # the same value in another layout keeps its strides, as it would in one process (a
+        # transposed tensor stays transposed); the moved shard follows them
+        return DistTensor._wrap(conform(reshard_local(x._local, x._spec, dst), x._stride), dst, x._stride)
 
     @staticmethod
     def backward(ctx: Any, grad: DistTensor) -> tuple[DistTensor, None]:  # type: ignore[override]

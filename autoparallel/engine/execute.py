@@ -17,6 +17,7 @@ from autoparallel.engine.deferred import split_deferred
 from autoparallel.engine.slots import flatten_out, map_args, place_locals
 from autoparallel.placement import Replicate
 from autoparallel.spec import DistSpec
+from autoparallel.strides import conform
 from reshard.executor import run_any
 
 
@@ -35,6 +36,8 @@ def execute(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], 
     member = d.coord is not None
     if member:
         locs = [t._local if p is None else run_any(t._local, p) for t, p in zip(dts, d.plans)]
+        for i, like, dense in d.in_conform:  # a copied shard follows its wrapper's strides
+            locs[i] = conform(locs[i], like, dense)
         if d.slots is not None:
             largs = place_locals(list(args), d.slots[0], locs)
             lkwargs = place_locals(dict(kwargs), d.slots[1], locs) if d.slots[1] else kwargs
@@ -46,7 +49,7 @@ def execute(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], 
         if d.local_fn is None:
             out = func(*largs, **lkwargs)
             if d.simple and isinstance(out, torch.Tensor):
-                return cls._wrap(out, d.out_specs[0], d.out_strides[0])
+                return cls._wrap(_follow(out, d, 0), d.out_specs[0], d.out_strides[0])
         else:
             assert d.contexts is not None
             # deferring is allowed in a differentiable forward while no observer watches
@@ -55,7 +58,7 @@ def execute(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], 
             if ctx.may_defer:  # the kernel may have returned Deferred values
                 out, marks = split_deferred(out)
             if d.simple and isinstance(out, torch.Tensor) and not marks:
-                return cls._wrap(out, d.out_specs[0], d.out_strides[0])
+                return cls._wrap(_follow(out, d, 0), d.out_specs[0], d.out_strides[0])
     else:
         out, marks = None, ()
     if d.fallback and member and not d.mutated:  # the kernel's outputs, whatever meta said
@@ -77,6 +80,7 @@ def execute(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], 
             return written[0] if kind is OutKind.TENSOR else written if kind is OutKind.LIST else tuple(written)
     if member:
         _, louts = flatten_out(out)
+        louts = [lo if lo is None or (marks and marks[k] is not None) else _follow(lo, d, k) for k, lo in enumerate(louts)]
     else:
         louts = [None if s is None else torch.empty((0,), dtype=s.dtype, device=dts[0]._local.device) for s in d.out_specs]
     wrapped = [
@@ -96,6 +100,18 @@ def execute(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], 
     if d.out_kind is OutKind.NONE:
         return None
     return tuple(wrapped) if d.out_kind is OutKind.TUPLE else wrapped
+
+
+def _follow(local: torch.Tensor, d: LocalStep, k: int) -> torch.Tensor:
+    """Output ``k``'s shard, made to follow the strides its wrapper advertises (a kernel may pick
+    another memory layout on the local sizes or the moved inputs than the meta kernel did on the
+    global ones: ``autoparallel.strides``); a view or written input is returned as it is."""
+    dense = d.out_dense[k]
+    if dense is None or local.stride() == dense:
+        return local
+    like = d.out_strides[k]
+    assert like is not None
+    return conform(local, like, dense)
 
 
 def _check_writable(func: Any, dts: list[Any], mutated: tuple[int, ...]) -> None:
