@@ -124,6 +124,7 @@ def parallelize(layer: nn.Module, mesh: ProcessMesh, plan: dict[str, Any], *, ax
         style.check(name, module, mesh, tp)
     check_ties(matches, mesh.dim_names[tp])
     ctx = PlanContext(mesh, tp, _seq_dim(plan), ParamSharder(mesh))
+    ctx.sharder.check_swappable(layer)  # parameters become DistTensors in place: an optimizer built before sees them
     for _, name, module, style in matches:
         style.apply(name, module, ctx)
     ctx.sharder.replicate_rest(layer)

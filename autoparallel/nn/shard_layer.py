@@ -9,6 +9,8 @@ DistTensor Parameter is put back everywhere.
 
 from __future__ import annotations
 
+import gc
+import weakref
 from typing import Any, Callable, Sequence
 
 import torch
@@ -31,6 +33,11 @@ class ParamSharder:
     ``converted`` maps ``id`` of an original (plain) tensor to its DistTensor replacement, so a
     tensor reached through several modules gets one replacement; asking for two different
     layouts of one tied tensor raises ``ValueError`` naming both.
+
+    A parameter is converted **in place** (``swap_in``): the Parameter object the module held
+    becomes the DistTensor Parameter, so an optimizer built before the layout (its
+    ``param_groups``), a gradient-clipping list or any reference the user kept sees the
+    DistTensor, not a plain tensor nothing trains any more. Buffers are replaced.
     """
 
     def __init__(self, mesh: ProcessMesh) -> None:
@@ -38,6 +45,50 @@ class ParamSharder:
         self.converted: dict[int, torch.Tensor] = {}
         self._originals: dict[int, torch.Tensor] = {}  # keep originals alive: ids stay unique
         self._where: dict[int, str] = {}
+        self._stateful: set[int] | None = None  # ids of tensors some live optimizer holds state for
+
+    def check_swappable(self, root: nn.Module) -> None:
+        """Raise ``ValueError`` before anything is laid out if some plain parameter of ``root``
+        cannot become its DistTensor in place (the same verdict on every rank: metadata only)."""
+        for name, module in root.named_modules(remove_duplicate=False):
+            for attr, t in module._parameters.items():
+                if t is not None and not isinstance(t, DistTensor):
+                    self._check_swap(t, _qual(name, attr))
+
+    def _check_swap(self, old: torch.Tensor, where: str) -> None:
+        if self._stateful is None:
+            self._stateful = _optimizer_state_ids()
+        if id(old) in self._stateful:
+            raise ValueError(
+                f"{where}: an optimizer already holds state (e.g. Adam's moments) for this plain parameter; "
+                "laying it out in place would leave that full-size state next to a sharded parameter. "
+                "Lay the model out (ap.shard_layer / ap.parallelize) before the optimizer's first step, "
+                "or build the optimizer afterwards"
+            )
+        if weakref.getweakrefs(old):
+            raise ValueError(
+                f"{where}: this parameter has weak references, so it cannot become its DistTensor in place "
+                "(torch.utils.swap_tensors refuses); references built before the layout (an optimizer) "
+                "would keep the plain tensor. Lay the model out before creating what holds them"
+            )
+        if old._use_count() > 2:
+            raise ValueError(
+                f"{where}: something besides its Python object holds this parameter's tensor (a view of it, "
+                "or the graph of a forward whose backward has not run), so it cannot become its DistTensor "
+                "in place; lay the model out before that"
+            )
+
+    def swap_in(self, old: torch.Tensor, new: torch.Tensor, where: str) -> torch.Tensor:
+        """``old`` (a plain Parameter) takes the contents of ``new`` (its DistTensor Parameter):
+        the same object, now the DistTensor. Returns it."""
+        if not isinstance(old, nn.Parameter) or isinstance(old, DistTensor) or old is new:
+            return new
+        self._check_swap(old, where)
+        try:
+            torch.utils.swap_tensors(old, new)
+        except RuntimeError as e:  # the checks above should have said why; never a silent no-op
+            raise ValueError(f"{where}: cannot make this parameter its DistTensor in place: {e}") from e
+        return old
 
     def place(self, module: nn.Module, attr: str, placements: Sequence[Placement], where: str) -> None:
         """Set ``module.<attr>`` (a parameter or buffer) to its DistTensor in ``placements``."""
@@ -57,9 +108,13 @@ class ParamSharder:
                     )
                 new = t
             else:
+                if is_param:
+                    self._check_swap(t, where)  # before any collective: every rank raises alike
                 new = shard_tensor(t, self.mesh, list(placements))
-                if is_param and not isinstance(new, nn.Parameter):
-                    new = nn.Parameter(new, requires_grad=t.requires_grad)
+                if is_param:
+                    if not isinstance(new, nn.Parameter):
+                        new = nn.Parameter(new, requires_grad=t.requires_grad)
+                    new = self.swap_in(t, new, where)
             self.record(t, new, where)
         if tuple(new.placements) != placements:  # type: ignore[attr-defined]
             raise ValueError(
@@ -99,9 +154,13 @@ class ParamSharder:
 
 
 def _record_replacement(sharder: ParamSharder, module: nn.Module, attr: str, old: torch.Tensor, new: torch.Tensor, where: str) -> None:
-    """Note that ``shard_fn`` replaced ``old`` by ``new``; a tied ``old`` replaced twice must agree."""
+    """Note that ``shard_fn`` replaced ``old`` by ``new``; a tied ``old`` replaced twice must agree.
+    A plain Parameter replaced by a DistTensor Parameter takes it in place (``swap_in``)."""
     first = sharder.converted.get(id(old))
     if first is None:
+        if isinstance(new, DistTensor) and isinstance(new, nn.Parameter):
+            new = sharder.swap_in(old, new, where)
+            ParamSharder._put(module, attr, new)
         sharder.record(old, new, where)
         return
     if _layout(first) != _layout(new):
@@ -110,6 +169,19 @@ def _record_replacement(sharder: ParamSharder, module: nn.Module, attr: str, old
             f"{_layout(first)}; it cannot also be {_layout(new)}"
         )
     ParamSharder._put(module, attr, first)  # same layout: keep the tie (one Parameter)
+
+
+def _optimizer_state_ids() -> set[int]:
+    """ids of the tensors some live ``torch.optim.Optimizer`` holds state for (one heap walk:
+    an optimizer built before the layout is found from nothing but the parameter)."""
+    kinds: set[type] = set()
+    todo: list[type] = [torch.optim.Optimizer]
+    while todo:
+        k = todo.pop()
+        if k not in kinds:
+            kinds.add(k)
+            todo += k.__subclasses__()
+    return {id(p) for o in gc.get_objects() if type(o) in kinds for p, st in o.state.items() if st}
 
 
 def _layout(t: torch.Tensor) -> str:
@@ -151,6 +223,7 @@ def shard_layer(
     for fn, name in [(shard_fn, "shard_fn"), (input_fn, "input_fn"), (output_fn, "output_fn")]:
         _check_callable(fn, name)
     sharder = ParamSharder(mesh)
+    sharder.check_swappable(layer)
     if shard_fn is not None:
         for name, sub in layer.named_modules():
             before = {a: t for a, t in [*sub._parameters.items(), *sub._buffers.items()] if t is not None}
