@@ -198,6 +198,24 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 results = [r if k is None else r * stats[k].inverse_count() for r, k in zip(results, op.stats)]
             for g, target, local in zip(chosen, op.targets, results):
                 relayout_(g, local, target)  # the same value in place; a pending gradient is resolved
+        self._match_params(grads)
+
+    def _match_params(self, grads: list[Any]) -> None:
+        """A reduced gradient laid out unlike its parameter (sequence parallel gives a replicated
+        position table a sequence-sharded gradient) is moved to the parameter's layout, in place:
+        the optimizer then steps every parameter on local shards (``optim.local_step``) instead of
+        dispatching each of its ops. Metadata decides, so every rank moves the same gradients."""
+        spec_or_none, local_of = layout.spec_or_none, layout.local_of
+        for s, g in zip(self._slots, grads):
+            if s.stepped is not s.param or not isinstance(g, DistTensor):
+                continue  # stages 1/2 move gradients to their shards in _attach_shard_grads
+            gs, ps = spec_or_none(g), spec_or_none(s.param)
+            if ps is None or gs is None or gs is ps or gs.has_partial or gs.mesh != ps.mesh or gs == ps \
+                    or gs.shape != ps.shape or gs.dtype != ps.dtype:
+                continue
+            if layout.scaled_raw(g) is not None:
+                continue  # still waiting on a deferred statistic: left to the optimizer's ops
+            layout.relayout_(g, layout.move(local_of(g), gs, ps), ps)
 
     def _scatters(self) -> bool:
         return self.stage is not None and self.stage.stage >= 2

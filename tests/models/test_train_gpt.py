@@ -106,6 +106,7 @@ def _train_parallel(rank: int, cfg: GPTConfig, batches: list[tuple[torch.Tensor,
             loss = step(xs, ys)
             losses.append(train_gpt.scalar(loss))
     counts = Counter((r.kind, r.axis) for r in comm.records)
+    assert opt.stepped_locally, "every gradient reached its parameter's layout: the optimizer steps local shards"
     return losses, train_gpt.full_params(model), dict(counts)
 
 
