@@ -35,6 +35,7 @@ from autoparallel.pipeline.simulate import simulate
 from autoparallel.pipeline.stage import Stage, check_meshes
 from autoparallel.placement import Partial, Replicate
 from autoparallel.spec import DistSpec
+from autoparallel.static.chunk import Replayed, StaticChunk
 
 LossFn = Callable[..., torch.Tensor]
 # Receives are posted this many actions before they are needed (the sender's data then moves
@@ -96,10 +97,16 @@ class Pipeline:
 
     ``schedule``: "FThenB" (GPipe), "1F1B" or "Interleaved1F1B" (several chunks per mesh).
     ``loss_fn(output, target)`` (or ``loss_fn(output)`` when ``step`` gets no target) runs on
-    the last stage for each micro-batch.
+    the last stage for each micro-batch. ``static=True``: each chunk's forward and backward are
+    captured once per input layout and replayed per micro-batch under the same schedule
+    (``autoparallel.static.chunk``; the same values as eager, with one warning naming the
+    reason where a chunk cannot be captured and stays eager).
     """
 
-    def __init__(self, stages: Sequence[Stage], loss_fn: LossFn, *, num_microbatches: int, schedule: str = "1F1B") -> None:
+    def __init__(self, stages: Sequence[Stage], loss_fn: LossFn, *, num_microbatches: int, schedule: str = "1F1B",
+                 static: bool = False) -> None:
+        if not isinstance(static, bool):
+            raise TypeError(f"Pipeline: static must be a bool, got {static!r}")
         if not isinstance(stages, (list, tuple)) or not stages or not all(isinstance(s, Stage) for s in stages):
             raise TypeError("Pipeline: stages must be a non-empty list of ap.pipeline.Stage")
         if not callable(loss_fn):
@@ -118,6 +125,11 @@ class Pipeline:
         self._layouts: dict[tuple[DistSpec, DistSpec | None], _Layouts] = {}
         self.events: list[Event] = []
         self.meter: ActivationMeter | None = None
+        self.static = static
+        # static: this rank's chunks (on its stage mesh, not one-rank local ones) as captured programs
+        self.programs: dict[int, StaticChunk] = {
+            c: StaticChunk(st.module, f"{c} ({st.name})", _as_layout) for c, st in enumerate(self.stages)
+            if static and not self.local[c] and self.stage_index == self.schedule.stage_of(c)}
 
     # ---- checks (metadata only) -----------------------------------------------------------
     def _meshes(self) -> list[ProcessMesh]:
@@ -290,17 +302,29 @@ class _Run:
     def _f(self, mb: int, c: int, tag: int) -> None:
         pipe = self.pipe
         x = self.xs[mb] if c == 0 else self.inputs[(mb, c)]
-        track = pipe.meter.track() if pipe.meter is not None else contextlib.nullcontext()
-        with track:
-            st = pipe.stages[c]
-            y = self.local[c].forward(x) if c in self.local else st.module(x)
-            if c == self.v - 1:
-                y = pipe.loss_fn(y) if self.ts[mb] is None else pipe.loss_fn(y, self.ts[mb])
-                self.losses[mb] = y.detach()
+        last = c == self.v - 1
+
+        def eager() -> Any:
+            track = pipe.meter.track() if pipe.meter is not None else contextlib.nullcontext()
+            with track:
+                y = self.local[c].forward(x) if c in self.local else pipe.stages[c].module(x)
+                if last:
+                    y = pipe.loss_fn(y) if self.ts[mb] is None else pipe.loss_fn(y, self.ts[mb])
+            return y
+
+        chunk = pipe.programs.get(c) if pipe.meter is None else None
+        if chunk is None:
+            y = eager()
+        else:
+            y = chunk.forward(x, self.ts[mb] if last else None, pipe.loss_fn if last else None, self.m,
+                              self.lay.outputs[c], layout.grad_spec(self.lay.inputs[c]) if c > 0 else None, eager)
+        if last:
+            self.losses[mb] = y.value if isinstance(y, Replayed) else y.detach()
         self.outputs[(mb, c)] = y
 
     def _send_f(self, mb: int, c: int, tag: int) -> None:
-        local = _as_layout(self.outputs[(mb, c)], self.lay.outputs[c])
+        y = self.outputs[(mb, c)]
+        local = _as_layout(y.value if isinstance(y, Replayed) else y, self.lay.outputs[c])
         p2p.send(local, self._plan(c + 1, False), tag, self.pending)
 
     def _recv_b(self, mb: int, c: int, tag: int) -> None:
@@ -309,6 +333,13 @@ class _Run:
 
     def _b(self, mb: int, c: int, tag: int) -> None:
         y = self.outputs.pop((mb, c))
+        if isinstance(y, Replayed):  # the forward ran as a program: its backward program runs
+            g_out = None if c == self.v - 1 else layout.local_of(self.grads_out.pop((mb, c)))
+            g_in = self.pipe.programs[c].backward(y, g_out)
+            if c > 0:
+                self.inputs.pop((mb, c))
+                self.grads_in[(mb, c)] = g_in  # type: ignore[assignment]
+            return
         if c == self.v - 1:
             if y.requires_grad:
                 (y / self.m).backward()

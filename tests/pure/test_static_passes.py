@@ -4,6 +4,9 @@ along their dependencies); the world tests in tests/world/test_static.py check t
 
 from __future__ import annotations
 
+from typing import Any
+
+import pytest
 import torch
 
 from autoparallel.static.passes import hoist_starts, sink_waits
@@ -109,3 +112,52 @@ def test_sink_waits_moves_the_rearranging_ops_with_the_wait() -> None:
     assert sink_waits(gm) == 1
     at = _order(gm).index
     assert at(work.name) < at(wt.name) < at(parts.name) < at(whole.name) < at(use.name)
+
+
+def _joint_mlp(inplace: bool) -> tuple[Any, list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.GELU(), torch.nn.LayerNorm(6), torch.nn.Linear(6, 3))
+    names = [n for n, _ in m.named_parameters()]
+    params = [p.detach() for p in m.parameters()]
+
+    def joint(*flat: torch.Tensor) -> list[torch.Tensor]:
+        ps = [p.requires_grad_() for p in flat[:6]]
+        x, t = flat[6].requires_grad_(), flat[7]
+        h = x * 1.0
+        if inplace:
+            h.add_(0.5)  # an in-place write in the forward phase
+        y = torch.func.functional_call(m, dict(zip(names, ps)), (h,))
+        out = y.detach()
+        return [out, *torch.autograd.grad(y, ps + [x], t)]
+
+    x, t = torch.randn(5, 4), torch.randn(5, 3)
+    return make_fx(joint)(*params, x, t), params, x, t
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_split_joint_forward_then_backward_equals_the_joint_program(inplace: bool) -> None:
+    from autoparallel.static.split import split_joint
+
+    gm, params, x, t = _joint_mlp(inplace)
+    parts = split_joint(gm, 7, 1)
+    out = parts.forward(*params, x)
+    grads = parts.backward(*out[1:], t)
+    ref = gm(*params, x, t)
+    assert len(out) == 1 + parts.num_saved and torch.equal(out[0], ref[0])
+    assert len(grads) == 7 and all(torch.equal(a, b) for a, b in zip(grads, ref[1:]))
+    # every node runs on exactly one side
+    count = sum(n.op == "call_function" for n in gm.graph.nodes)
+    assert count == sum(n.op == "call_function" for p in (parts.forward, parts.backward) for n in p.graph.nodes)
+
+
+def test_split_joint_refuses_a_forward_output_that_reads_the_output_gradient() -> None:
+    from autoparallel.static.split import SplitError, split_joint
+
+    g = torch.fx.Graph()
+    x, tangent = g.placeholder("x"), g.placeholder("tangent")
+    y = g.call_function(aten.mul.Tensor, (x, tangent))
+    g.output((y, x))
+    with pytest.raises(SplitError, match="output gradient"):
+        split_joint(torch.fx.GraphModule(torch.nn.Module(), g), 1, 1)

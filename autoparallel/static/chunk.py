@@ -1,0 +1,219 @@
+"""Static pipeline chunks: a stage chunk's forward and backward captured once, replayed per micro-batch.
+
+A pipeline schedule runs each chunk's forward (F) and backward (B) at different times, with
+point-to-point transfers in between; the transfers stay with the runner, the compute is
+captured. Per chunk and input signature (the input's and target's layouts, the parameters'
+layouts and ``requires_grad``, the chunk's hooks and train/eval flags):
+
+1. the first step runs the chunk eagerly (warming the engine's decisions), watched for what a
+   replay could not repeat (``capture.Watch``);
+2. in the next step, at the chunk's first F, one *joint* program is captured — forward, the
+   loss on the last chunk, ``autograd.grad`` of the output (a zero output gradient is used for
+   the trace; the generator's state is restored afterwards, so random draws keep eager's order)
+   — and cut into a forward program and a backward program (``static.split``);
+3. every later F runs the forward program on the current local shards and keeps the values the
+   backward needs; the matching B runs the backward program on them and the received output
+   gradient, adds the parameters' gradients into ``.grad`` and returns the input's gradient.
+   Both programs get the overlap passes (``static.passes``: collectives inside the stage start
+   early and are waited for late).
+
+``Pipeline(..., static=True)`` builds one ``StaticChunk`` per chunk of this rank's stage mesh
+(one-rank stages already run on plain tensors, ``pipeline.local``, and stay as they are); with
+an ``ActivationMeter`` attached the chunks run eagerly (the meter counts autograd's saved tensors).
+
+A chunk whose capture is refused (``.item()`` in the step, an op without a rule, a forward
+output reading the output gradient) runs eagerly from then on, after one warning naming why.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from autoparallel.engine import dispatch, layout
+from autoparallel.runtime.debug import CommRecord, replay
+from autoparallel.spec import DistSpec
+from autoparallel.static.capture import Watch, capture
+from autoparallel.static.passes import hoist_starts, sink_waits
+from autoparallel.static.split import SplitError, split_joint
+
+
+@dataclass
+class _Programs:
+    forward: torch.fx.GraphModule
+    backward: torch.fx.GraphModule
+    n_saved: int
+    grad_specs: tuple[DistSpec | None, ...]   # per trained parameter: its gradient's layout (None: no gradient)
+    records: tuple[CommRecord, ...]
+    out: tuple[DistSpec, tuple[int, ...]] | None  # the output's layout and strides (None: a plain loss)
+
+
+@dataclass
+class Replayed:
+    """A forward run by the program: its output (a DistTensor without autograd history) and
+    the values its backward needs."""
+
+    value: Any
+    saved: tuple[torch.Tensor, ...]
+    programs: _Programs
+
+
+class StaticChunk:
+    """One chunk's captured programs, by input signature (see the module docstring).
+
+    ``out_spec``: the layout the runner sends the output in (the chunk's output layout);
+    ``in_grad_spec``: the layout of the input's gradient it sends back (None: first chunk);
+    ``loss_fn`` and ``divide``: the last chunk's loss and the number of micro-batches its
+    backward divides it by.
+    """
+
+    def __init__(self, module: torch.nn.Module, name: str, as_layout: Callable[[torch.Tensor, DistSpec], torch.Tensor],
+                 warn: Callable[[str], None] | None = None) -> None:
+        self.module = module
+        self.name = name
+        self._as_layout = as_layout
+        self._programs: dict[Any, _Programs | str] = {}
+        self._seen: set[Any] = set()
+        self._warn = warn or (lambda m: warnings.warn(f"autoparallel: {m}", stacklevel=4))
+
+    # ---- signature -------------------------------------------------------------------------
+    def _key(self, x: Any, t: Any, out_spec: DistSpec, in_grad_spec: DistSpec | None) -> Any:
+        def one(a: Any) -> Any:
+            return None if a is None else (layout.spec_of(a), layout.stride_of(a)) if layout.is_dist(a) else (tuple(a.shape), a.dtype)
+        hooks = tuple((m.training, tuple(m._forward_pre_hooks), tuple(m._forward_hooks), tuple(m._backward_hooks),
+                       tuple(m._backward_pre_hooks)) for m in self.module.modules())
+        params = tuple((layout.spec_or_none(p), p.requires_grad) for p in self.module.parameters())
+        return (one(x), one(t), out_spec, in_grad_spec, params, hooks, torch.is_grad_enabled())
+
+    # ---- forward -----------------------------------------------------------------------------
+    def forward(self, x: Any, t: Any, loss_fn: Any, divide: int, out_spec: DistSpec,
+                in_grad_spec: DistSpec | None, eager: Callable[[], Any]) -> Any:
+        """The chunk's forward: a ``Replayed`` when a program ran, else ``eager()``'s result.
+
+        ``loss_fn`` is None except on the last chunk (then ``t`` is its target or None)."""
+        key = self._key(x, t, out_spec, in_grad_spec)
+        entry = self._programs.get(key)
+        if isinstance(entry, _Programs):
+            return self._run(entry, x, t)
+        if isinstance(entry, str):
+            return eager()
+        if key not in self._seen:  # first step: eager, watched
+            self._seen.add(key)
+            watch = Watch()
+            with dispatch.observed_by(watch):
+                value = eager()
+            if watch.reason:
+                self._refuse(key, watch.reason)
+            return value
+        progs = self._capture(x, t, loss_fn, divide, out_spec, in_grad_spec)
+        if isinstance(progs, str):
+            self._refuse(key, progs)
+            return eager()
+        self._programs[key] = progs
+        return self._run(progs, x, t)
+
+    def _refuse(self, key: Any, reason: str) -> None:
+        self._programs[key] = reason
+        self._warn(f"Pipeline(static=True): chunk {self.name} runs eagerly: {reason}")
+
+    def _state(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        params = list(self.module.parameters())
+        return params, [layout.local_or_plain(t) for t in params + list(self.module.buffers())]
+
+    def _capture(self, x: Any, t: Any, loss_fn: Any, divide: int, out_spec: DistSpec,
+                 in_grad_spec: DistSpec | None) -> _Programs | str:
+        params, state = self._state()
+        trained = [p for p in params if p.requires_grad]
+        x_spec, x_stride = layout.spec_of(x), layout.stride_of(x)
+        t_how = None if t is None else (layout.spec_of(t), layout.stride_of(t)) if layout.is_dist(t) else "plain"
+        inputs = state + [layout.local_of(x)] + ([] if t is None else [layout.local_or_plain(t)])
+        n_primals = len(inputs)
+        last = loss_fn is not None
+        if not last:
+            gspec = layout.grad_spec(out_spec)
+            coord = gspec.mesh.coordinate_of(self._rank())
+            inputs.append(torch.zeros(gspec.local_shape(coord), dtype=gspec.dtype, device=layout.local_of(x).device))
+        got: dict[str, Any] = {}
+
+        def joint(*flat: torch.Tensor) -> list[torch.Tensor]:
+            xd = layout.wrap(flat[len(state)], x_spec, x_stride, requires_grad=in_grad_spec is not None)
+            td: Any = None
+            if t is not None:
+                tl = flat[len(state) + 1]
+                td = tl if t_how == "plain" else layout.wrap(tl, t_how[0], t_how[1])  # type: ignore[index]
+            y = self.module(xd)
+            wrt = trained + ([xd] if in_grad_spec is not None else [])
+            if last:
+                loss = loss_fn(y) if td is None else loss_fn(y, td)
+                got["out"] = (layout.spec_of(loss), layout.stride_of(loss)) if layout.is_dist(loss) else None
+                out = layout.local_of(loss.detach()) if layout.is_dist(loss) else loss.detach()
+                grads = torch.autograd.grad(loss / divide, wrt, allow_unused=True) if wrt else ()
+            else:
+                out = self._as_layout(y, out_spec)
+                got["out"] = (out_spec, tuple(out.stride()))
+                g_out = layout.wrap(flat[-1], layout.grad_spec(out_spec))
+                grads = torch.autograd.grad(y, wrt, g_out, allow_unused=True) if wrt else ()
+            pgrads = list(grads[:len(trained)])
+            got["specs"] = tuple(layout.spec_or_none(g) for g in pgrads)
+            locs = [layout.local_of(g) for g in pgrads if g is not None]
+            if in_grad_spec is not None:
+                gx = grads[-1]
+                if gx is None:
+                    gx_local = torch.zeros(in_grad_spec.local_shape(in_grad_spec.mesh.coordinate_of(self._rank())),
+                                           dtype=in_grad_spec.dtype, device=out.device)
+                else:
+                    gx_local = self._as_layout(gx, in_grad_spec)
+                locs.append(gx_local)
+            return [out] + locs
+
+        with torch.random.fork_rng(devices=[]):  # the trace's draws are not the step's: eager's order is kept
+            result = capture(joint, inputs)
+        if result.program is None:
+            return result.refused
+        try:
+            parts = split_joint(result.program, n_primals, 1)
+        except SplitError as e:
+            return str(e)
+        for gm in (parts.forward, parts.backward):  # collectives inside the stage: start early, wait late
+            sink_waits(gm)
+            hoist_starts(gm)
+        return _Programs(parts.forward, parts.backward, parts.num_saved, got["specs"], result.records, got["out"])
+
+    @staticmethod
+    def _rank() -> int:
+        from autoparallel import runtime
+        return runtime.get_rank()
+
+    def _run(self, progs: _Programs, x: Any, t: Any) -> Replayed:
+        _, state = self._state()
+        inputs = state + [layout.local_of(x)] + ([] if t is None else [layout.local_or_plain(t)])
+        outs = progs.forward(*inputs)
+        replay(progs.records)
+        value = outs[0] if progs.out is None else layout.wrap(outs[0], progs.out[0], progs.out[1])
+        return Replayed(value, tuple(outs[1:]), progs)
+
+    # ---- backward ----------------------------------------------------------------------------
+    def backward(self, done: Replayed, grad_out: torch.Tensor | None) -> torch.Tensor | None:
+        """The backward of a replayed forward: parameters' gradients added into ``.grad``; returns
+        the input's gradient (this rank's shard in the layout the runner sends; None: first chunk)."""
+        progs = done.programs
+        grads = progs.backward(*done.saved, *([] if grad_out is None else [grad_out]))
+        params, _ = self._state()
+        trained = [p for p in params if p.requires_grad]
+        k = 0
+        with torch.no_grad():
+            for p, spec in zip(trained, progs.grad_specs):
+                if spec is None:
+                    continue
+                g = grads[k]
+                k += 1
+                if p.grad is None:
+                    p.grad = layout.wrap(g, spec)
+                elif layout.spec_or_none(p.grad) == spec and layout.scaled_raw(p.grad) is None:
+                    layout.set_local_(p.grad, layout.local_of(p.grad) + g)
+                else:
+                    p.grad = p.grad + layout.wrap(g, spec)
+        return grads[k] if k < len(grads) else None

@@ -1,0 +1,77 @@
+"""Split a captured forward-and-backward program into a forward program and a backward program.
+
+A pipeline schedule runs a chunk's forward and its backward at different times (1F1B), so a
+chunk captured as one joint program (forward, then ``autograd.grad`` of its output) is cut in
+two: the forward program computes the forward outputs and returns, next to them, the values the
+backward needs (*saved* values: activations, and program inputs the backward reads); the
+backward program takes the saved values and the output gradients ("tangents") and returns the
+gradients. Every node runs in exactly one of the two, in its original order, so the two
+programs together compute what the joint one computes, op for op.
+
+Which side a node is on: the forward side is every node recorded before the last forward output
+(the forward phase of the trace), the rest is the backward, so each side keeps its in-place
+writes in their order. The forward outputs must not read an output gradient (``SplitError``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+class SplitError(ValueError):
+    """The joint program cannot be split safely (the reason is the message)."""
+
+
+@dataclass(frozen=True)
+class Split:
+    """The two programs: ``forward(*primals) -> (*outputs, *saved)`` and
+    ``backward(*saved, *tangents) -> grads``."""
+
+    forward: torch.fx.GraphModule
+    backward: torch.fx.GraphModule
+    num_outputs: int
+    num_saved: int
+
+
+def split_joint(gm: torch.fx.GraphModule, num_primals: int, num_outputs: int) -> Split:
+    """Cut ``gm`` (placeholders: ``num_primals`` primals, then tangents; output: a flat tuple of
+    ``num_outputs`` forward outputs, then the gradients) into forward and backward programs."""
+    graph = gm.graph
+    places = [n for n in graph.nodes if n.op == "placeholder"]
+    primals, tangents = places[:num_primals], places[num_primals:]
+    out_node = next(n for n in graph.nodes if n.op == "output")
+    outs = list(out_node.args[0])
+    fwd_outs, grads = outs[:num_outputs], outs[num_outputs:]
+    # the forward side: every node recorded before the last forward output (the forward phase of
+    # the joint trace; autograd.grad starts after it), so in-place writes stay on their side and
+    # in their order
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    bound = max((order[o] for o in fwd_outs if isinstance(o, torch.fx.Node)), default=-1)
+    forward = {n for n in graph.nodes if order[n] <= bound and n.op == "call_function"}
+    if any(t in forward or any(u in forward for u in t.users) for t in tangents):
+        raise SplitError("a forward output depends on an output gradient")
+    backward = [n for n in graph.nodes if n.op == "call_function" and n not in forward]
+    needed = {i for n in backward for i in n.all_input_nodes} | {g for g in grads if isinstance(g, torch.fx.Node)}
+    saved = [n for n in graph.nodes if n in needed and (n in forward or n in primals)]
+
+    fg = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    for p in primals:
+        env[p] = fg.placeholder(p.name)
+    for n in graph.nodes:
+        if n in forward:
+            env[n] = fg.node_copy(n, lambda a: env[a])
+    fg.output(tuple(env[o] if isinstance(o, torch.fx.Node) else o for o in fwd_outs) + tuple(env[s] for s in saved))
+
+    bg = torch.fx.Graph()
+    benv: dict[torch.fx.Node, torch.fx.Node] = {}
+    for s in saved:
+        benv[s] = bg.placeholder("saved_" + s.name)
+    for t in tangents:
+        benv[t] = bg.placeholder(t.name)
+    for n in backward:
+        benv[n] = bg.node_copy(n, lambda a: benv[a])
+    bg.output(tuple(benv[g] if isinstance(g, torch.fx.Node) else g for g in grads))
+    return Split(torch.fx.GraphModule(gm, fg), torch.fx.GraphModule(gm, bg), len(fwd_outs), len(saved))

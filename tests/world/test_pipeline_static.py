@@ -1,0 +1,128 @@
+"""Static pipelines (``Pipeline(..., static=True)``): each chunk's forward and backward captured
+once and replayed per micro-batch train exactly as the eager pipeline (4 gloo ranks, 2 stage
+meshes of 2 ranks; data parallel or tensor parallel inside a stage; FThenB, 1F1B and
+Interleaved1F1B; dropout draws eager's masks) and like one process."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import autoparallel as ap
+from autoparallel import Shard
+from autoparallel.pipeline import Pipeline, split_sequential
+from autoparallel.static.chunk import _Programs
+
+D, BATCH, STEPS = 8, 8, 4
+
+
+class Block(nn.Module):
+    def __init__(self, p: float = 0.0, item: bool = False) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(D, 2 * D), nn.Linear(2 * D, D)
+        self.drop = nn.Dropout(p)
+        self.item = item
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x)
+        h.mul_(1.0)  # an in-place write on an activation stays in the forward program
+        h = torch.tanh(h)
+        if self.item and self.training and float(h.abs().sum()) > 1e9:  # data-dependent Python: never true, but read
+            h = h * 0
+        return x + self.drop(self.fc2(h))
+
+
+def _mse(y: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    return (y - t).square().mean()
+
+
+def _train(rank: int, static: bool, schedule: str, chunks: int, tp: bool, p: float, item: bool = False) -> dict[str, Any]:
+    torch.manual_seed(0)
+    x, t = torch.randn(BATCH, D), torch.randn(BATCH, D)
+    ref = nn.Sequential(*[Block(p, item=item and i == 3) for i in range(4)])
+    model = copy.deepcopy(ref)
+    names = ["tp"] if tp else ["dp"]
+    meshes = [ap.ProcessMesh([0, 1], dim_names=names), ap.ProcessMesh([2, 3], dim_names=names)]
+    plan = {"*.fc1": ap.ColWiseParallel(), "*.fc2": ap.RowWiseParallel()} if tp else None
+    stages = split_sequential(model, meshes, num_chunks=chunks, plan=plan)
+    pipe = Pipeline(stages, _mse, num_microbatches=4 if chunks == 1 else 4, schedule=schedule, static=static)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    place = [ap.Replicate()] if tp else [Shard(0)]
+    losses, kinds = [], []
+    torch.manual_seed(1)  # the dropout masks' stream
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(STEPS):
+            opt.zero_grad()
+            loss = pipe.step(ap.shard_tensor(x, meshes[0], place), ap.shard_tensor(t, meshes[-1], place))
+            opt.step()
+            losses.append(float(loss.full_tensor()) if rank in meshes[-1] else None)
+            kinds.append(sorted(type(v).__name__ for c in pipe.programs.values() for v in c._programs.values()))
+    params = {n: q.full_tensor().detach().clone() for n, q in model.named_parameters() if rank in q.process_mesh}
+    return {"losses": losses, "params": params, "kinds": kinds,
+            "warnings": [str(w.message) for w in caught if "autoparallel" in str(w.message)],
+            "programs": sum(isinstance(v, _Programs) for c in pipe.programs.values() for v in c._programs.values())}
+
+
+def _reference(schedule: str, chunks: int, p: float) -> list[float]:
+    torch.manual_seed(0)
+    x, t = torch.randn(BATCH, D), torch.randn(BATCH, D)
+    ref = nn.Sequential(*[Block(p) for _ in range(4)])
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    out = []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        loss = _mse(ref(x), t)
+        loss.backward()
+        opt.step()
+        out.append(loss.item())
+    return out
+
+
+@pytest.mark.parametrize("schedule, chunks, tp", [
+    ("FThenB", 1, False), ("1F1B", 1, False), ("Interleaved1F1B", 2, False), ("1F1B", 1, True),
+], ids=["fthenb-dp", "1f1b-dp", "interleaved-dp", "1f1b-tp"])
+def test_static_pipeline_equals_eager_and_one_process(world4: Any, schedule: str, chunks: int, tp: bool) -> None:
+    eager = world4.run(_train, False, schedule, chunks, tp, 0.0)
+    static = world4.run(_train, True, schedule, chunks, tp, 0.0)
+    ref = _reference(schedule, chunks, 0.0)
+    for rank, (e, s) in enumerate(zip(eager, static)):
+        assert s["warnings"] == [], s["warnings"]
+        assert s["losses"] == e["losses"]  # the same local ops: bitwise
+        for name, v in e["params"].items():
+            torch.testing.assert_close(s["params"][name], v, rtol=1e-6, atol=1e-7, msg=name)
+        if rank >= 2:
+            torch.testing.assert_close(torch.tensor(s["losses"]), torch.tensor(ref), rtol=1e-5, atol=1e-7)
+        # micro-batch 1 eager, micro-batch 2 captures, then replays: every chunk of this rank has a program
+        assert s["programs"] == chunks and s["kinds"][-1] == ["_Programs"] * chunks
+
+
+def test_static_pipeline_draws_the_eager_dropout_masks(world4: Any) -> None:
+    eager = world4.run(_train, False, "1F1B", 1, False, 0.3)
+    static = world4.run(_train, True, "1F1B", 1, False, 0.3)
+    for e, s in zip(eager, static):
+        assert s["losses"] == e["losses"]
+        for name, v in e["params"].items():
+            torch.testing.assert_close(s["params"][name], v, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_an_uncapturable_chunk_stays_eager_with_one_warning(world4: Any) -> None:
+    eager = world4.run(_train, False, "1F1B", 1, False, 0.0, True)
+    static = world4.run(_train, True, "1F1B", 1, False, 0.0, True)
+    for rank, (e, s) in enumerate(zip(eager, static)):
+        assert s["losses"] == e["losses"]
+        if rank < 2:  # the first stage captures
+            assert s["warnings"] == [] and s["programs"] == 1
+        else:         # the last stage reads a Python value: one warning, eager from then on
+            assert len(s["warnings"]) == 1 and "runs eagerly" in s["warnings"][0] and "Python value" in s["warnings"][0]
+            assert s["programs"] == 0
+
+
+def test_static_must_be_a_bool() -> None:
+    with pytest.raises(TypeError, match="static must be a bool"):
+        Pipeline([], _mse, num_microbatches=2, static="yes")  # type: ignore[arg-type]
