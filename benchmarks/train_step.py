@@ -188,7 +188,10 @@ def _torch_tp(model: Any, tp_mesh: Any, sp: bool) -> None:
         model.pos.weight = nn.Parameter(distribute_tensor(model.pos.weight.data, tp_mesh, [Replicate()]))
 
 
-def build_torch(layout: str, cfg: Any, x: torch.Tensor, y: torch.Tensor) -> tuple[nn.Module, Any, Callable[[], float]]:
+def build_torch(layout: str, cfg: Any, x: torch.Tensor, y: torch.Tensor,
+                compiled: bool = False) -> tuple[nn.Module, Any, Callable[[], float]]:
+    """torch's own parallelization of the GPT for ``layout``; ``compiled``: its forward under
+    ``torch.compile`` (inductor; the backward is compiled through AOT autograd)."""
     from gpt_model import GPT, lm_loss
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import loss_parallel
@@ -224,15 +227,16 @@ def build_torch(layout: str, cfg: Any, x: torch.Tensor, y: torch.Tensor) -> tupl
         fully_shard(model, mesh=mesh)
         xs, ys = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
     opt = _adamw(model)
+    run = torch.compile(model) if compiled else model
 
     def step() -> float:
         if parallel_loss:
             with loss_parallel():
-                loss = lm_loss(model(xs), ys)
+                loss = lm_loss(run(xs), ys)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
         else:
-            loss = lm_loss(model(xs), ys)
+            loss = lm_loss(run(xs), ys)
             opt.zero_grad(set_to_none=True)
             loss.backward()
         opt.step()

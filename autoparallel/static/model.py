@@ -9,8 +9,9 @@ Per input signature (mode, autograd on/off, each input's layout or plain shape a
 parameters' layouts and ``requires_grad``, the modules' hooks and train/eval flags) the first call runs eagerly (it warms the engine's decisions), the
 second is captured (``autoparallel.static.capture``: it runs for real and is recorded), and
 later calls replay the recorded program on the current local shards. What the program covers:
-forward, loss and backward. The optimizer step runs after it as in eager mode, on the same
-parameter and state objects (``shard_optimizer`` reduces gradients in buckets there), so LR
+forward, loss, backward and (for a ``shard_optimizer`` optimizer, without gradient merge) its
+bucketed gradient reductions. The optimizer step runs after it as in eager mode, on the same
+parameter and state objects, so LR
 schedulers, ``param_groups``, ``model.state_dict()`` and ``ap.save_state_dict`` see exactly
 what eager training gives them, and Python scalars of the step (lr, betas, weight decay) are
 read at every step, never baked into the program.

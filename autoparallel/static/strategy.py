@@ -15,13 +15,15 @@ class Strategy:
       summed, divided by ``accumulate_steps`` and stepped once, on the last call of each group
       (equal micro-batches of a mean loss: the step of the whole batch).
     - ``bucket_bytes``: the gradient bucket size of a ``shard_optimizer`` optimizer (its
-      reductions run after the captured backward); None keeps the optimizer's.
+      reductions are part of the captured program); None keeps the optimizer's.
     - ``compile``: None replays the captured program as it is; ``"inductor"`` compiles it with
       ``torch.compile(backend="inductor")`` first (falls back to the plain program, with a
       warning, where compiling fails).
-    - ``overlap``: each collective of the program waits only where its result is first needed
-      (``passes.sink_waits``), so the compute in between overlaps the communication. The
-      values are the same either way.
+    - ``overlap``: each collective of the program starts as soon as its input exists
+      (``passes.hoist_starts``: gradient buckets during the backward, ZeRO-3 all-gathers one
+      unit ahead) and is waited for only where its result is first needed
+      (``passes.sink_waits``), so compute overlaps the communication. The values are the same
+      either way.
     """
 
     accumulate_steps: int = 1
