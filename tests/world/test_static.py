@@ -62,7 +62,7 @@ def _build(kind: str, **model_kw: Any) -> tuple[nn.Module, Any, Any, Callable[[t
         for m in (model.fc1, model.fc2):
             m.weight = ap.shard_tensor(m.weight, mesh, [R])
             m.bias = ap.shard_tensor(m.bias, mesh, [R])
-        stage = {"dp": None, "zero1": ap.ShardingStage1, "zero3": ap.ShardingStage3}[kind]
+        stage = {"dp": None, "zero1": ap.ShardingStage1, "zero2": ap.ShardingStage2, "zero3": ap.ShardingStage3}[kind]
         inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
         opt = ap.shard_optimizer(inner, stage(mesh) if stage is not None else None)
         placements = [S0]
@@ -139,7 +139,7 @@ def _assert_equal(eager: tuple[list[float], list[torch.Tensor], list[dict]], sta
     assert static["comms"] == ec  # the replayed program issues what eager issues
 
 
-@pytest.mark.parametrize("kind", ["dp", "dp_tp", "zero1", "zero3"])
+@pytest.mark.parametrize("kind", ["dp", "dp_tp", "zero1", "zero2", "zero3"])
 def test_static_training_equals_eager(world4: Any, kind: str) -> None:  # type: ignore[no-untyped-def]
     for res in world4.run(_compare, kind):
         st = res["static"]
