@@ -9,7 +9,9 @@ alternating rounds of timed steps: ours eager, ours static, with ``--inductor`` 
 compiled by inductor, and torch eager (DDP / parallelize_module / FSDP2). Printed: step times
 (median over rounds of the mean step, slowest rank), eager/static speed-up, static/torch ratio,
 the time of the capturing call (the slowest warm-up call after the first), and whether static trains
-exactly as eager (losses of every step, relative difference).
+exactly as eager (losses of every step, relative difference). ``--torch-compile`` adds torch.compile
+of torch's parallelized model (step time, compile time; failures reported); ``--comm-share`` the share
+of each side's step blocked in communication (issuing or waiting: not overlapped with compute).
 
 Targets from the issue: static >= 3x faster than eager on TP at width 64; static <= 0.9x torch
 eager on every layout. PASS/FAIL lines are measurements, printed as they come out.
@@ -65,12 +67,34 @@ def measure(layout: str, cfg: Any, x: torch.Tensor, y: torch.Tensor, args: argpa
             out[name]["losses"] += losses
     for name in sides:
         out[name]["step_s"] = statistics.median(out[name]["times"])
+    if args.comm_share:
+        for name, step in sides.items():
+            out[name]["comm_share"] = comm_share(step)
     if "inductor" in out:  # a failed compile replays the plain program: its warm-up is still timed
         out["inductor"]["capture_s"] = out["inductor"].get("capture_s", 0.0)
     for name in [n for n in sides if n not in ("eager", "torch")]:
         a, b = out[name]["losses"], out["eager"]["losses"]
         out[name]["rel_diff"] = max(abs(p - q) / abs(q) for p, q in zip(a, b))
     return out
+
+
+COMM_EVENTS = ("wait_tensor", "c10d::", "gloo:", "_c10d_functional::")
+
+
+def comm_share(step: Any, steps: int = 3) -> float:
+    """The share of a step's wall time this rank spends blocked in communication (issuing or
+    waiting for a collective: the part not overlapped with its own compute), mean over ranks.
+    On 4 ranks sharing 2 cores it also counts waiting for ranks that are not running."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+    wall = time.perf_counter() - t0
+    blocked = sum(e.self_cpu_time_total for e in prof.key_averages() if any(k in e.key for k in COMM_EVENTS)) / 1e6
+    share = torch.tensor([blocked / wall])
+    dist.all_reduce(share)
+    return float(share) / WORLD
 
 
 def _worker(rank: int, path: str, args: argparse.Namespace, result_path: str) -> None:
@@ -129,6 +153,10 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> bool:
         print(f"static {layout}: best static / torch.compile = {best / tc['step_s']:.2f} (target <= 1.0): "
               f"{'PASS' if passed else 'FAIL'}; capture {r['static']['capture_s']:.1f} s vs compile "
               f"{tc['capture_s']:.1f} s: {'PASS' if fast else 'FAIL'}")
+    if args.comm_share:
+        for layout, r in results.items():
+            print(f"{layout}: blocked in communication (share of the step): "
+                  + ", ".join(f"{n} {r[n]['comm_share']:.0%}" for n in r if "comm_share" in r[n]))
     same = all(r["static"]["rel_diff"] <= 1e-5 for r in results.values())
     print(f"static trains as eager (loss rel. diff <= 1e-5 on every layout): {'PASS' if same else 'FAIL'}")
     return ok and same
@@ -138,6 +166,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ts.add_model_args(p)
     p.add_argument("--inductor", action="store_true", help="also time the static program compiled by inductor")
+    p.add_argument("--comm-share", action="store_true",
+                   help="also profile each side: the share of the step blocked in communication (not overlapped)")
     p.add_argument("--torch-compile", action="store_true",
                    help="also time torch.compile of torch's parallelized model (compiles for minutes on this machine)")
     args = p.parse_args()
