@@ -293,16 +293,17 @@ def test_plan_buckets_pending_gradients_with_the_others() -> None:
     stats = [0, 0, 0, None, None]
     slots = [SlotLayout(None, None)] * 5
     plan = plan_reduction(specs, stats, slots, scatters=False, bucket_bytes=1 << 20)
-    # axis 0: one bucket; pending members (0, 1) are scaled after it, 4 is not pending; axis 1:
-    # member 1 again, scaled already by its first collective
+    # axis 0: one bucket, filled from the last parameter (the backward's first gradients); pending
+    # members (1, 0) are scaled after it, 4 is not pending; axis 1: member 1 again, scaled
+    # already by its first collective
     assert [(op.axis, op.kind, op.members, op.stats) for op in plan] == [
-        (0, "ar", (0, 1, 4), (0, 0, None)), (1, "ar", (1,), (None,))]
+        (0, "ar", (4, 1, 0), (None, 0, 0)), (1, "ar", (1,), (None,))]
     assert plan[0].stat is None and plan[1].stat is None
     assert plan[0].targets == (_spec(mesh, [R, R]), _spec(mesh, [R, P]), _spec(mesh, [R, R]))
     # the same inputs give the same plan (every rank plans alike); small buckets split it
     assert plan_reduction(specs, stats, slots, False, 1 << 20) == plan
     small = plan_reduction(specs, stats, slots, False, 8 * 4 * 4)
-    assert [(op.members, op.stat) for op in small if op.axis == 0] == [((0,), 0), ((1,), 0), ((4,), None)]
+    assert [(op.members, op.stat) for op in small if op.axis == 0] == [((4,), None), ((1,), 0), ((0,), 0)]
 
 
 @pytest.mark.pure  # single process, no world
@@ -311,7 +312,7 @@ def test_plan_scatters_the_data_parallel_axis_first_for_zero2() -> None:
     spec = _spec(mesh, [Partial("sum")])
     shard = _spec(mesh, [S0])
     plan = plan_reduction([spec, spec], [0, 0], [SlotLayout(0, shard)] * 2, scatters=True, bucket_bytes=1 << 20)
-    assert [(op.kind, op.members, op.dims, op.stat) for op in plan] == [("rs", (0, 1), (0, 0), 0)]
+    assert [(op.kind, op.members, op.dims, op.stat) for op in plan] == [("rs", (1, 0), (0, 0), 0)]
     assert plan[0].targets == (shard, shard)
 
 
