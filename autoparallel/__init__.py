@@ -18,6 +18,12 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from autoparallel import errors as _errors
+
+# Under torchrun (WORLD_SIZE > 1), an uncaught ValueError/TypeError — a user error every rank
+# raises alike — is printed once, as one line (autoparallel/errors.py; AUTOPARALLEL_DEBUG=1: off).
+_errors.install()
+
 # public name -> the module that defines it
 _EXPORTS: dict[str, str] = {
     # values
