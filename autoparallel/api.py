@@ -6,16 +6,17 @@ Each validates everything it can from metadata alone — raising the same ``Valu
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from autoparallel import runtime
-from autoparallel.runtime import groups
 from autoparallel.engine import layout
 from autoparallel.engine.dtensor import DistTensor
 from autoparallel.mesh import ProcessMesh
 from autoparallel.placement import Placement, Shard, check_placement
+from autoparallel.runtime import agree, groups
 from autoparallel.spec import DistSpec
 
 ShardOrder = Sequence[tuple[int, Sequence[int]]] | dict[int, Sequence[int]] | None
@@ -46,6 +47,12 @@ def _local_device(t: torch.Tensor) -> torch.Tensor:
     return t.to(dev) if t.device.type != dev.type else t
 
 
+def _describe(spec: DistSpec) -> str:
+    """The metadata every rank must pass alike, as text (for the agreement check)."""
+    order = f", shard order {spec.shard_order}" if spec.shard_order else ""
+    return f"shape {list(spec.shape)}, {spec.dtype}, placements {list(spec.placements)}{order}"
+
+
 def shard_tensor(
     data: Any,
     mesh: ProcessMesh,
@@ -71,6 +78,7 @@ def shard_tensor(
     if dtype is not None:
         data = data.to(dtype)
     spec = DistSpec(mesh, placements, tuple(data.shape), data.dtype, _order(shard_order))
+    agree.check("shard_tensor", mesh, lambda: _describe(spec), lambda: agree.checksum(data))
     requires_grad = data.requires_grad if stop_gradient is None else not stop_gradient
     if is_param:
         with torch.no_grad():
@@ -111,6 +119,7 @@ def dtensor_from_local(
                 g[p.dim % local.dim()] *= mesh.shape[a]
         shape = g
     spec = DistSpec(mesh, placements, tuple(int(s) for s in shape), local.dtype, _order(shard_order))
+    agree.check("dtensor_from_local", mesh, lambda: _describe(spec))
     expected = spec.local_shape(coord)
     if coord is not None and tuple(local.shape) != expected:
         raise ValueError(
@@ -131,6 +140,8 @@ def reshard(x: DistTensor, mesh: ProcessMesh, placements: Sequence[Placement], *
     mesh = _check_mesh(mesh, "reshard")
     src = layout.spec_of(x)
     dst = DistSpec(mesh, placements, src.shape, src.dtype, _order(shard_order))
+    agree.check("reshard", mesh, lambda: f"{_describe(src)} -> {list(dst.placements)}"
+                + (f" order {dst.shard_order}" if dst.shard_order else ""))
     if dst == src:
         return x
     return layout.reshard(x, dst)

@@ -78,7 +78,7 @@ def _lowest_reporter(rank: int, message: str) -> bool:
                     continue
             else:
                 store.wait([key], datetime.timedelta(seconds=left))
-        except Exception:  # noqa: BLE001  (a store timeout: that rank did not raise)
+        except Exception:  # noqa: BLE001, S112  (a store timeout: that rank did not raise)
             continue
         if store.get(key).decode(errors="replace") == message:
             return False
@@ -93,7 +93,7 @@ def _store() -> Any:
     if dist.is_available() and dist.is_initialized():
         try:
             return dist.distributed_c10d._get_default_store()
-        except Exception:  # noqa: BLE001  (private API: fall back to the launcher's store)
+        except Exception:  # noqa: BLE001, S110  (private API: fall back to the launcher's store)
             pass
     host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if not host or not port:

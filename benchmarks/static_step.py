@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # after the repo root: benchmarks/reshard.py must not hide reshard/
-import train_step as ts  # noqa: E402  (the same models, layouts and torch baselines)
+import train_step as ts
 
 WORLD = ts.WORLD
 
@@ -53,7 +53,7 @@ def measure(layout: str, cfg: Any, x: torch.Tensor, y: torch.Tensor, args: argpa
                 t0 = time.perf_counter()
                 out[name]["losses"].append(step())
                 calls.append(ts._max_over_ranks(int((time.perf_counter() - t0) * 1e6)) / 1e6)
-        except Exception as e:  # noqa: BLE001  (torch.compile of a parallelized model may fail: reported)
+        except Exception as e:
             if name != "torch.compile":
                 raise
             out[name] = {"failed": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"}
@@ -68,6 +68,8 @@ def measure(layout: str, cfg: Any, x: torch.Tensor, y: torch.Tensor, args: argpa
             out[name]["losses"] += losses
     for name in sides:
         out[name]["step_s"] = statistics.median(out[name]["times"])
+    for name, step in sides.items():
+        out[name]["cpu_s"] = cpu_per_step(step, args.steps)
     if args.comm_share:
         for name, step in sides.items():
             out[name]["comm_share"] = comm_share(step)
@@ -105,6 +107,19 @@ def _ranged_collectives() -> Any:
             setattr(comm, n, fn)
 
 
+def cpu_per_step(step: Any, steps: int) -> float:
+    """CPU seconds one rank's process uses per step (all its threads), mean over ranks: what a
+    side costs the machine, apart from waiting. With 4 ranks on 2 cores the step time cannot
+    fall below about 2x this."""
+    dist.barrier()
+    t0 = time.process_time()
+    for _ in range(steps):
+        step()
+    cpu = torch.tensor([(time.process_time() - t0) / steps])
+    dist.all_reduce(cpu)
+    return float(cpu) / WORLD
+
+
 def comm_share(step: Any, steps: int = 3) -> float:
     """The share of a step's wall time this rank spends blocked in communication (issuing or
     waiting for a collective: the part not overlapped with its own compute), mean over ranks:
@@ -114,7 +129,7 @@ def comm_share(step: Any, steps: int = 3) -> float:
     cores a wait also covers ranks that are not running."""
     dist.barrier()
     t0 = time.perf_counter()
-    with _ranged_collectives(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    with _ranged_collectives(), ts.quiet_profiler(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             step()
     wall = time.perf_counter() - t0
@@ -187,6 +202,9 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> bool:
         print(f"static {layout}: best static / torch.compile = {best / tc['step_s']:.2f} (target <= 1.0): "
               f"{'PASS' if passed else 'FAIL'}; capture {r['static']['capture_s']:.1f} s vs compile "
               f"{tc['capture_s']:.1f} s: {'PASS' if fast else 'FAIL'}")
+    for layout, r in results.items():
+        print(f"{layout}: CPU per rank per step: " + ", ".join(f"{n} {r[n]['cpu_s'] * 1e3:.1f} ms" for n in r if "cpu_s" in r[n])
+              + f" (eager/static CPU {r['eager']['cpu_s'] / r['static']['cpu_s']:.2f}x)")
     if args.comm_share:
         for layout, r in results.items():
             print(f"{layout}: blocked in communication (share of the step): "

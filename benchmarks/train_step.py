@@ -51,18 +51,20 @@ optimizer bytes per rank: 0.250 of replicated on both sides.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import sys
 import tempfile
 import time
-from typing import Any, Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.nn as nn
+from torch import nn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -93,11 +95,28 @@ def param_opt_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
     return sum(_local(t).numel() * _local(t).element_size() for t in tensors)
 
 
+@contextlib.contextmanager
+def quiet_profiler() -> Iterator[None]:
+    """Silence the profiler's own C++ log lines (``USDT: ... profiler_start``), which this torch
+    build writes to the process's stderr at every start and stop: file descriptor 2 points at
+    /dev/null meanwhile (Python-level errors still raise normally)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
 def peak_rise(fn: Callable[[], Any]) -> int:
     """Highest rise of live CPU tensor bytes while ``fn`` runs (torch.profiler memory events)."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with quiet_profiler(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     live = peak = 0
     events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]  # type: ignore[union-attr]
@@ -111,9 +130,10 @@ def peak_rise(fn: Callable[[], Any]) -> int:
 def build_ours(layout: str, cfg: Any, x: torch.Tensor, y: torch.Tensor,
                static: str | None = None) -> tuple[nn.Module, Any, Callable[[], float]]:
     """Ours for ``layout``; ``static`` ("plain" or "inductor"): the step runs through ``ap.to_static``."""
-    import autoparallel as ap
     import train_gpt
     from gpt_model import GPT, lm_loss
+
+    import autoparallel as ap
 
     torch.manual_seed(0)
     model = GPT(cfg)
@@ -146,7 +166,7 @@ def build_ours(layout: str, cfg: Any, x: torch.Tensor, y: torch.Tensor,
         dm = ap.to_static(model, loss=lm_loss, optimizer=opt,
                           strategy=ap.Strategy(compile=None if static == "plain" else static))
 
-        def step() -> float:  # noqa: F811  (the same step, captured)
+        def step() -> float:
             return train_gpt.scalar(dm(xs, ys))
 
     return model, opt, step
@@ -155,8 +175,12 @@ def build_ours(layout: str, cfg: Any, x: torch.Tensor, y: torch.Tensor,
 # ---- torch -----------------------------------------------------------------------------------
 def _torch_tp_plan(sp: bool) -> dict[str, Any]:
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   SequenceParallel)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
 
     if not sp:
         return {"tok": RowwiseParallel(input_layouts=Replicate()),

@@ -59,6 +59,12 @@ def functional_collectives() -> Iterator[None]:
         _FUNCTIONAL[0] = before
 
 
+def capturing() -> bool:
+    """Whether collectives are being recorded into a captured program (``functional_collectives``):
+    control messages (the agreement checks) stay out of programs."""
+    return _FUNCTIONAL[0]
+
+
 class _Done:
     """The work of a collective that has completed (functional collectives wait at once)."""
 

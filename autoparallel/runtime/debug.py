@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 _ACTIVE: list["CommDebugMode"] = []
 
@@ -66,8 +67,22 @@ class CommDebugMode:
         return "\n".join(lines)
 
 
+_PAUSED = [0]  # > 0 while control messages run (``unrecorded``)
+
+
+@contextlib.contextmanager
+def unrecorded() -> Iterator[None]:
+    """Collectives issued inside are control messages (the SPMD agreement checks), not the
+    program's communication: ``CommDebugMode`` does not record them."""
+    _PAUSED[0] += 1
+    try:
+        yield
+    finally:
+        _PAUSED[0] -= 1
+
+
 def record(kind: str, mesh: Any, axis: int | None, group: tuple[int, ...], sent: int, recv: int) -> None:
-    if _ACTIVE:
+    if _ACTIVE and not _PAUSED[0]:
         rec = CommRecord(kind, mesh, axis, tuple(group), int(sent), int(recv))
         for mode in _ACTIVE:
             mode.records.append(rec)

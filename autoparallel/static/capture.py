@@ -22,8 +22,9 @@ generator when it runs, in the order eager would: dropout masks equal eager's fo
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx

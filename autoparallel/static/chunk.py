@@ -28,8 +28,9 @@ output reading the output gradient) runs eagerly from then on, after one warning
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 

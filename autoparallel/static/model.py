@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import warnings
 from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -84,7 +85,7 @@ class DistModel:
         self._apply_mode()
 
     # ---- modes -------------------------------------------------------------------------------
-    def train(self) -> "DistModel":
+    def train(self) -> DistModel:
         """Calls train: forward, loss, backward, optimizer step (every ``accumulate_steps`` calls)."""
         if self.loss is None or self.optimizer is None:
             raise ValueError("DistModel.train(): to_static was given no loss or no optimizer")
@@ -92,7 +93,7 @@ class DistModel:
         self._apply_mode()
         return self
 
-    def eval(self) -> "DistModel":
+    def eval(self) -> DistModel:
         """Calls evaluate: forward and loss, no update."""
         if self.loss is None:
             raise ValueError("DistModel.eval(): to_static was given no loss")
@@ -100,7 +101,7 @@ class DistModel:
         self._apply_mode()
         return self
 
-    def predict(self) -> "DistModel":
+    def predict(self) -> DistModel:
         """Calls predict: forward only; returns the model's outputs."""
         self._mode = PREDICT
         self._apply_mode()

@@ -4,6 +4,7 @@ along their dependencies); the world tests in tests/world/test_static.py check t
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pytest
@@ -91,7 +92,7 @@ def test_a_prefetch_runs_at_most_one_collective_ahead() -> None:
     at = _order(gm).index
     # the first gather has no floor: it goes to the top, before any compute
     assert at(names[0][1]) < at(first_compute.name)
-    for prev, cur in zip(names, names[1:]):
+    for prev, cur in itertools.pairwise(names):
         # the next unit's gather starts right after this unit's wait, before this unit's compute ends
         assert at(prev[2]) < at(cur[1]) < at(prev[3])
 

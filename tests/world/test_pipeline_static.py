@@ -50,7 +50,7 @@ def _train(rank: int, static: bool, schedule: str, chunks: int, tp: bool, p: flo
     meshes = [ap.ProcessMesh([0, 1], dim_names=names), ap.ProcessMesh([2, 3], dim_names=names)]
     plan = {"*.fc1": ap.ColWiseParallel(), "*.fc2": ap.RowWiseParallel()} if tp else None
     stages = split_sequential(model, meshes, num_chunks=chunks, plan=plan)
-    pipe = Pipeline(stages, _mse, num_microbatches=4 if chunks == 1 else 4, schedule=schedule, static=static)
+    pipe = Pipeline(stages, _mse, num_microbatches=4, schedule=schedule, static=static)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     place = [ap.Replicate()] if tp else [Shard(0)]
     losses, kinds = [], []

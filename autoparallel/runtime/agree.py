@@ -1,0 +1,132 @@
+"""SPMD agreement: every rank of a mesh passed the same metadata to an entry point.
+
+``shard_tensor``, ``dtensor_from_local`` and ``reshard`` take a global shape, dtype, mesh and
+placements that every rank must pass alike (SPMD). A rank passing something else used to be
+accepted and then fail far away: gloo aborting a mismatched collective, a hang, or silently
+wrong values (Shard(0) against Shard(1) on a square tensor). ``check`` compares a 64-bit digest
+of the metadata over the mesh with one tiny all-reduce per mesh axis (the max of the digest and
+of its negation: equal everywhere iff min == max; control messages, which ``CommDebugMode``
+does not record), and on a mismatch gathers the descriptions so
+that every rank raises the same ``ValueError`` naming the first rank that differs from the
+mesh's first rank and both values — before any data moves.
+
+When it runs: the first ``SETUP_CALLS`` calls of each entry point on each mesh (the set-up:
+laying out parameters, the first batches), which every member makes in the same order, so every
+member takes part in the same checks. ``AUTOPARALLEL_CHECK=1`` checks every call and adds a
+checksum of the values for ``shard_tensor`` (whose data must be identical on every rank), like
+``TORCH_DISTRIBUTED_DEBUG=DETAIL``; ``AUTOPARALLEL_CHECK=0`` turns the checks off. A mesh of one
+rank, a rank outside the mesh, and a static capture (its eager warm-up call was checked; a
+program holds no control messages) check nothing; calls inside a capture do not count.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections import Counter
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from autoparallel.runtime import comm, groups
+from autoparallel.runtime.debug import unrecorded
+from autoparallel.runtime.world import get_rank, world_available
+
+if TYPE_CHECKING:
+    from autoparallel.mesh import ProcessMesh
+
+CHECK_VAR = "AUTOPARALLEL_CHECK"
+SETUP_CALLS = 64
+DESCRIPTION_BYTES = 480  # a description is cut to this many bytes for the gather
+
+
+class _Calls:
+    """How many calls of each (entry point, mesh) this process made: the same on every member."""
+
+    def __init__(self) -> None:
+        self.count: Counter[tuple[str, object]] = Counter()
+
+
+_CALLS = _Calls()
+
+
+def mode() -> str:
+    """``"setup"`` (default), ``"all"`` (AUTOPARALLEL_CHECK=1) or ``"off"`` (AUTOPARALLEL_CHECK=0)."""
+    raw = os.environ.get(CHECK_VAR, "").strip()
+    return {"": "setup", "1": "all", "0": "off"}.get(raw, "setup")
+
+
+def _digest(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little", signed=True)
+
+
+def checksum(t: torch.Tensor) -> str:
+    """A checksum of ``t``'s values (bytes), for comparing data across ranks."""
+    b = t.detach().contiguous().reshape(-1).view(torch.uint8).to(torch.int64)
+    if b.numel() == 0:
+        return "empty"
+    w = torch.arange(b.numel(), dtype=torch.int64) % 65521 + 1
+    return f"{int((b * w).sum())}:{int(b.sum())}"
+
+
+def check(where: str, mesh: ProcessMesh, describe: Callable[[], str],
+          values: Callable[[], str] | None = None) -> None:
+    """Raise the same ``ValueError`` on every member of ``mesh`` when they passed different
+    metadata (``describe()``) — see the module docstring for when this runs."""
+    how = mode()
+    if how == "off" or mesh.size == 1 or comm.capturing() or not world_available():
+        return  # (a capture replays what its eager warm-up call, which was checked, did)
+    key = (where, mesh)
+    n = _CALLS.count[key]
+    _CALLS.count[key] = n + 1
+    if how == "setup" and n >= SETUP_CALLS:
+        return
+    coord = mesh.coordinate_of(get_rank())
+    if coord is None:
+        return
+    text = describe()
+    if how == "all" and values is not None:
+        text += f"; values checksum {values()}"
+    groups.ensure(mesh)
+    d = _digest(text)
+    both = torch.tensor([d, -d], dtype=torch.int64)
+    with unrecorded():  # control messages, not the program's communication
+        for axis in range(mesh.ndim):
+            if mesh.shape[axis] > 1:  # a one-rank line has nothing to compare (and no group)
+                both = comm.all_reduce(both, mesh, axis, "max")
+        if int(both[0]) == d and int(both[1]) == -d:
+            return  # max == min == this rank's digest: every member agrees
+        texts = _gather(text, mesh)
+    first = texts[(0,) * mesh.ndim]
+    for c, t in sorted(texts.items()):
+        if t != first:
+            raise ValueError(
+                f"{where}: the ranks of {mesh!r} disagree (every rank must pass the same global shape, dtype, "
+                f"mesh and placements): rank {mesh.rank_at((0,) * mesh.ndim)} passed {first}; "
+                f"rank {mesh.rank_at(c)} passed {t}")
+
+
+def _gather(text: str, mesh: ProcessMesh) -> dict[tuple[int, ...], str]:
+    """Every member's description, by mesh coordinate (one all-gather per axis)."""
+    raw = text.encode()[:DESCRIPTION_BYTES]
+    buf = torch.zeros(1, DESCRIPTION_BYTES + 2, dtype=torch.uint8)
+    buf[0, 0], buf[0, 1] = len(raw) // 256, len(raw) % 256
+    buf[0, 2:2 + len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+    rows = buf
+    # gather along the last axis first, then the next: rows end up in row-major coordinate order
+    for axis in reversed(range(mesh.ndim)):
+        n = mesh.shape[axis]
+        if n == 1:
+            continue
+        rows = comm.all_gather(rows.unsqueeze(0), mesh, axis, 0, [1] * n).reshape(-1, DESCRIPTION_BYTES + 2)
+    out: dict[tuple[int, ...], str] = {}
+    shape = tuple(mesh.shape)
+    for i in range(rows.shape[0]):
+        coord, rest = [], i
+        for size in reversed(shape):
+            coord.append(rest % size)
+            rest //= size
+        length = int(rows[i, 0]) * 256 + int(rows[i, 1])
+        out[tuple(reversed(coord))] = bytes(rows[i, 2:2 + length].tolist()).decode(errors="replace")
+    return out
