@@ -193,13 +193,13 @@ def fill_value(dtype: torch.dtype, reduce_type: str) -> float | int | bool | Non
     if dtype == torch.bool:
         return not lowest
     if dtype in _ORDERED_INTS:
-        info = torch.iinfo(dtype)
-        return info.min if lowest else info.max
+        ints = torch.iinfo(dtype)
+        return ints.min if lowest else ints.max
     if dtype.is_floating_point:
         if dtype in _HAS_INF:
             return -math.inf if lowest else math.inf
-        info = torch.finfo(dtype)
-        return float(info.min if lowest else info.max)
+        floats = torch.finfo(dtype)
+        return float(floats.min if lowest else floats.max)
     return None
 
 

@@ -56,15 +56,20 @@ def render() -> str:
     return "\n".join([BEGIN, head, rule, *rows, END])
 
 
+def _read() -> str:
+    with open(DOC) as f:
+        return f.read()
+
+
 def in_doc() -> str:
-    text = open(DOC).read()
+    text = _read()
     return text[text.index(BEGIN): text.index(END) + len(END)]
 
 
 if __name__ == "__main__":
     if "--write" in sys.argv:
-        text = open(DOC).read()
-        text = text.replace(in_doc(), render())
-        open(DOC, "w").write(text)
+        text = _read().replace(in_doc(), render())
+        with open(DOC, "w") as f:
+            f.write(text)
     else:
         print(render())

@@ -330,7 +330,7 @@ def reduce_scatter(
     x = local.movedim(dim, 0)  # [size, ...rest]
     rest = tuple(x.shape[1:])
     item = local.element_size()
-    start, length = chunk_bounds(size, n, me)
+    length = chunk_bounds(size, n, me)[1]
     pieces_c = [chunk_bounds(size, n, c) for c in range(n)]
     row = _numel(rest)
     record("reduce_scatter", mesh, axis, line,

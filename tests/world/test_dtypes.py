@@ -130,9 +130,9 @@ def _check(rank: int, dtype_name: str, shape: tuple[int, int], seed: int, order:
     # reductions: all_reduce, reduce_scatter on both dims (uneven pieces), one table column each
     for t in REDUCES:
         if not is_exact(dtype, t):
-            for call in (lambda: comm.all_reduce(pieces[me], mesh, 0, t),
-                         lambda: comm.reduce_scatter(pieces[me], mesh, 0, 0, t),
-                         lambda: ap.dtensor_from_local(pieces[me], mesh, [Partial(t)])):
+            for call in (lambda t=t: comm.all_reduce(pieces[me], mesh, 0, t),
+                         lambda t=t: comm.reduce_scatter(pieces[me], mesh, 0, 0, t),
+                         lambda t=t: ap.dtensor_from_local(pieces[me], mesh, [Partial(t)])):
                 got[t] = _refused(call, dtype, t)
             continue
         want = reduce_ref(pieces, t)
