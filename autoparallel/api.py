@@ -15,8 +15,8 @@ from autoparallel import runtime
 from autoparallel.engine import layout
 from autoparallel.engine.dtensor import DistTensor
 from autoparallel.mesh import ProcessMesh
-from autoparallel.placement import Placement, Shard, check_placement
-from autoparallel.runtime import agree, groups
+from autoparallel.placement import Partial, Placement, Shard, check_placement
+from autoparallel.runtime import agree, comm, groups
 from autoparallel.spec import DistSpec
 
 ShardOrder = Sequence[tuple[int, Sequence[int]]] | dict[int, Sequence[int]] | None
@@ -33,6 +33,17 @@ def _check_placements(placements: Any, where: str) -> tuple[Placement, ...]:
     if isinstance(placements, (str, bytes)) or not isinstance(placements, Sequence):
         raise TypeError(f"{where}: placements must be a list of Replicate/Shard/Partial, got {placements!r}")
     return tuple(check_placement(p) for p in placements)
+
+
+def _check_reductions(spec: DistSpec, where: str) -> DistSpec:
+    """Refuse a Partial that ``spec.dtype`` cannot be reduced by exactly (``Partial('avg')`` on
+    bool or integers, ``max``/``min`` on complex...): its value could never be read."""
+    for p in spec.placements:
+        if isinstance(p, Partial):
+            why = comm.reduce_refusal(spec.dtype, p.reduce_type)
+            if why is not None:
+                raise ValueError(f"{where}: {p!r} on a {spec.dtype} tensor: {why}")
+    return spec
 
 
 def _order(shard_order: ShardOrder) -> tuple[tuple[int, tuple[int, ...]], ...]:
@@ -77,7 +88,7 @@ def shard_tensor(
         data = torch.as_tensor(data)
     if dtype is not None:
         data = data.to(dtype)
-    spec = DistSpec(mesh, placements, tuple(data.shape), data.dtype, _order(shard_order))
+    spec = _check_reductions(DistSpec(mesh, placements, tuple(data.shape), data.dtype, _order(shard_order)), "shard_tensor")
     agree.check("shard_tensor", mesh, lambda: _describe(spec), lambda: agree.checksum(data))
     requires_grad = data.requires_grad if stop_gradient is None else not stop_gradient
     if is_param:
@@ -119,6 +130,7 @@ def dtensor_from_local(
                 g[p.dim % local.dim()] *= mesh.shape[a]
         shape = g
     spec = DistSpec(mesh, placements, tuple(int(s) for s in shape), local.dtype, _order(shard_order))
+    _check_reductions(spec, "dtensor_from_local")
     agree.check("dtensor_from_local", mesh, lambda: _describe(spec))
     expected = spec.local_shape(coord)
     if coord is not None and tuple(local.shape) != expected:
@@ -139,7 +151,7 @@ def reshard(x: DistTensor, mesh: ProcessMesh, placements: Sequence[Placement], *
     placements = _check_placements(placements, "reshard")
     mesh = _check_mesh(mesh, "reshard")
     src = layout.spec_of(x)
-    dst = DistSpec(mesh, placements, src.shape, src.dtype, _order(shard_order))
+    dst = _check_reductions(DistSpec(mesh, placements, src.shape, src.dtype, _order(shard_order)), "reshard")
     agree.check("reshard", mesh, lambda: f"{_describe(src)} -> {list(dst.placements)}"
                 + (f" order {dst.shard_order}" if dst.shard_order else ""))
     if dst == src:

@@ -6,19 +6,21 @@ import torch
 
 from autoparallel import runtime
 from autoparallel.runtime import comm
-from autoparallel.placement import Partial, Shard
+from autoparallel.placement import Partial, Shard, chunk_bounds
 from autoparallel.spec import Box, DistSpec, intersect_boxes
 from reshard.crossmesh import CrossMeshPlan, plan_best
 from reshard.plan import (
     ALL_GATHER,
     ALL_REDUCE,
     ALL_TO_ALL,
+    FILL,
     REDUCE_SCATTER,
     RELABEL,
     SLICE,
     TO_PARTIAL,
     Plan,
     Step,
+    fill_value,
 )
 
 
@@ -27,8 +29,18 @@ def empty_local(spec: DistSpec, like: torch.Tensor) -> torch.Tensor:
     return torch.empty((0,), dtype=spec.dtype, device=like.device)
 
 
+def check_reductions(plan: Plan | CrossMeshPlan) -> None:
+    """Raise the ``ValueError`` of the first reduction in ``plan`` that its dtype cannot do
+    exactly (``comm.reduction_carry``): from metadata, so on every rank before any collective."""
+    for p in (plan.pre, plan.post) if isinstance(plan, CrossMeshPlan) else (plan,):
+        for step in p.steps:
+            if step.kind in (ALL_REDUCE, REDUCE_SCATTER):
+                comm.reduction_carry(step.src.dtype, step.src.placements[step.axis].reduce_type)  # type: ignore[union-attr]
+
+
 def run_plan(local: torch.Tensor, plan: Plan) -> torch.Tensor:
     """Apply ``plan`` to this rank's shard of ``plan.src``; returns its shard of ``plan.dst``."""
+    check_reductions(plan)
     coord = plan.src.mesh.coordinate_of(runtime.get_rank())
     if coord is None:
         return empty_local(plan.dst, local)
@@ -62,6 +74,9 @@ def _run_step(local: torch.Tensor, step: Step, coord: tuple[int, ...]) -> torch.
         if dst_p.reduce_type == "sum" and coord[a] != 0:
             return torch.zeros_like(local)
         return local
+    if kind == FILL:
+        assert isinstance(src_p, Shard) and isinstance(dst_p, Partial)
+        return _fill(local, step, coord)
     if kind == ALL_GATHER:
         assert isinstance(src_p, Shard)
         return comm.all_gather(local, mesh, a, src_p.dim, _sizes_along(step.src, coord, a, src_p.dim))
@@ -78,8 +93,23 @@ def _run_step(local: torch.Tensor, step: Step, coord: tuple[int, ...]) -> torch.
     raise AssertionError(f"unknown step kind {kind}")
 
 
+def _fill(local: torch.Tensor, step: Step, coord: tuple[int, ...]) -> torch.Tensor:
+    """S(d) -> P on one axis, no communication: this member's piece in place in its axis block,
+    the reduction's identity elsewhere (``avg``: n x the piece; the planner allows it only where
+    that is exact, see ``reshard.plan.fill_exact``)."""
+    a, dtype = step.axis, step.src.dtype
+    d = step.src.placements[a].dim  # type: ignore[union-attr]  # a Shard, checked by the caller
+    reduce_type = step.dst.placements[a].reduce_type  # type: ignore[union-attr]  # a Partial
+    shape = step.dst.local_shape(coord)  # the whole axis block: [..., block along d, ...]
+    out = torch.full(shape, fill_value(dtype, reduce_type), dtype=dtype, device=local.device)  # type: ignore[arg-type]
+    offset, length = chunk_bounds(shape[d], step.src.mesh.shape[a], coord[a])
+    out.narrow(d, offset, length).copy_(local * step.src.mesh.shape[a] if reduce_type == "avg" else local)
+    return out
+
+
 def run_cross_mesh(local: torch.Tensor, plan: CrossMeshPlan) -> torch.Tensor:
     """Apply a cross-mesh plan: reduce on the source mesh, point-to-point, finish on the target."""
+    check_reductions(plan)
     rank = runtime.get_rank()
     src_coord = plan.src.mesh.coordinate_of(rank)
     dst_coord = plan.dst.mesh.coordinate_of(rank)

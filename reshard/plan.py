@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Sequence
 
 import numpy as np
+
+import torch
 
 from autoparallel.placement import Partial, Shard
 from autoparallel.spec import DistSpec
@@ -14,12 +17,13 @@ from autoparallel.spec import DistSpec
 # Step kinds. Local ones move no bytes.
 SLICE = "slice"                # R -> S(d): keep this rank's chunk
 TO_PARTIAL = "to_partial"      # R -> P: zero all but one summand (sum) or keep (avg/max/min)
+FILL = "fill"                  # S(d) -> P: own piece in place, the reduction's identity elsewhere
 RELABEL = "relabel"            # any -> any on a mesh axis of size 1
 ALL_GATHER = "all_gather"      # S(d) -> R
 ALL_REDUCE = "all_reduce"      # P -> R
 REDUCE_SCATTER = "reduce_scatter"  # P -> S(d)
 ALL_TO_ALL = "all_to_all"      # S(i) -> S(j)
-LOCAL_KINDS = frozenset({SLICE, TO_PARTIAL, RELABEL})
+LOCAL_KINDS = frozenset({SLICE, TO_PARTIAL, FILL, RELABEL})
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,20 +134,25 @@ def step_bytes_table(step: Step) -> tuple[np.ndarray, np.ndarray]:
     dim = _placement_dim(step.dst, a)
     length = src[..., dim]
     rest = _prod_last(np.delete(src, dim, axis=-1)) * item  # bytes of one slice along ``dim``
+    me = np.indices(mesh_shape)[a]
+    own = _chunk_length(length, n, me)  # this member's piece along ``dim`` after the step
     if step.kind == REDUCE_SCATTER:
-        b = (n - 1) * (-(-length // n)) * rest
-        return b, b
+        # Even pieces: ring reduce-scatter. Uneven (``length % n``, the same on an axis line):
+        # an all-to-all of the exact pieces and a local reduction, no padding. Either way a
+        # member sends its summand of every other member's piece and receives n-1 of its own.
+        return (length - own) * rest, (n - 1) * own * rest
     if step.kind == ALL_TO_ALL:
         # Each member splits its piece into n chunks along ``dim`` (same length on the line)
         # and keeps its own; it receives its chunk of every other member's piece.
-        me = np.indices(mesh_shape)[a]
-        step_len = -(-length // n)
-        start = np.minimum(me * step_len, length)
-        own = np.maximum(0, np.minimum(length, start + step_len) - start)
-        sent = rest * (length - own)
-        recv = own * (np.broadcast_to(line_sum(rest), rest.shape) - rest)
-        return sent, recv
+        return rest * (length - own), own * (np.broadcast_to(line_sum(rest), rest.shape) - rest)
     raise AssertionError(f"unknown step kind {step.kind}")
+
+
+def _chunk_length(length: np.ndarray, n: int, index: np.ndarray) -> np.ndarray:
+    """``chunk_bounds(length, n, index)[1]``, elementwise."""
+    step_len = -(-length // n)
+    start = np.minimum(index * step_len, length)
+    return np.maximum(0, np.minimum(length, start + step_len) - start)
 
 
 def _step_bytes(step: Step, coord: tuple[int, ...]) -> tuple[int, int]:
@@ -159,3 +168,43 @@ def _placement_dim(spec: DistSpec, axis: int) -> int:
 
 def is_partial(spec: DistSpec, axis: int) -> bool:
     return isinstance(spec.placements[axis], Partial)
+
+
+# ---- S(d) -> P without communication -----------------------------------------------------------
+# A member keeps its piece in place and fills the rest of the axis block with the reduction's
+# identity: the reduction over the axis is then the whole block, exactly. ``sum``: zeros (False
+# for bool: bool ``+`` is ``or``). ``max``/``min``: the dtype's lowest/highest value (-inf/inf
+# where the dtype has them, so an infinite element survives). ``avg``: ``n x`` the piece and
+# zeros, exact only for a native floating dtype with ``n`` a power of two (scaling by 2^k is
+# exact up to the overflow an ``avg`` all-reduce shares, as it sums before dividing);
+# otherwise no edge, and the planner gathers then keeps the value on every member.
+_HAS_INF = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.float8_e5m2})
+_SCALABLE = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128})
+_ORDERED_INTS = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+                           torch.uint16, torch.uint32, torch.uint64})
+
+
+def fill_value(dtype: torch.dtype, reduce_type: str) -> float | int | bool | None:
+    """The identity of ``reduce_type`` in ``dtype`` (what a member holds outside its piece), or
+    ``None`` when there is none (max/min on complex or on a dtype with no order)."""
+    if reduce_type in ("sum", "avg"):
+        return False if dtype == torch.bool else 0
+    lowest = reduce_type == "max"
+    if dtype == torch.bool:
+        return not lowest
+    if dtype in _ORDERED_INTS:
+        ints = torch.iinfo(dtype)
+        return ints.min if lowest else ints.max
+    if dtype.is_floating_point:
+        if dtype in _HAS_INF:
+            return -math.inf if lowest else math.inf
+        floats = torch.finfo(dtype)
+        return float(floats.min if lowest else floats.max)
+    return None
+
+
+def fill_exact(dtype: torch.dtype, reduce_type: str, n: int) -> bool:
+    """Whether ``S(d) -> Partial(reduce_type)`` over ``n`` members is exact by a local fill."""
+    if reduce_type == "avg":
+        return dtype in _SCALABLE and n & (n - 1) == 0
+    return fill_value(dtype, reduce_type) is not None

@@ -5,6 +5,7 @@ axes shard the same tensor dim). Edges are single steps on one mesh axis:
 
     R    -> S(d)  slice (local)              S(d) -> R     all-gather
     R    -> P     to_partial (local)         P    -> R     all-reduce
+    S(d) -> P     fill (local, where exact)
     P    -> S(d)  reduce-scatter             S(i) -> S(j)  all-to-all
     any  -> any   relabel, on a mesh axis of size 1
 
@@ -32,12 +33,14 @@ from reshard.plan import (
     ALL_GATHER,
     ALL_REDUCE,
     ALL_TO_ALL,
+    FILL,
     REDUCE_SCATTER,
     RELABEL,
     SLICE,
     TO_PARTIAL,
     Plan,
     Step,
+    fill_exact,
     step_bytes_table,
 )
 
@@ -188,7 +191,9 @@ def _kind(state: DistSpec, a: int, src: Placement, dst: Placement) -> str | None
             return None
         if isinstance(dst, Replicate):
             return ALL_GATHER
-        return ALL_TO_ALL if isinstance(dst, Shard) else None
+        if isinstance(dst, Shard):
+            return ALL_TO_ALL
+        return FILL if fill_exact(state.dtype, dst.reduce_type, state.mesh.shape[a]) else None
     if isinstance(dst, Replicate):
         return ALL_REDUCE
     return REDUCE_SCATTER if isinstance(dst, Shard) else None

@@ -26,7 +26,7 @@ from autoparallel.placement import Replicate, Shard
 from autoparallel.spec import DistSpec, _itemsize
 from autoparallel.strides import dense_strides
 from reshard.crossmesh import CrossMeshPlan, plan_best
-from reshard.plan import RELABEL, SLICE, Plan
+from reshard.plan import ALL_GATHER, FILL, RELABEL, SLICE, Plan, Step, step_bytes_table
 from reshard.planner import LATENCY_BYTES
 from spmd_rules.base import LocalContext, ScalarMeta, Strategy, TensorMeta, OpCall
 from spmd_rules.registry import get_out_shapes, get_rule
@@ -158,7 +158,20 @@ def _plan_price(spec: DistSpec, req: tuple[Any, ...]) -> int | None:
     plan = _plan(spec, req)
     if plan is None:
         return None
-    return plan.max_bytes() + (LATENCY_BYTES if plan.collectives() else 0)
+    return plan.max_bytes() + _deferred_price(plan) + (LATENCY_BYTES if plan.collectives() else 0)
+
+
+def _deferred_price(plan: Plan | CrossMeshPlan) -> int:
+    """What a plan's fills (``S -> P``, local) leave to pay: a Partial some later step must reduce,
+    n x the piece in memory and compute. Priced as the all-gather a fill replaces (with its latency
+    term), so an op is not steered into a partial layout by a move that is free only now
+    (``ap.reshard`` to a Partial target still runs the fill)."""
+    steps = plan.pre.steps + plan.post.steps if isinstance(plan, CrossMeshPlan) else plan.steps
+    price = 0
+    for s in steps:
+        if s.kind == FILL:  # an all-gather's bytes depend on its source only
+            price += int(step_bytes_table(Step(ALL_GATHER, s.axis, s.src, s.dst))[1].max()) + LATENCY_BYTES
+    return price
 
 
 def _cheapest(strategies: Sequence[Strategy], specs: list[DistSpec], mesh: Any, out_metas: tuple[TensorMeta | None, ...]) -> Strategy:

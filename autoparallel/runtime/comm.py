@@ -4,6 +4,9 @@ Every function works on this rank's local tensor and one mesh axis (or a list of
 point-to-point transfers), handles uneven ``torch.chunk`` pieces, and records what it moved in
 ``CommDebugMode`` using the formulas in ``autoparallel.cost``.
 
+Every dtype moves: ``NATIVE`` dtypes go to the backend as they are; the others move exactly
+(see "dtypes" below and docs/dtypes.md). Bytes are recorded in the tensor's own dtype.
+
 Process groups: each mesh axis line (the ranks that differ only in that axis) gets one group,
 owned by ``autoparallel.runtime.groups`` (created for every line by every rank in a fixed order).
 """
@@ -11,7 +14,9 @@ owned by ``autoparallel.runtime.groups`` (created for every line by every rank i
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Iterator, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -28,6 +33,134 @@ _REDUCE_OPS = {"sum": "SUM", "avg": "SUM", "max": "MAX", "min": "MIN"}
 # torch >= 2.13 names the tensor-in/tensor-out collectives *_single; older releases *_tensor.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+# ---- dtypes: what the backend carries, and how every other dtype moves exactly -------------------
+# Decided from (dtype, reduce type) alone, so every rank makes the same choice and a refusal is
+# raised on every rank before any collective. Data movement (gather, all-to-all, broadcast,
+# send/recv) of a dtype outside NATIVE moves its raw bytes (a uint8 view) and views them back.
+# A reduction travels as ``Carry`` says: the same bytes under another dtype (bool ``sum`` is
+# ``or``: uint8 max; unsigned sums: modular adds are sign-blind), widened to a dtype that holds
+# every value and every partial result exactly and narrowed back once (int16/uint16 -> int32,
+# uint32 max/min -> int64, float8 sum/avg -> float64 so the result is the correctly rounded
+# exact sum, float8 max/min -> float32), or with the sign bit flipped (uint64 max/min: unsigned
+# order as signed order). Refused, with a ValueError naming dtype and op: ``avg`` of bool and
+# integers (the average is not an integer), max/min of complex numbers (no order), sum/avg of
+# float8_e8m0fnu (powers of two: a sum is not one), and any dtype not listed.
+NATIVE = frozenset({
+    torch.bool, torch.uint8, torch.int8, torch.int32, torch.int64, torch.float16, torch.bfloat16,
+    torch.float32, torch.float64, torch.complex64, torch.complex128,
+})
+_FLOAT8 = frozenset(
+    dt for dt in (getattr(torch, name, None) for name in
+                  ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu"))
+    if dt is not None
+)
+_FLOATS = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+_COMPLEX = frozenset({torch.complex64, torch.complex128})
+_INTS = frozenset({torch.uint8, torch.int8, torch.int32, torch.int64})  # native integers
+_SIGN64 = -(2**63)  # int64 with only the sign bit set
+
+
+@dataclass(frozen=True, slots=True)
+class Carry:
+    """How a reduction of ``dtype`` travels: the backend reduces ``wire`` values with ``op``.
+
+    ``how``: ``native`` (as it is), ``view`` (the same bytes as ``wire``), ``widen`` (converted to
+    ``wire`` and back, exactly) or ``flip`` (viewed as int64 with the sign bit flipped).
+    """
+
+    dtype: torch.dtype
+    wire: torch.dtype
+    op: str
+    how: str
+
+    def to_wire(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (contiguous) as the backend's operand: a view of it, or a new tensor."""
+        if self.how == "native":
+            return t
+        if self.how == "view":
+            return t.view(self.wire)
+        if self.how == "flip":
+            return t.view(self.wire).bitwise_xor(_SIGN64)
+        return t.to(self.wire)
+
+    def result(self, w: torch.Tensor, n: int, reduce_type: str) -> torch.Tensor:
+        """The reduced ``wire`` values ``w`` over ``n`` members as ``dtype`` (``avg`` divides)."""
+        if reduce_type == "avg":
+            w = w / n  # native floats in their own dtype; float8 in float64
+        if self.how == "native":
+            return w
+        if self.how == "view":
+            return w.view(self.dtype)
+        if self.how == "flip":
+            return w.bitwise_xor(_SIGN64).view(self.dtype)
+        return w.to(self.dtype)
+
+
+def reduce_refusal(dtype: torch.dtype, reduce_type: str) -> str | None:
+    """Why ``reduce_type`` over ``dtype`` is refused, or ``None`` when it is exact."""
+    try:
+        reduction_carry(dtype, reduce_type)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@lru_cache(maxsize=None)
+def reduction_carry(dtype: torch.dtype, reduce_type: str) -> Carry:
+    """How ``reduce_type`` over ``dtype`` travels exactly; ``ValueError`` naming both if it cannot."""
+    op = "sum" if reduce_type == "avg" else reduce_type
+    if op not in ("sum", "max", "min"):
+        raise ValueError(f"unknown reduce type {reduce_type!r}; expected sum, avg, max or min")
+    why = None
+    if reduce_type == "avg" and (dtype == torch.bool or not (dtype.is_floating_point or dtype.is_complex)):
+        why = "the average of integers is not an integer (reduce with 'sum' and divide, or use a floating dtype)"
+    elif op != "sum" and dtype.is_complex:
+        why = "complex numbers have no order"
+    elif dtype in _FLOATS or dtype in _COMPLEX or dtype in _INTS:
+        return Carry(dtype, dtype, op, "native")
+    elif dtype == torch.bool:  # bool ``+`` is ``or``
+        return Carry(dtype, torch.uint8, "min" if op == "min" else "max", "view")
+    elif dtype in (torch.int16, torch.uint16):
+        return Carry(dtype, torch.int32, op, "widen")
+    elif dtype == torch.uint32:
+        return Carry(dtype, torch.int32, op, "view") if op == "sum" else Carry(dtype, torch.int64, op, "widen")
+    elif dtype == torch.uint64:
+        return Carry(dtype, torch.int64, op, "view" if op == "sum" else "flip")
+    elif dtype in _FLOAT8:
+        if op != "sum":
+            return Carry(dtype, torch.float32, op, "widen")
+        if dtype != getattr(torch, "float8_e8m0fnu", None):
+            return Carry(dtype, torch.float64, op, "widen")
+        why = "its values are powers of two and a sum of them is not one"
+    else:
+        why = "there is no exact way to carry it over the backend"
+    raise ValueError(f"cannot reduce a {dtype} tensor with {reduce_type!r}: {why}")
+
+
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (contiguous) as the backend moves it: itself, or a flat uint8 view of its bytes."""
+    return t if t.dtype in NATIVE else t.reshape(-1).view(torch.uint8)
+
+
+def _wire_buffer(b: torch.Tensor) -> torch.Tensor:
+    """A receive buffer as the backend fills it: itself, or a uint8 view sharing its storage."""
+    if b.dtype not in NATIVE and not b.is_contiguous():
+        raise ValueError(f"a receive buffer of {b.dtype} must be contiguous (it is filled through a byte view)")
+    return _wire(b)
+
+
+def _unwire(w: torch.Tensor, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+    """The inverse of ``_wire`` for moved bytes that form a ``shape`` tensor of ``dtype``."""
+    return w if dtype in NATIVE else w.view(dtype).reshape(tuple(shape))
+
+
+def _reduce_local(stack: torch.Tensor, op: str) -> torch.Tensor:
+    """Reduce ``[n, ...]`` over dim 0 in its own dtype."""
+    if op == "sum":
+        return stack.sum(0, dtype=stack.dtype)
+    return stack.amax(0) if op == "max" else stack.amin(0)
 
 
 def _group(mesh: "ProcessMesh", axis: int) -> tuple[object, tuple[int, ...], tuple[int, ...]]:
@@ -72,6 +205,20 @@ class _Done:
         return True
 
 
+class _Finish:
+    """A collective's work followed by a local step (narrowing a carried result) on ``wait``."""
+
+    def __init__(self, work: object, then: Callable[[], None]) -> None:
+        self.work, self.then, self.done = work, then, False
+
+    def wait(self) -> bool:
+        if not self.done:
+            self.work.wait()  # type: ignore[attr-defined]
+            self.then()
+            self.done = True
+        return True
+
+
 def _name(group: object) -> str:
     return group.group_name  # type: ignore[attr-defined,no-any-return]
 
@@ -102,9 +249,6 @@ def all_reduce(local: torch.Tensor, mesh: "ProcessMesh", axis: int, reduce_type:
     ``in_place`` a contiguous ``local`` itself: a buffer the caller owns)."""
     out, work = all_reduce_start(local, mesh, axis, reduce_type, in_place)
     work.wait()  # type: ignore[attr-defined]
-    if reduce_type == "avg":
-        n = mesh.shape[axis]
-        out = out / n if out.is_floating_point() or out.is_complex() else out // n
     return out
 
 
@@ -113,18 +257,30 @@ def all_reduce_start(
 ) -> tuple[torch.Tensor, object]:
     """Start reducing ``local`` over the axis without waiting: (result buffer, work to wait on).
 
-    The buffer holds the result once ``work.wait()`` returns (for ``avg``: the sum; dividing
-    is ``all_reduce``'s). Every member must start the same collectives in the same order.
+    The buffer holds the result (for ``avg``: the average) once ``work.wait()`` returns. Every
+    member must start the same collectives in the same order. A dtype the backend does not
+    carry travels as ``reduction_carry`` says; one that cannot be reduced exactly raises
+    ``ValueError`` before anything is sent.
     """
+    carry = reduction_carry(local.dtype, reduce_type)
     group, line, _ = _group(mesh, axis)
+    n = len(line)
     if _FUNCTIONAL[0]:
-        out = _fc.wait_tensor(_fc.all_reduce(local.contiguous(), _REDUCE_OPS[reduce_type].lower(), _name(group)))
-        record("all_reduce", mesh, axis, line, *cost.all_reduce_bytes(_nbytes(out), len(line)))
+        w = _fc.wait_tensor(_fc.all_reduce(carry.to_wire(local.contiguous()), carry.op, _name(group)))
+        out = carry.result(w, n, reduce_type)
+        record("all_reduce", mesh, axis, line, *cost.all_reduce_bytes(_nbytes(out), n))
         return out, _Done()
     out = local if in_place and local.is_contiguous() else local.contiguous().clone()
-    work = dist.all_reduce(out, op=_reduce_op(reduce_type), group=group, async_op=True)  # type: ignore[arg-type]
-    record("all_reduce", mesh, axis, line, *cost.all_reduce_bytes(_nbytes(out), len(line)))
-    return out, work
+    wire = carry.to_wire(out)  # ``out`` itself or a view of it, unless widened or flipped
+    work = dist.all_reduce(wire, op=_reduce_op(carry.op), group=group, async_op=True)  # type: ignore[arg-type]
+    record("all_reduce", mesh, axis, line, *cost.all_reduce_bytes(_nbytes(out), n))
+    if wire.data_ptr() == out.data_ptr() and reduce_type != "avg":
+        return out, work  # the backend wrote the result into ``out``
+
+    def finish() -> None:
+        out.copy_(carry.result(wire, n, reduce_type))
+
+    return out, _Finish(work, finish)
 
 
 def all_gather(local: torch.Tensor, mesh: "ProcessMesh", axis: int, dim: int, sizes: Sequence[int]) -> torch.Tensor:
@@ -140,11 +296,12 @@ def all_gather(local: torch.Tensor, mesh: "ProcessMesh", axis: int, dim: int, si
         record("all_gather", mesh, axis, line, 0, 0)
         return x.new_empty((sum(sizes),) + tuple(rest)).movedim(0, dim)
     if len(set(sizes)) == 1:
+        shape = (n * sizes[0],) + tuple(rest)
         if _FUNCTIONAL[0]:
-            out = _fc.wait_tensor(_fc.all_gather_into_tensor(x, n, _name(group)))
+            out = _unwire(_fc.wait_tensor(_fc.all_gather_into_tensor(_wire(x), n, _name(group))), x.dtype, shape)
         else:
-            out = x.new_empty((n * sizes[0],) + tuple(rest))
-            _all_gather_flat(out, x, group=group)  # type: ignore[arg-type]
+            out = x.new_empty(shape)
+            _all_gather_flat(_wire(out), _wire(x), group=group)  # type: ignore[arg-type]
         pieces = list(out.split(sizes[0]))
         pieces = [pieces[g] for g in grank]  # group-rank order -> coordinate order
     else:
@@ -165,28 +322,60 @@ def all_gather(local: torch.Tensor, mesh: "ProcessMesh", axis: int, dim: int, si
 def reduce_scatter(
     local: torch.Tensor, mesh: "ProcessMesh", axis: int, dim: int, reduce_type: str
 ) -> torch.Tensor:
-    """Reduce over the axis and keep this member's ``torch.chunk`` piece along ``dim``."""
+    """Reduce over the axis and keep this member's ``torch.chunk`` piece along ``dim``.
+
+    Even pieces: one reduce-scatter. Uneven pieces (``local.shape[dim] % n``, the same on every
+    member): an all-to-all of the exact pieces, then this member reduces the ``n`` summands of
+    its own piece — no padding, so a member receives ``n - 1`` times its own piece.
+    """
+    carry = reduction_carry(local.dtype, reduce_type)
     group, line, grank = _group(mesh, axis)
     n = len(line)
     me = line.index(runtime.get_rank())
     size = local.shape[dim]
-    step = -(-size // n) if size else 0
-    x = _pad_dim(local.movedim(dim, 0), 0, step * n).contiguous()
-    chunks = list(x.split(step)) if step else [x] * n
-    by_group: list[torch.Tensor] = [x] * n
+    x = local.movedim(dim, 0)  # [size, ...rest]
+    rest = tuple(x.shape[1:])
+    item = local.element_size()
+    length = chunk_bounds(size, n, me)[1]
+    pieces_c = [chunk_bounds(size, n, c) for c in range(n)]
+    row = _numel(rest)
+    record("reduce_scatter", mesh, axis, line,
+           *cost.pieces_reduce_scatter_bytes([ln * row * item for _, ln in pieces_c], me))
+    if size % n:
+        # [n summands, length, ...rest] of this member's piece, in coordinate order
+        stack = _exchange_pieces(x, pieces_c, length, grank, group)
+        out = carry.result(_reduce_local(carry.to_wire(stack), carry.op), n, reduce_type)
+    elif size:
+        by_group: list[torch.Tensor] = [x] * n
+        for c, g in enumerate(grank):
+            by_group[g] = x.narrow(0, *pieces_c[c])
+        inp = carry.to_wire(torch.cat(by_group, dim=0))  # [size, ...rest], group-rank order
+        if _FUNCTIONAL[0]:
+            w = _fc.wait_tensor(_fc.reduce_scatter_tensor(inp, carry.op, n, _name(group)))
+        else:
+            w = inp.new_empty((length,) + rest)
+            _reduce_scatter_flat(w, inp, op=_reduce_op(carry.op), group=group)  # type: ignore[arg-type]
+        out = carry.result(w, n, reduce_type)
+    else:
+        out = x.new_empty((0,) + rest)
+    return out.movedim(0, dim).contiguous()
+
+
+def _exchange_pieces(
+    x: torch.Tensor, pieces_c: list[tuple[int, int]], length: int, grank: tuple[int, ...], group: object
+) -> torch.Tensor:
+    """Send member ``c`` its piece ``pieces_c[c]`` of ``x`` (along dim 0); receive every member's
+    summand of this member's piece (``length`` rows): ``[n, length, ...rest]`` in coordinate order."""
+    n, rest = len(grank), tuple(x.shape[1:])
+    row = _numel(rest)
+    send_by_group: list[torch.Tensor] = [x.new_empty(0)] * n
+    in_splits = [0] * n
     for c, g in enumerate(grank):
-        by_group[g] = chunks[c]
-    inp = torch.cat(by_group, dim=0) if step else x
-    out = x.new_empty((step,) + tuple(x.shape[1:]))
-    if step and _FUNCTIONAL[0]:
-        out = _fc.wait_tensor(_fc.reduce_scatter_tensor(inp, _REDUCE_OPS[reduce_type].lower(), n, _name(group)))
-    elif step:
-        _reduce_scatter_flat(out, inp, op=_reduce_op(reduce_type), group=group)  # type: ignore[arg-type]
-    if reduce_type == "avg":
-        out = out / n if out.is_floating_point() or out.is_complex() else out // n
-    _, length = chunk_bounds(size, n, me)
-    record("reduce_scatter", mesh, axis, line, *cost.reduce_scatter_bytes(out.numel() * out.element_size(), n))
-    return out[:length].movedim(0, dim).contiguous()
+        send_by_group[g] = x.narrow(0, *pieces_c[c]).reshape(-1)
+        in_splits[g] = pieces_c[c][1] * row
+    recv = _all_to_all_flat(torch.cat(send_by_group), [length * row] * n, in_splits, group)
+    by_group = recv.view((n, length) + rest)
+    return torch.stack([by_group[g] for g in grank])
 
 
 def all_to_all(
@@ -234,11 +423,31 @@ def all_to_all(
 
 def _all_to_all_flat(send: torch.Tensor, out_splits: list[int], in_splits: list[int], group: object) -> torch.Tensor:
     """One flat all-to-all: ``in_splits[g]`` elements of ``send`` go to group rank ``g``."""
+    if send.dtype not in NATIVE:  # move the raw bytes
+        k = send.element_size()
+        recv = _all_to_all_flat(_wire(send), [s * k for s in out_splits], [s * k for s in in_splits], group)
+        return recv.view(send.dtype)
     if _FUNCTIONAL[0]:
         return _fc.wait_tensor(_fc.all_to_all_single(send, out_splits, in_splits, _name(group)))
     recv = send.new_empty(sum(out_splits))
     dist.all_to_all_single(recv, send, out_splits, in_splits, group=group)  # type: ignore[arg-type]
     return recv
+
+
+def broadcast(local: torch.Tensor, mesh: "ProcessMesh", axis: int, src: int) -> torch.Tensor:
+    """Every member of the axis line gets the tensor of the member at axis coordinate ``src``
+    (a new tensor; ``local`` must have the same shape and dtype on every member)."""
+    group, line, grank = _group(mesh, axis)
+    n = len(line)
+    me = line.index(runtime.get_rank())
+    x = local.contiguous()
+    if _FUNCTIONAL[0]:
+        out = _unwire(_fc.wait_tensor(_fc.broadcast(_wire(x), grank[src], _name(group))), x.dtype, x.shape)
+    else:
+        out = x.clone()
+        dist.broadcast(_wire_buffer(out), line[src], group=group)  # type: ignore[arg-type]
+    record("broadcast", mesh, axis, line, *cost.broadcast_bytes(_nbytes(x), n, me == src))
+    return out
 
 
 def send_recv(
@@ -249,8 +458,8 @@ def send_recv(
     Every rank must list its transfers in the same global order so pairs match up.
     """
     _refuse_in_capture("send/recv")
-    ops = [dist.P2POp(dist.isend, t.contiguous(), peer) for t, peer in sends]
-    ops += [dist.P2POp(dist.irecv, b, peer) for b, peer in recvs]
+    ops = [dist.P2POp(dist.isend, _wire(t.contiguous()), peer) for t, peer in sends]
+    ops += [dist.P2POp(dist.irecv, _wire_buffer(b), peer) for b, peer in recvs]
     if ops:
         for work in dist.batch_isend_irecv(ops):
             work.wait()
@@ -268,7 +477,7 @@ def isend(sends: Sequence[tuple[torch.Tensor, int]], tag: int, mesh: object = No
     until the works complete). The receiver matches by ``(source rank, tag)``.
     """
     _refuse_in_capture("isend")
-    works: list[object] = [dist.isend(t.contiguous(), peer, tag=tag) for t, peer in sends]
+    works: list[object] = [dist.isend(_wire(t.contiguous()), peer, tag=tag) for t, peer in sends]
     if sends:
         record("send_recv", mesh, None, tuple(sorted({p for _, p in sends})), sum(_nbytes(t) for t, _ in sends), 0)
     return works
@@ -277,7 +486,7 @@ def isend(sends: Sequence[tuple[torch.Tensor, int]], tag: int, mesh: object = No
 def irecv(recvs: Sequence[tuple[torch.Tensor, int]], tag: int, mesh: object = None) -> list[object]:
     """Post receives into each ``(buffer, src_rank)`` with ``tag``; wait on the returned works."""
     _refuse_in_capture("irecv")
-    works: list[object] = [dist.irecv(b, peer, tag=tag) for b, peer in recvs]
+    works: list[object] = [dist.irecv(_wire_buffer(b), peer, tag=tag) for b, peer in recvs]
     if recvs:
         record("send_recv", mesh, None, tuple(sorted({p for _, p in recvs})), 0, sum(_nbytes(b) for b, _ in recvs))
     return works
