@@ -10,7 +10,6 @@ reduction of the pieces over the axis.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
 
 REDUCE_TYPES = ("sum", "avg", "max", "min")
 
@@ -93,7 +92,7 @@ class Partial:
         return f"Partial({self.reduce_type!r})"
 
 
-Placement = Union[Replicate, Shard, Partial]
+Placement = Replicate | Shard | Partial
 PLACEMENT_TYPES = (Replicate, Shard, Partial)
 
 

@@ -146,15 +146,15 @@ def run_rank(mb: float, repeat: int, fsync: bool, workdir: str) -> dict[str, Any
             folder = os.path.join(workdir, f"{side}-{r}")
             if side == "ours":
                 sd = _ours(rows, save=True)
-                res["ours_save"].append(_timed(lambda: ap.save_state_dict(sd, folder, fsync=fsync)))
+                res["ours_save"].append(_timed(lambda: ap.save_state_dict(sd, folder, fsync=fsync)))  # noqa: F821  (called before the del below)
                 target = _ours(rows, save=False)
-                res["ours_load"].append(_timed(lambda: ap.load_state_dict(target, folder)))
+                res["ours_load"].append(_timed(lambda: ap.load_state_dict(target, folder)))  # noqa: F821  (called before the del below)
             else:
                 sd = _torch(rows, save=True)
                 writer = dcp.FileSystemWriter(folder, sync_files=fsync)
-                res["torch_save"].append(_timed(lambda: dcp.save(sd, storage_writer=writer)))
+                res["torch_save"].append(_timed(lambda: dcp.save(sd, storage_writer=writer)))  # noqa: F821  (called before the del below)
                 target = _torch(rows, save=False)
-                res["torch_load"].append(_timed(lambda: dcp.load(target, checkpoint_id=folder)))
+                res["torch_load"].append(_timed(lambda: dcp.load(target, checkpoint_id=folder)))  # noqa: F821  (called before the del below)
             ok[side] &= _check(target, rows, rank)
             if r < 0:
                 res[f"{side}_save"].pop()

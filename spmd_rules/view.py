@@ -51,7 +51,7 @@ def view_rule(call: OpCall) -> list[Strategy]:
     sharded = {p.dim for p in cur if isinstance(p, Shard)}
     ins: list[Placement] = []
     outs: list[Placement] = []
-    for a, p in enumerate(cur):
+    for _, p in enumerate(cur):
         if isinstance(p, Shard):
             axes = [b for b, q in enumerate(cur) if q == p]
             shards = math.prod(call.mesh_shape[b] for b in axes)
@@ -109,7 +109,7 @@ def _unsqueeze_map(call: OpCall, d: int) -> int:
 
 
 def _squeeze_map(call: OpCall, d: int) -> int | None:
-    x, out = call.inputs[0], call.out[0]
+    out = call.out[0]
     assert out is not None
     removed = _squeezed(call)
     if d in removed:

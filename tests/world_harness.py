@@ -229,7 +229,7 @@ class World:
                         self._kill()
                         raise WorkerError(
                             f"{what}: worker(s) died (rank: exitcode) {dead}; world will restart\n"
-                            + _format_failures(failures), failures)
+                            + _format_failures(failures), failures) from None
                     continue
                 if cid != call_id:
                     continue  # stale answer; cannot happen with fresh queues, but be safe

@@ -14,7 +14,7 @@ resharded (``ap.reshard``, a no-op when it already has the layout); other values
 
 from __future__ import annotations
 
-from typing import Any, Sequence, Union
+from typing import Any, Sequence
 
 import torch
 
@@ -23,7 +23,7 @@ from autoparallel.engine.dtensor import DistTensor
 from autoparallel.mesh import ProcessMesh
 from autoparallel.placement import PLACEMENT_TYPES, Placement, Replicate, check_placement
 
-Layout = Union[None, Placement, Sequence[Placement]]
+Layout = None | Placement | Sequence[Placement]
 
 
 def check_layout(layout: Any, mesh: ProcessMesh, where: str) -> Layout:

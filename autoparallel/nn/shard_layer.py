@@ -71,7 +71,7 @@ class ParamSharder:
                 "(torch.utils.swap_tensors refuses); references built before the layout (an optimizer) "
                 "would keep the plain tensor. Lay the model out before creating what holds them"
             )
-        if old._use_count() > 2:
+        if old._use_count() > 2:  # type: ignore[attr-defined]  # torch's private refcount of the TensorImpl
             raise ValueError(
                 f"{where}: something besides its Python object holds this parameter's tensor (a view of it, "
                 "or the graph of a forward whose backward has not run), so it cannot become its DistTensor "

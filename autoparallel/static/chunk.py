@@ -121,7 +121,7 @@ class StaticChunk:
         self._warn(f"Pipeline(static=True): chunk {self.name} runs eagerly: {reason}")
 
     def _state(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        params = list(self.module.parameters())
+        params: list[torch.Tensor] = list(self.module.parameters())
         return params, [layout.local_or_plain(t) for t in params + list(self.module.buffers())]
 
     def _capture(self, x: Any, t: Any, loss_fn: Any, divide: int, out_spec: DistSpec,
@@ -144,13 +144,13 @@ class StaticChunk:
             td: Any = None
             if t is not None:
                 tl = flat[len(state) + 1]
-                td = tl if t_how == "plain" else layout.wrap(tl, t_how[0], t_how[1])  # type: ignore[index]
+                td = tl if not isinstance(t_how, tuple) else layout.wrap(tl, t_how[0], t_how[1])
             y = self.module(xd)
             wrt = trained + ([xd] if in_grad_spec is not None else [])
             if last:
                 loss = loss_fn(y) if td is None else loss_fn(y, td)
                 got["out"] = (layout.spec_of(loss), layout.stride_of(loss)) if layout.is_dist(loss) else None
-                out = layout.local_of(loss.detach()) if layout.is_dist(loss) else loss.detach()
+                out = layout.local_of(loss.detach()) if layout.is_dist(loss) else loss.detach()  # type: ignore[arg-type]
                 grads = torch.autograd.grad(loss / divide, wrt, allow_unused=True) if wrt else ()
             else:
                 out = self._as_layout(y, out_spec)
@@ -159,7 +159,7 @@ class StaticChunk:
                 grads = torch.autograd.grad(y, wrt, g_out, allow_unused=True) if wrt else ()
             pgrads = list(grads[:len(trained)])
             got["specs"] = tuple(layout.spec_or_none(g) for g in pgrads)
-            locs = [layout.local_of(g) for g in pgrads if g is not None]
+            locs = [layout.local_of(g) for g in pgrads if g is not None]  # type: ignore[arg-type]  # DistTensor grads
             if in_grad_spec is not None:
                 gx = grads[-1]
                 if gx is None:
@@ -214,7 +214,7 @@ class StaticChunk:
                 if p.grad is None:
                     p.grad = layout.wrap(g, spec)
                 elif layout.spec_or_none(p.grad) == spec and layout.scaled_raw(p.grad) is None:
-                    layout.set_local_(p.grad, layout.local_of(p.grad) + g)
+                    layout.set_local_(p.grad, layout.local_of(p.grad) + g)  # type: ignore[arg-type]  # a DistTensor grad
                 else:
                     p.grad = p.grad + layout.wrap(g, spec)
         return grads[k] if k < len(grads) else None

@@ -238,7 +238,7 @@ class DistModel:
             got["outs"] = [loss]
             if self._mode != TRAIN:
                 return [layout.local_of(loss) if layout.is_dist(loss) else loss]
-            grads = torch.autograd.grad(loss, trained, allow_unused=True)
+            grads: Any = torch.autograd.grad(loss, trained, allow_unused=True)
             if reduce_here:  # the optimizer's bucketed reductions, as part of the program
                 grads = self._reduced(trained, grads)
             got["grads"] = grads

@@ -445,8 +445,8 @@ def run_step(step: Step, locals_: dict) -> dict:
                 have = src.local_box(m)
                 lo = [max(o1, o2) for (o1, _), (o2, _) in zip(want, have)]
                 hi = [min(o1 + n1, o2 + n2) for (o1, n1), (o2, n2) in zip(want, have)]
-                if all(h > l for l, h in zip(lo, hi)):
-                    part = tuple((l, h - l) for l, h in zip(lo, hi))
+                if all(h > lo_ for lo_, h in zip(lo, hi)):
+                    part = tuple((lo_, h - lo_) for lo_, h in zip(lo, hi))
                     buf[_inside(part, want)] = locals_[m][_inside(part, have)]
             assert not np.isnan(buf).any(), f"{step}: {want} not covered by the axis-{a} line"
             out[c] = buf

@@ -77,7 +77,7 @@ def test_a_prefetch_runs_at_most_one_collective_ahead() -> None:
     h = x
     names = []
     first_compute = None
-    for i, p in enumerate(shards):
+    for p in shards:
         h = g.call_function(aten.relu.default, (h,))
         first_compute = first_compute or h                  # compute of the previous unit
         flat = g.call_function(aten.view.default, (p, [-1]))

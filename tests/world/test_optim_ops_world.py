@@ -58,7 +58,7 @@ def _optimizer_run(rank: int, name: str, mode: dict[str, Any], mesh_ndim: int) -
     ref = [torch.nn.Parameter(t.clone()) for t in full]
     params = [ap.shard_tensor(torch.nn.Parameter(t.clone()), mesh, list(pl)) for t, (_, pl, _) in zip(full, layouts)]
     opt, ref_opt = cls(params, **kw, **mode), cls(ref, **kw, **mode)
-    for step in range(3):
+    for _ in range(3):
         grads = [torch.randn(sh) for sh, _, _ in layouts]
         for p, q, g, (_, _, gpl) in zip(params, ref, grads, layouts):
             p.grad = make_dist(g, mesh, gpl)

@@ -41,7 +41,7 @@ def _info(rank: int) -> tuple[int, int, int, str]:
 def _warn(rank: int) -> list[str]:
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
-        warnings.warn(f"user warning {rank}", UserWarning)
+        warnings.warn(f"user warning {rank}", UserWarning, stacklevel=1)
     return [str(w.message) for w in rec]
 
 
