@@ -25,6 +25,7 @@ from autoparallel.pipeline.simulate import SimResult, simulate
 from autoparallel.pipeline.stage import Stage, split_sequential, stages_from_annotations
 from autoparallel.pipeline.timeline import (
     bubble_fraction,
+    chrome_trace,
     events_from_simulation,
     timeline_svg,
     write_timeline,
@@ -42,6 +43,7 @@ __all__ = [
     "Stage",
     "bubble_fraction",
     "build_schedule",
+    "chrome_trace",
     "events_from_simulation",
     "simulate",
     "split_sequential",

@@ -1,11 +1,13 @@
 """The executed schedule as a picture: one SVG row per rank, forward / backward / idle.
 
 Pure: takes :class:`~autoparallel.pipeline.runner.Event` lists (gathered from every rank, or
-made from a simulation with :func:`events_from_simulation`) and writes SVG text by hand.
+made from a simulation with :func:`events_from_simulation`) and writes SVG text, or the same
+events as a Chrome / Perfetto trace (``write_timeline("t.json", ...)``, :func:`chrome_trace`).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Sequence
 from xml.sax.saxutils import escape
 
@@ -94,10 +96,35 @@ def timeline_svg(events: Sequence[Event], title: str = "", width: int = 1000, ro
     return "\n".join(out)
 
 
+def chrome_trace(events: Sequence[Event], unit: str = "s") -> dict[str, object]:
+    """``events`` in the Chrome trace event format (open in chrome://tracing or ui.perfetto.dev):
+    one process per stage mesh, one thread per rank, a complete event ("X") per action named like
+    ``F mb3 c1``; times in microseconds from the earliest start (``unit`` "s": wall-clock seconds,
+    anything else: the simulation's cost units, drawn as microseconds)."""
+    t0, _ = span(events) if events else (0.0, 0.0)
+    scale = 1e6 if unit == "s" else 1.0
+    out: list[dict[str, object]] = []
+    for e in sorted(events, key=lambda e: (e.rank, e.start)):
+        out.append({"name": f"{e.kind} mb{e.microbatch} c{e.chunk}", "cat": e.kind, "ph": "X",
+                    "ts": (e.start - t0) * scale, "dur": (e.end - e.start) * scale,
+                    "pid": e.stage, "tid": e.rank,
+                    "args": {"microbatch": e.microbatch, "chunk": e.chunk, "kind": e.kind}})
+    for stage in sorted({e.stage for e in events}):
+        out.append({"name": "process_name", "ph": "M", "pid": stage, "args": {"name": f"stage mesh {stage}"}})
+    for rank, stage in sorted({(e.rank, e.stage) for e in events}):
+        out.append({"name": "thread_name", "ph": "M", "pid": stage, "tid": rank, "args": {"name": f"rank {rank}"}})
+    return {"traceEvents": out, "displayTimeUnit": "ms"}
+
+
 def write_timeline(path: str, events: Sequence[Event], title: str = "", unit: str = "s") -> None:
-    """Write :func:`timeline_svg` of ``events`` to ``path``."""
+    """Write ``events`` to ``path``: a Chrome / Perfetto trace (:func:`chrome_trace`) when
+    ``path`` ends in ``.json``, else the SVG picture (:func:`timeline_svg`)."""
     with open(path, "w", encoding="utf-8") as f:
-        f.write(timeline_svg(events, title, unit=unit))
+        if path.endswith(".json"):
+            json.dump(chrome_trace(events, unit), f)
+        else:
+            f.write(timeline_svg(events, title, unit=unit))
 
 
-__all__ = ["bubble_fraction", "busy_fraction", "events_from_simulation", "span", "timeline_svg", "write_timeline"]
+__all__ = ["bubble_fraction", "busy_fraction", "chrome_trace", "events_from_simulation", "span", "timeline_svg",
+           "write_timeline"]

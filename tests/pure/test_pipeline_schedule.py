@@ -19,6 +19,7 @@ from autoparallel.pipeline import (
     Action,
     ScheduleError,
     build_schedule,
+    chrome_trace,
     events_from_simulation,
     simulate,
     split_sequential,
@@ -130,6 +131,24 @@ def test_timeline_svg_of_a_simulation() -> None:
     rects = [e for e in root.iter("{http://www.w3.org/2000/svg}rect")]
     assert len(rects) == 1 + 3 + 2 + 2 * 2 * 4 * 2  # background, legend, 2 idle rows, F+B per (mb, chunk)
     assert f"mean idle {100 * result.bubble:.1f}%" in svg
+
+
+def test_chrome_trace_of_a_simulation(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    from autoparallel.pipeline import write_timeline
+
+    result = simulate(build_schedule("1F1B", 2, 4))
+    events = events_from_simulation(result)
+    trace = chrome_trace(events, unit="step")
+    actions = [e for e in trace["traceEvents"] if e["ph"] == "X"]  # type: ignore[index, union-attr]
+    assert len(actions) == len(events) and {a["cat"] for a in actions} >= {F, B}
+    assert min(a["ts"] for a in actions) == 0 and all(a["dur"] > 0 for a in actions)
+    names = {(e["pid"], e["args"]["name"]) for e in trace["traceEvents"] if e["ph"] == "M"}  # type: ignore[index, union-attr]
+    assert (0, "stage mesh 0") in names and (1, "rank 1") in names
+    path = tmp_path / "t.json"
+    write_timeline(str(path), events, unit="step")
+    assert json.loads(path.read_text()) == json.loads(json.dumps(trace))
 
 
 def test_split_errors_before_any_placement() -> None:
