@@ -20,7 +20,6 @@ eager on every layout. PASS/FAIL lines are measurements, printed as they come ou
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import statistics
 import sys
@@ -81,30 +80,10 @@ def measure(layout: str, cfg: Any, x: torch.Tensor, y: torch.Tensor, args: argpa
     return out
 
 
-COMM_EVENTS = ("wait_tensor", "c10d::", "gloo:", "_c10d_functional::", "comm::")
-# our eager collectives are synchronous calls whose wait the profiler does not see: timed as ranges
-_SYNC = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv", "recv")
-
-
-@contextlib.contextmanager
-def _ranged_collectives() -> Any:
-    from autoparallel.runtime import comm
-
-    saved = {n: getattr(comm, n) for n in _SYNC}
-
-    def ranged(name: str, fn: Any) -> Any:
-        def call(*a: Any, **k: Any) -> Any:
-            with torch.profiler.record_function("comm::" + name):
-                return fn(*a, **k)
-        return call
-
-    for n, fn in saved.items():
-        setattr(comm, n, ranged(n, fn))
-    try:
-        yield
-    finally:
-        for n, fn in saved.items():
-            setattr(comm, n, fn)
+# our collectives show as ``autoparallel::<collective>`` profiler ranges (runtime/comm.py): their
+# waits are inside them; functional collectives (static, torch's DTensor) wait in ``wait_tensor``
+COMM_EVENTS = ("wait_tensor", "c10d::", "gloo:", "_c10d_functional::", "autoparallel::all_", "autoparallel::reduce_scatter",
+               "autoparallel::broadcast", "autoparallel::send_recv")
 
 
 def cpu_per_step(step: Any, steps: int) -> float:
@@ -129,17 +108,18 @@ def comm_share(step: Any, steps: int = 3) -> float:
     cores a wait also covers ranks that are not running."""
     dist.barrier()
     t0 = time.perf_counter()
-    with _ranged_collectives(), ts.quiet_profiler(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    with ts.quiet_profiler(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             step()
     wall = time.perf_counter() - t0
     events = prof.key_averages()
-    blocked = sum(e.cpu_time_total if e.key.startswith("comm::") else e.self_cpu_time_total
-                  for e in events if any(k in e.key for k in COMM_EVENTS))
-    # a collective op inside one of our ranges is counted by the range already
-    inner = sum(e.self_cpu_time_total for e in events if e.key.startswith(("c10d::", "gloo:")))
-    if any(e.key.startswith("comm::") for e in events):
-        blocked -= inner
+    ours = [e for e in events if e.key.startswith("autoparallel::") and any(k in e.key for k in COMM_EVENTS)]
+    # a range's total time covers the c10d op and its wait inside it; outside our ranges, self times
+    blocked = sum(e.cpu_time_total for e in ours)
+    blocked += sum(e.self_cpu_time_total for e in events if not e.key.startswith("autoparallel::")
+                   and any(k in e.key for k in COMM_EVENTS))
+    if ours:  # the c10d ops inside our ranges are counted by the ranges already
+        blocked -= sum(e.self_cpu_time_total for e in events if e.key.startswith(("c10d::", "gloo:")))
     blocked /= 1e6
     share = torch.tensor([blocked / wall])
     dist.all_reduce(share)

@@ -162,4 +162,5 @@ def reshard_local(local: torch.Tensor, src: DistSpec, dst: DistSpec) -> torch.Te
     """This rank's shard of ``dst``, given its shard of ``src`` (same or different mesh)."""
     if src == dst:
         return local
-    return run_any(local, plan_best(src, dst))
+    with comm.profiled("autoparallel::reshard"):
+        return run_any(local, plan_best(src, dst))

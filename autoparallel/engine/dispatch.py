@@ -19,6 +19,7 @@ from autoparallel.engine.decide import decide, forget_warnings
 from autoparallel.engine.decision import Decision
 from autoparallel.engine.execute import execute
 from autoparallel.engine.keys import adopt_plain, call_key
+from autoparallel.runtime.comm import profiled
 
 _CACHE: dict[Any, Decision] = {}
 MAX_CACHED_DECISIONS = 65536
@@ -43,7 +44,8 @@ def dispatch(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any])
         key = (func, call_key(cls, args, dts, plain), call_key(cls, tuple(kwargs.items()), dts, plain) if kwargs else ())
     decision = _CACHE.get(key)
     if decision is None:
-        decision = decide(cls, func, args, kwargs, dts)
+        with profiled(f"autoparallel::plan {func}"):  # a cache miss: rules and reshard plans
+            decision = decide(cls, func, args, kwargs, dts)
         if len(_CACHE) >= MAX_CACHED_DECISIONS:  # e.g. a changing Python scalar in the key
             _CACHE.clear()
         _CACHE[key] = decision

@@ -13,10 +13,11 @@ owned by ``autoparallel.runtime.groups`` (created for every line by every rank i
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+import functools
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import TYPE_CHECKING, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -198,6 +199,25 @@ def capturing() -> bool:
     return _FUNCTIONAL[0]
 
 
+def profiled(name: str) -> Any:
+    """A ``torch.profiler`` range named ``name`` (``autoparallel::...``: planning, reshards,
+    collectives show in a trace next to torch's ops); nothing while a program is captured (the
+    range would become a node of the program)."""
+    return nullcontext() if _FUNCTIONAL[0] else torch.profiler.record_function(name)
+
+
+def _ranged(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` inside a profiler range ``autoparallel::<its name>``."""
+    name = "autoparallel::" + fn.__name__
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with profiled(name):
+            return fn(*args, **kwargs)
+
+    return call
+
+
 class _Done:
     """The work of a collective that has completed (functional collectives wait at once)."""
 
@@ -244,6 +264,7 @@ def _pad_dim(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(pad_shape)], dim=dim)
 
 
+@_ranged
 def all_reduce(local: torch.Tensor, mesh: "ProcessMesh", axis: int, reduce_type: str, in_place: bool = False) -> torch.Tensor:
     """Reduce ``local`` over the axis; every member gets the result (a new tensor, or with
     ``in_place`` a contiguous ``local`` itself: a buffer the caller owns)."""
@@ -283,6 +304,7 @@ def all_reduce_start(
     return out, _Finish(work, finish)
 
 
+@_ranged
 def all_gather(local: torch.Tensor, mesh: "ProcessMesh", axis: int, dim: int, sizes: Sequence[int]) -> torch.Tensor:
     """Concatenate the members' pieces along tensor ``dim``; ``sizes`` are their lengths there."""
     group, line, grank = _group(mesh, axis)
@@ -319,6 +341,7 @@ def all_gather(local: torch.Tensor, mesh: "ProcessMesh", axis: int, dim: int, si
     return torch.cat(pieces, dim=0).movedim(0, dim).contiguous()
 
 
+@_ranged
 def reduce_scatter(
     local: torch.Tensor, mesh: "ProcessMesh", axis: int, dim: int, reduce_type: str
 ) -> torch.Tensor:
@@ -378,6 +401,7 @@ def _exchange_pieces(
     return torch.stack([by_group[g] for g in grank])
 
 
+@_ranged
 def all_to_all(
     local: torch.Tensor,
     mesh: "ProcessMesh",
@@ -434,6 +458,7 @@ def _all_to_all_flat(send: torch.Tensor, out_splits: list[int], in_splits: list[
     return recv
 
 
+@_ranged
 def broadcast(local: torch.Tensor, mesh: "ProcessMesh", axis: int, src: int) -> torch.Tensor:
     """Every member of the axis line gets the tensor of the member at axis coordinate ``src``
     (a new tensor; ``local`` must have the same shape and dtype on every member)."""
@@ -450,6 +475,7 @@ def broadcast(local: torch.Tensor, mesh: "ProcessMesh", axis: int, src: int) -> 
     return out
 
 
+@_ranged
 def send_recv(
     sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[torch.Tensor, int]], mesh: object = None
 ) -> None:
