@@ -34,12 +34,29 @@ def _check_rank0(flat: dict[str, Any]) -> list[tuple[str, str]]:
     return out
 
 
-def export_state_dict(state_dict: dict[str, Any], file: str | os.PathLike[str]) -> None:
+FORMATS = ("torch", "safetensors")
+
+
+def export_state_dict(state_dict: dict[str, Any], file: str | os.PathLike[str], *, format: str = "torch") -> None:
     """Write ``state_dict`` with full plain tensors to the single file ``file`` (rank 0 writes).
 
     Collective over the default world: every rank calls it with its state dict. Rank 0 must
     hold every key that any rank holds (e.g. not a pipeline stage's private keys).
+
+    ``format="torch"``: a ``torch.save`` file of the state dict's structure (read it with
+    ``torch.load(file, weights_only=True)`` or ``ap.load_state_dict``). ``format="safetensors"``
+    (needs the ``safetensors`` package: ``pip install safetensors``, or the ``export`` extra): a
+    flat ``{dotted key: tensor}`` safetensors file; plain values (steps, learning rates) go into
+    its string metadata as JSON. Read it with ``safetensors.torch.load_file``.
     """
+    if format not in FORMATS:
+        raise ValueError(f"{WHERE}: format must be one of {FORMATS}, got {format!r}")
+    if format == "safetensors":
+        try:
+            import safetensors.torch  # noqa: F401, PLC0415  (optional: only this format needs it)
+        except ImportError:
+            raise ValueError(f"{WHERE}: format='safetensors' needs the safetensors package "
+                             "(pip install safetensors)") from None
     rank = runtime.get_rank()
     errors: list[tuple[str, str]] = []
     flat: dict[str, Any] = {}
@@ -70,10 +87,24 @@ def export_state_dict(state_dict: dict[str, Any], file: str | os.PathLike[str]) 
         path = os.fspath(file)
         tmp = path + ".tmp"
         try:
-            torch.save(map_leaves(state_dict, lambda k, v: full[k]), tmp)
+            if format == "safetensors":
+                _write_safetensors(flat, full, tmp)
+            else:
+                torch.save(map_leaves(state_dict, lambda k, v: full[k]), tmp)
             os.replace(tmp, path)
         except Exception as e:  # noqa: BLE001 - reported to every rank below
             status = f"rank 0 could not write {path!r}: {type(e).__name__}: {e}"
     statuses = _world.exchange(status, WHERE, "writing")
     if statuses[0]:
         raise CheckpointError(f"{WHERE}: {statuses[0]}")
+
+
+def _write_safetensors(flat: dict[str, Any], full: dict[str, torch.Tensor], path: str) -> None:
+    """Tensors under their dotted keys; every other leaf as JSON in the metadata."""
+    import json  # noqa: PLC0415
+    from safetensors.torch import save_file  # noqa: PLC0415  (optional dependency)
+
+    tensors = {k: t.contiguous().clone() for k, t in full.items()}  # safetensors refuses shared storage
+    values = {k: v for k, v in flat.items() if k not in full}
+    meta = {"format": "pt", "autoparallel.values": json.dumps(values, default=repr)}
+    save_file(tensors, path, metadata=meta)

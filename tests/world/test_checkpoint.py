@@ -362,6 +362,24 @@ def _import(rank: int, file: str) -> bool:
     return _equal_state(target, want)
 
 
+def _export_safetensors(rank: int, file: str) -> None:
+    sd = _train_state(_layouts("dp_tp"))
+    sd["model"]["p"] = make_dist(reference((4, 3), 9), _mesh(DP_TP), (Partial("sum"), Shard(0)))
+    ap.checkpoint.export_state_dict(sd, file, format="safetensors")
+
+
+def test_export_safetensors(world4, tmp_path):  # type: ignore[no-untyped-def]
+    safetensors = pytest.importorskip("safetensors.torch")
+    file = str(tmp_path / "model.safetensors")
+    world4.run(_export_safetensors, file)
+    assert os.listdir(tmp_path) == ["model.safetensors"]
+    tensors = safetensors.load_file(file)
+    torch.testing.assert_close(tensors["model.p"], reference((4, 3), 9))  # a Partial(sum) reduced: rounding
+    assert all(isinstance(t, torch.Tensor) for t in tensors.values())
+    with pytest.raises(ValueError, match="format must be one of"):
+        ap.checkpoint.export_state_dict({}, file, format="onnx")
+
+
 def test_export_single_file_and_import_into_any_layout(world4, tmp_path):  # type: ignore[no-untyped-def]
     file = str(tmp_path / "model.pt")
     world4.run(_export, file)
