@@ -19,10 +19,12 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from autoparallel import errors as _errors
+from autoparallel import log as _log
 
 # Under torchrun (WORLD_SIZE > 1), an uncaught ValueError/TypeError — a user error every rank
 # raises alike — is printed once, as one line (autoparallel/errors.py; AUTOPARALLEL_DEBUG=1: off).
 _errors.install()
+_log.configure_from_env()  # AUTOPARALLEL_LOG=debug: the library's diagnostics on stderr
 
 # public name -> the module that defines it
 _EXPORTS: dict[str, str] = {

@@ -10,6 +10,7 @@ observer of the op path (``observed_by``).
 
 from __future__ import annotations
 
+import logging
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -19,6 +20,7 @@ from autoparallel.engine.decide import decide, forget_warnings
 from autoparallel.engine.decision import Decision
 from autoparallel.engine.execute import execute
 from autoparallel.engine.keys import adopt_plain, call_key
+from autoparallel.log import logger
 from autoparallel.runtime.comm import profiled
 
 _CACHE: dict[Any, Decision] = {}
@@ -46,6 +48,8 @@ def dispatch(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any])
     if decision is None:
         with profiled(f"autoparallel::plan {func}"):  # a cache miss: rules and reshard plans
             decision = decide(cls, func, args, kwargs, dts)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("dispatch: planned %s for inputs %s", func, [str(d._spec) for d in dts])
         if len(_CACHE) >= MAX_CACHED_DECISIONS:  # e.g. a changing Python scalar in the key
             _CACHE.clear()
         _CACHE[key] = decision

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
+from autoparallel.log import logger
 from autoparallel.runtime import world
 
 if TYPE_CHECKING:
@@ -89,6 +90,7 @@ def ensure(mesh: "ProcessMesh") -> None:
             else:
                 owner.groups[key] = dist.new_group(list(key))
                 owner.created.append(key)
+                logger.debug("groups: created the process group of ranks %s (for %r)", key, mesh)
     owner.meshes.add(mesh)
 
 

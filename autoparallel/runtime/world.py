@@ -14,6 +14,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from autoparallel.log import logger
+
 _TORCHRUN_VARS = ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")
 TIMEOUT_VAR = "AUTOPARALLEL_TIMEOUT"
 
@@ -61,6 +63,8 @@ def ensure_world() -> None:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend=backend, timeout=collective_timeout())
         _initialised_here[:] = [dist.group.WORLD]
+        logger.debug("world: initialised a %s world of %d ranks from torchrun's environment",
+                     backend, dist.get_world_size())
 
 
 # The default group this module initialised (empty: none, or the user's own)

@@ -33,6 +33,7 @@ import torch
 
 from autoparallel.compat import tree_flatten, tree_unflatten
 from autoparallel.engine import dispatch, layout
+from autoparallel.log import logger
 from autoparallel.runtime.debug import CommRecord, replay
 from autoparallel.spec import DistSpec
 from autoparallel.static.capture import Capture, Watch, capture, draws
@@ -271,6 +272,8 @@ class DistModel:
                 self._warn("compile='inductor': the step draws random numbers (dropout); inductor draws them with its "
                            "own generator, so masks differ from eager's for the same seed (compile=None keeps them)")
         self._keep(key, _Program(run, specs, grad_index, result.records, got.get("tree")))
+        logger.debug("static: captured a %s program of %d nodes (%d collectives, %d signatures kept)", self._mode,
+                     len(result.program.graph.nodes), len(result.records), len(self._programs))
         return value
 
     def _reduces_in_program(self, trained: list[torch.Tensor]) -> bool:
@@ -325,6 +328,7 @@ class DistModel:
                        "each new one runs eagerly and is captured again; pad or bucket the inputs to reuse programs")
 
     def _refuse(self, key: Any, reason: str) -> None:
+        logger.debug("static: signature refused (%s): %s", self._mode, reason)
         self._keep(key, reason)
         self._warn(f"to_static: this step runs eagerly: {reason}")
 
