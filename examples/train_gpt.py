@@ -141,14 +141,27 @@ class TrainState:
 
 
 class ProgressBar:
-    """A progress bar on stderr: bar, step, loss, tokens/s; redrawn in place on a terminal."""
+    """Progress on stderr: step, loss, tokens/s — through ``tqdm`` where it is installed (it comes
+    with the test extra), else a plain bar redrawn in place on a terminal."""
 
     def __init__(self, total: int, enabled: bool, width: int = 24) -> None:
         self.total, self.enabled, self.width = total, enabled, width
         self.tty = sys.stderr.isatty()
         self.every = max(1, total // 10)
+        self.tqdm: Any = None
+        if enabled:
+            try:
+                from tqdm import tqdm
+            except ImportError:
+                tqdm = None
+            if tqdm is not None:
+                self.tqdm = tqdm(total=total, file=sys.stderr, unit="step", mininterval=0.5 if self.tty else 30.0)
 
     def update(self, step: int, loss: float, tokens_per_s: float) -> None:
+        if self.tqdm is not None:
+            self.tqdm.set_postfix_str(f"loss {loss:.4f}, {tokens_per_s:,.0f} tok/s", refresh=False)
+            self.tqdm.update(step - self.tqdm.n)
+            return
         if not self.enabled or (not self.tty and step % self.every and step != self.total):
             return
         filled = self.width * step // max(self.total, 1)
@@ -158,6 +171,9 @@ class ProgressBar:
         sys.stderr.flush()
 
     def close(self) -> None:
+        if self.tqdm is not None:
+            self.tqdm.close()
+            return
         if self.enabled and self.tty:
             sys.stderr.write("\n")
             sys.stderr.flush()
