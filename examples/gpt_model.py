@@ -73,10 +73,13 @@ class CausalSelfAttention(nn.Module):
         if not self.math:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
         t = q.shape[2]
-        scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))          # (B, H, T, T)
+        # heads first: matmul folds the two leading dims into one batch dim, and a fold whose
+        # outer dim is the head dim (split under TP) stays split; (B, H) would be gathered
+        q, k, v = (z.transpose(0, 1) for z in (q, k, v))                                  # (H, B, T, D)
+        scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))          # (H, B, T, T)
         causal = torch.ones(t, t, dtype=torch.bool).triu(1)
         probs = _dropout(scores.masked_fill(causal, float("-inf")).softmax(-1), self.dropout, self.training)
-        return probs @ v                                                                 # (B, H, T, D)
+        return (probs @ v).transpose(0, 1)                                               # (B, H, T, D)
 
 
 class MLP(nn.Module):

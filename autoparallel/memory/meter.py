@@ -70,7 +70,7 @@ class _Recorder(TorchDispatchMode):  # type: ignore[misc,valid-type]  # compat's
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
-            self.meter._note(t)
+            self.meter._note(t, func)
         return out
 
 
@@ -84,8 +84,9 @@ class LayerMeter:
         if not self.layers:
             raise ValueError(f"LayerMeter: no module of {type(model).__name__} matches {patterns}")
         self.bytes: dict[str, int] = {}
+        self.detail: dict[str, list[tuple[str, int]]] = {}  # per layer: (op(local shape):dtype, bytes)
         self._stack: list[str] = []
-        self._seen: dict[int, tuple[StorageWeakRef, int, str]] = {}
+        self._seen: dict[int, tuple[StorageWeakRef, int, str, str]] = {}
         self._params: set[int] = set()
 
     @property
@@ -97,7 +98,7 @@ class LayerMeter:
     def total(self) -> int:
         return sum(self.bytes.values())
 
-    def _note(self, t: Any) -> None:
+    def _note(self, t: Any, func: Any = None) -> None:
         info = _storage(t)
         if info is None or info[0] in self._params:
             return
@@ -105,7 +106,8 @@ class LayerMeter:
         old = self._seen.get(key)
         if old is not None and not old[0].expired():
             return  # a view, an in-place result, or a storage already noted
-        self._seen[key] = (StorageWeakRef(st), nbytes, self._stack[-1] if self._stack else OTHER)
+        self._seen[key] = (StorageWeakRef(st), nbytes, self._stack[-1] if self._stack else OTHER,
+                           f"{func}{tuple(layout.local_or_plain(t).shape)}:{t.dtype}")
 
     def _push(self, name: str) -> Any:
         def pre(module: nn.Module, args: Any) -> None:
@@ -134,10 +136,12 @@ class LayerMeter:
             for h in handles:
                 h.remove()
         out: dict[str, int] = {n: 0 for n in self.layers}
-        for ref, nbytes, name in self._seen.values():
+        detail: dict[str, list[tuple[str, int]]] = {n: [] for n in self.layers}
+        for ref, nbytes, name, what in self._seen.values():
             if not ref.expired():
                 out[name] = out.get(name, 0) + nbytes
-        self.bytes = out
+                detail.setdefault(name, []).append((what, nbytes))
+        self.bytes, self.detail = out, detail
         self._seen.clear()
 
 
