@@ -10,7 +10,7 @@ that defines it on first access (PEP 562), so ``import autoparallel.placement`` 
 The layers, bottom up (docs/architecture.md): values (``placement``, ``mesh``, ``spec``,
 ``cost``, and ``compat``: the private torch names) -> ``spmd_rules`` and ``reshard``'s planner -> ``runtime`` -> ``engine`` -> model-level
 APIs (``api``, ``factory``, ``local_map``, ``nn``, ``optim``, ``data``, ``pipeline``,
-``checkpoint``, ``regions``).
+``checkpoint``, ``regions``, ``memory``).
 """
 
 from __future__ import annotations
@@ -77,13 +77,15 @@ _EXPORTS: dict[str, str] = {
     "disable_local_regions": "autoparallel.regions",
     "enable_local_regions": "autoparallel.regions",
     "local_regions_report": "autoparallel.regions",
+    "LayerMeter": "autoparallel.memory",
+    "recompute": "autoparallel.memory",
     "DistModel": "autoparallel.static",
     "Strategy": "autoparallel.static",
     "to_static": "autoparallel.static",
 }
 # sub-packages reachable as attributes (``ap.pipeline.Pipeline``, ``ap.checkpoint``, ...)
 _SUBMODULES = frozenset({
-    "api", "checkpoint", "compat", "cost", "data", "engine", "factory", "local_map", "mesh", "nn",
+    "api", "checkpoint", "compat", "cost", "data", "engine", "factory", "local_map", "memory", "mesh", "nn",
     "optim", "pipeline", "placement", "regions", "runtime", "spec", "static",
 })
 
@@ -94,6 +96,7 @@ __all__ = [
     "DistSpec",
     "DistModel",
     "DistTensor",
+    "LayerMeter",
     "LocalLayer",
     "Partial",
     "Placement",
@@ -123,6 +126,7 @@ __all__ = [
     "parallelize",
     "pipeline",
     "rand",
+    "recompute",
     "randn",
     "register_axis_rule",
     "register_local_impl",
@@ -165,6 +169,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; nothing is imported at run time
     from autoparallel.engine.dtensor import DistTensor
     from autoparallel.factory import empty, full, ones, rand, randn, zeros
     from autoparallel.local_map import LocalLayer, local_map
+    from autoparallel.memory import LayerMeter, recompute
     from autoparallel.mesh import ProcessMesh
     from autoparallel.nn import (
         ColWiseParallel,

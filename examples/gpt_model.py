@@ -14,6 +14,7 @@ Nothing here knows about parallelism. Two choices keep it easy to shard by annot
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,8 @@ class GPTConfig:
     heads: int = 4
     mlp_ratio: int = 4
     tied: bool = True
+    dropout: float = 0.0        # Megatron's three dropouts: attention probabilities, after each projection
+    attention: str = "sdpa"     # "sdpa": one fused op; "math": QK^T, softmax, dropout, AV as separate ops
 
     def __post_init__(self) -> None:
         if self.width % self.heads:
@@ -39,6 +42,10 @@ class GPTConfig:
         for name in ("vocab", "seq", "layers", "width", "heads", "mlp_ratio"):
             if getattr(self, name) < 1:
                 raise ValueError(f"GPTConfig: {name} must be >= 1, got {getattr(self, name)}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"GPTConfig: dropout must be in [0, 1), got {self.dropout}")
+        if self.attention not in ("sdpa", "math"):
+            raise ValueError(f"GPTConfig: attention must be 'sdpa' or 'math', got {self.attention!r}")
 
 
 class CausalSelfAttention(nn.Module):
@@ -47,6 +54,7 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.head_dim = cfg.width // cfg.heads
+        self.dropout, self.math = cfg.dropout, cfg.attention == "math"
         # No qkv bias: the key bias only adds q.b_k to every score of a row, which softmax
         # ignores, so its gradient is pure roundoff that Adam would turn into lr-sized steps.
         self.qkv = nn.Linear(cfg.width, 3 * cfg.width, bias=False)
@@ -57,8 +65,21 @@ class CausalSelfAttention(nn.Module):
         d = self.head_dim
         qkv = self.qkv(x).view(b, t, -1, 3 * d)                       # (B, T, H, 3D), head-major
         q, k, v = (z.transpose(1, 2) for z in qkv.split(d, dim=-1))   # each (B, H, T, D)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)   # (B, H, T, D)
-        return self.proj(y.transpose(1, 2).reshape(b, t, -1))         # (B, T, W)
+        y = self.core(q, k, v)                                        # (B, H, T, D)
+        return _dropout(self.proj(y.transpose(1, 2).reshape(b, t, -1)), self.dropout, self.training)  # (B, T, W)
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The attention core: softmax(QK^T / sqrt(D) + causal mask), dropout, times V."""
+        if not self.math:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        t = q.shape[2]
+        # heads first: matmul folds the two leading dims into one batch dim, and a fold whose
+        # outer dim is the head dim (split under TP) stays split; (B, H) would be gathered
+        q, k, v = (z.transpose(0, 1) for z in (q, k, v))                                  # (H, B, T, D)
+        scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))          # (H, B, T, T)
+        causal = torch.ones(t, t, dtype=torch.bool).triu(1)
+        probs = _dropout(scores.masked_fill(causal, float("-inf")).softmax(-1), self.dropout, self.training)
+        return (probs @ v).transpose(0, 1)                                               # (B, H, T, D)
 
 
 class MLP(nn.Module):
@@ -69,9 +90,10 @@ class MLP(nn.Module):
         self.fc = nn.Linear(cfg.width, cfg.mlp_ratio * cfg.width)
         self.act = nn.GELU()
         self.proj = nn.Linear(cfg.mlp_ratio * cfg.width, cfg.width)
+        self.dropout = cfg.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(self.act(self.fc(x)))
+        return _dropout(self.proj(self.act(self.fc(x))), self.dropout, self.training)
 
 
 class Block(nn.Module):
@@ -112,6 +134,11 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))                                 # (B, T, V)
+
+
+def _dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+    """Dropout that issues no op at all when ``p`` is 0 (the default model draws nothing)."""
+    return F.dropout(x, p, training) if p > 0 else x
 
 
 def _init_weights(m: nn.Module) -> None:

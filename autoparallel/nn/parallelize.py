@@ -14,6 +14,8 @@ from typing import Any
 
 from torch import nn
 
+from autoparallel.memory.meter import outermost_matches
+from autoparallel.memory.recomputation import POLICIES, recompute as recompute_module
 from autoparallel.mesh import ProcessMesh
 from autoparallel.nn.shard_layer import ParamSharder
 from autoparallel.regions import enable_local_regions
@@ -101,7 +103,28 @@ def _seq_dim(plan: dict[str, Any]) -> int | None:
     return dims.pop() if dims else None
 
 
-def parallelize(layer: nn.Module, mesh: ProcessMesh, plan: dict[str, Any], *, axis: int | str | None = None) -> nn.Module:
+def match_recompute(layer: nn.Module, recompute: dict[str, Any] | None) -> list[tuple[nn.Module, Any]]:
+    """``(module, policy)`` for the outermost modules each ``recompute`` pattern matches, in
+    order (a later pattern overrides an earlier one). ``*`` crosses dots, so ``"blocks.*"`` also
+    matches every module inside a block: only the outermost match is recomputed (one region per
+    block, not nested ones). A pattern matching nothing or a bad policy raises."""
+    if recompute is None:
+        return []
+    if not isinstance(recompute, dict):
+        raise TypeError(f"parallelize: recompute must be a dict {{module-name pattern: policy}}, got {type(recompute).__name__}")
+    modules = list(layer.named_modules())
+    out: list[tuple[nn.Module, Any]] = []
+    for pattern, policy in recompute.items():
+        if not (policy is None or callable(policy) or policy in POLICIES):
+            raise ValueError(f"parallelize: recompute[{pattern!r}] = {policy!r} is none of {POLICIES} (or a SAC policy callable)")
+        if not any(isinstance(pattern, str) and fnmatchcase(n, pattern) for n, _ in modules):
+            raise ValueError(f"parallelize: recompute pattern {pattern!r} matches no module of {type(layer).__name__}")
+        out += [(m, policy) for m in outermost_matches(layer, [pattern]).values()]
+    return out
+
+
+def parallelize(layer: nn.Module, mesh: ProcessMesh, plan: dict[str, Any], *, axis: int | str | None = None,
+                recompute: dict[str, Any] | None = None) -> nn.Module:
     """Lay ``layer`` out on ``mesh`` by ``plan``, in place; return ``layer``.
 
     ``plan`` maps module-name patterns (``"blocks.*.attn.qkv"``) to styles
@@ -112,6 +135,9 @@ def parallelize(layer: nn.Module, mesh: ProcessMesh, plan: dict[str, Any], *, ax
     mesh axis, and every parameter/buffer the plan does not cover becomes Replicate. Under
     ``SequenceParallel`` styles, row-parallel layers and vocab-parallel embeddings reduce to
     ``Shard(seq_dim)`` (reduce-scatter) instead of Replicate (all-reduce) by default.
+    ``recompute`` maps module-name patterns to recompute policies (``"full"``,
+    ``"selective"``, ``"none"`` or a torch SAC policy; ``ap.recompute``), e.g.
+    ``{"blocks.*": "selective"}``: each matched module's activations are recomputed in backward.
     Raises ``TypeError``/``ValueError`` for a bad plan before converting anything.
     """
     if not isinstance(layer, nn.Module):
@@ -123,10 +149,13 @@ def parallelize(layer: nn.Module, mesh: ProcessMesh, plan: dict[str, Any], *, ax
     for _, name, module, style in matches:
         style.check(name, module, mesh, tp)
     check_ties(matches, mesh.dim_names[tp])
+    recomputed = match_recompute(layer, recompute)
     ctx = PlanContext(mesh, tp, _seq_dim(plan), ParamSharder(mesh))
     ctx.sharder.check_swappable(layer)  # parameters become DistTensors in place: an optimizer built before sees them
     for _, name, module, style in matches:
         style.apply(name, module, ctx)
     ctx.sharder.replicate_rest(layer)
     enable_local_regions(layer)
+    for module, policy in recomputed:
+        recompute_module(module, policy)
     return layer

@@ -41,6 +41,7 @@ layout, so a full gradient never persists.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
 from dataclasses import dataclass
@@ -53,6 +54,7 @@ from torch.utils.hooks import RemovableHandle
 from autoparallel import runtime
 from autoparallel.engine import layout
 from autoparallel.engine.dtensor import DistTensor
+from autoparallel.memory.recomputation import active as in_recomputed_region
 from autoparallel.optim import buckets
 from autoparallel.placement import Partial, chunk_bounds
 from autoparallel.spec import DistSpec
@@ -300,7 +302,11 @@ class _Unit:
                 key = local.untyped_storage().data_ptr()
                 owner.live[key] = (source, k)
                 live.append(key)
-        hooks = torch.autograd.graph.saved_tensors_hooks(owner.live.pack, _unpack)
+        # Inside a recomputed region the checkpoint keeps no gathered parameter (its recompute
+        # gathers the unit again: the backward's one all-gather); our hook would take the
+        # region's saves away from it, so none is installed.
+        hooks = (contextlib.nullcontext() if in_recomputed_region()
+                 else torch.autograd.graph.saved_tensors_hooks(owner.live.pack, _unpack))
         hooks.__enter__()
         self.active += 1
         return _UnitCall(self, hooks, live)

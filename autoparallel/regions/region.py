@@ -14,6 +14,7 @@ from autoparallel import runtime
 from autoparallel.compat import tree_flatten, tree_unflatten
 from autoparallel.runtime.debug import CommDebugMode
 from autoparallel.engine import layout
+from autoparallel.memory import recomputation
 from autoparallel.engine.dtensor import DistTensor
 from autoparallel.regions.checks import _classify, _precheck, _refused, _Trace, _Verdict
 from autoparallel.regions.crossing import _Call, _localize, _wrap_out
@@ -124,6 +125,15 @@ class _Region:
     def call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if _MODE:  # inside a parent's trace or local run: behave as the plain module
             return self.forward(*args, **kwargs)
+        if recomputation.forced_path() is False:  # recomputing what the forward ran on DistTensors
+            return self._plain(args, kwargs)
+        ran = self._call(args, kwargs)
+        recomputation.note_path(ran is not None and ran[1])
+        return self._plain(args, kwargs) if ran is None else ran[0]
+
+    def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, bool] | None:
+        """``(output, ran locally)`` for a call it ran (locally, or traced on its first
+        signature); None: take the DistTensor path."""
         leaves, tree = _flatten_call(args, kwargs)
         if _structure(self.modules) != self.shape:  # a submodule, parameter or buffer was added or removed
             self.modules = list(self.module.modules())
@@ -132,18 +142,20 @@ class _Region:
         tensors = [_current(m, a) for m, a in self.slots]
         key = self._key(leaves, tree, tensors)
         if key is None:
-            return self._plain(args, kwargs)
+            return None
         try:
             verdict = self.verdicts.get(key)
         except TypeError:  # an unhashable non-tensor argument: no signature
-            return self._plain(args, kwargs)
+            return None
         if verdict is None:
-            if len(self.verdicts) >= MAX_SIGNATURES:
-                return self._plain(args, kwargs)
-            return self._first_call(key, leaves, tree, tensors, args, kwargs)
+            # Inside a recomputed region the first call's trace and replay would save (and
+            # run) more than its recompute: signatures are proven outside such regions only.
+            if len(self.verdicts) >= MAX_SIGNATURES or recomputation.active():
+                return None
+            return self._first_call(key, leaves, tree, tensors, args, kwargs), False
         if verdict.local:
-            return self._run_local(verdict, leaves, tree, tensors)
-        return self._plain(args, kwargs)
+            return self._run_local(verdict, leaves, tree, tensors), True
+        return None
 
     def _plain(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The usual DistTensor path; submodules get their own chance to be regions."""

@@ -1,0 +1,10 @@
+"""Memory: activation recompute (full / selective) and the per-layer activation meter.
+
+* :mod:`.recomputation` — ``recompute(module, policy)``: torch's checkpoint on DistTensor modules.
+* :mod:`.meter` — ``LayerMeter``: bytes each layer's forward keeps for the backward, per rank.
+"""
+
+from autoparallel.memory.meter import LayerMeter
+from autoparallel.memory.recomputation import recompute
+
+__all__ = ["LayerMeter", "recompute"]

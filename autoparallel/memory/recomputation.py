@@ -1,0 +1,185 @@
+"""``recompute``: activation recompute (checkpointing) of whole modules, full or selective.
+
+Built on torch's own non-reentrant ``torch.utils.checkpoint.checkpoint`` and its selective
+variant (``create_selective_checkpoint_contexts``), which work on DistTensor code unchanged:
+the recomputed forward runs the same aten ops through the same dispatch, so every rank issues
+the same collectives in the same order again in the backward (under sequence parallelism the
+all-gather before a column-parallel layer is redone, as in Megatron), and the values are
+bitwise those of the first forward. Dropout draws the same masks: checkpoint restores the
+generator state before recomputing, and a DistTensor random op draws from that generator.
+
+``recompute(module, policy)`` makes every call of ``module`` (hooks included) one checkpointed
+region. The module keeps its identity, parameters and state-dict keys: its class becomes a
+subclass whose ``__call__`` runs ``nn.Module.__call__`` inside the checkpoint (FSDP2's trick).
+Module hooks run inside the region, so ZeRO-3's gather of a block's parameters is redone by the
+recompute (one all-gather, the one ZeRO-3 issues in backward anyway) and no gathered parameter
+is kept between forward and backward.
+
+Policies:
+
+* ``"full"``: keep only the region's inputs; recompute everything (Megatron's full recompute:
+  ``2sbh`` bytes per layer for a 16-bit layer input).
+* ``"selective"``: keep the outputs of the matrix multiplications of linear layers
+  (``mm``/``addmm``) whose output is not ``Partial``; recompute the rest — the attention core
+  (QK^T, softmax, dropout, AV as ``bmm``s, or one SDPA op), norms, activations, the all-gathers
+  of sequence parallelism and the row-parallel products (a ``Partial`` output holds the whole
+  sequence on every rank: keeping it would cost more than the layer's other activations).
+  The expensive column-parallel GEMMs are never redone; the attention core always is.
+* a callable ``(ctx, op, *args, **kwargs) -> CheckpointPolicy``: any torch SAC policy.
+* ``"none"``/``None``: undo.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Any, Callable, Union
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from autoparallel.engine import layout
+
+aten = torch.ops.aten
+Policy = Union[str, Callable[..., Any], None]
+POLICIES = ("full", "selective", "none")
+
+# the linear layers' products: kept by "selective" unless their output is Partial
+KEEP_OPS = frozenset({aten.mm.default, aten.addmm.default, aten._scaled_mm.default})
+_ATTR = "_ap_recompute"
+_state = threading.local()
+
+
+class _Frame:
+    """One recomputed call: the path (local or not) each local region inside it took in the
+    forward, replayed in the recompute so both run the same ops (a region's first call traces
+    on DistTensors and later calls run on plain shards: the recompute must not switch)."""
+
+    __slots__ = ("paths", "pos", "replaying")
+
+    def __init__(self) -> None:
+        self.paths: list[bool] = []
+        self.pos = 0
+        self.replaying = False
+
+
+def _frames() -> list[_Frame]:
+    frames = getattr(_state, "frames", None)
+    if frames is None:
+        frames = _state.frames = []
+    return frames
+
+
+def active() -> bool:
+    """True while a recomputed region runs (its forward or its recompute in the backward).
+
+    ZeRO-3 reads it: inside a region the checkpoint already keeps no gathered parameter, so
+    ZeRO-3 installs no saved-tensor hook of its own (it would take the region's saves away
+    from the checkpoint)."""
+    return bool(_frames())
+
+
+def forced_path() -> bool | None:
+    """In a recompute: whether the forward ran the next local region locally; else None."""
+    frames = _frames()
+    if not frames or not frames[-1].replaying:
+        return None
+    f = frames[-1]
+    f.pos += 1
+    return f.paths[f.pos - 1] if f.pos <= len(f.paths) else None
+
+
+def note_path(local: bool) -> None:
+    """A local region inside a recomputed forward ran locally (or not)."""
+    frames = _frames()
+    if frames and not frames[-1].replaying:
+        frames[-1].paths.append(local)
+
+
+def _is_partial(t: Any) -> bool:
+    spec = layout.spec_or_none(t)
+    return spec is not None and any(p.is_partial() for p in spec.placements)
+
+
+def selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """Megatron-style selective recompute: keep the linear layers' non-Partial products."""
+    if op in KEEP_OPS and not _is_partial(ctx.op_output):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _context_fn(policy: Policy) -> Callable[[], Any] | None:
+    if policy == "full":
+        return None
+    fn = selective_policy if policy == "selective" else policy
+    return functools.partial(create_selective_checkpoint_contexts, fn)
+
+
+def _region(call: Callable[..., Any]) -> Callable[..., Any]:
+    """``call`` as checkpoint's function: its first run is the forward, later runs recompute."""
+    frame = _Frame()
+    runs = [0]
+
+    @functools.wraps(call)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        frame.replaying, frame.pos = runs[0] > 0, 0
+        runs[0] += 1
+        frames = _frames()
+        frames.append(frame)
+        try:
+            return call(*args, **kwargs)
+        finally:
+            frames.pop()
+    return run
+
+
+class _Recomputed:
+    """Mixed into a module's class by ``recompute``: each call is one checkpointed region."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        policy = getattr(self, _ATTR, None)
+        if policy is None or not torch.is_grad_enabled():
+            return super().__call__(*args, **kwargs)  # type: ignore[misc]
+        ctx_fn = _context_fn(policy)
+        extra = {} if ctx_fn is None else {"context_fn": ctx_fn}
+        return checkpoint(_region(super().__call__), *args,  # type: ignore[misc]
+                          use_reentrant=False, **extra, **kwargs)
+
+
+@functools.lru_cache(maxsize=None)
+def _recomputed_class(cls: type) -> type:
+    return type(cls.__name__, (_Recomputed, cls), {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
+
+
+def recompute(module: nn.Module, policy: Policy = "full") -> nn.Module:
+    """Recompute ``module``'s activations in the backward instead of keeping them; return it.
+
+    ``policy``: ``"full"`` (keep the inputs only), ``"selective"`` (keep the linear layers'
+    products, recompute the attention core and the cheap ops), a torch SAC policy callable, or
+    ``"none"``/``None`` to turn it off. In place: the module keeps its parameters, hooks and
+    state-dict keys. Works on plain and on laid-out (``parallelize``/``shard_layer``) modules,
+    with ZeRO-3, pipelines and local regions; results are bitwise those without recompute.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"recompute: module must be an nn.Module, got {type(module).__name__}")
+    if isinstance(policy, str) and policy not in POLICIES:
+        raise ValueError(f"recompute: policy {policy!r} is none of {POLICIES} (or a callable SAC policy)")
+    if policy is not None and not isinstance(policy, str) and not callable(policy):
+        raise TypeError(f"recompute: policy must be one of {POLICIES} or a callable, got {type(policy).__name__}")
+    if policy == "none":
+        policy = None
+    if not isinstance(module, _Recomputed):
+        if policy is None:
+            return module
+        module.__class__ = _recomputed_class(type(module))
+    object.__setattr__(module, _ATTR, policy)
+    return module
+
+
+def policy_of(module: nn.Module) -> Policy:
+    """The recompute policy of ``module`` (None: not recomputed)."""
+    return getattr(module, _ATTR, None) if isinstance(module, _Recomputed) else None
+
+
+__all__ = ["KEEP_OPS", "POLICIES", "active", "forced_path", "note_path", "policy_of", "recompute", "selective_policy"]

@@ -1,0 +1,185 @@
+"""Activation memory per layer per rank, measured, next to Megatron's table (arXiv 2205.05198).
+
+    python benchmarks/memory.py                    # 4 gloo ranks, s=256 h=256 a=8 b=2, 2 layers
+    python benchmarks/memory.py --seq 128 --json /tmp/memory.json --repeat 3
+
+Spawns its own world (multiprocessing ``spawn``, gloo, a ``FileStore``). The model is the
+example GPT (examples/gpt_model.py) with Megatron's layer: "math" attention (QK^T, softmax,
+dropout, AV as separate ops) and the three dropouts (p=0.1), laid out by ``parallelize_gpt``'s
+plan (examples/train_gpt.py) on a 1 x t mesh (t = 4). ``ap.LayerMeter`` measures, per block,
+the bytes of the storages the forward leaves alive for the backward on each rank (largest over
+ranks and blocks). Rows:
+
+| row | layout | formula (bytes, 16-bit activations) |
+|---|---|---|
+| none | one process, plain tensors | ``sbh(34 + 5as/h)`` |
+| tp | TP t=4 | ``sbh(10 + 24/t + 5as/(ht))`` |
+| tp+sp | TP + SP | ``sbh/t (34 + 5as/h)`` |
+| tp+sp+selective | TP + SP, ``recompute={"blocks.*": "selective"}`` | ``34 sbh/t`` |
+| tp+full | TP, ``recompute={"blocks.*": "full"}`` | ``2 sbh`` |
+| tp+sp+full | TP + SP, full recompute (not in the table) | ``2 sbh / t`` |
+
+in fp32 (formula x 2: 4-byte elements, masks stay 1 byte -- see docs/memory.md) and under
+``torch.autocast("cpu", torch.bfloat16)`` (formula as written). Then the step time (forward +
+backward, median over ``--repeat`` after a warm-up, max over ranks) of TP + SP with no,
+selective and full recompute. The table with the term-by-term explanation is in docs/memory.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+for p in (ROOT, os.path.join(ROOT, "examples")):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+from benchmarks._spawn import run_spawned  # noqa: E402
+
+ROWS = [  # name, tp layout ("none" | "tp" | "tp_sp"), recompute policy
+    ("none", "none", "none"), ("tp", "tp", "none"), ("tp+sp", "tp_sp", "none"),
+    ("tp+sp+selective", "tp_sp", "selective"), ("tp+full", "tp", "full"), ("tp+sp+full", "tp_sp", "full"),
+]
+
+
+def formula(row: str, s: int, b: int, h: int, a: int, t: int) -> float:
+    """Megatron's bytes per layer for 16-bit activations."""
+    sbh = s * b * h
+    return {
+        "none": sbh * (34 + 5 * a * s / h),
+        "tp": sbh * (10 + 24 / t + 5 * a * s / (h * t)),
+        "tp+sp": sbh / t * (34 + 5 * a * s / h),
+        "tp+sp+selective": 34 * sbh / t,
+        "tp+full": 2 * sbh,
+        "tp+sp+full": 2 * sbh / t,
+    }[row]
+
+
+def _model(opts: dict[str, Any], layout: str, policy: str, mesh: Any) -> torch.nn.Module:
+    import autoparallel as ap
+    import train_gpt
+    from gpt_model import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab=opts["vocab"], seq=opts["seq"], layers=opts["layers"], width=opts["hidden"],
+                    heads=opts["heads"], dropout=0.1, attention="math", tied=False)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    rec = None if policy == "none" else {"blocks.*": policy}
+    if layout != "none":
+        ap.parallelize(model, mesh, train_gpt.gpt_plan(layout == "tp_sp"), recompute=rec)
+    elif rec:
+        for blk in model.blocks:
+            ap.recompute(blk, policy)
+    return model
+
+
+def _step(model: torch.nn.Module, x: Any, y: Any, bf16: bool, meter: Any = None) -> None:
+    from gpt_model import lm_loss
+
+    cast = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else nullcontext()
+    # the meter outside autocast: autocast's cache of low-precision weight copies is gone when it counts
+    with (meter.track() if meter is not None else nullcontext()), cast:
+        loss = lm_loss(model(x), y)
+    loss.backward()
+
+
+def _worker(rank: int, world: int, path: str, opts: dict[str, Any], out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(path, world), rank=rank, world_size=world)
+    import autoparallel as ap
+
+    torch.set_num_threads(1)
+    mesh = ap.ProcessMesh([list(range(world))], dim_names=["dp", "mp"])
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, opts["vocab"], (opts["batch"], opts["seq"]), generator=g)
+    y = torch.randint(0, opts["vocab"], (opts["batch"], opts["seq"]), generator=g)
+    result: dict[str, Any] = {"memory": {}, "time": {}}
+    for bf16 in (False, True):
+        for name, lay, policy in ROWS:
+            if lay == "none" and rank != 0:
+                continue  # one process: rank 0 alone, plain tensors
+            model = _model(opts, lay, policy, mesh)
+            xs, ys = (x, y) if lay == "none" else (
+                ap.shard_tensor(x, mesh, [ap.Replicate(), ap.Replicate()]),
+                ap.shard_tensor(y, mesh, [ap.Replicate(), ap.Replicate()]))
+            _step(model, xs, ys, bf16)  # warm-up (decision caches, local regions' first calls)
+            model.zero_grad(set_to_none=True)
+            meter = ap.LayerMeter(model, "blocks.*")
+            _step(model, xs, ys, bf16, meter)
+            per_layer = max(v for k, v in meter.bytes.items() if k.startswith("blocks"))
+            result["memory"][f"{name}|{'bf16' if bf16 else 'fp32'}"] = per_layer
+            if rank == 0 and opts.get("detail"):
+                print(name, bf16, sorted(meter.detail["blocks.1"], key=lambda d: -d[1]), flush=True)
+            if bf16 or lay != "tp_sp" or policy not in ("none", "selective", "full"):
+                continue
+            times = []
+            for _ in range(opts["repeat"]):
+                model.zero_grad(set_to_none=True)
+                dist.barrier()
+                t0 = time.perf_counter()
+                _step(model, xs, ys, bf16)
+                times.append(time.perf_counter() - t0)
+            result["time"][policy] = statistics.median(times)
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, result)
+    if rank == 0:
+        merged: dict[str, Any] = {"memory": {}, "time": {}}
+        for r in gathered:
+            for k, v in r["memory"].items():
+                merged["memory"][k] = max(v, merged["memory"].get(k, 0))
+            for k, v in r["time"].items():
+                merged["time"][k] = max(v, merged["time"].get(k, 0.0))
+        with open(out, "w") as f:
+            json.dump(merged, f)
+    dist.destroy_process_group()
+
+
+def report(res: dict[str, Any], o: dict[str, Any]) -> str:
+    s, b, h, a, t = o["seq"], o["batch"], o["hidden"], o["heads"], 4
+    rows = [f"activation bytes per layer per rank: s={s} b={b} h={h} a={a} t={t} (GPT, math attention, dropout 0.1)",
+            "| row | formula (16-bit) | bf16 autocast | ratio | fp32 | formula x2 | ratio |",
+            "|---|---:|---:|---:|---:|---:|---:|"]
+    for name, _, _ in ROWS:
+        f = formula(name, s, b, h, a, t)
+        m16, m32 = res["memory"][f"{name}|bf16"], res["memory"][f"{name}|fp32"]
+        rows.append(f"| {name} | {f / 2**20:.2f} MiB | {m16 / 2**20:.2f} MiB | {m16 / f:.2f} | "
+                    f"{m32 / 2**20:.2f} MiB | {2 * f / 2**20:.2f} MiB | {m32 / (2 * f):.2f} |")
+    tm = res["time"]
+    rows += ["", "step time (forward + backward), TP + SP, fp32, median, max over ranks:",
+             *(f"  {k:<10} {tm[k] * 1e3:8.1f} ms  ({(tm[k] / tm['none'] - 1) * 100:+.1f}%)" for k in ("none", "selective", "full"))]
+    return "\n".join(rows)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--json", default=None)
+    p.add_argument("--detail", action="store_true", help="rank 0 prints what each row keeps (op, local shape, dtype, bytes)")
+    args = p.parse_args()
+    opts = vars(args).copy()
+    res = run_spawned(_worker, 4, opts, timeout=1800, prefix="apmem")
+    print(report(res, opts))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"opts": opts, **res}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,154 @@
+"""Activation recompute (``ap.recompute``, ``parallelize(recompute=...)``, torch's checkpoint) on
+laid-out models: bitwise the losses and parameters of the same run without recompute.
+
+World part (4 gloo ranks, the session world): the example GPT with dropout (so the recompute
+must draw the masks of the first forward) trains 3 SGD steps under TP, TP + SP, DP x TP and
+ZeRO-3, with full and selective recompute, in "math" attention (QK^T, softmax, dropout, AV as
+separate ops) and SDPA; every loss and every parameter equals (``torch.equal``) the run with no
+recompute. Under SP the backward redoes the forward's all-gathers, in the same order on every
+rank. The meter sees the memory each policy keeps. Pure part: bad policies are refused.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+EXAMPLES = os.path.join(ROOT, "examples")
+if EXAMPLES not in sys.path:
+    sys.path.insert(0, EXAMPLES)
+
+from gpt_model import GPT, GPTConfig, lm_loss  # noqa: E402
+
+CFG = GPTConfig(vocab=32, seq=8, layers=2, width=32, heads=4, dropout=0.1, attention="math")
+STEPS = 3
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randint(0, CFG.vocab, (4, CFG.seq), generator=g),
+             torch.randint(0, CFG.vocab, (4, CFG.seq), generator=g)) for _ in range(STEPS)]
+
+
+def _train(rank: int, cfg: GPTConfig, layout: str, policy: str, zero: int = 0, how: str = "parallelize") -> dict[str, Any]:
+    """Train ``STEPS`` SGD steps; losses, full parameters, and each step's backward collectives."""
+    import autoparallel as ap
+    import train_gpt
+
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    dp, tp = {"tp": (1, 4), "tp_sp": (1, 4), "dp_tp": (2, 2), "zero3": (2, 2)}[layout]
+    mesh = ap.ProcessMesh(torch.arange(4).reshape(dp, tp).tolist(), dim_names=["dp", "mp"])
+    sp = layout in ("tp_sp", "zero3")
+    if how == "parallelize":
+        ap.parallelize(model, mesh, train_gpt.gpt_plan(sp), recompute=None if policy == "none" else {"blocks.*": policy})
+    else:  # ap.recompute after the layout
+        ap.parallelize(model, mesh, train_gpt.gpt_plan(sp))
+        for block in model.blocks:
+            ap.recompute(block, policy)
+    opt = ap.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                             ap.ShardingStage3(mesh, "dp") if zero == 3 else None)
+    torch.manual_seed(7)  # the dropout masks
+    losses, backward = [], []
+    for x, y in _batches():
+        xs = ap.shard_tensor(x, mesh, [ap.Shard(0), ap.Replicate()])
+        ys = ap.shard_tensor(y, mesh, [ap.Shard(0), ap.Replicate()])
+        loss = lm_loss(model(xs), ys)
+        with ap.CommDebugMode() as comm:
+            loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(train_gpt.scalar(loss))
+        backward.append([(r.kind, r.axis, r.recv_bytes) for r in comm.records])
+    return {"losses": losses, "params": train_gpt.full_params(model), "backward": backward,
+            "rng": torch.get_rng_state()}
+
+
+def _same(a: dict[str, Any], b: dict[str, Any], what: str) -> None:
+    assert a["losses"] == b["losses"], (what, a["losses"], b["losses"])
+    for name, p in a["params"].items():
+        assert torch.equal(p, b["params"][name]), (what, name)
+    assert torch.equal(a["rng"], b["rng"]), (what, "the generator ends elsewhere")
+
+
+@pytest.mark.parametrize("layout", ["tp", "tp_sp", "dp_tp", "zero3"])
+def test_recompute_is_bitwise_no_recompute(world4, layout: str) -> None:  # type: ignore[no-untyped-def]
+    zero = 3 if layout == "zero3" else 0
+    base = world4.run(_train, CFG, layout, "none", zero)
+    for policy in ("full", "selective"):
+        got = world4.run(_train, CFG, layout, policy, zero)
+        for r in range(4):
+            _same(base[r], got[r], f"{layout} {policy} rank {r}")
+        # the recomputed backward issues the same collectives on every rank of a tp group
+        assert got[0]["backward"] == got[1]["backward"] and got[2]["backward"] == got[3]["backward"]
+        if layout in ("tp_sp", "zero3"):  # SP's two all-gathers per block are redone in the backward
+            n = [sum(1 for k, a, _ in step if (k, a) == ("all_gather", 1)) for step in got[0]["backward"]]
+            n0 = [sum(1 for k, a, _ in step if (k, a) == ("all_gather", 1)) for step in base[0]["backward"]]
+            assert all(m >= m0 + 2 * CFG.layers for m, m0 in zip(n, n0)), (policy, n, n0)
+        if layout == "zero3":  # the recompute's gather is ZeRO-3's backward gather: no extra unit gather on dp
+            # (a block's parameters: the largest all-gathers on dp; the small ones the DistTensor
+            # path adds inside recomputed regions are gradients of local-region candidates, see docs/memory.md)
+            def units(res: dict[str, Any]) -> list[int]:
+                step = [(k, a, b) for k, a, b in res["backward"][-1] if (k, a) == ("all_gather", 0)]
+                big = max(b for _, _, b in step)
+                return [b for _, _, b in step if b == big]
+            assert units(got[0]) == units(base[0]), (policy, units(got[0]), units(base[0]))
+            assert ([r for r in got[0]["backward"][-1] if r[:2] == ("reduce_scatter", 0)]
+                    == [r for r in base[0]["backward"][-1] if r[:2] == ("reduce_scatter", 0)])
+
+
+def test_ap_recompute_after_layout_and_sdpa(world4) -> None:  # type: ignore[no-untyped-def]
+    cfg = GPTConfig(vocab=32, seq=8, layers=2, width=32, heads=4, dropout=0.1, attention="sdpa")
+    base = world4.run(_train, cfg, "tp_sp", "none")
+    for policy in ("full", "selective"):
+        got = world4.run(_train, cfg, "tp_sp", policy, 0, "ap.recompute")
+        for r in range(4):
+            _same(base[r], got[r], f"sdpa {policy} rank {r}")
+
+
+def _meter(rank: int, policy: str) -> dict[str, int]:
+    import autoparallel as ap
+    import train_gpt
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab=32, seq=16, layers=2, width=32, heads=4, attention="math"))
+    mesh = ap.ProcessMesh([[0, 1, 2, 3]], dim_names=["dp", "mp"])
+    ap.parallelize(model, mesh, train_gpt.gpt_plan(True), recompute=None if policy == "none" else {"blocks.*": policy})
+    x = ap.shard_tensor(torch.randint(0, 32, (2, 16)), mesh, [ap.Shard(0), ap.Replicate()])
+    meter = ap.LayerMeter(model, "blocks.*")
+    with meter.track():
+        loss = lm_loss(model(x), x)
+    loss.backward()
+    return meter.bytes
+
+
+def test_meter_sees_what_each_policy_keeps(world4) -> None:  # type: ignore[no-untyped-def]
+    none, sel, full = (world4.run(_meter, p)[0] for p in ("none", "selective", "full"))
+    s, b, h, t = 16, 2, 32, 4
+    sbh4 = s * b * h * 4 // t  # one fp32 activation of the block, sequence-split
+    for name in ("blocks.0", "blocks.1"):
+        assert full[name] == sbh4, full  # full recompute keeps the block's (SP-split) input only
+        assert sel[name] == 8 * sbh4, sel  # input + qkv (3) + fc (4): the linear layers' kept products
+        assert none[name] > 2 * sel[name], none
+
+
+@pytest.mark.pure  # single process, no world
+def test_bad_policies_are_refused() -> None:
+    import autoparallel as ap
+
+    with pytest.raises(ValueError, match="policy 'some' is none of"):
+        ap.recompute(nn.Linear(2, 2), "some")
+    model = GPT(GPTConfig(vocab=8, seq=4, layers=1, width=8, heads=2))
+    mesh = ap.ProcessMesh([0], dim_names=["mp"])
+    with pytest.raises(ValueError, match="recompute pattern 'block.*' matches no module"):
+        ap.parallelize(model, mesh, {}, recompute={"block.*": "full"})
+    assert not isinstance(model.blocks[0].ln1.weight, ap.DistTensor)  # refused before any layout
+    m = ap.recompute(nn.Linear(2, 2), "full")
+    assert type(m).__name__ == "Linear" and isinstance(m, nn.Linear)
+    assert ap.memory.recomputation.policy_of(ap.recompute(m, "none")) is None
