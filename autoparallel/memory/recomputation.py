@@ -142,7 +142,7 @@ class _Recomputed:
         if policy is None or not torch.is_grad_enabled():
             return super().__call__(*args, **kwargs)  # type: ignore[misc]
         ctx_fn = _context_fn(policy)
-        extra = {} if ctx_fn is None else {"context_fn": ctx_fn}
+        extra: dict[str, Any] = {} if ctx_fn is None else {"context_fn": ctx_fn}
         return checkpoint(_region(super().__call__), *args,  # type: ignore[misc]
                           use_reentrant=False, **extra, **kwargs)
 
@@ -172,7 +172,7 @@ def recompute(module: nn.Module, policy: Policy = "full") -> nn.Module:
     if not isinstance(module, _Recomputed):
         if policy is None:
             return module
-        module.__class__ = _recomputed_class(type(module))
+        module.__class__ = _recomputed_class(type(module))  # type: ignore[arg-type]  # classes hash
     object.__setattr__(module, _ATTR, policy)
     return module
 
