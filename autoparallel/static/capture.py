@@ -18,6 +18,8 @@ no rule.
 Random ops are recorded as the ops they are: a random DistTensor is drawn whole on every rank
 from torch's default generator (``spmd_rules.random_ops``), so the program draws from that
 generator when it runs, in the order eager would: dropout masks equal eager's for the same seed.
+A step that also resets the generator (activation recompute restoring it so the recomputed
+dropout draws the forward's masks) is refused when it draws: the reset is Python, not an op.
 """
 
 from __future__ import annotations
@@ -83,21 +85,50 @@ def capture(fn: Callable[..., Any], inputs: Sequence[torch.Tensor]) -> Capture:
         return out
 
     watch = Watch()
-    with CommDebugMode() as seen, comm.functional_collectives(), dispatch.observed_by(watch):
+    with CommDebugMode() as seen, comm.functional_collectives(), dispatch.observed_by(watch), _RngResets() as resets:
         try:
             gm = make_fx(traced, tracing_mode="real")(*inputs)
         except comm.CaptureError as e:
             return Capture(None, str(e), None)
         except RuntimeError as e:  # make_fx refuses a Python value read from a traced tensor
-            if "_local_scalar_dense" not in str(e) and "data-dependent" not in str(e):
-                raise
-            return Capture(None, "a Python value is read from a tensor (data-dependent Python in the step)", None)
+            if "_local_scalar_dense" in str(e) or "data-dependent" in str(e):
+                return Capture(None, "a Python value is read from a tensor (data-dependent Python in the step)", None)
+            # anything else the tracing trips on: the caller runs the step eagerly, where an error
+            # of the step itself raises again (on every rank alike)
+            return Capture(None, f"tracing the step failed ({type(e).__name__}: {str(e).splitlines()[0][:160]})", None)
     reason = watch.reason or _graph_reason(gm)
+    if not reason and resets.count and draws(gm):
+        reason = ("the step resets the random generator and draws random numbers (activation recompute re-drawing "
+                  "dropout masks: ap.recompute or torch.utils.checkpoint): a replay cannot repeat the reset")
     if reason:
         return Capture(None, reason, results[0] if results else None)
     gm.graph.eliminate_dead_code()
     gm.recompile()
     return Capture(gm, "", results[0], tuple(seen.records))
+
+
+class _RngResets:
+    """Counts ``torch.set_rng_state`` calls while a step is captured. Activation recompute
+    (torch's checkpoint) restores the generator before re-running a forward so dropout draws the
+    same masks; the program records the draws but not the restore, so a replay would draw new
+    masks in the recompute. A capture that saw a reset and draws is refused."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._real: Any = None
+
+    def __enter__(self) -> "_RngResets":
+        self._real = torch.set_rng_state
+
+        def counted(state: torch.Tensor) -> None:
+            self.count += 1
+            self._real(state)
+
+        torch.set_rng_state = counted  # type: ignore[assignment]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        torch.set_rng_state = self._real
 
 
 def _graph_reason(gm: torch.fx.GraphModule) -> str:

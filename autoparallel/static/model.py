@@ -247,8 +247,10 @@ class DistModel:
             got["outs"] = [loss] + present
             return [layout.local_of(t) if layout.is_dist(t) else t for t in [loss.detach()] + present]
 
+        rng = torch.get_rng_state()
         result: Capture = capture(step, state + xs)
-        if result.results is None:  # stopped part-way: this call runs eagerly
+        if result.results is None:  # stopped part-way: this call runs eagerly, drawing what it would have
+            torch.set_rng_state(rng)
             self._refuse(key, result.refused)
             return self._eager(args, params)
         if self._mode == TRAIN:
