@@ -403,6 +403,10 @@ def test_static_with_recompute_equals_eager_or_says_why(world4: Any, dropout: fl
     resets the generator (a Python call a program cannot hold): one warning, eager, equal."""
     for res in world4.run(_recomputed, dropout, policy):
         st = res["static"]
+        if dropout and policy == "selective":  # the capture stopped part-way in call 2 (its collectives
+            el, ep, ec = res["eager"]        # ran), then the call ran eagerly: call 2 issues more
+            assert st["comms"][1] != ec[1] and st["comms"][:1] + st["comms"][2:] == ec[:1] + ec[2:]
+            st = {**st, "comms": ec}
         _assert_equal(res["eager"], st)
         if dropout:  # (selective: torch's cache check trips on the trace first; the step reruns eagerly)
             assert len(st["warnings"]) == 1, st["warnings"]
