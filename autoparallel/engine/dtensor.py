@@ -15,6 +15,7 @@ from autoparallel import compat, runtime
 from autoparallel.engine import pending
 from autoparallel.engine.deferred import Deferred, Finish, Stat
 from autoparallel.engine.dispatch import dispatch
+from autoparallel.engine.keys import adopt_written_plain
 from autoparallel.mesh import Dims, ProcessMesh
 from autoparallel.placement import Replicate
 from autoparallel.spec import DistSpec
@@ -66,7 +67,15 @@ class DistTensor(torch.Tensor):
         r._stride = tuple(stride)
         return r
 
-    __torch_function__ = compat.disabled_torch_function_impl
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        """Torch's default without wrapping results (ops decompose below Python and reach
+        ``__torch_dispatch__``), after one look: an in-place op writing a plain tensor with a value
+        that requires grad makes it a DistTensor first (``keys.adopt_written_plain``)."""
+        if args:
+            adopt_written_plain(cls, getattr(func, "__name__", ""), args)
+        with compat.disable_torch_function_subclass():
+            return func(*args, **(kwargs or {}))
 
     @classmethod
     def __torch_dispatch__(  # type: ignore[override]  # torch types it as a plain function
