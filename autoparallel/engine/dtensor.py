@@ -13,6 +13,7 @@ import torch
 
 from autoparallel import compat, runtime
 from autoparallel.engine import pending
+from autoparallel.engine.batch_matmul import MATMULS, batch_first_matmul
 from autoparallel.engine.deferred import Deferred, Finish, Stat
 from autoparallel.engine.dispatch import dispatch
 from autoparallel.engine.keys import adopt_written_plain
@@ -70,11 +71,16 @@ class DistTensor(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         """Torch's default without wrapping results (ops decompose below Python and reach
-        ``__torch_dispatch__``), after one look: an in-place op writing a plain tensor with a value
-        that requires grad makes it a DistTensor first (``keys.adopt_written_plain``)."""
+        ``__torch_dispatch__``), after two looks: an in-place op writing a plain tensor with a value
+        that requires grad makes it a DistTensor first (``keys.adopt_written_plain``); a batched
+        ``matmul`` with a sharded inner batch dim moves that dim first (``batch_matmul``)."""
         if args:
             adopt_written_plain(cls, getattr(func, "__name__", ""), args)
         with compat.disable_torch_function_subclass():
+            if func in MATMULS:
+                out = batch_first_matmul(cls, func, args, kwargs)
+                if out is not NotImplemented:
+                    return out
             return func(*args, **(kwargs or {}))
 
     @classmethod
