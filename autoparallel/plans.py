@@ -67,8 +67,13 @@ def _gather_input() -> PrepareLayerInput:
     return PrepareLayerInput([Replicate()])  # also when passed as hidden_states=
 
 
-def _heads(model: nn.Module, plan: dict[str, ParallelStyle], embed: str | None, head: str | None,
-           sp: bool) -> None:
+def _input_embeddings(model: nn.Module) -> str | None:
+    """The name of the model's input embedding (transformers' ``get_input_embeddings()``)."""
+    get = getattr(model, "get_input_embeddings", None)
+    return _name_of(model, get()) if callable(get) else None
+
+
+def _heads(model: nn.Module, plan: dict[str, ParallelStyle], embed: str | None, head: str | None) -> None:
     """Vocab-parallel input embedding and column-parallel LM head (loss parallel), in place."""
     if embed is not None:
         plan[embed] = VocabParallelEmbedding()
@@ -100,7 +105,7 @@ def llama(model: nn.Module, sp: bool = False) -> ModelPlan:
         norm = _name_of(model, getattr(getattr(model, "model", model), "norm", None))
         if norm:
             plan[norm] = SequenceParallel()
-    _heads(model, plan, _name_of(model, model.get_input_embeddings()), _name_of(model, getattr(model, "lm_head", None)), sp)
+    _heads(model, plan, _input_embeddings(model), _name_of(model, getattr(model, "lm_head", None)))
     kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     return ModelPlan(plan, {
         "attention heads (num_attention_heads)": cfg.num_attention_heads,
@@ -145,7 +150,7 @@ def mixtral(model: nn.Module, sp: bool = False, experts: str = "tp") -> ModelPla
         norm = _name_of(model, getattr(getattr(model, "model", model), "norm", None))
         if norm:
             plan[norm] = SequenceParallel()
-    _heads(model, plan, _name_of(model, model.get_input_embeddings()), _name_of(model, getattr(model, "lm_head", None)), sp)
+    _heads(model, plan, _input_embeddings(model), _name_of(model, getattr(model, "lm_head", None)))
     return ModelPlan(plan, divisible, "mixtral")
 
 
@@ -174,7 +179,7 @@ def gpt2(model: nn.Module, sp: bool = False) -> ModelPlan:
         ln_f = _name_of(model, getattr(getattr(model, "transformer", model), "ln_f", None))
         if ln_f:
             plan[ln_f] = SequenceParallel()
-    _heads(model, plan, _name_of(model, model.get_input_embeddings()), _name_of(model, getattr(model, "lm_head", None)), sp)
+    _heads(model, plan, _input_embeddings(model), _name_of(model, getattr(model, "lm_head", None)))
     n_inner = getattr(cfg, "n_inner", None) or 4 * cfg.n_embd
     return ModelPlan(plan, {"MLP width (n_inner)": n_inner, "vocabulary (vocab_size)": cfg.vocab_size}, "gpt2")
 
@@ -203,7 +208,7 @@ def bert(model: nn.Module, sp: bool = False) -> ModelPlan:
     predictions = getattr(getattr(model, "cls", None), "predictions", None)
     if predictions is not None:
         head = _name_of(model, getattr(predictions, "decoder", None))
-    _heads(model, plan, _name_of(model, model.get_input_embeddings()), head, sp)
+    _heads(model, plan, _input_embeddings(model), head)
     return ModelPlan(plan, {
         "attention heads (num_attention_heads)": cfg.num_attention_heads,
         "MLP width (intermediate_size)": cfg.intermediate_size,
