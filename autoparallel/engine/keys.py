@@ -88,6 +88,11 @@ def adopt_plain(
 _IN_PLACE_DUNDERS = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__"})
 
 
+def is_in_place_name(name: str) -> bool:
+    """Whether a torch function named ``name`` writes its first argument (``add_``, ``__setitem__``)."""
+    return (name.endswith("_") and not name.endswith("__")) or name in _IN_PLACE_DUNDERS
+
+
 def adopt_written_plain(cls: Any, name: str, args: tuple[Any, ...]) -> None:
     """Make a plain tensor that an in-place op writes with a value that requires grad a Replicate
     DistTensor, in place (``torch.utils.swap_tensors``), before autograd sees the op.
@@ -102,7 +107,7 @@ def adopt_written_plain(cls: Any, name: str, args: tuple[Any, ...]) -> None:
     DistTensors share one mesh of the whole world; otherwise nothing changes here and the op
     raises as before. Called from ``DistTensor.__torch_function__`` (above autograd).
     """
-    if not (name.endswith("_") and not name.endswith("__")) and name not in _IN_PLACE_DUNDERS:
+    if not is_in_place_name(name):
         return
     if not args or type(args[0]) is not torch.Tensor or args[0].requires_grad or args[0].dim() == 0:
         return
@@ -129,4 +134,4 @@ def mesh_coord(mesh: Any) -> tuple[int, ...] | None:
     return mesh.coordinate_of(runtime.get_rank())
 
 
-__all__ = ["adopt_plain", "adopt_written_plain", "call_key", "mesh_coord"]
+__all__ = ["adopt_plain", "adopt_written_plain", "call_key", "is_in_place_name", "mesh_coord"]
