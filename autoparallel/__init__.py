@@ -9,7 +9,7 @@ that defines it on first access (PEP 562), so ``import autoparallel.placement`` 
 ``import spmd_rules``, which uses the value types) runs no engine, runtime or model code.
 The layers, bottom up (docs/architecture.md): values (``placement``, ``mesh``, ``spec``,
 ``cost``, and ``compat``: the private torch names) -> ``spmd_rules`` and ``reshard``'s planner -> ``runtime`` -> ``engine`` -> model-level
-APIs (``api``, ``factory``, ``local_map``, ``nn``, ``optim``, ``data``, ``pipeline``,
+APIs (``api``, ``factory``, ``local_map``, ``nn``, ``plans``, ``optim``, ``data``, ``pipeline``,
 ``checkpoint``, ``regions``, ``memory``).
 """
 
@@ -86,7 +86,7 @@ _EXPORTS: dict[str, str] = {
 # sub-packages reachable as attributes (``ap.pipeline.Pipeline``, ``ap.checkpoint``, ...)
 _SUBMODULES = frozenset({
     "api", "checkpoint", "compat", "cost", "data", "engine", "factory", "local_map", "memory", "mesh", "nn",
-    "optim", "pipeline", "placement", "regions", "runtime", "spec", "static",
+    "optim", "pipeline", "placement", "plans", "regions", "runtime", "spec", "static",
 })
 
 __all__ = [
@@ -125,6 +125,7 @@ __all__ = [
     "ones",
     "parallelize",
     "pipeline",
+    "plans",
     "rand",
     "recompute",
     "randn",
@@ -162,7 +163,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs; nothing is imported at run time
-    from autoparallel import pipeline
+    from autoparallel import pipeline, plans
     from autoparallel.api import dtensor_from_local, reshard, shard_tensor, unshard_dtensor
     from autoparallel.checkpoint import load_state_dict, save_state_dict
     from autoparallel.data import shard_dataloader

@@ -45,6 +45,9 @@ WRAPPER_POSITIONAL = _positional_wrapper_ok()
 # A subclass that handles everything in ``__torch_dispatch__`` turns ``__torch_function__`` off
 # (as torch's own wrapper subclasses do). Fallback: torch's default (slower, same results).
 disabled_torch_function_impl: Any = getattr(torch._C, "_disabled_torch_function_impl", torch.Tensor.__torch_function__)
+# What that impl does, for a subclass whose ``__torch_function__`` looks at a call first: run the
+# function with subclass ``__torch_function__`` handling off. Fallback: ``torch._C.DisableTorchFunction``.
+disable_torch_function_subclass: Any = getattr(torch._C, "DisableTorchFunctionSubclass", None) or torch._C.DisableTorchFunction
 
 
 # ---- dispatch ----------------------------------------------------------------------------------
@@ -129,7 +132,7 @@ except ImportError:  # pragma: no cover - the same in Python
 
 
 __all__ = [
-    "WRAPPER_POSITIONAL", "TorchDispatchMode", "all_op_schemas", "disabled_torch_function_impl", "flatten_dense_tensors",
+    "WRAPPER_POSITIONAL", "TorchDispatchMode", "all_op_schemas", "disable_torch_function_subclass", "disabled_torch_function_impl", "flatten_dense_tensors",
     "make_wrapper_subclass", "meta_in_tls", "no_dispatch", "optimizer_global_hooks", "tree_flatten", "tree_unflatten",
     "unflatten_dense_tensors", "will_engine_execute_node",
 ]

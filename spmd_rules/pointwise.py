@@ -8,7 +8,9 @@ broadcasting), replicated, or — for linear ops — Partial:
 - ``add``/``sub`` of two tensors: ``P + P -> P`` (same sum/avg type). ``P + scalar`` and
   ``P + R`` are not linear (the scalar would be added once per rank) and need a reduction;
 - ``mul``/``div``: one ``P(sum|avg)`` operand (the numerator for ``div``) times replicated
-  operands or scalars stays ``P``.
+  operands or scalars stays ``P``;
+- any other op tagged ``torch.Tag.pointwise`` (``rsub.Scalar``, ``sinc``, ``logaddexp``, the
+  in-place ``cos_``...): sharded or replicated, no Partial (``registry.register_tag_rule``).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 
 from autoparallel.placement import Partial, Placement, Shard
 from spmd_rules.base import R, AxisStrategy, OpCall, TensorMeta, follow, replicate_all
-from spmd_rules.registry import register_axis_rule
+from spmd_rules.registry import register_axis_rule, register_tag_rule
 
 aten = torch.ops.aten
 
@@ -71,6 +73,7 @@ def _partial(call: OpCall, inputs: Sequence[Placement], t: str) -> AxisStrategy:
     return AxisStrategy(tuple(inputs), tuple(Partial(t) for _ in call.out))
 
 
+@register_tag_rule(torch.Tag.pointwise)  # every other pointwise op (rsub.Scalar, sinc, ...): not linear
 @register_axis_rule(PLAIN_OPS)
 def plain_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
     return _sharded_strategies(call)

@@ -14,6 +14,7 @@ OutShapes = Callable[[OpCall], Sequence[tuple[int, ...] | None] | None]
 _MESH_RULES: dict[Any, MeshRule] = {}
 _LOCAL_IMPLS: dict[Any, LocalImpl] = {}
 _OUT_SHAPES: dict[Any, OutShapes] = {}
+_TAG_RULES: dict[Any, MeshRule] = {}  # torch.Tag -> the rule of an op with that tag and no rule of its own
 MAX_COMBINATIONS = 512
 
 
@@ -41,6 +42,34 @@ def register_axis_rule(ops: Any | Iterable[Any]) -> Callable[[AxisRule], AxisRul
         return fn
 
     return deco
+
+
+def register_tag_rule(tag: Any) -> Callable[[AxisRule], AxisRule]:
+    """Decorator: ``fn(call, axis, axis_size)`` answers for every op tagged ``tag`` (a
+    ``torch.Tag``) that has no rule of its own and writes no ``out=`` argument — e.g. the plain
+    sharded rule for ``torch.Tag.pointwise``, so ``aten.rsub.Scalar`` (BERT's attention mask)
+    and the hundreds of pointwise overloads no table names stay sharded instead of gathering."""
+
+    def deco(fn: AxisRule) -> AxisRule:
+        def mesh_rule(call: OpCall) -> list[Strategy]:
+            return product_of_axes(call, fn)
+
+        mesh_rule.__name__ = f"product_of_{fn.__name__}"
+        _TAG_RULES[tag] = mesh_rule
+        return fn
+
+    return deco
+
+
+def _tag_rule(op: Any) -> MeshRule | None:
+    tags = getattr(op, "tags", ())
+    if not tags or not _TAG_RULES:
+        return None
+    schema = getattr(op, "_schema", None)
+    if schema is None or any(a.kwarg_only and a.alias_info is not None and a.alias_info.is_write
+                             for a in schema.arguments):
+        return None  # out= variants: the engine's own out= path, not a guess
+    return next((_TAG_RULES[t] for t in tags if t in _TAG_RULES), None)
 
 
 def register_local_impl(ops: Any | Iterable[Any]) -> Callable[[LocalImpl], LocalImpl]:
@@ -87,10 +116,12 @@ def get_local_impl(op: Any) -> LocalImpl | None:
 
 
 def get_rule(op: Any) -> MeshRule | None:
-    """The rule for an aten overload, else for its overload packet, else None."""
+    """The rule for an aten overload, else for its overload packet, else for one of its tags, else None."""
     rule = _MESH_RULES.get(op)
     if rule is None:
         rule = _MESH_RULES.get(getattr(op, "overloadpacket", None))
+    if rule is None:
+        rule = _tag_rule(op)
     return rule
 
 

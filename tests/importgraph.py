@@ -32,7 +32,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("engine", ("autoparallel.engine",)),
     ("model", ("autoparallel.api", "autoparallel.factory", "autoparallel.local_map", "autoparallel.data",
                "autoparallel.nn", "autoparallel.optim", "autoparallel.pipeline", "autoparallel.checkpoint",
-               "autoparallel.regions", "autoparallel.static", "autoparallel.memory")),
+               "autoparallel.plans", "autoparallel.regions", "autoparallel.static", "autoparallel.memory")),
 )
 PURE = ("spmd_rules", "reshard.plan", "reshard.planner", "reshard.crossmesh")
 

@@ -5,17 +5,40 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
+aten = torch.ops.aten
+
+# Ops that write arguments their schema does not mark ``(a!)``: op -> (the written arguments,
+# the bool argument that must be true for the write). ``native_batch_norm`` updates its running
+# statistics in place in training mode although its schema declares them read-only (the
+# functional ``_native_batch_norm_legit`` marks them). Missed, a running statistic that the plan
+# moved (sliced to the channel shard) was written in the moved copy only: under data parallelism
+# each rank kept 1/n of the update (tests/world/test_batch_norm_world.py).
+UNMARKED_WRITES: dict[Any, tuple[tuple[str, ...], str]] = {
+    aten.native_batch_norm.default: (("running_mean", "running_var"), "training"),
+}
+
+
+def _arg(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], i: int) -> Any:
+    arg = func._schema.arguments[i]
+    return args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
+
 
 def written_args(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
-    """The arguments the op writes: ``self`` of ``add_``, ``out=``."""
+    """The arguments the op writes: ``self`` of ``add_``, ``out=``, and the ``UNMARKED_WRITES``."""
     written: list[Any] = []
+    unmarked, flag = UNMARKED_WRITES.get(func, ((), ""))
+    names = [a.name for a in func._schema.arguments]
+    if unmarked and not _arg(func, args, kwargs, names.index(flag)):
+        unmarked = ()
     for i, arg in enumerate(func._schema.arguments):
         alias = arg.alias_info
-        if alias is None or not alias.is_write:
+        if (alias is None or not alias.is_write) and arg.name not in unmarked:
             continue
-        value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
+        value = _arg(func, args, kwargs, i)
         written.extend(value if isinstance(value, (list, tuple)) else [value])
-    return written
+    return [w for w in written if w is not None]
 
 
 def out_aliases(
@@ -50,4 +73,4 @@ def mutated_inputs(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], dts
     return tuple(i for i, t in enumerate(dts) if id(t) in ids)
 
 
-__all__ = ["mutated_inputs", "out_aliases", "written_args"]
+__all__ = ["UNMARKED_WRITES", "mutated_inputs", "out_aliases", "written_args"]

@@ -13,8 +13,10 @@ import torch
 
 from autoparallel import compat, runtime
 from autoparallel.engine import pending
+from autoparallel.engine.batch_matmul import MATMULS, batch_first_matmul
 from autoparallel.engine.deferred import Deferred, Finish, Stat
 from autoparallel.engine.dispatch import dispatch
+from autoparallel.engine.keys import adopt_written_plain, is_in_place_name
 from autoparallel.mesh import Dims, ProcessMesh
 from autoparallel.placement import Replicate
 from autoparallel.spec import DistSpec
@@ -29,6 +31,18 @@ def contiguous_local(local: torch.Tensor, spec: DistSpec) -> torch.Tensor:
     """``local`` made to follow the contiguous wrapper of ``spec`` (``autoparallel.strides``):
     a shard that a slice, an expanded gradient or a transpose left otherwise is copied."""
     return conform(local, contiguous_strides(spec.shape))
+
+
+_IN_PLACE, _MATMUL = 1, 2
+_TF_KIND: dict[Any, int] = {}  # torch function -> 0 (pass through), _IN_PLACE or _MATMUL
+
+
+def _tf_kind(func: Any) -> int:
+    """What ``DistTensor.__torch_function__`` looks at for ``func`` (cached per function)."""
+    if func in MATMULS:
+        return _MATMUL
+    name = getattr(func, "__name__", "")
+    return _IN_PLACE if isinstance(name, str) and is_in_place_name(name) else 0
 
 
 class DistTensor(torch.Tensor):
@@ -66,7 +80,24 @@ class DistTensor(torch.Tensor):
         r._stride = tuple(stride)
         return r
 
-    __torch_function__ = compat.disabled_torch_function_impl
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        """Torch's default without wrapping results (ops decompose below Python and reach
+        ``__torch_dispatch__``), after two looks: an in-place op writing a plain tensor with a value
+        that requires grad makes it a DistTensor first (``keys.adopt_written_plain``); a batched
+        ``matmul`` with a sharded inner batch dim moves that dim first (``batch_matmul``)."""
+        kind = _TF_KIND.get(func)
+        if kind is None:
+            kind = _TF_KIND[func] = _tf_kind(func)
+        if kind and args:
+            if kind == _IN_PLACE:
+                adopt_written_plain(cls, func.__name__, args)
+            else:
+                with compat.disable_torch_function_subclass():
+                    out = batch_first_matmul(cls, func, args, kwargs)
+                if out is not NotImplemented:
+                    return out
+        return compat.disabled_torch_function_impl(func, types, args, kwargs or {})
 
     @classmethod
     def __torch_dispatch__(  # type: ignore[override]  # torch types it as a plain function

@@ -84,8 +84,54 @@ def adopt_plain(
     return walk(args), {k: walk(v) for k, v in kwargs.items()}
 
 
+# Python-level names of the in-place methods that write their first argument besides ``*_``.
+_IN_PLACE_DUNDERS = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__"})
+
+
+def is_in_place_name(name: str) -> bool:
+    """Whether a torch function named ``name`` writes its first argument (``add_``, ``__setitem__``)."""
+    return (name.endswith("_") and not name.endswith("__")) or name in _IN_PLACE_DUNDERS
+
+
+def adopt_written_plain(cls: Any, name: str, args: tuple[Any, ...]) -> None:
+    """Make a plain tensor that an in-place op writes with a value that requires grad a Replicate
+    DistTensor, in place (``torch.utils.swap_tensors``), before autograd sees the op.
+
+    Models build buffers with factories and fill them in place with computed values: Mixtral's
+    MoE ``final = torch.zeros(...)`` then ``final.index_add_(0, idx, expert_out)`` per expert.
+    With ``expert_out`` a DistTensor, written into the plain ``final`` below autograd, the plain
+    tensor would carry a gradient path autograd cannot take (a plain gradient for a DistTensor),
+    and the next write was refused. Made a DistTensor first, it is an ordinary written
+    DistTensor: autograd records on it, later ops see one layout. The policy is
+    ``adopt_plain``'s (docs/plain_tensors.md): the plain value is the same on every rank, the
+    DistTensors share one mesh of the whole world; otherwise nothing changes here and the op
+    raises as before. Called from ``DistTensor.__torch_function__`` (above autograd).
+    """
+    if not is_in_place_name(name):
+        return
+    if not args or type(args[0]) is not torch.Tensor or args[0].requires_grad or args[0].dim() == 0:
+        return
+    dts = [a for a in args[1:] if isinstance(a, cls)]
+    if not dts or not torch.is_grad_enabled() or not any(d.requires_grad for d in dts):
+        return
+    meshes = {d._spec.mesh for d in dts}
+    if len(meshes) != 1:
+        return
+    mesh = meshes.pop()
+    if mesh.size != runtime.get_world_size():
+        return
+    plain = args[0]
+    rep = tuple(Replicate() for _ in range(mesh.ndim))
+    stride = tuple(plain.stride()) if plain.layout == torch.strided else None
+    new = cls._wrap(plain.detach(), DistSpec(mesh, rep, tuple(plain.shape), plain.dtype), stride)
+    try:
+        torch.utils.swap_tensors(plain, new)
+    except RuntimeError:  # weak references or other holders: leave it; the op raises as before
+        return
+
+
 def mesh_coord(mesh: Any) -> tuple[int, ...] | None:
     return mesh.coordinate_of(runtime.get_rank())
 
 
-__all__ = ["adopt_plain", "call_key", "mesh_coord"]
+__all__ = ["adopt_plain", "adopt_written_plain", "call_key", "is_in_place_name", "mesh_coord"]

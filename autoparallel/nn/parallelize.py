@@ -96,6 +96,31 @@ def check_ties(matches: list[tuple[str, str, nn.Module, ParallelStyle]], axis_na
                 )
 
 
+class ModelPlan(dict):  # type: ignore[type-arg]
+    """A plan dict (``{pattern: style}``) that also states what must divide by the tp degree.
+
+    ``divisible`` maps a description (``"attention heads (num_attention_heads)"``) to a size;
+    ``parallelize`` checks each against the tensor-parallel degree from metadata alone, so every
+    rank raises the same ``ValueError`` before anything is laid out. ``ap.plans`` returns these;
+    a plain dict works everywhere a plan does.
+    """
+
+    def __init__(self, styles: dict[str, Any], divisible: dict[str, int], model: str) -> None:
+        super().__init__(styles)
+        self.divisible = dict(divisible)
+        self.model = model
+
+    def check_degree(self, mesh: ProcessMesh, axis: int) -> None:
+        degree = mesh.shape[axis]
+        bad = [f"{what} = {n}" for what, n in self.divisible.items() if n % degree]
+        if bad:
+            raise ValueError(
+                f"parallelize: the {self.model} plan needs these sizes to divide by the tensor-parallel "
+                f"degree {degree} (mesh axis {mesh.dim_names[axis]!r}): {', '.join(bad)}; use a smaller "
+                "tensor-parallel degree, or write your own plan dict (uneven shards are correct, but gather)"
+            )
+
+
 def _seq_dim(plan: dict[str, Any]) -> int | None:
     dims = {s.seq_dim for s in plan.values() if isinstance(s, SequenceParallel)}
     if len(dims) > 1:
@@ -145,6 +170,8 @@ def parallelize(layer: nn.Module, mesh: ProcessMesh, plan: dict[str, Any], *, ax
     if not isinstance(mesh, ProcessMesh):
         raise TypeError(f"parallelize: mesh must be an ap.ProcessMesh, got {type(mesh).__name__}")
     tp = resolve_axis(mesh, axis)
+    if isinstance(plan, ModelPlan):
+        plan.check_degree(mesh, tp)
     matches = match_plan(layer, plan)
     for _, name, module, style in matches:
         style.check(name, module, mesh, tp)

@@ -30,6 +30,7 @@ on every rank before any collective of that step.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -64,6 +65,52 @@ class PlanContext:
     def shard_param(self, module: nn.Module, attr: str, p: Placement, where: str) -> None:
         if getattr(module, attr, None) is not None:
             self.sharder.place(module, attr, self.on_axis(p), f"{where}.{attr}" if where else attr)
+
+
+def in_out_weight(module: nn.Module) -> bool:
+    """Whether ``module`` stores its weight ``(in_features, out_features)`` and computes ``x @ weight``.
+
+    ``nn.Linear`` stores ``(out, in)``; GPT-2's ``transformers.pytorch_utils.Conv1D`` (``nx`` in,
+    ``nf`` out: ``addmm(bias, x, weight)``) stores it transposed. Detected from the module's
+    attributes (``nf``/``nx`` and a 2-d ``(nx, nf)`` weight), so the library never imports
+    ``transformers``; a style's ``transposed=True`` states it for any other such module.
+    """
+    w = getattr(module, "weight", None)
+    nf, nx = getattr(module, "nf", None), getattr(module, "nx", None)
+    return (not isinstance(module, (nn.Linear, nn.Embedding)) and isinstance(nf, int) and isinstance(nx, int)
+            and isinstance(w, torch.Tensor) and tuple(w.shape) == (nx, nf))
+
+
+def _transposed(style: Any, module: nn.Module) -> bool:
+    return bool(style.transposed) if style.transposed is not None else in_out_weight(module)
+
+
+def per_position(module: nn.Module) -> bool:
+    """Whether ``module`` looks like a norm/dropout a model wrote itself: a leaf module whose
+    parameters are all 1-d (per-feature scales and shifts) and that has at least one, or whose
+    class name ends in ``Norm``/``Dropout``. ``SequenceParallel`` accepts these besides
+    ``nn.LayerNorm``/``nn.RMSNorm``/``nn.Dropout`` — it needs a module that treats each position
+    alone, which per-feature parameters (no mixing matrix) make the rule for a norm."""
+    if any(True for _ in module.children()):
+        return False
+    params = [p for p in module.parameters(recurse=False)]
+    if params:
+        return all(p.dim() == 1 for p in params)
+    return type(module).__name__.endswith(("Norm", "Dropout"))
+
+
+class _LinearLike:
+    """Mixin of the Linear styles: also accept a module with an ``(in, out)`` weight (GPT-2 Conv1D)."""
+
+    transposed: bool | None = None
+
+    def check(self, name: str, module: nn.Module, mesh: ProcessMesh, axis: int) -> None:
+        if _transposed(self, module):
+            w = getattr(module, "weight", None)
+            if not isinstance(w, torch.Tensor) or w.dim() != 2:
+                raise TypeError(f"{type(self).__name__}(transposed=True) on module {name!r}: needs a 2-d weight")
+            return
+        ParallelStyle.check(self, name, module, mesh, axis)  # type: ignore[arg-type]
 
 
 class ParallelStyle:
@@ -147,8 +194,11 @@ def _reduced_output(layout: Layout, ctx: PlanContext, where: str) -> tuple[Layou
     return Replicate(), None
 
 
-class ColWiseParallel(ParallelStyle):
+class ColWiseParallel(_LinearLike, ParallelStyle):
     """Column parallel: ``nn.Linear`` weight ``Shard(0)`` (out-features) and bias ``Shard(0)``.
+
+    A module storing its weight ``(in, out)`` (GPT-2's ``Conv1D``, detected; or any module with
+    ``transposed=True``) gets weight ``Shard(1)`` — its out-features — and bias ``Shard(0)``.
 
     Input: made Replicate on the tp axis (an all-gather when it arrives sequence-sharded, a
     no-op when it is replicated). Output: sharded on its last dim; ``gather_output=True``
@@ -160,14 +210,19 @@ class ColWiseParallel(ParallelStyle):
 
     module_types: tuple[type[nn.Module], ...] = (nn.Linear, nn.Embedding)
 
-    def __init__(self, gather_output: bool = False) -> None:
+    def __init__(self, gather_output: bool = False, transposed: bool | None = None) -> None:
         if not isinstance(gather_output, bool):
             raise TypeError(f"ColWiseParallel: gather_output must be a bool, got {gather_output!r}")
+        if transposed is not None and not isinstance(transposed, bool):
+            raise TypeError(f"ColWiseParallel: transposed must be None or a bool, got {transposed!r}")
         self.gather_output = gather_output
+        self.transposed = transposed
 
     def param_placements(self, module: nn.Module) -> dict[str, Placement]:
         if isinstance(module, nn.Embedding):
             return {"weight": Shard(1)}
+        if _transposed(self, module):
+            return {"weight": Shard(1), "bias": Shard(0)}
         return {"weight": Shard(0), "bias": Shard(0)}
 
     def apply(self, name: str, module: nn.Module, ctx: PlanContext) -> None:
@@ -177,8 +232,11 @@ class ColWiseParallel(ParallelStyle):
             _output_hook(module, Replicate(), ctx, f"ColWiseParallel({name!r}) output")
 
 
-class RowWiseParallel(ParallelStyle):
+class RowWiseParallel(_LinearLike, ParallelStyle):
     """Row parallel: ``nn.Linear`` weight ``Shard(1)`` (in-features), bias Replicate.
+
+    A module storing its weight ``(in, out)`` (GPT-2's ``Conv1D``, detected; or any module with
+    ``transposed=True``) gets weight ``Shard(0)`` — its in-features — and bias Replicate.
 
     Input: brought to ``Shard(-1)`` on the tp axis from whatever arrives. ``is_input_parallel``
     (Paddle's flag) only documents what is expected: ``True`` (the default), sharded by a
@@ -192,11 +250,15 @@ class RowWiseParallel(ParallelStyle):
 
     module_types: tuple[type[nn.Module], ...] = (nn.Linear, nn.Embedding)
 
-    def __init__(self, is_input_parallel: bool = True, output_layout: Layout = None) -> None:
+    def __init__(self, is_input_parallel: bool = True, output_layout: Layout = None,
+                 transposed: bool | None = None) -> None:
         if not isinstance(is_input_parallel, bool):
             raise TypeError(f"RowWiseParallel: is_input_parallel must be a bool, got {is_input_parallel!r}")
+        if transposed is not None and not isinstance(transposed, bool):
+            raise TypeError(f"RowWiseParallel: transposed must be None or a bool, got {transposed!r}")
         self.is_input_parallel = is_input_parallel
         self.output_layout = output_layout
+        self.transposed = transposed
 
     def check(self, name: str, module: nn.Module, mesh: ProcessMesh, axis: int) -> None:
         super().check(name, module, mesh, axis)
@@ -207,6 +269,8 @@ class RowWiseParallel(ParallelStyle):
     def param_placements(self, module: nn.Module) -> dict[str, Placement]:
         if isinstance(module, nn.Embedding):
             return {"weight": Shard(0)}
+        if _transposed(self, module):
+            return {"weight": Shard(0), "bias": Replicate()}
         return {"weight": Shard(1), "bias": Replicate()}
 
     def apply(self, name: str, module: nn.Module, ctx: PlanContext) -> None:
@@ -233,7 +297,7 @@ class VocabParallelEmbedding(RowWiseParallel):
     module_types: tuple[type[nn.Module], ...] = (nn.Embedding,)
 
     def __init__(self, output_layout: Layout = None) -> None:
-        super().__init__(is_input_parallel=True, output_layout=output_layout)
+        super().__init__(is_input_parallel=True, output_layout=output_layout, transposed=False)
 
     def __repr__(self) -> str:
         return f"VocabParallelEmbedding(output_layout={self.output_layout!r})"
@@ -249,6 +313,9 @@ def _check_embedding(name: str, module: nn.Embedding, style: str) -> None:
 class SequenceParallel(ParallelStyle):
     """Megatron sequence parallel region: LayerNorm/RMSNorm/Dropout on sequence-sharded input.
 
+    Besides the ``nn`` classes it accepts a model's own norm (``per_position``: a leaf module
+    with only 1-d parameters, e.g. transformers' ``LlamaRMSNorm``).
+
     Parameters stay Replicate; the input is made ``Shard(seq_dim)`` on the tp axis (a local
     slice when it is replicated, a reduce-scatter when it is Partial) and so is the output.
     With ``ColWiseParallel`` after it (all-gather on entry) and ``RowWiseParallel`` before it
@@ -259,6 +326,11 @@ class SequenceParallel(ParallelStyle):
     """
 
     module_types: tuple[type[nn.Module], ...] = (nn.LayerNorm, nn.RMSNorm, nn.Dropout)
+
+    def check(self, name: str, module: nn.Module, mesh: ProcessMesh, axis: int) -> None:
+        if not isinstance(module, self.module_types) and per_position(module):
+            return  # a model's own norm (transformers' LlamaRMSNorm, T5LayerNorm...)
+        super().check(name, module, mesh, axis)
 
     def param_placements(self, module: nn.Module) -> dict[str, Placement]:
         return {"weight": Replicate(), "bias": Replicate()}
@@ -277,6 +349,10 @@ class SequenceParallel(ParallelStyle):
 
 class PrepareLayerInput(ParallelStyle):
     """Declare/reshard a module's inputs: ``input_layouts[i]`` for positional input ``i``.
+
+    Input ``i`` passed by keyword (the ``i``-th parameter of ``module.forward``, as transformers
+    calls ``self_attn(hidden_states=h, ...)``) gets ``input_layouts[i]`` too; more layouts than
+    the inputs given are ignored for the missing ones.
 
     Each layout is ``None`` (leave it), a placement for the tp axis, or a list of placements
     (one per mesh axis). Plain tensors are taken as the full value and laid out
@@ -304,12 +380,26 @@ class PrepareLayerInput(ParallelStyle):
         where = f"PrepareLayerInput({name!r})"
         layouts, kw_layouts = self._layouts(name, ctx.mesh)
 
+        names = _positional_names(module)
+
         def hook(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-            args = map_layouts(args, layouts, ctx.mesh, ctx.axis, where)
-            kwargs = {k: to_layout(v, ctx.mesh, ctx.axis, kw_layouts.get(k), where) for k, v in kwargs.items()}
+            # input i passed by keyword (``self_attn(hidden_states=h)``) gets layouts[i] all the same
+            by_name = {names[i]: lay for i, lay in enumerate(layouts) if i >= len(args) and i < len(names)}
+            args = map_layouts(args, layouts[:len(args)], ctx.mesh, ctx.axis, where)
+            kwargs = {k: to_layout(v, ctx.mesh, ctx.axis, kw_layouts.get(k, by_name.get(k)), where) for k, v in kwargs.items()}
             return args, kwargs
 
         module.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def _positional_names(module: nn.Module) -> list[str]:
+    """The names of ``module.forward``'s parameters that may be passed by position, in order."""
+    try:
+        params = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):  # a builtin forward: no names, positional layouts only
+        return []
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return [p.name for p in params if p.kind in kinds]
 
 
 class PrepareLayerOutput(ParallelStyle):
