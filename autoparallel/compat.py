@@ -12,7 +12,8 @@ API across releases; ``autoparallel.runtime.comm`` picks whichever this torch ha
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 

@@ -9,7 +9,7 @@ same ones, so tests can check that a plan moved exactly what it promised.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def all_gather_bytes(piece_bytes: Sequence[int], me: int) -> tuple[int, int]:

@@ -14,17 +14,18 @@ list and the meshes, never on the rank, so every rank raises the same error at t
 from __future__ import annotations
 
 import collections
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Sampler
 
 from autoparallel import runtime
-from autoparallel.runtime import groups
 from autoparallel.api import dtensor_from_local
 from autoparallel.mesh import ProcessMesh
 from autoparallel.placement import Placement, Replicate, Shard
+from autoparallel.runtime import groups
 
 AxisSpec = str | int | None
 

@@ -13,7 +13,8 @@ Partial placements hold the value in Partial form: for ``sum`` on the first rank
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 

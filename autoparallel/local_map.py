@@ -14,7 +14,8 @@ for even shards; pass ``out_shapes`` for uneven ones.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 

@@ -11,7 +11,8 @@ for ``mesh["dp"]`` (the line through this rank): the default group's, else torch
 from __future__ import annotations
 
 import os
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -192,7 +193,7 @@ class ProcessMesh:
         return line
 
     # ---- sub-meshes ---------------------------------------------------------------------
-    def get_mesh_with_dim(self, dim_name: str, index: int | None = None) -> "ProcessMesh":
+    def get_mesh_with_dim(self, dim_name: str, index: int | None = None) -> ProcessMesh:
         """The mesh with axis ``dim_name`` moved first; with ``index``, the slice at it.
 
         ``mesh.get_mesh_with_dim("pp", 1)`` is the stage mesh of pipeline stage 1.
@@ -209,7 +210,7 @@ class ProcessMesh:
             return ProcessMesh([int(arr[index])], names)
         return ProcessMesh(arr[index], names[1:])
 
-    def __getitem__(self, key: Any) -> "ProcessMesh":
+    def __getitem__(self, key: Any) -> ProcessMesh:
         """``mesh["dp"]``: the 1-d mesh along axis ``dp`` through this rank.
 
         ``mesh[("dp", "mp")]`` keeps several axes; an int or slice indexes the rank array.
@@ -242,7 +243,7 @@ class ProcessMesh:
         return ProcessMesh(sub, kept_names[: np.ndim(sub)])
 
     @property
-    def family(self) -> "ProcessMesh | None":
+    def family(self) -> ProcessMesh | None:
         """The mesh this per-rank sub-mesh (``mesh["dp"]``) was taken from, else None. Not part
         of the value (equality and hash ignore it): it tells the runtime which lines to create
         so that every rank creates the same groups."""

@@ -8,9 +8,9 @@ tensor dim (outermost axis first). The default order is ascending mesh axis.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import lru_cache
-from typing import Sequence
+from functools import cache, lru_cache
 
 import torch
 
@@ -121,7 +121,7 @@ class DistSpec:
 
     def with_placements(
         self, placements: Sequence[Placement], shard_order: tuple[tuple[int, tuple[int, ...]], ...] = ()
-    ) -> "DistSpec":
+    ) -> DistSpec:
         """The same tensor in another layout (cached: specs are values)."""
         placements, shard_order = tuple(placements), tuple(shard_order)
         try:
@@ -129,11 +129,11 @@ class DistSpec:
         except TypeError:  # unhashable input: build it uncached, for the constructor's own error
             return DistSpec(self.mesh, placements, self.shape, self.dtype, shard_order)
 
-    def with_dtype(self, dtype: torch.dtype) -> "DistSpec":
+    def with_dtype(self, dtype: torch.dtype) -> DistSpec:
         """The same layout for a tensor of another dtype (an optimizer state of a parameter)."""
         return self if dtype == self.dtype else DistSpec(self.mesh, self.placements, self.shape, dtype, self.shard_order)
 
-    def without_partial(self) -> "DistSpec":
+    def without_partial(self) -> DistSpec:
         """The same layout with every Partial axis made Replicate (the reduced value's layout)."""
         if not self.has_partial:
             return self
@@ -216,6 +216,6 @@ def _local_box(
     return tuple(box)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()

@@ -17,7 +17,8 @@ import shutil
 import sys
 import tempfile
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from tests.world_harness import environment
 

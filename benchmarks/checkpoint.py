@@ -37,7 +37,8 @@ import sys
 import tempfile
 import time
 import warnings
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 COLS = 1024
 N_TENSORS = 8

@@ -21,7 +21,7 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -61,8 +61,9 @@ def _cases(make: Callable[[torch.Tensor, str], torch.Tensor], lin_w: torch.Tenso
 def _worker(rank: int, world: int, path: str, iters: int, cache_miss: bool) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(path, world), rank=rank, world_size=world)
-    import autoparallel as ap
     from torch.distributed.tensor import DeviceMesh, Replicate, Shard, distribute_tensor
+
+    import autoparallel as ap
 
     torch.manual_seed(0)
     lin_w = torch.randn(8, 8)

@@ -65,9 +65,10 @@ def formula(row: str, s: int, b: int, h: int, a: int, t: int) -> float:
 
 
 def _model(opts: dict[str, Any], layout: str, policy: str, mesh: Any) -> torch.nn.Module:
-    import autoparallel as ap
     import train_gpt
     from gpt_model import GPT, GPTConfig
+
+    import autoparallel as ap
 
     cfg = GPTConfig(vocab=opts["vocab"], seq=opts["seq"], layers=opts["layers"], width=opts["hidden"],
                     heads=opts["heads"], dropout=0.1, attention="math", tied=False)

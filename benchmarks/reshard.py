@@ -68,7 +68,8 @@ import sys
 import time
 import traceback
 import warnings
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 REPO_ROOT = os.path.dirname(_HERE)
@@ -93,7 +94,6 @@ from benchmarks.reshard_cases import (  # noqa: E402 - after the sys.path fix ab
     torch_placement,
 )
 from benchmarks.reshard_meter import make_torch_meter, torch_redistribute, use_torch_alltoall  # noqa: E402
-
 
 # --------------------------------------------------------------------------------------------
 # the per-rank benchmark

@@ -40,9 +40,9 @@ Our plan (``ap_plan``)
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
-
+from typing import Any
 
 # --------------------------------------------------------------------------------------------
 # cases

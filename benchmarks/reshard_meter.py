@@ -21,7 +21,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-
 # --------------------------------------------------------------------------------------------
 # torch-side meter
 # --------------------------------------------------------------------------------------------
@@ -32,7 +31,8 @@ def make_torch_meter() -> Any:
     import torch
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _resolve_process_group
-    from torch.distributed.tensor.debug import CommDebugMode, _comm_mode as comm_mode
+    from torch.distributed.tensor.debug import CommDebugMode
+    from torch.distributed.tensor.debug import _comm_mode as comm_mode
 
     from autoparallel import cost
 
@@ -163,7 +163,8 @@ def use_torch_alltoall() -> None:
     """
     import torch
     import torch.distributed._functional_collectives as funcol
-    from torch.distributed.tensor import _collective_utils as cu, placement_types as pt
+    from torch.distributed.tensor import _collective_utils as cu
+    from torch.distributed.tensor import placement_types as pt
 
     def shard_dim_alltoall(input: Any, gather_dim: int, shard_dim: int, mesh: Any, mesh_dim: int) -> Any:
         group = funcol._resolve_group((mesh, mesh_dim))

@@ -22,8 +22,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
 
-import autoparallel as ap  # noqa: E402
 from simplenet import STRATEGIES, SimpleNet, batches, setup  # noqa: E402
+
+import autoparallel as ap  # noqa: E402
 
 GUIDE = os.path.join(HERE, "guide.md")
 BEGIN, END = "<!-- collectives:begin -->", "<!-- collectives:end -->"

@@ -15,7 +15,7 @@ training run can save and restore its data position exactly.
 from __future__ import annotations
 
 import os
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from torch.utils.data import Dataset, Sampler

@@ -54,8 +54,9 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -65,9 +66,10 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import autoparallel as ap  # noqa: E402
 from gpt_data import CharTokenizer, ResumableSampler, TokenWindows, load_corpus  # noqa: E402
 from gpt_model import GPT, GPTConfig, lm_loss  # noqa: E402
+
+import autoparallel as ap  # noqa: E402
 
 RTOL = 1e-5
 # bf16 keeps 8 bits of mantissa (relative rounding 2^-9 = 2e-3 per op); the distributed run rounds

@@ -24,8 +24,9 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import autoparallel as ap  # noqa: E402
 from data import spirals  # noqa: E402
+
+import autoparallel as ap  # noqa: E402
 
 
 class MLP(nn.Module):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from autoparallel import runtime
-from autoparallel.runtime import comm
 from autoparallel.placement import Partial, Shard, chunk_bounds
+from autoparallel.runtime import comm
 from autoparallel.spec import Box, DistSpec, intersect_boxes
 from reshard.crossmesh import CrossMeshPlan, plan_best
 from reshard.plan import (

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Iterator
 from functools import lru_cache
-from typing import Iterator
 
 import networkx as nx
 

@@ -9,8 +9,9 @@ every axis at once (``view``/``reshape``, where nested splits of one dim interac
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 

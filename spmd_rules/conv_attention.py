@@ -31,12 +31,13 @@ shards. Always offered: everything Replicate.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from autoparallel.placement import Partial, Placement, Shard
-from spmd_rules.base import P_SUM, R, AxisStrategy, LocalContext, OpCall, TensorMeta, broadcast_dim
+from spmd_rules.base import P_SUM, AxisStrategy, LocalContext, OpCall, R, TensorMeta, broadcast_dim
 from spmd_rules.base import input_slots as _slots
 from spmd_rules.base import named_strategy as _make
 from spmd_rules.registry import register_axis_rule, register_local_impl, register_out_shapes

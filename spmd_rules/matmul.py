@@ -9,12 +9,12 @@ follows the output through broadcasting, and is ``P`` when the output is.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from autoparallel.placement import Placement, Shard
-from typing import Any
-
-from spmd_rules.base import P_SUM, R, AxisStrategy, LocalContext, OpCall, follow
+from spmd_rules.base import P_SUM, AxisStrategy, LocalContext, OpCall, R, follow
 from spmd_rules.registry import register_axis_rule, register_local_impl
 
 aten = torch.ops.aten

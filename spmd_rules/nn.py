@@ -38,13 +38,14 @@ covered for the devices that emit them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import lru_cache
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
 from autoparallel.placement import Partial, Placement, Shard
-from spmd_rules.base import P_SUM, R, AxisStrategy, LocalContext, OpCall
+from spmd_rules.base import P_SUM, AxisStrategy, LocalContext, OpCall, R
 from spmd_rules.base import input_slots as _slots
 from spmd_rules.base import named_strategy as _make
 from spmd_rules.registry import register_axis_rule, register_local_impl

@@ -23,14 +23,15 @@ tensor scalars (``lr``, ``grad_scale``, ``found_inf``) that are DistTensors must
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
 from autoparallel.compat import all_op_schemas
 from autoparallel.placement import Partial, Placement, Replicate, Shard
-from spmd_rules.base import R, LocalContext, OpCall, Strategy, TensorMeta
+from spmd_rules.base import LocalContext, OpCall, R, Strategy, TensorMeta
 from spmd_rules.registry import get_local_impl, get_rule, register_local_impl, register_rule
 
 aten = torch.ops.aten

@@ -15,12 +15,12 @@ broadcasting), replicated, or — for linear ops — Partial:
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
 from autoparallel.placement import Partial, Placement, Shard
-from spmd_rules.base import R, AxisStrategy, OpCall, TensorMeta, follow, replicate_all
+from spmd_rules.base import AxisStrategy, OpCall, R, TensorMeta, follow, replicate_all
 from spmd_rules.registry import register_axis_rule, register_tag_rule
 
 aten = torch.ops.aten

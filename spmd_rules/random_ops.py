@@ -21,12 +21,13 @@ the op (the dispatcher runs nothing there), so their generators do not advance.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
 from autoparallel.placement import Partial, Placement, Shard
-from spmd_rules.base import R, AxisStrategy, LocalContext, OpCall
+from spmd_rules.base import AxisStrategy, LocalContext, OpCall, R
 from spmd_rules.registry import register_axis_rule, register_local_impl
 
 aten = torch.ops.aten

@@ -33,12 +33,13 @@ replicated; other dims keep their shard, and ``cumsum`` (linear) passes ``P(sum|
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from autoparallel.placement import Partial, Placement, Shard
-from spmd_rules.base import P_SUM, R, AxisStrategy, LocalContext, OpCall
+from spmd_rules.base import P_SUM, AxisStrategy, LocalContext, OpCall, R
 from spmd_rules.registry import register_axis_rule, register_local_impl
 
 aten = torch.ops.aten

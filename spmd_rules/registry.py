@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import itertools
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 from autoparallel.placement import partials_compatible
 from spmd_rules.base import AxisRule, AxisStrategy, MeshRule, OpCall, Strategy

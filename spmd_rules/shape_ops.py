@@ -30,12 +30,13 @@ all-gather along an inner dim).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
 from autoparallel.placement import Partial, Placement, Shard
-from spmd_rules.base import R, AxisStrategy, LocalContext, OpCall, ScalarMeta, TensorMeta, follow
+from spmd_rules.base import AxisStrategy, LocalContext, OpCall, R, ScalarMeta, TensorMeta, follow
 from spmd_rules.registry import register_axis_rule, register_local_impl
 
 aten = torch.ops.aten

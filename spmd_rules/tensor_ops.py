@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from autoparallel.placement import Partial, Placement
-from spmd_rules.base import R, AxisStrategy, OpCall, follow
+from spmd_rules.base import AxisStrategy, OpCall, R, follow
 from spmd_rules.registry import register_axis_rule
 
 aten = torch.ops.aten

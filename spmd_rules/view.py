@@ -9,12 +9,13 @@ Anything else is replicated along that axis first — never a silently wrong vie
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
 from autoparallel.placement import Partial, Placement, Replicate, Shard
-from spmd_rules.base import R, AxisStrategy, LocalContext, OpCall, Strategy
+from spmd_rules.base import AxisStrategy, LocalContext, OpCall, R, Strategy
 from spmd_rules.registry import register_axis_rule, register_local_impl, register_rule
 
 aten = torch.ops.aten

@@ -28,7 +28,7 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
-from tests.world_harness import World, WorkerError, world_fixture  # noqa: E402
+from tests.world_harness import WorkerError, World, world_fixture  # noqa: E402
 
 _TESTS = os.path.dirname(os.path.abspath(__file__))
 _WORLD_FIXTURE = re.compile(r"world\d+")

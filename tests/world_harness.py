@@ -31,8 +31,9 @@ import tempfile
 import time
 import traceback
 import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _STOP = "__stop__"

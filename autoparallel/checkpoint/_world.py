@@ -12,8 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 from autoparallel import runtime
-from autoparallel.runtime import comm
 from autoparallel.checkpoint.metadata import CheckpointError
+from autoparallel.runtime import comm
 
 
 def world_size() -> int:

@@ -102,6 +102,7 @@ def export_state_dict(state_dict: dict[str, Any], file: str | os.PathLike[str], 
 def _write_safetensors(flat: dict[str, Any], full: dict[str, torch.Tensor], path: str) -> None:
     """Tensors under their dotted keys; every other leaf as JSON in the metadata."""
     import json  # noqa: PLC0415
+
     from safetensors.torch import save_file  # noqa: PLC0415  (optional dependency)
 
     tensors = {k: t.contiguous().clone() for k, t in full.items()}  # safetensors refuses shared storage

@@ -12,8 +12,8 @@ written.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, MutableMapping
-from typing import Any, Callable
+from collections.abc import Callable, Mapping, MutableMapping
+from typing import Any
 
 import torch
 

@@ -18,8 +18,9 @@ partly loaded values, its plain values are untouched.
 from __future__ import annotations
 
 import os
+from collections.abc import Container
 from dataclasses import dataclass
-from typing import Any, Container
+from typing import Any
 
 import torch
 

@@ -17,8 +17,9 @@ not once per rank, and a corrupted block is still always detected.
 from __future__ import annotations
 
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 

@@ -14,7 +14,8 @@ step counters) so that ``optimizer.state_dict()`` has every entry a checkpoint f
 from __future__ import annotations
 
 import random
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import torch

@@ -26,8 +26,7 @@ import torch
 from autoparallel import runtime
 from autoparallel.checkpoint import _world, storage
 from autoparallel.checkpoint.flat import flatten
-from autoparallel.checkpoint.metadata import Chunk, Entry, TensorEntry, ValueEntry, dtype_name, to_json
-from autoparallel.checkpoint.metadata import DTYPES
+from autoparallel.checkpoint.metadata import DTYPES, Chunk, Entry, TensorEntry, ValueEntry, dtype_name, to_json
 from autoparallel.checkpoint.planner import Item, SavePlan, TensorPlan, plan_save, target_box
 
 WHERE = "save_state_dict"

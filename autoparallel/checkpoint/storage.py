@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import re
 import zlib
-from typing import Container, Sequence
+from collections.abc import Container, Sequence
 
 import torch
 

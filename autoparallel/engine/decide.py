@@ -11,16 +11,17 @@ is a ``LocalStep`` (or a ``ValueDecision`` / ``InplaceViewDecision``) of
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from dataclasses import replace
 from functools import lru_cache
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
 from autoparallel.engine.aliases import mutated_inputs, out_aliases
 from autoparallel.engine.decision import Decision, InplaceViewDecision, LocalStep, OutKind, ValueDecision
-from autoparallel.engine.keys import mesh_coord
 from autoparallel.engine.kernels import DEFERRING, Collectives, kernel_for
+from autoparallel.engine.keys import mesh_coord
 from autoparallel.engine.slots import dist_slots, flatten_out, map_args
 from autoparallel.placement import Replicate, Shard
 from autoparallel.spec import DistSpec, _itemsize
@@ -28,7 +29,7 @@ from autoparallel.strides import dense_strides
 from reshard.crossmesh import CrossMeshPlan, plan_best
 from reshard.plan import ALL_GATHER, FILL, RELABEL, SLICE, Plan, Step, step_bytes_table
 from reshard.planner import LATENCY_BYTES
-from spmd_rules.base import LocalContext, ScalarMeta, Strategy, TensorMeta, OpCall
+from spmd_rules.base import LocalContext, OpCall, ScalarMeta, Strategy, TensorMeta
 from spmd_rules.registry import get_out_shapes, get_rule
 
 _warned: set[str] = set()  # ops that warned they run replicated (once each)

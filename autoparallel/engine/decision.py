@@ -18,8 +18,9 @@ An observer of the op path (``dispatch.observed_by``) reads ``fallback``, ``plan
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from autoparallel.spec import DistSpec
 from reshard.crossmesh import CrossMeshPlan

@@ -20,7 +20,8 @@ collective or knows the tensor subclass.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

@@ -23,7 +23,6 @@ from autoparallel.spec import DistSpec
 from autoparallel.strides import conform, contiguous_strides
 from reshard.executor import reshard_local
 
-
 _DETACH = torch.ops.aten.detach.default
 
 
@@ -58,7 +57,7 @@ class DistTensor(torch.Tensor):
     _stride: tuple[int, ...]
 
     @staticmethod
-    def __new__(cls, local: torch.Tensor, spec: DistSpec, *, requires_grad: bool = False) -> "DistTensor":
+    def __new__(cls, local: torch.Tensor, spec: DistSpec, *, requires_grad: bool = False) -> DistTensor:
         return cls._wrap(local, spec, None, requires_grad)
 
     @classmethod
@@ -68,7 +67,7 @@ class DistTensor(torch.Tensor):
         spec: DistSpec,
         stride: tuple[int, ...] | None = None,
         requires_grad: bool = False,
-    ) -> "DistTensor":
+    ) -> DistTensor:
         stride = stride if stride is not None else contiguous_strides(spec.shape)
         if compat.WRAPPER_POSITIONAL:  # the same call without keyword parsing (every op output comes here)
             r = _make_wrapper(cls, spec.shape, stride, None, None, spec.dtype, local.layout, local.device, False, requires_grad)
@@ -130,13 +129,13 @@ class DistTensor(torch.Tensor):
             return self._local.view_as(self._local)
         return _ToLocal.apply(self, grad_placements)
 
-    def _moved(self, move: Any, spec: DistSpec) -> "DistTensor":
+    def _moved(self, move: Any, spec: DistSpec) -> DistTensor:
         """This value in layout ``spec``: ``move`` (a layout change, linear) applied to the shard.
         A pending gradient (``autoparallel.engine.pending``) moves its unscaled shard instead."""
         return DistTensor._wrap(contiguous_local(move(self._local), spec), spec)
 
     @classmethod
-    def _wrap_deferred(cls, w: "DistTensor", mark: Deferred) -> "PendingTensor":
+    def _wrap_deferred(cls, w: DistTensor, mark: Deferred) -> PendingTensor:
         """The engine's wrapping of a kernel's ``Deferred`` output ``w``: a pending value."""
         return PendingTensor.make(mark.placeholder, w._spec, w._stride, mark.stat, mark.finish)
 
@@ -174,7 +173,7 @@ class PendingTensor(DistTensor):
     def make(
         cls, raw: torch.Tensor, spec: DistSpec, stride: tuple[int, ...] | None, stat: Stat,
         finish: Finish | None = None,
-    ) -> "PendingTensor":
+    ) -> PendingTensor:
         """A pending tensor of layout ``spec``: ``finish(raw, stat)``; None: a scaled gradient."""
         r = cast(PendingTensor, cls._wrap(raw, spec, stride))
         r._raw, r._stat, r._scaled = raw, stat, finish is None

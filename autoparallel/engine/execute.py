@@ -7,7 +7,8 @@ shard); a kernel's ``Deferred`` outputs become pending DistTensors.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

@@ -22,7 +22,7 @@ same on every rank — so every rank scales at the same points and replicas stay
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 from typing import Any
 
 import torch
@@ -112,7 +112,7 @@ def intercept(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     return _rewrap(out, args[where[0]])
 
 
-@lru_cache(maxsize=None)
+@cache
 def _arg_names(func: Any) -> tuple[str, ...]:
     return tuple(a.name for a in func._schema.arguments)
 

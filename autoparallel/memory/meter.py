@@ -21,8 +21,9 @@ tensors made before tracking are not counted.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from fnmatch import fnmatchcase
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -63,7 +64,7 @@ def _ancestors(name: str) -> list[str]:
 
 
 class _Recorder(TorchDispatchMode):  # type: ignore[misc,valid-type]  # compat's TorchDispatchMode
-    def __init__(self, meter: "LayerMeter") -> None:
+    def __init__(self, meter: LayerMeter) -> None:
         super().__init__()
         self.meter = meter
 
@@ -119,7 +120,7 @@ class LayerMeter:
             self._stack.pop()
 
     @contextlib.contextmanager
-    def track(self) -> Iterator["LayerMeter"]:
+    def track(self) -> Iterator[LayerMeter]:
         """Meter the forward run inside the block; ``bytes`` is filled when it ends."""
         self._seen.clear()
         self._stack.clear()

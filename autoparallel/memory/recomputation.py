@@ -33,7 +33,8 @@ from __future__ import annotations
 
 import functools
 import threading
-from typing import Any, Callable, Union
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -42,7 +43,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from autoparallel.engine import layout
 
 aten = torch.ops.aten
-Policy = Union[str, Callable[..., Any], None]
+Policy = str | Callable[..., Any] | None
 POLICIES = ("full", "selective", "none")
 
 # the linear layers' products: kept by "selective" unless their output is Partial
@@ -147,7 +148,7 @@ class _Recomputed:
                           use_reentrant=False, **extra, **kwargs)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _recomputed_class(cls: type) -> type:
     return type(cls.__name__, (_Recomputed, cls), {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
 

@@ -14,7 +14,8 @@ resharded (``ap.reshard``, a no-op when it already has the layout); other values
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 

@@ -15,11 +15,12 @@ from typing import Any
 from torch import nn
 
 from autoparallel.memory.meter import outermost_matches
-from autoparallel.memory.recomputation import POLICIES, recompute as recompute_module
+from autoparallel.memory.recomputation import POLICIES
+from autoparallel.memory.recomputation import recompute as recompute_module
 from autoparallel.mesh import ProcessMesh
 from autoparallel.nn.shard_layer import ParamSharder
-from autoparallel.regions import enable_local_regions
 from autoparallel.nn.styles import ParallelStyle, PlanContext, SequenceParallel
+from autoparallel.regions import enable_local_regions
 
 TP_AXIS_NAMES = ("mp", "tp")
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import gc
 import weakref
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn

@@ -9,15 +9,15 @@ nothing is communicated (a Partial over one rank is already the value).
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
 from autoparallel import runtime
 from autoparallel.compat import flatten_dense_tensors, unflatten_dense_tensors
-from autoparallel.runtime import comm
 from autoparallel.mesh import ProcessMesh
 from autoparallel.placement import chunk_bounds
+from autoparallel.runtime import comm
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 

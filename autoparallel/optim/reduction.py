@@ -9,8 +9,9 @@ layouts and the bucket size — so every rank plans the same collectives in the 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from autoparallel.optim import buckets
 from autoparallel.optim.stages import shard_layout

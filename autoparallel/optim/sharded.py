@@ -20,8 +20,9 @@ the optimizer's own ops, one parameter at a time.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -35,7 +36,6 @@ from autoparallel.optim.stages import ShardingStage, check_stage, param_axis, sh
 from autoparallel.optim.zero3 import Zero3Params
 from autoparallel.placement import Replicate, chunk_bounds
 from autoparallel.spec import DistSpec
-
 
 # torch.optim's global step hooks (register_optimizer_step_pre_hook/post_hook), which torch's own
 # step wrapper runs and ShardedOptimizer.step runs itself
@@ -54,7 +54,7 @@ class _Slot:
 
 def shard_optimizer(
     optimizer: torch.optim.Optimizer, shard_fn: ShardingStage | None = None, *, bucket_bytes: int = buckets.DEFAULT_BUCKET_BYTES
-) -> "ShardedOptimizer":
+) -> ShardedOptimizer:
     """Wrap ``optimizer`` for data parallel (``shard_fn=None``) or ZeRO (``ap.ShardingStage1/2/3``).
 
     Call it after the parameters are DistTensors and before the first step. Every check runs

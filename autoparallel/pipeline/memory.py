@@ -9,8 +9,9 @@ DistTensor the bytes are those of this rank's local shard.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 import torch
 
@@ -33,7 +34,7 @@ def _storage(t: torch.Tensor) -> tuple[int, int] | None:
 class _Held:
     __slots__ = ("tensor", "meter", "key")
 
-    def __init__(self, meter: "ActivationMeter", tensor: torch.Tensor, key: int, nbytes: int) -> None:
+    def __init__(self, meter: ActivationMeter, tensor: torch.Tensor, key: int, nbytes: int) -> None:
         self.tensor, self.meter, self.key = tensor, meter, key
         meter._add(key, nbytes)
 
@@ -82,7 +83,7 @@ class ActivationMeter:
         return obj.tensor if isinstance(obj, _Held) else obj
 
     @contextmanager
-    def track(self) -> Iterator["ActivationMeter"]:
+    def track(self) -> Iterator[ActivationMeter]:
         """Count what the forward passes run inside this block save for backward."""
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             yield self

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autoparallel.pipeline.schedule import B, COMPUTE, F, RECV_B, RECV_F, SEND_B, SEND_F, Action, Schedule, ScheduleError
+from autoparallel.pipeline.schedule import COMPUTE, RECV_B, RECV_F, SEND_B, SEND_F, Action, B, F, Schedule, ScheduleError
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,9 +16,10 @@ is on metadata only, so a bad split raises the same error on every rank.
 from __future__ import annotations
 
 from collections import OrderedDict
-from fnmatch import fnmatchcase
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from fnmatch import fnmatchcase
+from typing import Any
 
 from torch import nn
 

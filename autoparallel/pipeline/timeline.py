@@ -8,7 +8,7 @@ events as a Chrome / Perfetto trace (``write_timeline("t.json", ...)``, :func:`c
 from __future__ import annotations
 
 import json
-from typing import Sequence
+from collections.abc import Sequence
 from xml.sax.saxutils import escape
 
 from autoparallel.pipeline.runner import Event

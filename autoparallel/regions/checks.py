@@ -4,14 +4,15 @@ outputs into gradient layouts. See ``autoparallel.regions``."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-from autoparallel.engine import dispatch as _dispatch
 from autoparallel import runtime
 from autoparallel.compat import TorchDispatchMode, tree_flatten
+from autoparallel.engine import dispatch as _dispatch
 from autoparallel.engine import layout
 from autoparallel.engine.dtensor import DistTensor
 from autoparallel.placement import Replicate, Shard
@@ -136,7 +137,7 @@ class _Trace:
     def refuse(self, reason: str) -> None:
         self.reason = self.reason or reason
 
-    def spy(self) -> "_Spy":
+    def spy(self) -> _Spy:
         return _Spy(self)
 
     def observe(self, func: Any, decision: Any, args: tuple[Any, ...], kwargs: dict[str, Any], run: Callable[[], Any]) -> Any:
@@ -163,7 +164,7 @@ class _Spy(TorchDispatchMode):
         super().__init__()
         self.trace = trace
 
-    def __enter__(self) -> "_Spy":
+    def __enter__(self) -> _Spy:
         self._door = _dispatch.observed_by(self.trace)  # the engine's door for observers
         self._door.__enter__()
         return super().__enter__()  # type: ignore[no-any-return]

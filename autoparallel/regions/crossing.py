@@ -14,7 +14,7 @@ from autoparallel.placement import Partial, Replicate, Shard, chunk_bounds
 from autoparallel.spec import DistSpec
 
 
-def _localize(items: list[tuple[DistTensor, DistSpec | None]], grad: bool, call: "_Call | None") -> dict[int, torch.Tensor]:
+def _localize(items: list[tuple[DistTensor, DistSpec | None]], grad: bool, call: _Call | None) -> dict[int, torch.Tensor]:
     """id of each DistTensor -> its shard; those needing a gradient go through one autograd node.
     ``call`` None (a replay): detached copies, so an in-place write in the module (a counter
     buffer, an input) does not happen twice."""

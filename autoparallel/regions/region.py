@@ -4,20 +4,21 @@ local runs. See ``autoparallel.regions``."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
 
 from autoparallel import runtime
 from autoparallel.compat import tree_flatten, tree_unflatten
-from autoparallel.runtime.debug import CommDebugMode
 from autoparallel.engine import layout
-from autoparallel.memory import recomputation
 from autoparallel.engine.dtensor import DistTensor
+from autoparallel.memory import recomputation
 from autoparallel.regions.checks import _classify, _precheck, _refused, _Trace, _Verdict
 from autoparallel.regions.crossing import _Call, _localize, _wrap_out
+from autoparallel.runtime.debug import CommDebugMode
 from autoparallel.spec import DistSpec
 
 _ATTR = "_ap_region"
@@ -208,7 +209,7 @@ class _Region:
             self._try_children()
         return out
 
-    def _replay(self, verdict: _Verdict, trace: "_Trace", out: Any, leaves: list[Any], tree: Any,
+    def _replay(self, verdict: _Verdict, trace: _Trace, out: Any, leaves: list[Any], tree: Any,
                 tensors: list[torch.Tensor]) -> _Verdict:
         """Run once on detached local shards; the aten calls must be the traced ones."""
         replay = _Trace(replay=True)
@@ -244,7 +245,7 @@ class _Region:
 
     # ---- running on shards -------------------------------------------------------------------
     def _run_local(self, verdict: _Verdict, leaves: list[Any], tree: Any, tensors: list[torch.Tensor],
-                   spy: "_Trace | None" = None) -> Any:
+                   spy: _Trace | None = None) -> Any:
         """Run the module on shards. With ``spy`` (a replay): on detached shards, recording its
         aten calls, returning the local outputs."""
         grad = torch.is_grad_enabled()

@@ -14,18 +14,18 @@ owned by ``autoparallel.runtime.groups`` (created for every line by every rank i
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from functools import lru_cache
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from autoparallel import cost, runtime
+from autoparallel.placement import chunk_bounds
 from autoparallel.runtime import groups
 from autoparallel.runtime.debug import record
-from autoparallel.placement import chunk_bounds
 
 if TYPE_CHECKING:
     from autoparallel.mesh import ProcessMesh
@@ -108,7 +108,7 @@ def reduce_refusal(dtype: torch.dtype, reduce_type: str) -> str | None:
     return None
 
 
-@lru_cache(maxsize=None)
+@functools.cache
 def reduction_carry(dtype: torch.dtype, reduce_type: str) -> Carry:
     """How ``reduce_type`` over ``dtype`` travels exactly; ``ValueError`` naming both if it cannot."""
     op = "sum" if reduce_type == "avg" else reduce_type
@@ -164,7 +164,7 @@ def _reduce_local(stack: torch.Tensor, op: str) -> torch.Tensor:
     return stack.amax(0) if op == "max" else stack.amin(0)
 
 
-def _group(mesh: "ProcessMesh", axis: int) -> tuple[object, tuple[int, ...], tuple[int, ...]]:
+def _group(mesh: ProcessMesh, axis: int) -> tuple[object, tuple[int, ...], tuple[int, ...]]:
     """(process group, axis line in coordinate order, group rank of each coordinate)."""
     return groups.group_of(mesh, axis)
 
@@ -265,7 +265,7 @@ def _pad_dim(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
 
 
 @_ranged
-def all_reduce(local: torch.Tensor, mesh: "ProcessMesh", axis: int, reduce_type: str, in_place: bool = False) -> torch.Tensor:
+def all_reduce(local: torch.Tensor, mesh: ProcessMesh, axis: int, reduce_type: str, in_place: bool = False) -> torch.Tensor:
     """Reduce ``local`` over the axis; every member gets the result (a new tensor, or with
     ``in_place`` a contiguous ``local`` itself: a buffer the caller owns)."""
     out, work = all_reduce_start(local, mesh, axis, reduce_type, in_place)
@@ -274,7 +274,7 @@ def all_reduce(local: torch.Tensor, mesh: "ProcessMesh", axis: int, reduce_type:
 
 
 def all_reduce_start(
-    local: torch.Tensor, mesh: "ProcessMesh", axis: int, reduce_type: str = "sum", in_place: bool = False
+    local: torch.Tensor, mesh: ProcessMesh, axis: int, reduce_type: str = "sum", in_place: bool = False
 ) -> tuple[torch.Tensor, object]:
     """Start reducing ``local`` over the axis without waiting: (result buffer, work to wait on).
 
@@ -305,7 +305,7 @@ def all_reduce_start(
 
 
 @_ranged
-def all_gather(local: torch.Tensor, mesh: "ProcessMesh", axis: int, dim: int, sizes: Sequence[int]) -> torch.Tensor:
+def all_gather(local: torch.Tensor, mesh: ProcessMesh, axis: int, dim: int, sizes: Sequence[int]) -> torch.Tensor:
     """Concatenate the members' pieces along tensor ``dim``; ``sizes`` are their lengths there."""
     group, line, grank = _group(mesh, axis)
     n = len(line)
@@ -343,7 +343,7 @@ def all_gather(local: torch.Tensor, mesh: "ProcessMesh", axis: int, dim: int, si
 
 @_ranged
 def reduce_scatter(
-    local: torch.Tensor, mesh: "ProcessMesh", axis: int, dim: int, reduce_type: str
+    local: torch.Tensor, mesh: ProcessMesh, axis: int, dim: int, reduce_type: str
 ) -> torch.Tensor:
     """Reduce over the axis and keep this member's ``torch.chunk`` piece along ``dim``.
 
@@ -404,7 +404,7 @@ def _exchange_pieces(
 @_ranged
 def all_to_all(
     local: torch.Tensor,
-    mesh: "ProcessMesh",
+    mesh: ProcessMesh,
     axis: int,
     gather_dim: int,
     scatter_dim: int,
@@ -459,7 +459,7 @@ def _all_to_all_flat(send: torch.Tensor, out_splits: list[int], in_splits: list[
 
 
 @_ranged
-def broadcast(local: torch.Tensor, mesh: "ProcessMesh", axis: int, src: int) -> torch.Tensor:
+def broadcast(local: torch.Tensor, mesh: ProcessMesh, axis: int, src: int) -> torch.Tensor:
     """Every member of the axis line gets the tensor of the member at axis coordinate ``src``
     (a new tensor; ``local`` must have the same shape and dtype on every member)."""
     group, line, grank = _group(mesh, axis)

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
-_ACTIVE: list["CommDebugMode"] = []
+_ACTIVE: list[CommDebugMode] = []
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +41,7 @@ class CommDebugMode:
     def __init__(self) -> None:
         self.records: list[CommRecord] = []
 
-    def __enter__(self) -> "CommDebugMode":
+    def __enter__(self) -> CommDebugMode:
         _ACTIVE.append(self)
         return self
 
@@ -88,7 +89,7 @@ def record(kind: str, mesh: Any, axis: int | None, group: tuple[int, ...], sent:
             mode.records.append(rec)
 
 
-def replay(records: "list[CommRecord] | tuple[CommRecord, ...]") -> None:
+def replay(records: list[CommRecord] | tuple[CommRecord, ...]) -> None:
     """Record again collectives a captured program issues when it replays (static mode)."""
     if _ACTIVE:
         for mode in _ACTIVE:

@@ -61,7 +61,7 @@ def _current() -> GroupOwner | None:
     return _owner[0]
 
 
-def ensure(mesh: "ProcessMesh") -> None:
+def ensure(mesh: ProcessMesh) -> None:
     """Create the groups of every axis line of ``mesh`` (every rank, the same order).
 
     Call where every rank passes; a world that does not exist yet (plain ``python``, or a mesh
@@ -94,7 +94,7 @@ def ensure(mesh: "ProcessMesh") -> None:
     owner.meshes.add(mesh)
 
 
-def group_of(mesh: "ProcessMesh", axis: int) -> tuple[Any, Line, Line]:
+def group_of(mesh: ProcessMesh, axis: int) -> tuple[Any, Line, Line]:
     """(process group, axis line in coordinate order, group rank of each coordinate)."""
     rank = world.get_rank()
     owner = _current()

@@ -117,7 +117,7 @@ class _RngResets:
         self.count = 0
         self._real: Any = None
 
-    def __enter__(self) -> "_RngResets":
+    def __enter__(self) -> _RngResets:
         self._real = torch.set_rng_state
 
         def counted(state: torch.Tensor) -> None:

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
 from tests.conformance.compare import _error_text
 from tests.conformance.samples import BACKENDS, WORLD, _map_tensors, _tensors
+
 
 # ---- backends ----------------------------------------------------------------------------
 class RankFailed(Exception):

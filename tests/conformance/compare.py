@@ -8,12 +8,14 @@ dtypes must match), else the first ``Mismatch``. ``SampleResult``/``OpResult`` h
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 
 from tests.conformance.samples import ATOL, RTOL, STATUS_ORDER, _is_float, _tensors
+
 
 # ---- comparing ---------------------------------------------------------------------------
 @dataclass

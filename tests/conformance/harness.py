@@ -52,7 +52,8 @@ import os
 import time
 import traceback
 import warnings
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 

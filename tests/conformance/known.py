@@ -7,7 +7,8 @@ now passes, and ``updated_known_failures``/``write_known_failures`` regenerate t
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 from tests.conformance.samples import PHASES, VARIANTS
 

@@ -12,8 +12,9 @@ import sys
 import types
 import unittest
 import warnings
+from collections.abc import Callable, Sequence
 from functools import lru_cache
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 

@@ -7,7 +7,6 @@ training in this process. The torchrun run of the example itself is the main-job
 
 from __future__ import annotations
 
-import copy
 import os
 import sys
 from collections import Counter
@@ -24,6 +23,7 @@ if EXAMPLES not in sys.path:
 
 from gpt_data import CharTokenizer, ResumableSampler, TokenWindows, load_corpus  # noqa: E402
 from gpt_model import GPT, GPTConfig, lm_loss  # noqa: E402
+
 
 def test_corpus_is_shipped_and_round_trips_through_the_tokenizer() -> None:
     text = load_corpus()
@@ -89,8 +89,9 @@ def _train_parallel(rank: int, cfg: GPTConfig, batches: list[tuple[torch.Tensor,
                     sp: bool, optim: str, static: bool = False) -> tuple[list[float], dict[str, torch.Tensor], dict[tuple[str, Any], int]]:
     """Train the example's plan on a 2 x 2 mesh: losses, full parameters, collectives per step by (kind, axis).
     ``static``: through ``ap.to_static`` (step 1 eager, step 2 captured, step 3 replayed)."""
-    import autoparallel as ap
     import train_gpt
+
+    import autoparallel as ap
 
     torch.manual_seed(0)
     model = GPT(cfg)

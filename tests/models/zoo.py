@@ -19,7 +19,8 @@ each case's expected outcome (``"pass"`` or an xfail reason) and its pinned coll
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 RTOL = 1e-5
 STEPS = 3

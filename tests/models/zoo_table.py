@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any
 
 from tests.models import zoo
 

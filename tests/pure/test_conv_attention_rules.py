@@ -17,8 +17,8 @@ import torch
 from autoparallel import Partial, Replicate, Shard
 from autoparallel.placement import chunk_bounds
 from spmd_rules import LocalContext, OpCall, Strategy, TensorMeta, get_local_impl, get_rule
-from tests.treeutil import map_tensors, tensors_in
 from tests.pure.test_rules import combine, shard
+from tests.treeutil import map_tensors, tensors_in
 
 aten = torch.ops.aten
 R = Replicate()

@@ -13,8 +13,9 @@ World part: ``tests/world/test_nn_rules_world.py``.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pytest

@@ -17,8 +17,8 @@ import autoparallel as ap
 from autoparallel import Partial, Replicate, Shard
 from spmd_rules.base import LocalContext, OpCall, ScalarMeta, Strategy, TensorMeta
 from spmd_rules.registry import get_local_impl, get_rule
-from tests.treeutil import map_tensors, tensors_in
 from tests.pure.test_rules import combine, shard
+from tests.treeutil import map_tensors, tensors_in
 
 aten = torch.ops.aten
 R = Replicate()

@@ -26,7 +26,7 @@ from autoparallel.pipeline import (
     theoretical_bubble,
     timeline_svg,
 )
-from autoparallel.pipeline.schedule import B, F, RECV_B, RECV_F, SEND_B, SEND_F
+from autoparallel.pipeline.schedule import RECV_B, RECV_F, SEND_B, SEND_F, B, F
 
 CASES = [
     (name, p, m, v)

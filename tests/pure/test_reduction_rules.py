@@ -13,7 +13,8 @@ from __future__ import annotations
 import itertools
 import math
 from collections import defaultdict
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import pytest
 import torch
@@ -21,8 +22,8 @@ import torch
 from autoparallel import Partial, Replicate, Shard
 from autoparallel.placement import Placement, chunk_bounds, partials_compatible
 from spmd_rules import LocalContext, OpCall, Strategy, get_local_impl, get_rule
-from tests.treeutil import map_tensors, tensors_in
 from tests.pure.test_rules import make_call, meta, strategies
+from tests.treeutil import map_tensors, tensors_in
 
 aten = torch.ops.aten
 R = Replicate()

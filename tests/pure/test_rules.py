@@ -8,7 +8,7 @@ claims — the result must be the op on the global inputs.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch

@@ -4,6 +4,6 @@ The harness itself is ``tests/world_harness.py``; its names are re-exported here
 ``from tests.world import World`` keeps working.
 """
 
-from tests.world_harness import World, WorkerError, environment, world_fixture
+from tests.world_harness import WorkerError, World, environment, world_fixture
 
 __all__ = ["World", "WorkerError", "environment", "world_fixture"]

@@ -508,8 +508,8 @@ def test_each_block_read_is_verified_by_exactly_one_reader() -> None:
 
 @pytest.mark.pure  # single process, no world
 def test_metadata_rejects_bad_fields() -> None:
-    from autoparallel.checkpoint.metadata import TensorEntry, from_json, to_json
     from autoparallel.checkpoint.metadata import Chunk as C
+    from autoparallel.checkpoint.metadata import TensorEntry, from_json, to_json
 
     good = to_json({"w": TensorEntry((4,), torch.float32, (C((0,), (4,), "d.bin", 0, 16, (1,)),))})
     assert from_json(good, "m")["w"].chunks[0].file == "d.bin"

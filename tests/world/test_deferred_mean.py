@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import autoparallel as ap
-from autoparallel.optim.reduction import SlotLayout, plan_reduction
 from autoparallel.engine.dtensor import PendingTensor
+from autoparallel.optim.reduction import SlotLayout, plan_reduction
 from autoparallel.placement import Partial, Replicate, Shard
 from autoparallel.spec import DistSpec
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -16,7 +17,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import autoparallel as ap
 from autoparallel import Partial, Replicate, Shard
-from autoparallel.engine import dispatch
 from tests.layouts import make_dist
 
 R = Replicate()

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 
 import autoparallel as ap
 from tests.layouts import make_dist, reference
+from tests.pure.test_nn_rules import S0, S1, S2, P, R, aten
 from tests.treeutil import one_thread  # noqa: F401  (one_thread: autouse fixture)
-from tests.pure.test_nn_rules import P, R, S0, S1, S2, aten
 
 
 # ---- multi-process: values against plain torch -------------------------------------------------

@@ -18,7 +18,7 @@ import torch
 import autoparallel as ap
 from autoparallel.engine import dispatch
 from tests.layouts import make_dist
-from tests.pure.test_optim_ops import P, R, S0, S1
+from tests.pure.test_optim_ops import S0, S1, P, R
 
 
 # ---- world: unmodified torch.optim optimizers on DistTensors -----------------------------------

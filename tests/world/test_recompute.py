@@ -38,8 +38,9 @@ def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def _train(rank: int, cfg: GPTConfig, layout: str, policy: str, zero: int = 0, how: str = "parallelize") -> dict[str, Any]:
     """Train ``STEPS`` SGD steps; losses, full parameters, and each step's backward collectives."""
-    import autoparallel as ap
     import train_gpt
+
+    import autoparallel as ap
 
     torch.manual_seed(0)
     model = GPT(cfg)
@@ -113,8 +114,9 @@ def test_ap_recompute_after_layout_and_sdpa(world4) -> None:  # type: ignore[no-
 
 
 def _meter(rank: int, policy: str) -> dict[str, int]:
-    import autoparallel as ap
     import train_gpt
+
+    import autoparallel as ap
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab=32, seq=16, layers=2, width=32, heads=4, attention="math"))

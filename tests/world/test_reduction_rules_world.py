@@ -12,7 +12,7 @@ import torch
 
 import autoparallel as ap
 from tests.layouts import make_dist, reference
-from tests.pure.test_reduction_rules import INF, P, PAVG, PMAX, PMIN, R, S0, S1
+from tests.pure.test_reduction_rules import INF, PAVG, PMAX, PMIN, S0, S1, P, R
 
 
 # ---- a 4-rank world: values and gradients against plain torch ---------------------------------

@@ -8,7 +8,8 @@ values and gradients with plain torch.
 from __future__ import annotations
 
 import itertools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -16,8 +17,8 @@ import torch.nn.functional as F
 
 import autoparallel as ap
 from autoparallel import ProcessMesh, Shard
+from tests.pure.test_shape_rules import S0, P, R, _outs, perm_idx
 from tests.treeutil import one_thread  # noqa: F401  (one_thread: autouse fixture)
-from tests.pure.test_shape_rules import P, R, S0, _outs, perm_idx
 
 
 # ---- the 4-rank world ------------------------------------------------------------------------

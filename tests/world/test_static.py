@@ -12,7 +12,8 @@ A step reading a Python value stays eager, with one warning naming why, and stil
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch

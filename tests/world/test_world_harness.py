@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.world_harness import World, WorkerError
+from tests.world_harness import WorkerError, World
 
 
 def _all_reduce(rank: int, scale: int = 1) -> float:

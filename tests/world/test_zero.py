@@ -15,7 +15,8 @@ import copy
 import gc
 import sys
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
