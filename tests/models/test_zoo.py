@@ -32,4 +32,10 @@ def test_zoo_case(world4, model: str, strategy: str) -> None:  # type: ignore[no
     comms = zoo.check(results)
     for r, res in enumerate(results):
         assert res["comms"] == comms, f"rank {r} issued {res['comms']}, rank 0 {comms}"
-    assert comms == zoo.CASES[model, strategy], f"collectives per step changed: {comms}"
+    expected = zoo.CASES[model, strategy]
+    # the last step (steady state) is pinned exactly; earlier steps may do less one-time work
+    # (a local region proved, a plan cached) when an earlier test in this world already did it for
+    # the same model class: never more than pinned
+    assert comms[-1] == expected[-1], f"collectives per step changed: {comms}"
+    for got, pinned in zip(comms[:-1], expected[:-1]):
+        assert all(n <= pinned.get(kind, 0) for kind, n in got.items()), f"collectives per step changed: {comms}"
