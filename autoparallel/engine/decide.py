@@ -90,8 +90,13 @@ def _decide(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], 
         return InplaceViewDecision(INPLACE_VIEWS[func])
     if func in VALUE_OPS:
         return _fallback_decision(func, specs, mesh, None, mutated, reason="", warn=False)
+    fake_kwargs = map_args(cls, kwargs, to_fake)
+    if isinstance(fake_kwargs.get("device"), (torch.device, str)):  # ``_to_copy(x, device=cpu)``
+        # (autocast's casts, ``.to(device)``): where the result lives is the local step's business;
+        # the shapes and dtypes come from meta either way
+        fake_kwargs["device"] = torch.device("meta")
     try:
-        fake_out = func(*map_args(cls, args, to_fake), **map_args(cls, kwargs, to_fake))
+        fake_out = func(*map_args(cls, args, to_fake), **fake_kwargs)
     except Exception:  # no meta kernel: compute replicated and learn the outputs from it
         return _fallback_decision(func, specs, mesh, None, mutated, reason="it has no meta kernel")
     out_kind, outs = flatten_out(fake_out)
