@@ -197,6 +197,9 @@ class ShardDataloader:
         shape = (n,) + tuple(value.shape[1:])
         rows = target.rows(self._rank, n)
         local = value[rows[0] - start: rows[1] - start] if rows is not None else value[:0]
+        device = runtime.default_device()  # the loader yields host tensors; shards live on the device
+        if local.device.type != device.type:
+            local = local.to(device, non_blocking=local.is_pinned())
         return dtensor_from_local(local.contiguous(), target.mesh, target.placements(), shape)
 
 
@@ -213,7 +216,9 @@ def shard_dataloader(
     mesh axis (name or number) the batch dim is split on — one for all meshes or one per mesh;
     None replicates the batch (every rank loads all of it). Every batch of the original loader
     must hold a multiple of the data-parallel degree samples. Keys of a dict batch not in
-    ``input_keys`` and non-tensor values pass through as loaded.
+    ``input_keys`` and non-tensor values pass through as loaded. Local shards move to the
+    world's device (the current CUDA device under NCCL; ``pin_memory=True`` makes that copy
+    asynchronous).
     """
     if not isinstance(dataloader, DataLoader):
         raise TypeError(f"shard_dataloader: dataloader must be a torch DataLoader, got {type(dataloader).__name__}")

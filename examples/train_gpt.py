@@ -230,10 +230,21 @@ def scalar(x: torch.Tensor) -> float:
     return float(x.full_tensor() if isinstance(x, ap.DistTensor) else x)
 
 
+def world_device() -> torch.device:
+    """Where this rank computes: its CUDA device under NCCL (torchrun on GPUs), else the CPU."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def eager_step(model: nn.Module, opt: torch.optim.Optimizer, bf16: bool = False) -> Callable[[Any, Any], torch.Tensor]:
     """One training step, eagerly: forward (under bf16 autocast with ``bf16``), loss, backward, optimizer step."""
+    device = world_device()
+
     def step(x: Any, y: Any) -> torch.Tensor:
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        if not isinstance(x, ap.DistTensor):  # the single-process reference: plain host batches
+            x, y = x.to(device), y.to(device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             loss = lm_loss(model(x), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -333,7 +344,8 @@ def make_optimizer(model: nn.Module, args: argparse.Namespace) -> torch.optim.Op
 
 
 def reference_run(reference: nn.Module, data: TokenWindows, args: argparse.Namespace) -> list[float]:
-    """The same training in this process only, on plain tensors."""
+    """The same training in this process only, on plain tensors (on this rank's device)."""
+    reference.to(world_device())
     loader, sampler = make_loader(data, args.batch, args.seed)
     torch.manual_seed(args.seed + 1)
     if args.recompute != "none":
@@ -389,7 +401,7 @@ def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter as a full plain tensor (collective for DistTensors: call on every rank)."""
     out = {}
     for name, p in model.named_parameters():
-        out[name] = (p.full_tensor() if isinstance(p, ap.DistTensor) else p).detach().clone()
+        out[name] = (p.full_tensor() if isinstance(p, ap.DistTensor) else p).detach().cpu().clone()
     return out
 
 

@@ -150,3 +150,18 @@ def test_bf16_autocast_cuda() -> None:
     for p, q in zip(model.parameters(), plain.parameters()):
         assert p.grad.dtype == torch.float32
         torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-2, atol=1e-3)
+
+
+def test_shard_dataloader_yields_cuda_shards() -> None:
+    from torch.utils.data import DataLoader, TensorDataset
+
+    mesh = ap.ProcessMesh([[0]], dim_names=["dp", "mp"])
+    data = TensorDataset(torch.arange(32).reshape(8, 4), torch.arange(8))
+    loader = ap.shard_dataloader(DataLoader(data, batch_size=4, pin_memory=True), mesh, shard_dims="dp")
+    seen = 0
+    for x, y in loader:
+        assert x.to_local().is_cuda and y.to_local().is_cuda
+        assert x.placements == (S0, R)
+        assert torch.equal(x.full_tensor().cpu(), data.tensors[0][seen: seen + 4])
+        seen += 4
+    assert seen == 8
