@@ -202,23 +202,28 @@ GATHERED_OPS = [
     aten.prod.default, aten.prod.dim_int, aten.logsumexp.default,
     aten.var.correction, aten.std.correction, aten.var_mean.correction, aten.std_mean.correction,
     aten.max.dim, aten.min.dim, aten.argmax.default, aten.argmin.default,
+    aten.kthvalue.default, aten.median.dim, aten.nanmedian.dim, aten.mode.default,
 ]
 
 
 @register_axis_rule(GATHERED_OPS)
 def gathered_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
-    """prod, logsumexp, var/std(_mean), max/min.dim, argmax/argmin: reduced dims must be
-    Replicate (no reduce type combines their pieces; indices need global offsets)."""
+    """prod, logsumexp, var/std(_mean), max/min.dim, argmax/argmin, kthvalue, (nan)median.dim,
+    mode: reduced dims must be Replicate (no reduce type combines their pieces; indices need
+    global offsets)."""
     return reduction_strategies(call, axis, None, ())
 
 
 SCAN_OPS = [aten.cumsum.default, aten.cumsum_.default, aten.cumprod.default, aten.cumprod_.default,
-            aten.logcumsumexp.default, aten.cummax.default, aten.cummin.default]
+            aten.logcumsumexp.default, aten.cummax.default, aten.cummin.default,
+            # ordering along one dim (MoE routers' top-k, samplers' sort): the same shape of rule
+            aten.sort.default, aten.sort.stable, aten.topk.default]
 
 
 @register_axis_rule(SCAN_OPS)
 def scan_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
-    """Scans: the scan dim must be Replicate, other dims keep their shard; cumsum passes P(sum|avg)."""
+    """Scans (and sort/topk along ``dim``): that dim must be Replicate, other dims keep their
+    shard; cumsum passes P(sum|avg)."""
     if len(call.inputs) != 1:
         return []
     x = call.inputs[0]

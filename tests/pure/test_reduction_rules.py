@@ -139,6 +139,16 @@ def test_scans_need_the_scan_dim_replicated() -> None:
     assert outputs_of(call, [S1]) == [(S1, S1)]
 
 
+def test_sort_topk_kthvalue_keep_the_other_dims_sharded() -> None:
+    # a router's top-k over experts (last dim) on token-sharded scores stays token-sharded
+    call = make_call(aten.topk.default, (X, 2), [S0])
+    assert outputs_of(call, [S0]) == [(S0, S0)] and outputs_of(call, [S1]) == [] and outputs_of(call, [P]) == []
+    call = make_call(aten.sort.default, (Y3, 1), [S2])
+    assert outputs_of(call, [S2]) == [(S2, S2)] and outputs_of(call, [S1]) == []
+    call = make_call(aten.kthvalue.default, (Y3, 1, 0), [S2])  # dim 0 reduced: S2 -> S1
+    assert outputs_of(call, [S2]) == [(S1, S1)] and outputs_of(call, [S0]) == []
+
+
 def test_out_overloads_have_no_rule() -> None:
     for op in [aten.sum.IntList_out, aten.amax.out, aten.max.dim_max, aten.cumsum.out, aten.norm.out]:
         assert get_rule(op) is None, op
@@ -330,6 +340,16 @@ BRUTE: list[tuple[Any, tuple, dict]] = [
     (aten.logcumsumexp.default, (X, 1), {}),
     (aten.cummax.default, (X, 0), {}),
     (aten.cummin.default, (Y3, 2), {}),
+    (aten.sort.default, (X,), {}),
+    (aten.sort.default, (Y3, 0, True), {}),
+    (aten.sort.stable, (X,), {"dim": 0, "stable": True}),
+    (aten.topk.default, (X, 2), {}),
+    (aten.topk.default, (Y3, 2, 1, False), {}),
+    (aten.kthvalue.default, (X, 2), {}),
+    (aten.kthvalue.default, (Y3, 1, 0, True), {}),
+    (aten.median.dim, (X, 0), {}),
+    (aten.nanmedian.dim, (XNAN, 1, True), {}),
+    (aten.mode.default, (XI, 0), {}),
 ]
 CURRENT = [R, S0, S1, S2, P, PAVG, PMAX, PMIN]
 
