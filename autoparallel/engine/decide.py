@@ -45,6 +45,12 @@ VALUE_OPS = frozenset({
     torch.ops.aten.equal.default,
     torch.ops.aten.is_nonzero.default,
 })
+# Ops whose output's shape depends on the values (``nonzero``, ``masked_select``, ``unique``):
+# every rank must see the whole input to agree on it, so they run replicated by definition too.
+DATA_SHAPED_OPS = frozenset({
+    torch.ops.aten.nonzero.default, torch.ops.aten.masked_select.default, torch.ops.aten._unique2.default,
+    torch.ops.aten.unique_dim.default, torch.ops.aten.unique_consecutive.default, torch.ops.aten.argwhere.default,
+})
 # Views whose local implementation computes a new tensor (a lazy conj/neg bit cannot live on the
 # wrapper): like views of a moved input, writes through them raise instead of being lost.
 _MATERIALISED_VIEWS = frozenset({torch.ops.aten._conj.default, torch.ops.aten._neg_view.default})
@@ -54,7 +60,19 @@ INPLACE_VIEWS = {
     _aten.squeeze_.default: _aten.squeeze.default, _aten.squeeze_.dim: _aten.squeeze.dim,
     _aten.squeeze_.dims: _aten.squeeze.dims, _aten.unsqueeze_.default: _aten.unsqueeze.default,
     _aten.transpose_.default: _aten.transpose.int, _aten.t_.default: _aten.t.default,
+    _aten.as_strided_.default: _aten.as_strided.default,
 }
+
+
+def _restrides_only(args: tuple[Any, ...], kwargs: dict[str, Any], x: Any) -> bool:
+    """Whether ``as_strided(x, size, stride, offset)`` is ``x`` itself: the same shape and offset,
+    and the same strides on every dim longer than 1 (the strides of size-1 dims address nothing).
+    Kernels restride so (``adaptive_avg_pool2d`` to 1 x 1 on a channels-last input)."""
+    size, stride = args[1], args[2]
+    offset = args[3] if len(args) > 3 else kwargs.get("storage_offset")
+    shape = x._spec.shape
+    return (tuple(size) == tuple(shape) and offset in (None, 0) and len(stride) == len(shape)
+            and all(n == 1 or int(a) == int(b) for n, a, b in zip(shape, stride, x._stride)))
 
 
 def decide(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], dts: list[Any]) -> Decision:
@@ -88,13 +106,14 @@ def _decide(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], 
     mutated = mutated_inputs(func, args, kwargs, dts)
     if func in INPLACE_VIEWS:  # run as the out-of-place view, then re-point the wrapper
         return InplaceViewDecision(INPLACE_VIEWS[func])
-    if func in VALUE_OPS:
+    if func in VALUE_OPS or func in DATA_SHAPED_OPS:
         return _fallback_decision(func, specs, mesh, None, mutated, reason="", warn=False)
     fake_kwargs = map_args(cls, kwargs, to_fake)
     if isinstance(fake_kwargs.get("device"), (torch.device, str)):  # ``_to_copy(x, device=cpu)``
         # (autocast's casts, ``.to(device)``): where the result lives is the local step's business;
         # the shapes and dtypes come from meta either way
         fake_kwargs["device"] = torch.device("meta")
+    same = func is _aten.as_strided.default and _restrides_only(args, kwargs, dts[0])
     try:
         fake_out = func(*map_args(cls, args, to_fake), **fake_kwargs)
     except Exception:  # no meta kernel: compute replicated and learn the outputs from it
@@ -110,6 +129,8 @@ def _decide(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], 
     if out_kind is OutKind.VALUE and not mutated:
         return ValueDecision(fake_out)
     out_metas = tuple(TensorMeta(tuple(o.shape), o.dtype) if o is not None else None for o in outs)
+    if same:  # decided and run as the alias it is; the wrapper advertises the asked strides
+        func, args, kwargs = _aten.alias.default, args[:1], {}
     call = OpCall(
         func,
         map_args(cls, args, to_meta),

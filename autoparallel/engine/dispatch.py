@@ -21,12 +21,14 @@ from autoparallel.engine.decide import decide, forget_warnings
 from autoparallel.engine.decision import Decision
 from autoparallel.engine.execute import execute
 from autoparallel.engine.keys import adopt_plain, call_key
+from autoparallel.engine.restride import as_view_permute
 from autoparallel.log import logger
 from autoparallel.runtime.comm import profiled
 
 _CACHE: dict[Any, Decision] = {}
 MAX_CACHED_DECISIONS = 65536
 _DETACH = torch.ops.aten.detach.default
+_AS_STRIDED = torch.ops.aten.as_strided.default
 # The observers of the op path, innermost last: entered and left only through ``observed_by``.
 _OBSERVERS: list[Any] = []
 
@@ -36,6 +38,10 @@ def dispatch(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any])
     if func is _DETACH and not _OBSERVERS and not kwargs and len(args) == 1 and type(args[0]) is cls:
         x = args[0]  # autograd detaches every gradient it accumulates: same layout, no decision
         return cls._wrap(x._local.detach(), x._spec, x._stride)
+    if func is _AS_STRIDED and type(args[0]) is cls:
+        out = _as_strided(cls, args, kwargs)
+        if out is not None:
+            return out
     dts: list[Any] = []
     plain: list[torch.Tensor] = []
     key = (func, call_key(cls, args, dts, plain), call_key(cls, tuple(kwargs.items()), dts, plain) if kwargs else ())
@@ -59,6 +65,20 @@ def dispatch(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any])
             func, decision, args, kwargs, lambda: execute(cls, func, args, kwargs, dts, decision, True, dispatch)
         )
     return execute(cls, func, args, kwargs, dts, decision, False, dispatch)
+
+
+def _as_strided(cls: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``as_strided`` re-reading the whole contiguous input as a view and a permute
+    (``autoparallel.engine.restride``), run as those two ops; None: decide it as itself."""
+    x = args[0]
+    bound = dict(zip(("size", "stride", "storage_offset"), args[1:]), **kwargs)
+    found = as_view_permute(x._spec.shape, x._stride, bound["size"], bound["stride"], bound.get("storage_offset"))
+    if found is None:
+        return None
+    shape, perm = found
+    aten = torch.ops.aten
+    v = dispatch(cls, aten.view.default, (x, list(shape)), {})
+    return v if perm == tuple(range(len(perm))) else dispatch(cls, aten.permute.default, (v, list(perm)), {})
 
 
 def clear_cache() -> None:
