@@ -219,7 +219,7 @@ def _time_worker(rank: int, world: int, path: str, opts: dict[str, Any], out: st
     x = torch.randint(0, opts["vocab"], (opts["batch"], opts["seq"]), generator=g)
     times: dict[str, list[float]] = {p: [] for p in ("none", "selective", "full")}
     models = {p: _model(opts, "none", p, None) for p in times}
-    for p, model in models.items():
+    for model in models.values():
         _step(model, x, x, False)  # warm-up
     for _ in range(opts["repeat"]):
         for p, model in models.items():  # interleaved: a busy machine slows every policy alike
