@@ -122,6 +122,31 @@ def test_bf16_matches_one_process_and_masters_stay_fp32(world4, tmp_path) -> Non
     assert res["zero3"]["placements"] == ["(Shard(0),)"] and res["dp"]["placements"] == ["(Replicate(),)"]
 
 
+def _reduced_in(rank: int, stage: str, reduce_dtype: torch.dtype) -> dict[str, Any]:
+    """One bf16 step; the bytes of the gradient reductions (backward and step) and the parameters."""
+    mesh = ap.ProcessMesh([0, 1], ["dp"])
+    model = ap.shard_layer(_mlp(), mesh)
+    opt = ap.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), STAGES[stage](mesh) if STAGES[stage] else None,
+                             mixed_precision=ap.MixedPrecision(torch.bfloat16, reduce_dtype))
+    x, y = _batches(1)[0]
+    loss = F.cross_entropy(model(ap.shard_tensor(x, mesh, [S0])), ap.shard_tensor(y, mesh, [S0]))
+    with ap.CommDebugMode() as comm:
+        loss.backward()
+        opt.step()
+    reduced = sum(r.sent_bytes for r in comm.records if r.kind in ("all_reduce", "reduce_scatter"))
+    return {"bytes": reduced, "params": [p.detach().full_tensor() for p in model.parameters()],
+            "dtypes": sorted({str(p.dtype) for p in model.parameters()})}
+
+
+@pytest.mark.parametrize("stage", ["dp", "zero3"])
+def test_reduce_dtype_bf16_halves_the_reduction(world2, stage: str) -> None:  # type: ignore[no-untyped-def]
+    fp32, bf16 = world2.run(_reduced_in, stage, torch.float32)[0], world2.run(_reduced_in, stage, torch.bfloat16)[0]
+    assert fp32["bytes"] == 2 * bf16["bytes"] > 0, (fp32["bytes"], bf16["bytes"])  # all-reduce / reduce-scatter
+    assert fp32["dtypes"] == bf16["dtypes"] == ["torch.float32"]  # reduced in bf16, stored fp32
+    for a, b in zip(fp32["params"], bf16["params"]):
+        assert _rel(b, a) < BF16_RTOL
+
+
 # ---- fp16 + GradScaler -----------------------------------------------------------------------
 def _scaled(rank: int, inject: bool) -> dict[str, Any]:
     """ZeRO-2, fp16 compute, ap.GradScaler: one clean step, then one with an inf on rank 1 only."""
