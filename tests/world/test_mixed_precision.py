@@ -7,12 +7,16 @@ relative rounding per op), and the two runs round different things -- each rank'
 its batch shard is a bf16 product summed in fp32 across ranks, where one process rounds the
 whole batch's product once -- so a gradient element differs by a few 2^-9; AdamW divides by
 sqrt(v) and so carries that relative error into each update. Measured: 4.8e-3 after 3 steps
-(the bf16 loss, one bf16 rounding step of 2^-8 relative; parameters closer), the same under every
-strategy; an fp32 run would match to 1e-6 (checked: the outputs are bf16). ZeRO-3 gathers the
-shards cast to bf16: half the forward's bytes of an fp32 ZeRO-3. Masters, gradients and optimizer states stay fp32,
-in ``state_dict()`` and in a checkpoint. fp16 + ``ap.GradScaler`` (2 ranks, ZeRO-2): an inf
-in one rank's gradient shard makes every rank skip the step and halve the scale. ``ap.to_static``
-(2 ranks, DP and ZeRO-3) captures the mixed-precision step and replays it bitwise like eager.
+(the bf16 loss, one bf16 rounding step of 2^-8 relative; parameters closer), the same under
+every strategy; an fp32 run would match to 1e-6 (checked: the outputs are bf16). Masters,
+gradients and optimizer states stay fp32, in ``state_dict()`` and in a checkpoint. ZeRO-3
+gathers the shards cast to bf16 (half the forward bytes of an fp32 ZeRO-3); ``reduce_dtype=bf16``
+halves the gradient reduction's bytes (2 ranks, DP and ZeRO-3).
+
+fp16 + ``ap.GradScaler`` (2 ranks, ZeRO-2): an inf in one rank's gradient shard makes every
+rank skip the step and halve the scale (also with a plain torch optimizer, the inf in one
+rank's Partial summand). ``ap.to_static`` (2 ranks, DP and ZeRO-3) captures the
+mixed-precision step and replays it bitwise like eager. Bad policies raise on every rank.
 """
 
 from __future__ import annotations
@@ -148,12 +152,14 @@ def test_reduce_dtype_bf16_halves_the_reduction(world2, stage: str) -> None:  # 
 
 
 # ---- fp16 + GradScaler -----------------------------------------------------------------------
-def _scaled(rank: int, inject: bool) -> dict[str, Any]:
-    """ZeRO-2, fp16 compute, ap.GradScaler: one clean step, then one with an inf on rank 1 only."""
+def _scaled(rank: int, inject: bool, wrapped: bool = True) -> dict[str, Any]:
+    """ZeRO-2, fp16 compute, ap.GradScaler: one clean step, then one with an inf on rank 1 only.
+    ``wrapped=False``: a plain AdamW over the DistTensor parameters (fp32, Partial gradients)."""
     mesh = ap.ProcessMesh([0, 1], ["dp"])
     model = ap.shard_layer(_mlp(), mesh)
-    opt = ap.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=0.01), ap.ShardingStage2(mesh),
-                             mixed_precision=ap.MixedPrecision(torch.float16))
+    opt: Any = torch.optim.AdamW(model.parameters(), lr=0.01)
+    if wrapped:
+        opt = ap.shard_optimizer(opt, ap.ShardingStage2(mesh), mixed_precision=ap.MixedPrecision(torch.float16))
     scaler = ap.GradScaler("cpu", init_scale=2.0**10, growth_interval=1000)
     scales, changed = [], []
     for k, (x, y) in enumerate(_batches(2)):
@@ -161,7 +167,8 @@ def _scaled(rank: int, inject: bool) -> dict[str, Any]:
         loss = F.cross_entropy(model(ap.shard_tensor(x, mesh, [S0])), ap.shard_tensor(y, mesh, [S0]))
         scaler.scale(loss).backward()
         if k == 1 and inject:
-            opt.reduce_gradients()  # ZeRO-2: each rank now holds its shard of every gradient
+            if wrapped:
+                opt.reduce_gradients()  # ZeRO-2: each rank now holds its shard of every gradient
             if rank == 1:
                 with torch.no_grad():
                     model[0].weight.grad.to_local().view(-1)[0] = float("inf")
@@ -174,9 +181,10 @@ def _scaled(rank: int, inject: bool) -> dict[str, Any]:
     return {"scales": scales, "changed": changed, "steps": steps}
 
 
-@pytest.mark.parametrize("inject", [False, True])
-def test_grad_scaler_inf_on_one_rank_skips_everywhere(world2, inject: bool) -> None:  # type: ignore[no-untyped-def]
-    res = world2.run(_scaled, inject)
+@pytest.mark.parametrize("inject, wrapped", [(False, True), (True, True), (True, False)],
+                         ids=["clean", "inf-zero2", "inf-plain-optimizer"])
+def test_grad_scaler_inf_on_one_rank_skips_everywhere(world2, inject: bool, wrapped: bool) -> None:  # type: ignore[no-untyped-def]
+    res = world2.run(_scaled, inject, wrapped)
     assert res[0] == res[1], res  # the ranks agree
     if inject:
         assert res[0]["scales"] == [2.0**10, 2.0**9] and res[0]["changed"] == [True, False] and res[0]["steps"] == [1], res
