@@ -71,6 +71,8 @@ _EXPORTS: dict[str, str] = {
     "ShardingStage2": "autoparallel.optim",
     "ShardingStage3": "autoparallel.optim",
     "shard_optimizer": "autoparallel.optim",
+    "GradScaler": "autoparallel.optim",
+    "MixedPrecision": "autoparallel.optim",
     "shard_dataloader": "autoparallel.data",
     "load_state_dict": "autoparallel.checkpoint",
     "save_state_dict": "autoparallel.checkpoint",
@@ -96,8 +98,10 @@ __all__ = [
     "DistSpec",
     "DistModel",
     "DistTensor",
+    "GradScaler",
     "LayerMeter",
     "LocalLayer",
+    "MixedPrecision",
     "Partial",
     "Placement",
     "PrepareLayerInput",
@@ -182,7 +186,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; nothing is imported at run time
     )
     from autoparallel.nn.parallelize import parallelize
     from autoparallel.nn.shard_layer import shard_layer
-    from autoparallel.optim import ShardingStage1, ShardingStage2, ShardingStage3, shard_optimizer
+    from autoparallel.optim import GradScaler, MixedPrecision, ShardingStage1, ShardingStage2, ShardingStage3, shard_optimizer
     from autoparallel.placement import Partial, Placement, Replicate, Shard
     from autoparallel.regions import disable_local_regions, enable_local_regions, local_regions_report
     from autoparallel.runtime.debug import CommDebugMode, CommRecord

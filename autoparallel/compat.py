@@ -111,6 +111,29 @@ def optimizer_global_hooks() -> tuple[dict[Any, Any], dict[Any, Any]]:
             getattr(optim_module, "_global_optimizer_post_hooks", {}))
 
 
+# ---- automatic mixed precision ------------------------------------------------------------------
+# ``torch.amp.GradScaler._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)`` is the one
+# step of ``GradScaler.unscale_`` that reads gradients; ``ap.GradScaler`` overrides it by this name
+# so the inf/NaN check runs on local shards and agrees across ranks. Fallback: none --
+# ``ap.GradScaler`` refuses to be built on a torch without it, naming it.
+GRAD_SCALER_UNSCALE = "_unscale_grads_"
+HAS_GRAD_SCALER_UNSCALE = hasattr(torch.amp.GradScaler, GRAD_SCALER_UNSCALE)
+_amp_unscale = getattr(torch, "_amp_foreach_non_finite_check_and_unscale_", None)
+
+
+def amp_check_and_unscale_(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
+    """Multiply ``grads`` (plain tensors of one device) by ``inv_scale`` in place and set
+    ``found_inf`` to 1 if any holds an inf or NaN: torch's fused
+    ``_amp_foreach_non_finite_check_and_unscale_``. Fallback: a loop of ``isfinite`` and ``mul_``."""
+    if _amp_unscale is not None:
+        _amp_unscale(grads, found_inf, inv_scale)
+        return
+    for g in grads:  # pragma: no cover - torch without the fused kernel
+        if not bool(torch.isfinite(g).all()):
+            found_inf.fill_(1.0)
+        g.mul_(inv_scale)
+
+
 # ---- pytrees and flat buffers ---------------------------------------------------------------------
 try:
     from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -133,6 +156,7 @@ except ImportError:  # pragma: no cover - the same in Python
 
 
 __all__ = [
+    "GRAD_SCALER_UNSCALE", "HAS_GRAD_SCALER_UNSCALE", "amp_check_and_unscale_",
     "WRAPPER_POSITIONAL", "TorchDispatchMode", "all_op_schemas", "disable_torch_function_subclass", "disabled_torch_function_impl", "flatten_dense_tensors",
     "make_wrapper_subclass", "meta_in_tls", "no_dispatch", "optimizer_global_hooks", "tree_flatten", "tree_unflatten",
     "unflatten_dense_tensors", "will_engine_execute_node",

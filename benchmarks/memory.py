@@ -23,6 +23,17 @@ in fp32 (formula x 2: 4-byte elements, masks stay 1 byte -- see docs/memory.md) 
 ``torch.autocast("cpu", torch.bfloat16)`` (formula as written). Then the step time (forward +
 backward, median over ``--repeat`` after a warm-up, max over ranks) of TP + SP with no,
 selective and full recompute. The table with the term-by-term explanation is in docs/memory.md.
+
+    python benchmarks/memory.py --zero-bytes       # ZeRO-1/2/3 x fp32 / MixedPrecision(bf16), AdamW
+    python benchmarks/memory.py --recompute-time   # recompute's compute overhead, one process
+
+``--zero-bytes``: 4 gloo ranks, the same GPT data parallel (``ap.shard_layer``) under DP and
+ZeRO-1/2/3 with AdamW, fp32 and ``ap.MixedPrecision(torch.bfloat16)``. Per rank, after a step:
+parameter, gradient and optimizer-state bytes (local storages), and the bytes of the compute
+copies a block's forward sees that are not the parameters themselves (ZeRO-3's gathered
+parameters, mixed precision's casts), largest block. ``--recompute-time``: one process, plain
+tensors (no communication, so the compute alone), forward + backward with no, selective and
+full recompute of every block, median of ``--repeat``.
 """
 
 from __future__ import annotations
@@ -71,7 +82,7 @@ def _model(opts: dict[str, Any], layout: str, policy: str, mesh: Any) -> torch.n
     import autoparallel as ap
 
     cfg = GPTConfig(vocab=opts["vocab"], seq=opts["seq"], layers=opts["layers"], width=opts["hidden"],
-                    heads=opts["heads"], dropout=0.1, attention="math", tied=False)
+                    heads=opts["heads"], dropout=opts.get("dropout", 0.1), attention="math", tied=False)
     torch.manual_seed(0)
     model = GPT(cfg)
     rec = None if policy == "none" else {"blocks.*": policy}
@@ -145,6 +156,102 @@ def _worker(rank: int, world: int, path: str, opts: dict[str, Any], out: str) ->
     dist.destroy_process_group()
 
 
+def _zero_worker(rank: int, world: int, path: str, opts: dict[str, Any], out: str) -> None:
+    """Bytes per rank under DP / ZeRO-1/2/3, fp32 and bf16 mixed precision (AdamW)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(path, world), rank=rank, world_size=world)
+    from gpt_model import lm_loss
+
+    import autoparallel as ap
+
+    torch.set_num_threads(1)
+    mesh = ap.ProcessMesh(list(range(world)), dim_names=["dp"])
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, opts["vocab"], (opts["batch"] * world, opts["seq"]), generator=g)
+    stages = {"dp": None, "zero1": ap.ShardingStage1, "zero2": ap.ShardingStage2, "zero3": ap.ShardingStage3}
+    result: dict[str, Any] = {}
+    for name, stage in stages.items():
+        for mp in (None, ap.MixedPrecision(torch.bfloat16)):
+            model = ap.shard_layer(_model(opts, "none", "none", None), mesh)
+            opt = ap.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), stage(mesh) if stage else None,
+                                     mixed_precision=mp)
+            copies: dict[str, int] = {}
+
+            def seen(m: torch.nn.Module, args: Any, out: Any, block: str) -> None:
+                for k, p in m._parameters.items():  # what the attribute resolves to during forward
+                    used = getattr(m, k)
+                    if p is not None and used is not p:
+                        copies[block] = copies.get(block, 0) + _bytes(used)
+
+            hooks = [m.register_forward_hook(lambda m, a, o, b=f"blocks.{i}": seen(m, a, o, b))
+                     for i, blk in enumerate(model.blocks) for m in blk.modules()]
+            xs = ap.shard_tensor(x, mesh, [ap.Shard(0)])
+            lm_loss(model(xs), xs).backward()
+            opt.step()
+            for h in hooks:
+                h.remove()
+            states = [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor) and v.dim()]
+            result[f"{name}|{'bf16' if mp else 'fp32'}"] = {
+                "params": sum(_bytes(p) for p in model.parameters()),
+                "grads": sum(_bytes(p.grad) for p in model.parameters() if p.grad is not None),
+                "states": sum(_bytes(v) for v in states),
+                "copies": max(copies.values(), default=0),
+            }
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, result)
+    if rank == 0:
+        merged = {k: {f: max(r[k][f] for r in gathered) for f in v} for k, v in result.items()}
+        with open(out, "w") as f:
+            json.dump({"zero": merged}, f)
+    dist.destroy_process_group()
+
+
+def _bytes(t: torch.Tensor) -> int:
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return local.numel() * local.element_size()
+
+
+def _time_worker(rank: int, world: int, path: str, opts: dict[str, Any], out: str) -> None:
+    """Forward + backward of the plain model in one process: no, selective, full recompute."""
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, opts["vocab"], (opts["batch"], opts["seq"]), generator=g)
+    times: dict[str, list[float]] = {p: [] for p in ("none", "selective", "full")}
+    models = {p: _model(opts, "none", p, None) for p in times}
+    for model in models.values():
+        _step(model, x, x, False)  # warm-up
+    for _ in range(opts["repeat"]):
+        for p, model in models.items():  # interleaved: a busy machine slows every policy alike
+            model.zero_grad(set_to_none=True)
+            t0 = time.perf_counter()
+            _step(model, x, x, False)
+            times[p].append(time.perf_counter() - t0)
+    with open(out, "w") as f:
+        json.dump({"time": {p: statistics.median(v) for p, v in times.items()}}, f)
+
+
+def report_zero(res: dict[str, Any], o: dict[str, Any]) -> str:
+    rows = [f"bytes per rank after an AdamW step, 4 ranks, GPT h={o['hidden']} layers={o['layers']} vocab={o['vocab']} "
+            "(max over ranks; copies: compute copies of the largest block, during its forward)",
+            "| strategy | precision | params | grads | optimizer states | params + grads + states | compute copies |",
+            "|---|---|---:|---:|---:|---:|---:|"]
+    for key, r in res["zero"].items():
+        name, prec = key.split("|")
+        total = r["params"] + r["grads"] + r["states"]
+        prec = "fp32" if prec == "fp32" else "MixedPrecision(bf16)"
+        rows.append(f"| {name} | {prec} | {r['params'] / 2**20:.2f} MiB | {r['grads'] / 2**20:.2f} MiB | "
+                    f"{r['states'] / 2**20:.2f} MiB | {total / 2**20:.2f} MiB | {r['copies'] / 2**20:.2f} MiB |")
+    return "\n".join(rows)
+
+
+def report_time(res: dict[str, Any], o: dict[str, Any]) -> str:
+    tm = res["time"]
+    return "\n".join([f"forward + backward, one process, plain tensors, fp32, s={o['seq']} b={o['batch']} h={o['hidden']} "
+                      f"a={o['heads']} layers={o['layers']} dropout={o['dropout']}, median of {o['repeat']}:",
+                      *(f"  {k:<10} {tm[k] * 1e3:8.1f} ms  ({(tm[k] / tm['none'] - 1) * 100:+.1f}%)" for k in tm)])
+
+
 def report(res: dict[str, Any], o: dict[str, Any]) -> str:
     s, b, h, a, t = o["seq"], o["batch"], o["hidden"], o["heads"], 4
     rows = [f"activation bytes per layer per rank: s={s} b={b} h={h} a={a} t={t} (GPT, math attention, dropout 0.1)",
@@ -172,10 +279,20 @@ def main() -> int:
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--json", default=None)
     p.add_argument("--detail", action="store_true", help="rank 0 prints what each row keeps (op, local shape, dtype, bytes)")
+    p.add_argument("--dropout", type=float, default=0.1, help="the model's dropout (Megatron's table assumes 0.1)")
+    p.add_argument("--zero-bytes", action="store_true", help="parameter + gradient + optimizer bytes per rank, ZeRO-1/2/3 x fp32/bf16")
+    p.add_argument("--recompute-time", action="store_true", help="recompute's compute overhead in one process")
     args = p.parse_args()
     opts = vars(args).copy()
-    res = run_spawned(_worker, 4, opts, timeout=1800, prefix="apmem")
-    print(report(res, opts))
+    if args.zero_bytes:
+        res = run_spawned(_zero_worker, 4, opts, timeout=1800, prefix="apmem")
+        print(report_zero(res, opts))
+    elif args.recompute_time:
+        res = run_spawned(_time_worker, 1, opts, timeout=1800, prefix="apmem")
+        print(report_time(res, opts))
+    else:
+        res = run_spawned(_worker, 4, opts, timeout=1800, prefix="apmem")
+        print(report(res, opts))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"opts": opts, **res}, f, indent=1)

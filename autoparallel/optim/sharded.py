@@ -16,6 +16,11 @@ The wrapper is a ``torch.optim.Optimizer`` (LR schedulers accept it) around an u
 
 Without ``shard_optimizer`` nothing changes for correctness: Partial gradients are reduced by
 the optimizer's own ops, one parameter at a time.
+
+``mixed_precision=ap.MixedPrecision(...)``: the parameters stay the fp32 masters the optimizer
+steps; their modules compute with copies in ``param_dtype`` made around each forward (by the
+units of ``optim.zero3``, which under ZeRO-3 gather the shards in that dtype), and step 1
+reduces gradients in ``reduce_dtype`` (``optim.precision``, docs/mixed_precision.md).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from autoparallel.engine import layout
 from autoparallel.engine.dtensor import DistTensor
 from autoparallel.optim import buckets
 from autoparallel.optim.local_step import local_step
+from autoparallel.optim.precision import MixedPrecision, casts, check_precision
 from autoparallel.optim.reduction import BucketOp, SlotLayout, meta_bytes, plan_reduction
 from autoparallel.optim.stages import ShardingStage, check_stage, param_axis, shard_layout
 from autoparallel.optim.zero3 import Zero3Params
@@ -53,14 +59,17 @@ class _Slot:
 
 
 def shard_optimizer(
-    optimizer: torch.optim.Optimizer, shard_fn: ShardingStage | None = None, *, bucket_bytes: int = buckets.DEFAULT_BUCKET_BYTES
+    optimizer: torch.optim.Optimizer, shard_fn: ShardingStage | None = None, *,
+    bucket_bytes: int = buckets.DEFAULT_BUCKET_BYTES, mixed_precision: MixedPrecision | None = None,
 ) -> ShardedOptimizer:
     """Wrap ``optimizer`` for data parallel (``shard_fn=None``) or ZeRO (``ap.ShardingStage1/2/3``).
 
     Call it after the parameters are DistTensors and before the first step. Every check runs
     on metadata before any collective, so a bad configuration raises the same error everywhere.
+    ``mixed_precision``: compute in ``param_dtype`` with the parameters kept as fp32 masters,
+    gradients reduced in ``reduce_dtype`` (docs/mixed_precision.md).
     """
-    return ShardedOptimizer(optimizer, shard_fn, bucket_bytes=bucket_bytes)
+    return ShardedOptimizer(optimizer, shard_fn, bucket_bytes=bucket_bytes, mixed_precision=mixed_precision)
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -71,7 +80,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
     reduced gradients; ``step()`` calls it anyway (a no-op when nothing is Partial).
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, shard_fn: Any = None, *, bucket_bytes: int = buckets.DEFAULT_BUCKET_BYTES) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, shard_fn: Any = None, *,
+                 bucket_bytes: int = buckets.DEFAULT_BUCKET_BYTES, mixed_precision: Any = None) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"shard_optimizer: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if isinstance(optimizer, ShardedOptimizer):
@@ -80,12 +90,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"shard_optimizer: bucket_bytes must be a positive int, got {bucket_bytes!r}")
         self.inner = optimizer
         self.stage = check_stage(shard_fn)
+        self.precision = check_precision(mixed_precision)
         self.bucket_bytes = bucket_bytes
         if self.stage is not None and any(optimizer.state.values()):
             raise ValueError("shard_optimizer: wrap the optimizer before its first step (it already holds state)")
         plans = [self._plan_group(g, k) for k, g in enumerate(optimizer.param_groups)]  # all checks first
         self._slots: list[_Slot] = []
-        self._zero3 = Zero3Params()  # stage 3: the parameters it shards and the hooks gathering them
+        self._zero3 = Zero3Params()  # stage 3 / mixed precision: the parameters' units and their hooks
+        if self.precision is not None and self.precision.cast_inputs:
+            self._zero3.cast_inputs = self.precision.param_dtype
         self._sharded = False
         for group, plan in zip(optimizer.param_groups, plans):
             group["params"] = [self._adopt(*item) for item in plan]
@@ -102,14 +115,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
         out: list[tuple[torch.Tensor, int | None, DistSpec | None]] = []
         for i, p in enumerate(group["params"]):
             where = f"param_groups[{k}] parameter {i} of shape {tuple(p.shape)}"
-            if self.stage is None:
+            if self.stage is None and not casts(self.precision, p):
                 out.append((p, None, None))
                 continue
             if not isinstance(p, DistTensor):
                 raise TypeError(
                     f"shard_optimizer: {where} is a plain tensor; make the model's parameters "
                     "DistTensors first (ap.shard_layer, ap.parallelize or ap.shard_tensor)"
+                    + ("" if self.stage is not None else " (mixed_precision casts DistTensor parameters)")
                 )
+            if self.stage is None:
+                out.append((p, None, None))
+                continue
             spec = layout.spec_of(p)
             axis = param_axis(self.stage, spec, where)
             out.append((p, axis, shard_layout(spec, axis)))
@@ -117,10 +134,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _adopt(self, p: torch.Tensor, axis: int | None, shard: DistSpec | None) -> torch.Tensor:
         stepped = p
-        if shard is not None and self.stage is not None:
-            if self.stage.stage == 3:
-                self._zero3.shard_(p, axis, shard)  # type: ignore[arg-type]
-            else:
+        mp = self.precision
+        compute = mp.param_dtype if mp is not None and casts(mp, p) else None
+        reduce = mp.reduce_dtype if compute is not None and mp is not None else None
+        if shard is not None and self.stage is not None and self.stage.stage == 3:
+            self._zero3.shard_(p, axis, shard, compute, reduce)  # type: ignore[arg-type]
+        else:
+            if compute is not None:
+                self._zero3.cast_(p, compute)  # type: ignore[arg-type]  # checked a DistTensor
+            if shard is not None:
                 stepped = layout.wrap(_narrow_to(layout.local_of(p), layout.spec_of(p), shard, axis), shard)  # type: ignore[arg-type]
         self._slots.append(_Slot(p, stepped, axis, shard))
         self._sharded |= stepped is not p  # stages 1/2 step a shard of the parameter
@@ -180,12 +202,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
             )
         rank = runtime.get_rank()
         raw_of, local_of, relayout_ = layout.raw_of, layout.local_of, layout.relayout_
+        wire = self.precision.reduce_dtype if self.precision is not None else None
         for op in plan:
             chosen: list[Any] = [grads[i] for i in op.members]
             member = op.mesh.coordinate_of(rank) is not None
             # pending members go in unscaled (``raw_of``); one scale for a bucket that all awaits
             # one statistic (the usual case), else each pending member's result is scaled
             locs = [raw_of(g) if k is not None else local_of(g) for g, k in zip(chosen, op.stats)]
+            back = None  # mixed precision: the dtype the reduced gradients return to
+            if wire is not None and member and locs and locs[0].is_floating_point() and locs[0].dtype != wire:
+                back, locs = locs[0].dtype, [t.to(wire) for t in locs]
             whole = op.stat
             scale = stats[whole].inverse_count() if whole is not None and member else None
             if not member:
@@ -196,9 +222,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 results = buckets.all_reduce(locs, op.mesh, op.axis, op.reduce_type, scale)
             if whole is None and member:
                 results = [r if k is None else r * stats[k].inverse_count() for r, k in zip(results, op.stats)]
+            if back is not None:
+                results = [r.to(back) for r in results]
             for g, target, local in zip(chosen, op.targets, results):
                 relayout_(g, local, target)  # the same value in place; a pending gradient is resolved
         self._match_params(grads)
+
+    def gradients(self) -> list[torch.Tensor | None]:
+        """The model parameters' gradients, one per parameter this optimizer steps (for stages
+        1/2 the gradients of the whole parameters, not of the shards the inner optimizer holds)."""
+        return [s.param.grad for s in self._slots]
 
     def _match_params(self, grads: list[Any]) -> None:
         """A reduced gradient laid out unlike its parameter (sequence parallel gives a replicated
@@ -333,7 +366,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 st[key] = _to_layout(value, s.stepped)
 
     def __repr__(self) -> str:
-        return f"ShardedOptimizer({self.stage!r}, {self.inner!r})"
+        mp = "" if self.precision is None else f", {self.precision!r}"
+        return f"ShardedOptimizer({self.stage!r}{mp}, {self.inner!r})"
 
 
 def _narrow_to(local: torch.Tensor, spec: DistSpec, shard: DistSpec, axis: int) -> torch.Tensor:

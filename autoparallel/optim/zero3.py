@@ -37,6 +37,16 @@ their unit computes (forward) or its gradients are computed (backward).
 The gather is an autograd function whose backward is the mirror image: the gradients (Partial
 over the data-parallel axis) are reduce-scattered in one collective straight into the shard
 layout, so a full gradient never persists.
+
+Mixed precision (``ap.MixedPrecision``, ``optim.precision``) rides on the same units. A ZeRO-3
+parameter's layout then names a compute dtype: the shard is cast before the all-gather (half the
+bytes for bf16) and the reduce-scatter runs in the policy's reduce dtype, the result cast to the
+master's dtype. A parameter that is not sharded (DP, ZeRO-1/2, or one ZeRO-3 leaves whole) is
+owned with no axis: its unit's "gather" is the cast alone, its backward casts the gradient back
+to the master's dtype (left Partial, for ``ShardedOptimizer.reduce_gradients``). Either way the
+module's attribute resolves to the compute copy while its unit runs, the saved-tensor hook keeps
+no copy between forward and backward (backward casts again), and the unit's forward casts the
+floating tensors it is given to the compute dtype (``MixedPrecision.cast_inputs``).
 """
 
 from __future__ import annotations
@@ -51,7 +61,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from autoparallel import runtime
+from autoparallel import compat, runtime
 from autoparallel.engine import layout
 from autoparallel.engine.dtensor import DistTensor
 from autoparallel.memory.recomputation import active as in_recomputed_region
@@ -65,15 +75,28 @@ _SEATS = "_ap_zero3_seats"  # per module: {owner: _Seat}, what each Zero3Params 
 
 @dataclass(frozen=True)
 class Zero3Layout:
-    """A ZeRO-3 parameter's layouts: ``shard`` (stored) and ``full`` (gathered, used)."""
+    """A ZeRO-3 parameter's layouts: ``shard`` (stored) and ``full`` (gathered, used).
 
-    axis: int
+    ``axis`` None: a parameter owned for its compute copy only (``shard == full``). ``compute``:
+    the dtype the unit casts it to (None: its own); ``reduce``: the dtype its gradient is
+    reduce-scattered in (None: the gradient's own).
+    """
+
+    axis: int | None
     shard: DistSpec
     full: DistSpec
+    compute: torch.dtype | None = None
+    reduce: torch.dtype | None = None
 
     @property
     def dim(self) -> int:
+        assert self.axis is not None, "a parameter owned for its compute copy is not sharded"
         return self.shard.placements[self.axis].dim  # type: ignore[union-attr]
+
+    @property
+    def used(self) -> DistSpec:
+        """The layout the unit's forward sees: the full layout in the compute dtype."""
+        return self.full if self.compute is None else self.full.with_dtype(self.compute)
 
 
 def zero3_layout(p: torch.Tensor) -> Zero3Layout | None:
@@ -123,17 +146,28 @@ class Zero3Params:
         self._recheck = False  # parameters were sharded after roots were found: do they hold them?
         # modules the finder saw holding none of the parameters: id -> (module, generation then)
         self._plain: dict[int, tuple[weakref.ref[nn.Module], int]] = {}
+        self.cast_inputs: torch.dtype | None = None  # mixed precision: a unit's floating inputs -> this
 
     # ---- parameters -----------------------------------------------------------------------
-    def shard_(self, p: DistTensor, axis: int, shard: DistSpec) -> None:
-        """Store ``p`` in layout ``shard`` from now on (in place; no data moves: a local slice)."""
+    def shard_(self, p: DistTensor, axis: int, shard: DistSpec,
+               compute: torch.dtype | None = None, reduce: torch.dtype | None = None) -> None:
+        """Store ``p`` in layout ``shard`` from now on (in place; no data moves: a local slice);
+        gather it cast to ``compute`` and reduce-scatter its gradient in ``reduce``."""
         full = layout.spec_of(p)
-        lay = Zero3Layout(axis, shard, full)
+        lay = Zero3Layout(axis, shard, full, compute, reduce)
         local = layout.local_of(p)
         coord = full.mesh.coordinate_of(runtime.get_rank())
         if coord is not None:
             local = local.narrow(lay.dim, *chunk_bounds(local.shape[lay.dim], full.mesh.shape[axis], coord[axis])).clone()
         layout.relayout_(p, local, shard)
+        self._own(p, lay)
+
+    def cast_(self, p: DistTensor, compute: torch.dtype) -> None:
+        """Keep ``p`` as it is, but let its unit's forward see it cast to ``compute``."""
+        spec = layout.spec_of(p)
+        self._own(p, Zero3Layout(None, spec, spec, compute))
+
+    def _own(self, p: DistTensor, lay: Zero3Layout) -> None:
         setattr(p, _ATTR, lay)
         key = id(p)
         self._params[key] = weakref.ref(p, functools.partial(self._gone, key))
@@ -164,7 +198,7 @@ class Zero3Params:
         self._roots.clear()
 
     # ---- finding the models ---------------------------------------------------------------
-    def _find(self, module: nn.Module, args: Any) -> None:
+    def _find(self, module: nn.Module, args: Any) -> Any:
         """The process-wide pre-hook while no found root holds every parameter: a module holding
         some of them that is not hooked yet is a root; hook it and its submodules, and do its
         pre-hook's work for this call (its own hook runs from the next call on)."""
@@ -175,19 +209,19 @@ class Zero3Params:
             if any([self._hook(m) for m in roots]):  # a list: every root's new submodules hooked
                 self._stop_finding()
         if hooked:
-            return
+            return None
         if not self._seat_hooked(module):
             seen = self._plain.get(id(module))
             if seen is not None and seen[1] == self.generation and seen[0]() is module:
-                return
+                return None
             if not any(self.owns(p) for p in module.parameters()):
                 key = id(module)
                 self._plain[key] = (weakref.ref(module, functools.partial(self._unsee, key)), self.generation)
-                return
+                return None
             self._roots.append(weakref.ref(module))
             if self._hook(module):
                 self._stop_finding()
-        self._before(module, args)
+        return self._before(module, args)
 
     def _unsee(self, key: int, ref: weakref.ref[nn.Module]) -> None:
         self._plain.pop(key, None)
@@ -241,11 +275,11 @@ class Zero3Params:
             self._assign(module, _Unit(self, module))
         return seat.unit
 
-    def _before(self, module: nn.Module, args: Any) -> None:
+    def _before(self, module: nn.Module, args: Any) -> Any:
         seat = self._seat(module)
         unit = seat.unit if seat.generation == self.generation else self._unit_of(module)
         if unit is None:
-            return
+            return None
         call = None
         if unit.root is module:
             call = unit.gather()
@@ -254,6 +288,11 @@ class Zero3Params:
             own.slots = [(m, a) for m, a in unit.slots if m is module]
             call = own.gather() if own.slots else None
         seat.calls.append(call)
+        dtype = self.cast_inputs
+        if dtype is None or call is None:
+            return None
+        leaves, tree = compat.tree_flatten(args)
+        return compat.tree_unflatten([_cast_input(dtype, x) for x in leaves], tree)
 
     def _after(self, module: nn.Module, args: Any, output: Any) -> None:
         calls = self._seat(module).calls
@@ -369,19 +408,19 @@ def _unpack(saved: Any) -> Any:
 
 
 def _gather_locals(params: list[DistTensor], layouts: tuple[Zero3Layout, ...]) -> list[torch.Tensor]:
-    """The full local tensors of ``params`` (one all-gather per mesh, axis and dtype)."""
+    """The full local tensors of ``params`` in their compute dtypes (one all-gather per mesh,
+    axis and dtype; a parameter owned for its compute copy only is cast, not gathered)."""
     rank = runtime.get_rank()
     outs: list[torch.Tensor | None] = [None] * len(params)
-    for (mesh, axis, _), idx in _groups(layouts, [p.dtype for p in params]).items():
+    dtypes = [lay.compute or p.dtype for p, lay in zip(params, layouts)]
+    for (mesh, axis, dtype), idx in _groups(layouts, dtypes).items():
+        locs = [layout.local_of(params[k]).to(dtype) for k in idx]  # a cast before the gather
         coord = mesh.coordinate_of(rank)
-        if coord is None:
-            fulls = [layout.local_of(params[k]) for k in idx]
+        if axis is None or coord is None:
+            fulls = locs
         else:
             fulls = buckets.all_gather(
-                [layout.local_of(params[k]) for k in idx],
-                [layouts[k].dim for k in idx],
-                [layouts[k].full.local_shape(coord) for k in idx],
-                mesh, axis,
+                locs, [layouts[k].dim for k in idx], [layouts[k].full.local_shape(coord) for k in idx], mesh, axis,
             )
         for k, full in zip(idx, fulls):
             outs[k] = full
@@ -395,10 +434,18 @@ def _groups(layouts: tuple[Zero3Layout, ...], dtypes: list[torch.dtype]) -> dict
     return out
 
 
-class _GatherParams(torch.autograd.Function):
-    """Shards -> gathered parameters (one all-gather per mesh, axis and dtype).
+def _cast_input(dtype: torch.dtype, x: Any) -> Any:
+    """A floating tensor a unit's forward is given, in the compute dtype (anything else as it is)."""
+    if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
+        return x.to(dtype)
+    return x
 
-    Backward: gradients -> Partial over the axis -> one reduce-scatter into the shard layouts.
+
+class _GatherParams(torch.autograd.Function):
+    """Shards -> gathered parameters in their compute dtypes (one all-gather per mesh, axis and dtype).
+
+    Backward: gradients -> (reduce dtype) -> Partial over the axis -> one reduce-scatter into the
+    shard layouts -> the masters' dtype. A parameter with no axis: the gradient cast back, as is.
     """
 
     @staticmethod
@@ -406,7 +453,7 @@ class _GatherParams(torch.autograd.Function):
         ctx.layouts = layouts
         ctx.source = source
         fulls = _gather_locals(list(params), layouts)
-        return tuple(layout.wrap(full, lay.full) for full, lay in zip(fulls, layouts))
+        return tuple(layout.wrap(full, lay.used) for full, lay in zip(fulls, layouts))
 
     @staticmethod
     def backward(ctx: Any, *grads: DistTensor | None) -> tuple[Any, ...]:  # type: ignore[override]
@@ -416,21 +463,27 @@ class _GatherParams(torch.autograd.Function):
         out: list[DistTensor | None] = [None] * len(grads)
         live = [k for k, g in enumerate(grads) if g is not None]
         sub = tuple(layouts[k] for k in live)
-        for (mesh, axis, _), idx in _groups(sub, [grads[k].dtype for k in live]).items():  # type: ignore[union-attr]
+        wire = [layouts[k].reduce or grads[k].dtype for k in live]  # type: ignore[union-attr]
+        for (mesh, axis, dtype), idx in _groups(sub, wire).items():
             ks = [live[i] for i in idx]
-            summands = [_summand(grads[k], layouts[k]) for k in ks]  # type: ignore[arg-type]
+            if axis is None:  # a compute copy only: the gradient in the master's dtype, reduced later
+                for k in ks:
+                    g, master = grads[k], layouts[k].shard.dtype
+                    out[k] = layout.wrap(layout.local_of(g).to(master), layout.spec_of(g).with_dtype(master))  # type: ignore[arg-type]
+                continue
+            summands = [_summand(grads[k], layouts[k]).to(dtype) for k in ks]  # type: ignore[arg-type]
             if mesh.coordinate_of(rank) is None:
                 pieces = summands
             else:
                 pieces = buckets.reduce_scatter(summands, [layouts[k].dim for k in ks], mesh, axis, "sum")
             for k, piece in zip(ks, pieces):
-                out[k] = layout.wrap(piece, layouts[k].shard)
+                out[k] = layout.wrap(piece.to(layouts[k].shard.dtype), layouts[k].shard)
         return (None, None, *out)
 
 
 def _summand(grad: DistTensor, lay: Zero3Layout) -> torch.Tensor:
     """This rank's local summand of ``grad`` laid out as ``full`` but Partial(sum) on the axis."""
     placements = list(lay.full.placements)
-    placements[lay.axis] = Partial("sum")
-    target = lay.full.with_placements(placements, lay.full.shard_order)
+    placements[lay.axis] = Partial("sum")  # type: ignore[index]  # a sharded parameter's axis
+    target = lay.full.with_placements(placements, lay.full.shard_order).with_dtype(grad.dtype)
     return layout.move(layout.local_of(grad), layout.spec_of(grad), target)

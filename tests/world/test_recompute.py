@@ -6,7 +6,9 @@ must draw the masks of the first forward) trains 3 SGD steps under TP, TP + SP, 
 ZeRO-3, with full and selective recompute, in "math" attention (QK^T, softmax, dropout, AV as
 separate ops) and SDPA; every loss and every parameter equals (``torch.equal``) the run with no
 recompute. Under SP the backward redoes the forward's all-gathers, in the same order on every
-rank. The meter sees the memory each policy keeps. Pure part: bad policies are refused.
+rank. A 2-stage 1F1B pipeline (dp = 2 inside each stage, blocks with dropout) recomputing each
+block trains bitwise like the same pipeline without. The meter sees the memory each policy
+keeps. Pure part: bad policies are refused.
 """
 
 from __future__ import annotations
@@ -111,6 +113,58 @@ def test_ap_recompute_after_layout_and_sdpa(world4) -> None:  # type: ignore[no-
         got = world4.run(_train, cfg, "tp_sp", policy, 0, "ap.recompute")
         for r in range(4):
             _same(base[r], got[r], f"sdpa {policy} rank {r}")
+
+
+class _DropBlock(nn.Module):
+    """x + fc2(dropout(tanh(fc1(x)))): a pipeline block whose recompute must redraw its mask."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.drop = nn.Linear(8, 16), nn.Linear(16, 8), nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(self.drop(torch.tanh(self.fc1(x))))
+
+
+def _pipelined(rank: int, policy: str) -> dict[str, Any]:
+    """Two stages on [0, 1] and [2, 3] (dp inside), 1F1B over 2 micro-batches, 3 SGD steps."""
+    import autoparallel as ap
+    from autoparallel.pipeline import Pipeline, split_sequential
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_DropBlock() for _ in range(4)])
+    if policy != "none":
+        for block in model:
+            ap.recompute(block, policy)
+    calls = [0]
+    for block in model:
+        block.fc1.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    meshes = [ap.ProcessMesh([0, 1], dim_names=["dp"]), ap.ProcessMesh([2, 3], dim_names=["dp"])]
+    pipe = Pipeline(split_sequential(model, meshes), lambda y, t: (y - t).square().mean(), num_microbatches=2, schedule="1F1B")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(1)
+    torch.manual_seed(7)  # the dropout masks
+    losses = []
+    for _ in range(STEPS):
+        x, t = torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
+        opt.zero_grad()
+        loss = pipe.step(ap.shard_tensor(x, meshes[0], [ap.Shard(0)]), ap.shard_tensor(t, meshes[1], [ap.Shard(0)]))
+        opt.step()
+        losses.append(float(loss.full_tensor()) if rank in meshes[1] else None)
+    params = {n: p.full_tensor() for n, p in model.named_parameters() if rank in p.process_mesh}
+    return {"losses": losses, "params": params, "rng": torch.get_rng_state(), "calls": calls[0]}
+
+
+def test_pipeline_recompute_is_bitwise_no_recompute(world4) -> None:  # type: ignore[no-untyped-def]
+    base = world4.run(_pipelined, "none")
+    assert all(len(r["params"]) == 8 for r in base)  # each rank holds its stage's 2 blocks
+    for policy in ("full", "selective"):
+        got = world4.run(_pipelined, policy)
+        # the backward ran each of this rank's 2 blocks' forward again, per micro-batch and step
+        # (the base count also holds the runner's no-grad shape pass over every stage)
+        assert [g["calls"] - b["calls"] for g, b in zip(got, base)] == [2 * 2 * STEPS] * 4
+        for r in range(4):
+            _same(base[r], got[r], f"pipeline {policy} rank {r}")
 
 
 def _meter(rank: int, policy: str) -> dict[str, int]:
