@@ -166,3 +166,17 @@ def test_bad_configuration_is_refused_before_any_collective(argv: list[str], wor
     with pytest.raises(ValueError, match=message.replace("+", "\\+")):
         train_gpt.check_config(train_gpt.parse_args(argv), world, vocab=80)
     train_gpt.check_config(train_gpt.parse_args([]), 4, vocab=80)  # the default is fine on 4 ranks
+
+
+def test_bf16_parameters_are_judged_model_wide() -> None:
+    """A tiny bias off by 20% of its norm (bf16 + AdamW's sign-like first steps) fails the
+    per-tensor verdict but not the model-wide one the --bf16 check uses; a real error fails both."""
+    import train_gpt
+
+    ref = {"w": torch.ones(64, 64), "b": torch.full((64,), 1e-3)}
+    noisy = {"w": ref["w"] * (1 + 1e-3), "b": ref["b"] * 1.2}
+    assert not train_gpt.param_report(noisy, ref, train_gpt.BF16_RTOL)[0]
+    ok, rows = train_gpt.param_report(noisy, ref, train_gpt.BF16_RTOL, model_wide=True)
+    assert ok and "model-wide" in rows[1]
+    wrong = {"w": ref["w"] * 1.1, "b": ref["b"]}
+    assert not train_gpt.param_report(wrong, ref, train_gpt.BF16_RTOL, model_wide=True)[0]
