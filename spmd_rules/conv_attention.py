@@ -73,6 +73,21 @@ SDPA = aten._scaled_dot_product_flash_attention_for_cpu.default
 SDPA_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 
 
+def _gqa_heads_split(q: TensorMeta, k: TensorMeta, v: TensorMeta, call: OpCall) -> bool:
+    """Grouped-query attention (q heads a multiple of k/v heads) may be split on the heads dim.
+
+    Query head ``j`` reads key/value head ``j // g`` (``g = Hq / Hkv``). When ``Hkv`` divides
+    by the product of the mesh axes, every even split of the heads over any of the axes (or
+    several, nested) gives each rank query heads ``[r Hq/n, (r+1) Hq/n)`` and key/value heads
+    ``[r Hkv/n, (r+1) Hkv/n)``: exactly the ones they read, and the local kernel does GQA alike.
+    """
+    hq, hkv = q.shape[1], k.shape[1]
+    ranks = 1
+    for n in call.mesh_shape:
+        ranks *= n
+    return v.shape[1] == hkv and hkv > 0 and hq % hkv == 0 and hkv % ranks == 0
+
+
 @register_axis_rule([SDPA, SDPA_BACKWARD])
 def sdpa_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
     """[B, H, S, D] tensors sharded alike on dim 0 or 1 (mask follows unless broadcast); linear in v / grad_out."""
@@ -82,7 +97,8 @@ def sdpa_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
     q, k, v = (call.inputs[slots[n]] for n in ("query", "key", "value"))
     scores = q.shape[:3] + k.shape[2:3]  # [B, H, L, S], the shape the mask broadcasts to
     strategies = [_replicate(call)]
-    for d in _worth(call, "query", axis, [d for d in (0, 1) if q.shape[d] == k.shape[d] == v.shape[d]]):
+    alike = [d for d in (0, 1) if q.shape[d] == k.shape[d] == v.shape[d] or (d == 1 and _gqa_heads_split(q, k, v, call))]
+    for d in _worth(call, "query", axis, alike):
         placed: dict[str, Placement] = {n: Shard(d) for n in slots if n != "attn_mask"}
         if "attn_mask" in slots:
             mask = call.inputs[slots["attn_mask"]]

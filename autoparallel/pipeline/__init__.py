@@ -6,11 +6,13 @@
 * :mod:`.runner` — :class:`Pipeline`: runs a schedule on real ranks, gradients accumulate
 * :mod:`.timeline` — SVG timelines of executed or simulated schedules
 * :mod:`.memory` — :class:`ActivationMeter`: bytes saved for backward
+* :mod:`.decoder` — :func:`decoder_stages`: a transformers decoder-only LM split at its decoder layers
 * :mod:`.p2p` — the two halves of a cross-mesh reshard, run apart; :mod:`.local` — one-rank stages
 """
 
 from __future__ import annotations
 
+from autoparallel.pipeline.decoder import DecoderStages, decoder_stages
 from autoparallel.pipeline.memory import ActivationMeter
 from autoparallel.pipeline.runner import Event, Pipeline
 from autoparallel.pipeline.schedule import (
@@ -35,6 +37,7 @@ __all__ = [
     "SCHEDULES",
     "Action",
     "ActivationMeter",
+    "DecoderStages",
     "Event",
     "Pipeline",
     "Schedule",
@@ -44,6 +47,7 @@ __all__ = [
     "bubble_fraction",
     "build_schedule",
     "chrome_trace",
+    "decoder_stages",
     "events_from_simulation",
     "simulate",
     "split_sequential",

@@ -9,7 +9,8 @@ every step (ours, one process), the parameters that differ from one process afte
 Strategies on 4 ranks: ``dp`` (mesh ``dp`` of 4: everything Replicate, batch ``Shard(0)``,
 ``ap.shard_optimizer``), ``zero1``/``zero2``/``zero3`` (the same with ``ap.ShardingStage1/2/3``),
 ``tp`` (mesh ``tp`` of 4, ``ap.plans.<model>``), ``dp_tp`` (2 x 2, the plan and
-``ap.shard_optimizer``) and ``dp_tp_sp`` (2 x 2, the plan with sequence parallelism); for
+``ap.shard_optimizer``), ``dp_tp_sp`` (2 x 2, the plan with sequence parallelism) and ``pp``
+(pp x dp 2 x 2: ``ap.pipeline.decoder_stages``, 2 micro-batches, 1F1B; Llama and GPT-2); for
 Mixtral also ``tp_whole`` (``ap.plans.mixtral(model, experts="replicate")``).
 
 ``CASES`` is the table the tests, and ``python -m tests.models.zoo_table`` (docs/models.md), read:
@@ -127,6 +128,8 @@ def batches(model: str, steps: int) -> list[dict[str, Any]]:
 def mesh_of(strategy: str) -> Any:
     import autoparallel as ap
 
+    if strategy == "pp":
+        return ap.ProcessMesh([0, 1, 2, 3], dim_names=["world"])
     if strategy.startswith("tp"):
         return ap.ProcessMesh([0, 1, 2, 3], dim_names=["tp"])
     if strategy.startswith("dp_tp"):
@@ -168,6 +171,28 @@ def _loss_value(loss: Any) -> float:
     return float(loss.full_tensor().item() if isinstance(loss, ap.DistTensor) else loss.item())
 
 
+def _pipeline(model: Any) -> tuple[Any, Any, Callable[[dict[str, Any]], Any]]:
+    """pp x dp 2 x 2: ``ap.pipeline.decoder_stages`` on meshes [0, 1] and [2, 3] (axis ``dp``), 2 micro-batches."""
+    import torch
+
+    import autoparallel as ap
+
+    meshes = [ap.ProcessMesh([0, 1], dim_names=["dp"]), ap.ProcessMesh([2, 3], dim_names=["dp"])]
+    split = ap.pipeline.decoder_stages(model, meshes)
+    pipe = ap.pipeline.Pipeline(split.stages, split.loss_fn, num_microbatches=2, schedule="1F1B")
+    # split.parameters(): with the last stage's copy of a tied weight; reduces each stage's dp gradients
+    opt = ap.shard_optimizer(torch.optim.SGD(split.parameters(), lr=0.1, momentum=0.9))
+
+    def step(batch: dict[str, Any]) -> Any:
+        ids = ap.shard_tensor(batch["input_ids"], meshes[0], [ap.Shard(0)])
+        labels = ap.shard_tensor(batch["labels"], meshes[-1], [ap.Shard(0)])
+        loss = pipe.step(ids, labels)
+        split.sync_tied_grads()
+        return loss
+
+    return mesh_of("pp"), opt, step
+
+
 def run_case(rank: int, model_name: str, strategy: str, steps: int = STEPS) -> dict[str, Any]:
     """Train ``steps`` steps of ``model_name`` under ``strategy`` and of a one-process copy."""
     import torch
@@ -180,6 +205,8 @@ def run_case(rank: int, model_name: str, strategy: str, steps: int = STEPS) -> d
     model.train()
     ref.train()
     data = batches(model_name, steps)
+    if strategy == "pp":
+        return _run_pipeline(model_name, model, ref, data)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     mesh, opt, placements = lay_out(model_name, strategy, model, opt)
@@ -210,6 +237,48 @@ def run_case(rank: int, model_name: str, strategy: str, steps: int = STEPS) -> d
     return {"losses": losses, "bad": bad, "comms": comms}
 
 
+def _gathered(t: Any, world: Any) -> Any:
+    """``t`` whole on every rank (a DistTensor on a stage mesh is resharded onto ``world`` first)."""
+    import autoparallel as ap
+
+    if isinstance(t, ap.DistTensor) and t.process_mesh != world:
+        t = ap.reshard(t, world, [ap.Replicate()])
+    return t.full_tensor() if isinstance(t, ap.DistTensor) else t
+
+
+def peers(strategy: str, rank: int) -> int:
+    """The rank whose collectives ``rank``'s must equal: rank 0, or under ``pp`` the first of its stage mesh."""
+    return rank - rank % 2 if strategy == "pp" else 0
+
+
+def _run_pipeline(model_name: str, model: Any, ref: Any, data: list[dict[str, Any]]) -> dict[str, Any]:
+    """``run_case`` for ``pp``: the loss and every parameter are brought to every rank to compare."""
+    import torch
+
+    import autoparallel as ap
+
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    world, opt, step = _pipeline(model)
+    losses, comms = [], []
+    for batch in data:
+        with ap.CommDebugMode() as comm:
+            loss = step(batch)
+            opt.step()
+            opt.zero_grad()
+        comms.append(dict(sorted(comm.get_comm_counts().items())))
+        ref_loss = ref(**batch).loss
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        losses.append((float(_gathered(loss, world).item()), ref_loss.item()))
+    bad = []
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        full = _gathered(p.detach(), world)
+        if not torch.allclose(full, q.detach(), rtol=RTOL, atol=RTOL * max(q.abs().max().item(), 1e-3)):
+            bad.append((name, (full - q).abs().max().item()))
+    return {"losses": losses, "bad": bad, "comms": comms}
+
+
 def check(results: list[dict[str, Any]]) -> list[dict[str, int]]:
     """Assert every rank's losses and parameters equal one process; return rank 0's counts per step."""
     for r, res in enumerate(results):
@@ -223,7 +292,7 @@ def check(results: list[dict[str, Any]]) -> list[dict[str, int]]:
 
 # ---------------------------------------------------------------- the cases and their pinned collectives
 
-STRATEGIES = ["dp", "zero1", "zero2", "zero3", "tp", "tp_whole", "dp_tp", "dp_tp_sp"]
+STRATEGIES = ["dp", "zero1", "zero2", "zero3", "tp", "tp_whole", "dp_tp", "dp_tp_sp", "pp"]
 # (model, strategy) -> the collectives of each step on every rank (``ap.CommDebugMode`` counts of
 # forward + backward + optimizer step), or an xfail reason (a string). A change here is a change
 # in what a step sends: explain it in the commit. Where the steps differ, they differ for a
@@ -237,6 +306,11 @@ CASES: dict[tuple[str, str], Any] = {
     ("gpt2", "tp"): [{'all_gather': 2, 'all_reduce': 14}] * STEPS,
     ("gpt2", "dp_tp"): [{'all_gather': 2, 'all_reduce': 16}] * STEPS,
     ("gpt2", "dp_tp_sp"): [{'all_gather': 12, 'all_reduce': 6, 'reduce_scatter': 8}] * STEPS,
+    # pp: stage 0's ranks (the last stage's reduce other gradients: the same on each of its ranks,
+    # test_zoo compares each rank with its stage's first). 2 micro-batches x (activation forward +
+    # gradient back) = 4 send_recv; GPT-2's tied embedding adds 2 (the two copies' gradients cross)
+    # and 2 all-reduces (each copy's gradient reduced before it crosses, and stage 0's own)
+    ("gpt2", "pp"): [{'all_reduce': 3, 'send_recv': 6}] * STEPS,
     ("bert", "dp"): [{'all_reduce': 2}] * STEPS,
     ("bert", "zero1"): [{'all_gather': 1, 'all_reduce': 2}] * STEPS,
     ("bert", "zero2"): [{'all_gather': 1, 'all_reduce': 1, 'reduce_scatter': 1}] * STEPS,
@@ -245,14 +319,15 @@ CASES: dict[tuple[str, str], Any] = {
     ("bert", "dp_tp"): [{'all_gather': 29, 'all_reduce': 11, 'reduce_scatter': 9}] * STEPS,
     ("bert", "dp_tp_sp"): [{'all_gather': 38, 'all_reduce': 6, 'reduce_scatter': 10}] * STEPS,
     ("llama", "zero3"): [{'all_gather': 6, 'all_reduce': 1, 'reduce_scatter': 3}] * STEPS,
-    ("llama", "tp"): [{'all_reduce': 14, 'all_to_all': 22}] * STEPS,
-    ("llama", "dp_tp_sp"): [{'all_gather': 10, 'all_reduce': 6, 'all_to_all': 22, 'reduce_scatter': 10}] * STEPS,
+    ("llama", "tp"): [{'all_reduce': 14}] * STEPS,
+    ("llama", "pp"): [{'all_reduce': 1, 'send_recv': 4}] * STEPS,
+    ("llama", "dp_tp_sp"): [{'all_gather': 10, 'all_reduce': 6, 'reduce_scatter': 10}] * STEPS,
     ("mixtral", "dp"): [{'all_gather': 5, 'all_reduce': 15, 'all_to_all': 58, 'reduce_scatter': 49}, {'all_gather': 4, 'all_reduce': 16, 'all_to_all': 60, 'reduce_scatter': 50}, {'all_gather': 4, 'all_reduce': 16, 'all_to_all': 60, 'reduce_scatter': 50}],
     ("mixtral", "zero2"): [{'all_gather': 6, 'all_reduce': 14, 'all_to_all': 58, 'reduce_scatter': 50}, {'all_gather': 5, 'all_reduce': 15, 'all_to_all': 60, 'reduce_scatter': 51}, {'all_gather': 5, 'all_reduce': 15, 'all_to_all': 60, 'reduce_scatter': 51}],
-    ("mixtral", "tp"): [{'all_gather': 7, 'all_reduce': 19, 'all_to_all': 26, 'reduce_scatter': 9}] * STEPS,
-    ("mixtral", "tp_whole"): [{'all_gather': 12, 'all_reduce': 7, 'all_to_all': 26, 'reduce_scatter': 20}, {'all_gather': 13, 'all_reduce': 7, 'all_to_all': 26, 'reduce_scatter': 19}, {'all_gather': 13, 'all_reduce': 7, 'all_to_all': 26, 'reduce_scatter': 19}],
-    ("mixtral", "dp_tp"): [{'all_gather': 29, 'all_reduce': 21, 'all_to_all': 66, 'reduce_scatter': 57, 'send_recv': 22}] * STEPS,
-    ("mixtral", "dp_tp_sp"): [{'all_gather': 46, 'all_reduce': 6, 'all_to_all': 56, 'reduce_scatter': 66, 'send_recv': 10}] * STEPS,
+    ("mixtral", "tp"): [{'all_gather': 7, 'all_reduce': 19, 'all_to_all': 4, 'reduce_scatter': 9}] * STEPS,
+    ("mixtral", "tp_whole"): [{'all_gather': 12, 'all_reduce': 7, 'all_to_all': 4, 'reduce_scatter': 20}, {'all_gather': 13, 'all_reduce': 7, 'all_to_all': 4, 'reduce_scatter': 19}, {'all_gather': 13, 'all_reduce': 7, 'all_to_all': 4, 'reduce_scatter': 19}],
+    ("mixtral", "dp_tp"): [{'all_gather': 29, 'all_reduce': 21, 'all_to_all': 44, 'reduce_scatter': 57, 'send_recv': 22}] * STEPS,
+    ("mixtral", "dp_tp_sp"): [{'all_gather': 46, 'all_reduce': 6, 'all_to_all': 34, 'reduce_scatter': 66, 'send_recv': 10}] * STEPS,
     ("vit", "dp"): [{'all_reduce': 2}] * STEPS,
     ("vit", "zero1"): [{'all_gather': 1, 'all_reduce': 2}] * STEPS,
     ("vit", "zero2"): [{'all_gather': 1, 'all_reduce': 1, 'reduce_scatter': 1}] * STEPS,

@@ -74,6 +74,7 @@ _bn = aten.native_batch_norm.default(X4, C5, C5 + 1, C5 * 0, C5.abs() + 1, True,
 _gn = aten.native_group_norm.default(rnd(3, 6, 2, 2), rnd(6), rnd(6), 3, 6, 4, 3, 1e-5)
 
 SDPA = aten._scaled_dot_product_flash_attention_for_cpu.default
+GQA = (rnd(2, 6, 4, 5), rnd(2, 3, 4, 5), rnd(2, 3, 4, 5))
 SDPA_BWD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 CASES: list[tuple[Any, tuple, dict]] = [
     (SDPA, (Q, K, V), {}),
@@ -97,6 +98,10 @@ CASES: list[tuple[Any, tuple, dict]] = [
     (aten.convolution_backward.default,
      _conv_bwd_args(rnd(2, 2, 5, 5), rnd(2, 2, 3, 3), rnd(2), [1, 1], [0, 0], False, 1, [True, True, True]), {}),
     (SDPA, (rnd(2, 2, 3, 4), rnd(2, 2, 3, 4), rnd(2, 2, 3, 4)), {}),
+    (SDPA, GQA, {}),  # grouped-query attention: 6 query heads read 3 key/value heads (2 each)
+    (SDPA, (GQA[0], GQA[1], GQA[2], 0.0, True), {}),
+    (SDPA_BWD, _sdpa_bwd_args(*GQA, True), {}),
+    (SDPA, (rnd(2, 4, 3, 4), rnd(2, 2, 3, 4), rnd(2, 2, 3, 4)), {}),  # 2 kv heads on 3 ranks: not by heads
     (aten.max_pool2d_with_indices.default, (X4, [2, 2]), {}),
     (aten.max_pool2d_with_indices.default, (rnd(5, 7, 7), [3, 3], [2, 2], [1, 1]), {}),
     (aten.max_pool2d_with_indices_backward.default,
@@ -199,3 +204,12 @@ def test_expected_strategies() -> None:
     assert all(s.inputs[0][0] in (R, S1) for s in get_rule(bn.op)(bn))  # type: ignore[misc]
     gn = make_call(*_case(aten.native_group_norm.default), {}, [R] * 3, 2)
     assert {s.inputs[0][0] for s in get_rule(gn.op)(gn)} == {R, S0}  # type: ignore[misc]
+
+
+def test_sdpa_gqa_offers_the_heads_split_only_where_the_groups_align() -> None:
+    """GQA (Llama's 8 query / 4 key-value heads) kept head-sharded: no all-to-all around attention."""
+    rule = get_rule(SDPA)
+    aligned = make_call(SDPA, GQA, {}, [Shard(1)] * 3, 3)
+    assert any(all(p == (Shard(1),) for p in s.inputs[:3]) for s in rule(aligned)), rule(aligned)
+    off = (rnd(2, 4, 3, 4), rnd(2, 2, 3, 4), rnd(2, 2, 3, 4))  # 2 key/value heads cannot split over 3 ranks
+    assert not any(s.inputs[1] == (Shard(1),) for s in rule(make_call(SDPA, off, {}, [Shard(1)] * 3, 3)))
