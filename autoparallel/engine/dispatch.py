@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from autoparallel.engine.decide import decide, forget_warnings
+from autoparallel.engine.decide import decide, forget_choices, forget_warnings
 from autoparallel.engine.decision import Decision
 from autoparallel.engine.execute import execute
 from autoparallel.engine.keys import adopt_plain, call_key
@@ -62,8 +62,9 @@ def dispatch(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any])
 
 
 def clear_cache() -> None:
-    """Forget every cached decision (and which ops warned that they run replicated)."""
+    """Forget every cached decision and shape-generic choice (and which ops warned that they run replicated)."""
     _CACHE.clear()
+    forget_choices()
     forget_warnings()
 
 
