@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from autoparallel.engine import generic
 from autoparallel.engine.aliases import mutated_inputs, out_aliases
 from autoparallel.engine.decision import Decision, InplaceViewDecision, LocalStep, OutKind, ValueDecision
 from autoparallel.engine.kernels import DEFERRING, Collectives, kernel_for
@@ -90,10 +91,18 @@ def _decide(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], 
         return InplaceViewDecision(INPLACE_VIEWS[func])
     if func in VALUE_OPS:
         return _fallback_decision(func, specs, mesh, None, mutated, reason="", warn=False)
-    try:
-        fake_out = func(*map_args(cls, args, to_fake), **map_args(cls, kwargs, to_fake))
-    except Exception:  # no meta kernel: compute replicated and learn the outputs from it
-        return _fallback_decision(func, specs, mesh, None, mutated, reason="it has no meta kernel")
+    # An op whose output shape follows from its definition runs its meta kernel once per dtype
+    # signature, not per shape (autoparallel.engine.generic).
+    shaped = [(d._spec.shape, d._stride) for d in dts] if not mutated else None
+    out_key = generic.out_key(func, args, kwargs, lambda a: isinstance(a, cls)) if shaped else None
+    fake_out = generic.known_out(func, out_key, shaped) if shaped else None
+    if fake_out is None:
+        try:
+            fake_out = func(*map_args(cls, args, to_fake), **map_args(cls, kwargs, to_fake))
+        except Exception:  # no meta kernel: compute replicated and learn the outputs from it
+            return _fallback_decision(func, specs, mesh, None, mutated, reason="it has no meta kernel")
+        if shaped:
+            generic.learn_out(func, out_key, shaped, fake_out)
     out_kind, outs = flatten_out(fake_out)
     alias = out_aliases(func, args, kwargs, dts, mutated, len(outs))
     for k, i in enumerate(alias):
@@ -121,8 +130,8 @@ def _decide(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], 
         out_metas = tuple(TensorMeta(tuple(o.shape), o.dtype) if o is not None else None for o in outs)
         call = replace(call, out=out_metas)
     rule = get_rule(func)
-    key = choice_key(call, specs) if rule is not None and not mutated else None
-    best = _CHOICES.get(key) if key is not None else None
+    key = generic.choice_key(call, specs) if rule is not None and not mutated else None
+    best = generic.stored_choice(key)
     if best is not None:  # decided at another shape of this signature: the same choice
         return _local_step(func, mesh, specs, best, call, out_metas, outs, out_kind, alias, mutated, fake_out)
     strategies = rule(call) if rule is not None else []
@@ -140,9 +149,7 @@ def _decide(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], 
                        meta_value=fake_out if out_kind is OutKind.VALUE else None)
     best = _cheapest(strategies, specs, mesh, out_metas)
     if key is not None and _only_free(strategies, specs) is best:
-        if len(_CHOICES) >= MAX_CHOICES:
-            _CHOICES.clear()
-        _CHOICES[key] = best
+        generic.store_choice(key, best)
     return _local_step(func, mesh, specs, best, call, out_metas, outs, out_kind, alias, mutated, fake_out)
 
 
@@ -188,57 +195,6 @@ def _deferred_price(plan: Plan | CrossMeshPlan) -> int:
         if s.kind == FILL:  # an all-gather's bytes depend on its source only
             price += int(step_bytes_table(Step(ALL_GATHER, s.axis, s.src, s.dst))[1].max()) + LATENCY_BYTES
     return price
-
-
-# ---- shape-generic choices -----------------------------------------------------------------
-# The strategy chosen for a call is reused at every other call of the same *signature*, where
-# provably the same: the signature keeps every size that is not a multiple (>= 2) of the mesh's
-# size exactly, and replaces each size that is by its rank among all sizes of the call (so every
-# comparison and equality between sizes, divisibility by any product of mesh axes, evenness of
-# every piece and size-1 broadcasting read the same), with the op, the non-tensor arguments
-# exactly (``view``'s sizes: a new length is a new signature), dtypes, placements, shard orders
-# and mesh shape. A choice is stored only when it did not compare costs: the one strategy taking
-# every input as it is (the lexicographic cost puts it first at any size; several such
-# strategies, or none, compare bytes that scale with sizes, and are decided afresh). Calls that
-# write an input are not stored either. ``tests/pure/test_generic_choice.py`` checks a stored
-# choice against a fresh one over random shapes of one signature.
-_CHOICES: dict[Any, Strategy] = {}
-MAX_CHOICES = 16384
-
-
-def forget_choices() -> None:
-    """Forget every shape-generic choice (with a cleared decision cache)."""
-    _CHOICES.clear()
-
-
-def choice_key(call: OpCall, specs: Sequence[DistSpec]) -> Any:
-    """The signature a choice for ``call`` is stored under (see above), or None (unhashable)."""
-    n = 1
-    for a in call.mesh_shape:
-        n *= a
-    sizes = sorted({s for m in (*call.inputs, *call.out) if m is not None for s in m.shape})
-    rank = {s: i for i, s in enumerate(sizes)}
-
-    def meta(m: TensorMeta | None) -> Any:
-        if m is None:
-            return None
-        return tuple(("g", rank[s]) if s >= 2 and s % n == 0 else s for s in m.shape), m.dtype
-
-    def arg(a: Any) -> Any:
-        if isinstance(a, TensorMeta):
-            return meta(a)
-        if isinstance(a, (list, tuple)):
-            return type(a).__name__, tuple(arg(x) for x in a)
-        return a
-
-    key = (call.op, call.mesh_shape, call.placements, tuple(s.shard_order for s in specs),
-           tuple(meta(m) for m in call.inputs), tuple(meta(m) for m in call.out), arg(call.args),
-           tuple((k, arg(v)) for k, v in call.kwargs.items()))
-    try:
-        hash(key)
-    except TypeError:
-        return None
-    return key
 
 
 def _only_free(strategies: Sequence[Strategy], specs: Sequence[DistSpec]) -> Strategy | None:

@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from autoparallel.engine.decide import decide, forget_choices, forget_warnings
+from autoparallel.engine import generic
+from autoparallel.engine.decide import decide, forget_warnings
 from autoparallel.engine.decision import Decision
 from autoparallel.engine.execute import execute
 from autoparallel.engine.keys import adopt_plain, call_key
@@ -64,7 +65,7 @@ def dispatch(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any])
 def clear_cache() -> None:
     """Forget every cached decision and shape-generic choice (and which ops warned that they run replicated)."""
     _CACHE.clear()
-    forget_choices()
+    generic.forget()
     forget_warnings()
 
 

@@ -1,5 +1,6 @@
-"""Shape-generic choices (``autoparallel.engine.decide.choice_key``): a strategy stored at one
-shape of a signature is the one a fresh decision picks at any other shape of it.
+"""Shape-generic decisions (``autoparallel.engine.generic``): a strategy stored at one shape of a
+signature is the one a fresh decision picks at any other shape of it, and an output known from
+an op's definition is the one its meta kernel gives.
 
 Random calls of a few op families (broadcasting pointwise, matmul, linear, reductions, softmax,
 layer norm) on random meshes and placements; each size is either exact (1, 2, 3, 5: uneven and
@@ -15,7 +16,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autoparallel.engine.decide import _cheapest, _only_free, choice_key
+from autoparallel.engine import generic
+from autoparallel.engine.decide import _cheapest, _only_free
+from autoparallel.engine.generic import choice_key
 from autoparallel.mesh import ProcessMesh
 from autoparallel.placement import Partial, Replicate, Shard
 from autoparallel.spec import DistSpec
@@ -79,7 +82,7 @@ def _call(op: Any, shapes: tuple[str, ...], extra: tuple[Any, ...], mesh: Proces
     return call, specs
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=50, deadline=None)
 @given(_pair())
 def test_a_stored_choice_is_the_fresh_choice_at_another_shape(pair: tuple[Any, ...]) -> None:
     op, shapes, extra, mesh_shape, sizes, placements = pair
@@ -101,3 +104,39 @@ def test_a_stored_choice_is_the_fresh_choice_at_another_shape(pair: tuple[Any, .
     if _only_free(strategies_a, specs_a) is not best_a:
         return  # not stored: decided afresh at every shape
     assert strategies_b and _cheapest(strategies_b, specs_b, mesh, call_b.out) == best_a
+
+
+OUT_OPS: list[tuple[Any, tuple[str, ...], tuple[Any, ...]]] = [
+    (aten.add.Tensor, ("abc", "abc"), ()),
+    (aten.add.Tensor, ("abc", "bc"), ()),  # broadcast: not known, the meta kernel runs
+    (aten.mul.Scalar, ("ab",), (0.5,)),
+    (aten.gelu_backward.default, ("abc", "abc"), ()),
+    (aten.gelu.default, ("abc",), ()),
+    (aten.where.self, ("ab", "ab", "ab"), ()),
+    (aten._log_softmax.default, ("abc",), (2, False)),
+    (aten._softmax_backward_data.default, ("abc", "abc"), (1, torch.float32)),
+    (aten.mm.default, ("ab", "bc"), ()),
+    (aten.addmm.default, ("c", "ab", "bc"), ()),
+    (aten.bmm.default, ("abc", "acd"), ()),
+]
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.sampled_from(OUT_OPS), st.lists(st.dictionaries(st.sampled_from("abcd"), st.integers(0, 9), min_size=4),
+                                          min_size=2, max_size=2), st.booleans())
+def test_a_known_output_is_what_the_meta_kernel_gives(case: Any, sizes: list[dict[str, int]], transposed: bool) -> None:
+    op, shapes, extra = case
+    generic.forget()
+    for size in sizes:
+        fakes = [torch.empty([size[c] for c in s], device="meta",
+                             dtype=torch.bool if op is aten.where.self and i == 0 else torch.float32)
+                 for i, s in enumerate(shapes)]
+        if transposed and fakes[-1].ndim >= 2:  # a non-contiguous input: never known
+            fakes[-1] = fakes[-1].transpose(-1, -2).contiguous().transpose(-1, -2)
+        inputs = [(tuple(f.shape), tuple(f.stride())) for f in fakes]
+        key = generic.out_key(op, (*fakes, *extra), {}, lambda a: isinstance(a, torch.Tensor))
+        known = generic.known_out(op, key, inputs)
+        real = op(*fakes, *extra)
+        if known is not None:
+            assert (known.shape, known.stride(), known.dtype) == (real.shape, real.stride(), real.dtype)
+        generic.learn_out(op, key, inputs, real)
