@@ -12,7 +12,8 @@ Two things, each exact where it is used and nowhere else:
   placements, shard orders and mesh shape. A choice is stored only when it compared no costs:
   the one strategy taking every input as it is (the lexicographic cost puts it first at any
   size; several such strategies, or none, compare bytes that scale with sizes and are decided
-  afresh). Calls that write an input are not stored.
+  afresh). Calls that write an input, or whose arguments name one of the generic sizes
+  (``view(b, t, -1)``: that key cannot recur at another length), are not stored.
 * **the output's metadata** (``known_out``/``learn_out``): for ops whose output shape follows
   from their definition — pointwise ops (``torch.Tag.pointwise``) and softmax on inputs of one
   shape, ``mm``/``addmm``/``bmm`` — on contiguous inputs, the output is one contiguous tensor of
@@ -63,16 +64,23 @@ def choice_key(call: OpCall, specs: Sequence[DistSpec]) -> Any:
             return None
         return tuple(("g", rank[s]) if s >= 2 and s % n == 0 else s for s in m.shape), m.dtype
 
+    generic = {s for s in sizes if s >= 2 and s % n == 0}
+    named: list[bool] = []
+
     def arg(a: Any) -> Any:
         if isinstance(a, TensorMeta):
             return meta(a)
         if isinstance(a, (list, tuple)):
             return type(a).__name__, tuple(arg(x) for x in a)
+        if type(a) is int and a in generic:
+            named.append(True)
         return a
 
     key = (call.op, call.mesh_shape, call.placements, tuple(s.shard_order for s in specs),
            tuple(meta(m) for m in call.inputs), tuple(meta(m) for m in call.out), arg(call.args),
            tuple((k, arg(v)) for k, v in call.kwargs.items()))
+    if named:  # an argument names a size (``view``'s lengths): no other shape has this key
+        return None
     try:
         hash(key)
     except TypeError:
