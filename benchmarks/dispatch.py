@@ -10,7 +10,8 @@ Replicate weight; the backward's Partial gradient is left unreduced on both side
 prints microseconds per op and the ratios ours/torch and ours/plain; the target is ours at most
 1.5x torch's DTensor. ``--cache-miss`` also times a first call with fresh shapes (decision built
 from scratch: meta run, rule, strategy costs, planner; the local kernel is warmed first so
-its own first-call cost is not counted), target under 1 ms.
+its own first-call cost is not counted), target under 1 ms. A whole training step at changing
+sequence lengths: ``benchmarks/varying_shapes.py``.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ import torch
 
 from autoparallel import runtime
 from autoparallel.placement import Partial, Shard, chunk_bounds
-from autoparallel.runtime import comm
+from autoparallel.runtime import agree, comm
 from autoparallel.spec import Box, DistSpec, intersect_boxes
 from reshard.crossmesh import CrossMeshPlan, plan_best
 from reshard.plan import (
@@ -77,6 +77,7 @@ def _run_step(local: torch.Tensor, step: Step, coord: tuple[int, ...]) -> torch.
     if kind == FILL:
         assert isinstance(src_p, Shard) and isinstance(dst_p, Partial)
         return _fill(local, step, coord)
+    agree.check_collective(mesh, a, lambda: _describe(step))
     if kind == ALL_GATHER:
         assert isinstance(src_p, Shard)
         return comm.all_gather(local, mesh, a, src_p.dim, _sizes_along(step.src, coord, a, src_p.dim))
@@ -91,6 +92,13 @@ def _run_step(local: torch.Tensor, step: Step, coord: tuple[int, ...]) -> torch.
         sizes = _sizes_along(step.src, coord, a, src_p.dim)
         return comm.all_to_all(local, mesh, a, src_p.dim, dst_p.dim, sizes)
     raise AssertionError(f"unknown step kind {kind}")
+
+
+def _describe(step: Step) -> str:
+    """What every member of the step's axis line must plan alike (``AUTOPARALLEL_CHECK=1``)."""
+    src, a = step.src, step.axis
+    return (f"{step.kind} on axis {a} of a {list(src.shape)} {src.dtype} tensor: "
+            f"{list(src.placements)} -> {list(step.dst.placements)}")
 
 
 def _fill(local: torch.Tensor, step: Step, coord: tuple[int, ...]) -> torch.Tensor:

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from autoparallel.engine import generic
 from autoparallel.engine.aliases import mutated_inputs, out_aliases
 from autoparallel.engine.decision import Decision, InplaceViewDecision, LocalStep, OutKind, ValueDecision
 from autoparallel.engine.kernels import DEFERRING, Collectives, kernel_for
@@ -114,10 +115,18 @@ def _decide(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], 
         # the shapes and dtypes come from meta either way
         fake_kwargs["device"] = torch.device("meta")
     same = func is _aten.as_strided.default and _restrides_only(args, kwargs, dts[0])
-    try:
-        fake_out = func(*map_args(cls, args, to_fake), **fake_kwargs)
-    except Exception:  # no meta kernel: compute replicated and learn the outputs from it
-        return _fallback_decision(func, specs, mesh, None, mutated, reason="it has no meta kernel")
+    # An op whose output shape follows from its definition runs its meta kernel once per dtype
+    # signature, not per shape (autoparallel.engine.generic).
+    shaped = [(d._spec.shape, d._stride) for d in dts] if not mutated else None
+    out_key = generic.out_key(func, args, kwargs, lambda a: isinstance(a, cls)) if shaped else None
+    fake_out = generic.known_out(func, out_key, shaped) if shaped else None
+    if fake_out is None:
+        try:
+            fake_out = func(*map_args(cls, args, to_fake), **fake_kwargs)
+        except Exception:  # no meta kernel: compute replicated and learn the outputs from it
+            return _fallback_decision(func, specs, mesh, None, mutated, reason="it has no meta kernel")
+        if shaped:
+            generic.learn_out(func, out_key, shaped, fake_out)
     out_kind, outs = flatten_out(fake_out)
     alias = out_aliases(func, args, kwargs, dts, mutated, len(outs))
     for k, i in enumerate(alias):
@@ -147,6 +156,10 @@ def _decide(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], 
         out_metas = tuple(TensorMeta(tuple(o.shape), o.dtype) if o is not None else None for o in outs)
         call = replace(call, out=out_metas)
     rule = get_rule(func)
+    key = generic.choice_key(call, specs) if rule is not None and not mutated else None
+    best = generic.stored_choice(key)
+    if best is not None:  # decided at another shape of this signature: the same choice
+        return _local_step(func, mesh, specs, best, call, out_metas, outs, out_kind, alias, mutated, fake_out)
     strategies = rule(call) if rule is not None else []
     if mutated:
         # An output that IS a written input (``x.mul_(y)``, ``out=``) must come out in the layout
@@ -161,6 +174,15 @@ def _decide(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], 
         return replace(_fallback_decision(func, specs, mesh, outs, mutated, reason=why, kind=out_kind), out_alias=alias,
                        meta_value=fake_out if out_kind is OutKind.VALUE else None)
     best = _cheapest(strategies, specs, mesh, out_metas)
+    if key is not None and _only_free(strategies, specs) is best:
+        generic.store_choice(key, best)
+    return _local_step(func, mesh, specs, best, call, out_metas, outs, out_kind, alias, mutated, fake_out)
+
+
+def _local_step(func: Any, mesh: Any, specs: list[DistSpec], best: Strategy, call: OpCall,
+                out_metas: tuple[TensorMeta | None, ...], outs: list[Any], out_kind: OutKind,
+                alias: tuple[int | None, ...], mutated: tuple[int, ...], fake_out: Any) -> LocalStep:
+    """The ``LocalStep`` running ``best`` on these inputs (plans, output specs and strides)."""
     plans = tuple(_plan(spec, req) for spec, req in zip(specs, best.inputs))
     out_specs = tuple(
         DistSpec(mesh, pl, m.shape, m.dtype) if m is not None else None for m, pl in zip(out_metas, best.outputs)
@@ -199,6 +221,12 @@ def _deferred_price(plan: Plan | CrossMeshPlan) -> int:
         if s.kind == FILL:  # an all-gather's bytes depend on its source only
             price += int(step_bytes_table(Step(ALL_GATHER, s.axis, s.src, s.dst))[1].max()) + LATENCY_BYTES
     return price
+
+
+def _only_free(strategies: Sequence[Strategy], specs: Sequence[DistSpec]) -> Strategy | None:
+    """The one strategy taking every input as it is, if exactly one does."""
+    free = [s for s in strategies if all(_as_is(spec, req) for spec, req in zip(specs, s.inputs))]
+    return free[0] if len(free) == 1 else None
 
 
 def _cheapest(strategies: Sequence[Strategy], specs: list[DistSpec], mesh: Any, out_metas: tuple[TensorMeta | None, ...]) -> Strategy:

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from autoparallel.engine import generic
 from autoparallel.engine.decide import decide, forget_warnings
 from autoparallel.engine.decision import Decision
 from autoparallel.engine.execute import execute
@@ -82,8 +83,9 @@ def _as_strided(cls: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 
 
 def clear_cache() -> None:
-    """Forget every cached decision (and which ops warned that they run replicated)."""
+    """Forget every cached decision and shape-generic choice (and which ops warned that they run replicated)."""
     _CACHE.clear()
+    generic.forget()
     forget_warnings()
 
 

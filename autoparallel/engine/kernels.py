@@ -23,7 +23,7 @@ import torch
 
 from autoparallel.engine.deferred import Deferred, Stat
 from autoparallel.mesh import ProcessMesh
-from autoparallel.runtime import comm
+from autoparallel.runtime import agree, comm
 from spmd_rules.base import LocalContext
 from spmd_rules.nn import (
     MEAN,
@@ -52,12 +52,19 @@ class Collectives:
     def all_reduce(self, t: torch.Tensor, axes: Sequence[int], reduce_type: str) -> torch.Tensor:
         """``t`` reduced over each of ``axes`` in turn (blocking)."""
         for a in axes:
+            agree.check_collective(self.mesh, a, lambda: _describe("all_reduce", reduce_type, t))
             t = comm.all_reduce(t, self.mesh, a, reduce_type)
         return t
 
     def start_sum(self, t: torch.Tensor, axis: int) -> Stat:
         """Start summing ``t`` over ``axis``; the ``Stat`` waits when its result is read."""
+        agree.check_collective(self.mesh, axis, lambda: _describe("all_reduce_start", "sum", t))
         return Stat(*comm.all_reduce_start(t, self.mesh, axis))
+
+
+def _describe(kind: str, reduce_type: str, t: torch.Tensor) -> str:
+    """A kernel's statistic reduction as every member must issue it (``AUTOPARALLEL_CHECK=1``)."""
+    return f"{kind}({reduce_type}) of a kernel statistic {list(t.shape)} {t.dtype}"
 
 
 # ---- softmax over a sharded dim ----------------------------------------------------------

@@ -5,6 +5,14 @@ axis through ``autoparallel.runtime.comm`` (so ``CommDebugMode`` sees it) and un
 boundaries come from metadata only (``plan_buckets``), so every rank issues the same sequence.
 Uneven ``torch.chunk`` pieces are padded to the largest per-rank segment. On a size-1 axis
 nothing is communicated (a Partial over one rank is already the value).
+
+Why the reduce-scatter pads rather than moving exact pieces (an all-to-all and a local sum, as
+``comm.reduce_scatter`` does for one uneven tensor): member 0 holds the largest segment, so the
+busiest rank receives the same bytes either way and the collective takes as long; padding only
+adds bytes to the smaller members (GPT-2 small, 8 ranks: +0.004 % of all bytes; a 97-row
+vocabulary on 3 ranks: +2.3 %), and keeps ONE native reduce-scatter (a ring on NCCL) instead of
+an all-to-all of n pieces plus a local reduction.
+
 """
 
 from __future__ import annotations

@@ -23,7 +23,8 @@ from autoparallel.spec import DistSpec
 
 _ATTR = "_ap_region"
 _MODE: list[str] = []          # "trace" (a parent is tracing) or "local" (running on shards)
-MAX_SIGNATURES = 16            # per module; beyond that (a changing scalar argument) give up
+MAX_SIGNATURES = 16            # per module; beyond that, evict the least recently used signature
+#   while signatures are reused (varying sequence lengths), else give up (a changing scalar argument)
 _MISSING = object()
 
 
@@ -116,7 +117,8 @@ class _Region:
         self.modules = list(module.modules())
         self.shape = _structure(self.modules)
         self.slots = _slots(module)
-        self.verdicts: dict[Any, _Verdict] = {}
+        self.verdicts: dict[Any, _Verdict] = {}  # least recently used first
+        self.firsts = self.reused = 0  # first calls of a signature, and calls answered by a known one
         self.children_done = False
 
     def run(self, *args: Any, **kwargs: Any) -> Any:
@@ -151,9 +153,17 @@ class _Region:
         if verdict is None:
             # Inside a recomputed region the first call's trace and replay would save (and
             # run) more than its recompute: signatures are proven outside such regions only.
-            if len(self.verdicts) >= MAX_SIGNATURES or recomputation.active():
+            if recomputation.active():
                 return None
+            if len(self.verdicts) >= MAX_SIGNATURES:
+                if self.reused < self.firsts:  # signatures are not coming back: stop proving new ones
+                    return None
+                del self.verdicts[next(iter(self.verdicts))]  # the least recently used
+            self.firsts += 1
             return self._first_call(key, leaves, tree, tensors, args, kwargs), False
+        self.reused += 1
+        if len(self.verdicts) > 1:
+            self.verdicts[key] = self.verdicts.pop(key)  # now the most recently used
         if verdict.local:
             return self._run_local(verdict, leaves, tree, tensors), True
         return None

@@ -14,7 +14,13 @@ When it runs: the first ``SETUP_CALLS`` calls of each entry point on each mesh (
 laying out parameters, the first batches), which every member makes in the same order, so every
 member takes part in the same checks. ``AUTOPARALLEL_CHECK=1`` checks every call and adds a
 checksum of the values for ``shard_tensor`` (whose data must be identical on every rank), like
-``TORCH_DISTRIBUTED_DEBUG=DETAIL``; ``AUTOPARALLEL_CHECK=0`` turns the checks off. A mesh of one
+``TORCH_DISTRIBUTED_DEBUG=DETAIL``, and extends the check to every planned collective
+(``check_collective``: a reshard plan's steps, a kernel's statistics all-reduce): before each
+one, the members of its axis line compare a digest of what each is about to issue (kind,
+ranks, global shape, dtype, layouts), and on a mismatch every member raises the same
+``ValueError`` naming the first differing rank and both collectives — where a rank-dependent
+decision would otherwise abort in gloo, hang, or silently mix pieces. ``AUTOPARALLEL_CHECK=0``
+turns the checks off. A mesh of one
 rank, a rank outside the mesh, and a static capture (its eager warm-up call was checked; a
 program holds no control messages) check nothing; calls inside a capture do not count.
 """
@@ -130,3 +136,42 @@ def _gather(text: str, mesh: ProcessMesh) -> dict[tuple[int, ...], str]:
         length = int(rows[i, 0]) * 256 + int(rows[i, 1])
         out[tuple(reversed(coord))] = bytes(rows[i, 2:2 + length].tolist()).decode(errors="replace")
     return out
+
+
+def check_collective(mesh: ProcessMesh, axis: int, describe: Callable[[], str]) -> None:
+    """``AUTOPARALLEL_CHECK=1``: raise the same ``ValueError`` on every member of this rank's line
+    along ``axis`` when the members are about to issue different collectives (``describe()``:
+    kind, ranks, global shape, dtype, layouts — what every member must plan alike). One tiny
+    all-reduce of a digest over the line (a control message); nothing in the default mode."""
+    if mode() != "all" or mesh.shape[axis] == 1 or comm.capturing() or not world_available():
+        return
+    coord = mesh.coordinate_of(get_rank())
+    if coord is None:
+        return
+    text = describe()
+    d = _digest(text)
+    both = torch.tensor([d, -d], dtype=torch.int64)
+    with unrecorded():
+        both = comm.all_reduce(both, mesh, axis, "max")
+        if int(both[0]) == d and int(both[1]) == -d:
+            return
+        texts = _gather_line(text, mesh, axis)
+    line = [mesh.rank_at(coord[:axis] + (i,) + coord[axis + 1:]) for i in range(mesh.shape[axis])]
+    for i, t in enumerate(texts):
+        if t != texts[0]:
+            raise ValueError(
+                f"the ranks {line} of {mesh!r} (axis {axis}) planned different collectives (every rank must "
+                f"plan the same ones from the same metadata): rank {line[0]} planned {texts[0]}; "
+                f"rank {line[i]} planned {t}")
+
+
+def _gather_line(text: str, mesh: ProcessMesh, axis: int) -> list[str]:
+    """Every member's description along ``axis``, in coordinate order (one all-gather)."""
+    raw = text.encode()[:DESCRIPTION_BYTES]
+    buf = torch.zeros(1, DESCRIPTION_BYTES + 2, dtype=torch.uint8)
+    buf[0, 0], buf[0, 1] = len(raw) // 256, len(raw) % 256
+    buf[0, 2:2 + len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+    n = mesh.shape[axis]
+    rows = comm.all_gather(buf, mesh, axis, 0, [1] * n)
+    return [bytes(rows[i, 2:2 + int(rows[i, 0]) * 256 + int(rows[i, 1])].tolist()).decode(errors="replace")
+            for i in range(n)]

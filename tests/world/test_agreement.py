@@ -95,3 +95,35 @@ def test_checks_are_a_setup_cost(world4: Any) -> None:
     for first, late, recorded in world4.run(_setup_only):
         assert first == 2 and late == 0  # one tiny all-reduce per mesh axis, then nothing
         assert recorded == 0  # control messages: not the program's communication
+
+
+def _diverging_plan(rank: int) -> str:
+    """A rank-dependent layout past the entry points (as a rank-dependent bug would make it):
+    rank 2 holds its [4, 4] tensor as Shard(1), the others as Shard(0), so an op gathering it
+    plans a different all-gather on rank 2. ``AUTOPARALLEL_CHECK=1`` compares the planned
+    collectives before any data moves."""
+    from autoparallel.engine.dtensor import DistTensor
+    from autoparallel.spec import DistSpec
+
+    mesh = ap.ProcessMesh([0, 1, 2, 3], dim_names=["dp"])
+    odd = rank == 2
+    spec = DistSpec(mesh, (Shard(1) if odd else Shard(0),), (4, 4), torch.float32)
+    x = DistTensor._wrap(torch.zeros((4, 1) if odd else (1, 4)), spec, (4, 1))
+    os.environ["AUTOPARALLEL_CHECK"] = "1"
+    try:
+        torch.equal(x, x)  # a value op: gathers its inputs to Replicate
+    except ValueError as e:
+        return str(e)
+    finally:
+        del os.environ["AUTOPARALLEL_CHECK"]
+    return ""
+
+
+def test_full_check_compares_every_planned_collective(world4: Any) -> None:
+    messages = world4.run(_diverging_plan, timeout=60)
+    assert len(set(messages)) == 1 and messages[0], messages  # the same error on every rank
+    msg = messages[0]
+    assert "planned different collectives" in msg and "rank 0 planned all_gather" in msg, msg
+    first, other = msg.split("rank 2 planned")
+    assert "[Shard(0)] -> [Replicate()]" in first and "[Shard(1)] -> [Replicate()]" in other, msg
+    assert all(world4.run(_healthy))

@@ -1,0 +1,172 @@
+"""Shape-generic pieces of a decision: what a call at a new shape (a new sequence length) can
+take from a call of the same signature at another shape, without deciding afresh.
+
+Two things, each exact where it is used and nowhere else:
+
+* **the choice** (``choice_key``, ``stored_choice``/``store_choice``): the strategy the rule and
+  the cost comparison picked. The signature keeps every size that is not a multiple (>= 2) of
+  the mesh's size exactly, and replaces each size that is by its rank among all sizes of the
+  call, so every comparison and equality between sizes, divisibility by any product of mesh
+  axes, evenness of every piece and size-1 broadcasting read the same; with it the op, the
+  non-tensor arguments exactly (``view``'s sizes: a new length is a new signature), dtypes,
+  placements, shard orders and mesh shape. A choice is stored only when it compared no costs:
+  the one strategy taking every input as it is (the lexicographic cost puts it first at any
+  size; several such strategies, or none, compare bytes that scale with sizes and are decided
+  afresh). Calls that write an input, or whose arguments name one of the generic sizes
+  (``view(b, t, -1)``: that key cannot recur at another length), are not stored.
+* **the output's metadata** (``known_out``/``learn_out``): for ops whose output shape follows
+  from their definition — pointwise ops (``torch.Tag.pointwise``) and softmax on inputs of one
+  shape, ``mm``/``addmm``/``bmm`` — on contiguous inputs, the output is one contiguous tensor of
+  that shape, and only its dtype (a function of the dtypes and the non-tensor arguments) is
+  learned from one meta run. The meta kernel then runs once per dtype signature, not per shape.
+
+``tests/pure/test_generic_choice.py`` checks both against fresh decisions over random shapes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from autoparallel.spec import DistSpec
+from spmd_rules.base import OpCall, Strategy, TensorMeta
+
+_aten = torch.ops.aten
+MAX_ENTRIES = 16384
+_CHOICES: dict[Any, Strategy] = {}
+_OUT_DTYPES: dict[Any, torch.dtype] = {}
+# Ops whose one output has the shape of their tensor inputs (all of one shape), besides pointwise ones.
+_SAME_SHAPE = frozenset({
+    _aten._softmax.default, _aten._log_softmax.default,
+    _aten._softmax_backward_data.default, _aten._log_softmax_backward_data.default,
+})
+
+
+def forget() -> None:
+    """Forget every shape-generic choice and output dtype (with a cleared decision cache)."""
+    _CHOICES.clear()
+    _OUT_DTYPES.clear()
+
+
+# ---- the choice ------------------------------------------------------------------------------
+def choice_key(call: OpCall, specs: Sequence[DistSpec]) -> Any:
+    """The signature a choice for ``call`` is stored under (module docstring), or None."""
+    n = 1
+    for a in call.mesh_shape:
+        n *= a
+    sizes = sorted({s for m in (*call.inputs, *call.out) if m is not None for s in m.shape})
+    rank = {s: i for i, s in enumerate(sizes)}
+
+    def meta(m: TensorMeta | None) -> Any:
+        if m is None:
+            return None
+        return tuple(("g", rank[s]) if s >= 2 and s % n == 0 else s for s in m.shape), m.dtype
+
+    generic = {s for s in sizes if s >= 2 and s % n == 0}
+    named: list[bool] = []
+
+    def arg(a: Any) -> Any:
+        if isinstance(a, TensorMeta):
+            return meta(a)
+        if isinstance(a, (list, tuple)):
+            return type(a).__name__, tuple(arg(x) for x in a)
+        if type(a) is int and a in generic:
+            named.append(True)
+        return a
+
+    key = (call.op, call.mesh_shape, call.placements, tuple(s.shard_order for s in specs),
+           tuple(meta(m) for m in call.inputs), tuple(meta(m) for m in call.out), arg(call.args),
+           tuple((k, arg(v)) for k, v in call.kwargs.items()))
+    if named:  # an argument names a size (``view``'s lengths): no other shape has this key
+        return None
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def stored_choice(key: Any) -> Strategy | None:
+    return _CHOICES.get(key) if key is not None else None
+
+
+def store_choice(key: Any, best: Strategy) -> None:
+    if len(_CHOICES) >= MAX_ENTRIES:
+        _CHOICES.clear()
+    _CHOICES[key] = best
+
+
+# ---- the output's metadata -------------------------------------------------------------------
+def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """Row-major strides of ``shape`` as torch gives a new contiguous tensor (size 0/1 dims: 1)."""
+    out, step = [], 1
+    for s in reversed(shape):
+        out.append(step)
+        step *= max(s, 1)
+    return tuple(reversed(out))
+
+
+def out_shape(func: Any, inputs: Sequence[tuple[tuple[int, ...], tuple[int, ...]]]) -> tuple[int, ...] | None:
+    """The output shape ``func`` has by definition on these DistTensor inputs ((shape, stride)
+    each, in argument order), where it is one contiguous tensor; None where that is not known."""
+    if any(stride != contiguous_strides(shape) for shape, stride in inputs):
+        return None
+    shapes = [s for s, _ in inputs]
+    if func is _aten.mm.default and len(shapes) == 2 and all(len(s) == 2 for s in shapes):
+        return shapes[0][0], shapes[1][1]
+    if func is _aten.addmm.default and len(shapes) == 3 and all(len(s) == 2 for s in shapes[1:]):
+        return shapes[1][0], shapes[2][1]
+    if func is _aten.bmm.default and len(shapes) == 2 and all(len(s) == 3 for s in shapes):
+        return shapes[0][0], shapes[0][1], shapes[1][2]
+    if shapes and (func in _SAME_SHAPE or torch.Tag.pointwise in getattr(func, "tags", ())):
+        return shapes[0] if all(s == shapes[0] for s in shapes[1:]) else None
+    return None
+
+
+def out_key(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], is_dist: Any) -> Any:
+    """What an ``out_shape`` op's output dtype depends on: the op, each tensor's dtype (and
+    rank), every other argument exactly; None if unhashable."""
+    def arg(a: Any) -> Any:
+        if is_dist(a):
+            return "dist", a.dtype, a.dim()
+        if isinstance(a, torch.Tensor):
+            return "tensor", a.dtype, a.dim()
+        if isinstance(a, (list, tuple)):
+            return type(a).__name__, tuple(arg(x) for x in a)
+        return a
+
+    key = (func, arg(args), tuple((k, arg(v)) for k, v in kwargs.items()))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def known_out(func: Any, key: Any, inputs: Sequence[tuple[tuple[int, ...], tuple[int, ...]]]) -> torch.Tensor | None:
+    """The output (a meta tensor) of an ``out_shape`` op whose dtype was learned, else None."""
+    dtype = _OUT_DTYPES.get(key) if key is not None else None
+    if dtype is None:
+        return None
+    shape = out_shape(func, inputs)
+    if shape is None:
+        return None
+    return torch.empty_strided(shape, contiguous_strides(shape), dtype=dtype, device="meta")
+
+
+def learn_out(func: Any, key: Any, inputs: Sequence[tuple[tuple[int, ...], tuple[int, ...]]], fake_out: Any) -> None:
+    """Store the output dtype of an ``out_shape`` op where its meta kernel agreed with it."""
+    if key is None or not isinstance(fake_out, torch.Tensor):
+        return
+    shape = out_shape(func, inputs)
+    if shape is None or tuple(fake_out.shape) != shape or tuple(fake_out.stride()) != contiguous_strides(shape):
+        return
+    if len(_OUT_DTYPES) >= MAX_ENTRIES:
+        _OUT_DTYPES.clear()
+    _OUT_DTYPES[key] = fake_out.dtype
+
+
+__all__ = ["choice_key", "contiguous_strides", "forget", "known_out", "learn_out", "out_key", "out_shape",
+           "store_choice", "stored_choice"]

@@ -1,0 +1,219 @@
+"""What a new sequence length costs: first step at a new shape vs a warm step, and RSS per shape.
+
+    python benchmarks/varying_shapes.py                       # DP, TP, TP+SP on 2 gloo ranks
+    python benchmarks/varying_shapes.py --shapes 60 --layouts TP+SP --profile
+
+Each rank trains the example GPT (width 64, 2 layers, vocab 96, batch 4; AdamW through
+``shard_optimizer``) laid out one way, with the sequence length changing between steps: after
+a warm-up at a few lengths, every one of ``--shapes`` lengths (``16, 18, ..`` in a shuffled
+order: even, as sequence parallelism needs equal pieces) runs one *first* step
+and then ``--warm`` more steps at that length. Printed per layout, on rank 0 (medians over the
+lengths; every rank's figure is its own, the slowest rank's shown):
+
+* warm step (ms), first step at a new length (ms), and their ratio (target <= 1.2);
+* RSS growth per new length per rank (KB): ``/proc/self/statm`` after the last length minus
+  after the warm-up, over the number of lengths (target: a few KB; the allocator makes it
+  noisy, +-200 KB between runs even for plain torch), and the Python heap's growth in
+  allocated blocks (``sys.getallocatedblocks``, after ``gc.collect()``): what Python keeps
+  per length (decisions, caches), a steadier figure;
+* the same model on plain tensors, one process per rank at the same time (``plain``): how much
+  of the first-step cost is torch's own (kernels and autograd at a new shape).
+
+``--profile`` adds, for rank 0, the functions with the most cumulative time over the first
+steps (cProfile) and the allocation sites that grew most (tracemalloc), to see where a new
+shape's time and memory go.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import io
+import json
+import os
+import pstats
+import random
+import statistics
+import sys
+import time
+import tracemalloc
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+
+LAYOUTS = ("DP", "TP", "TP+SP")
+BATCH, WIDTH, VOCAB, LAYERS, FIRST_LEN = 4, 64, 96, 2, 16
+
+
+def _rss_kb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1024
+
+
+def _build(layout: str, world: int, max_len: int) -> tuple[Callable[[int], None], Callable[[int], None]]:
+    """(ours step at length t, plain step at length t)."""
+    import train_gpt
+    from gpt_model import GPT, GPTConfig, lm_loss
+
+    import autoparallel as ap
+
+    cfg = GPTConfig(vocab=VOCAB, seq=max_len, layers=LAYERS, width=WIDTH, heads=4)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    plain = GPT(cfg)
+    plain.load_state_dict(model.state_dict())
+    R, S = ap.Replicate(), ap.Shard
+    if layout == "DP":
+        mesh = ap.ProcessMesh(list(range(world)), dim_names=["dp"])
+        ap.shard_layer(model, mesh)
+        place = [S(0)]
+    else:
+        mesh = ap.ProcessMesh(list(range(world)), dim_names=["mp"])
+        train_gpt.parallelize_gpt(model, mesh, sp=layout == "TP+SP")
+        place = [R]
+    opt = ap.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False))
+    popt = torch.optim.AdamW(plain.parameters(), lr=1e-3, foreach=False)
+    gen = torch.Generator().manual_seed(1)
+
+    def batch(t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.randint(0, VOCAB, (BATCH, t + 1), generator=gen)
+        return x[:, :-1].contiguous(), x[:, 1:].contiguous()
+
+    def ours(t: int) -> None:
+        x, y = batch(t)
+        xs, ys = ap.shard_tensor(x, mesh, place), ap.shard_tensor(y, mesh, place)
+        loss = lm_loss(model(xs), ys)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        train_gpt.scalar(loss)
+
+    def theirs(t: int) -> None:
+        x, y = batch(t)
+        loss = lm_loss(plain(x), y)
+        popt.zero_grad(set_to_none=True)
+        loss.backward()
+        popt.step()
+        float(loss.detach())
+
+    return ours, theirs
+
+
+def _timed(fn: Callable[[int], None], t: int) -> float:
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn(t)
+    return (time.perf_counter() - t0) * 1e3
+
+
+def _run(step: Callable[[int], None], lengths: list[int], warm: int, synced: bool) -> dict[str, float]:
+    timer = _timed if synced else (lambda fn, t: _plain_timed(fn, t))
+    for t in (FIRST_LEN - 2, FIRST_LEN - 4, FIRST_LEN - 6):  # warm-up lengths (not measured)
+        for _ in range(2):
+            step(t)
+    gc.collect()
+    rss0, blocks0 = _rss_kb(), sys.getallocatedblocks()
+    firsts, warms = [], []
+    for t in lengths:
+        firsts.append(timer(step, t))
+        warms.append(statistics.median(timer(step, t) for _ in range(warm)))
+    gc.collect()
+    rss1, blocks1 = _rss_kb(), sys.getallocatedblocks()
+    first, warm_ms = statistics.median(firsts), statistics.median(warms)
+    return {"warm_ms": warm_ms, "first_ms": first, "ratio": statistics.median(f / w for f, w in zip(firsts, warms)),
+            "rss_kb_per_shape": (rss1 - rss0) / len(lengths), "blocks_per_shape": (blocks1 - blocks0) / len(lengths)}
+
+
+def _plain_timed(fn: Callable[[int], None], t: int) -> float:
+    t0 = time.perf_counter()
+    fn(t)
+    return (time.perf_counter() - t0) * 1e3
+
+
+def _profile(step: Callable[[int], None], lengths: list[int]) -> str:
+    tracemalloc.start(8)
+    snap0 = tracemalloc.take_snapshot()
+    prof = cProfile.Profile()
+    prof.enable()
+    for t in lengths:
+        step(t)
+    prof.disable()
+    snap1 = tracemalloc.take_snapshot()
+    tracemalloc.stop()
+    out = io.StringIO()
+    stats = pstats.Stats(prof, stream=out).sort_stats("cumulative")
+    stats.print_stats(40)
+    if os.environ.get("VARYING_CALLEES"):  # e.g. "_decide|_finish|dispatch.py.*dispatch"
+        stats.print_callees(os.environ["VARYING_CALLEES"])
+    out.write(f"\ntracemalloc: growth over {len(lengths)} new lengths, top sites\n")
+    for s in snap1.compare_to(snap0, "lineno")[:25]:
+        out.write(f"  {s.size_diff / 1024:9.1f} KB  {s.count_diff:7d} blocks  {s.traceback}\n")
+    return out.getvalue()
+
+
+def _worker(rank: int, world: int, store: str, opts: dict[str, Any], out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
+    lengths = list(range(FIRST_LEN, FIRST_LEN + 2 * opts["shapes"], 2))
+    random.Random(0).shuffle(lengths)
+    max_len = FIRST_LEN + 2 * (opts["shapes"] + opts["profile_shapes"])
+    results: dict[str, Any] = {}
+    for layout in opts["layouts"]:
+        ours, theirs = _build(layout, world, max_len)
+        mine = {"ours": _run(ours, lengths, opts["warm"], True), "plain": _run(theirs, lengths, opts["warm"], False)}
+        if opts["profile"]:
+            extra = list(range(FIRST_LEN + 2 * opts["shapes"], max_len, 2))
+            text = _profile(ours, extra)
+            if rank == 0:
+                mine["profile"] = text
+        got: list[Any] = [None] * world
+        dist.all_gather_object(got, mine)
+        results[layout] = got
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(results, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nprocs", type=int, default=2)
+    parser.add_argument("--shapes", type=int, default=40, help="new sequence lengths measured per layout")
+    parser.add_argument("--warm", type=int, default=2, help="warm steps timed after each first step")
+    parser.add_argument("--layouts", default=",".join(LAYOUTS))
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--json", default=None, help="also write the figures here")
+    args = parser.parse_args()
+    from benchmarks._spawn import run_spawned
+
+    opts = {"shapes": args.shapes, "warm": args.warm, "layouts": args.layouts.split(","), "profile": args.profile,
+            "profile_shapes": 12 if args.profile else 0}
+    res = run_spawned(_worker, args.nprocs, opts, timeout=3000, prefix="varying")
+    print(f"GPT (width {WIDTH}, {LAYERS} layers, batch {BATCH}) on {args.nprocs} gloo ranks, "
+          f"{args.shapes} new sequence lengths each, medians; slowest rank")
+    print(f"{'layout':<8}{'side':<7}{'warm ms':>9}{'first ms':>10}{'first/warm':>12}{'RSS KB/shape':>14}{'objs/shape':>12}")
+    for layout, per_rank in res.items():
+        for side in ("ours", "plain"):
+            rows = [r[side] for r in per_rank]
+            worst = max(rows, key=lambda r: r["ratio"])
+            rss = max(r["rss_kb_per_shape"] for r in rows)
+            objs = max(r["blocks_per_shape"] for r in rows)
+            print(f"{layout:<8}{side:<7}{worst['warm_ms']:>9.1f}{worst['first_ms']:>10.1f}{worst['ratio']:>12.2f}"
+                  f"{rss:>14.1f}{objs:>12.0f}")
+        if "profile" in per_rank[0]:
+            print(per_rank[0]["profile"])
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""Shape-generic decisions (``autoparallel.engine.generic``): a strategy stored at one shape of a
+signature is the one a fresh decision picks at any other shape of it, and an output known from
+an op's definition is the one its meta kernel gives.
+
+Random calls of a few op families (broadcasting pointwise, matmul, linear, reductions, softmax,
+layer norm) on random meshes and placements; each size is either exact (1, 2, 3, 5: uneven and
+size-1 cases) or generic (a multiple of the mesh's size). Two instances of one template share a
+signature; wherever the first's choice would be stored, the second's fresh choice must equal it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from autoparallel.engine import generic
+from autoparallel.engine.decide import _cheapest, _only_free
+from autoparallel.engine.generic import choice_key
+from autoparallel.mesh import ProcessMesh
+from autoparallel.placement import Partial, Replicate, Shard
+from autoparallel.spec import DistSpec
+from spmd_rules.base import OpCall, TensorMeta
+from spmd_rules.registry import get_rule
+
+aten = torch.ops.aten
+# op, the input shapes as letters (a shared letter is one size), extra arguments after the tensors
+TEMPLATES: list[tuple[Any, tuple[str, ...], tuple[Any, ...]]] = [
+    (aten.add.Tensor, ("ab", "ab"), ()),
+    (aten.mul.Tensor, ("abc", "1c"), ()),
+    (aten.mul.Tensor, ("abc", "b1"), ()),
+    (aten.mm.default, ("ab", "bc"), ()),
+    (aten.bmm.default, ("abc", "acd"), ()),
+    (aten.addmm.default, ("c", "ab", "bc"), ()),
+    (aten.sum.dim_IntList, ("abc",), ([1],)),
+    (aten._softmax.default, ("abc",), (2, False)),
+    (aten.native_layer_norm.default, ("abc", "c", "c"), ([None], 1e-5)),
+    (aten.gelu.default, ("abc",), ()),
+    (aten.t.default, ("ab",), ()),
+]
+EXACT = (1, 2, 3, 5)
+
+
+def _placement(draw: Any, ndim: int) -> Any:
+    return draw(st.sampled_from([Replicate(), Partial("sum")] + [Shard(d) for d in range(ndim)]))
+
+
+@st.composite
+def _pair(draw: Any) -> tuple[Any, ...]:
+    op, shapes, extra = draw(st.sampled_from(TEMPLATES))
+    mesh_shape = draw(st.sampled_from([(2,), (4,), (2, 2)]))
+    n = 1
+    for a in mesh_shape:
+        n *= a
+    letters = sorted({c for s in shapes for c in s if c != "1"})
+    generic = [c for c in letters if draw(st.booleans())]
+    exact = {c: draw(st.sampled_from(EXACT)) for c in letters if c not in generic}
+    # generic sizes: distinct multiples of n above every exact size, in the same order twice
+    order = draw(st.permutations(generic))
+    first = sorted(draw(st.lists(st.integers(3, 20), min_size=len(order), max_size=len(order), unique=True)))
+    second = sorted(draw(st.lists(st.integers(3, 20), min_size=len(order), max_size=len(order), unique=True)))
+    sizes = [{**exact, **{c: n * v for c, v in zip(order, vals)}, "1": 1} for vals in (first, second)]
+    placements = [tuple(_placement(draw, len(s)) for _ in mesh_shape) for s in shapes]
+    return op, shapes, extra, mesh_shape, sizes, placements
+
+
+def _call(op: Any, shapes: tuple[str, ...], extra: tuple[Any, ...], mesh: ProcessMesh, size: dict[str, int],
+          placements: list[Any]) -> tuple[OpCall, list[DistSpec]] | None:
+    metas = [TensorMeta(tuple(size[c] for c in s), torch.float32) for s in shapes]
+    if op is aten.native_layer_norm.default:
+        extra = ([size[shapes[0][-1]]], 1e-5)
+    try:
+        specs = [DistSpec(mesh, pl, m.shape, m.dtype) for m, pl in zip(metas, placements)]
+        fake = op(*[torch.empty(m.shape, device="meta") for m in metas], *extra)
+    except (ValueError, RuntimeError):
+        return None
+    outs = fake if isinstance(fake, tuple) else (fake,)
+    out = tuple(TensorMeta(tuple(o.shape), o.dtype) for o in outs)
+    call = OpCall(op, (*metas, *extra), {}, tuple(metas), out, tuple(placements), tuple(mesh.shape))
+    return call, specs
+
+
+@settings(max_examples=50, deadline=None)
+@given(_pair())
+def test_a_stored_choice_is_the_fresh_choice_at_another_shape(pair: tuple[Any, ...]) -> None:
+    op, shapes, extra, mesh_shape, sizes, placements = pair
+    n = 1
+    for a in mesh_shape:
+        n *= a
+    mesh = ProcessMesh(torch.arange(n).reshape(mesh_shape).tolist())
+    made = [_call(op, shapes, extra, mesh, s, placements) for s in sizes]
+    if made[0] is None or made[1] is None:
+        return
+    (call_a, specs_a), (call_b, specs_b) = made[0], made[1]
+    assert choice_key(call_a, specs_a) == choice_key(call_b, specs_b)
+    rule = get_rule(op)
+    assert rule is not None
+    strategies_a, strategies_b = rule(call_a), rule(call_b)
+    if not strategies_a:
+        return
+    best_a = _cheapest(strategies_a, specs_a, mesh, call_a.out)
+    if _only_free(strategies_a, specs_a) is not best_a:
+        return  # not stored: decided afresh at every shape
+    assert strategies_b and _cheapest(strategies_b, specs_b, mesh, call_b.out) == best_a
+
+
+OUT_OPS: list[tuple[Any, tuple[str, ...], tuple[Any, ...]]] = [
+    (aten.add.Tensor, ("abc", "abc"), ()),
+    (aten.add.Tensor, ("abc", "bc"), ()),  # broadcast: not known, the meta kernel runs
+    (aten.mul.Scalar, ("ab",), (0.5,)),
+    (aten.gelu_backward.default, ("abc", "abc"), ()),
+    (aten.gelu.default, ("abc",), ()),
+    (aten.where.self, ("ab", "ab", "ab"), ()),
+    (aten._log_softmax.default, ("abc",), (2, False)),
+    (aten._softmax_backward_data.default, ("abc", "abc"), (1, torch.float32)),
+    (aten.mm.default, ("ab", "bc"), ()),
+    (aten.addmm.default, ("c", "ab", "bc"), ()),
+    (aten.bmm.default, ("abc", "acd"), ()),
+]
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.sampled_from(OUT_OPS), st.lists(st.dictionaries(st.sampled_from("abcd"), st.integers(0, 9), min_size=4),
+                                          min_size=2, max_size=2), st.booleans())
+def test_a_known_output_is_what_the_meta_kernel_gives(case: Any, sizes: list[dict[str, int]], transposed: bool) -> None:
+    op, shapes, extra = case
+    generic.forget()
+    for size in sizes:
+        fakes = [torch.empty([size[c] for c in s], device="meta",
+                             dtype=torch.bool if op is aten.where.self and i == 0 else torch.float32)
+                 for i, s in enumerate(shapes)]
+        if transposed and fakes[-1].ndim >= 2:  # a non-contiguous input: never known
+            fakes[-1] = fakes[-1].transpose(-1, -2).contiguous().transpose(-1, -2)
+        inputs = [(tuple(f.shape), tuple(f.stride())) for f in fakes]
+        key = generic.out_key(op, (*fakes, *extra), {}, lambda a: isinstance(a, torch.Tensor))
+        known = generic.known_out(op, key, inputs)
+        real = op(*fakes, *extra)
+        if known is not None:
+            assert (known.shape, known.stride(), known.dtype) == (real.shape, real.stride(), real.dtype)
+        generic.learn_out(op, key, inputs, real)
