@@ -104,8 +104,13 @@ def _is_partial(t: Any) -> bool:
 
 
 def selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    """Megatron-style selective recompute: keep the linear layers' non-Partial products."""
-    if op in KEEP_OPS and not _is_partial(ctx.op_output):
+    """Megatron-style selective recompute: keep the linear layers' non-Partial products.
+
+    Whether a product is Partial shows only in its output: torch releases before 2.13 call the
+    policy without it (no ``ctx.op_output``), and then the product is recomputed (exact, as
+    "full" is; only the memory saving is lost)."""
+    out = getattr(ctx, "op_output", None)
+    if op in KEEP_OPS and out is not None and not _is_partial(out):
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 
