@@ -136,6 +136,10 @@ def _decide(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], 
                 f"{tuple(outs[k].shape)}); use the out-of-place op instead"
             )
     if out_kind is OutKind.VALUE and not mutated:
+        if isinstance(fake_out, (tuple, list)) and any(isinstance(o, torch.Tensor) for o in fake_out):
+            # tensors next to values (CUDA flash attention's (out, lse, ..., max_q, max_k, seed, ...)):
+            # no rule speaks for them; run replicated, wrapping the tensors the kernel returns
+            return _fallback_decision(func, specs, mesh, None, mutated, reason="it returns tensors mixed with values")
         return ValueDecision(fake_out)
     out_metas = tuple(TensorMeta(tuple(o.shape), o.dtype) if o is not None else None for o in outs)
     if same:  # decided and run as the alias it is; the wrapper advertises the asked strides

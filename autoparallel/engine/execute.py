@@ -146,8 +146,12 @@ def _inplace_view(cls: Any, func: Any, view_op: Any, args: tuple[Any, ...], kwar
 
 
 def _wrap_unknown(cls: Any, out: Any, d: LocalStep) -> Any:
-    """Replicate DistTensors of exactly what a replicated (fallback) kernel returned."""
+    """Replicate DistTensors of exactly what a replicated (fallback) kernel returned (in a tuple
+    mixing tensors and values, the tensors; the values pass through)."""
     kind, outs = flatten_out(out)
+    if kind is OutKind.VALUE and isinstance(out, (tuple, list)) and any(isinstance(o, torch.Tensor) for o in out):
+        items = [_wrap_unknown(cls, o, d) if isinstance(o, torch.Tensor) else o for o in out]
+        return tuple(items) if isinstance(out, tuple) else items
     if kind is OutKind.VALUE or kind is OutKind.NONE:
         return out
     rep = tuple(Replicate() for _ in range(d.mesh.ndim))

@@ -72,3 +72,26 @@ def test_data_shaped_ops_run_replicated_without_a_warning() -> None:
     assert torch.equal(nz.full_tensor(), torch.nonzero(x))
     assert torch.equal(ms.full_tensor(), torch.masked_select(x, x > 0))
     assert torch.equal(un.full_tensor(), torch.unique(x))
+
+
+@torch.library.custom_op("aptest::mixed_out", mutates_args=())
+def _mixed_out(x: torch.Tensor) -> tuple[torch.Tensor, int, torch.Tensor]:
+    return x * 2, 7, x.sum()
+
+
+@_mixed_out.register_fake
+def _(x: torch.Tensor) -> tuple[torch.Tensor, int, torch.Tensor]:
+    return torch.empty_like(x), 7, x.new_empty(())
+
+
+def test_an_op_returning_tensors_and_values_returns_dist_tensors() -> None:
+    # (CUDA flash attention returns (out, lse, None, None, max_q, max_k, seed, offset, mask)):
+    # the tensors come back as DistTensors, never as the decision's meta tensors
+    mesh = ap.ProcessMesh([0], dim_names=["dp"])
+    x = torch.arange(6.0).reshape(3, 2)
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        a, n, b = torch.ops.aptest.mixed_out(ap.shard_tensor(x, mesh, [ap.Shard(0)]))
+    assert isinstance(a, ap.DistTensor) and isinstance(b, ap.DistTensor) and n == 7
+    assert a.device.type == "cpu" and a.to_local().device.type == "cpu"
+    assert torch.equal(a.full_tensor(), x * 2) and float(b.full_tensor()) == 15.0
