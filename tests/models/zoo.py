@@ -165,12 +165,6 @@ def lay_out(model_name: str, strategy: str, model: Any, opt: Any) -> tuple[Any, 
     return mesh, opt, batch
 
 
-def _loss_value(loss: Any) -> float:
-    import autoparallel as ap
-
-    return float(loss.full_tensor().item() if isinstance(loss, ap.DistTensor) else loss.item())
-
-
 def _pipeline(model: Any) -> tuple[Any, Any, Callable[[dict[str, Any]], Any]]:
     """pp x dp 2 x 2: ``ap.pipeline.decoder_stages`` on meshes [0, 1] and [2, 3] (axis ``dp``), 2 micro-batches."""
     import torch
@@ -210,12 +204,31 @@ def run_case(rank: int, model_name: str, strategy: str, steps: int = STEPS) -> d
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     mesh, opt, placements = lay_out(model_name, strategy, model, opt)
+
+    def step(batch: dict[str, Any]) -> Any:
+        loss = model(**{k: ap.shard_tensor(v, mesh, placements) for k, v in batch.items()}).loss
+        loss.backward()
+        return loss
+
+    def whole(t: Any) -> Any:
+        return t.full_tensor() if isinstance(t, ap.DistTensor) else t
+
+    return _train_and_compare(model, ref, data, step, opt, ref_opt, whole, buffers=True)
+
+
+def _train_and_compare(model: Any, ref: Any, data: list[dict[str, Any]], step: Callable[[dict[str, Any]], Any],
+                       opt: Any, ref_opt: Any, whole: Callable[[Any], Any], buffers: bool) -> dict[str, Any]:
+    """Train with ``step`` (forward and backward of one global batch, returning the loss) and
+    ``opt``, and the one-process copy alike; compare losses, parameters (and with ``buffers``
+    the floating buffers) brought whole to this rank by ``whole``."""
+    import torch
+
+    import autoparallel as ap
+
     losses, comms = [], []
     for batch in data:
-        inputs = {k: ap.shard_tensor(v, mesh, placements) for k, v in batch.items()}
         with ap.CommDebugMode() as comm:
-            loss = model(**inputs).loss
-            loss.backward()
+            loss = step(batch)
             opt.step()
             opt.zero_grad()
         comms.append(dict(sorted(comm.get_comm_counts().items())))
@@ -223,15 +236,15 @@ def run_case(rank: int, model_name: str, strategy: str, steps: int = STEPS) -> d
         ref_loss.backward()
         ref_opt.step()
         ref_opt.zero_grad()
-        losses.append((_loss_value(loss), ref_loss.item()))
+        losses.append((float(whole(loss.detach()).item()), ref_loss.item()))
     bad = []
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        full = p.detach().full_tensor() if isinstance(p, ap.DistTensor) else p.detach()
+        full = whole(p.detach())
         if not torch.allclose(full, q.detach(), rtol=RTOL, atol=RTOL * max(q.abs().max().item(), 1e-3)):
             bad.append((name, (full - q).abs().max().item()))
-    for (name, b), c in zip(model.named_buffers(), ref.buffers()):
+    for (name, b), c in zip(model.named_buffers() if buffers else (), ref.buffers()):
         if b.is_floating_point():
-            full = b.full_tensor() if isinstance(b, ap.DistTensor) else b
+            full = whole(b)
             if not torch.allclose(full, c, rtol=RTOL, atol=RTOL):
                 bad.append((f"buffer {name}", (full - c).abs().max().item()))
     return {"losses": losses, "bad": bad, "comms": comms}
@@ -255,28 +268,10 @@ def _run_pipeline(model_name: str, model: Any, ref: Any, data: list[dict[str, An
     """``run_case`` for ``pp``: the loss and every parameter are brought to every rank to compare."""
     import torch
 
-    import autoparallel as ap
 
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     world, opt, step = _pipeline(model)
-    losses, comms = [], []
-    for batch in data:
-        with ap.CommDebugMode() as comm:
-            loss = step(batch)
-            opt.step()
-            opt.zero_grad()
-        comms.append(dict(sorted(comm.get_comm_counts().items())))
-        ref_loss = ref(**batch).loss
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        losses.append((float(_gathered(loss, world).item()), ref_loss.item()))
-    bad = []
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        full = _gathered(p.detach(), world)
-        if not torch.allclose(full, q.detach(), rtol=RTOL, atol=RTOL * max(q.abs().max().item(), 1e-3)):
-            bad.append((name, (full - q).abs().max().item()))
-    return {"losses": losses, "bad": bad, "comms": comms}
+    return _train_and_compare(model, ref, data, step, opt, ref_opt, lambda t: _gathered(t, world), buffers=False)
 
 
 def check(results: list[dict[str, Any]]) -> list[dict[str, int]]:
