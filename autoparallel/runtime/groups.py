@@ -19,6 +19,7 @@ destroys the world, so no collective outlives the process group it ran on.
 from __future__ import annotations
 
 import atexit
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
@@ -47,6 +48,7 @@ class GroupOwner:
 
 
 _owner: list[GroupOwner] = []  # at most one: the current world's
+_YIELD_S = 0.01  # release(): how long gloo's workers get the GIL before the groups go
 
 
 def _current() -> GroupOwner | None:
@@ -121,6 +123,13 @@ def release() -> None:
     """Drop every cache and destroy what the library created: its groups (newest first), then
     the default group if the library initialised it from torchrun's environment. A group or
     world the user created stays the user's. Runs at interpreter exit."""
+    if _owner or (dist.is_available() and dist.is_initialized()):
+        # A gloo worker thread drops a finished collective (and its tensors' Python objects) just
+        # after the caller's wait returned, and needs the GIL to do it. Yield the GIL once so it
+        # does so now, not during the interpreter's finalisation (that aborts the process). This
+        # only matters for a group something else keeps alive after it is destroyed (see
+        # autoparallel/runtime/world.py); a freed group joins its workers.
+        time.sleep(_YIELD_S)
     owner = _owner[0] if _owner else None
     _owner.clear()
     ours_world = world.initialised_here()

@@ -14,6 +14,18 @@ import os
 import torch
 import torch.distributed as dist
 
+# Imported before the world we initialise exists, on purpose (~3 ms). torch's
+# ``torch.distributed.nn.functional`` takes ``group=group.WORLD`` as a default argument of ten
+# functions; imported after ``init_process_group`` (torch imports it lazily, through
+# ``torch._dynamo``, on the first fake-tensor op our decisions run), those defaults keep the
+# world's ``ProcessGroup`` for the life of the process, so destroying it cannot free it: gloo's
+# worker threads outlive the interpreter's finalisation, and one of them dropping a finished
+# collective's tensors after that (it must take the GIL) aborts the process ("terminate called
+# without an active exception", a few runs in a hundred; pytorch/pytorch#190489 is the same
+# crash). Imported first, the defaults are None. docs/operations.md, "Clean exits".
+if dist.is_available():
+    import torch.distributed.nn.functional  # noqa: F401
+
 from autoparallel.log import logger
 
 _TORCHRUN_VARS = ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")
