@@ -216,4 +216,28 @@ def bert(model: nn.Module, sp: bool = False) -> ModelPlan:
     }, "bert")
 
 
-__all__ = ["ModelPlan", "bert", "gpt2", "llama", "mixtral"]
+def vit(model: nn.Module) -> ModelPlan:
+    """The ViT plan (ViT, DeiT: ``*.attention.attention.{query,key,value}``, ``*.intermediate.dense``).
+
+    query/key/value and ``intermediate.dense`` column-parallel (heads and MLP width split), the
+    two ``output.dense`` row-parallel; the patch embedding, position embeddings, [CLS] token,
+    LayerNorms and the classifier stay replicated (the classifier reads the [CLS] token only:
+    ``num_labels`` is small and need not divide). No ``sp``: the sequence (patches + [CLS]) is
+    1 or 2 modulo 4, so it rarely divides by the tp degree. Needs the heads and the MLP width to
+    divide by the tp degree.
+    """
+    cfg = _config(model, "vit")
+    _require(model, "vit", ["attention.attention.query", "intermediate.dense"])
+    plan: dict[str, ParallelStyle] = {}
+    for proj in ("query", "key", "value"):
+        plan[f"*.attention.attention.{proj}"] = ColWiseParallel()
+    plan["*.attention.output.dense"] = RowWiseParallel()
+    plan["*.intermediate.dense"] = ColWiseParallel()
+    plan["*.layer.*[0-9].output.dense"] = RowWiseParallel()  # the MLP output, not *.attention.output.dense
+    return ModelPlan(plan, {
+        "attention heads (num_attention_heads)": cfg.num_attention_heads,
+        "MLP width (intermediate_size)": cfg.intermediate_size,
+    }, "vit")
+
+
+__all__ = ["ModelPlan", "bert", "gpt2", "llama", "mixtral", "vit"]

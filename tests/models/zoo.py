@@ -333,6 +333,8 @@ CASES: dict[tuple[str, str], Any] = {
     ("vit", "zero1"): [{'all_gather': 1, 'all_reduce': 2}] * STEPS,
     ("vit", "zero2"): [{'all_gather': 1, 'all_reduce': 1, 'reduce_scatter': 1}] * STEPS,
     ("vit", "zero3"): [{'all_gather': 6, 'all_reduce': 1, 'reduce_scatter': 3}] * STEPS,
+    ("vit", "tp"): [{'all_reduce': 8}] * STEPS,  # Megatron's 2 forward + 2 backward per layer
+    ("vit", "dp_tp"): [{'all_gather': 16, 'all_reduce': 10}] * STEPS,  # eager attention's matmuls (docs/models.md)
     ("resnet", "dp"): [{'all_gather': 8, 'all_reduce': 2, 'all_to_all': 2, 'reduce_scatter': 1}, {'all_gather': 8, 'all_reduce': 2, 'all_to_all': 2, 'reduce_scatter': 1}, {'all_gather': 2, 'all_reduce': 2, 'reduce_scatter': 1}],
     ("resnet", "zero1"): [{'all_gather': 3, 'all_reduce': 2, 'all_to_all': 2, 'reduce_scatter': 1}, {'all_gather': 3, 'all_reduce': 2, 'all_to_all': 2, 'reduce_scatter': 1}, {'all_gather': 3, 'all_reduce': 2, 'reduce_scatter': 1}],
     ("resnet", "zero2"): [{'all_gather': 3, 'all_reduce': 1, 'all_to_all': 2, 'reduce_scatter': 2}, {'all_gather': 3, 'all_reduce': 1, 'all_to_all': 2, 'reduce_scatter': 2}, {'all_gather': 3, 'all_reduce': 1, 'reduce_scatter': 2}],

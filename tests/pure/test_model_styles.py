@@ -80,3 +80,23 @@ def test_plans_check_divisibility_up_front() -> None:
     plan.check_degree(ap.ProcessMesh([0, 1], dim_names=["tp"]), 0)  # 4 heads, 2 kv heads, 48, 64: fine
     with pytest.raises(ValueError, match="is it a gpt2 model"):
         ap.plans.gpt2(model)
+
+
+def test_vit_plan_splits_heads_and_mlp_and_checks_them() -> None:
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig, LlamaForCausalLM, ViTConfig, ViTForImageClassification
+
+    model = ViTForImageClassification(ViTConfig(image_size=16, patch_size=4, hidden_size=32, num_hidden_layers=1,
+                                                num_attention_heads=4, intermediate_size=6, num_labels=3))
+    plan = ap.plans.vit(model)
+    assert plan["*.attention.attention.query"].__class__ is ap.ColWiseParallel
+    assert plan["*.attention.output.dense"].__class__ is ap.RowWiseParallel
+    assert plan["*.layer.*[0-9].output.dense"].__class__ is ap.RowWiseParallel
+    assert not any("classifier" in k or "embeddings" in k for k in plan)  # replicated
+    with pytest.raises(ValueError, match=r"MLP width \(intermediate_size\) = 6"):
+        plan.check_degree(ap.ProcessMesh([0, 1, 2, 3], dim_names=["tp"]), 0)
+    plan.check_degree(ap.ProcessMesh([0, 1], dim_names=["tp"]), 0)
+    llama = LlamaForCausalLM(LlamaConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                         intermediate_size=48, vocab_size=64))
+    with pytest.raises(ValueError, match="is it a vit model"):
+        ap.plans.vit(llama)
