@@ -184,6 +184,17 @@ def gpt2(model: nn.Module, sp: bool = False) -> ModelPlan:
     return ModelPlan(plan, {"MLP width (n_inner)": n_inner, "vocabulary (vocab_size)": cfg.vocab_size}, "gpt2")
 
 
+def _encoder_layers(plan: dict[str, ParallelStyle], attention: str) -> None:
+    """A BERT-shaped encoder layer's entries, in place: ``*.{attention}.{query,key,value}`` and
+    ``*.intermediate.dense`` column-parallel, ``*.attention.output.dense`` and the MLP's
+    ``*.layer.N.output.dense`` row-parallel (BERT: ``attention.self``; ViT: ``attention.attention``)."""
+    for proj in ("query", "key", "value"):
+        plan[f"*.{attention}.{proj}"] = ColWiseParallel()
+    plan["*.attention.output.dense"] = RowWiseParallel()
+    plan["*.intermediate.dense"] = ColWiseParallel()
+    plan["*.layer.*[0-9].output.dense"] = RowWiseParallel()  # the MLP output, not *.attention.output.dense
+
+
 def bert(model: nn.Module, sp: bool = False) -> ModelPlan:
     """The BERT plan: query/key/value and ``intermediate.dense`` column, the two ``output.dense`` row.
 
@@ -197,11 +208,7 @@ def bert(model: nn.Module, sp: bool = False) -> ModelPlan:
     plan: dict[str, ParallelStyle] = {}
     if sp:
         plan["*.attention.self"] = _gather_input()
-    for proj in ("query", "key", "value"):
-        plan[f"*.attention.self.{proj}"] = ColWiseParallel()
-    plan["*.attention.output.dense"] = RowWiseParallel()
-    plan["*.intermediate.dense"] = ColWiseParallel()
-    plan["*.layer.*[0-9].output.dense"] = RowWiseParallel()  # the MLP output, not *.attention.output.dense
+    _encoder_layers(plan, "attention.self")
     if sp:
         plan["*LayerNorm"] = SequenceParallel()
     head = None
@@ -229,11 +236,7 @@ def vit(model: nn.Module) -> ModelPlan:
     cfg = _config(model, "vit")
     _require(model, "vit", ["attention.attention.query", "intermediate.dense"])
     plan: dict[str, ParallelStyle] = {}
-    for proj in ("query", "key", "value"):
-        plan[f"*.attention.attention.{proj}"] = ColWiseParallel()
-    plan["*.attention.output.dense"] = RowWiseParallel()
-    plan["*.intermediate.dense"] = ColWiseParallel()
-    plan["*.layer.*[0-9].output.dense"] = RowWiseParallel()  # the MLP output, not *.attention.output.dense
+    _encoder_layers(plan, "attention.attention")
     return ModelPlan(plan, {
         "attention heads (num_attention_heads)": cfg.num_attention_heads,
         "MLP width (intermediate_size)": cfg.intermediate_size,
