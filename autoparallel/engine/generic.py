@@ -16,8 +16,9 @@ Two things, each exact where it is used and nowhere else:
   (``view(b, t, -1)``: that key cannot recur at another length), are not stored.
 * **the output's metadata** (``known_out``/``learn_out``): for ops whose output shape follows
   from their definition — pointwise ops (``torch.Tag.pointwise``) and softmax on inputs of one
-  shape, ``mm``/``addmm``/``bmm`` — on contiguous inputs, the output is one contiguous tensor of
-  that shape, and only its dtype (a function of the dtypes and the non-tensor arguments) is
+  shape, ``mm``/``addmm``/``bmm``, ``view`` (the size with -1 resolved), ``nll_loss`` and its
+  backward — on contiguous inputs, the outputs are contiguous tensors of those shapes, and only
+  their dtypes (a function of the dtypes and the non-tensor arguments; a view's size aside) are
   learned from one meta run. The meta kernel then runs once per dtype signature, not per shape.
 
 ``tests/pure/test_generic_choice.py`` checks both against fresh decisions over random shapes.
@@ -36,12 +37,14 @@ from spmd_rules.base import OpCall, Strategy, TensorMeta
 _aten = torch.ops.aten
 MAX_ENTRIES = 16384
 _CHOICES: dict[Any, Strategy] = {}
-_OUT_DTYPES: dict[Any, torch.dtype] = {}
+_OUT_DTYPES: dict[Any, tuple[torch.dtype, ...]] = {}
 # Ops whose one output has the shape of their tensor inputs (all of one shape), besides pointwise ones.
 _SAME_SHAPE = frozenset({
     _aten._softmax.default, _aten._log_softmax.default,
     _aten._softmax_backward_data.default, _aten._log_softmax_backward_data.default,
 })
+_VIEWS = frozenset({_aten.view.default, _aten._unsafe_view.default})
+_TUPLE = frozenset({_aten.nll_loss_forward.default})  # ops returning a tuple (output, total_weight)
 
 
 def forget() -> None:
@@ -108,26 +111,75 @@ def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
-def out_shape(func: Any, inputs: Sequence[tuple[tuple[int, ...], tuple[int, ...]]]) -> tuple[int, ...] | None:
+def out_shape(func: Any, inputs: Sequence[tuple[tuple[int, ...], tuple[int, ...]]],
+              args: Sequence[Any] = ()) -> tuple[int, ...] | None:
     """The output shape ``func`` has by definition on these DistTensor inputs ((shape, stride)
-    each, in argument order), where it is one contiguous tensor; None where that is not known."""
+    each, in argument order), where it is one contiguous tensor; None where that is not known.
+    ``args``: the call's arguments (a view's size, a loss's reduction)."""
+    shapes = _out_shapes(func, inputs, args)
+    return shapes[0] if shapes is not None and func not in _TUPLE else None
+
+
+def _out_shapes(func: Any, inputs: Sequence[tuple[tuple[int, ...], tuple[int, ...]]],
+                args: Sequence[Any]) -> tuple[tuple[int, ...], ...] | None:
+    """Every output's shape (each a new contiguous tensor, or a view of a contiguous input with
+    contiguous strides), or None."""
     if any(stride != contiguous_strides(shape) for shape, stride in inputs):
         return None
     shapes = [s for s, _ in inputs]
     if func is _aten.mm.default and len(shapes) == 2 and all(len(s) == 2 for s in shapes):
-        return shapes[0][0], shapes[1][1]
+        return ((shapes[0][0], shapes[1][1]),)
     if func is _aten.addmm.default and len(shapes) == 3 and all(len(s) == 2 for s in shapes[1:]):
-        return shapes[1][0], shapes[2][1]
+        return ((shapes[1][0], shapes[2][1]),)
     if func is _aten.bmm.default and len(shapes) == 2 and all(len(s) == 3 for s in shapes):
-        return shapes[0][0], shapes[0][1], shapes[1][2]
+        return ((shapes[0][0], shapes[0][1], shapes[1][2]),)
+    if func in _VIEWS and len(shapes) == 1 and len(args) >= 2:
+        size = _view_size(shapes[0], args[1])
+        return None if size is None else (size,)
+    if func is _aten.nll_loss_forward.default and len(args) >= 4 and _is_tensor(args[0]) and args[0].dim() in (1, 2):
+        out = (args[0].shape[0],) if args[3] == 0 and args[0].dim() == 2 else ()  # reduction none: one per row
+        return tuple(out), ()
+    if func is _aten.nll_loss_backward.default and len(args) >= 2 and _is_tensor(args[1]):
+        return (tuple(args[1].shape),)
     if shapes and (func in _SAME_SHAPE or torch.Tag.pointwise in getattr(func, "tags", ())):
-        return shapes[0] if all(s == shapes[0] for s in shapes[1:]) else None
+        return (shapes[0],) if all(s == shapes[0] for s in shapes[1:]) else None
     return None
+
+
+def _is_tensor(x: Any) -> bool:
+    return isinstance(x, torch.Tensor)
+
+
+def _view_size(shape: tuple[int, ...], size: Any) -> tuple[int, ...] | None:
+    """``view(size)`` of a contiguous tensor of ``shape``: ``size`` with -1 resolved; None where
+    it is not a valid view (the meta kernel then says why)."""
+    if not isinstance(size, (list, tuple)) or not all(type(s) is int for s in size):
+        return None
+    numel = 1
+    for s in shape:
+        numel *= s
+    known, free = 1, [k for k, s in enumerate(size) if s == -1]
+    for s in size:
+        if s != -1:
+            if s < 0:
+                return None
+            known *= s
+    if len(free) > 1:
+        return None
+    out = list(size)
+    if free:
+        if known == 0 or numel % known:
+            return None
+        out[free[0]] = numel // known
+    elif known != numel:
+        return None
+    return tuple(out)
 
 
 def out_key(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], is_dist: Any) -> Any:
     """What an ``out_shape`` op's output dtype depends on: the op, each tensor's dtype (and
-    rank), every other argument exactly; None if unhashable."""
+    rank), every other argument exactly (a view's size aside: a view keeps its input's dtype);
+    None if unhashable."""
     def arg(a: Any) -> Any:
         if is_dist(a):
             return "dist", a.dtype, a.dim()
@@ -137,6 +189,8 @@ def out_key(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], is_dist: A
             return type(a).__name__, tuple(arg(x) for x in a)
         return a
 
+    if func in _VIEWS:
+        args = args[:1]
     key = (func, arg(args), tuple((k, arg(v)) for k, v in kwargs.items()))
     try:
         hash(key)
@@ -145,27 +199,35 @@ def out_key(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], is_dist: A
     return key
 
 
-def known_out(func: Any, key: Any, inputs: Sequence[tuple[tuple[int, ...], tuple[int, ...]]]) -> torch.Tensor | None:
-    """The output (a meta tensor) of an ``out_shape`` op whose dtype was learned, else None."""
-    dtype = _OUT_DTYPES.get(key) if key is not None else None
-    if dtype is None:
+def known_out(func: Any, key: Any, inputs: Sequence[tuple[tuple[int, ...], tuple[int, ...]]],
+              args: Sequence[Any] = ()) -> Any:
+    """The output (a meta tensor, or a tuple of them) of an ``out_shape`` op whose dtypes were
+    learned, else None."""
+    dtypes = _OUT_DTYPES.get(key) if key is not None else None
+    if dtypes is None:
         return None
-    shape = out_shape(func, inputs)
-    if shape is None:
+    shapes = _out_shapes(func, inputs, args)
+    if shapes is None or len(shapes) != len(dtypes):
         return None
-    return torch.empty_strided(shape, contiguous_strides(shape), dtype=dtype, device="meta")
+    outs = tuple(torch.empty_strided(s, contiguous_strides(s), dtype=d, device="meta") for s, d in zip(shapes, dtypes))
+    return outs if func in _TUPLE else outs[0]
 
 
-def learn_out(func: Any, key: Any, inputs: Sequence[tuple[tuple[int, ...], tuple[int, ...]]], fake_out: Any) -> None:
-    """Store the output dtype of an ``out_shape`` op where its meta kernel agreed with it."""
-    if key is None or not isinstance(fake_out, torch.Tensor):
+def learn_out(func: Any, key: Any, inputs: Sequence[tuple[tuple[int, ...], tuple[int, ...]]], fake_out: Any,
+              args: Sequence[Any] = ()) -> None:
+    """Store the output dtypes of an ``out_shape`` op where its meta kernel agreed with it."""
+    if key is None:
         return
-    shape = out_shape(func, inputs)
-    if shape is None or tuple(fake_out.shape) != shape or tuple(fake_out.stride()) != contiguous_strides(shape):
+    outs = tuple(fake_out) if func in _TUPLE and isinstance(fake_out, (tuple, list)) else (fake_out,)
+    shapes = _out_shapes(func, inputs, args)
+    if shapes is None or len(shapes) != len(outs):
         return
+    for o, s in zip(outs, shapes):
+        if not isinstance(o, torch.Tensor) or tuple(o.shape) != s or tuple(o.stride()) != contiguous_strides(s):
+            return
     if len(_OUT_DTYPES) >= MAX_ENTRIES:
         _OUT_DTYPES.clear()
-    _OUT_DTYPES[key] = fake_out.dtype
+    _OUT_DTYPES[key] = tuple(o.dtype for o in outs)
 
 
 __all__ = ["choice_key", "contiguous_strides", "forget", "known_out", "learn_out", "out_key", "out_shape",

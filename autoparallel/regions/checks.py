@@ -17,6 +17,7 @@ from autoparallel.engine import layout
 from autoparallel.engine.dtensor import DistTensor
 from autoparallel.placement import Replicate, Shard
 from autoparallel.regions.crossing import with_partial
+from autoparallel.regions.generic import Record
 from autoparallel.spec import DistSpec
 from spmd_rules.random_ops import draws_random
 
@@ -32,13 +33,15 @@ class _Verdict:
     arg_grads: tuple[DistSpec | None, ...] = ()      # per argument leaf: its gradient's layout
     slot_grads: tuple[DistSpec | None, ...] = ()     # per parameter/buffer slot
     out_local_shapes: tuple[tuple[int, ...] | None, ...] = ()  # per output leaf, on this rank
+    sharded_axes: tuple[int, ...] = ()               # mesh axes the outputs are sharded on
+    generic: bool = False                            # answered by its family (``regions.generic``)
 
     @property
     def local(self) -> bool:
         return not self.reason
 
     def summary(self) -> str:
-        return "local" if self.local else f"refused: {self.reason}"
+        return ("local (as its proven lengths)" if self.generic else "local") if self.local else f"refused: {self.reason}"
 
 
 def _refused(reason: str) -> _Verdict:
@@ -102,7 +105,7 @@ def _classify(out: Any, leaves: list[Any], tensors: list[torch.Tensor]) -> _Verd
         return with_partial(layout.spec_of(x), tuple(sharded)) if isinstance(x, DistTensor) else None
 
     return _Verdict(out_tree=out_tree, out_specs=specs, arg_grads=tuple(grad_of(x) for x in leaves),
-                    slot_grads=tuple(grad_of(t) for t in tensors))
+                    slot_grads=tuple(grad_of(t) for t in tensors), sharded_axes=tuple(sharded))
 
 
 # ---- recording aten calls ------------------------------------------------------------------------
@@ -133,6 +136,8 @@ class _Trace:
         self.replay = replay
         self.ops: list[tuple[Any, ...]] = []
         self.reason = ""
+        # a replay's calls with their sizes, for the signature's family (``regions.generic``)
+        self.split: Record | None = Record() if replay else None
 
     def refuse(self, reason: str) -> None:
         self.reason = self.reason or reason
@@ -152,6 +157,8 @@ class _Trace:
             return run()
 
     def record(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        if self.split is not None:
+            self.split.add(func, args, kwargs, out)
         if func in _SIZED:  # the size may say -1 where the other side says the number
             args = args[:1] + args[2:]
         self.ops.append((func, _describe(args), _describe(kwargs), _describe(out)))

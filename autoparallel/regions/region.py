@@ -15,9 +15,11 @@ from autoparallel import runtime
 from autoparallel.compat import tree_flatten, tree_unflatten
 from autoparallel.engine import layout
 from autoparallel.engine.dtensor import DistTensor
+from autoparallel.log import logger
 from autoparallel.memory import recomputation
 from autoparallel.regions.checks import _classify, _precheck, _refused, _Trace, _Verdict
-from autoparallel.regions.crossing import _Call, _localize, _wrap_out
+from autoparallel.regions.crossing import _Call, _localize, _wrap_out, with_partial
+from autoparallel.regions.generic import Family, Model, Proof, Record, Recorder, Stop, point_of
 from autoparallel.runtime.debug import CommDebugMode
 from autoparallel.spec import DistSpec
 
@@ -25,6 +27,7 @@ _ATTR = "_ap_region"
 _MODE: list[str] = []          # "trace" (a parent is tracing) or "local" (running on shards)
 MAX_SIGNATURES = 16            # per module; beyond that, evict the least recently used signature
 #   while signatures are reused (varying sequence lengths), else give up (a changing scalar argument)
+MAX_FAMILIES = 8               # per module: signatures up to sizes (``regions.generic``)
 _MISSING = object()
 
 
@@ -118,7 +121,9 @@ class _Region:
         self.shape = _structure(self.modules)
         self.slots = _slots(module)
         self.verdicts: dict[Any, _Verdict] = {}  # least recently used first
+        self.families: dict[Any, Family] = {}    # signatures up to their arguments' sizes
         self.firsts = self.reused = 0  # first calls of a signature, and calls answered by a known one
+        self.generic = 0               # first calls answered by their family (no proof)
         self.children_done = False
 
     def run(self, *args: Any, **kwargs: Any) -> Any:
@@ -155,6 +160,12 @@ class _Region:
             # run) more than its recompute: signatures are proven outside such regions only.
             if recomputation.active():
                 return None
+            family = self.families.get(_family_of(key))
+            if family is not None and family.model is not None:
+                out = self._generic(family.model, key, leaves, tree, tensors)
+                if out is not None:
+                    self.generic += 1
+                    return out, True
             if len(self.verdicts) >= MAX_SIGNATURES:
                 if self.reused < self.firsts:  # signatures are not coming back: stop proving new ones
                     return None
@@ -213,51 +224,124 @@ class _Region:
             _refused(f"it communicates ({comm.records[0].kind})") if comm.records else
             _classify(out, leaves, tensors))
         if verdict.local:
-            verdict = self._replay(verdict, trace, out, leaves, tree, tensors)
+            verdict, record = self._replay(verdict, trace, out, leaves, tree, tensors)
+            if record is not None:
+                self._prove(key, Proof(point_of(leaves), record, verdict))
         self.verdicts[key] = verdict
         if not verdict.local:
             self._try_children()
         return out
 
     def _replay(self, verdict: _Verdict, trace: _Trace, out: Any, leaves: list[Any], tree: Any,
-                tensors: list[torch.Tensor]) -> _Verdict:
-        """Run once on detached local shards; the aten calls must be the traced ones."""
+                tensors: list[torch.Tensor]) -> tuple[_Verdict, Record | None]:
+        """Run once on detached local shards; the aten calls must be the traced ones. Also the
+        replay's record where the signature may join its family (``regions.generic``)."""
         replay = _Trace(replay=True)
         try:
             with torch.random.fork_rng(devices=[]):
                 local_out, replay_inputs = self._run_local(verdict, leaves, tree, tensors, spy=replay)
         except Exception as e:  # noqa: BLE001  (any failure on plain tensors refuses the region)
-            return _refused(f"it fails on local tensors ({type(e).__name__}: {str(e)[:80]})")
+            return _refused(f"it fails on local tensors ({type(e).__name__}: {str(e)[:80]})"), None
         if replay.reason:
-            return _refused(replay.reason)
+            return _refused(replay.reason), None
         if len(replay.ops) != len(trace.ops):
-            return _refused(f"on local tensors it runs {len(replay.ops)} aten calls, not {len(trace.ops)}")
+            return _refused(f"on local tensors it runs {len(replay.ops)} aten calls, not {len(trace.ops)}"), None
         for k, (a, b) in enumerate(zip(trace.ops, replay.ops)):
             if a != b:
                 return _refused(f"aten call {k} differs on local tensors ({a[0]} vs {b[0]}): "
-                                "it reads global sizes or layouts")
+                                "it reads global sizes or layouts"), None
         dist_leaves, _ = tree_flatten(out)
         local_leaves, local_tree = tree_flatten(local_out)
         if local_tree != verdict.out_tree:
-            return _refused("its output structure differs on local tensors")
+            return _refused("its output structure differs on local tensors"), None
         coord = _coord(verdict)
         inputs = {_storage(t) for t in replay_inputs.values() if t.numel()}
+        generic = True
         for d, lo, spec in zip(dist_leaves, local_leaves, verdict.out_specs):
             if spec is None:
                 if isinstance(d, torch.Tensor) or d != lo:
-                    return _refused("a non-DistTensor output differs on local tensors")
+                    return _refused("a non-DistTensor output differs on local tensors"), None
+                generic = generic and lo is None  # another value may depend on sizes
             elif tuple(lo.shape) != spec.local_shape(coord) or lo.dtype != spec.dtype:
-                return _refused("an output's local shape differs from its layout")
+                return _refused("an output's local shape differs from its layout"), None
             elif lo.numel() and _storage(lo) in inputs:
-                return _refused("an output aliases an input")
+                return _refused("an output aliases an input"), None
+            else:
+                generic = generic and tuple(lo.shape) == _local_even(spec)
         shapes = tuple(None if s is None else s.local_shape(coord) for s in verdict.out_specs)
-        return replace(verdict, out_local_shapes=shapes)
+        record = replay.split if generic and replay.split is not None and not replay.split.mutates else None
+        return replace(verdict, out_local_shapes=shapes), record
+
+    # ---- families: a new length answered by two proven ones --------------------------------
+    def _prove(self, key: Any, proof: Proof) -> None:
+        fkey = _family_of(key)
+        family = self.families.get(fkey)
+        if family is None:
+            if len(self.families) >= MAX_FAMILIES:
+                del self.families[next(iter(self.families))]
+            family = self.families[fkey] = Family()
+        family.add(proof)
+
+    def _generic(self, model: Model, key: Any, leaves: list[Any], tree: Any,
+                 tensors: list[torch.Tensor]) -> Any:
+        """Run a call of a new signature locally where its family answers for it (else None:
+        nothing was written; prove it)."""
+        tc = model.admits_point(point_of(leaves))
+        if tc is None:
+            return None
+        base = model.b.verdict
+        grads = tuple(with_partial(layout.spec_of(x), base.sharded_axes) if isinstance(x, DistTensor) else None
+                      for x in leaves)
+        pre = replace(base, arg_grads=grads)
+        recorder = Recorder(expect=model.skeleton)
+        try:
+            out, call = self._enter_local(pre, leaves, tree, tensors, recorder=recorder)
+        except Stop as e:
+            logger.debug("local region %s: no generic verdict: %s", type(self.module).__name__, e)
+            return None
+        why = model.admits_record(recorder.record, tc)
+        outs, out_tree = ([out], None) if isinstance(out, torch.Tensor) else tree_flatten(out)
+        if why is None and (not base.out_tree.is_leaf() if out_tree is None else out_tree != base.out_tree):
+            why = "its output structure differs"
+        specs: list[DistSpec | None] = []
+        shapes: list[tuple[int, ...] | None] = []
+        for o, s in zip(outs, base.out_specs):
+            if why is not None:
+                break
+            if s is None:
+                if o is not None:
+                    why = "it returns a value"
+                specs.append(None)
+                shapes.append(None)
+            elif not isinstance(o, torch.Tensor) or isinstance(o, DistTensor) or o.dtype != s.dtype or o.dim() != len(s.shape):
+                why = "an output is not its proven kind"
+            else:
+                glob = tuple(n * _pieces(s, d) for d, n in enumerate(o.shape))
+                specs.append(DistSpec(s.mesh, s.placements, glob, s.dtype, s.shard_order))
+                shapes.append(tuple(o.shape))
+        if why is not None:
+            logger.debug("local region %s: no generic verdict: %s", type(self.module).__name__, why)
+            return None
+        verdict = replace(pre, out_specs=tuple(specs), out_local_shapes=tuple(shapes), generic=True)
+        if len(self.verdicts) >= MAX_SIGNATURES:
+            del self.verdicts[next(iter(self.verdicts))]  # the least recently used
+        self.verdicts[key] = verdict
+        return self._wrap_local(verdict, out, call)
 
     # ---- running on shards -------------------------------------------------------------------
     def _run_local(self, verdict: _Verdict, leaves: list[Any], tree: Any, tensors: list[torch.Tensor],
                    spy: _Trace | None = None) -> Any:
         """Run the module on shards. With ``spy`` (a replay): on detached shards, recording its
         aten calls, returning the local outputs."""
+        if spy is not None:
+            return self._enter_local(verdict, leaves, tree, tensors, spy=spy)
+        out, call = self._enter_local(verdict, leaves, tree, tensors)
+        return self._wrap_local(verdict, out, call)
+
+    def _enter_local(self, verdict: _Verdict, leaves: list[Any], tree: Any, tensors: list[torch.Tensor],
+                     spy: _Trace | None = None, recorder: Recorder | None = None) -> Any:
+        """The module's forward on shards: ``(local output, the run's _Call)``; with ``spy``
+        ``(local output, the detached inputs)``; under ``recorder`` when given."""
         grad = torch.is_grad_enabled()
         want: dict[int, tuple[DistTensor, DistSpec | None]] = {}
         for x, g in zip(leaves, verdict.arg_grads):
@@ -280,19 +364,24 @@ class _Region:
             d[a] = local.get(id(t), t)
         try:
             with _mode("local"):
-                if spy is None:
-                    out = self.forward(*largs, **lkwargs)
-                else:
+                if spy is not None:
                     with spy.spy():
                         out = self.forward(*largs, **lkwargs)
+                elif recorder is not None:
+                    with recorder:
+                        out = self.forward(*largs, **lkwargs)
+                else:
+                    out = self.forward(*largs, **lkwargs)
         finally:
             for (m, a), prev in zip(self.slots, saved):
                 if prev is _MISSING:
                     del m.__dict__[a]
                 else:
                     m.__dict__[a] = prev
-        if spy is not None:
-            return out, local
+        return out, (local if spy is not None else call)
+
+    def _wrap_local(self, verdict: _Verdict, out: Any, call: _Call) -> Any:
+        """A local run's outputs as the DistTensors of the verdict's layouts."""
         outs = [out] if isinstance(out, torch.Tensor) else tree_flatten(out)[0]
         for o, s, shape in zip(outs, verdict.out_specs, verdict.out_local_shapes):
             if s is not None and (not isinstance(o, torch.Tensor) or isinstance(o, DistTensor) or o.dtype != s.dtype
@@ -334,6 +423,37 @@ def _unflatten_call(values: list[Any], tree: Any) -> tuple[tuple[Any, ...], dict
 def _autocast_state() -> tuple[Any, ...]:
     """Autocast changes which ops run and their dtypes: part of the signature."""
     return tuple((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda"))
+
+
+def _family_of(key: Any) -> Any:
+    """A signature up to its tensor arguments' sizes and strides (``regions.generic``)."""
+    tree, parts, *rest = key
+    fam: list[Any] = []
+    for p in parts:
+        if isinstance(p[0], DistSpec):
+            spec, _, grad = p
+            fam.append((spec.mesh, spec.placements, spec.dtype, spec.shard_order, len(spec.shape), grad))
+        elif p[0] == "plain":
+            fam.append(("plain", len(p[1]), *p[2:]))
+        else:
+            fam.append(p)
+    return (tree, tuple(fam), *rest)
+
+
+def _pieces(spec: DistSpec, dim: int) -> int:
+    n = 1
+    for a in spec.axes_of_dim(dim):
+        n *= spec.mesh.shape[a]
+    return n
+
+
+def _local_even(spec: DistSpec) -> tuple[int, ...]:
+    """The local shape of ``spec`` if every sharded dim were split evenly (may be fractional: -1)."""
+    out = []
+    for d, n in enumerate(spec.shape):
+        k = _pieces(spec, d)
+        out.append(n // k if n % k == 0 else -1)
+    return tuple(out)
 
 
 def _coord(verdict: _Verdict) -> tuple[int, ...]:

@@ -10,8 +10,10 @@ signature; wherever the first's choice would be stored, the second's fresh choic
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -140,3 +142,56 @@ def test_a_known_output_is_what_the_meta_kernel_gives(case: Any, sizes: list[dic
         if known is not None:
             assert (known.shape, known.stride(), known.dtype) == (real.shape, real.stride(), real.dtype)
         generic.learn_out(op, key, inputs, real)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(1, 6), min_size=1, max_size=4), st.data())
+def test_a_known_view_is_what_the_meta_kernel_gives(shape: list[int], data: Any) -> None:
+    """``view``/``_unsafe_view`` to a regrouping of the same elements (with or without -1), or
+    to a wrong size: known only where valid, and then exactly the meta kernel's output."""
+    generic.forget()
+    numel = math.prod(shape)
+    divisors = [d for d in range(1, numel + 1) if numel % d == 0]
+    for _ in range(3):
+        a = data.draw(st.sampled_from(divisors))
+        size: list[int] = data.draw(st.sampled_from([[a, numel // a], [-1, a], [a, -1, 1], [numel], [-1], [a, numel]]))
+        op = data.draw(st.sampled_from([aten.view.default, aten._unsafe_view.default]))
+        x = torch.empty(shape, device="meta")
+        inputs = [(tuple(x.shape), tuple(x.stride()))]
+        key = generic.out_key(op, (x, size), {}, lambda t: isinstance(t, torch.Tensor))
+        known = generic.known_out(op, key, inputs, (x, size))
+        try:
+            real = op(x, size)
+        except RuntimeError:
+            assert known is None  # an invalid size is never "known": the meta kernel raises it
+            continue
+        if known is not None:
+            assert (known.shape, known.stride(), known.dtype) == (real.shape, real.stride(), real.dtype)
+        generic.learn_out(op, key, inputs, real, (x, size))
+
+
+@pytest.mark.parametrize("reduction", [0, 1, 2])
+@pytest.mark.parametrize("batched", [True, False])
+def test_known_nll_loss_outputs_are_the_meta_kernels(reduction: int, batched: bool) -> None:
+    generic.forget()
+    for n in (3, 5, 8):
+        x = torch.empty((n, 7) if batched else (7,), device="meta")
+        target = torch.empty((n,) if batched else (), dtype=torch.long, device="meta")
+        fwd = (x, target, None, reduction, -100)
+        inputs = [(tuple(t.shape), tuple(t.stride())) for t in (x, target)]
+        key = generic.out_key(aten.nll_loss_forward.default, fwd, {}, lambda t: isinstance(t, torch.Tensor))
+        known = generic.known_out(aten.nll_loss_forward.default, key, inputs, fwd)
+        real = aten.nll_loss_forward.default(*fwd)
+        if n > 3:
+            assert known is not None
+            assert [(k.shape, k.dtype) for k in known] == [(r.shape, r.dtype) for r in real]
+        generic.learn_out(aten.nll_loss_forward.default, key, inputs, real, fwd)
+        grad_out = torch.empty(real[0].shape, device="meta")
+        bwd = (grad_out, x, target, None, reduction, -100, real[1])
+        binputs = [(tuple(t.shape), tuple(t.stride())) for t in (grad_out, x, target, real[1])]
+        bkey = generic.out_key(aten.nll_loss_backward.default, bwd, {}, lambda t: isinstance(t, torch.Tensor))
+        bknown = generic.known_out(aten.nll_loss_backward.default, bkey, binputs, bwd)
+        breal = aten.nll_loss_backward.default(*bwd)
+        if n > 3:
+            assert bknown is not None and (bknown.shape, bknown.stride(), bknown.dtype) == (breal.shape, breal.stride(), breal.dtype)
+        generic.learn_out(aten.nll_loss_backward.default, bkey, binputs, breal, bwd)

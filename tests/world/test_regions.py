@@ -83,6 +83,28 @@ class PosAdd(nn.Module):
 
 
 # ---- helpers ------------------------------------------------------------------------------------
+class SeqNet(nn.Module):
+    """Tokens [b, t] -> embedding, attention-like mixing over t, a head; any length."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.qkv, self.out = nn.Embedding(11, 8), nn.Linear(8, 24), nn.Linear(8, 11)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t = x.shape
+        q, k, v = self.qkv(self.emb(x)).split(8, dim=-1)
+        a = torch.softmax(q @ k.transpose(1, 2) / 8 ** 0.5, dim=-1)
+        return self.out((a @ v).reshape(b * t, 8))
+
+
+class LengthBranch(SeqNet):
+    """Past 9 tokens it centres over the batch: with the batch sharded, no longer a region."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        return y - y.mean(0, keepdim=True) if x.shape[1] > 9 else y
+
+
 def _mesh() -> ap.ProcessMesh:
     return ap.ProcessMesh([0, 1, 2, 3], dim_names=["dp"])
 
@@ -497,3 +519,59 @@ def test_sharded_optimizer_step_runs_step_hooks_once() -> None:
         opt.step()
         sched.step()
     assert opt.param_groups[0]["lr"] == pytest.approx(0.05)
+
+
+# ---- new lengths: answered by two proven ones ----------------------------------------------------
+def _train_lengths(cls: Any, lengths: list[int], mode: str) -> dict[str, Any]:
+    """SGD over batches of these lengths: ``plain`` (one process, whole batch), ``dist``
+    (DistTensors, no regions) or ``local`` (regions)."""
+    mesh = _mesh()
+    torch.manual_seed(0)
+    model = cls()
+    if mode != "plain":
+        ap.shard_layer(model, mesh)
+        if mode == "dist":
+            disable_local_regions(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for t in lengths:
+        x = torch.randint(0, 11, (8, t), generator=torch.Generator().manual_seed(t))
+        y = model(x if mode == "plain" else ap.shard_tensor(x, mesh, [S0]))
+        loss = (y * y).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach() if mode == "plain" else loss.detach().full_tensor()))
+    params = {n: (p.detach() if mode == "plain" else p.detach().full_tensor()) for n, p in model.named_parameters()}
+    region = model.__dict__.get("_ap_region")
+    return {"losses": losses, "params": params, "report": local_regions_report(model) if mode == "local" else {},
+            "generic": region.generic if region is not None else 0}
+
+
+def _lengths(rank: int, cls: Any, lengths: list[int]) -> dict[str, Any]:
+    runs = {mode: _train_lengths(cls, lengths, mode) for mode in ("plain", "dist", "local")}
+    for mode in ("dist", "local"):
+        assert runs[mode]["losses"] == pytest.approx(runs["plain"]["losses"], rel=1e-5), (mode, runs[mode]["losses"])
+        for n, p in runs["plain"]["params"].items():
+            torch.testing.assert_close(runs[mode]["params"][n], p, rtol=1e-5, atol=1e-6)
+    return {"report": runs["local"]["report"], "generic": runs["local"]["generic"]}
+
+
+def test_new_lengths_run_locally_as_their_proven_ones(world4: Any) -> None:
+    results = world4.run(_lengths, SeqNet, [5, 6, 7, 9, 10, 13, 15, 7, 9])
+    r = results[0]
+    assert all(x == r for x in results)  # every rank took the same path
+    root = r["report"]["<root>"]
+    # 5 and 6 are proven; 7, 9, 10, 13, 15 follow them without a proof (no size coincides there)
+    assert root == ["local", "local"] + ["local (as its proven lengths)"] * 5, root
+    assert r["generic"] == 5
+
+
+def test_a_length_that_takes_another_path_is_proven_again(world4: Any) -> None:
+    results = world4.run(_lengths, LengthBranch, [5, 6, 7, 10, 11])
+    r = results[0]
+    assert all(x == r for x in results)
+    root = r["report"]["<root>"]
+    assert root[:3] == ["local", "local", "local (as its proven lengths)"], root
+    # past 9 the batch mean needs every shard: the run stopped before it, the proof refused
+    assert len(root) == 5 and all(v.startswith("refused") for v in root[3:]), root

@@ -1,0 +1,244 @@
+"""Shape-generic region verdicts: a module proven local at two sequence lengths runs locally at
+a third without proving it again. See ``autoparallel.regions`` and docs/local_regions.md.
+
+A *family* is every signature of a module that differs only in the sizes (and strides) of its
+tensor arguments. Its members' proofs (trace + replay) record the aten calls of the local run;
+here each record is split into a **skeleton** (ops, argument structure, dtypes, every
+non-integer value) and the **integers** (every size of every tensor, every integer argument).
+
+Two proofs A and B of a family, at parameter values ``t_A != t_B`` (``t``: the first argument
+size that differs between them), make the family *ready* when their skeletons are equal and
+every integer of the records and of the arguments is an affine function of ``t`` through the
+two points. A call at a new ``t_C`` then runs on local shards at once, recorded; it is taken
+when:
+
+* the arguments' sizes are the affine functions at ``t_C`` (one length varies, as in A and B);
+* the run's skeleton is A's, op for op (checked before each op runs: a differing op, or any
+  in-place op, stops the run before it executes, so a refused run has written nothing);
+* every integer of the run is its affine function at ``t_C``;
+* nothing a rule reads changes with ``t``: in every op, two integers are equal exactly when
+  their functions are equal (no coincidence such as ``t == 64`` making a view's dims group
+  differently), and 0 and 1 (empty dims, broadcasting) appear exactly where they did in A and B.
+
+In an as-is strategy the only split dims are the sharded ones, split evenly by construction,
+so what decided A and B — which dims are sharded, which sizes are equal, which are 1 — decides
+C the same way. Everything read is metadata that every rank shares (regions need even shards),
+so every rank takes the same path. A refused run costs one local forward and falls back to the
+full proof of the new signature.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from autoparallel.compat import TorchDispatchMode
+from autoparallel.engine.dtensor import DistTensor
+
+
+class Stop(Exception):
+    """Raised inside a recorded run to stop it before an op that breaks the family's skeleton."""
+
+
+# ---- records -------------------------------------------------------------------------------------
+def _split(x: Any, ints: list[int]) -> Any:
+    """``x`` with every integer replaced by a marker (appended to ``ints``); tensors by rank and
+    dtype (their sizes appended)."""
+    t = type(x)
+    if t is int:
+        ints.append(x)
+        return ()
+    if t is tuple or t is list:
+        return t is tuple, tuple([_split(v, ints) for v in x])
+    if isinstance(x, torch.Tensor):
+        ints.extend(x.shape)
+        return x.dtype, x.dim()
+    if t is dict:
+        return "dict", tuple([(k, _split(v, ints)) for k, v in x.items()])
+    return x
+
+
+class Record:
+    """A local run's aten calls as a skeleton (one entry per op) and its integers; ``bounds[k]``:
+    where op k's integers end."""
+
+    def __init__(self) -> None:
+        self.skeleton: list[Any] = []
+        self.ints: list[int] = []
+        self.bounds: list[int] = []
+        self.mutates = False
+
+    def add(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        ints = self.ints
+        self.skeleton.append((func, _split(args, ints), _split(kwargs, ints) if kwargs else None, _split(out, ints)))
+        self.bounds.append(len(ints))
+        self.mutates = self.mutates or _mutable(func)
+
+
+_MUTABLE: dict[Any, bool] = {}
+
+
+def _mutable(func: Any) -> bool:
+    m = _MUTABLE.get(func)
+    if m is None:
+        schema = getattr(func, "_schema", None)
+        m = _MUTABLE[func] = bool(schema is not None and schema.is_mutable)
+    return m
+
+
+class Recorder(TorchDispatchMode):
+    """Records a local run into a ``Record``; with ``expect`` (a family's skeleton), stops the
+    run (``Stop``) before an op that is not the expected one, any in-place op, or a DistTensor."""
+
+    def __init__(self, expect: Sequence[Any] | None = None) -> None:
+        super().__init__()
+        self.record = Record()
+        self.expect = expect
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        expect = self.expect
+        if expect is not None:
+            k = len(self.record.skeleton)
+            if (k >= len(expect) or expect[k][0] is not func or _mutable(func)
+                    or any(issubclass(t, DistTensor) for t in types)):
+                raise Stop(f"aten call {k} ({func}) is not the proven one")
+        out = func(*args, **kwargs)
+        self.record.add(func, args, kwargs, out)
+        return out
+
+
+# ---- families -------------------------------------------------------------------------------------
+def point_of(leaves: Sequence[Any]) -> tuple[int, ...]:
+    """The sizes and strides of a call's tensor arguments, in order (the family's coordinates)."""
+    out: list[int] = []
+    for x in leaves:
+        if isinstance(x, torch.Tensor):
+            out.extend(x.shape)
+            out.extend(x.stride())
+    return tuple(out)
+
+
+@dataclass
+class Proof:
+    """A proven signature of a family: where (``point``), what its local run did, its verdict."""
+
+    point: tuple[int, ...]
+    record: Record
+    verdict: Any          # checks._Verdict (local)
+
+
+class Model:
+    """The affine model of two proofs A, B: every integer as a line through ``(t_A, x_A)`` and
+    ``(t_B, x_B)``, and what a rule could read off them (which are 0 or 1, which are equal)."""
+
+    def __init__(self, a: Proof, b: Proof) -> None:
+        self.a, self.b = a, b
+        self.skeleton = b.record.skeleton
+        self.pa = np.asarray(a.point, dtype=np.int64)
+        self.pb = np.asarray(b.point, dtype=np.int64)
+        self.ia = np.asarray(a.record.ints, dtype=np.int64)
+        self.ib = np.asarray(b.record.ints, dtype=np.int64)
+        self.p0 = self.ta = self.tb = 0
+        self.small = self.ia
+        self.crossings: set[int] = set()
+
+    def build(self) -> str | None:
+        """Why A and B make no model (None: they do)."""
+        a, b, pa, pb = self.a, self.b, self.pa, self.pb
+        if a.record.skeleton != b.record.skeleton or self.ia.shape != self.ib.shape:
+            return "the two proven lengths ran different aten calls"
+        if pa.shape != pb.shape:
+            return "the arguments differ in rank"
+        varying = np.flatnonzero(pa != pb)
+        if not len(varying):
+            return "no argument size differs"
+        self.p0 = int(varying[0])
+        self.ta, self.tb = int(pa[self.p0]), int(pb[self.p0])
+        small = np.minimum(self.ia, 2)
+        if not np.array_equal(small, np.minimum(self.ib, 2)):
+            return "a size is 0 or 1 at one proven length only"
+        self.small = small
+        # per op, its integers' distinct functions (lines); where two of them cross, a call at
+        # that length would see two sizes equal that are not equal in general
+        self.crossings = set()
+        start = 0
+        for end in b.record.bounds:
+            lines = {(int(x), int(y)) for x, y in zip(self.ia[start:end], self.ib[start:end])}
+            start = end
+            if len({x for x, _ in lines}) < len(lines) or len({y for _, y in lines}) < len(lines):
+                return "sizes coincide at a proven length"
+            self.crossings.update(_crossings(sorted(lines), self.ta, self.tb))
+        return None
+
+    def admits_point(self, point: tuple[int, ...]) -> int | None:
+        """``t`` of a call at ``point`` when its argument sizes follow the model, else None."""
+        pc = np.asarray(point, dtype=np.int64)
+        if pc.shape != self.pa.shape:
+            return None
+        tc = int(pc[self.p0])
+        if tc in (self.ta, self.tb) or not _affine(pc, self.pa, self.pb, self.ta, self.tb, tc):
+            return None
+        return tc
+
+    def admits_record(self, record: Record, tc: int) -> str | None:
+        """Why a run at ``tc`` is not the model's at that length (None: it is)."""
+        if len(record.skeleton) != len(self.skeleton) or record.skeleton != self.skeleton:
+            return "it ran other aten calls"
+        ic = np.asarray(record.ints, dtype=np.int64)
+        if ic.shape != self.ia.shape or not _affine(ic, self.ia, self.ib, self.ta, self.tb, tc):
+            return "a size is not the proven lengths' function"
+        if not np.array_equal(np.minimum(ic, 2), self.small):
+            return "a size becomes 0 or 1"
+        if tc in self.crossings:
+            return "sizes coincide at this length"
+        return None
+
+
+class Family:
+    """One family's latest proof and its model, built from the two latest proofs that make one
+    (a proof at a length where sizes coincide, or after a call that left the model, is no
+    witness: the model stays until two newer proofs make another)."""
+
+    def __init__(self) -> None:
+        self.latest: Proof | None = None
+        self.model: Model | None = None
+        self.why = "fewer than two proven lengths"
+
+    def add(self, proof: Proof) -> None:
+        last, self.latest = self.latest, proof
+        if last is None:
+            return
+        model = Model(last, proof)
+        why = model.build()
+        if why is None:
+            self.model, self.why = model, ""
+        elif self.model is None:
+            self.why = why
+
+
+def _affine(xc: np.ndarray, xa: np.ndarray, xb: np.ndarray, ta: int, tb: int, tc: int) -> bool:
+    """Whether every ``xc`` lies on the line through ``(ta, xa)`` and ``(tb, xb)``: exact in integers."""
+    return bool(np.array_equal((xc - xa) * (tb - ta), (xb - xa) * (tc - ta)))
+
+
+def _crossings(lines: list[tuple[int, int]], ta: int, tb: int) -> list[int]:
+    """The integer lengths ``t`` at which two of ``lines`` (values at ``ta``, ``tb``) meet."""
+    out = []
+    for i, (xa, xb) in enumerate(lines):
+        for ya, yb in lines[i + 1:]:
+            # xa + (xb - xa) u == ya + (yb - ya) u, u = (t - ta) / (tb - ta)
+            slope = (xb - xa) - (yb - ya)
+            if slope == 0:
+                continue  # parallel lines: never equal (distinct at ta)
+            num = (ya - xa) * (tb - ta)
+            if num % slope == 0:
+                out.append(ta + num // slope)
+    return out
+
+
+__all__ = ["Family", "Model", "Proof", "Record", "Recorder", "Stop", "point_of"]

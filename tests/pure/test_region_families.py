@@ -1,0 +1,88 @@
+"""Shape-generic region verdicts (autoparallel.regions.generic): the affine model of two proven
+lengths, what it refuses, and the recorder that stops a run before it leaves the proven calls."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from autoparallel.regions.generic import Model, Proof, Recorder, Stop, point_of
+
+pytestmark = pytest.mark.pure
+
+
+def _matmul(t: int) -> torch.Tensor:
+    # mm's integers: [2, t] @ [t, 6] -> [2, 6]: lines 2, t, 6 cross t at 2 and 6
+    return torch.ones(2, t) @ torch.ones(t, 6)
+
+
+def _square(t: int) -> torch.Tensor:
+    return torch.ones(t * t).view(t, t)  # t * t is no line through two lengths
+
+
+def _recorded(fn: Any, t: int) -> tuple[Any, Any]:
+    rec = Recorder()
+    with rec:
+        fn(t)
+    return rec.record, (torch.empty(2, t),)
+
+
+def _model(fn: Any, ta: int, tb: int) -> Model:
+    proofs = []
+    for t in (ta, tb):
+        record, leaves = _recorded(fn, t)
+        proofs.append(Proof(point_of(leaves), record, verdict=None))
+    model = Model(*proofs)
+    assert model.build() is None
+    return model
+
+
+def test_a_new_length_on_the_proven_lines_is_admitted() -> None:
+    model = _model(_matmul, 4, 5)
+    for t in (7, 9, 30):
+        assert model.admits_point(point_of((torch.empty(2, t),))) == t
+        assert model.admits_record(_recorded(_matmul, t)[0], t) is None
+
+
+def test_a_length_where_sizes_coincide_is_refused() -> None:
+    model = _model(_matmul, 4, 5)
+    assert model.crossings >= {2, 6}
+    assert model.admits_record(_recorded(_matmul, 6)[0], 6) == "sizes coincide at this length"
+    assert model.admits_record(_recorded(_matmul, 1)[0], 1) == "a size becomes 0 or 1"
+
+
+def test_a_size_off_the_lines_is_refused() -> None:
+    model = _model(_square, 3, 4)  # at 5 the line through 9 and 16 says 23, the run says 25
+    assert model.admits_record(_recorded(_square, 5)[0], 5) == "a size is not the proven lengths' function"
+
+
+def test_arguments_that_vary_in_two_ways_are_refused() -> None:
+    model = _model(_matmul, 4, 5)
+    assert model.admits_point(point_of((torch.empty(3, 7),))) is None  # the batch changed too
+    assert model.admits_point(point_of((torch.empty(2, 5),))) is None  # a proven length: its own verdict
+
+
+def test_proven_lengths_with_a_coincidence_make_no_model() -> None:
+    a, b = (Proof(point_of(leaves), rec, None) for rec, leaves in (_recorded(_matmul, 6), _recorded(_matmul, 8)))
+    assert Model(a, b).build() == "sizes coincide at a proven length"
+
+
+def test_the_recorder_stops_before_an_unproven_or_in_place_op() -> None:
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return (x + 1) * 2
+
+    def g(x: torch.Tensor) -> torch.Tensor:
+        y = x + 1
+        return y.mul_(2)
+
+    x = torch.zeros(3)
+    rec = Recorder()
+    with rec:
+        f(x)
+    with pytest.raises(Stop, match="aten call 1"), Recorder(expect=rec.record.skeleton):
+        g(x)
+    with pytest.raises(Stop, match="aten call 0"), Recorder(expect=rec.record.skeleton):
+        x.add_(1)
+    assert x.eq(0).all()  # stopped before it wrote
