@@ -16,8 +16,8 @@ Two things, each exact where it is used and nowhere else:
   (``view(b, t, -1)``: that key cannot recur at another length), are not stored.
 * **the output's metadata** (``known_out``/``learn_out``): for ops whose output shape follows
   from their definition — pointwise ops (``torch.Tag.pointwise``) and softmax on inputs of one
-  shape, ``mm``/``addmm``/``bmm``, ``view`` (the size with -1 resolved), ``nll_loss`` and its
-  backward — on contiguous inputs, the outputs are contiguous tensors of those shapes, and only
+  shape, ``mm``/``addmm``/``bmm`` (any strides), ``view`` (the size with -1 resolved), ``nll_loss``,
+  ``layer_norm`` and their backwards — on contiguous inputs, the outputs are contiguous tensors of those shapes, and only
   their dtypes (a function of the dtypes and the non-tensor arguments; a view's size aside) are
   learned from one meta run. The meta kernel then runs once per dtype signature, not per shape.
 
@@ -44,7 +44,9 @@ _SAME_SHAPE = frozenset({
     _aten._softmax_backward_data.default, _aten._log_softmax_backward_data.default,
 })
 _VIEWS = frozenset({_aten.view.default, _aten._unsafe_view.default})
-_TUPLE = frozenset({_aten.nll_loss_forward.default})  # ops returning a tuple (output, total_weight)
+# ops returning a tuple: (output, total_weight), (output, mean, rstd), the gradients asked for
+_TUPLE = frozenset({_aten.nll_loss_forward.default, _aten.native_layer_norm.default,
+                    _aten.native_layer_norm_backward.default})
 
 
 def forget() -> None:
@@ -124,15 +126,23 @@ def _out_shapes(func: Any, inputs: Sequence[tuple[tuple[int, ...], tuple[int, ..
                 args: Sequence[Any]) -> tuple[tuple[int, ...], ...] | None:
     """Every output's shape (each a new contiguous tensor, or a view of a contiguous input with
     contiguous strides), or None."""
-    if any(stride != contiguous_strides(shape) for shape, stride in inputs):
-        return None
     shapes = [s for s, _ in inputs]
+    # products and losses: new contiguous tensors whatever their inputs' strides
     if func is _aten.mm.default and len(shapes) == 2 and all(len(s) == 2 for s in shapes):
         return ((shapes[0][0], shapes[1][1]),)
     if func is _aten.addmm.default and len(shapes) == 3 and all(len(s) == 2 for s in shapes[1:]):
         return ((shapes[1][0], shapes[2][1]),)
     if func is _aten.bmm.default and len(shapes) == 2 and all(len(s) == 3 for s in shapes):
         return ((shapes[0][0], shapes[0][1], shapes[1][2]),)
+    if any(stride != contiguous_strides(shape) for shape, stride in inputs):
+        return None  # the rest: their outputs follow their inputs' strides
+    if func is _aten.native_layer_norm.default and len(args) >= 2 and _is_tensor(args[0]) and _sizes(args[1]):
+        x, axis = tuple(args[0].shape), args[0].dim() - len(args[1])
+        stat = x[:axis] + (1,) * len(args[1])
+        return (x, stat, stat) if axis >= 0 and x[axis:] == tuple(args[1]) else None
+    if (func is _aten.native_layer_norm_backward.default and len(args) == 8 and all(_is_tensor(a) for a in args[5:7])
+            and _is_tensor(args[1]) and list(args[7]) == [True, True, True]):  # all three gradients asked for
+        return tuple(tuple(a.shape) for a in (args[1], args[5], args[6]))
     if func in _VIEWS and len(shapes) == 1 and len(args) >= 2:
         size = _view_size(shapes[0], args[1])
         return None if size is None else (size,)
@@ -148,6 +158,10 @@ def _out_shapes(func: Any, inputs: Sequence[tuple[tuple[int, ...], tuple[int, ..
 
 def _is_tensor(x: Any) -> bool:
     return isinstance(x, torch.Tensor)
+
+
+def _sizes(x: Any) -> bool:
+    return isinstance(x, (list, tuple)) and all(type(s) is int for s in x)
 
 
 def _view_size(shape: tuple[int, ...], size: Any) -> tuple[int, ...] | None:

@@ -195,3 +195,36 @@ def test_known_nll_loss_outputs_are_the_meta_kernels(reduction: int, batched: bo
         if n > 3:
             assert bknown is not None and (bknown.shape, bknown.stride(), bknown.dtype) == (breal.shape, breal.stride(), breal.dtype)
         generic.learn_out(aten.nll_loss_backward.default, bkey, binputs, breal, bwd)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_known_layer_norm_and_product_outputs_are_the_meta_kernels(transposed: bool) -> None:
+    """layer_norm forward/backward (on contiguous inputs) and mm (on any strides) across shapes."""
+    generic.forget()
+
+    def check(op: Any, args: tuple[Any, ...]) -> Any:
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        inputs = [(tuple(t.shape), tuple(t.stride())) for t in tensors]
+        key = generic.out_key(op, args, {}, lambda t: isinstance(t, torch.Tensor))
+        known = generic.known_out(op, key, inputs, args)
+        real = op(*args)
+        if known is not None:
+            flat_k = known if isinstance(known, tuple) else (known,)
+            flat_r = real if isinstance(real, tuple) else (real,)
+            assert [(k.shape, k.stride(), k.dtype) for k in flat_k] == [(r.shape, r.stride(), r.dtype) for r in flat_r]
+        generic.learn_out(op, key, inputs, real, args)
+        return known, real
+
+    for t in (3, 5, 8):
+        x = torch.empty(2, t, 6, device="meta")
+        if transposed:
+            x = x.transpose(0, 1).contiguous().transpose(0, 1)  # never known: the outputs follow strides
+        w, b = torch.empty(6, device="meta"), torch.empty(6, device="meta")
+        known, (out, mean, rstd) = check(aten.native_layer_norm.default, (x, [6], w, b, 1e-5))
+        assert (known is None) == (t == 3 or transposed)
+        known, _ = check(aten.native_layer_norm_backward.default, (out, x, [6], mean, rstd, w, b, [True, True, True]))
+        assert (known is None) == (t == 3 or transposed)
+        m = torch.empty(7, t, device="meta")
+        weight = torch.empty(t, 4, device="meta")
+        known, _ = check(aten.mm.default, (m, weight.t().contiguous().t() if transposed else weight))
+        assert (known is None) == (t == 3)
