@@ -41,11 +41,12 @@ class _Verdict:
         return not self.reason
 
     def summary(self) -> str:
-        return ("local (as its proven lengths)" if self.generic else "local") if self.local else f"refused: {self.reason}"
+        said = "local" if self.local else f"refused: {self.reason}"
+        return f"{said} (as its proven lengths)" if self.generic else said
 
 
-def _refused(reason: str) -> _Verdict:
-    return _Verdict(reason=reason)
+def _refused(reason: str, generic: bool = False) -> _Verdict:
+    return _Verdict(reason=reason, generic=generic)
 
 
 # ---- checks on metadata --------------------------------------------------------------------------

@@ -125,11 +125,12 @@ def point_of(leaves: Sequence[Any]) -> tuple[int, ...]:
 
 @dataclass
 class Proof:
-    """A proven signature of a family: where (``point``), what its local run did, its verdict."""
+    """A proven signature of a family: where (``point``), what its local run did (None: it was
+    refused, or may not generalise), its verdict."""
 
     point: tuple[int, ...]
-    record: Record
-    verdict: Any          # checks._Verdict (local)
+    record: Record | None
+    verdict: Any          # checks._Verdict
 
 
 class Model:
@@ -137,7 +138,9 @@ class Model:
     ``(t_B, x_B)``, and what a rule could read off them (which are 0 or 1, which are equal)."""
 
     def __init__(self, a: Proof, b: Proof) -> None:
+        assert a.record is not None and b.record is not None
         self.a, self.b = a, b
+        self.ra, self.rb = a.record, b.record
         self.skeleton = b.record.skeleton
         self.pa = np.asarray(a.point, dtype=np.int64)
         self.pb = np.asarray(b.point, dtype=np.int64)
@@ -149,8 +152,8 @@ class Model:
 
     def build(self) -> str | None:
         """Why A and B make no model (None: they do)."""
-        a, b, pa, pb = self.a, self.b, self.pa, self.pb
-        if a.record.skeleton != b.record.skeleton or self.ia.shape != self.ib.shape:
+        ra, rb, pa, pb = self.ra, self.rb, self.pa, self.pb
+        if ra.skeleton != rb.skeleton or self.ia.shape != self.ib.shape:
             return "the two proven lengths ran different aten calls"
         if pa.shape != pb.shape:
             return "the arguments differ in rank"
@@ -167,7 +170,7 @@ class Model:
         # that length would see two sizes equal that are not equal in general
         self.crossings = set()
         start = 0
-        for end in b.record.bounds:
+        for end in rb.bounds:
             lines = {(int(x), int(y)) for x, y in zip(self.ia[start:end], self.ib[start:end])}
             start = end
             if len({x for x, _ in lines}) < len(lines) or len({y for _, y in lines}) < len(lines):
@@ -202,16 +205,24 @@ class Model:
 class Family:
     """One family's latest proof and its model, built from the two latest proofs that make one
     (a proof at a length where sizes coincide, or after a call that left the model, is no
-    witness: the model stays until two newer proofs make another)."""
+    witness: the model stays until two newer proofs make another).
+
+    ``refusal``: the reason both latest proofs were refused for, if the same (a new length then
+    takes the DistTensor path without a trace: always correct, at worst slower)."""
 
     def __init__(self) -> None:
         self.latest: Proof | None = None
         self.model: Model | None = None
+        self.refusal = ""
         self.why = "fewer than two proven lengths"
 
     def add(self, proof: Proof) -> None:
         last, self.latest = self.latest, proof
         if last is None:
+            return
+        a, b = last.verdict, proof.verdict
+        self.refusal = b.reason if not a.local and a.reason == b.reason else ""
+        if last.record is None or proof.record is None:
             return
         model = Model(last, proof)
         why = model.build()

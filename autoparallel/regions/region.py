@@ -166,6 +166,11 @@ class _Region:
                 if out is not None:
                     self.generic += 1
                     return out, True
+            if family is not None and family.refusal:
+                # refused at the two latest proven lengths for one reason: take the DistTensor
+                # path without a trace (always correct; the children get their turn now)
+                self._remember(key, _refused(family.refusal, generic=True))
+                return None
             if len(self.verdicts) >= MAX_SIGNATURES:
                 if self.reused < self.firsts:  # signatures are not coming back: stop proving new ones
                     return None
@@ -223,10 +228,10 @@ class _Region:
         verdict = _refused(trace.reason) if trace.reason else (
             _refused(f"it communicates ({comm.records[0].kind})") if comm.records else
             _classify(out, leaves, tensors))
+        record = None
         if verdict.local:
             verdict, record = self._replay(verdict, trace, out, leaves, tree, tensors)
-            if record is not None:
-                self._prove(key, Proof(point_of(leaves), record, verdict))
+        self._family(key).add(Proof(point_of(leaves), record, verdict))
         self.verdicts[key] = verdict
         if not verdict.local:
             self._try_children()
@@ -273,14 +278,20 @@ class _Region:
         return replace(verdict, out_local_shapes=shapes), record
 
     # ---- families: a new length answered by two proven ones --------------------------------
-    def _prove(self, key: Any, proof: Proof) -> None:
+    def _family(self, key: Any) -> Family:
         fkey = _family_of(key)
         family = self.families.get(fkey)
         if family is None:
             if len(self.families) >= MAX_FAMILIES:
                 del self.families[next(iter(self.families))]
             family = self.families[fkey] = Family()
-        family.add(proof)
+        return family
+
+    def _remember(self, key: Any, verdict: _Verdict) -> None:
+        """Store a verdict not proven by a trace (its family's), evicting the least recently used."""
+        if len(self.verdicts) >= MAX_SIGNATURES:
+            del self.verdicts[next(iter(self.verdicts))]
+        self.verdicts[key] = verdict
 
     def _generic(self, model: Model, key: Any, leaves: list[Any], tree: Any,
                  tensors: list[torch.Tensor]) -> Any:
@@ -323,9 +334,7 @@ class _Region:
             logger.debug("local region %s: no generic verdict: %s", type(self.module).__name__, why)
             return None
         verdict = replace(pre, out_specs=tuple(specs), out_local_shapes=tuple(shapes), generic=True)
-        if len(self.verdicts) >= MAX_SIGNATURES:
-            del self.verdicts[next(iter(self.verdicts))]  # the least recently used
-        self.verdicts[key] = verdict
+        self._remember(key, verdict)
         return self._wrap_local(verdict, out, call)
 
     # ---- running on shards -------------------------------------------------------------------

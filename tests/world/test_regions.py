@@ -568,10 +568,13 @@ def test_new_lengths_run_locally_as_their_proven_ones(world4: Any) -> None:
 
 
 def test_a_length_that_takes_another_path_is_proven_again(world4: Any) -> None:
-    results = world4.run(_lengths, LengthBranch, [5, 6, 7, 10, 11])
+    results = world4.run(_lengths, LengthBranch, [5, 6, 7, 10, 11, 12])
     r = results[0]
     assert all(x == r for x in results)
     root = r["report"]["<root>"]
     assert root[:3] == ["local", "local", "local (as its proven lengths)"], root
-    # past 9 the batch mean needs every shard: the run stopped before it, the proof refused
-    assert len(root) == 5 and all(v.startswith("refused") for v in root[3:]), root
+    # past 9 the batch mean needs every shard: the run stopped before it, the proof refused;
+    # refused twice for one reason, the next length takes the DistTensor path without a trace
+    assert len(root) == 6 and all(v.startswith("refused") for v in root[3:]), root
+    assert root[3] == root[4] and root[5] == root[4] + " (as its proven lengths)", root
+    assert r["report"]["out"] == ["local"], r["report"]  # no trace of the root at 12: the children ran as regions
