@@ -90,6 +90,36 @@ def _mutable(func: Any) -> bool:
     return m
 
 
+def sized_flags(skeleton: Sequence[Any]) -> list[bool]:
+    """Per integer of a record with this skeleton: is it a size (a tensor's, or a ``SymInt``
+    argument's such as a view's) rather than an index or a flag (``transpose``'s dims)?
+    Only sizes are compared with each other: a rule reads no equality between a dim index and
+    a size."""
+    flags: list[bool] = []
+    for func, args, kwargs, out in skeleton:
+        schema = getattr(func, "_schema", None)
+        kinds = {a.name: "SymInt" in str(a.type) for a in schema.arguments} if schema is not None else {}
+        order = list(kinds.values())
+        for i, a in enumerate(args[1]):
+            _flags(a, order[i] if i < len(order) else False, flags)
+        if kwargs is not None:
+            for k, a in kwargs[1]:
+                _flags(a, kinds.get(k, False), flags)
+        _flags(out, True, flags)
+    return flags
+
+
+def _flags(skel: Any, size: bool, flags: list[bool]) -> None:
+    """Walk ``skel`` in ``_split``'s order: an int marker takes ``size``, a tensor its dims."""
+    if skel == ():
+        flags.append(size)
+    elif type(skel) is tuple and len(skel) == 2 and isinstance(skel[0], torch.dtype):
+        flags.extend([True] * skel[1])
+    elif type(skel) is tuple and len(skel) == 2 and type(skel[0]) is bool:
+        for v in skel[1]:
+            _flags(v, size, flags)
+
+
 class Recorder(TorchDispatchMode):
     """Records a local run into a ``Record``; with ``expect`` (a family's skeleton), stops the
     run (``Stop``) before an op that is not the expected one, any in-place op, or a DistTensor."""
@@ -169,9 +199,12 @@ class Model:
         # per op, its integers' distinct functions (lines); where two of them cross, a call at
         # that length would see two sizes equal that are not equal in general
         self.crossings = set()
+        sized = sized_flags(rb.skeleton)
+        if len(sized) != len(self.ia):
+            return "the record's integers do not match its skeleton"
         start = 0
         for end in rb.bounds:
-            lines = {(int(x), int(y)) for x, y in zip(self.ia[start:end], self.ib[start:end])}
+            lines = {(int(x), int(y)) for x, y, f in zip(self.ia[start:end], self.ib[start:end], sized[start:end]) if f}
             start = end
             if len({x for x, _ in lines}) < len(lines) or len({y for _, y in lines}) < len(lines):
                 return "sizes coincide at a proven length"
@@ -252,4 +285,4 @@ def _crossings(lines: list[tuple[int, int]], ta: int, tb: int) -> list[int]:
     return out
 
 
-__all__ = ["Family", "Model", "Proof", "Record", "Recorder", "Stop", "point_of"]
+__all__ = ["Family", "Model", "Proof", "Record", "Recorder", "Stop", "point_of", "sized_flags"]

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from autoparallel.regions.generic import Model, Proof, Recorder, Stop, point_of
+from autoparallel.regions.generic import Model, Proof, Recorder, Stop, point_of, sized_flags
 
 pytestmark = pytest.mark.pure
 
@@ -86,3 +86,18 @@ def test_the_recorder_stops_before_an_unproven_or_in_place_op() -> None:
     with pytest.raises(Stop, match="aten call 0"), Recorder(expect=rec.record.skeleton):
         x.add_(1)
     assert x.eq(0).all()  # stopped before it wrote
+
+
+def test_dim_indices_are_not_sizes() -> None:
+    def f(t: int) -> torch.Tensor:
+        return torch.ones(t, 3, 5).transpose(1, 2)
+
+    record, _ = _recorded(f, 2)
+    flags = sized_flags(record.skeleton)
+    assert len(flags) == len(record.ints)
+    k = [i for i, (func, *_rest) in enumerate(record.skeleton) if func is torch.ops.aten.transpose.int][0]
+    start = record.bounds[k - 1] if k else 0
+    # [t, 3, 5] in, dims 1 and 2 (indices), [t, 5, 3] out
+    assert flags[start:record.bounds[k]] == [True, True, True, False, False, True, True, True]
+    # at t = 2 the size t equals the index 2: no coincidence a rule could read, a model is made
+    assert _model(f, 2, 4).crossings == {3, 5}

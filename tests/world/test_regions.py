@@ -522,9 +522,9 @@ def test_sharded_optimizer_step_runs_step_hooks_once() -> None:
 
 
 # ---- new lengths: answered by two proven ones ----------------------------------------------------
-def _train_lengths(cls: Any, lengths: list[int], mode: str) -> dict[str, Any]:
-    """SGD over batches of these lengths: ``plain`` (one process, whole batch), ``dist``
-    (DistTensors, no regions) or ``local`` (regions)."""
+def _train_lengths(cls: Any, lengths: list[int | tuple[int, int]], mode: str) -> dict[str, Any]:
+    """SGD over batches of these lengths (or (batch, length) pairs): ``plain`` (one process,
+    whole batch), ``dist`` (DistTensors, no regions) or ``local`` (regions)."""
     mesh = _mesh()
     torch.manual_seed(0)
     model = cls()
@@ -534,8 +534,9 @@ def _train_lengths(cls: Any, lengths: list[int], mode: str) -> dict[str, Any]:
             disable_local_regions(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     losses = []
-    for t in lengths:
-        x = torch.randint(0, 11, (8, t), generator=torch.Generator().manual_seed(t))
+    for item in lengths:
+        b, t = item if isinstance(item, tuple) else (8, item)
+        x = torch.randint(0, 11, (b, t), generator=torch.Generator().manual_seed(t))
         y = model(x if mode == "plain" else ap.shard_tensor(x, mesh, [S0]))
         loss = (y * y).mean()
         opt.zero_grad()
@@ -578,3 +579,15 @@ def test_a_length_that_takes_another_path_is_proven_again(world4: Any) -> None:
     assert len(root) == 6 and all(v.startswith("refused") for v in root[3:]), root
     assert root[3] == root[4] and root[5] == root[4] + " (as its proven lengths)", root
     assert r["report"]["out"] == ["local"], r["report"]  # no trace of the root at 12: the children ran as regions
+
+
+def test_an_uneven_batch_is_not_answered_by_its_family(world4: Any) -> None:
+    # batches 8 and 16 make a model in the batch size; 10 rows split 3/3/3/1 over 4 ranks: the
+    # ranks' local runs differ, so no rank may take the family's answer (one proving while the
+    # others ran locally would hang); 24 rows are even again
+    results = world4.run(_lengths, SeqNet, [(8, 5), (16, 5), (10, 5), (24, 5)])
+    r = results[0]
+    assert all(x == r for x in results)
+    root = r["report"]["<root>"]
+    assert root[2].startswith("refused") and "unevenly" in root[2], root
+    assert root[3] == "local (as its proven lengths)", root
