@@ -40,8 +40,9 @@ from autoparallel.compat import TorchDispatchMode
 from autoparallel.engine.dtensor import DistTensor
 
 
-class Stop(Exception):
-    """Raised inside a recorded run to stop it before an op that breaks the family's skeleton."""
+class Stop(BaseException):
+    """Raised inside a recorded run to stop it before an op that breaks the family's skeleton
+    (a ``BaseException``: a module's own ``except Exception`` does not swallow it)."""
 
 
 # ---- records -------------------------------------------------------------------------------------

@@ -307,8 +307,9 @@ class _Region:
         recorder = Recorder(expect=model.skeleton)
         try:
             out, call = self._enter_local(pre, leaves, tree, tensors, recorder=recorder)
-        except Stop as e:
-            logger.debug("local region %s: no generic verdict: %s", type(self.module).__name__, e)
+        except (Stop, Exception) as e:  # noqa: BLE001  (the proof runs it again, and raises what is real)
+            logger.debug("local region %s: no generic verdict: %s: %s", type(self.module).__name__,
+                         type(e).__name__, e)
             return None
         why = model.admits_record(recorder.record, tc)
         outs, out_tree = ([out], None) if isinstance(out, torch.Tensor) else tree_flatten(out)
