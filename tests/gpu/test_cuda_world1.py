@@ -165,3 +165,43 @@ def test_shard_dataloader_yields_cuda_shards() -> None:
         assert torch.equal(x.full_tensor().cpu(), data.tensors[0][seen: seen + 4])
         seen += 4
     assert seen == 8
+
+
+class _Tokens(nn.Module):
+    """Token sequences of any length: embedding, attention over t, a head (data parallel)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.qkv, self.out = nn.Embedding(11, 16), nn.Linear(16, 48), nn.Linear(16, 11)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(self.emb(x)).split(16, dim=-1)
+        return self.out(F.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+
+def test_new_lengths_answered_by_their_family_cuda() -> None:
+    """Varying sequence lengths under data parallelism: after two proven lengths the region runs
+    new ones on the shards at once (its family answers), and training equals plain torch."""
+    lengths = [5, 6, 7, 9, 11, 13, 7]
+    data = [torch.randint(0, 11, (4, t), generator=torch.Generator().manual_seed(t)).cuda() for t in lengths]
+    torch.manual_seed(0)
+    model = _Tokens().cuda()
+    ref = copy.deepcopy(model)
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    mesh = ap.ProcessMesh([0], dim_names=["dp"])
+    ap.shard_layer(model, mesh)
+    opt = ap.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    for x in data:
+        loss = F.cross_entropy(model(ap.shard_tensor(x, mesh, [S0])).flatten(0, 1), ap.shard_tensor(x, mesh, [S0]).flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        rloss = F.cross_entropy(ref(x).flatten(0, 1), x.flatten())
+        rloss.backward()
+        ropt.step()
+        ropt.zero_grad()
+        torch.testing.assert_close(loss.full_tensor(), rloss.detach(), rtol=1e-5, atol=1e-6)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.full_tensor(), q.detach(), rtol=1e-5, atol=1e-6)
+    report = ap.local_regions_report(model)["<root>"]
+    assert report.count("local (as its proven lengths)") >= 3, report
