@@ -16,15 +16,17 @@ when:
 * the run's skeleton is A's, op for op (checked before each op runs: a differing op, or any
   in-place op, stops the run before it executes, so a refused run has written nothing);
 * every integer of the run is its affine function at ``t_C``;
-* nothing a rule reads changes with ``t``: in every op, two integers are equal exactly when
-  their functions are equal (no coincidence such as ``t == 64`` making a view's dims group
-  differently), and 0 and 1 (empty dims, broadcasting) appear exactly where they did in A and B.
+* nothing a rule reads changes with ``t``: in every op, two sizes (tensor dims, ``SymInt``
+  arguments; not dim indices) are equal exactly when their lines are (``t_C`` is no crossing:
+  no coincidence such as ``t == 64`` making a view's dims group differently), and 0 and 1
+  (empty dims, broadcasting) appear exactly where they did in A and B.
 
 In an as-is strategy the only split dims are the sharded ones, split evenly by construction,
 so what decided A and B — which dims are sharded, which sizes are equal, which are 1 — decides
 C the same way. Everything read is metadata that every rank shares (regions need even shards),
-so every rank takes the same path. A refused run costs one local forward and falls back to the
-full proof of the new signature.
+so every rank takes the same path; uneven shards are never answered. A refused run costs one
+local forward and falls back to the full proof of the new signature. A family whose two latest
+proofs were refused for one reason predicts that refusal (``Family.refusal``).
 """
 
 from __future__ import annotations
