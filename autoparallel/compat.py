@@ -93,6 +93,12 @@ will_engine_execute_node: Callable[[Any], bool] = getattr(torch._C, "_will_engin
 
 
 # ---- op registry -------------------------------------------------------------------------------
+# Whether a torch profiler (or NVTX emitter) is recording: a profiler range costs ~15 us to
+# enter and leave even when none is (``record_function`` calls into the dispatcher); older torch
+# without the flag always opens the range.
+profiler_enabled: Callable[[], bool] = getattr(torch.autograd, "_profiler_enabled", lambda: True)
+
+
 def all_op_schemas() -> list[Any]:
     """Every registered op schema (the rules enumerate the ``_foreach_*`` family from it).
     Fallback: none found -- those ops then run replicated, with the usual warning."""
@@ -156,6 +162,7 @@ except ImportError:  # pragma: no cover - the same in Python
 
 
 __all__ = [
+    "profiler_enabled",
     "GRAD_SCALER_UNSCALE", "HAS_GRAD_SCALER_UNSCALE", "amp_check_and_unscale_",
     "WRAPPER_POSITIONAL", "TorchDispatchMode", "all_op_schemas", "disable_torch_function_subclass", "disabled_torch_function_impl", "flatten_dense_tensors",
     "make_wrapper_subclass", "meta_in_tls", "no_dispatch", "optimizer_global_hooks", "tree_flatten", "tree_unflatten",
