@@ -12,8 +12,9 @@ Two things, each exact where it is used and nowhere else:
   placements, shard orders and mesh shape. A choice is stored only when it compared no costs:
   the one strategy taking every input as it is (the lexicographic cost puts it first at any
   size; several such strategies, or none, compare bytes that scale with sizes and are decided
-  afresh). Calls that write an input, or whose arguments name one of the generic sizes
-  (``view(b, t, -1)``: that key cannot recur at another length), are not stored.
+  afresh). Calls that write an input, or whose arguments name one of the generic sizes, are
+  not stored — except a view, whose size is its output's shape: its key holds instead where
+  its dims regroup (the prefix products both shapes share), all its rule reads beyond ranks.
 * **the output's metadata** (``known_out``/``learn_out``): for ops whose output shape follows
   from their definition — pointwise ops (``torch.Tag.pointwise``) and softmax on inputs of one
   shape, ``mm``/``addmm``/``bmm`` (any strides), ``view`` (the size with -1 resolved), ``nll_loss``,
@@ -71,6 +72,12 @@ def choice_key(call: OpCall, specs: Sequence[DistSpec]) -> Any:
 
     generic = {s for s in sizes if s >= 2 and s % n == 0}
     named: list[bool] = []
+    args: tuple[Any, ...] = call.args
+    extra: tuple[tuple[int, int], ...] = ()
+    if call.op in _VIEWS and len(call.inputs) == 1 and call.out and call.out[0] is not None:
+        # a view's size is its output's shape (in the key); what its rule reads of the sizes
+        # beyond their ranks is which dims group together: the prefix products both sides share
+        args, extra = call.args[:1], _groups(call.inputs[0].shape, call.out[0].shape)
 
     def arg(a: Any) -> Any:
         if isinstance(a, TensorMeta):
@@ -82,8 +89,8 @@ def choice_key(call: OpCall, specs: Sequence[DistSpec]) -> Any:
         return a
 
     key = (call.op, call.mesh_shape, call.placements, tuple(s.shard_order for s in specs),
-           tuple(meta(m) for m in call.inputs), tuple(meta(m) for m in call.out), arg(call.args),
-           tuple((k, arg(v)) for k, v in call.kwargs.items()))
+           tuple(meta(m) for m in call.inputs), tuple(meta(m) for m in call.out), arg(args),
+           tuple((k, arg(v)) for k, v in call.kwargs.items()), extra)
     if named:  # an argument names a size (``view``'s lengths): no other shape has this key
         return None
     try:
@@ -91,6 +98,23 @@ def choice_key(call: OpCall, specs: Sequence[DistSpec]) -> Any:
     except TypeError:
         return None
     return key
+
+
+def _groups(src: Sequence[int], dst: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    """Every ``(i, j)`` with ``prod(src[:i]) == prod(dst[:j])``: where a view's dims regroup."""
+    pre_dst: dict[int, list[int]] = {}
+    p = 1
+    for j in range(len(dst) + 1):
+        pre_dst.setdefault(p, []).append(j)
+        if j < len(dst):
+            p *= dst[j]
+    out = []
+    p = 1
+    for i in range(len(src) + 1):
+        out += [(i, j) for j in pre_dst.get(p, ())]
+        if i < len(src):
+            p *= src[i]
+    return tuple(out)
 
 
 def stored_choice(key: Any) -> Strategy | None:

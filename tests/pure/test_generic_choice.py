@@ -228,3 +228,57 @@ def test_known_layer_norm_and_product_outputs_are_the_meta_kernels(transposed: b
         weight = torch.empty(t, 4, device="meta")
         known, _ = check(aten.mm.default, (m, weight.t().contiguous().t() if transposed else weight))
         assert (known is None) == (t == 3)
+
+
+def _view_sizes(kind: str, s: dict[str, int]) -> tuple[tuple[int, ...], list[int]]:
+    """(input shape, view size) of a view template over letter sizes ``s``."""
+    a, b, c = s["a"], s["b"], s["c"]
+    return {
+        "merge01": ((a, b, c), [a * b, c]),
+        "merge12": ((a, b, c), [a, b * c]),
+        "split0": ((a * b, c), [a, b, c]),
+        "split1": ((a, b * c), [a, b, c]),
+        "heads": ((a, b, c * 2), [a, b, 2, c]),
+        "flat": ((a, b, c), [a * b * c]),
+    }[kind]
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.sampled_from(["merge01", "merge12", "split0", "split1", "heads", "flat"]),
+       st.sampled_from([(2,), (4,), (2, 2)]), st.data())
+def test_a_stored_view_choice_is_the_fresh_choice_at_another_shape(kind: str, mesh_shape: tuple[int, ...], data: Any) -> None:
+    """A view's choice is keyed by its output shape and where its dims regroup (not its size
+    argument): wherever two shapes share the key, the fresh choice at the second is the one
+    stored at the first."""
+    n = 1
+    for a in mesh_shape:
+        n *= a
+    mesh = ProcessMesh(torch.arange(n).reshape(mesh_shape).tolist())
+    made = []
+    pl = None
+    first = {c: data.draw(st.sampled_from([1, 2, 3, 5, n, 2 * n, 3 * n, 4 * n, 6 * n])) for c in "abc"}
+    f = data.draw(st.sampled_from([2, 3, 5]))  # the second shape: every multiple of n scaled alike
+    for s in (first, {c: v * f if v >= 2 and v % n == 0 else v for c, v in first.items()}):
+        shape, size = _view_sizes(kind, s)
+        if pl is None:
+            pl = tuple(_placement(data.draw, len(shape)) for _ in mesh_shape)
+        meta = TensorMeta(shape, torch.float32)
+        try:
+            spec = DistSpec(mesh, pl, shape, torch.float32)
+        except ValueError:
+            return
+        out = TensorMeta(tuple(torch.empty(shape, device="meta").view(size).shape), torch.float32)
+        made.append((OpCall(aten.view.default, (meta, size), {}, (meta,), (out,), (pl,), tuple(mesh.shape)), [spec]))
+    (call_a, specs_a), (call_b, specs_b) = made
+    if choice_key(call_a, specs_a) != choice_key(call_b, specs_b):
+        return  # another signature: decided afresh
+    rule = get_rule(aten.view.default)
+    assert rule is not None
+    strategies_a = rule(call_a)
+    if not strategies_a:
+        return
+    best_a = _cheapest(strategies_a, specs_a, mesh, call_a.out)
+    if _only_free(strategies_a, specs_a) is not best_a:
+        return  # not stored
+    strategies_b = rule(call_b)
+    assert strategies_b and _cheapest(strategies_b, specs_b, mesh, call_b.out) == best_a, (call_a, call_b)
