@@ -147,6 +147,7 @@ class _Region:
             self.modules = list(self.module.modules())
             self.shape, self.slots = _structure(self.modules), _slots(self.module)
             self.verdicts.clear()
+            self.families.clear()
         tensors = [_current(m, a) for m, a in self.slots]
         key = self._key(leaves, tree, tensors)
         if key is None:
