@@ -66,14 +66,20 @@ def _precheck(leaves: list[Any], tensors: list[torch.Tensor]) -> str:
         if getattr(t, "_ap_zero3", None) is not None:
             return "it owns ZeRO-3 sharded parameters (gathered by their unit)"
         for dim in range(len(spec.shape)):
-            pieces = 1
-            for a in spec.axes_of_dim(dim):
-                pieces *= mesh.shape[a]
+            pieces = _pieces(spec, dim)
             if spec.shape[dim] % pieces:
                 return f"an input's dim {dim} of size {spec.shape[dim]} is split unevenly ({pieces} pieces)"
     if mesh.coordinate_of(runtime.get_rank()) is None:
         return "this rank is outside the mesh"
     return ""
+
+
+def _pieces(spec: DistSpec, dim: int) -> int:
+    """How many pieces ``spec`` splits tensor dim ``dim`` into (the product of its mesh axes)."""
+    n = 1
+    for a in spec.axes_of_dim(dim):
+        n *= spec.mesh.shape[a]
+    return n
 
 
 def _classify(out: Any, leaves: list[Any], tensors: list[torch.Tensor]) -> _Verdict:

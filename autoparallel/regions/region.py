@@ -17,7 +17,7 @@ from autoparallel.engine import layout
 from autoparallel.engine.dtensor import DistTensor
 from autoparallel.log import logger
 from autoparallel.memory import recomputation
-from autoparallel.regions.checks import _classify, _precheck, _refused, _Trace, _Verdict
+from autoparallel.regions.checks import _classify, _pieces, _precheck, _refused, _Trace, _Verdict
 from autoparallel.regions.crossing import _Call, _localize, _wrap_out, with_partial
 from autoparallel.regions.generic import Family, Model, Proof, Record, Recorder, Stop, point_of
 from autoparallel.runtime.debug import CommDebugMode
@@ -449,13 +449,6 @@ def _family_of(key: Any) -> Any:
         else:
             fam.append(p)
     return (tree, tuple(fam), *rest)
-
-
-def _pieces(spec: DistSpec, dim: int) -> int:
-    n = 1
-    for a in spec.axes_of_dim(dim):
-        n *= spec.mesh.shape[a]
-    return n
 
 
 def _local_even(spec: DistSpec) -> tuple[int, ...]:
