@@ -3,6 +3,7 @@ those inputs, read from the op's schema."""
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any
 
 import torch
@@ -25,8 +26,17 @@ def _arg(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], i: int) -> An
     return args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
 
 
+@lru_cache(maxsize=4096)
+def may_write(func: Any) -> bool:
+    """Whether the op's schema (or ``UNMARKED_WRITES``) lets it write any argument at all."""
+    return func in UNMARKED_WRITES or any(
+        a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
+
+
 def written_args(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
     """The arguments the op writes: ``self`` of ``add_``, ``out=``, and the ``UNMARKED_WRITES``."""
+    if not may_write(func):
+        return []
     written: list[Any] = []
     unmarked, flag = UNMARKED_WRITES.get(func, ((), ""))
     names = [a.name for a in func._schema.arguments]
@@ -69,8 +79,10 @@ def out_aliases(
 
 def mutated_inputs(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], dts: list[Any]) -> tuple[int, ...]:
     """Positions (in ``dts``) of the DistTensors the op writes."""
+    if not may_write(func):
+        return ()
     ids = [id(t) for t in written_args(func, args, kwargs)]
     return tuple(i for i, t in enumerate(dts) if id(t) in ids)
 
 
-__all__ = ["UNMARKED_WRITES", "mutated_inputs", "out_aliases", "written_args"]
+__all__ = ["UNMARKED_WRITES", "may_write", "mutated_inputs", "out_aliases", "written_args"]

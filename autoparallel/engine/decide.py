@@ -314,7 +314,7 @@ def _finish(cls: Any, func: Any, d: Decision, args: tuple[Any, ...], kwargs: dic
     if not isinstance(d, LocalStep):
         return d
     back = tuple(None if d.in_specs[i] == specs[i] else plan_best(d.in_specs[i], specs[i]) for i in d.mutated)
-    returns_view = any(r.alias_info is not None for r in func._schema.returns)
+    returns_view = _returns_view(func)
     moved_input = func in _MATERIALISED_VIEWS or any(_copies(p) for p in d.plans)
     contexts = None
     if d.local_fn is not None and d.coord is not None:
@@ -339,6 +339,11 @@ def _finish(cls: Any, func: Any, d: Decision, args: tuple[Any, ...], kwargs: dic
         )
     return replace(d, restore=back, slots=dist_slots(cls, args, kwargs), detached_view=detached_view,
                    contexts=contexts, simple=simple, in_conform=in_conform, out_dense=out_dense)
+
+
+@lru_cache(maxsize=4096)
+def _returns_view(func: Any) -> bool:
+    return any(r.alias_info is not None for r in func._schema.returns)
 
 
 def _copies(plan: Plan | CrossMeshPlan | None) -> bool:

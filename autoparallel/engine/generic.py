@@ -16,11 +16,15 @@ Two things, each exact where it is used and nowhere else:
   not stored — except a view, whose size is its output's shape: its key holds instead where
   its dims regroup (the prefix products both shapes share), all its rule reads beyond ranks.
 * **the output's metadata** (``known_out``/``learn_out``): for ops whose output shape follows
-  from their definition — pointwise ops (``torch.Tag.pointwise``) and softmax on inputs of one
-  shape, ``mm``/``addmm``/``bmm`` (any strides), ``view`` (the size with -1 resolved), ``nll_loss``,
-  ``layer_norm`` and their backwards — on contiguous inputs, the outputs are contiguous tensors of those shapes, and only
-  their dtypes (a function of the dtypes and the non-tensor arguments; a view's size aside) are
-  learned from one meta run. The meta kernel then runs once per dtype signature, not per shape.
+  from their definition — pointwise ops (``torch.Tag.pointwise``, broadcasting too) and softmax,
+  ``mm``/``addmm``/``bmm`` (any strides), ``view`` (the size with -1 resolved), reductions over
+  listed dims (``sum``/``mean``/``amax``/``amin``), ``nll_loss``, ``layer_norm`` and their
+  backwards — on contiguous inputs, the outputs are contiguous tensors of those shapes; a
+  pointwise op on inputs of one shape and one permuted-dense layout (a transposed activation)
+  keeps that layout; ``transpose``/``t``/``permute`` rearrange their input's shape and strides
+  (any strides). Only the dtypes (a function of the dtypes and the non-tensor arguments; a
+  view's size aside) are learned from one meta run: torch's meta kernels (many in Python) then
+  run once per dtype signature, not per shape.
 
 ``tests/pure/test_generic_choice.py`` checks both against fresh decisions over random shapes.
 """
@@ -140,16 +144,81 @@ def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
 def out_shape(func: Any, inputs: Sequence[tuple[tuple[int, ...], tuple[int, ...]]],
               args: Sequence[Any] = ()) -> tuple[int, ...] | None:
     """The output shape ``func`` has by definition on these DistTensor inputs ((shape, stride)
-    each, in argument order), where it is one contiguous tensor; None where that is not known.
-    ``args``: the call's arguments (a view's size, a loss's reduction)."""
+    each, in argument order), where it is one tensor of known strides; None where that is not
+    known. ``args``: the call's arguments (a view's size, a loss's reduction)."""
+    outs = _outs(func, inputs, args)
+    return outs[0][0] if outs is not None and func not in _TUPLE else None
+
+
+def _outs(func: Any, inputs: Sequence[tuple[tuple[int, ...], tuple[int, ...]]],
+          args: Sequence[Any]) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] | None:
+    """Every output's (shape, strides) by the op's definition, or None where not known."""
+    view = _view_of(func, inputs, args)
+    if view is not None:
+        return (view,)
     shapes = _out_shapes(func, inputs, args)
-    return shapes[0] if shapes is not None and func not in _TUPLE else None
+    if shapes is not None:
+        return tuple((s, contiguous_strides(s)) for s in shapes)
+    if inputs and _pointwise(func):
+        strides = _common_dense_strides(inputs)
+        return None if strides is None else ((inputs[0][0], strides),)
+    return None
+
+
+# views whose output strides are the input's, rearranged (any input strides)
+_PERMUTING = frozenset({_aten.transpose.int, _aten.t.default, _aten.permute.default})
+
+
+def _view_of(func: Any, inputs: Sequence[tuple[tuple[int, ...], tuple[int, ...]]],
+             args: Sequence[Any]) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """(shape, strides) of ``transpose``/``t``/``permute`` of the one input: its own, rearranged."""
+    if func not in _PERMUTING or len(inputs) != 1:
+        return None
+    shape, stride = inputs[0]
+    n = len(shape)
+    if func is _aten.t.default:
+        if n > 2:
+            return None
+        order = list(range(n))[::-1]
+    elif func is _aten.transpose.int:
+        if len(args) != 3 or type(args[1]) is not int or type(args[2]) is not int:
+            return None
+        if n == 0:
+            return ((), ()) if args[1] in (0, -1) and args[2] in (0, -1) else None
+        if not (-n <= args[1] < n and -n <= args[2] < n):
+            return None
+        order = list(range(n))
+        a, b = args[1] % n, args[2] % n
+        order[a], order[b] = order[b], order[a]
+    else:
+        if len(args) != 2 or not _sizes(args[1]) or len(args[1]) != n:
+            return None
+        order = [d % n if -n <= d < n else -1 for d in args[1]] if n else []
+        if sorted(order) != list(range(n)):
+            return None
+    return tuple(shape[d] for d in order), tuple(stride[d] for d in order)
+
+
+def _common_dense_strides(inputs: Sequence[tuple[tuple[int, ...], tuple[int, ...]]]) -> tuple[int, ...] | None:
+    """The strides of a pointwise op's output where its inputs make them plain: every input of
+    one shape and one permuted-dense layout (a transposed activation) with no size-0/1 dim (their
+    strides are the kernel's choice); None otherwise (broadcasting inputs: ``_out_shapes``)."""
+    shape, stride = inputs[0]
+    if any(s < 2 for s in shape) or any(i != inputs[0] for i in inputs[1:]):
+        return None
+    order = sorted(range(len(shape)), key=lambda d: -stride[d])
+    expect = 1
+    for d in reversed(order):
+        if stride[d] != expect:
+            return None
+        expect *= shape[d]
+    return stride
 
 
 def _out_shapes(func: Any, inputs: Sequence[tuple[tuple[int, ...], tuple[int, ...]]],
                 args: Sequence[Any]) -> tuple[tuple[int, ...], ...] | None:
-    """Every output's shape (each a new contiguous tensor, or a view of a contiguous input with
-    contiguous strides), or None."""
+    """Every output's shape where each is a new contiguous tensor (or a view of a contiguous
+    input with contiguous strides), or None."""
     shapes = [s for s, _ in inputs]
     # products and losses: new contiguous tensors whatever their inputs' strides
     if func is _aten.mm.default and len(shapes) == 2 and all(len(s) == 2 for s in shapes):
@@ -175,9 +244,58 @@ def _out_shapes(func: Any, inputs: Sequence[tuple[tuple[int, ...], tuple[int, ..
         return tuple(out), ()
     if func is _aten.nll_loss_backward.default and len(args) >= 2 and _is_tensor(args[1]):
         return (tuple(args[1].shape),)
-    if shapes and (func in _SAME_SHAPE or torch.Tag.pointwise in getattr(func, "tags", ())):
-        return (shapes[0],) if all(s == shapes[0] for s in shapes[1:]) else None
+    if func in _REDUCTIONS and len(shapes) == 1 and len(args) >= 2:
+        out = _reduced(shapes[0], args[1], bool(args[2]) if len(args) > 2 else False)
+        return None if out is None else (out,)
+    if shapes and all(s == shapes[0] for s in shapes[1:]) and (func in _SAME_SHAPE or _pointwise(func)):
+        return (shapes[0],)
+    if shapes and _pointwise(func):
+        out = _broadcast(shapes)  # contiguous inputs of broadcasting shapes: a contiguous result
+        return None if out is None else (out,)
     return None
+
+
+# reductions over listed dims: (x, dim, keepdim=False, *, dtype=None)
+_REDUCTIONS = frozenset({_aten.sum.dim_IntList, _aten.mean.dim, _aten.amax.default, _aten.amin.default})
+
+
+def _reduced(shape: tuple[int, ...], dims: Any, keepdim: bool) -> tuple[int, ...] | None:
+    """The shape left by reducing ``shape`` over ``dims`` (a non-empty list: an empty one or None
+    reduces every dim for some ops and none for others, so it is left to the meta kernel)."""
+    n = len(shape)
+    if not _sizes(dims) or not dims or n == 0 or 0 in shape or not all(-n <= d < n for d in dims):
+        return None  # (an empty input's result has the kernel's own strides)
+    gone = {d % n for d in dims}
+    if len(gone) != len(dims):
+        return None  # a dim named twice: the meta kernel raises
+    return tuple(1 if d in gone else s for d, s in enumerate(shape) if keepdim or d not in gone)
+
+
+def _broadcast(shapes: Sequence[tuple[int, ...]]) -> tuple[int, ...] | None:
+    """The broadcast of ``shapes`` (None where they do not broadcast, or a size 0 meets one)."""
+    n = max(len(s) for s in shapes)
+    out = []
+    for k in range(n):
+        sizes = {s[len(s) - n + k] for s in shapes if len(s) - n + k >= 0}
+        big = sizes - {1}
+        if len(big) > 1 or 0 in sizes:
+            return None
+        out.append(big.pop() if big else 1)
+    return tuple(out)
+
+
+def _pointwise(func: Any) -> bool:
+    """A pointwise op whose output layout follows its inputs' (``clone``/``_to_copy`` take a
+    ``memory_format`` that may say otherwise: never known)."""
+    known = _POINTWISE.get(func)
+    if known is None:
+        schema = getattr(func, "_schema", None)
+        known = _POINTWISE[func] = (torch.Tag.pointwise in getattr(func, "tags", ()) and schema is not None
+                                    and all(a.name != "memory_format" for a in schema.arguments))
+    return known
+
+
+_POINTWISE: dict[Any, bool] = {}
 
 
 def _is_tensor(x: Any) -> bool:
@@ -244,10 +362,10 @@ def known_out(func: Any, key: Any, inputs: Sequence[tuple[tuple[int, ...], tuple
     dtypes = _OUT_DTYPES.get(key) if key is not None else None
     if dtypes is None:
         return None
-    shapes = _out_shapes(func, inputs, args)
-    if shapes is None or len(shapes) != len(dtypes):
+    known = _outs(func, inputs, args)
+    if known is None or len(known) != len(dtypes):
         return None
-    outs = tuple(torch.empty_strided(s, contiguous_strides(s), dtype=d, device="meta") for s, d in zip(shapes, dtypes))
+    outs = tuple(torch.empty_strided(s, st, dtype=d, device="meta") for (s, st), d in zip(known, dtypes))
     return outs if func in _TUPLE else outs[0]
 
 
@@ -257,11 +375,11 @@ def learn_out(func: Any, key: Any, inputs: Sequence[tuple[tuple[int, ...], tuple
     if key is None:
         return
     outs = tuple(fake_out) if func in _TUPLE and isinstance(fake_out, (tuple, list)) else (fake_out,)
-    shapes = _out_shapes(func, inputs, args)
-    if shapes is None or len(shapes) != len(outs):
+    known = _outs(func, inputs, args)
+    if known is None or len(known) != len(outs):
         return
-    for o, s in zip(outs, shapes):
-        if not isinstance(o, torch.Tensor) or tuple(o.shape) != s or tuple(o.stride()) != contiguous_strides(s):
+    for o, (s, st) in zip(outs, known):
+        if not isinstance(o, torch.Tensor) or tuple(o.shape) != s or tuple(o.stride()) != st:
             return
     if len(_OUT_DTYPES) >= MAX_ENTRIES:
         _OUT_DTYPES.clear()
