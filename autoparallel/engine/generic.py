@@ -245,13 +245,13 @@ def _out_shapes(func: Any, inputs: Sequence[tuple[tuple[int, ...], tuple[int, ..
     if func is _aten.nll_loss_backward.default and len(args) >= 2 and _is_tensor(args[1]):
         return (tuple(args[1].shape),)
     if func in _REDUCTIONS and len(shapes) == 1 and len(args) >= 2:
-        out = _reduced(shapes[0], args[1], bool(args[2]) if len(args) > 2 else False)
-        return None if out is None else (out,)
+        kept = _reduced(shapes[0], args[1], bool(args[2]) if len(args) > 2 else False)
+        return None if kept is None else (kept,)
     if shapes and all(s == shapes[0] for s in shapes[1:]) and (func in _SAME_SHAPE or _pointwise(func)):
         return (shapes[0],)
     if shapes and _pointwise(func):
-        out = _broadcast(shapes)  # contiguous inputs of broadcasting shapes: a contiguous result
-        return None if out is None else (out,)
+        wide = _broadcast(shapes)  # contiguous inputs of broadcasting shapes: a contiguous result
+        return None if wide is None else (wide,)
     return None
 
 
