@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from autoparallel.engine import generic
-from autoparallel.engine.aliases import mutated_inputs, out_aliases
+from autoparallel.engine.aliases import may_write, mutated_inputs, out_aliases
 from autoparallel.engine.decision import Decision, InplaceViewDecision, LocalStep, OutKind, ValueDecision
 from autoparallel.engine.kernels import DEFERRING, Collectives, kernel_for
 from autoparallel.engine.keys import mesh_coord
@@ -79,11 +79,86 @@ def _restrides_only(args: tuple[Any, ...], kwargs: dict[str, Any], x: Any) -> bo
 def decide(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], dts: list[Any]) -> Decision:
     """The decision for ``func`` on these arguments (``dts``: the DistTensors among them, in
     order): a pure function of their specs, strides and the non-tensor arguments."""
-    return _finish(cls, func, _decide(cls, func, args, kwargs, dts), args, kwargs, [t._spec for t in dts],
-                   [t._stride for t in dts])
+    specs = [t._spec for t in dts]
+    key, out = _template_key(cls, func, args, kwargs, dts, specs)
+    template = generic.template(key)
+    if template is not None and out is not None:
+        return _from_template(template, specs, out, cls, func, args, kwargs, dts)
+    stored: list[bool] = []
+    d = _finish(cls, func, _decide(cls, func, args, kwargs, dts, stored), args, kwargs, specs, [t._stride for t in dts])
+    if stored and key is not None and _template_kind(d):
+        generic.store_template(key, d)
+    return d
 
 
-def _decide(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], dts: list[Any]) -> Decision:
+# ---- whole decisions at a new shape ----------------------------------------------------------
+# A decision whose choice is stored shape-generically (``generic.choice_key``), that moves no
+# input, writes none, runs the op itself and returns one new tensor of a known layout is the same
+# decision at every shape of its signature but for the input and output specs and strides:
+# those are filled in from a decision made at another shape, without the meta kernel, the
+# ``OpCall``, the rule or the planner. ``tests/pure/test_generic_choice.py`` and
+# ``tests/world/test_generic_decisions.py`` check it against fresh decisions.
+@lru_cache(maxsize=4096)
+def _templatable(func: Any) -> bool:
+    return (func not in INPLACE_VIEWS and func not in VALUE_OPS and func not in DATA_SHAPED_OPS
+            and func not in _MATERIALISED_VIEWS and func is not _aten.as_strided.default
+            and not may_write(func) and get_out_shapes(func) is None)
+
+
+def _template_kind(d: Decision) -> bool:
+    return (type(d) is LocalStep and d.simple and d.coord is not None
+            and not d.mutated and not d.fallback and d.out_kind is OutKind.TENSOR and len(d.out_specs) == 1
+            and all(p is None for p in d.plans))
+
+
+def _template_key(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], dts: list[Any],
+                  specs: list[DistSpec]) -> tuple[Any, tuple[tuple[int, ...], tuple[int, ...], Any] | None]:
+    """(the template key, the known output layout) of this call; (None, None) where none."""
+    if not _templatable(func) or any(s.mesh != specs[0].mesh for s in specs[1:]):
+        return None, None
+
+    def is_dist(a: Any) -> bool:
+        return isinstance(a, cls)
+
+    shaped = [(s.shape, d._stride) for s, d in zip(specs, dts)]
+    outs = generic.known_layouts(func, generic.out_key(func, args, kwargs, is_dist), shaped, args)
+    if outs is None or len(outs) != 1:
+        return None, None
+    shape, stride, dtype = outs[0]
+    return generic.template_key(func, specs, shape, dtype, args, kwargs, is_dist), outs[0]
+
+
+def _from_template(t: LocalStep, specs: list[DistSpec], out: tuple[tuple[int, ...], tuple[int, ...], Any], cls: Any,
+                   func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], dts: list[Any]) -> LocalStep:
+    """The decision ``t`` made at another shape, for inputs ``specs`` and output layout ``out``."""
+    shape, stride, dtype = out
+    was = t.out_specs[0]
+    assert was is not None and t.coord is not None
+    spec = DistSpec(t.mesh, was.placements, shape, dtype)
+    local = spec.local_shape(t.coord)
+    dense = (dense_strides(local, stride),) if t.out_dense[0] is not None else (None,)
+    in_specs, out_specs = tuple(specs), (spec,)
+    if t.contexts is None:  # the op itself runs: the rule's view of the call is not needed
+        return replace(t, in_specs=in_specs, out_specs=out_specs, out_strides=(stride,), out_dense=dense, call=None)
+    metas: dict[int, TensorMeta] = {}
+
+    def to_meta(x: Any) -> Any:
+        if isinstance(x, cls):
+            return metas.setdefault(id(x), TensorMeta(x._spec.shape, x._spec.dtype))
+        return ScalarMeta(x.dtype)
+
+    call = OpCall(func, map_args(cls, args, to_meta), map_args(cls, kwargs, to_meta), tuple(to_meta(d) for d in dts),
+                  (TensorMeta(shape, dtype),), tuple(s.placements for s in specs), tuple(t.mesh.shape))
+    now, later = t.contexts
+    contexts = (replace(now, call=call, out_shapes=(local,), in_specs=in_specs, out_specs=out_specs),
+                replace(later, call=call, out_shapes=(local,), in_specs=in_specs, out_specs=out_specs))
+    return replace(t, in_specs=in_specs, out_specs=out_specs, out_strides=(stride,), out_dense=dense, call=call,
+                   contexts=contexts)
+
+
+def _decide(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], dts: list[Any],
+            stored: list[Any]) -> Decision:
+    """``stored`` gets an entry where the choice is stored shape-generically."""
     mesh = dts[0]._spec.mesh
     for d in dts[1:]:
         if d._spec.mesh != mesh:
@@ -163,6 +238,7 @@ def _decide(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], 
     key = generic.choice_key(call, specs) if rule is not None and not mutated else None
     best = generic.stored_choice(key)
     if best is not None:  # decided at another shape of this signature: the same choice
+        stored.append(True)
         return _local_step(func, mesh, specs, best, call, out_metas, outs, out_kind, alias, mutated, fake_out)
     strategies = rule(call) if rule is not None else []
     if mutated:
@@ -178,8 +254,9 @@ def _decide(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], 
         return replace(_fallback_decision(func, specs, mesh, outs, mutated, reason=why, kind=out_kind), out_alias=alias,
                        meta_value=fake_out if out_kind is OutKind.VALUE else None)
     best = _cheapest(strategies, specs, mesh, out_metas)
-    if key is not None and _only_free(strategies, specs) is best:
+    if key is not None and _generic_best(strategies, specs) is best:
         generic.store_choice(key, best)
+        stored.append(True)
     return _local_step(func, mesh, specs, best, call, out_metas, outs, out_kind, alias, mutated, fake_out)
 
 
@@ -227,10 +304,18 @@ def _deferred_price(plan: Plan | CrossMeshPlan) -> int:
     return price
 
 
-def _only_free(strategies: Sequence[Strategy], specs: Sequence[DistSpec]) -> Strategy | None:
-    """The one strategy taking every input as it is, if exactly one does."""
+def _generic_best(strategies: Sequence[Strategy], specs: Sequence[DistSpec]) -> Strategy | None:
+    """The strategy the cost comparison picks at every shape of the call's signature, where that
+    follows without comparing sizes: the one strategy taking every input as it is (only such
+    strategies compete when there is one); with none, the one strategy that moves nothing
+    (every input as it is or reached by local steps: slices, relabels, ``R -> P``; priced 0 at
+    any size, while every other plan has a collective or a fill, priced above 0 at any size).
+    None where several tie (their sizes decide)."""
     free = [s for s in strategies if all(_as_is(spec, req) for spec, req in zip(specs, s.inputs))]
-    return free[0] if len(free) == 1 else None
+    if free:
+        return free[0] if len(free) == 1 else None
+    still = [s for s in strategies if all(not _plan_price(spec, tuple(req)) for spec, req in zip(specs, s.inputs))]
+    return still[0] if len(still) == 1 else None
 
 
 def _cheapest(strategies: Sequence[Strategy], specs: list[DistSpec], mesh: Any, out_metas: tuple[TensorMeta | None, ...]) -> Strategy:

@@ -1,7 +1,7 @@
 """Shape-generic pieces of a decision: what a call at a new shape (a new sequence length) can
 take from a call of the same signature at another shape, without deciding afresh.
 
-Two things, each exact where it is used and nowhere else:
+Three things, each exact where it is used and nowhere else:
 
 * **the choice** (``choice_key``, ``stored_choice``/``store_choice``): the strategy the rule and
   the cost comparison picked. The signature keeps every size that is not a multiple (>= 2) of
@@ -9,11 +9,13 @@ Two things, each exact where it is used and nowhere else:
   call, so every comparison and equality between sizes, divisibility by any product of mesh
   axes, evenness of every piece and size-1 broadcasting read the same; with it the op, the
   non-tensor arguments exactly (``view``'s sizes: a new length is a new signature), dtypes,
-  placements, shard orders and mesh shape. A choice is stored only when it compared no costs:
-  the one strategy taking every input as it is (the lexicographic cost puts it first at any
-  size; several such strategies, or none, compare bytes that scale with sizes and are decided
-  afresh). Calls that write an input, or whose arguments name one of the generic sizes, are
-  not stored — except a view, whose size is its output's shape: its key holds instead where
+  placements, shard orders and mesh shape. A choice is stored only when it compared no sizes
+  (``decide._generic_best``): the one strategy taking every input as it is, or with none such,
+  the one strategy moving nothing (local steps only: slices, ``R -> P``), as a row-parallel
+  ``addmm`` with a replicated bias; the lexicographic cost puts it first at any size, and
+  several such strategies compare bytes that scale with sizes and are decided afresh. Calls
+  that write an input, or whose arguments name one of the generic sizes, are not stored —
+  except a view, whose size is its output's shape: its key holds instead where
   its dims regroup (the prefix products both shapes share), all its rule reads beyond ranks.
 * **the output's metadata** (``known_out``/``learn_out``): for ops whose output shape follows
   from their definition — pointwise ops (``torch.Tag.pointwise``, broadcasting too) and softmax,
@@ -25,8 +27,13 @@ Two things, each exact where it is used and nowhere else:
   (any strides). Only the dtypes (a function of the dtypes and the non-tensor arguments; a
   view's size aside) are learned from one meta run: torch's meta kernels (many in Python) then
   run once per dtype signature, not per shape.
+* **whole decisions** (``template_key``/``template``/``store_template``): a decision whose
+  choice is stored as above, that moves no input, writes none and returns one new tensor of a
+  known layout, is at another shape the same decision with the new specs, strides and (for a
+  kernel) context: ``decide`` fills those in without the meta kernel, the rule or the planner.
 
-``tests/pure/test_generic_choice.py`` checks both against fresh decisions over random shapes.
+``tests/pure/test_generic_choice.py`` checks the first two against fresh decisions over random
+shapes; ``tests/world/test_generic_decisions.py`` whole decisions against fresh ones.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ _aten = torch.ops.aten
 MAX_ENTRIES = 16384
 _CHOICES: dict[Any, Strategy] = {}
 _OUT_DTYPES: dict[Any, tuple[torch.dtype, ...]] = {}
+_TEMPLATES: dict[Any, Any] = {}  # template_key -> a LocalStep decided at another shape
 # Ops whose one output has the shape of their tensor inputs (all of one shape), besides pointwise ones.
 _SAME_SHAPE = frozenset({
     _aten._softmax.default, _aten._log_softmax.default,
@@ -58,6 +66,7 @@ def forget() -> None:
     """Forget every shape-generic choice and output dtype (with a cleared decision cache)."""
     _CHOICES.clear()
     _OUT_DTYPES.clear()
+    _TEMPLATES.clear()
 
 
 # ---- the choice ------------------------------------------------------------------------------
@@ -129,6 +138,59 @@ def store_choice(key: Any, best: Strategy) -> None:
     if len(_CHOICES) >= MAX_ENTRIES:
         _CHOICES.clear()
     _CHOICES[key] = best
+
+
+# ---- whole decisions ---------------------------------------------------------------------------
+def template_key(func: Any, specs: Sequence[DistSpec], out_shape: tuple[int, ...], out_dtype: torch.dtype,
+                 args: tuple[Any, ...], kwargs: dict[str, Any], is_dist: Any) -> Any:
+    """The signature a whole decision is stored under (``store_template``): ``choice_key``'s,
+    read off the specs and the known output directly (no ``OpCall``), with the meshes themselves
+    (the decision holds this rank's coordinate). None where ``choice_key`` would be None."""
+    n = 1
+    for a in specs[0].mesh.shape:
+        n *= a
+    sizes = sorted({s for sp in specs for s in sp.shape}.union(out_shape))
+    rank = {s: i for i, s in enumerate(sizes)}
+    generic = {s for s in sizes if s >= 2 and s % n == 0}
+
+    def code(shape: tuple[int, ...]) -> tuple[Any, ...]:
+        return tuple(("g", rank[s]) if s in generic else s for s in shape)
+
+    named: list[bool] = []
+    extra: tuple[tuple[int, int], ...] = ()
+    if func in _VIEWS and len(specs) == 1:
+        args, extra = args[:1], _groups(specs[0].shape, out_shape)
+
+    def arg(a: Any) -> Any:
+        if is_dist(a):
+            return "D"  # its spec is in the key, in order
+        if isinstance(a, torch.Tensor):
+            return "scalar", a.dtype, a.dim()
+        if isinstance(a, (list, tuple)):
+            return type(a).__name__, tuple(arg(x) for x in a)
+        if type(a) is int and a in generic:
+            named.append(True)
+        return a
+
+    key = (func, tuple((sp.mesh, sp.placements, sp.shard_order, sp.dtype, code(sp.shape)) for sp in specs),
+           code(out_shape), out_dtype, arg(args), tuple((k, arg(v)) for k, v in kwargs.items()), extra)
+    if named:
+        return None
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def template(key: Any) -> Any:
+    return _TEMPLATES.get(key) if key is not None else None
+
+
+def store_template(key: Any, decision: Any) -> None:
+    if len(_TEMPLATES) >= MAX_ENTRIES:
+        _TEMPLATES.clear()
+    _TEMPLATES[key] = decision
 
 
 # ---- the output's metadata -------------------------------------------------------------------
@@ -355,17 +417,27 @@ def out_key(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], is_dist: A
     return key
 
 
-def known_out(func: Any, key: Any, inputs: Sequence[tuple[tuple[int, ...], tuple[int, ...]]],
-              args: Sequence[Any] = ()) -> Any:
-    """The output (a meta tensor, or a tuple of them) of an ``out_shape`` op whose dtypes were
-    learned, else None."""
+def known_layouts(func: Any, key: Any, inputs: Sequence[tuple[tuple[int, ...], tuple[int, ...]]],
+                  args: Sequence[Any] = ()) -> tuple[tuple[tuple[int, ...], tuple[int, ...], torch.dtype], ...] | None:
+    """Each output's (shape, strides, dtype) of an ``out_shape`` op whose dtypes were learned,
+    else None."""
     dtypes = _OUT_DTYPES.get(key) if key is not None else None
     if dtypes is None:
         return None
     known = _outs(func, inputs, args)
     if known is None or len(known) != len(dtypes):
         return None
-    outs = tuple(torch.empty_strided(s, st, dtype=d, device="meta") for (s, st), d in zip(known, dtypes))
+    return tuple((s, st, d) for (s, st), d in zip(known, dtypes))
+
+
+def known_out(func: Any, key: Any, inputs: Sequence[tuple[tuple[int, ...], tuple[int, ...]]],
+              args: Sequence[Any] = ()) -> Any:
+    """The output (a meta tensor, or a tuple of them) of an ``out_shape`` op whose dtypes were
+    learned, else None."""
+    known = known_layouts(func, key, inputs, args)
+    if known is None:
+        return None
+    outs = tuple(torch.empty_strided(s, st, dtype=d, device="meta") for s, st, d in known)
     return outs if func in _TUPLE else outs[0]
 
 
@@ -386,5 +458,5 @@ def learn_out(func: Any, key: Any, inputs: Sequence[tuple[tuple[int, ...], tuple
     _OUT_DTYPES[key] = tuple(o.dtype for o in outs)
 
 
-__all__ = ["choice_key", "contiguous_strides", "forget", "known_out", "learn_out", "out_key", "out_shape",
-           "store_choice", "stored_choice"]
+__all__ = ["choice_key", "contiguous_strides", "forget", "known_layouts", "known_out", "learn_out", "out_key",
+           "out_shape", "store_choice", "store_template", "stored_choice", "template", "template_key"]

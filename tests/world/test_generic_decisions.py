@@ -1,0 +1,113 @@
+"""Whole decisions reused across shapes (``decide._from_template``): a decision filled in from one
+made at another sequence length is, field for field, the decision made afresh (2 ranks).
+
+Each case is an op on DistTensors whose sizes include a varying length ``t`` (even and odd: a
+length the mesh does not divide is never generic), in several layouts. Lengths run in a
+shuffled order; at each, the decision from the caches (a template where one applies) is
+compared with the one made after every shape-generic cache is forgotten.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import autoparallel as ap
+from autoparallel import Partial, Replicate, Shard
+from autoparallel.engine import decide as deciding
+from autoparallel.engine import generic
+from autoparallel.engine.decide import decide
+from autoparallel.engine.decision import LocalStep
+from autoparallel.engine.dtensor import DistTensor
+
+aten = torch.ops.aten
+FIELDS = ("mesh", "coord", "plans", "in_specs", "in_conform", "restore", "slots", "local_fn", "out_kind",
+          "out_specs", "out_strides", "out_dense", "out_alias", "mutated", "fallback", "detached_view", "simple")
+# a kernel's context (compared by identity): what it holds
+CONTEXT = ("call", "out_shapes", "in_specs", "out_specs", "coord", "may_defer")
+
+
+def _cases(mesh: Any, t: int) -> list[tuple[str, Any, Callable[[], tuple[Any, ...]]]]:
+    """(name, op, a function making the call's args) at length ``t``."""
+    def d(shape: tuple[int, ...], place: Any, transposed: bool = False) -> DistTensor:
+        x = torch.randn(*shape, generator=torch.Generator().manual_seed(t))
+        out = ap.shard_tensor(x, mesh, [place])
+        return out.transpose(-1, -2).contiguous().transpose(-1, -2) if transposed else out  # type: ignore[no-any-return]
+
+    R, S0, S1, S2, P = Replicate(), Shard(0), Shard(1), Shard(2), Partial()
+    cases: list[tuple[str, Any, Callable[[], tuple[Any, ...]]]] = []
+    for name, p in (("R", R), ("S0", S0), ("S1", S1), ("S2", S2)):
+        cases += [
+            (f"add {name}", aten.add.Tensor, lambda p=p: (d((4, t, 6), p), d((4, t, 6), p))),
+            (f"add bias {name}", aten.add.Tensor, lambda p=p: (d((4, t, 6), p), d((6,), R))),
+            (f"mul scalar {name}", aten.mul.Tensor, lambda p=p: (d((4, t, 6), p), 0.5)),
+            (f"gelu {name}", aten.gelu.default, lambda p=p: (d((4, t, 6), p),)),
+            (f"gelu transposed {name}", aten.gelu.default, lambda p=p: (d((4, t, 6), p, True),)),
+            (f"transpose {name}", aten.transpose.int, lambda p=p: (d((4, t, 6), p), 1, 2)),
+            (f"permute {name}", aten.permute.default, lambda p=p: (d((4, t, 6), p), [2, 0, 1])),
+            (f"sum {name}", aten.sum.dim_IntList, lambda p=p: (d((4, t, 6), p), [1])),
+            (f"mean keepdim {name}", aten.mean.dim, lambda p=p: (d((4, t, 6), p), [-1], True)),
+            (f"view merge {name}", aten.view.default, lambda p=p: (d((4, t, 6), p), [-1, 6])),
+            (f"view heads {name}", aten.view.default, lambda p=p: (d((4, t, 6), p), [4, t, 2, 3])),
+            (f"log_softmax {name}", aten._log_softmax.default, lambda p=p: (d((4, t, 6), p), -1, False)),
+            (f"bmm {name}", aten.bmm.default, lambda p=p: (d((4, t, 6), p), d((4, 6, t), p if p != S2 else S1))),
+        ]
+    for name, (pa, pb) in {"RR": (R, R), "S0R": (S0, R), "RS1": (R, S1), "S1S0": (S1, S0)}.items():
+        cases += [
+            (f"mm {name}", aten.mm.default, lambda pa=pa, pb=pb: (d((t, 6), pa), d((6, 8), pb))),
+            (f"t {name}", aten.t.default, lambda pa=pa: (d((t, 6), pa),)),
+        ]
+    cases += [
+        ("add partial", aten.add.Tensor, lambda: (d((4, t, 6), P), d((4, t, 6), P))),
+        ("addmm row parallel", aten.addmm.default, lambda: (d((8,), R), d((t, 6), S1), d((6, 8), S0))),
+    ]
+    return cases
+
+
+def _compare(rank: int) -> tuple[int, int]:
+    mesh = ap.ProcessMesh([0, 1], dim_names=["x"])
+    lengths = [6, 7, 8, 10, 11, 12, 14, 16, 18, 20, 6, 21, 24]
+    random.Random(0).shuffle(lengths)
+    made = fresh = 0
+    filled: list[Any] = []
+    original = deciding._from_template
+
+    def counted(*args: Any) -> Any:
+        filled.append(args[0])
+        return original(*args)
+
+    deciding._from_template = counted  # type: ignore[assignment]
+    try:
+        for t in lengths:
+            for name, op, make in _cases(mesh, t):
+                args = make()
+                dts = [a for a in args if isinstance(a, DistTensor)]
+                calls = len(filled)
+                got = decide(DistTensor, op, args, {}, dts)
+                used = len(filled) > calls  # filled in from a decision made at another length
+                kept = [dict(c) for c in (generic._CHOICES, generic._OUT_DTYPES, generic._TEMPLATES)]
+                generic.forget()
+                want = decide(DistTensor, op, args, {}, dts)
+                assert isinstance(got, LocalStep) and isinstance(want, LocalStep)
+                for f in FIELDS:
+                    assert getattr(got, f) == getattr(want, f), (name, t, f, getattr(got, f), getattr(want, f))
+                assert (got.contexts is None) == (want.contexts is None), name
+                assert got.call == want.call or (used and got.contexts is None and got.call is None), name
+                for a, b in zip(got.contexts or (), want.contexts or ()):
+                    for f in CONTEXT:
+                        assert getattr(a, f) == getattr(b, f), (name, t, f)
+                for cache, old in zip((generic._CHOICES, generic._OUT_DTYPES, generic._TEMPLATES), kept):
+                    cache.update(old)
+                made += used
+                fresh += not used
+    finally:
+        deciding._from_template = original  # type: ignore[assignment]
+    return made, fresh
+
+
+def test_a_decision_from_another_shape_is_the_fresh_decision(world2) -> None:  # type: ignore[no-untyped-def]
+    for made, fresh in world2.run(_compare):
+        assert made > 0 and fresh > 0
