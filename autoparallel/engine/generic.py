@@ -20,7 +20,7 @@ Three things, each exact where it is used and nowhere else:
 * **the output's metadata** (``known_out``/``learn_out``): for ops whose output shape follows
   from their definition — pointwise ops (``torch.Tag.pointwise``, broadcasting too) and softmax,
   ``mm``/``addmm``/``bmm`` (any strides), ``view`` (the size with -1 resolved), reductions over
-  listed dims (``sum``/``mean``/``amax``/``amin``), ``nll_loss``, ``layer_norm`` and their
+  listed dims (``sum``/``mean``/``amax``/``amin``), ``cat``, ``nll_loss``, ``layer_norm`` and their
   backwards — on contiguous inputs, the outputs are contiguous tensors of those shapes; a
   pointwise op on inputs of one shape and one permuted-dense layout (a transposed activation)
   keeps that layout; ``transpose``/``t``/``permute`` rearrange their input's shape and strides
@@ -306,6 +306,9 @@ def _out_shapes(func: Any, inputs: Sequence[tuple[tuple[int, ...], tuple[int, ..
         return tuple(out), ()
     if func is _aten.nll_loss_backward.default and len(args) >= 2 and _is_tensor(args[1]):
         return (tuple(args[1].shape),)
+    if func is _aten.cat.default and args and isinstance(args[0], (list, tuple)) and len(args[0]) == len(shapes):
+        joined = _catted(shapes, args[1] if len(args) > 1 else 0)
+        return None if joined is None else (joined,)
     if func in _REDUCTIONS and len(shapes) == 1 and len(args) >= 2:
         kept = _reduced(shapes[0], args[1], bool(args[2]) if len(args) > 2 else False)
         return None if kept is None else (kept,)
@@ -331,6 +334,19 @@ def _reduced(shape: tuple[int, ...], dims: Any, keepdim: bool) -> tuple[int, ...
     if len(gone) != len(dims):
         return None  # a dim named twice: the meta kernel raises
     return tuple(1 if d in gone else s for d, s in enumerate(shape) if keepdim or d not in gone)
+
+
+def _catted(shapes: Sequence[tuple[int, ...]], dim: Any) -> tuple[int, ...] | None:
+    """The shape of ``cat`` of contiguous tensors of ``shapes`` along ``dim`` (None where they do
+    not join, or an empty one is among them: torch skips legacy empty tensors)."""
+    n = len(shapes[0]) if shapes else 0
+    if n == 0 or type(dim) is not int or not -n <= dim < n or any(len(s) != n or 0 in s for s in shapes):
+        return None
+    d = dim % n
+    rest = shapes[0][:d] + shapes[0][d + 1:]
+    if any(s[:d] + s[d + 1:] != rest for s in shapes):
+        return None
+    return shapes[0][:d] + (sum(s[d] for s in shapes),) + shapes[0][d + 1:]
 
 
 def _broadcast(shapes: Sequence[tuple[int, ...]]) -> tuple[int, ...] | None:

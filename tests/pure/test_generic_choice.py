@@ -136,6 +136,8 @@ OUT_OPS: list[tuple[Any, tuple[str, ...], tuple[Any, ...]]] = [
     (aten.transpose.int, ("abc",), (-1, 1)),
     (aten.t.default, ("ab",), ()),
     (aten.permute.default, ("abcd",), ([2, 0, 3, 1],)),
+    (aten.cat.default, ("abc", "adc", "abc"), (1,)),  # tensors in a list (``_args``)
+    (aten.cat.default, ("ab", "cb"), (0,)),
 ]
 
 
@@ -152,7 +154,7 @@ def test_a_known_output_is_what_the_meta_kernel_gives(case: Any, sizes: list[dic
         if transposed:  # non-contiguous inputs (all alike: a permuted-dense pointwise op is known)
             fakes = [f.transpose(-1, -2).contiguous().transpose(-1, -2) if f.ndim >= 2 else f for f in fakes]
         inputs = [(tuple(f.shape), tuple(f.stride())) for f in fakes]
-        args = (*fakes, *extra)
+        args = ([*fakes], *extra) if op is aten.cat.default else (*fakes, *extra)
         key = generic.out_key(op, args, {}, lambda a: isinstance(a, torch.Tensor))
         known = generic.known_out(op, key, inputs, args)
         try:

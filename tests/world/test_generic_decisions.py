@@ -53,6 +53,7 @@ def _cases(mesh: Any, t: int) -> list[tuple[str, Any, Callable[[], tuple[Any, ..
             (f"view merge {name}", aten.view.default, lambda p=p: (d((4, t, 6), p), [-1, 6])),
             (f"view heads {name}", aten.view.default, lambda p=p: (d((4, t, 6), p), [4, t, 2, 3])),
             (f"log_softmax {name}", aten._log_softmax.default, lambda p=p: (d((4, t, 6), p), -1, False)),
+            (f"cat {name}", aten.cat.default, lambda p=p: ([d((4, t, 6), p), d((4, t, 6), p)], 2 if p != S2 else 1)),
             (f"bmm {name}", aten.bmm.default, lambda p=p: (d((4, t, 6), p), d((4, 6, t), p if p != S2 else S1))),
         ]
     for name, (pa, pb) in {"RR": (R, R), "S0R": (S0, R), "RS1": (R, S1), "S1S0": (S1, S0)}.items():
@@ -84,7 +85,7 @@ def _compare(rank: int) -> tuple[int, int]:
         for t in lengths:
             for name, op, make in _cases(mesh, t):
                 args = make()
-                dts = [a for a in args if isinstance(a, DistTensor)]
+                dts = [a for x in args for a in (x if isinstance(x, list) else [x]) if isinstance(a, DistTensor)]
                 calls = len(filled)
                 got = decide(DistTensor, op, args, {}, dts)
                 used = len(filled) > calls  # filled in from a decision made at another length
