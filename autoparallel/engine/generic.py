@@ -8,7 +8,8 @@ Three things, each exact where it is used and nowhere else:
   the mesh's size exactly, and replaces each size that is by its rank among all sizes of the
   call, so every comparison and equality between sizes, divisibility by any product of mesh
   axes, evenness of every piece and size-1 broadcasting read the same; with it the op, the
-  non-tensor arguments exactly (``view``'s sizes: a new length is a new signature), dtypes,
+  non-tensor arguments exactly (but an output's size given as an argument, as
+  ``embedding_dense_backward``'s ``num_weights``: the output's shape holds it), dtypes,
   placements, shard orders and mesh shape. A choice is stored only when it compared no sizes
   (``decide._generic_best``): the one strategy taking every input as it is, or with none such,
   the one strategy moving nothing (local steps only: slices, ``R -> P``), as a row-parallel
@@ -19,7 +20,8 @@ Three things, each exact where it is used and nowhere else:
   its dims regroup (the prefix products both shapes share), all its rule reads beyond ranks.
 * **the output's metadata** (``known_out``/``learn_out``): for ops whose output shape follows
   from their definition — pointwise ops (``torch.Tag.pointwise``, broadcasting too) and softmax,
-  ``mm``/``addmm``/``bmm`` (any strides), ``view`` (the size with -1 resolved), reductions over
+  ``mm``/``addmm``/``bmm``/``embedding`` and its backward (any strides), ``view`` (the size
+  with -1 resolved), reductions over
   listed dims (``sum``/``mean``/``amax``/``amin``), ``cat``, ``nll_loss``, ``layer_norm`` and their
   backwards — on contiguous inputs, the outputs are contiguous tensors of those shapes; a
   pointwise op on inputs of one shape and one permuted-dense layout (a transposed activation)
@@ -57,6 +59,9 @@ _SAME_SHAPE = frozenset({
     _aten._softmax_backward_data.default, _aten._log_softmax_backward_data.default,
 })
 _VIEWS = frozenset({_aten.view.default, _aten._unsafe_view.default})
+# arguments that are an output's size by definition (the key holds the output's shape instead):
+# op -> the argument's position
+_SIZE_ARGS = {_aten.embedding_dense_backward.default: 2}
 # ops returning a tuple: (output, total_weight), (output, mean, rstd), the gradients asked for
 _TUPLE = frozenset({_aten.nll_loss_forward.default, _aten.native_layer_norm.default,
                     _aten.native_layer_norm_backward.default})
@@ -91,6 +96,7 @@ def choice_key(call: OpCall, specs: Sequence[DistSpec]) -> Any:
         # a view's size is its output's shape (in the key); what its rule reads of the sizes
         # beyond their ranks is which dims group together: the prefix products both sides share
         args, extra = call.args[:1], _groups(call.inputs[0].shape, call.out[0].shape)
+    args = _without_size_arg(call.op, args)
 
     def arg(a: Any) -> Any:
         if isinstance(a, TensorMeta):
@@ -111,6 +117,12 @@ def choice_key(call: OpCall, specs: Sequence[DistSpec]) -> Any:
     except TypeError:
         return None
     return key
+
+
+def _without_size_arg(func: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``args`` with an argument that is an output's size (``_SIZE_ARGS``) marked, not named."""
+    k = _SIZE_ARGS.get(func)
+    return args if k is None or len(args) <= k else (*args[:k], "out size", *args[k + 1:])
 
 
 def _groups(src: Sequence[int], dst: Sequence[int]) -> tuple[tuple[int, int], ...]:
@@ -160,6 +172,7 @@ def template_key(func: Any, specs: Sequence[DistSpec], out_shape: tuple[int, ...
     extra: tuple[tuple[int, int], ...] = ()
     if func in _VIEWS and len(specs) == 1:
         args, extra = args[:1], _groups(specs[0].shape, out_shape)
+    args = _without_size_arg(func, args)
 
     def arg(a: Any) -> Any:
         if is_dist(a):
@@ -289,6 +302,11 @@ def _out_shapes(func: Any, inputs: Sequence[tuple[tuple[int, ...], tuple[int, ..
         return ((shapes[1][0], shapes[2][1]),)
     if func is _aten.bmm.default and len(shapes) == 2 and all(len(s) == 3 for s in shapes):
         return ((shapes[0][0], shapes[0][1], shapes[1][2]),)
+    if func is _aten.embedding.default and len(shapes) == 2 and len(shapes[0]) == 2:  # (weight, indices)
+        return (shapes[1] + shapes[0][1:],)
+    if (func is _aten.embedding_dense_backward.default and len(shapes) == 2 and len(args) >= 3
+            and type(args[2]) is int and shapes[0]):  # (grad, indices, num_weights, ...)
+        return ((args[2], shapes[0][-1]),)
     if any(stride != contiguous_strides(shape) for shape, stride in inputs):
         return None  # the rest: their outputs follow their inputs' strides
     if func is _aten.native_layer_norm.default and len(args) >= 2 and _is_tensor(args[0]) and _sizes(args[1]):

@@ -44,8 +44,18 @@ TEMPLATES: list[tuple[Any, tuple[str, ...], tuple[Any, ...]]] = [
     (aten.transpose.int, ("abc",), (0, 2)),
     (aten.mean.dim, ("abc",), ([-1], True)),
     (aten.sub.Tensor, ("abc", "c"), ()),
+    (aten.embedding.default, ("ab", "cd"), ()),
+    (aten.embedding_dense_backward.default, ("abc", "ab"), (None, -1, False)),  # num_weights: size c
 ]
 EXACT = (1, 2, 3, 5)
+
+
+def _dtype(op: Any, i: int) -> torch.dtype:
+    if op is aten.where.self and i == 0:
+        return torch.bool
+    if op in (aten.embedding.default, aten.embedding_dense_backward.default) and i == 1:
+        return torch.long  # the indices
+    return torch.float32
 
 
 def _placement(draw: Any, ndim: int) -> Any:
@@ -73,12 +83,14 @@ def _pair(draw: Any) -> tuple[Any, ...]:
 
 def _call(op: Any, shapes: tuple[str, ...], extra: tuple[Any, ...], mesh: ProcessMesh, size: dict[str, int],
           placements: list[Any]) -> tuple[OpCall, list[DistSpec]] | None:
-    metas = [TensorMeta(tuple(size[c] for c in s), torch.float32) for s in shapes]
+    metas = [TensorMeta(tuple(size[c] for c in s), _dtype(op, i)) for i, s in enumerate(shapes)]
     if op is aten.native_layer_norm.default:
         extra = ([size[shapes[0][-1]]], 1e-5)
+    if op is aten.embedding_dense_backward.default:
+        extra = (size["c"], -1, False)
     try:
         specs = [DistSpec(mesh, pl, m.shape, m.dtype) for m, pl in zip(metas, placements)]
-        fake = op(*[torch.empty(m.shape, device="meta") for m in metas], *extra)
+        fake = op(*[torch.empty(m.shape, device="meta", dtype=m.dtype) for m in metas], *extra)
     except (ValueError, RuntimeError):
         return None
     outs = fake if isinstance(fake, tuple) else (fake,)
@@ -136,6 +148,9 @@ OUT_OPS: list[tuple[Any, tuple[str, ...], tuple[Any, ...]]] = [
     (aten.transpose.int, ("abc",), (-1, 1)),
     (aten.t.default, ("ab",), ()),
     (aten.permute.default, ("abcd",), ([2, 0, 3, 1],)),
+    (aten.embedding.default, ("ab", "cd"), ()),  # (weight, int64 indices)
+    (aten.embedding.default, ("ab", "c"), ()),
+    (aten.embedding_dense_backward.default, ("abc", "ab"), (7, -1, False)),
     (aten.cat.default, ("abc", "adc", "abc"), (1,)),  # tensors in a list (``_args``)
     (aten.cat.default, ("ab", "cb"), (0,)),
 ]
@@ -148,9 +163,7 @@ def test_a_known_output_is_what_the_meta_kernel_gives(case: Any, sizes: list[dic
     op, shapes, extra = case
     generic.forget()
     for size in sizes:
-        fakes = [torch.empty([size[c] for c in s], device="meta",
-                             dtype=torch.bool if op is aten.where.self and i == 0 else torch.float32)
-                 for i, s in enumerate(shapes)]
+        fakes = [torch.empty([size[c] for c in s], device="meta", dtype=_dtype(op, i)) for i, s in enumerate(shapes)]
         if transposed:  # non-contiguous inputs (all alike: a permuted-dense pointwise op is known)
             fakes = [f.transpose(-1, -2).contiguous().transpose(-1, -2) if f.ndim >= 2 else f for f in fakes]
         inputs = [(tuple(f.shape), tuple(f.stride())) for f in fakes]

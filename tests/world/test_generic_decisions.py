@@ -37,6 +37,10 @@ def _cases(mesh: Any, t: int) -> list[tuple[str, Any, Callable[[], tuple[Any, ..
         out = ap.shard_tensor(x, mesh, [place])
         return out.transpose(-1, -2).contiguous().transpose(-1, -2) if transposed else out  # type: ignore[no-any-return]
 
+    def ids(shape: tuple[int, ...], place: Any) -> DistTensor:
+        x = torch.randint(0, 10, shape, generator=torch.Generator().manual_seed(t))
+        return ap.shard_tensor(x, mesh, [place])  # type: ignore[no-any-return]
+
     R, S0, S1, S2, P = Replicate(), Shard(0), Shard(1), Shard(2), Partial()
     cases: list[tuple[str, Any, Callable[[], tuple[Any, ...]]]] = []
     for name, p in (("R", R), ("S0", S0), ("S1", S1), ("S2", S2)):
@@ -60,6 +64,12 @@ def _cases(mesh: Any, t: int) -> list[tuple[str, Any, Callable[[], tuple[Any, ..
         cases += [
             (f"mm {name}", aten.mm.default, lambda pa=pa, pb=pb: (d((t, 6), pa), d((6, 8), pb))),
             (f"t {name}", aten.t.default, lambda pa=pa: (d((t, 6), pa),)),
+        ]
+    for name, p in (("R", R), ("S0", S0), ("S1", S1)):
+        cases += [
+            (f"embedding {name}", aten.embedding.default, lambda p=p: (d((10, 6), R), ids((4, t), p))),
+            (f"embedding backward {name}", aten.embedding_dense_backward.default,
+             lambda p=p: (d((4, t, 6), p), ids((4, t), p), 10, -1, False)),
         ]
     cases += [
         ("add partial", aten.add.Tensor, lambda: (d((4, t, 6), P), d((4, t, 6), P))),
