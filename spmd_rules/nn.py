@@ -188,7 +188,7 @@ def embedding_local(ctx: LocalContext, weight: torch.Tensor, indices: torch.Tens
     return torch.where(mine.unsqueeze(-1), out, 0)
 
 
-@register_axis_rule(aten.embedding_dense_backward.default)
+@register_axis_rule(aten.embedding_dense_backward.default, size_args=(2,))  # num_weights: the output's rows
 def embedding_backward_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
     """Indices sharded -> P(sum) (not with scale_grad_by_freq: counts are global); grad
     sharded on its last dim -> S(1); replicated -> S(0), each rank building its own rows."""

@@ -16,22 +16,29 @@ _MESH_RULES: dict[Any, MeshRule] = {}
 _LOCAL_IMPLS: dict[Any, LocalImpl] = {}
 _OUT_SHAPES: dict[Any, OutShapes] = {}
 _TAG_RULES: dict[Any, MeshRule] = {}  # torch.Tag -> the rule of an op with that tag and no rule of its own
+_SIZE_ARGS: dict[Any, tuple[int, ...]] = {}  # op -> arguments its rule reads only through the output's shape
 MAX_COMBINATIONS = 512
 
 
-def register_rule(ops: Any | Iterable[Any]) -> Callable[[MeshRule], MeshRule]:
-    """Decorator: ``fn(call) -> [Strategy]`` answers for every op in ``ops`` (whole mesh)."""
+def register_rule(ops: Any | Iterable[Any], size_args: tuple[int, ...] = ()) -> Callable[[MeshRule], MeshRule]:
+    """Decorator: ``fn(call) -> [Strategy]`` answers for every op in ``ops`` (whole mesh).
+
+    ``size_args``: positions of integer arguments the rule reads only through the output's shape
+    (an output's size, a slice's bounds), a promise the engine's shape-generic keys rely on
+    (``autoparallel.engine.generic``): a rule registered without it makes none."""
 
     def deco(fn: MeshRule) -> MeshRule:
         for op in _as_list(ops):
             _MESH_RULES[op] = fn
+            _SIZE_ARGS[op] = tuple(size_args)
         return fn
 
     return deco
 
 
-def register_axis_rule(ops: Any | Iterable[Any]) -> Callable[[AxisRule], AxisRule]:
-    """Decorator: ``fn(call, axis, axis_size) -> [AxisStrategy]`` for one mesh axis."""
+def register_axis_rule(ops: Any | Iterable[Any], size_args: tuple[int, ...] = ()) -> Callable[[AxisRule], AxisRule]:
+    """Decorator: ``fn(call, axis, axis_size) -> [AxisStrategy]`` for one mesh axis
+    (``size_args``: as for ``register_rule``)."""
 
     def deco(fn: AxisRule) -> AxisRule:
         def mesh_rule(call: OpCall) -> list[Strategy]:
@@ -40,9 +47,18 @@ def register_axis_rule(ops: Any | Iterable[Any]) -> Callable[[AxisRule], AxisRul
         mesh_rule.__name__ = f"product_of_{fn.__name__}"
         for op in _as_list(ops):
             _MESH_RULES[op] = mesh_rule
+            _SIZE_ARGS[op] = tuple(size_args)
         return fn
 
     return deco
+
+
+def size_args(op: Any) -> tuple[int, ...]:
+    """Positions of the arguments ``op``'s rule reads only through the output's shape (the rule
+    that answers for it: an overload's own, else its packet's; none for a tag's rule)."""
+    if op in _MESH_RULES:
+        return _SIZE_ARGS.get(op, ())
+    return _SIZE_ARGS.get(getattr(op, "overloadpacket", None), ())
 
 
 def register_tag_rule(tag: Any) -> Callable[[AxisRule], AxisRule]:

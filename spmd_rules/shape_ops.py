@@ -103,7 +103,7 @@ def _remove(ndim: int, removed: int) -> list[int | None]:
 
 
 # ---- split / unbind / slice / select ---------------------------------------------------------
-@register_axis_rule([aten.split, aten.split_with_sizes, aten.unsafe_split, aten.unsafe_split_with_sizes])
+@register_axis_rule([aten.split, aten.split_with_sizes, aten.unsafe_split, aten.unsafe_split_with_sizes], size_args=(1,))
 def split_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
     """``split(x, sizes, dim)``: dim replicated, other dims and any Partial pass to every piece."""
     x = call.inputs[0]
@@ -119,7 +119,7 @@ def unbind_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
     return follow_strategies(call, axis, _remove(x.ndim, dim), ALL_REDUCE)
 
 
-@register_axis_rule(aten.slice)
+@register_axis_rule(aten.slice, size_args=(2, 3, 4))
 def slice_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
     """``slice(x, dim, start, end, step)``: dim replicated unless the slice is the whole dim."""
     x = call.inputs[0]
@@ -136,7 +136,7 @@ def select_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
     return follow_strategies(call, axis, _remove(x.ndim, dim), ALL_REDUCE)
 
 
-@register_axis_rule(aten.slice_backward)
+@register_axis_rule(aten.slice_backward, size_args=(1, 3, 4, 5))
 def slice_backward_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
     """``slice_backward(g, sizes, dim, ...)``: zeros with g in the slice; dim replicated."""
     g, out = call.inputs[0], _out(call)

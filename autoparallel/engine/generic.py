@@ -8,8 +8,9 @@ Three things, each exact where it is used and nowhere else:
   the mesh's size exactly, and replaces each size that is by its rank among all sizes of the
   call, so every comparison and equality between sizes, divisibility by any product of mesh
   axes, evenness of every piece and size-1 broadcasting read the same; with it the op, the
-  non-tensor arguments exactly (but an output's size given as an argument, as
-  ``embedding_dense_backward``'s ``num_weights``: the output's shape holds it), dtypes,
+  non-tensor arguments exactly (but those the op's rule reads only through the output's shape,
+  as declared at its registration: ``embedding_dense_backward``'s ``num_weights``, ``slice``'s
+  bounds, ``split``'s sizes), dtypes,
   placements, shard orders and mesh shape. A choice is stored only when it compared no sizes
   (``decide._generic_best``): the one strategy taking every input as it is, or with none such,
   the one strategy moving nothing (local steps only: slices, ``R -> P``), as a row-parallel
@@ -47,6 +48,7 @@ import torch
 
 from autoparallel.spec import DistSpec
 from spmd_rules.base import OpCall, Strategy, TensorMeta
+from spmd_rules.registry import size_args
 
 _aten = torch.ops.aten
 MAX_ENTRIES = 16384
@@ -59,9 +61,6 @@ _SAME_SHAPE = frozenset({
     _aten._softmax_backward_data.default, _aten._log_softmax_backward_data.default,
 })
 _VIEWS = frozenset({_aten.view.default, _aten._unsafe_view.default})
-# arguments that are an output's size by definition (the key holds the output's shape instead):
-# op -> the argument's position
-_SIZE_ARGS = {_aten.embedding_dense_backward.default: 2}
 # ops returning a tuple: (output, total_weight), (output, mean, rstd), the gradients asked for
 _TUPLE = frozenset({_aten.nll_loss_forward.default, _aten.native_layer_norm.default,
                     _aten.native_layer_norm_backward.default})
@@ -120,9 +119,12 @@ def choice_key(call: OpCall, specs: Sequence[DistSpec]) -> Any:
 
 
 def _without_size_arg(func: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
-    """``args`` with an argument that is an output's size (``_SIZE_ARGS``) marked, not named."""
-    k = _SIZE_ARGS.get(func)
-    return args if k is None or len(args) <= k else (*args[:k], "out size", *args[k + 1:])
+    """``args`` with the arguments the op's rule reads only through the output's shape
+    (``spmd_rules.registry.size_args``: an output's size, a slice's bounds) marked, not named."""
+    drop = size_args(func)
+    if not drop:
+        return args
+    return tuple("by the output's shape" if k in drop else a for k, a in enumerate(args))
 
 
 def _groups(src: Sequence[int], dst: Sequence[int]) -> tuple[tuple[int, int], ...]:

@@ -71,6 +71,16 @@ def _cases(mesh: Any, t: int) -> list[tuple[str, Any, Callable[[], tuple[Any, ..
             (f"embedding backward {name}", aten.embedding_dense_backward.default,
              lambda p=p: (d((4, t, 6), p), ids((4, t), p), 10, -1, False)),
         ]
+    for name, p in (("R", R), ("S0", S0), ("S1", S1)):
+        cases += [  # arguments naming the length, read by the rules only through the output's shape
+            (f"slice table {name}", aten.slice.Tensor, lambda p=p: (d((40, 6), p), 0, 0, t)),
+            (f"slice whole {name}", aten.slice.Tensor, lambda p=p: (d((t, 6), p), 0, 0, t)),
+            (f"slice tail {name}", aten.slice.Tensor, lambda p=p: (d((t, 6), p), 0, 2, t)),
+            (f"split {name}", aten.split.Tensor, lambda p=p: (d((t, 6), p), t // 2, 0)),
+            (f"split last {name}", aten.split.Tensor, lambda p=p: (d((t, 6), p), 2, 1)),
+            (f"slice backward {name}", aten.slice_backward.default,
+             lambda p=p: (d((t, 6), p if p != S0 else R), [40, 6], 0, 0, t, 1)),
+        ]
     cases += [
         ("add partial", aten.add.Tensor, lambda: (d((4, t, 6), P), d((4, t, 6), P))),
         ("addmm row parallel", aten.addmm.default, lambda: (d((8,), R), d((t, 6), S1), d((6, 8), S0))),
@@ -102,7 +112,7 @@ def _compare(rank: int) -> tuple[int, int]:
                 kept = [dict(c) for c in (generic._CHOICES, generic._OUT_DTYPES, generic._TEMPLATES)]
                 generic.forget()
                 want = decide(DistTensor, op, args, {}, dts)
-                assert isinstance(got, LocalStep) and isinstance(want, LocalStep)
+                assert isinstance(got, LocalStep) and isinstance(want, LocalStep), name
                 for f in FIELDS:
                     assert getattr(got, f) == getattr(want, f), (name, t, f, getattr(got, f), getattr(want, f))
                 assert (got.contexts is None) == (want.contexts is None), name
