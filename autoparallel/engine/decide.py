@@ -106,14 +106,17 @@ def _templatable(func: Any) -> bool:
 
 
 def _template_kind(d: Decision) -> bool:
-    return (type(d) is LocalStep and d.simple and d.coord is not None
-            and not d.mutated and not d.fallback and d.out_kind is OutKind.TENSOR and len(d.out_specs) == 1
-            and all(p is None for p in d.plans))
+    return (type(d) is LocalStep and d.coord is not None and not d.mutated and not d.fallback
+            and not d.detached_view and d.out_kind in (OutKind.TENSOR, OutKind.TUPLE)
+            and all(o is not None for o in d.out_specs) and all(p is None for p in d.plans))
+
+
+Layouts = tuple[tuple[tuple[int, ...], tuple[int, ...], Any], ...]  # per output: (shape, strides, dtype)
 
 
 def _template_key(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], dts: list[Any],
-                  specs: list[DistSpec]) -> tuple[Any, tuple[tuple[int, ...], tuple[int, ...], Any] | None]:
-    """(the template key, the known output layout) of this call; (None, None) where none."""
+                  specs: list[DistSpec]) -> tuple[Any, Layouts | None]:
+    """(the template key, the known output layouts) of this call; (None, None) where none."""
     if not _templatable(func) or any(s.mesh != specs[0].mesh for s in specs[1:]):
         return None, None
 
@@ -122,24 +125,29 @@ def _template_key(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, 
 
     shaped = [(s.shape, d._stride) for s, d in zip(specs, dts)]
     outs = generic.known_layouts(func, generic.out_key(func, args, kwargs, is_dist), shaped, args)
-    if outs is None or len(outs) != 1:
+    if not outs:
         return None, None
-    shape, stride, dtype = outs[0]
-    return generic.template_key(func, specs, shape, dtype, args, kwargs, is_dist), outs[0]
+    return generic.template_key(func, specs, outs, args, kwargs, is_dist), outs
 
 
-def _from_template(t: LocalStep, specs: list[DistSpec], out: tuple[tuple[int, ...], tuple[int, ...], Any], cls: Any,
-                   func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], dts: list[Any]) -> LocalStep:
-    """The decision ``t`` made at another shape, for inputs ``specs`` and output layout ``out``."""
-    shape, stride, dtype = out
-    was = t.out_specs[0]
-    assert was is not None and t.coord is not None
-    spec = DistSpec(t.mesh, was.placements, shape, dtype)
-    local = spec.local_shape(t.coord)
-    dense = (dense_strides(local, stride),) if t.out_dense[0] is not None else (None,)
-    in_specs, out_specs = tuple(specs), (spec,)
+def _from_template(t: LocalStep, specs: list[DistSpec], outs: Layouts, cls: Any, func: Any, args: tuple[Any, ...],
+                   kwargs: dict[str, Any], dts: list[Any]) -> LocalStep:
+    """The decision ``t`` made at another shape, for inputs ``specs`` and output layouts ``outs``."""
+    assert t.coord is not None and len(outs) == len(t.out_specs)
+    out_specs: list[DistSpec] = []
+    locals_: list[tuple[int, ...]] = []
+    dense: list[tuple[int, ...] | None] = []
+    for (shape, stride, dtype), was, d in zip(outs, t.out_specs, t.out_dense):
+        assert was is not None
+        spec = DistSpec(t.mesh, was.placements, shape, dtype)
+        local = spec.local_shape(t.coord)
+        out_specs.append(spec)
+        locals_.append(local)
+        dense.append(dense_strides(local, stride) if d is not None else None)
+    in_specs, specs_out = tuple(specs), tuple(out_specs)
+    strides, dense_out = tuple(o[1] for o in outs), tuple(dense)
     if t.contexts is None:  # the op itself runs: the rule's view of the call is not needed
-        return replace(t, in_specs=in_specs, out_specs=out_specs, out_strides=(stride,), out_dense=dense, call=None)
+        return replace(t, in_specs=in_specs, call=None, out_specs=specs_out, out_strides=strides, out_dense=dense_out)
     metas: dict[int, TensorMeta] = {}
 
     def to_meta(x: Any) -> Any:
@@ -148,12 +156,11 @@ def _from_template(t: LocalStep, specs: list[DistSpec], out: tuple[tuple[int, ..
         return ScalarMeta(x.dtype)
 
     call = OpCall(func, map_args(cls, args, to_meta), map_args(cls, kwargs, to_meta), tuple(to_meta(d) for d in dts),
-                  (TensorMeta(shape, dtype),), tuple(s.placements for s in specs), tuple(t.mesh.shape))
-    now, later = t.contexts
-    contexts = (replace(now, call=call, out_shapes=(local,), in_specs=in_specs, out_specs=out_specs),
-                replace(later, call=call, out_shapes=(local,), in_specs=in_specs, out_specs=out_specs))
-    return replace(t, in_specs=in_specs, out_specs=out_specs, out_strides=(stride,), out_dense=dense, call=call,
-                   contexts=contexts)
+                  tuple(TensorMeta(o[0], o[2]) for o in outs), tuple(s.placements for s in specs), tuple(t.mesh.shape))
+    shapes = tuple(locals_)
+    now, later = (replace(c, call=call, out_shapes=shapes, in_specs=in_specs, out_specs=specs_out) for c in t.contexts)
+    return replace(t, in_specs=in_specs, call=call, contexts=(now, later), out_specs=specs_out, out_strides=strides,
+                   out_dense=dense_out)
 
 
 def _decide(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], dts: list[Any],

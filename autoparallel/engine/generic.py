@@ -31,8 +31,8 @@ Three things, each exact where it is used and nowhere else:
   view's size aside) are learned from one meta run: torch's meta kernels (many in Python) then
   run once per dtype signature, not per shape.
 * **whole decisions** (``template_key``/``template``/``store_template``): a decision whose
-  choice is stored as above, that moves no input, writes none and returns one new tensor of a
-  known layout, is at another shape the same decision with the new specs, strides and (for a
+  choice is stored as above, that moves no input, writes none and returns new tensors of known
+  layouts, is at another shape the same decision with the new specs, strides and (for a
   kernel) context: ``decide`` fills those in without the meta kernel, the rule or the planner.
 
 ``tests/pure/test_generic_choice.py`` checks the first two against fresh decisions over random
@@ -155,7 +155,7 @@ def store_choice(key: Any, best: Strategy) -> None:
 
 
 # ---- whole decisions ---------------------------------------------------------------------------
-def template_key(func: Any, specs: Sequence[DistSpec], out_shape: tuple[int, ...], out_dtype: torch.dtype,
+def template_key(func: Any, specs: Sequence[DistSpec], outs: Sequence[tuple[tuple[int, ...], Any, torch.dtype]],
                  args: tuple[Any, ...], kwargs: dict[str, Any], is_dist: Any) -> Any:
     """The signature a whole decision is stored under (``store_template``): ``choice_key``'s,
     read off the specs and the known output directly (no ``OpCall``), with the meshes themselves
@@ -163,7 +163,7 @@ def template_key(func: Any, specs: Sequence[DistSpec], out_shape: tuple[int, ...
     n = 1
     for a in specs[0].mesh.shape:
         n *= a
-    sizes = sorted({s for sp in specs for s in sp.shape}.union(out_shape))
+    sizes = sorted({s for sp in specs for s in sp.shape}.union(*(o[0] for o in outs)))
     rank = {s: i for i, s in enumerate(sizes)}
     generic = {s for s in sizes if s >= 2 and s % n == 0}
 
@@ -172,8 +172,8 @@ def template_key(func: Any, specs: Sequence[DistSpec], out_shape: tuple[int, ...
 
     named: list[bool] = []
     extra: tuple[tuple[int, int], ...] = ()
-    if func in _VIEWS and len(specs) == 1:
-        args, extra = args[:1], _groups(specs[0].shape, out_shape)
+    if func in _VIEWS and len(specs) == 1 and len(outs) == 1:
+        args, extra = args[:1], _groups(specs[0].shape, outs[0][0])
     args = _without_size_arg(func, args)
 
     def arg(a: Any) -> Any:
@@ -188,7 +188,7 @@ def template_key(func: Any, specs: Sequence[DistSpec], out_shape: tuple[int, ...
         return a
 
     key = (func, tuple((sp.mesh, sp.placements, sp.shard_order, sp.dtype, code(sp.shape)) for sp in specs),
-           code(out_shape), out_dtype, arg(args), tuple((k, arg(v)) for k, v in kwargs.items()), extra)
+           tuple((code(o[0]), o[2]) for o in outs), arg(args), tuple((k, arg(v)) for k, v in kwargs.items()), extra)
     if named:
         return None
     try:

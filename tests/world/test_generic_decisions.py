@@ -81,6 +81,13 @@ def _cases(mesh: Any, t: int) -> list[tuple[str, Any, Callable[[], tuple[Any, ..
             (f"slice backward {name}", aten.slice_backward.default,
              lambda p=p: (d((t, 6), p if p != S0 else R), [40, 6], 0, 0, t, 1)),
         ]
+    for name, p in (("R", R), ("S0", S0), ("S1", S1)):
+        cases += [  # tuple outputs
+            (f"nll_loss {name}", aten.nll_loss_forward.default,
+             lambda p=p: (d((2 * t, 10), p), ids((2 * t,), p if p != S1 else R), None, 1, -100)),
+            (f"layer_norm {name}", aten.native_layer_norm.default,
+             lambda p=p: (d((4, t, 6), p if p != S1 else S0), [6], d((6,), R), d((6,), R), 1e-5)),
+        ]
     cases += [
         ("add partial", aten.add.Tensor, lambda: (d((4, t, 6), P), d((4, t, 6), P))),
         ("addmm row parallel", aten.addmm.default, lambda: (d((8,), R), d((t, 6), S1), d((6, 8), S0))),
