@@ -47,6 +47,7 @@ from typing import Any
 import torch
 
 from autoparallel.spec import DistSpec
+from autoparallel.strides import contiguous_strides, dense_strides
 from spmd_rules.base import OpCall, Strategy, TensorMeta
 from spmd_rules.registry import size_args
 
@@ -76,41 +77,70 @@ def forget() -> None:
 # ---- the choice ------------------------------------------------------------------------------
 def choice_key(call: OpCall, specs: Sequence[DistSpec]) -> Any:
     """The signature a choice for ``call`` is stored under (module docstring), or None."""
+    code, generic = _coding(call.mesh_shape, [m.shape for m in (*call.inputs, *call.out) if m is not None])
+
+    def meta(m: Any) -> Any:
+        return None if m is None else (code(m.shape), m.dtype)
+
+    def leaf(a: Any) -> Any:
+        return meta(a) if isinstance(a, TensorMeta) else _NOT_LEAF
+
+    view = (call.inputs[0].shape, call.out[0].shape) if len(call.inputs) == 1 and call.out and call.out[0] else None
+    arguments = _arguments(call.op, call.args, call.kwargs, view, generic, leaf)
+    if arguments is None:
+        return None
+    return _hashable((call.op, call.mesh_shape, call.placements, tuple(s.shard_order for s in specs),
+                      tuple(meta(m) for m in call.inputs), tuple(meta(m) for m in call.out), arguments))
+
+
+_NOT_LEAF = object()
+
+
+def _coding(mesh_shape: Sequence[int], shapes: Sequence[Sequence[int]]) -> tuple[Any, frozenset[int]]:
+    """(``code``: a shape with each generic size replaced by its rank among all of ``shapes``'
+    sizes, the generic sizes): those that are multiples (>= 2) of the mesh's size."""
     n = 1
-    for a in call.mesh_shape:
+    for a in mesh_shape:
         n *= a
-    sizes = sorted({s for m in (*call.inputs, *call.out) if m is not None for s in m.shape})
+    sizes = sorted({s for shape in shapes for s in shape})
     rank = {s: i for i, s in enumerate(sizes)}
+    generic = frozenset(s for s in sizes if s >= 2 and s % n == 0)
 
-    def meta(m: TensorMeta | None) -> Any:
-        if m is None:
-            return None
-        return tuple(("g", rank[s]) if s >= 2 and s % n == 0 else s for s in m.shape), m.dtype
+    def code(shape: Sequence[int]) -> tuple[Any, ...]:
+        return tuple(("g", rank[s]) if s in generic else s for s in shape)
 
-    generic = {s for s in sizes if s >= 2 and s % n == 0}
-    named: list[bool] = []
-    args: tuple[Any, ...] = call.args
+    return code, generic
+
+
+def _arguments(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+               view: tuple[Sequence[int], Sequence[int]] | None, generic: frozenset[int], leaf: Any) -> Any:
+    """The non-tensor arguments' part of a key (tensors as ``leaf`` gives them), or None where an
+    argument names one of the generic sizes (no other shape would have this key). A view's size
+    is its output's shape (``view``: (input shape, output shape), in the key already): what its
+    rule reads of the sizes beyond their ranks is which dims group together, the prefix products
+    both sides share; arguments a rule reads only through the output's shape are marked."""
     extra: tuple[tuple[int, int], ...] = ()
-    if call.op in _VIEWS and len(call.inputs) == 1 and call.out and call.out[0] is not None:
-        # a view's size is its output's shape (in the key); what its rule reads of the sizes
-        # beyond their ranks is which dims group together: the prefix products both sides share
-        args, extra = call.args[:1], _groups(call.inputs[0].shape, call.out[0].shape)
-    args = _without_size_arg(call.op, args)
+    if func in _VIEWS and view is not None:
+        args, extra = args[:1], _groups(*view)
+    args = _without_size_arg(func, args)
+    named = False
 
     def arg(a: Any) -> Any:
-        if isinstance(a, TensorMeta):
-            return meta(a)
+        nonlocal named
+        x = leaf(a)
+        if x is not _NOT_LEAF:
+            return x
         if isinstance(a, (list, tuple)):
-            return type(a).__name__, tuple(arg(x) for x in a)
+            return type(a).__name__, tuple(arg(v) for v in a)
         if type(a) is int and a in generic:
-            named.append(True)
+            named = True
         return a
 
-    key = (call.op, call.mesh_shape, call.placements, tuple(s.shard_order for s in specs),
-           tuple(meta(m) for m in call.inputs), tuple(meta(m) for m in call.out), arg(args),
-           tuple((k, arg(v)) for k, v in call.kwargs.items()), extra)
-    if named:  # an argument names a size (``view``'s lengths): no other shape has this key
-        return None
+    key = (arg(args), tuple((k, arg(v)) for k, v in kwargs.items()), extra)
+    return None if named else key
+
+
+def _hashable(key: Any) -> Any:
     try:
         hash(key)
     except TypeError:
@@ -160,42 +190,21 @@ def template_key(func: Any, specs: Sequence[DistSpec], outs: Sequence[tuple[tupl
     """The signature a whole decision is stored under (``store_template``): ``choice_key``'s,
     read off the specs and the known output directly (no ``OpCall``), with the meshes themselves
     (the decision holds this rank's coordinate). None where ``choice_key`` would be None."""
-    n = 1
-    for a in specs[0].mesh.shape:
-        n *= a
-    sizes = sorted({s for sp in specs for s in sp.shape}.union(*(o[0] for o in outs)))
-    rank = {s: i for i, s in enumerate(sizes)}
-    generic = {s for s in sizes if s >= 2 and s % n == 0}
+    code, generic = _coding(specs[0].mesh.shape, [*(sp.shape for sp in specs), *(o[0] for o in outs)])
 
-    def code(shape: tuple[int, ...]) -> tuple[Any, ...]:
-        return tuple(("g", rank[s]) if s in generic else s for s in shape)
-
-    named: list[bool] = []
-    extra: tuple[tuple[int, int], ...] = ()
-    if func in _VIEWS and len(specs) == 1 and len(outs) == 1:
-        args, extra = args[:1], _groups(specs[0].shape, outs[0][0])
-    args = _without_size_arg(func, args)
-
-    def arg(a: Any) -> Any:
+    def leaf(a: Any) -> Any:
         if is_dist(a):
             return "D"  # its spec is in the key, in order
         if isinstance(a, torch.Tensor):
             return "scalar", a.dtype, a.dim()
-        if isinstance(a, (list, tuple)):
-            return type(a).__name__, tuple(arg(x) for x in a)
-        if type(a) is int and a in generic:
-            named.append(True)
-        return a
+        return _NOT_LEAF
 
-    key = (func, tuple((sp.mesh, sp.placements, sp.shard_order, sp.dtype, code(sp.shape)) for sp in specs),
-           tuple((code(o[0]), o[2]) for o in outs), arg(args), tuple((k, arg(v)) for k, v in kwargs.items()), extra)
-    if named:
+    view = (specs[0].shape, outs[0][0]) if len(specs) == 1 and len(outs) == 1 else None
+    arguments = _arguments(func, args, kwargs, view, generic, leaf)
+    if arguments is None:
         return None
-    try:
-        hash(key)
-    except TypeError:
-        return None
-    return key
+    return _hashable((func, tuple((sp.mesh, sp.placements, sp.shard_order, sp.dtype, code(sp.shape)) for sp in specs),
+                      tuple((code(o[0]), o[2]) for o in outs), arguments))
 
 
 def template(key: Any) -> Any:
@@ -209,24 +218,6 @@ def store_template(key: Any, decision: Any) -> None:
 
 
 # ---- the output's metadata -------------------------------------------------------------------
-def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
-    """Row-major strides of ``shape`` as torch gives a new contiguous tensor (size 0/1 dims: 1)."""
-    out, step = [], 1
-    for s in reversed(shape):
-        out.append(step)
-        step *= max(s, 1)
-    return tuple(reversed(out))
-
-
-def out_shape(func: Any, inputs: Sequence[tuple[tuple[int, ...], tuple[int, ...]]],
-              args: Sequence[Any] = ()) -> tuple[int, ...] | None:
-    """The output shape ``func`` has by definition on these DistTensor inputs ((shape, stride)
-    each, in argument order), where it is one tensor of known strides; None where that is not
-    known. ``args``: the call's arguments (a view's size, a loss's reduction)."""
-    outs = _outs(func, inputs, args)
-    return outs[0][0] if outs is not None and func not in _TUPLE else None
-
-
 def _outs(func: Any, inputs: Sequence[tuple[tuple[int, ...], tuple[int, ...]]],
           args: Sequence[Any]) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] | None:
     """Every output's (shape, strides) by the op's definition, or None where not known."""
@@ -283,13 +274,7 @@ def _common_dense_strides(inputs: Sequence[tuple[tuple[int, ...], tuple[int, ...
     shape, stride = inputs[0]
     if any(s < 2 for s in shape) or any(i != inputs[0] for i in inputs[1:]):
         return None
-    order = sorted(range(len(shape)), key=lambda d: -stride[d])
-    expect = 1
-    for d in reversed(order):
-        if stride[d] != expect:
-            return None
-        expect *= shape[d]
-    return stride
+    return stride if tuple(stride) == dense_strides(tuple(shape), tuple(stride)) else None
 
 
 def _out_shapes(func: Any, inputs: Sequence[tuple[tuple[int, ...], tuple[int, ...]]],
@@ -431,7 +416,7 @@ def _view_size(shape: tuple[int, ...], size: Any) -> tuple[int, ...] | None:
 
 
 def out_key(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], is_dist: Any) -> Any:
-    """What an ``out_shape`` op's output dtype depends on: the op, each tensor's dtype (and
+    """What a known-output op (``_outs``)'s output dtype depends on: the op, each tensor's dtype (and
     rank), every other argument exactly (a view's size aside: a view keeps its input's dtype);
     None if unhashable."""
     def arg(a: Any) -> Any:
@@ -455,7 +440,7 @@ def out_key(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], is_dist: A
 
 def known_layouts(func: Any, key: Any, inputs: Sequence[tuple[tuple[int, ...], tuple[int, ...]]],
                   args: Sequence[Any] = ()) -> tuple[tuple[tuple[int, ...], tuple[int, ...], torch.dtype], ...] | None:
-    """Each output's (shape, strides, dtype) of an ``out_shape`` op whose dtypes were learned,
+    """Each output's (shape, strides, dtype) of a known-output op (``_outs``) whose dtypes were learned,
     else None."""
     dtypes = _OUT_DTYPES.get(key) if key is not None else None
     if dtypes is None:
@@ -468,7 +453,7 @@ def known_layouts(func: Any, key: Any, inputs: Sequence[tuple[tuple[int, ...], t
 
 def known_out(func: Any, key: Any, inputs: Sequence[tuple[tuple[int, ...], tuple[int, ...]]],
               args: Sequence[Any] = ()) -> Any:
-    """The output (a meta tensor, or a tuple of them) of an ``out_shape`` op whose dtypes were
+    """The output (a meta tensor, or a tuple of them) of a known-output op (``_outs``) whose dtypes were
     learned, else None."""
     known = known_layouts(func, key, inputs, args)
     if known is None:
@@ -479,7 +464,7 @@ def known_out(func: Any, key: Any, inputs: Sequence[tuple[tuple[int, ...], tuple
 
 def learn_out(func: Any, key: Any, inputs: Sequence[tuple[tuple[int, ...], tuple[int, ...]]], fake_out: Any,
               args: Sequence[Any] = ()) -> None:
-    """Store the output dtypes of an ``out_shape`` op where its meta kernel agreed with it."""
+    """Store the output dtypes of a known-output op (``_outs``) where its meta kernel agreed with it."""
     if key is None:
         return
     outs = tuple(fake_out) if func in _TUPLE and isinstance(fake_out, (tuple, list)) else (fake_out,)
@@ -494,5 +479,5 @@ def learn_out(func: Any, key: Any, inputs: Sequence[tuple[tuple[int, ...], tuple
     _OUT_DTYPES[key] = tuple(o.dtype for o in outs)
 
 
-__all__ = ["choice_key", "contiguous_strides", "forget", "known_layouts", "known_out", "learn_out", "out_key",
-           "out_shape", "store_choice", "store_template", "stored_choice", "template", "template_key"]
+__all__ = ["choice_key", "forget", "known_layouts", "known_out", "learn_out", "out_key",
+           "store_choice", "store_template", "stored_choice", "template", "template_key"]
