@@ -86,7 +86,7 @@ def decide(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], d
         return _from_template(template, specs, out, cls, func, args, kwargs, dts)
     stored: list[bool] = []
     d = _finish(cls, func, _decide(cls, func, args, kwargs, dts, stored), args, kwargs, specs, [t._stride for t in dts])
-    if stored and key is not None and _template_kind(d):
+    if stored and key is not None and _template_kind(d) and (not _returns_view(func) or all(p is None for p in d.plans)):
         generic.store_template(key, d)
     return d
 
@@ -107,8 +107,10 @@ def _templatable(func: Any) -> bool:
 
 def _template_kind(d: Decision) -> bool:
     return (type(d) is LocalStep and d.coord is not None and not d.mutated and not d.fallback
-            and not d.detached_view and d.out_kind in (OutKind.TENSOR, OutKind.TUPLE)
-            and all(o is not None for o in d.out_specs) and all(p is None for p in d.plans))
+            and not d.detached_view and d.out_kind in (OutKind.TENSOR, OutKind.TUPLE, OutKind.LIST)
+            and all(o is not None for o in d.out_specs)
+            and all(not isinstance(p, CrossMeshPlan) for p in d.plans)
+            and all(p is None or not p.dst.shard_order for p in d.plans))
 
 
 Layouts = tuple[tuple[tuple[int, ...], tuple[int, ...], Any], ...]  # per output: (shape, strides, dtype)
@@ -144,10 +146,22 @@ def _from_template(t: LocalStep, specs: list[DistSpec], outs: Layouts, cls: Any,
         out_specs.append(spec)
         locals_.append(local)
         dense.append(dense_strides(local, stride) if d is not None else None)
-    in_specs, specs_out = tuple(specs), tuple(out_specs)
     strides, dense_out = tuple(o[1] for o in outs), tuple(dense)
+    moves: dict[str, Any] = {}
+    if any(p is not None for p in t.plans):
+        # the stored choice's moves, planned for these inputs (``_plan`` as ``_local_step`` does)
+        plans = tuple(None if p is None else _plan(s, p.dst.placements) for s, p in zip(specs, t.plans))
+        in_specs = _in_specs(specs, plans)
+        wrapper = [d._stride for d in dts]
+        moves = dict(plans=plans, in_conform=tuple(
+            (i, wrapper[i], dense_strides(in_specs[i].local_shape(t.coord), wrapper[i]))
+            for i, p in enumerate(plans) if _copies(p)))
+    else:
+        in_specs = tuple(specs)
+    specs_out = tuple(out_specs)
     if t.contexts is None:  # the op itself runs: the rule's view of the call is not needed
-        return replace(t, in_specs=in_specs, call=None, out_specs=specs_out, out_strides=strides, out_dense=dense_out)
+        return replace(t, in_specs=in_specs, call=None, out_specs=specs_out, out_strides=strides, out_dense=dense_out,
+                       **moves)
     metas: dict[int, TensorMeta] = {}
 
     def to_meta(x: Any) -> Any:
@@ -160,7 +174,7 @@ def _from_template(t: LocalStep, specs: list[DistSpec], outs: Layouts, cls: Any,
     shapes = tuple(locals_)
     now, later = (replace(c, call=call, out_shapes=shapes, in_specs=in_specs, out_specs=specs_out) for c in t.contexts)
     return replace(t, in_specs=in_specs, call=call, contexts=(now, later), out_specs=specs_out, out_strides=strides,
-                   out_dense=dense_out)
+                   out_dense=dense_out, **moves)
 
 
 def _decide(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], dts: list[Any],
@@ -261,7 +275,7 @@ def _decide(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], 
         return replace(_fallback_decision(func, specs, mesh, outs, mutated, reason=why, kind=out_kind), out_alias=alias,
                        meta_value=fake_out if out_kind is OutKind.VALUE else None)
     best = _cheapest(strategies, specs, mesh, out_metas)
-    if key is not None and _generic_best(strategies, specs) is best:
+    if key is not None and _generic_best(strategies, specs, mesh, out_metas) is best:
         generic.store_choice(key, best)
         stored.append(True)
     return _local_step(func, mesh, specs, best, call, out_metas, outs, out_kind, alias, mutated, fake_out)
@@ -311,16 +325,24 @@ def _deferred_price(plan: Plan | CrossMeshPlan) -> int:
     return price
 
 
-def _generic_best(strategies: Sequence[Strategy], specs: Sequence[DistSpec]) -> Strategy | None:
+def _generic_best(strategies: Sequence[Strategy], specs: Sequence[DistSpec], mesh: Any,
+                  out_metas: tuple[TensorMeta | None, ...]) -> Strategy | None:
     """The strategy the cost comparison picks at every shape of the call's signature, where that
     follows without comparing sizes: the one strategy taking every input as it is (only such
-    strategies compete when there is one); with none, the one strategy that moves nothing
-    (every input as it is or reached by local steps: slices, relabels, ``R -> P``; priced 0 at
-    any size, while every other plan has a collective or a fill, priced above 0 at any size).
-    None where several tie (their sizes decide)."""
+    strategies compete when there is one); with several, and one output, the one of least local
+    output (each strategy's is the output's size over a divisor of its own at every shape of the
+    signature: its generic sizes are multiples of the mesh's size, the rest are fixed, so their
+    order holds; with several outputs sums of such terms may swap); with none taking every
+    input as it is, the one strategy that moves nothing (every input as it is or reached by local
+    steps: slices, relabels, ``R -> P``; priced 0 at any size, while every other plan has a
+    collective or a fill, priced above 0 at any size). None where sizes decide."""
     free = [s for s in strategies if all(_as_is(spec, req) for spec, req in zip(specs, s.inputs))]
+    if len(free) == 1:
+        return free[0]
     if free:
-        return free[0] if len(free) == 1 else None
+        if sum(m is not None for m in out_metas) != 1:
+            return None
+        return min(free, key=lambda s: _cost(s, list(specs), mesh, out_metas))
     still = [s for s in strategies if all(not _plan_price(spec, tuple(req)) for spec, req in zip(specs, s.inputs))]
     return still[0] if len(still) == 1 else None
 

@@ -64,7 +64,11 @@ _SAME_SHAPE = frozenset({
 _VIEWS = frozenset({_aten.view.default, _aten._unsafe_view.default})
 # ops returning a tuple: (output, total_weight), (output, mean, rstd), the gradients asked for
 _TUPLE = frozenset({_aten.nll_loss_forward.default, _aten.native_layer_norm.default,
-                    _aten.native_layer_norm_backward.default})
+                    _aten.native_layer_norm_backward.default,
+                    _aten._scaled_dot_product_flash_attention_for_cpu.default,
+                    _aten._scaled_dot_product_flash_attention_for_cpu_backward.default})
+# ops returning a list: its pieces
+_LIST = frozenset({_aten.split.Tensor})
 
 
 def forget() -> None:
@@ -224,6 +228,9 @@ def _outs(func: Any, inputs: Sequence[tuple[tuple[int, ...], tuple[int, ...]]],
     view = _view_of(func, inputs, args)
     if view is not None:
         return (view,)
+    laid = _laid_out(func, inputs, args)
+    if laid is not None:
+        return laid
     shapes = _out_shapes(func, inputs, args)
     if shapes is not None:
         return tuple((s, contiguous_strides(s)) for s in shapes)
@@ -265,6 +272,81 @@ def _view_of(func: Any, inputs: Sequence[tuple[tuple[int, ...], tuple[int, ...]]
         if sorted(order) != list(range(n)):
             return None
     return tuple(shape[d] for d in order), tuple(stride[d] for d in order)
+
+
+_SDPA_CPU = _aten._scaled_dot_product_flash_attention_for_cpu.default
+_SDPA_CPU_BACKWARD = _aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+
+def _laid_out(func: Any, inputs: Sequence[tuple[tuple[int, ...], tuple[int, ...]]],
+              args: Sequence[Any]) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] | None:
+    """Outputs of ops whose strides follow from their definition other than contiguously (any
+    input strides): ``slice`` and ``split`` (views: the input's strides, a slice's step scaling
+    its dim's), ``slice_backward`` (a new zero tensor of the input's sizes, contiguous), the CPU
+    flash attention and its backward (torch's meta kernels: ``empty_like(query)`` and the
+    log-sum-exp as ``(B, L, H)`` transposed; the gradients ``(B, L, H, E)``-ordered)."""
+    if func is _aten.slice.Tensor and len(inputs) == 1 and 1 <= len(args) <= 5:
+        shape, stride = inputs[0]
+        dim, start, end, step = (list(args[1:]) + [0, None, None, 1][len(args) - 1:])
+        n = len(shape)
+        if (n == 0 or type(dim) is not int or not -n <= dim < n or type(step) is not int or step < 1
+                or not all(v is None or type(v) is int for v in (start, end))):
+            return None
+        d = dim % n
+        size = _sliced(shape[d], start, end, step)
+        return ((shape[:d] + (size,) + shape[d + 1:], stride[:d] + (stride[d] * step,) + stride[d + 1:]),)
+    if func is _aten.split.Tensor and len(inputs) == 1 and 2 <= len(args) <= 3:
+        shape, stride = inputs[0]
+        size, dim = args[1], args[2] if len(args) > 2 else 0
+        n = len(shape)
+        if n == 0 or type(size) is not int or size < 1 or type(dim) is not int or not -n <= dim < n:
+            return None
+        d = dim % n
+        if shape[d] == 0:
+            return None  # one empty piece (torch's own rule for it)
+        return tuple((shape[:d] + (min(size, shape[d] - lo),) + shape[d + 1:], stride)
+                     for lo in range(0, shape[d], size))
+    if func is _aten.slice_backward.default and len(inputs) == 1 and len(args) == 6 and _sizes(args[1]):
+        sizes = tuple(args[1])
+        return None if len(sizes) != len(inputs[0][0]) else ((sizes, contiguous_strides(sizes)),)
+    if func is _SDPA_CPU and len(inputs) >= 3 and len(inputs[0][0]) == 4 and _is_tensor(args[0]):
+        shape, stride = inputs[0]
+        like = _like_strides(shape, stride)
+        b, h, q = shape[0], shape[1], shape[2]
+        return None if like is None else ((shape, like), ((b, h, q), (q * h, 1, h)))
+    if func is _SDPA_CPU_BACKWARD and len(inputs) >= 6 and all(_is_tensor(a) for a in args[1:4]):
+        out = []
+        for a in args[1:4]:
+            shape = tuple(a.shape)
+            if len(shape) != 4:
+                return None
+            b, h, q, e = shape
+            if min(shape) < 2:
+                return None  # torch's own strides for size-1 and empty dims
+            out.append((shape, (q * h * e, e, h * e, 1)))  # (B, H, L, E) stored as (B, L, H, E)
+        return tuple(out)
+    return None
+
+
+def _sliced(size: int, start: int | None, end: int | None, step: int) -> int:
+    """The length ``slice(x, dim, start, end, step)`` keeps of a dim of ``size`` (torch's clamping)."""
+    lo = 0 if start is None else start
+    hi = size if end is None else end
+    lo = lo + size if lo < 0 else lo
+    hi = hi + size if hi < 0 else hi
+    lo = min(max(lo, 0), size)
+    hi = min(max(hi, lo), size)
+    return (hi - lo + step - 1) // step
+
+
+def _like_strides(shape: tuple[int, ...], stride: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The strides of ``torch.empty_like`` of a meta tensor of ``shape``/``stride``: dense, its dims
+    nested as in ``stride`` (dense tensors keep theirs). Known only where that nesting is
+    unambiguous: every size >= 2 and the strides distinct and >= 1 (size-1, empty and broadcast
+    dims follow torch's own tie-breaking: None)."""
+    if any(n < 2 for n in shape) or any(t < 1 for t in stride) or len(set(stride)) != len(stride):
+        return None
+    return dense_strides(shape, stride)
 
 
 def _common_dense_strides(inputs: Sequence[tuple[tuple[int, ...], tuple[int, ...]]]) -> tuple[int, ...] | None:
@@ -417,8 +499,9 @@ def _view_size(shape: tuple[int, ...], size: Any) -> tuple[int, ...] | None:
 
 def out_key(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], is_dist: Any) -> Any:
     """What a known-output op (``_outs``)'s output dtype depends on: the op, each tensor's dtype (and
-    rank), every other argument exactly (a view's size aside: a view keeps its input's dtype);
-    None if unhashable."""
+    rank), every other argument exactly (a view's size aside: a view keeps its input's dtype; and
+    the arguments its rule reads only through the output's shape: sizes and bounds); None if
+    unhashable."""
     def arg(a: Any) -> Any:
         if is_dist(a):
             return "dist", a.dtype, a.dim()
@@ -430,7 +513,7 @@ def out_key(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], is_dist: A
 
     if func in _VIEWS:
         args = args[:1]
-    key = (func, arg(args), tuple((k, arg(v)) for k, v in kwargs.items()))
+    key = (func, arg(_without_size_arg(func, args)), tuple((k, arg(v)) for k, v in kwargs.items()))
     try:
         hash(key)
     except TypeError:
@@ -459,7 +542,7 @@ def known_out(func: Any, key: Any, inputs: Sequence[tuple[tuple[int, ...], tuple
     if known is None:
         return None
     outs = tuple(torch.empty_strided(s, st, dtype=d, device="meta") for s, st, d in known)
-    return outs if func in _TUPLE else outs[0]
+    return outs if func in _TUPLE else list(outs) if func in _LIST else outs[0]
 
 
 def learn_out(func: Any, key: Any, inputs: Sequence[tuple[tuple[int, ...], tuple[int, ...]]], fake_out: Any,
@@ -467,7 +550,7 @@ def learn_out(func: Any, key: Any, inputs: Sequence[tuple[tuple[int, ...], tuple
     """Store the output dtypes of a known-output op (``_outs``) where its meta kernel agreed with it."""
     if key is None:
         return
-    outs = tuple(fake_out) if func in _TUPLE and isinstance(fake_out, (tuple, list)) else (fake_out,)
+    outs = tuple(fake_out) if func in _TUPLE | _LIST and isinstance(fake_out, (tuple, list)) else (fake_out,)
     known = _outs(func, inputs, args)
     if known is None or len(known) != len(outs):
         return

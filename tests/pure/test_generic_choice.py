@@ -118,7 +118,7 @@ def test_a_stored_choice_is_the_fresh_choice_at_another_shape(pair: tuple[Any, .
     if not strategies_a:
         return
     best_a = _cheapest(strategies_a, specs_a, mesh, call_a.out)
-    if _generic_best(strategies_a, specs_a) is not best_a:
+    if _generic_best(strategies_a, specs_a, mesh, call_a.out) is not best_a:
         return  # not stored: decided afresh at every shape
     assert strategies_b and _cheapest(strategies_b, specs_b, mesh, call_b.out) == best_a
 
@@ -178,6 +178,76 @@ def test_a_known_output_is_what_the_meta_kernel_gives(case: Any, sizes: list[dic
         if known is not None:
             assert (known.shape, known.stride(), known.dtype) == (real.shape, real.stride(), real.dtype)
         generic.learn_out(op, key, inputs, real, args)
+
+
+@st.composite
+def _strided(draw: Any, ndim: int, sizes: Any = st.integers(0, 6)) -> torch.Tensor:
+    """A meta tensor of ``ndim`` dims with any strides: dims nested in a random order, gaps
+    between them, sometimes a dim's stride replaced (0: broadcast; a repeat: overlapping)."""
+    shape = [draw(sizes) for _ in range(ndim)]
+    order = draw(st.permutations(range(ndim)))
+    stride, acc = [0] * ndim, 1
+    for d in reversed(order):
+        stride[d] = acc
+        acc *= max(shape[d], 1) * draw(st.sampled_from([1, 1, 2, 3]))
+    if ndim and draw(st.integers(0, 4)) == 0:
+        stride[draw(st.integers(0, ndim - 1))] = draw(st.sampled_from([0, 1, *stride]))
+    return torch.empty_strided(shape, stride, device="meta")
+
+
+def _known_vs_meta(op: Any, args: tuple[Any, ...], tensors: list[torch.Tensor]) -> Any:
+    """The meta kernel's result of ``op(*args)`` (None where it raises), checked against
+    ``known_out`` from the dtypes learned at earlier calls (of other shapes and strides), then
+    learned from."""
+    inputs = [(tuple(t.shape), tuple(t.stride())) for t in tensors]
+    key = generic.out_key(op, args, {}, lambda t: isinstance(t, torch.Tensor))
+    known = generic.known_out(op, key, inputs, args)
+    try:
+        real = op(*args)
+    except RuntimeError:
+        return None
+    rs = real if isinstance(real, (tuple, list)) else [real]
+    if known is not None:
+        ks = known if isinstance(known, (tuple, list)) else [known]
+        assert type(known) is type(real), (op, type(known), type(real))
+        assert [(k.shape, k.stride(), k.dtype) for k in ks] == [(r.shape, r.stride(), r.dtype) for r in rs], op
+    layouts = generic._outs(op, inputs, args)  # the definition itself, dtypes aside (learning checks it too)
+    if layouts is not None:
+        assert list(layouts) == [(tuple(r.shape), tuple(r.stride())) for r in rs], (op, inputs, args[1:])
+    generic.learn_out(op, key, inputs, real, args)
+    return real
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.integers(1, 4).flatmap(lambda n: st.tuples(_strided(n), st.integers(-n, n - 1))), min_size=3,
+                max_size=3),
+       st.sampled_from([None, -9, -3, -1, 0, 1, 2, 7]), st.sampled_from([None, -9, -2, 0, 1, 3, 8, 2**62]),
+       st.integers(1, 3), st.integers(1, 6))
+def test_known_slices_and_splits_are_the_meta_kernels(calls: Any, start: Any, end: Any, step: int, size: int) -> None:
+    """``slice``/``split`` (views: the input's strides, any strides) and ``slice_backward`` (a
+    new contiguous tensor) at three shapes: known layouts are the meta kernels'."""
+    generic.forget()
+    for x, dim in calls:
+        real = _known_vs_meta(aten.slice.Tensor, (x, dim, start, end, step), [x])
+        if real is None:
+            continue
+        grad = torch.empty(real.shape, device="meta")
+        _known_vs_meta(aten.slice_backward.default, (grad, list(x.shape), dim % x.dim(), 0, 2**62, step), [grad])
+        _known_vs_meta(aten.split.Tensor, (x, size, dim), [x])
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(_strided(4, st.integers(0, 6)), min_size=4, max_size=4), st.booleans())
+def test_known_cpu_flash_attention_outputs_are_the_meta_kernels(queries: list[torch.Tensor], causal: bool) -> None:
+    """The CPU flash attention forward (``empty_like(query)``: known where the query's nesting
+    is unambiguous) and backward (gradients stored ``(B, L, H, E)``) at four shapes and strides."""
+    generic.forget()
+    fwd = aten._scaled_dot_product_flash_attention_for_cpu.default
+    bwd = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+    for q in queries:
+        real = _known_vs_meta(fwd, (q, q, q, 0.0, causal), [q, q, q])
+        if real is not None:
+            _known_vs_meta(bwd, (q, q, q, q, real[0], real[1], 0.0, causal), [q, q, q, q, real[0], real[1]])
 
 
 @settings(max_examples=40, deadline=None)
@@ -314,7 +384,7 @@ def test_a_stored_view_choice_is_the_fresh_choice_at_another_shape(kind: str, me
     if not strategies_a:
         return
     best_a = _cheapest(strategies_a, specs_a, mesh, call_a.out)
-    if _generic_best(strategies_a, specs_a) is not best_a:
+    if _generic_best(strategies_a, specs_a, mesh, call_a.out) is not best_a:
         return  # not stored
     strategies_b = rule(call_b)
     assert strategies_b and _cheapest(strategies_b, specs_b, mesh, call_b.out) == best_a, (call_a, call_b)

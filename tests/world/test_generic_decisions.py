@@ -88,6 +88,22 @@ def _cases(mesh: Any, t: int) -> list[tuple[str, Any, Callable[[], tuple[Any, ..
             (f"layer_norm {name}", aten.native_layer_norm.default,
              lambda p=p: (d((4, t, 6), p if p != S1 else S0), [6], d((6,), R), d((6,), R), 1e-5)),
         ]
+    sdpa, sdpa_backward = aten._scaled_dot_product_flash_attention_for_cpu.default, \
+        aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+    for name, p in (("R", R), ("S0", S0), ("S1", S1)):
+        def heads(p: Any = p) -> DistTensor:  # (B, H, t, E) as attention gets it: (B, t, H, E) transposed
+            return d((4, t, 2, 4), p if p != S1 else S2).transpose(1, 2)  # type: ignore[no-any-return]
+
+        def backward(p: Any = p) -> tuple[Any, ...]:
+            q, k, v = heads(), heads(), heads()
+            out, lse = sdpa(q, k, v, 0.0, True)
+            return (d((4, 2, t, 4), p), q, k, v, out, lse, 0.0, True)
+
+        cases += [
+            (f"attention {name}", sdpa, lambda p=p: (d((4, 2, t, 4), p), d((4, 2, t, 4), p), d((4, 2, t, 4), p), 0.0, True)),
+            (f"attention heads {name}", sdpa, lambda heads=heads: (heads(), heads(), heads(), 0.0, True)),
+            (f"attention backward {name}", sdpa_backward, backward),
+        ]
     cases += [
         ("add partial", aten.add.Tensor, lambda: (d((4, t, 6), P), d((4, t, 6), P))),
         ("addmm row parallel", aten.addmm.default, lambda: (d((8,), R), d((t, 6), S1), d((6, 8), S0))),
@@ -95,11 +111,18 @@ def _cases(mesh: Any, t: int) -> list[tuple[str, Any, Callable[[], tuple[Any, ..
     return cases
 
 
-def _compare(rank: int) -> tuple[int, int]:
+# calls filled in from another length's decision at some length (the rest may be too)
+TEMPLATED = {"addmm row parallel", "slice table R", "slice tail R", "split last R", "split last S0",
+             "slice backward R", "attention R", "attention S1", "attention heads S0", "attention backward R",
+             "attention backward S1", "embedding backward R"}
+
+
+def _compare(rank: int) -> tuple[int, int, set[str]]:
     mesh = ap.ProcessMesh([0, 1], dim_names=["x"])
     lengths = [6, 7, 8, 10, 11, 12, 14, 16, 18, 20, 6, 21, 24]
     random.Random(0).shuffle(lengths)
     made = fresh = 0
+    names: set[str] = set()
     filled: list[Any] = []
     original = deciding._from_template
 
@@ -131,11 +154,14 @@ def _compare(rank: int) -> tuple[int, int]:
                     cache.update(old)
                 made += used
                 fresh += not used
+                if used:
+                    names.add(name)
     finally:
         deciding._from_template = original  # type: ignore[assignment]
-    return made, fresh
+    return made, fresh, names
 
 
 def test_a_decision_from_another_shape_is_the_fresh_decision(world2) -> None:  # type: ignore[no-untyped-def]
-    for made, fresh in world2.run(_compare):
+    for made, fresh, names in world2.run(_compare):
         assert made > 0 and fresh > 0
+        assert TEMPLATED <= names, sorted(TEMPLATED - names)
