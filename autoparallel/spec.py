@@ -129,6 +129,25 @@ class DistSpec:
         except TypeError:  # unhashable input: build it uncached, for the constructor's own error
             return DistSpec(self.mesh, placements, self.shape, self.dtype, shard_order)
 
+    def with_shape(self, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> DistSpec:
+        """The same layout (placements, shard order, mesh) over another shape of the same rank
+        (and ``dtype``, if given): what the constructor checks depends on the rank only, so
+        nothing is checked again (a decision filled in at a new sequence length)."""
+        if len(shape) != len(self.shape):
+            raise ValueError(f"with_shape: {tuple(shape)} has not the rank of {tuple(self.shape)}")
+        shape = tuple(int(s) for s in shape)
+        dtype = self.dtype if dtype is None else dtype
+        out = object.__new__(DistSpec)
+        put = object.__setattr__
+        put(out, "mesh", self.mesh)
+        put(out, "placements", self.placements)
+        put(out, "shape", shape)
+        put(out, "dtype", dtype)
+        put(out, "shard_order", self.shard_order)
+        put(out, "_hash", hash((self.mesh, self.placements, shape, dtype, self.shard_order)))
+        put(out, "has_partial", self.has_partial)
+        return out
+
     def with_dtype(self, dtype: torch.dtype) -> DistSpec:
         """The same layout for a tensor of another dtype (an optimizer state of a parameter)."""
         return self if dtype == self.dtype else DistSpec(self.mesh, self.placements, self.shape, dtype, self.shard_order)

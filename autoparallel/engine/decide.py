@@ -20,7 +20,7 @@ import torch
 
 from autoparallel.engine import generic
 from autoparallel.engine.aliases import may_write, mutated_inputs, out_aliases
-from autoparallel.engine.decision import Decision, InplaceViewDecision, LocalStep, OutKind, ValueDecision
+from autoparallel.engine.decision import Decision, InplaceViewDecision, LocalStep, OutKind, ValueDecision, evolve
 from autoparallel.engine.kernels import DEFERRING, Collectives, kernel_for
 from autoparallel.engine.keys import mesh_coord
 from autoparallel.engine.slots import dist_slots, flatten_out, map_args
@@ -141,7 +141,7 @@ def _from_template(t: LocalStep, specs: list[DistSpec], outs: Layouts, cls: Any,
     dense: list[tuple[int, ...] | None] = []
     for (shape, stride, dtype), was, d in zip(outs, t.out_specs, t.out_dense):
         assert was is not None
-        spec = DistSpec(t.mesh, was.placements, shape, dtype)
+        spec = was.with_shape(shape, dtype)
         local = spec.local_shape(t.coord)
         out_specs.append(spec)
         locals_.append(local)
@@ -160,8 +160,8 @@ def _from_template(t: LocalStep, specs: list[DistSpec], outs: Layouts, cls: Any,
         in_specs = tuple(specs)
     specs_out = tuple(out_specs)
     if t.contexts is None:  # the op itself runs: the rule's view of the call is not needed
-        return replace(t, in_specs=in_specs, call=None, out_specs=specs_out, out_strides=strides, out_dense=dense_out,
-                       **moves)
+        return evolve(t, in_specs=in_specs, call=None, out_specs=specs_out, out_strides=strides, out_dense=dense_out,
+                      **moves)
     metas: dict[int, TensorMeta] = {}
 
     def to_meta(x: Any) -> Any:
@@ -172,9 +172,9 @@ def _from_template(t: LocalStep, specs: list[DistSpec], outs: Layouts, cls: Any,
     call = OpCall(func, map_args(cls, args, to_meta), map_args(cls, kwargs, to_meta), tuple(to_meta(d) for d in dts),
                   tuple(TensorMeta(o[0], o[2]) for o in outs), tuple(s.placements for s in specs), tuple(t.mesh.shape))
     shapes = tuple(locals_)
-    now, later = (replace(c, call=call, out_shapes=shapes, in_specs=in_specs, out_specs=specs_out) for c in t.contexts)
-    return replace(t, in_specs=in_specs, call=call, contexts=(now, later), out_specs=specs_out, out_strides=strides,
-                   out_dense=dense_out, **moves)
+    now, later = (evolve(c, call=call, out_shapes=shapes, in_specs=in_specs, out_specs=specs_out) for c in t.contexts)
+    return evolve(t, in_specs=in_specs, call=call, contexts=(now, later), out_specs=specs_out, out_strides=strides,
+                  out_dense=dense_out, **moves)
 
 
 def _decide(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], dts: list[Any],

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, fields
+from typing import Any, TypeVar
 
 from autoparallel.spec import DistSpec
 from reshard.crossmesh import CrossMeshPlan
@@ -71,6 +71,28 @@ class LocalStep:
     fallback: bool = False                              # no rule: replicated inputs, the kernel's own outputs
     detached_view: bool = False                         # a view whose input had to move (writes cannot reach it)
     simple: bool = False                                # one new tensor out, nothing written: wrap and return
+
+
+def evolve(obj: _T, **changes: Any) -> _T:
+    """``dataclasses.replace`` for the frozen slots dataclasses a decision is made of (``LocalStep``,
+    ``LocalContext``; neither has a ``__post_init__``): the copy is built field by field, not
+    through ``__init__`` (a decision filled in at a new sequence length makes three per op)."""
+    names = _FIELDS.get(type(obj))
+    if names is None:
+        names = _FIELDS[type(obj)] = tuple(f.name for f in fields(obj))  # type: ignore[arg-type]
+        assert not hasattr(type(obj), "__post_init__") and set(names) == set(getattr(type(obj), "__slots__", ())), type(obj)
+    unknown = set(changes) - set(names)
+    if unknown:
+        raise TypeError(f"evolve: {type(obj).__name__} has no fields {sorted(unknown)}")
+    new = object.__new__(type(obj))
+    put = object.__setattr__
+    for name in names:
+        put(new, name, changes[name] if name in changes else getattr(obj, name))
+    return new
+
+
+_T = TypeVar("_T")
+_FIELDS: dict[type, tuple[str, ...]] = {}
 
 
 @dataclass(frozen=True, slots=True)

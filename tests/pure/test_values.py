@@ -365,3 +365,43 @@ def test_local_box_matches_torch_chunk(s: DistSpec) -> None:
     for box in distinct.values():
         cover[tuple(slice(o, o + n) for o, n in box)] += 1
     assert (cover == 1).all()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 9), min_size=1, max_size=3), st.lists(st.integers(1, 9), min_size=3, max_size=3),
+       st.data())
+def test_with_shape_is_the_constructed_spec(shape: list[int], other: list[int], data: object) -> None:
+    """``DistSpec.with_shape`` (no re-validation) equals the spec the constructor builds, hash too."""
+    mesh = ProcessMesh([[0, 1], [2, 3]])
+    ndim = len(shape)
+    choice = st.sampled_from([Replicate(), Partial("sum"), Shard(0), Shard(ndim - 1), Shard(-1)])
+    placements = (data.draw(choice), data.draw(choice))  # type: ignore[attr-defined]
+    orders: list[tuple[tuple[int, tuple[int, ...]], ...]] = [()]
+    if all(isinstance(p, Shard) and p.dim % ndim == placements[0].dim % ndim for p in placements):  # type: ignore[attr-defined]
+        orders.append(((placements[0].dim % ndim, (1, 0)),))  # type: ignore[attr-defined]
+    for order in orders:
+        spec = DistSpec(mesh, placements, tuple(shape), torch.float32, order)
+        new = tuple(other[:ndim])
+        for dtype in (None, torch.bfloat16):
+            made = spec.with_shape(new, dtype)
+            want = DistSpec(mesh, placements, new, dtype or torch.float32, order)
+            assert made == want and hash(made) == hash(want) and made.has_partial == want.has_partial
+            assert made.shard_order == want.shard_order and made.placements == want.placements
+    with pytest.raises(ValueError, match="rank"):
+        DistSpec(mesh, placements, tuple(shape), torch.float32).with_shape((*shape, 2))
+
+
+def test_evolve_is_replace() -> None:
+    """``engine.decision.evolve`` copies a decision like ``dataclasses.replace``."""
+    import dataclasses
+
+    from autoparallel.engine.decision import LocalStep, evolve
+
+    mesh = ProcessMesh([0, 1])
+    spec = DistSpec(mesh, (Shard(0),), (4, 6), torch.float32)
+    step = LocalStep(mesh=mesh, coord=(1,), plans=(None,), in_specs=(spec,), out_specs=(spec,), out_strides=((6, 1),))
+    changed = evolve(step, out_strides=((1, 4),), simple=True)
+    assert changed == dataclasses.replace(step, out_strides=((1, 4),), simple=True)
+    assert step.out_strides == ((6, 1),) and evolve(step) == step
+    with pytest.raises(TypeError, match="no fields"):
+        evolve(step, nonsense=1)
