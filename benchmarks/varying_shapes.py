@@ -10,7 +10,10 @@ order: even, as sequence parallelism needs equal pieces) runs one *first* step
 and then ``--warm`` more steps at that length. Printed per layout, on rank 0 (medians over the
 lengths; every rank's figure is its own, the slowest rank's shown):
 
-* warm step (ms), first step at a new length (ms), and their ratio (target <= 1.2);
+* warm step (ms), first step at a new length (ms), and their ratio (target <= 1.2), the median
+  of the per-length ratios and (``means``) the ratio of the means: pauses that hit some lengths
+  only, as Python's full garbage collections, show in the second; ``GC ms/shape``: the time
+  spent in full (generation 2) collections over the measured steps, per new length;
 * RSS growth per new length per rank (KB): ``/proc/self/statm`` after the last length minus
   after the warm-up, over the number of lengths (target: a few KB; the allocator makes it
   noisy, +-200 KB between runs even for plain torch), and the Python heap's growth in
@@ -121,13 +124,26 @@ def _run(step: Callable[[int], None], lengths: list[int], warm: int, synced: boo
     gc.collect()
     rss0, blocks0 = _rss_kb(), sys.getallocatedblocks()
     firsts, warms = [], []
-    for t in lengths:
-        firsts.append(timer(step, t))
-        warms.append(statistics.median(timer(step, t) for _ in range(warm)))
+    collecting = [0.0, 0.0]  # (when the current collection started, ms spent in full collections)
+
+    def watch(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            collecting[0] = time.perf_counter()
+        elif info["generation"] == 2:
+            collecting[1] += (time.perf_counter() - collecting[0]) * 1e3
+
+    gc.callbacks.append(watch)
+    try:
+        for t in lengths:
+            firsts.append(timer(step, t))
+            warms.append(statistics.median(timer(step, t) for _ in range(warm)))
+    finally:
+        gc.callbacks.remove(watch)
     gc.collect()
     rss1, blocks1 = _rss_kb(), sys.getallocatedblocks()
     first, warm_ms = statistics.median(firsts), statistics.median(warms)
     return {"warm_ms": warm_ms, "first_ms": first, "ratio": statistics.median(f / w for f, w in zip(firsts, warms)),
+            "mean_ratio": statistics.mean(firsts) / statistics.mean(warms), "gc_ms_per_shape": collecting[1] / len(lengths),
             "rss_kb_per_shape": (rss1 - rss0) / len(lengths), "blocks_per_shape": (blocks1 - blocks0) / len(lengths)}
 
 
@@ -199,15 +215,18 @@ def main() -> None:
     res = run_spawned(_worker, args.nprocs, opts, timeout=3000, prefix="varying")
     print(f"GPT (width {WIDTH}, {LAYERS} layers, batch {BATCH}) on {args.nprocs} gloo ranks, "
           f"{args.shapes} new sequence lengths each, medians; slowest rank")
-    print(f"{'layout':<8}{'side':<7}{'warm ms':>9}{'first ms':>10}{'first/warm':>12}{'RSS KB/shape':>14}{'objs/shape':>12}")
+    print(f"{'layout':<8}{'side':<7}{'warm ms':>9}{'first ms':>10}{'first/warm':>12}{'means':>7}{'GC ms/shape':>13}"
+          f"{'RSS KB/shape':>14}{'objs/shape':>12}")
     for layout, per_rank in res.items():
         for side in ("ours", "plain"):
             rows = [r[side] for r in per_rank]
             worst = max(rows, key=lambda r: r["ratio"])
             rss = max(r["rss_kb_per_shape"] for r in rows)
             objs = max(r["blocks_per_shape"] for r in rows)
+            means = max(r["mean_ratio"] for r in rows)
+            collected = max(r["gc_ms_per_shape"] for r in rows)
             print(f"{layout:<8}{side:<7}{worst['warm_ms']:>9.1f}{worst['first_ms']:>10.1f}{worst['ratio']:>12.2f}"
-                  f"{rss:>14.1f}{objs:>12.0f}")
+                  f"{means:>7.2f}{collected:>13.2f}{rss:>14.1f}{objs:>12.0f}")
         if "profile" in per_rank[0]:
             print(per_rank[0]["profile"])
     if args.json:
