@@ -224,6 +224,19 @@ class Model:
             return None
         return tc
 
+    def refusal_at(self, tc: int) -> str | None:
+        """Why a run at ``tc`` would be refused whatever it records (None: it may be taken): ``tc``
+        is a crossing, or a line is not integral there or meets 0 or 1. Asked before the run, so
+        a length bound to be proven costs no recorded run first."""
+        if tc in self.crossings:
+            return "sizes coincide at this length"
+        num, den = (self.ib - self.ia) * (tc - self.ta), self.tb - self.ta
+        if np.any(num % den):
+            return "a size is not the proven lengths' function"
+        if not np.array_equal(np.minimum(self.ia + num // den, 2), self.small):
+            return "a size becomes 0 or 1"
+        return None
+
     def admits_record(self, record: Record, tc: int) -> str | None:
         """Why a run at ``tc`` is not the model's at that length (None: it is)."""
         if len(record.skeleton) != len(self.skeleton) or record.skeleton != self.skeleton:

@@ -301,6 +301,10 @@ class _Region:
         tc = model.admits_point(point_of(leaves))
         if tc is None or _precheck(leaves, tensors):  # uneven shards: ranks' local runs would differ
             return None
+        why = model.refusal_at(tc)
+        if why is not None:  # known before running it: prove this length at once
+            logger.debug("local region %s: no generic verdict at %d: %s", type(self.module).__name__, tc, why)
+            return None
         base = model.b.verdict
         grads = tuple(with_partial(layout.spec_of(x), base.sharded_axes) if isinstance(x, DistTensor) else None
                       for x in leaves)

@@ -51,11 +51,25 @@ def test_a_length_where_sizes_coincide_is_refused() -> None:
     assert model.crossings >= {2, 6}
     assert model.admits_record(_recorded(_matmul, 6)[0], 6) == "sizes coincide at this length"
     assert model.admits_record(_recorded(_matmul, 1)[0], 1) == "a size becomes 0 or 1"
+    # predicted before a run, with the same reasons; lengths on the lines are not refused
+    assert model.refusal_at(6) == "sizes coincide at this length"
+    assert model.refusal_at(1) == "a size becomes 0 or 1"
+    assert all(model.refusal_at(t) is None for t in (7, 9, 30))
+    assert all(model.refusal_at(t) == model.admits_record(_recorded(_matmul, t)[0], t) for t in range(1, 12) if t not in (4, 5))
 
 
 def test_a_size_off_the_lines_is_refused() -> None:
     model = _model(_square, 3, 4)  # at 5 the line through 9 and 16 says 23, the run says 25
     assert model.admits_record(_recorded(_square, 5)[0], 5) == "a size is not the proven lengths' function"
+    assert model.refusal_at(5) is None  # on integral lines: only the run tells
+
+    def halves(t: int) -> torch.Tensor:
+        return torch.ones(7, t)[:, : t // 2]  # a size t // 2: through 4 -> 2 and 6 -> 3, slope 1/2
+
+    model = _model(halves, 4, 6)
+    assert model.refusal_at(8) is None
+    assert model.refusal_at(9) == "a size is not the proven lengths' function"  # 4.5: no run can match
+    assert model.admits_record(_recorded(halves, 9)[0], 9) == "a size is not the proven lengths' function"
 
 
 def test_arguments_that_vary_in_two_ways_are_refused() -> None:
