@@ -24,8 +24,10 @@ when:
 In an as-is strategy the only split dims are the sharded ones, split evenly by construction,
 so what decided A and B — which dims are sharded, which sizes are equal, which are 1 — decides
 C the same way. Everything read is metadata that every rank shares (regions need even shards),
-so every rank takes the same path; uneven shards are never answered. A refused run costs one
-local forward and falls back to the full proof of the new signature. A family whose two latest
+so every rank takes the same path; uneven shards are never answered. A length the model alone
+refuses (a crossing, a line not integral there or meeting 0/1: ``Model.refusal_at``) is proven
+at once; a run refused by what it recorded costs one local forward first. Either way the new
+signature then gets the full proof. A family whose two latest
 proofs were refused for one reason predicts that refusal (``Family.refusal``).
 """
 
