@@ -53,41 +53,44 @@ def flatten(state_dict: Any, where: str) -> dict[str, Any]:
     if not isinstance(state_dict, Mapping):
         raise TypeError(f"{where}: state_dict must be a dict, got {type(state_dict).__name__}")
     out: dict[str, Any] = {}
-
-    def visit(obj: Any, key: str) -> None:
-        if isinstance(obj, torch.Tensor) or (key and is_plain(obj, key, where)):
-            if key in out:
-                raise ValueError(f"{where}: two entries flatten to the same key {key!r}; "
-                                 "rename one (keys are joined with '.')")
-            out[key] = obj
-            return
-        for k, v in _items(obj, key, where):
-            visit(v, k)
-
-    visit(state_dict, "")
+    _flatten_into(out, state_dict, "", where)
     return out
+
+
+def _flatten_into(out: dict[str, Any], obj: Any, key: str, where: str) -> None:
+    """``flatten``'s walk (a module function: a closure calling itself is a reference cycle that
+    would keep the whole flattened state dict alive until a full garbage collection)."""
+    if isinstance(obj, torch.Tensor) or (key and is_plain(obj, key, where)):
+        if key in out:
+            raise ValueError(f"{where}: two entries flatten to the same key {key!r}; "
+                             "rename one (keys are joined with '.')")
+        out[key] = obj
+        return
+    for k, v in _items(obj, key, where):
+        _flatten_into(out, v, k, where)
 
 
 def replace_values(state_dict: MutableMapping[str, Any], new: Callable[[str, Any], Any]) -> None:
     """Set every leaf to ``new(key, leaf)`` in place (tuples are rebuilt inside their parent)."""
+    _replaced(state_dict, "", new)
 
-    def visit(obj: Any, key: str) -> Any:
-        if isinstance(obj, torch.Tensor) or (key and is_plain(obj, key, "load_state_dict")):
-            return new(key, obj)
-        if isinstance(obj, MutableMapping):
-            for k in list(obj):
-                obj[k] = visit(obj[k], _child_key(key, k, "load_state_dict"))
-            return obj
-        if isinstance(obj, list):
-            for i, v in enumerate(obj):
-                obj[i] = visit(v, _child_key(key, i, "load_state_dict"))
-            return obj
-        if isinstance(obj, tuple):
-            items = [visit(v, _child_key(key, i, "load_state_dict")) for i, v in enumerate(obj)]
-            return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+
+def _replaced(obj: Any, key: str, new: Callable[[str, Any], Any]) -> Any:
+    """``replace_values``' walk (a module function: see ``_flatten_into``)."""
+    if isinstance(obj, torch.Tensor) or (key and is_plain(obj, key, "load_state_dict")):
+        return new(key, obj)
+    if isinstance(obj, MutableMapping):
+        for k in list(obj):
+            obj[k] = _replaced(obj[k], _child_key(key, k, "load_state_dict"), new)
         return obj
-
-    visit(state_dict, "")
+    if isinstance(obj, list):
+        for i, v in enumerate(obj):
+            obj[i] = _replaced(v, _child_key(key, i, "load_state_dict"), new)
+        return obj
+    if isinstance(obj, tuple):
+        items = [_replaced(v, _child_key(key, i, "load_state_dict"), new) for i, v in enumerate(obj)]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    return obj
 
 
 def map_leaves(obj: Any, fn: Callable[[str, Any], Any], key: str = "") -> Any:

@@ -127,21 +127,24 @@ def _arguments(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
     if func in _VIEWS and view is not None:
         args, extra = args[:1], _groups(*view)
     args = _without_size_arg(func, args)
-    named = False
-
-    def arg(a: Any) -> Any:
-        nonlocal named
-        x = leaf(a)
-        if x is not _NOT_LEAF:
-            return x
-        if isinstance(a, (list, tuple)):
-            return type(a).__name__, tuple(arg(v) for v in a)
-        if type(a) is int and a in generic:
-            named = True
-        return a
-
-    key = (arg(args), tuple((k, arg(v)) for k, v in kwargs.items()), extra)
+    named: list[bool] = []
+    key = (_argument(args, leaf, generic, named),
+           tuple((k, _argument(v, leaf, generic, named)) for k, v in kwargs.items()), extra)
     return None if named else key
+
+
+def _argument(a: Any, leaf: Any, generic: frozenset[int], named: list[bool]) -> Any:
+    """One argument's part of ``_arguments``' key; ``named`` gets an entry where it names a
+    generic size. (A module function, not a closure calling itself: such a closure is a
+    reference cycle, garbage only a full collection frees, made at every decision.)"""
+    x = leaf(a)
+    if x is not _NOT_LEAF:
+        return x
+    if isinstance(a, (list, tuple)):
+        return type(a).__name__, tuple([_argument(v, leaf, generic, named) for v in a])
+    if type(a) is int and a in generic:
+        named.append(True)
+    return a
 
 
 def _hashable(key: Any) -> Any:
@@ -502,23 +505,26 @@ def out_key(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], is_dist: A
     rank), every other argument exactly (a view's size aside: a view keeps its input's dtype; and
     the arguments its rule reads only through the output's shape: sizes and bounds); None if
     unhashable."""
-    def arg(a: Any) -> Any:
-        if is_dist(a):
-            return "dist", a.dtype, a.dim()
-        if isinstance(a, torch.Tensor):
-            return "tensor", a.dtype, a.dim()
-        if isinstance(a, (list, tuple)):
-            return type(a).__name__, tuple(arg(x) for x in a)
-        return a
-
     if func in _VIEWS:
         args = args[:1]
-    key = (func, arg(_without_size_arg(func, args)), tuple((k, arg(v)) for k, v in kwargs.items()))
+    key = (func, _typed(_without_size_arg(func, args), is_dist), tuple((k, _typed(v, is_dist)) for k, v in kwargs.items()))
     try:
         hash(key)
     except TypeError:
         return None
     return key
+
+
+def _typed(a: Any, is_dist: Any) -> Any:
+    """``out_key``'s part for one argument: tensors as their kind, dtype and rank, the rest as is
+    (a module function: see ``_argument``)."""
+    if is_dist(a):
+        return "dist", a.dtype, a.dim()
+    if isinstance(a, torch.Tensor):
+        return "tensor", a.dtype, a.dim()
+    if isinstance(a, (list, tuple)):
+        return type(a).__name__, tuple([_typed(x, is_dist) for x in a])
+    return a
 
 
 def known_layouts(func: Any, key: Any, inputs: Sequence[tuple[tuple[int, ...], tuple[int, ...]]],

@@ -74,14 +74,17 @@ def adopt_plain(
             adopted[id(t)] = cls._wrap(local, DistSpec(mesh, rep, tuple(t.shape), t.dtype), stride)
         return adopted[id(t)]
 
-    def walk(a: Any) -> Any:
-        if isinstance(a, torch.Tensor) and not isinstance(a, cls) and a.dim() != 0:
-            return adopt(a)
-        if isinstance(a, (list, tuple)):
-            return type(a)(walk(x) for x in a)
-        return a
+    return _adopted(cls, args, adopt), {k: _adopted(cls, v, adopt) for k, v in kwargs.items()}
 
-    return walk(args), {k: walk(v) for k, v in kwargs.items()}
+
+def _adopted(cls: Any, a: Any, adopt: Any) -> Any:
+    """``a`` with every plain tensor of one or more dims as ``adopt`` makes it (a module function:
+    a closure calling itself is a reference cycle holding the tensors until a full collection)."""
+    if isinstance(a, torch.Tensor) and not isinstance(a, cls) and a.dim() != 0:
+        return adopt(a)
+    if isinstance(a, (list, tuple)):
+        return type(a)(_adopted(cls, x, adopt) for x in a)
+    return a
 
 
 # Python-level names of the in-place methods that write their first argument besides ``*_``.

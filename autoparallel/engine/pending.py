@@ -139,15 +139,19 @@ def _substitute(
     cls: Any, args: tuple[Any, ...], kwargs: dict[str, Any], extra: dict[int, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """``args``/``kwargs`` with each pending tensor as a plain DistTensor of its raw shard."""
-    def sub(a: Any) -> Any:
-        if id(a) in extra:
-            return extra[id(a)]
-        if _pending(a):
-            return cls._wrap(a._raw, a._spec, a._stride)
-        if isinstance(a, (list, tuple)):
-            return type(a)(sub(v) for v in a)
-        return a
-    return tuple(sub(a) for a in args), {k: sub(v) for k, v in kwargs.items()}
+    return tuple(_sub(cls, a, extra) for a in args), {k: _sub(cls, v, extra) for k, v in kwargs.items()}
+
+
+def _sub(cls: Any, a: Any, extra: dict[int, Any]) -> Any:
+    """One argument of ``_substitute`` (a module function: a closure calling itself is a reference
+    cycle that would hold the tensors it saw until a full garbage collection)."""
+    if id(a) in extra:
+        return extra[id(a)]
+    if _pending(a):
+        return cls._wrap(a._raw, a._spec, a._stride)
+    if isinstance(a, (list, tuple)):
+        return type(a)(_sub(cls, v, extra) for v in a)
+    return a
 
 
 def _rewrap(out: Any, source: Any) -> Any:
