@@ -86,7 +86,7 @@ def decide(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], d
         return _from_template(template, specs, out, cls, func, args, kwargs, dts)
     stored: list[bool] = []
     d = _finish(cls, func, _decide(cls, func, args, kwargs, dts, stored), args, kwargs, specs, [t._stride for t in dts])
-    if stored and key is not None and _template_kind(d) and (not _returns_view(func) or all(p is None for p in d.plans)):
+    if stored and key is not None and _template_kind(d, func):
         generic.store_template(key, d)
     return d
 
@@ -105,12 +105,16 @@ def _templatable(func: Any) -> bool:
             and not may_write(func) and get_out_shapes(func) is None)
 
 
-def _template_kind(d: Decision) -> bool:
+def _template_kind(d: Decision, func: Any) -> bool:
+    """Whether ``d`` can be filled in at another shape: a local step on this mesh writing nothing,
+    its outputs all tensors, its moves (if any) re-plannable from placements alone — and none
+    for a view (a view of a moved input is detached: decided afresh)."""
     return (type(d) is LocalStep and d.coord is not None and not d.mutated and not d.fallback
             and not d.detached_view and d.out_kind in (OutKind.TENSOR, OutKind.TUPLE, OutKind.LIST)
             and all(o is not None for o in d.out_specs)
             and all(not isinstance(p, CrossMeshPlan) for p in d.plans)
-            and all(p is None or not p.dst.shard_order for p in d.plans))
+            and all(p is None or not p.dst.shard_order for p in d.plans)
+            and (not _returns_view(func) or all(p is None for p in d.plans)))
 
 
 Layouts = tuple[tuple[tuple[int, ...], tuple[int, ...], Any], ...]  # per output: (shape, strides, dtype)

@@ -63,10 +63,10 @@ _SAME_SHAPE = frozenset({
 })
 _VIEWS = frozenset({_aten.view.default, _aten._unsafe_view.default})
 # ops returning a tuple: (output, total_weight), (output, mean, rstd), the gradients asked for
+_SDPA_CPU = _aten._scaled_dot_product_flash_attention_for_cpu.default
+_SDPA_CPU_BACKWARD = _aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 _TUPLE = frozenset({_aten.nll_loss_forward.default, _aten.native_layer_norm.default,
-                    _aten.native_layer_norm_backward.default,
-                    _aten._scaled_dot_product_flash_attention_for_cpu.default,
-                    _aten._scaled_dot_product_flash_attention_for_cpu_backward.default})
+                    _aten.native_layer_norm_backward.default, _SDPA_CPU, _SDPA_CPU_BACKWARD})
 # ops returning a list: its pieces
 _LIST = frozenset({_aten.split.Tensor})
 
@@ -275,10 +275,6 @@ def _view_of(func: Any, inputs: Sequence[tuple[tuple[int, ...], tuple[int, ...]]
         if sorted(order) != list(range(n)):
             return None
     return tuple(shape[d] for d in order), tuple(stride[d] for d in order)
-
-
-_SDPA_CPU = _aten._scaled_dot_product_flash_attention_for_cpu.default
-_SDPA_CPU_BACKWARD = _aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 
 
 def _laid_out(func: Any, inputs: Sequence[tuple[tuple[int, ...], tuple[int, ...]]],
