@@ -12,6 +12,7 @@ API across releases; ``autoparallel.runtime.comm`` picks whichever this torch ha
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -82,6 +83,73 @@ def meta_in_tls() -> Iterator[None]:
         yield
     finally:
         _set_meta_tls(before)
+
+
+# ---- symbolic shapes -----------------------------------------------------------------------------
+class SymbolicTools:
+    """What a local region's symbolic certificate (``regions.symbolic``) needs from torch's
+    symbolic shapes: fake tensors over a ``ShapeEnv`` (sizes as ``SymInt``s, every branch on
+    them kept as a guard) and a printer that turns a guard into Python."""
+
+    def __init__(self) -> None:
+        import dataclasses
+
+        from torch._guards import GuardSource, Source
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+        from torch.utils._sympy.printers import PythonPrinter
+
+        @dataclasses.dataclass(frozen=True)
+        class _Length(Source):  # type: ignore[misc]  # the one dynamic size: where it came from
+            @functools.cached_property
+            def guard_source(self) -> GuardSource:
+                return GuardSource.CONSTANT
+
+            @property
+            def _name_template(self) -> str:
+                return "length"
+
+        self.fake_mode = lambda env: FakeTensorMode(shape_env=env, allow_non_fake_inputs=True)
+        self.shape_env = lambda: ShapeEnv(duck_shape=False)
+        self.dynamic = DimDynamic.DYNAMIC
+        self.source = _Length
+        self.printer = PythonPrinter
+        self.metadata_ops = frozenset(
+            op for op in (getattr(getattr(torch.ops.prim, "device", None), "default", None),
+                          getattr(getattr(torch.ops.prim, "layout", None), "default", None)) if op is not None)
+
+
+@functools.cache
+def symbolic_tools() -> SymbolicTools | None:
+    """torch's symbolic-shape machinery, imported on first use (~0.5 s). Fallback: None -- local
+    regions then check each new length by a recorded run, as without it (slower, same results)."""
+    try:
+        return SymbolicTools()
+    except (ImportError, AttributeError, TypeError):  # pragma: no cover - a torch without them
+        return None
+
+
+_dispatch_depth = getattr(torch._C, "_len_torch_dispatch_stack", None)
+_function_depth = getattr(torch._C, "_len_torch_function_stack", None)
+
+
+def modes_active() -> bool:
+    """Whether a ``TorchDispatchMode`` or ``TorchFunctionMode`` is active (a fake run under one
+    would hand it fake tensors). Fallback: "yes" -- no fake runs."""
+    if _dispatch_depth is None or _function_depth is None:
+        return True
+    return bool(_dispatch_depth() or _function_depth())
+
+
+# torch.nn's global module hooks (``register_module_forward_hook`` and the pre-hook): a local
+# region's fake run (``regions.symbolic``) would hand them fake tensors. Fallback: "there may be
+# some" -- regions then keep checking new lengths by a recorded run.
+def global_module_hooks() -> bool:
+    """Whether any global forward (pre-)hook is registered."""
+    import torch.nn.modules.module as module_module
+
+    tables = [getattr(module_module, n, None) for n in ("_global_forward_hooks", "_global_forward_pre_hooks")]
+    return any(t is None or len(t) for t in tables)
 
 
 # ---- autograd ----------------------------------------------------------------------------------
@@ -162,7 +230,7 @@ except ImportError:  # pragma: no cover - the same in Python
 
 
 __all__ = [
-    "profiler_enabled",
+    "profiler_enabled", "SymbolicTools", "global_module_hooks", "modes_active", "symbolic_tools",
     "GRAD_SCALER_UNSCALE", "HAS_GRAD_SCALER_UNSCALE", "amp_check_and_unscale_",
     "WRAPPER_POSITIONAL", "TorchDispatchMode", "all_op_schemas", "disable_torch_function_subclass", "disabled_torch_function_impl", "flatten_dense_tensors",
     "make_wrapper_subclass", "meta_in_tls", "no_dispatch", "optimizer_global_hooks", "tree_flatten", "tree_unflatten",

@@ -50,11 +50,15 @@ class Stop(BaseException):
 
 
 # ---- records -------------------------------------------------------------------------------------
-def _split(x: Any, ints: list[int]) -> Any:
+_SYMINT = torch.SymInt
+
+
+def _split(x: Any, ints: list[Any]) -> Any:
     """``x`` with every integer replaced by a marker (appended to ``ints``); tensors by rank and
-    dtype (their sizes appended)."""
+    dtype (their sizes appended). A ``SymInt`` (a fake run over symbolic sizes,
+    ``regions.symbolic``) is an integer too."""
     t = type(x)
-    if t is int:
+    if t is int or t is _SYMINT:
         ints.append(x)
         return ()
     if t is tuple or t is list:
@@ -73,7 +77,7 @@ class Record:
 
     def __init__(self) -> None:
         self.skeleton: list[Any] = []
-        self.ints: list[int] = []
+        self.ints: list[Any] = []       # ints; ``SymInt``s in a symbolic run
         self.bounds: list[int] = []
         self.mutates = False
 
@@ -184,6 +188,8 @@ class Model:
         self.p0 = self.ta = self.tb = 0
         self.small = self.ia
         self.crossings: set[int] = set()
+        self.answered = 0                 # new lengths answered by a recorded run
+        self.certificate: Any = None      # ``regions.symbolic``: None not tried yet, else one or why not
 
     def build(self) -> str | None:
         """Why A and B make no model (None: they do)."""

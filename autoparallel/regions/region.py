@@ -4,6 +4,7 @@ local runs. See ``autoparallel.regions``."""
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -11,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoparallel import runtime
+from autoparallel import compat, runtime
 from autoparallel.compat import tree_flatten, tree_unflatten
 from autoparallel.engine import layout
 from autoparallel.engine.dtensor import DistTensor
@@ -20,6 +21,7 @@ from autoparallel.memory import recomputation
 from autoparallel.regions.checks import _classify, _pieces, _precheck, _refused, _Trace, _Verdict
 from autoparallel.regions.crossing import _Call, _localize, _wrap_out, with_partial
 from autoparallel.regions.generic import Family, Model, Proof, Record, Recorder, Stop, point_of
+from autoparallel.regions.symbolic import Certificate, certify
 from autoparallel.runtime.debug import CommDebugMode
 from autoparallel.spec import DistSpec
 
@@ -124,6 +126,7 @@ class _Region:
         self.families: dict[Any, Family] = {}    # signatures up to their arguments' sizes
         self.firsts = self.reused = 0  # first calls of a signature, and calls answered by a known one
         self.generic = 0               # first calls answered by their family (no proof)
+        self.certified = 0             # of those, answered by a symbolic certificate (no recorder)
         self.children_done = False
 
     def run(self, *args: Any, **kwargs: Any) -> Any:
@@ -309,14 +312,24 @@ class _Region:
         grads = tuple(with_partial(layout.spec_of(x), base.sharded_axes) if isinstance(x, DistTensor) else None
                       for x in leaves)
         pre = replace(base, arg_grads=grads)
-        recorder = Recorder(expect=model.skeleton)
+        # after one new length answered by a recorded run, a symbolic certificate may stand in
+        # for the recorder (``regions.symbolic``): built once per model
+        if model.answered and model.certificate is None:
+            began = time.perf_counter()
+            model.certificate = self._certify(model, pre, leaves, tree, tensors)
+            logger.debug("local region %s at %d: %s (%.0f ms)", type(self.module).__name__, tc,
+                         f"no symbolic certificate: {model.certificate}" if isinstance(model.certificate, str)
+                         else f"symbolic certificate, guards {model.certificate.text}",
+                         (time.perf_counter() - began) * 1e3)
+        cert = model.certificate
+        recorder = None if isinstance(cert, Certificate) and cert.holds(_locals(leaves)) else Recorder(expect=model.skeleton)
         try:
             out, call = self._enter_local(pre, leaves, tree, tensors, recorder=recorder)
         except (Stop, Exception) as e:  # noqa: BLE001  (the proof runs it again, and raises what is real)
             logger.debug("local region %s: no generic verdict: %s: %s", type(self.module).__name__,
                          type(e).__name__, e)
             return None
-        why = model.admits_record(recorder.record, tc)
+        why = None if recorder is None else model.admits_record(recorder.record, tc)
         outs, out_tree = ([out], None) if isinstance(out, torch.Tensor) else tree_flatten(out)
         if why is None and (not base.out_tree.is_leaf() if out_tree is None else out_tree != base.out_tree):
             why = "its output structure differs"
@@ -341,7 +354,38 @@ class _Region:
             return None
         verdict = replace(pre, out_specs=tuple(specs), out_local_shapes=tuple(shapes), generic=True)
         self._remember(key, verdict)
+        model.answered += recorder is not None
+        self.certified += recorder is None
         return self._wrap_local(verdict, out, call)
+
+    def _certify(self, model: Model, verdict: _Verdict, leaves: list[Any], tree: Any,
+                 tensors: list[torch.Tensor]) -> Certificate | str:
+        """``model``'s symbolic certificate from a fake run of this call, or why there is none."""
+        # (the module's own hooks run around this wrapper, on the real tensors)
+        if any(m._forward_hooks or m._forward_pre_hooks for m in self.modules[1:]) or compat.global_module_hooks():
+            return "a forward hook would see fake tensors"
+        grad = torch.is_grad_enabled()
+        leaf_grads = [isinstance(x, torch.Tensor) and x.requires_grad and (
+            not isinstance(x, DistTensor) or (grad and g is not None)) for x, g in zip(leaves, verdict.arg_grads)]
+        slots = [(layout.local_of(t) if isinstance(t, DistTensor) else t,
+                  t.requires_grad and (not isinstance(t, DistTensor) or (grad and g is not None)))
+                 for t, g in zip(tensors, verdict.slot_grads)]
+
+        def run(fake_leaves: list[Any], fake_slots: list[torch.Tensor]) -> Any:
+            saved = [(m.__dict__, dict(m.__dict__)) for m in self.modules]  # attributes set by the forward
+            try:
+                for (m, a), f in zip(self.slots, fake_slots):
+                    m.__dict__[a] = f
+                largs, lkwargs = _unflatten_call(fake_leaves, tree)
+                with _mode("local"):
+                    return self.forward(*largs, **lkwargs)
+            finally:
+                for d, before in saved:
+                    d.clear()
+                    d.update(before)
+
+        return certify(model, _locals(leaves), _local_sizes(leaves, model.pa), _local_sizes(leaves, model.pb),
+                       leaf_grads, slots, run)
 
     # ---- running on shards -------------------------------------------------------------------
     def _run_local(self, verdict: _Verdict, leaves: list[Any], tree: Any, tensors: list[torch.Tensor],
@@ -453,6 +497,30 @@ def _family_of(key: Any) -> Any:
         else:
             fam.append(p)
     return (tree, tuple(fam), *rest)
+
+
+def _locals(leaves: list[Any]) -> list[Any]:
+    """The call's arguments as its local run gets them: shards for DistTensors."""
+    return [layout.local_of(x) if isinstance(x, DistTensor) else x for x in leaves]
+
+
+def _local_sizes(leaves: list[Any], point: Any) -> list[tuple[int, ...] | None]:
+    """Per argument, its local sizes at a family member's ``point`` (``point_of``: the global
+    sizes and strides of the tensor arguments, in order); None for other values."""
+    out: list[tuple[int, ...] | None] = []
+    at = 0
+    for x in leaves:
+        if not isinstance(x, torch.Tensor):
+            out.append(None)
+            continue
+        n = x.dim()
+        sizes = [int(v) for v in point[at:at + n]]
+        at += 2 * n
+        if isinstance(x, DistTensor):
+            spec = layout.spec_of(x)
+            sizes = [v // _pieces(spec, d) for d, v in enumerate(sizes)]
+        out.append(tuple(sizes))
+    return out
 
 
 def _local_even(spec: DistSpec) -> tuple[int, ...]:

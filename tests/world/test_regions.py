@@ -545,8 +545,13 @@ def _train_lengths(cls: Any, lengths: list[int | tuple[int, int]], mode: str) ->
         losses.append(float(loss.detach() if mode == "plain" else loss.detach().full_tensor()))
     params = {n: (p.detach() if mode == "plain" else p.detach().full_tensor()) for n, p in model.named_parameters()}
     region = model.__dict__.get("_ap_region")
+    models = [f.model for f in region.families.values() if f.model is not None] if region is not None else []
     return {"losses": losses, "params": params, "report": local_regions_report(model) if mode == "local" else {},
-            "generic": region.generic if region is not None else 0}
+            "generic": region.generic if region is not None else 0,
+            "certified": region.certified if region is not None else 0,
+            "certificates": [m.certificate if isinstance(m.certificate, str) or m.certificate is None
+                             else m.certificate.text for m in models],
+            "state": sorted((k, type(v).__name__) for k, v in vars(model).items() if isinstance(v, torch.Tensor))}
 
 
 def _lengths(rank: int, cls: Any, lengths: list[int]) -> dict[str, Any]:
@@ -555,7 +560,8 @@ def _lengths(rank: int, cls: Any, lengths: list[int]) -> dict[str, Any]:
         assert runs[mode]["losses"] == pytest.approx(runs["plain"]["losses"], rel=1e-5), (mode, runs[mode]["losses"])
         for n, p in runs["plain"]["params"].items():
             torch.testing.assert_close(runs[mode]["params"][n], p, rtol=1e-5, atol=1e-6)
-    return {"report": runs["local"]["report"], "generic": runs["local"]["generic"]}
+    local = runs["local"]
+    return {k: local[k] for k in ("report", "generic", "certified", "certificates", "state")}
 
 
 def test_new_lengths_run_locally_as_their_proven_ones(world4: Any) -> None:
@@ -579,6 +585,51 @@ def test_a_length_that_takes_another_path_is_proven_again(world4: Any) -> None:
     assert len(root) == 6 and all(v.startswith("refused") for v in root[3:]), root
     assert root[3] == root[4] and root[5] == root[4] + " (as its proven lengths)", root
     assert r["report"]["out"] == ["local"], r["report"]  # no trace of the root at 12: the children ran as regions
+
+
+def test_a_certificate_answers_new_lengths_within_its_guards(world4: Any) -> None:
+    # 5 and 6 proven, 7 answered by a recorded run; at 9 a fake run certifies the model, its
+    # guard the branch (t <= 9), and 9 runs plainly; 10 fails the guard: recorded, stopped
+    # before the batch mean, proven (refused)
+    results = world4.run(_lengths, LengthBranch, [5, 6, 7, 9, 10, 11])
+    r = results[0]
+    assert all(x == r for x in results)
+    root = r["report"]["<root>"]
+    assert root[:4] == ["local", "local"] + ["local (as its proven lengths)"] * 2, root
+    assert all(v.startswith("refused") for v in root[4:]), root
+    assert r["certified"] == 1 and r["generic"] == 2, r
+    assert any(c is not None and "<= 9" in c for c in r["certificates"]), r["certificates"]
+
+
+class Caching(SeqNet):
+    """Keeps its last output and length as attributes, as a cache would."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.last = super().forward(x)
+        self.length = x.shape[1]
+        return self.last
+
+
+class Noted(SeqNet):
+    """A submodule with a forward hook that keeps what it saw."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[int] = []
+        self.qkv.register_forward_hook(lambda m, i, o: self.calls.append(o.shape[1]))
+
+
+def test_a_fake_run_leaves_no_trace(world4: Any) -> None:
+    # the attributes a forward sets are restored after the certificate's fake run, and a
+    # submodule's hook, which would see fake tensors, keeps the recorded check instead
+    # (no length where sizes coincide: 8 and 11 are widths, 2 x 12 another)
+    results = world4.run(_lengths, Caching, [5, 6, 7, 9, 10, 13, 14])
+    r = results[0]
+    assert r["certified"] == 4 and r["generic"] == 5 and r["state"] == [("last", "Tensor")], r
+    results = world4.run(_lengths, Noted, [5, 6, 7, 9, 10, 13, 14])
+    r = results[0]
+    assert r["certified"] == 0 and r["generic"] == 5, r
+    assert r["certificates"] == ["a forward hook would see fake tensors"], r
 
 
 def test_an_uneven_batch_is_not_answered_by_its_family(world4: Any) -> None:
