@@ -29,6 +29,9 @@ refuses (a crossing, a line not integral there or meeting 0/1: ``Model.refusal_a
 at once; a run refused by what it recorded costs one local forward first. Either way the new
 signature then gets the full proof. A family whose two latest
 proofs were refused for one reason predicts that refusal (``Family.refusal``).
+
+A *certificate* (``regions.symbolic``: the shape guards of one run on fake tensors, built at a
+model's first new length) may stand in for the recorder.
 """
 
 from __future__ import annotations
@@ -188,7 +191,6 @@ class Model:
         self.p0 = self.ta = self.tb = 0
         self.small = self.ia
         self.crossings: set[int] = set()
-        self.answered = 0                 # new lengths answered by a recorded run
         self.certificate: Any = None      # ``regions.symbolic``: None not tried yet, else one or why not
 
     def build(self) -> str | None:

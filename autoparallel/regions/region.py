@@ -312,9 +312,9 @@ class _Region:
         grads = tuple(with_partial(layout.spec_of(x), base.sharded_axes) if isinstance(x, DistTensor) else None
                       for x in leaves)
         pre = replace(base, arg_grads=grads)
-        # after one new length answered by a recorded run, a symbolic certificate may stand in
-        # for the recorder (``regions.symbolic``): built once per model
-        if model.answered and model.certificate is None:
+        # a symbolic certificate may stand in for the recorder (``regions.symbolic``): built
+        # once per model, at its first new length
+        if model.certificate is None:
             began = time.perf_counter()
             model.certificate = self._certify(model, pre, leaves, tree, tensors)
             logger.debug("local region %s at %d: %s (%.0f ms)", type(self.module).__name__, tc,
@@ -354,7 +354,6 @@ class _Region:
             return None
         verdict = replace(pre, out_specs=tuple(specs), out_local_shapes=tuple(shapes), generic=True)
         self._remember(key, verdict)
-        model.answered += recorder is not None
         self.certified += recorder is None
         return self._wrap_local(verdict, out, call)
 
