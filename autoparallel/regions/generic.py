@@ -36,6 +36,7 @@ model's first new length) may stand in for the recorder.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -192,6 +193,10 @@ class Model:
         self.small = self.ia
         self.crossings: set[int] = set()
         self.certificate: Any = None      # ``regions.symbolic``: None not tried yet, else one or why not
+        # what ``refusal_at`` and ``admits_point`` read, precomputed by ``build`` (O(1) per length):
+        self.step = 1                     # t - t_A must be a multiple of it for every line to be integral
+        self.lowest, self.highest = -math.inf, math.inf  # where every varying line stays >= 2
+        self.point_lines: tuple[tuple[int, int], ...] = ()  # per coordinate: (value at A, B - A)
 
     def build(self) -> str | None:
         """Why A and B make no model (None: they do)."""
@@ -222,16 +227,39 @@ class Model:
             if len({x for x, _ in lines}) < len(lines) or len({y for _, y in lines}) < len(lines):
                 return "sizes coincide at a proven length"
             self.crossings.update(_crossings(sorted(lines), self.ta, self.tb))
+        self._bounds()
+        self.point_lines = tuple(zip(pa.tolist(), (pb - pa).tolist()))
         return None
+
+    def _bounds(self) -> None:
+        """``step``, ``lowest`` and ``highest``: the lengths at which every line is an integer,
+        and between which none meets 0 or 1 (lines 0 or 1 at both proven lengths are constant)."""
+        den = self.tb - self.ta
+        d = self.ib - self.ia
+        g = int(np.gcd.reduce(np.abs(d))) if len(d) else 0
+        self.step = abs(den) // math.gcd(abs(den), g)
+        lowest, highest = -math.inf, math.inf
+        for ia, di in zip(self.ia[d != 0].tolist(), d[d != 0].tolist()):
+            # ia + di * s / den >= 2, s = t - t_A: a bound on s by the sign of the slope
+            q_num, q_den = (2 - ia) * den, di
+            if (di > 0) == (den > 0):
+                lowest = max(lowest, self.ta - ((-q_num) // q_den))   # s >= ceil(q)
+            else:
+                highest = min(highest, self.ta + q_num // q_den)      # s <= floor(q)
+        self.lowest, self.highest = lowest, highest
 
     def admits_point(self, point: tuple[int, ...]) -> int | None:
         """``t`` of a call at ``point`` when its argument sizes follow the model, else None."""
-        pc = np.asarray(point, dtype=np.int64)
-        if pc.shape != self.pa.shape:
+        lines = self.point_lines
+        if len(point) != len(lines):
             return None
-        tc = int(pc[self.p0])
-        if tc in (self.ta, self.tb) or not _affine(pc, self.pa, self.pb, self.ta, self.tb, tc):
+        tc = point[self.p0]
+        if tc == self.ta or tc == self.tb:
             return None
+        dt, dc = self.tb - self.ta, tc - self.ta
+        for x, (xa, slope) in zip(point, lines):
+            if (x - xa) * dt != slope * dc:
+                return None
         return tc
 
     def refusal_at(self, tc: int) -> str | None:
@@ -240,10 +268,9 @@ class Model:
         a length bound to be proven costs no recorded run first."""
         if tc in self.crossings:
             return "sizes coincide at this length"
-        num, den = (self.ib - self.ia) * (tc - self.ta), self.tb - self.ta
-        if np.any(num % den):
+        if (tc - self.ta) % self.step:
             return "a size is not the proven lengths' function"
-        if not np.array_equal(np.minimum(self.ia + num // den, 2), self.small):
+        if not self.lowest <= tc <= self.highest:
             return "a size becomes 0 or 1"
         return None
 

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from autoparallel.regions.generic import Model, Proof, Recorder, Stop, point_of, sized_flags
 
@@ -115,3 +118,53 @@ def test_dim_indices_are_not_sizes() -> None:
     assert flags[start:record.bounds[k]] == [True, True, True, False, False, True, True, True]
     # at t = 2 the size t equals the index 2: no coincidence a rule could read, a model is made
     assert _model(f, 2, 4).crossings == {3, 5}
+
+
+def _refusal_by_lines(model: Model, tc: int) -> str | None:
+    """``Model.refusal_at`` evaluated line by line (what its precomputed bounds stand for)."""
+    if tc in model.crossings:
+        return "sizes coincide at this length"
+    num, den = (model.ib - model.ia) * (tc - model.ta), model.tb - model.ta
+    if (num % den).any():
+        return "a size is not the proven lengths' function"
+    if ((model.ia + num // den).clip(max=2) != model.small).any():
+        return "a size becomes 0 or 1"
+    return None
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_refusals_from_bounds_are_the_lines_refusals(data: Any) -> None:
+    ta = data.draw(st.integers(2, 40))
+    tb = data.draw(st.integers(2, 40).filter(lambda t: t != ta))
+    n = data.draw(st.integers(1, 6))
+    ia = data.draw(st.lists(st.integers(0, 60), min_size=n, max_size=n))
+    ib = [a if a < 2 else data.draw(st.integers(2, 60)) for a in ia]  # 0 and 1 stay (a model's rule)
+    model = Model(Proof((ta,), _Ints(ia), None), Proof((tb,), _Ints(ib), None))
+    model.ta, model.tb, model.small = ta, tb, np.minimum(model.ia, 2)
+    model._bounds()
+    for tc in range(-5, 100):
+        assert model.refusal_at(tc) == _refusal_by_lines(model, tc), (ta, tb, ia, ib, tc)
+
+
+class _Ints:
+    """A record of integers only (the bounds read nothing else)."""
+
+    def __init__(self, ints: list[int]) -> None:
+        self.ints, self.skeleton, self.bounds = ints, [], [len(ints)]
+
+
+def test_points_follow_the_lines_of_the_arguments() -> None:
+    model = _model(_matmul, 4, 5)
+    pa, pb = np.asarray(model.a.point), np.asarray(model.b.point)
+
+    def by_lines(point: tuple[int, ...]) -> int | None:
+        pc = np.asarray(point)
+        tc = int(pc[model.p0])
+        return None if tc in (4, 5) or ((pc - pa) * (5 - 4) != (pb - pa) * (tc - 4)).any() else tc
+
+    points = [point_of((torch.empty(2, t),)) for t in range(0, 40)] + [(2, 9, 9, 1), (3, 9, 9, 1), (2, 9, 1, 1)]
+    for point in points:
+        assert model.admits_point(point) == by_lines(point), point
+    assert model.admits_point(point_of((torch.empty(2, 9),))) == 9
+    assert model.admits_point((2, 9, 9)) is None  # another rank
