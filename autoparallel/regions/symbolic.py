@@ -130,7 +130,7 @@ def certify(model: Model, local_leaves: Sequence[Any], sizes_a: Sequence[tuple[i
                 if f is None:
                     f = memo[id(t)] = mode.from_tensor(t.detach(), static_shapes=True).requires_grad_(g)
                 fake_slots.append(f)
-            recorder = Recorder()
+            recorder = _FakeRecorder(tools.metadata_ops)
             with recorder:
                 run(fakes, fake_slots)
     except Exception as e:  # noqa: BLE001  (data-dependent code, an op fake tensors lack, ...)
@@ -155,7 +155,7 @@ def _conclude(model: Model, record: Record, env: Any, u: sympy.Symbol, tools: An
     """The certificate from a fake run's ``record``: same skeleton as the model, integers on its
     lines, guards compiled (see the module doc)."""
     ua, ub, uc = at
-    skeleton, ints = _without(record, tools.metadata_ops)
+    skeleton, ints = record.skeleton, record.ints
     if _has_symbolic(skeleton):
         return "a non-integer value depends on the length"
     if len(skeleton) != len(model.skeleton) or skeleton != model.skeleton:
@@ -215,18 +215,39 @@ def _bound(x: Any, default: float) -> float:
     return default
 
 
-def _without(record: Record, metadata_ops: frozenset[Any]) -> tuple[list[Any], list[Any]]:
-    """The record's skeleton and integers without the metadata calls only fake tensors make
-    (``prim.device``: the real run never dispatches them)."""
-    skeleton: list[Any] = []
-    ints: list[Any] = []
-    start = 0
-    for entry, end in zip(record.skeleton, record.bounds):
-        if entry[0] not in metadata_ops:
-            skeleton.append(entry)
-            ints.extend(record.ints[start:end])
-        start = end
-    return skeleton, ints
+class _FakeRecorder(Recorder):
+    """The fake run's recorder: leaves out the calls only fake tensors make — metadata queries
+    (``prim.device``) and full slices (``x[:, None, :]`` slices a symbolic dim whole, which
+    indexing skips where the size is a number: the real run never dispatches them)."""
+
+    def __init__(self, metadata_ops: frozenset[Any]) -> None:
+        super().__init__()
+        self.metadata_ops = metadata_ops
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func not in self.metadata_ops and not _whole_slice(func, args, kwargs, out):
+            self.record.add(func, args, kwargs, out)
+        return out
+
+
+def _whole_slice(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> bool:
+    """Whether this is ``slice`` from 0 by 1 whose output has its input's sizes (read off the
+    size expressions: comparing ``SymInt``s would add guards)."""
+    if func is not _SLICE or kwargs or not isinstance(out, torch.Tensor):
+        return False
+    start = args[2] if len(args) > 2 else 0
+    step = args[4] if len(args) > 4 else 1
+    return ((start is None or (type(start) is int and start == 0)) and type(step) is int and step == 1
+            and _exprs(out.shape) == _exprs(args[0].shape))
+
+
+def _exprs(shape: Sequence[Any]) -> tuple[Any, ...]:
+    return tuple(s.node.expr if isinstance(s, torch.SymInt) else s for s in shape)
+
+
+_SLICE = torch.ops.aten.slice.Tensor
 
 
 def _has_symbolic(x: Any) -> bool:

@@ -164,3 +164,31 @@ def test_non_contiguous_inputs_are_not_answered() -> None:
     assert isinstance(cert, Certificate)
     assert cert.holds([_input(11)])
     assert not cert.holds([_input(11).transpose(0, 1).contiguous().transpose(0, 1)])
+
+
+class Rotary(nn.Module):
+    """Indexes with whole slices (``ids[:, None, :]``), as transformers' rotary embeddings do:
+    torch skips them on real sizes and dispatches them on symbolic ones."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("inv", torch.rand(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids = torch.arange(x.shape[1])[None, :].expand(x.shape[0], -1)
+        freqs = self.inv[None, :, None].float() @ ids[:, None, :].float()
+        return x * freqs.transpose(1, 2).repeat(1, 1, 2).cos()
+
+
+def test_whole_slices_of_symbolic_sizes_are_left_out() -> None:
+    module = Rotary()
+    model = _model(module, 5, 7)
+    names = [n for n, _ in module.named_buffers()]
+    slots = [(b, False) for _, b in module.named_buffers()]
+
+    def run(args: list[Any], fakes: list[torch.Tensor]) -> Any:
+        return torch.func.functional_call(module, dict(zip(names, fakes)), tuple(args))
+
+    cert = certify(model, [_input(9)], [tuple(_input(5).shape)], [tuple(_input(7).shape)], [False], slots, run)
+    assert isinstance(cert, Certificate), cert
+    _sound(module, model, cert, range(2, 40))
