@@ -383,8 +383,11 @@ class _Region:
                     d.clear()
                     d.update(before)
 
-        return certify(model, _locals(leaves), _local_sizes(leaves, model.pa), _local_sizes(leaves, model.pb),
-                       leaf_grads, slots, run)
+        try:
+            return certify(model, _locals(leaves), _local_sizes(leaves, model.pa), _local_sizes(leaves, model.pb),
+                           leaf_grads, slots, run)
+        except Exception as e:  # noqa: BLE001  (no certificate is always safe: the recorder checks)
+            return f"it could not be certified ({type(e).__name__}: {str(e)[:80]})"
 
     # ---- running on shards -------------------------------------------------------------------
     def _run_local(self, verdict: _Verdict, leaves: list[Any], tree: Any, tensors: list[torch.Tensor],
