@@ -89,13 +89,14 @@ class Record:
         ints = self.ints
         self.skeleton.append((func, _split(args, ints), _split(kwargs, ints) if kwargs else None, _split(out, ints)))
         self.bounds.append(len(ints))
-        self.mutates = self.mutates or _mutable(func)
+        self.mutates = self.mutates or mutable(func)
 
 
 _MUTABLE: dict[Any, bool] = {}
 
 
-def _mutable(func: Any) -> bool:
+def mutable(func: Any) -> bool:
+    """Whether the aten op writes one of its arguments (its schema says so)."""
     m = _MUTABLE.get(func)
     if m is None:
         schema = getattr(func, "_schema", None)
@@ -147,7 +148,7 @@ class Recorder(TorchDispatchMode):
         expect = self.expect
         if expect is not None:
             k = len(self.record.skeleton)
-            if (k >= len(expect) or expect[k][0] is not func or _mutable(func)
+            if (k >= len(expect) or expect[k][0] is not func or mutable(func)
                     or any(issubclass(t, DistTensor) for t in types)):
                 raise Stop(f"aten call {k} ({func}) is not the proven one")
         out = func(*args, **kwargs)
@@ -338,4 +339,4 @@ def _crossings(lines: list[tuple[int, int]], ta: int, tb: int) -> list[int]:
     return out
 
 
-__all__ = ["Family", "Model", "Proof", "Record", "Recorder", "Stop", "point_of", "sized_flags"]
+__all__ = ["Family", "Model", "Proof", "Record", "Recorder", "Stop", "mutable", "point_of", "sized_flags"]

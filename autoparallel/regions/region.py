@@ -20,7 +20,7 @@ from autoparallel.log import logger
 from autoparallel.memory import recomputation
 from autoparallel.regions.checks import _classify, _pieces, _precheck, _refused, _Trace, _Verdict
 from autoparallel.regions.crossing import _Call, _localize, _wrap_out, with_partial
-from autoparallel.regions.generic import Family, Model, Proof, Record, Recorder, Stop, point_of
+from autoparallel.regions.generic import Family, Model, Proof, Record, Recorder, Stop, mutable, point_of
 from autoparallel.regions.symbolic import Certificate, certify
 from autoparallel.runtime.debug import CommDebugMode
 from autoparallel.spec import DistSpec
@@ -180,7 +180,7 @@ class _Region:
                     return None
                 del self.verdicts[next(iter(self.verdicts))]  # the least recently used
             self.firsts += 1
-            return self._first_call(key, leaves, tree, tensors, args, kwargs), False
+            return self._first_call(key, leaves, tree, tensors, args, kwargs)
         self.reused += 1
         if len(self.verdicts) > 1:
             self.verdicts[key] = self.verdicts.pop(key)  # now the most recently used
@@ -221,11 +221,13 @@ class _Region:
 
     # ---- first call of a signature: trace, classify, replay ---------------------------------
     def _first_call(self, key: Any, leaves: list[Any], tree: Any, tensors: list[torch.Tensor],
-                    args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+                    args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, bool]:
+        """(output, ran locally) of a signature's first call: traced on DistTensors, classified
+        and replayed; a local verdict's output is then the local run's (see below)."""
         reason = _precheck(leaves, tensors)
         if reason:
             self.verdicts[key] = _refused(reason)
-            return self._plain(args, kwargs)
+            return self._plain(args, kwargs), False
         trace = _Trace()
         with CommDebugMode() as comm, _mode("trace"), trace.spy():
             out = self.forward(*args, **kwargs)
@@ -239,7 +241,14 @@ class _Region:
         self.verdicts[key] = verdict
         if not verdict.local:
             self._try_children()
-        return out
+            return out, False
+        if torch.is_grad_enabled() and _requires_grad(out) and not any(mutable(op[0]) for op in trace.ops):
+            # The trace's output would take the backward through every op on DistTensors again
+            # (about as long as the trace). Proven local, the module runs once more on its shards
+            # (writing nothing: no in-place op was traced) and its output, with the local
+            # backward a warm call has, is returned instead.
+            return self._run_local(verdict, leaves, tree, tensors), True
+        return out, False
 
     def _replay(self, verdict: _Verdict, trace: _Trace, out: Any, leaves: list[Any], tree: Any,
                 tensors: list[torch.Tensor]) -> tuple[_Verdict, Record | None]:
@@ -499,6 +508,12 @@ def _family_of(key: Any) -> Any:
         else:
             fam.append(p)
     return (tree, tuple(fam), *rest)
+
+
+def _requires_grad(out: Any) -> bool:
+    """Whether any tensor of ``out`` needs a gradient."""
+    outs = [out] if isinstance(out, torch.Tensor) else tree_flatten(out)[0]
+    return any(isinstance(o, torch.Tensor) and o.requires_grad for o in outs)
 
 
 def _locals(leaves: list[Any]) -> list[Any]:
