@@ -19,7 +19,7 @@ def _localize(items: list[tuple[DistTensor, DistSpec | None]], grad: bool, call:
     ``call`` None (a replay): detached copies, so an in-place write in the module (a counter
     buffer, an input) does not happen twice."""
     out: dict[int, torch.Tensor] = {}
-    needs = [(t, g) for t, g in items if grad and t.requires_grad and g is not None]
+    needs = [(t, g) for t, g in items if needs_grad(t, g, grad)]
     local_of = layout.local_of
     if call is None:
         for t, _ in items:
@@ -34,6 +34,12 @@ def _localize(items: list[tuple[DistTensor, DistSpec | None]], grad: bool, call:
         for (t, _), loc in zip(needs, locs):
             out[id(t)] = loc
     return out
+
+
+def needs_grad(t: DistTensor, grad_spec: DistSpec | None, grad_enabled: bool) -> bool:
+    """Whether a region's local run gives ``t``'s shard a gradient (through ``_Localize``):
+    grad mode on, ``t`` requires one and the verdict gives it a gradient layout."""
+    return grad_enabled and t.requires_grad and grad_spec is not None
 
 
 class _Call:

@@ -167,6 +167,21 @@ def point_of(leaves: Sequence[Any]) -> tuple[int, ...]:
     return tuple(out)
 
 
+def sizes_at(leaves: Sequence[Any], point: Sequence[int]) -> list[tuple[int, ...] | None]:
+    """Per argument, its sizes at a family member's ``point`` (``point_of`` of arguments of the
+    same ranks); None for other values."""
+    out: list[tuple[int, ...] | None] = []
+    at = 0
+    for x in leaves:
+        if not isinstance(x, torch.Tensor):
+            out.append(None)
+            continue
+        n = x.dim()
+        out.append(tuple(int(v) for v in point[at:at + n]))
+        at += 2 * n  # its sizes, then its strides
+    return out
+
+
 @dataclass
 class Proof:
     """A proven signature of a family: where (``point``), what its local run did (None: it was
@@ -339,4 +354,4 @@ def _crossings(lines: list[tuple[int, int]], ta: int, tb: int) -> list[int]:
     return out
 
 
-__all__ = ["Family", "Model", "Proof", "Record", "Recorder", "Stop", "mutable", "point_of", "sized_flags"]
+__all__ = ["Family", "Model", "Proof", "Record", "Recorder", "Stop", "mutable", "point_of", "sized_flags", "sizes_at"]

@@ -19,8 +19,8 @@ from autoparallel.engine.dtensor import DistTensor
 from autoparallel.log import logger
 from autoparallel.memory import recomputation
 from autoparallel.regions.checks import _classify, _pieces, _precheck, _refused, _Trace, _Verdict
-from autoparallel.regions.crossing import _Call, _localize, _wrap_out, with_partial
-from autoparallel.regions.generic import Family, Model, Proof, Record, Recorder, Stop, mutable, point_of
+from autoparallel.regions.crossing import _Call, _localize, _wrap_out, needs_grad, with_partial
+from autoparallel.regions.generic import Family, Model, Proof, Record, Recorder, Stop, mutable, point_of, sizes_at
 from autoparallel.regions.symbolic import Certificate, certify
 from autoparallel.runtime.debug import CommDebugMode
 from autoparallel.spec import DistSpec
@@ -373,10 +373,12 @@ class _Region:
         if any(m._forward_hooks or m._forward_pre_hooks for m in self.modules[1:]) or compat.global_module_hooks():
             return "a forward hook would see fake tensors"
         grad = torch.is_grad_enabled()
-        leaf_grads = [isinstance(x, torch.Tensor) and x.requires_grad and (
-            not isinstance(x, DistTensor) or (grad and g is not None)) for x, g in zip(leaves, verdict.arg_grads)]
-        slots = [(layout.local_of(t) if isinstance(t, DistTensor) else t,
-                  t.requires_grad and (not isinstance(t, DistTensor) or (grad and g is not None)))
+        # as the local run gets them (``_localize``): a DistTensor's shard needs a gradient where
+        # it gets one through the region's entry node, a plain tensor as it is
+        leaf_grads = [isinstance(x, torch.Tensor) and (needs_grad(x, g, grad) if isinstance(x, DistTensor)
+                                                        else x.requires_grad)
+                      for x, g in zip(leaves, verdict.arg_grads)]
+        slots = [(layout.local_of(t), needs_grad(t, g, grad)) if isinstance(t, DistTensor) else (t, t.requires_grad)
                  for t, g in zip(tensors, verdict.slot_grads)]
 
         def run(fake_leaves: list[Any], fake_slots: list[torch.Tensor]) -> Any:
@@ -522,22 +524,10 @@ def _locals(leaves: list[Any]) -> list[Any]:
 
 
 def _local_sizes(leaves: list[Any], point: Any) -> list[tuple[int, ...] | None]:
-    """Per argument, its local sizes at a family member's ``point`` (``point_of``: the global
-    sizes and strides of the tensor arguments, in order); None for other values."""
-    out: list[tuple[int, ...] | None] = []
-    at = 0
-    for x in leaves:
-        if not isinstance(x, torch.Tensor):
-            out.append(None)
-            continue
-        n = x.dim()
-        sizes = [int(v) for v in point[at:at + n]]
-        at += 2 * n
-        if isinstance(x, DistTensor):
-            spec = layout.spec_of(x)
-            sizes = [v // _pieces(spec, d) for d, v in enumerate(sizes)]
-        out.append(tuple(sizes))
-    return out
+    """Per argument, its local sizes at a family member's ``point``; None for other values."""
+    return [sizes if sizes is None or not isinstance(x, DistTensor) else
+            tuple(v // _pieces(layout.spec_of(x), d) for d, v in enumerate(sizes))
+            for x, sizes in zip(leaves, sizes_at(leaves, point))]
 
 
 def _local_even(spec: DistSpec) -> tuple[int, ...]:
