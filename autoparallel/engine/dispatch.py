@@ -54,7 +54,7 @@ def dispatch(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any])
         key = (func, call_key(cls, args, dts, plain), call_key(cls, tuple(kwargs.items()), dts, plain) if kwargs else ())
     decision = _CACHE.get(key)
     if decision is None:
-        with profiled(f"autoparallel::plan {func}"):  # a cache miss: rules and reshard plans
+        with profiled("autoparallel::plan", func):  # a cache miss: rules and reshard plans
             decision = decide(cls, func, args, kwargs, dts)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("dispatch: planned %s for inputs %s", func, [str(d._spec) for d in dts])

@@ -515,12 +515,19 @@ def _typed(a: Any, is_dist: Any) -> Any:
     """``out_key``'s part for one argument: tensors as their kind, dtype and rank, the rest as is
     (a module function: see ``_argument``)."""
     if is_dist(a):
-        return "dist", a.dtype, a.dim()
+        return ("dist", *_dtype_ndim(a))
     if isinstance(a, torch.Tensor):
         return "tensor", a.dtype, a.dim()
     if isinstance(a, (list, tuple)):
         return type(a).__name__, tuple([_typed(x, is_dist) for x in a])
     return a
+
+
+def _dtype_ndim(t: Any) -> tuple[torch.dtype, int]:
+    """A tensor's dtype and rank; a DistTensor's from its spec (its own ``dtype``/``dim()`` go
+    through ``__torch_function__``)."""
+    spec = getattr(t, "_spec", None)
+    return (t.dtype, t.dim()) if spec is None else (spec.dtype, len(spec.shape))
 
 
 def known_layouts(func: Any, key: Any, inputs: Sequence[tuple[tuple[int, ...], tuple[int, ...]]],

@@ -65,12 +65,31 @@ def _precheck(leaves: list[Any], tensors: list[torch.Tensor]) -> str:
             return f"an input is Partial ({spec})"
         if getattr(t, "_ap_zero3", None) is not None:
             return "it owns ZeRO-3 sharded parameters (gathered by their unit)"
-        for dim in range(len(spec.shape)):
-            pieces = _pieces(spec, dim)
-            if spec.shape[dim] % pieces:
-                return f"an input's dim {dim} of size {spec.shape[dim]} is split unevenly ({pieces} pieces)"
+        why = _uneven_spec(spec)
+        if why:
+            return why
     if mesh.coordinate_of(runtime.get_rank()) is None:
         return "this rank is outside the mesh"
+    return ""
+
+
+def _uneven(leaves: list[Any]) -> str:
+    """Why a DistTensor argument splits unevenly ('' when none does): the part of ``_precheck``
+    that changes with sizes alone."""
+    for x in leaves:
+        if isinstance(x, DistTensor):
+            why = _uneven_spec(layout.spec_of(x))
+            if why:
+                return why
+    return ""
+
+
+def _uneven_spec(spec: DistSpec) -> str:
+    for p in spec.placements:
+        if isinstance(p, Shard):
+            pieces = _pieces(spec, p.dim)
+            if spec.shape[p.dim] % pieces:
+                return f"an input's dim {p.dim} of size {spec.shape[p.dim]} is split unevenly ({pieces} pieces)"
     return ""
 
 

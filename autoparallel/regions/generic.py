@@ -45,6 +45,7 @@ import numpy as np
 import torch
 
 from autoparallel.compat import TorchDispatchMode
+from autoparallel.engine import layout
 from autoparallel.engine.dtensor import DistTensor
 
 
@@ -161,7 +162,10 @@ def point_of(leaves: Sequence[Any]) -> tuple[int, ...]:
     """The sizes and strides of a call's tensor arguments, in order (the family's coordinates)."""
     out: list[int] = []
     for x in leaves:
-        if isinstance(x, torch.Tensor):
+        if isinstance(x, DistTensor):  # (its own ``shape``/``stride()`` go through ``__torch_function__``)
+            out.extend(layout.spec_of(x).shape)
+            out.extend(layout.stride_of(x))
+        elif isinstance(x, torch.Tensor):
             out.extend(x.shape)
             out.extend(x.stride())
     return tuple(out)

@@ -18,7 +18,7 @@ from autoparallel.engine import layout
 from autoparallel.engine.dtensor import DistTensor
 from autoparallel.log import logger
 from autoparallel.memory import recomputation
-from autoparallel.regions.checks import _classify, _pieces, _precheck, _refused, _Trace, _Verdict
+from autoparallel.regions.checks import _classify, _pieces, _precheck, _refused, _Trace, _uneven, _Verdict
 from autoparallel.regions.crossing import _Call, _localize, _wrap_out, needs_grad, with_partial
 from autoparallel.regions.generic import Family, Model, Proof, Record, Recorder, Stop, mutable, point_of, sizes_at
 from autoparallel.regions.symbolic import Certificate, certify
@@ -311,7 +311,9 @@ class _Region:
         """Run a call of a new signature locally where its family answers for it (else None:
         nothing was written; prove it)."""
         tc = model.admits_point(point_of(leaves))
-        if tc is None or _precheck(leaves, tensors):  # uneven shards: ranks' local runs would differ
+        if tc is None or _uneven(leaves):  # ranks' local runs would differ
+            # (the rest of ``_precheck`` reads what the family's signature fixes: placements,
+            # meshes, the parameters' layouts)
             return None
         why = model.refusal_at(tc)
         if why is not None:  # known before running it: prove this length at once

@@ -200,12 +200,15 @@ def capturing() -> bool:
     return _FUNCTIONAL[0]
 
 
-def profiled(name: str) -> Any:
+def profiled(name: str, of: Any = None) -> Any:
     """A ``torch.profiler`` range named ``name`` (``autoparallel::...``: planning, reshards,
-    collectives show in a trace next to torch's ops); nothing while a program is captured (the
-    range would become a node of the program) or while no profiler records (a range costs
-    ~15 us per collective or decision even then)."""
-    return nullcontext() if _FUNCTIONAL[0] or not profiler_enabled() else torch.profiler.record_function(name)
+    collectives show in a trace next to torch's ops), ``name`` followed by ``of`` where given
+    (formatted only when a profiler records: an op's name costs microseconds); nothing while a
+    program is captured (the range would become a node of the program) or while no profiler
+    records (a range costs ~15 us per collective or decision even then)."""
+    if _FUNCTIONAL[0] or not profiler_enabled():
+        return nullcontext()
+    return torch.profiler.record_function(name if of is None else f"{name} {of}")
 
 
 def _ranged(fn: Callable[..., Any]) -> Callable[..., Any]:
