@@ -76,13 +76,17 @@ def _restrides_only(args: tuple[Any, ...], kwargs: dict[str, Any], x: Any) -> bo
             and all(n == 1 or int(a) == int(b) for n, a, b in zip(shape, stride, x._stride)))
 
 
-def decide(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], dts: list[Any]) -> Decision:
+def decide(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], dts: list[Any],
+           filled: list[Any] | None = None) -> Decision:
     """The decision for ``func`` on these arguments (``dts``: the DistTensors among them, in
-    order): a pure function of their specs, strides and the non-tensor arguments."""
+    order): a pure function of their specs, strides and the non-tensor arguments. ``filled``
+    gets the template's key where the decision was filled in from one made at another shape."""
     specs = [t._spec for t in dts]
     key, out = _template_key(cls, func, args, kwargs, dts, specs)
     template = generic.template(key)
     if template is not None and out is not None:
+        if filled is not None:
+            filled.append(key)
         return _from_template(template, specs, out, cls, func, args, kwargs, dts)
     stored: list[bool] = []
     d = _finish(cls, func, _decide(cls, func, args, kwargs, dts, stored), args, kwargs, specs, [t._stride for t in dts])

@@ -11,6 +11,7 @@ observer of the op path (``observed_by``).
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -28,6 +29,12 @@ from autoparallel.runtime.comm import profiled
 
 _CACHE: dict[Any, Decision] = {}
 MAX_CACHED_DECISIONS = 65536
+# Decisions filled in from a template (``decide``: the same decision at another shape) are kept
+# for the MAX_SHAPES_PER_TEMPLATE shapes filled in last, per template: with sequence lengths that
+# keep changing, what a new length adds is bounded (an older length's decisions go; coming back
+# to it fills them in again, at a new length's cost). Template key -> cache keys, oldest first.
+_FILLED: dict[Any, deque[Any]] = {}
+MAX_SHAPES_PER_TEMPLATE = 16
 _DETACH = torch.ops.aten.detach.default
 _AS_STRIDED = torch.ops.aten.as_strided.default
 # The observers of the op path, innermost last: entered and left only through ``observed_by``.
@@ -54,18 +61,32 @@ def dispatch(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any])
         key = (func, call_key(cls, args, dts, plain), call_key(cls, tuple(kwargs.items()), dts, plain) if kwargs else ())
     decision = _CACHE.get(key)
     if decision is None:
+        filled: list[Any] = []
         with profiled("autoparallel::plan", func):  # a cache miss: rules and reshard plans
-            decision = decide(cls, func, args, kwargs, dts)
+            decision = decide(cls, func, args, kwargs, dts, filled)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("dispatch: planned %s for inputs %s", func, [str(d._spec) for d in dts])
         if len(_CACHE) >= MAX_CACHED_DECISIONS:  # e.g. a changing Python scalar in the key
             _CACHE.clear()
+            _FILLED.clear()
         _CACHE[key] = decision
+        if filled:
+            _keep_filled(filled[0], key)
     if _OBSERVERS:  # an observer watches the op path (a local region's trace: autoparallel.regions)
         return _OBSERVERS[-1].observe(
             func, decision, args, kwargs, lambda: execute(cls, func, args, kwargs, dts, decision, True, dispatch)
         )
     return execute(cls, func, args, kwargs, dts, decision, False, dispatch)
+
+
+def _keep_filled(template: Any, key: Any) -> None:
+    """Note a filled-in decision's cache key under its template; drop the oldest beyond the bound."""
+    keys = _FILLED.get(template)
+    if keys is None:
+        keys = _FILLED[template] = deque()
+    keys.append(key)
+    if len(keys) > MAX_SHAPES_PER_TEMPLATE:
+        _CACHE.pop(keys.popleft(), None)
 
 
 def _as_strided(cls: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -85,6 +106,7 @@ def _as_strided(cls: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 def clear_cache() -> None:
     """Forget every cached decision and shape-generic choice (and which ops warned that they run replicated)."""
     _CACHE.clear()
+    _FILLED.clear()
     generic.forget()
     forget_warnings()
 

@@ -165,3 +165,36 @@ def test_a_decision_from_another_shape_is_the_fresh_decision(world2) -> None:  #
     for made, fresh, names in world2.run(_compare):
         assert made > 0 and fresh > 0
         assert TEMPLATED <= names, sorted(TEMPLATED - names)
+
+
+def _bounded(rank: int) -> tuple[list[int], bool]:
+    from autoparallel.engine import dispatch
+
+    mesh = ap.ProcessMesh([0, 1], dim_names=["x"])
+    dispatch.clear_cache()
+    bound, dispatch.MAX_SHAPES_PER_TEMPLATE = dispatch.MAX_SHAPES_PER_TEMPLATE, 3
+    view = aten.view.default
+    try:
+        held: list[int] = []
+        exact = True
+        for t in [*range(4, 28, 2), 8, 4]:  # then back to lengths whose decisions were dropped
+            x = torch.randn(4, t, 6, generator=torch.Generator().manual_seed(t))
+            y = ap.shard_tensor(x, mesh, [Shard(1)]).view(4, t, 2, 3)
+            exact = exact and bool(torch.equal(y.full_tensor(), x.view(4, t, 2, 3)))
+            held.append(sum(k[0] is view for k in dispatch._CACHE))
+        return held, exact
+    finally:
+        dispatch.MAX_SHAPES_PER_TEMPLATE = bound
+        dispatch.clear_cache()
+
+
+def test_filled_in_decisions_are_kept_for_the_latest_shapes_only(world2) -> None:  # type: ignore[no-untyped-def]
+    """With lengths that keep changing, the dispatcher keeps a template's filled-in decisions for
+    its latest ``MAX_SHAPES_PER_TEMPLATE`` shapes: what a new length adds is bounded. A length
+    whose decisions were dropped is filled in again and computes the same."""
+    for held, exact in world2.run(_bounded):
+        assert exact
+        # a few lengths are decided afresh (where t meets another size: 4, 6) and stay; the
+        # filled-in ones are the latest 3: from the sixth length on, nothing more is kept,
+        # new lengths and returns alike
+        assert held[:6] == [1, 2, 3, 4, 5, 6] and set(held[6:]) == {6}, held
