@@ -3,8 +3,10 @@ local runs. See ``autoparallel.regions``."""
 
 from __future__ import annotations
 
+import enum
 import os
 import time
+import types
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -160,6 +162,13 @@ class _Region:
         except TypeError:  # an unhashable non-tensor argument: no signature
             return None
         if verdict is None:
+            objects = [x for x in leaves if _object(x)]
+            if objects:
+                # a trace, a replay and local runs would each change it (a key/value cache
+                # appended to three times, once with plain shards)
+                self._remember(key, _refused(f"an argument is a {type(objects[0]).__name__} object, which the "
+                                             "module may change (a cache): it runs on DistTensors"))
+                return None
             # Inside a recomputed region the first call's trace and replay would save (and
             # run) more than its recompute: signatures are proven outside such regions only.
             if recomputation.active():
@@ -208,6 +217,8 @@ class _Region:
                 parts.append((spec_of(x), stride_of(x), x.requires_grad))
             elif isinstance(x, torch.Tensor):
                 parts.append(("plain", tuple(x.shape), x.dtype, x.requires_grad))
+            elif _object(x):  # keyed by its class: its identity would make every call a new signature
+                parts.append(("object", type(x)))
             else:
                 parts.append(("value", x))
         slot_parts = tuple(
@@ -497,6 +508,18 @@ def _unflatten_call(values: list[Any], tree: Any) -> tuple[tuple[Any, ...], dict
 def _autocast_state() -> tuple[Any, ...]:
     """Autocast changes which ops run and their dtypes: part of the signature."""
     return tuple((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda"))
+
+
+# arguments that are values: compared by value, never changed by a module
+_VALUES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.layout,
+           torch.memory_format, enum.Enum, slice, type(Ellipsis), type, types.FunctionType,
+           types.BuiltinFunctionType, types.MethodType)
+
+
+def _object(x: Any) -> bool:
+    """Whether a non-tensor argument is an object with state of its own, which a module may
+    change in place (``transformers``' key/value caches): one of a class hashed by identity."""
+    return not isinstance(x, (torch.Tensor, *_VALUES)) and type(x).__hash__ is object.__hash__
 
 
 def _family_of(key: Any) -> Any:

@@ -85,3 +85,48 @@ def test_llama_trains_equal_to_one_process(world4, layout: str) -> None:  # type
         for got, want in res["losses"]:
             assert got == pytest.approx(want, rel=RTOL), res["losses"]
         assert not res["bad"], res["bad"]
+
+
+def _decode(rank: int, layout: str, steps: int = 4) -> dict[str, object]:
+    """A prompt, then ``steps`` tokens one at a time through the ``DynamicCache`` the model returns
+    (``use_cache=True``, ``past_key_values``), next to one process doing the same."""
+    import torch
+
+    import autoparallel as ap
+
+    torch.manual_seed(0)
+    model = tiny_llama().eval()
+    ref = copy.deepcopy(model)
+    if layout == "dp":  # the layers get the cache: they run on DistTensors, their MLPs and norms locally
+        mesh = ap.ProcessMesh([0, 1, 2, 3], dim_names=["dp"])
+        ap.shard_layer(model, mesh)
+        batch = [ap.Shard(0)]
+    else:
+        mesh = ap.ProcessMesh([0, 1, 2, 3], dim_names=["tp"])
+        styles = {"col": ap.ColWiseParallel, "row": ap.RowWiseParallel}
+        ap.parallelize(model, mesh, {k: styles[v]() for k, v in PLAN_NAMES.items()})
+        batch = [ap.Replicate()]
+    ids = torch.randint(0, 128, (4, 6))
+    errors, lengths = [], []
+    with torch.no_grad():
+        cache = ref_cache = None
+        for _ in range(steps + 1):
+            out = model(input_ids=ap.shard_tensor(ids, mesh, batch), past_key_values=cache, use_cache=True)
+            want = ref(input_ids=ids, past_key_values=ref_cache, use_cache=True)
+            cache, ref_cache = out.past_key_values, want.past_key_values
+            got = out.logits.full_tensor()
+            errors.append(((got - want.logits).abs().max() / want.logits.abs().max()).item())
+            lengths.append((cache.get_seq_length(), ref_cache.get_seq_length()))
+            ids = want.logits[:, -1].argmax(-1, keepdim=True)
+    return {"errors": errors, "lengths": lengths, "report": ap.local_regions_report(model)}
+
+
+@pytest.mark.parametrize("layout", ["dp", "tp"])
+def test_llama_decodes_through_its_cache_equal_to_one_process(world4, layout: str) -> None:  # type: ignore[no-untyped-def]
+    # the cache grows by one token per call on every rank: a layer given it is never traced,
+    # replayed or run locally on top (each would append again)
+    for res in world4.run(_decode, layout, timeout=300):
+        assert max(res["errors"]) < RTOL, res["errors"]
+        assert res["lengths"] == [(6 + k, 6 + k) for k in range(5)], res["lengths"]
+    if layout == "dp":
+        assert res["report"]["model.layers.0.mlp"][0] == "local", res["report"]

@@ -22,6 +22,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 import autoparallel as ap
 from autoparallel.placement import Partial, Replicate, Shard
 from autoparallel.regions import disable_local_regions, enable_local_regions, local_regions_report
+from autoparallel.regions import region as region_module
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples"))
 
@@ -376,6 +377,48 @@ def test_in_place_writes_happen_once_per_call() -> None:
     assert local_regions_report(model) == {"<root>": ["local"]}
     assert float(model.calls.full_tensor()) == 3.0
     assert torch.equal(x.full_tensor(), torch.full((4, 6), 8.0))
+
+
+class KVCache:
+    """A key/value cache as ``transformers`` passes one: an object a module appends to."""
+
+    def __init__(self) -> None:
+        self.entries: list[torch.Tensor] = []
+
+    def update(self, x: torch.Tensor) -> torch.Tensor:
+        self.entries.append(x)
+        return torch.cat(self.entries, dim=1)
+
+
+class CacheUser(MLP):
+    """Appends its hidden state to the cache it is given and reads the whole cache back."""
+
+    def forward(self, x: torch.Tensor, cache: KVCache, scale: float = 1.0) -> torch.Tensor:
+        h = super().forward(x) * scale
+        return cache.update(h).sum(dim=1, keepdim=True) + h
+
+
+@pytest.mark.pure  # single process, no world
+def test_a_cache_argument_is_changed_once_per_call() -> None:
+    # a trace, a replay and a local run would each append (once with plain shards): a module given
+    # an object with state of its own runs on DistTensors, one refused signature for every such call
+    mesh = ap.ProcessMesh([0], dim_names=["dp"])
+    torch.manual_seed(0)
+    model = ap.shard_layer(CacheUser(), mesh)
+    ref = CacheUser()
+    ref.load_state_dict({k: v.full_tensor() for k, v in model.state_dict().items()})
+    cache, ref_cache = KVCache(), KVCache()
+    for step in range(4):
+        x = torch.randn(4, 6)
+        y = model(ap.shard_tensor(x, mesh, [S0]), cache, scale=0.5)
+        torch.testing.assert_close(y.full_tensor(), ref(x, ref_cache, scale=0.5))
+        assert len(cache.entries) == step + 1 and all(isinstance(e, ap.DistTensor) for e in cache.entries)
+    report = local_regions_report(model)["<root>"]
+    assert report == ["refused: an argument is a KVCache object, which the module may change (a cache): "
+                      "it runs on DistTensors"], report
+    # values stay part of the signature: a module given a number, a dtype or a function is a region
+    assert not region_module._object(0.5) and not region_module._object(torch.float32) and not region_module._object(F.gelu)
+    assert region_module._object(KVCache()) and region_module._object(torch.Generator())
 
 
 class Growing(MLP):
