@@ -9,6 +9,7 @@ broadcasting), replicated, or — for linear ops — Partial:
   ``P + R`` are not linear (the scalar would be added once per rank) and need a reduction;
 - ``mul``/``div``: one ``P(sum|avg)`` operand (the numerator for ``div``) times replicated
   operands or scalars stays ``P``;
+- ``isin``: sharded like its elements, the tested values replicated;
 - any other op tagged ``torch.Tag.pointwise`` (``rsub.Scalar``, ``sinc``, ``logaddexp``, the
   in-place ``cos_``...): sharded or replicated, no Partial (``registry.register_tag_rule``).
 """
@@ -77,6 +78,21 @@ def _partial(call: OpCall, inputs: Sequence[Placement], t: str) -> AxisStrategy:
 @register_axis_rule(PLAIN_OPS)
 def plain_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
     return _sharded_strategies(call)
+
+
+@register_axis_rule([aten.isin])
+def isin_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
+    """``isin(elements, test_elements)``: elementwise in ``elements``, whose sharding the output
+    keeps; the values tested against are needed whole (Replicate). A scalar ``elements`` gives
+    a 0-d result: replicated."""
+    strategies = [replicate_all(call)]
+    out = call.out[0]
+    if out is None or not call.args or not isinstance(call.args[0], TensorMeta):
+        return strategies
+    for d in range(out.ndim):
+        if out.shape[d] >= 2:
+            strategies.append(AxisStrategy(tuple(Shard(d) if k == 0 else R for k in range(len(call.inputs))), (Shard(d),)))
+    return strategies
 
 
 @register_axis_rule(COPY_OPS)

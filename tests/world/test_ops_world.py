@@ -121,6 +121,27 @@ def test_pointwise_broadcast_and_partial(world4):  # type: ignore[no-untyped-def
     assert all(world4.run(_pointwise))
 
 
+def _isin(rank: int) -> bool:
+    # ``isin`` (transformers' generation checks stop tokens with it): the output keeps the
+    # elements' sharding, the tested values are made whole; no collective for sharded elements
+    mesh = _mesh2()
+    ids = torch.randint(0, 10, (5, 6), generator=torch.Generator().manual_seed(0))
+    stop = torch.tensor([1, 3, 7])
+    x = make_dist(ids, mesh, (Shard(0), Shard(1)))
+    with ap.CommDebugMode() as comm:
+        got = torch.isin(x, ap.shard_tensor(stop, mesh, [R, R]))
+    assert list(got.placements) == [Shard(0), Shard(1)] and comm.get_total_counts() == 0
+    assert torch.equal(got.full_tensor(), torch.isin(ids, stop))
+    split = make_dist(stop, mesh, (Shard(0), R))  # tested values sharded: gathered first
+    assert torch.equal(torch.isin(x, split, invert=True).full_tensor(), torch.isin(ids, stop, invert=True))
+    assert torch.equal(torch.isin(x, 3).full_tensor(), torch.isin(ids, 3))
+    return True
+
+
+def test_isin_keeps_the_elements_sharding(world4):  # type: ignore[no-untyped-def]
+    assert all(world4.run(_isin))
+
+
 def _reductions(rank: int) -> bool:
     mesh = _mesh1()
     a = reference((7, 5), 2)  # uneven over 4 ranks
