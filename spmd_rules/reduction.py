@@ -243,9 +243,16 @@ def scan_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
 # ---- local implementations ----------------------------------------------------------------
 @register_local_impl([aten.mean.default, aten.mean.dim])
 def mean_local(ctx: LocalContext, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-    """``sum(local) / global count``: the shards' results add up to the global mean."""
+    """``sum(local) / global count`` where a reduced dim is split across ranks: the shards'
+    results add up to the global mean. Where none is (an RMSNorm's mean over the hidden dim of
+    batch-sharded activations), every rank holds whole rows: the op itself, as one device runs
+    it (the same aten call a local region's replay issues; decided from the layout, so every
+    rank runs the same)."""
     call = ctx.call
     dims, keepdim = reduced_dims(call)
+    spec = ctx.in_specs[0] if ctx.in_specs else None
+    if spec is not None and not any(spec.mesh.shape[a] > 1 for d in dims for a in spec.axes_of_dim(d)):
+        return call.op(x, *args, **kwargs)  # type: ignore[no-any-return]
     count = math.prod(call.inputs[0].shape[d] for d in dims)
     return aten.sum.dim_IntList(x, list(dims), keepdim, dtype=kwargs.get("dtype")) / count
 

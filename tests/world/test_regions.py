@@ -106,6 +106,18 @@ class LengthBranch(SeqNet):
         return y - y.mean(0, keepdim=True) if x.shape[1] > 9 else y
 
 
+class RMSNormed(MLP):
+    """An RMS norm written as Llama's (``x.pow(2).mean(-1, keepdim=True)``) after the MLP."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = super().forward(x)
+        return self.gain * h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
 def _mesh() -> ap.ProcessMesh:
     return ap.ProcessMesh([0, 1, 2, 3], dim_names=["dp"])
 
@@ -162,6 +174,14 @@ def test_batch_parallel_mlp_runs_locally(world4: Any) -> None:
     # the replicated parameters' gradients arrive Partial over the batch shards, as on DistTensors
     assert r["grad_layouts"] == r["plain_grad_layouts"] == {n: [Partial("sum")] for n in r["grad_layouts"]}
     assert r["comm"][-1][0] == {}  # forward: nothing moved
+
+
+def test_a_mean_over_whole_rows_runs_locally(world4: Any) -> None:
+    # the mean over an unsplit dim is the op itself on the shard (the plain run's aten call):
+    # an RMS norm on batch-sharded rows is a region (the global-count division, where a reduced
+    # dim is split, stays for batch means)
+    r = world4.run(_compare, RMSNormed, (8, 6), [S0])[0]
+    assert r["report"] == {"<root>": ["local"]}, r["report"]
 
 
 @pytest.mark.parametrize("cls, args, reason", [
