@@ -23,7 +23,12 @@ the model's own code, so nothing of the model is rewritten:
   position embeddings, dropout, its blocks); later stages call their blocks directly (GPT-2's
   attention applies its causal mask itself; the top-level mask adds nothing without padding).
 
-Weights tied across stages (GPT-2's LM head is its token embedding) cannot be one parameter on
+Other models with ``model.layers`` or ``transformer.h`` are refused with a ``TypeError`` where the
+stages above would not run them as they are (Gemma scales ``inputs_embeds``; GPT-J, Falcon and
+BLOOM have other embeddings and blocks that need positions).
+
+Weights tied across stages (GPT-2's LM head is its token embedding, as Llama's with
+``tie_word_embeddings``) cannot be one parameter on
 two stage meshes: the last stage gets its own copy, and ``sync_tied_grads()`` (after
 ``Pipeline.step``, before the optimizer step) adds each copy's gradient to the other's, so both
 take the same update — the tied gradient of one process. Build the optimizer on
@@ -69,9 +74,10 @@ def _layers(blocks: nn.ModuleList, lo: int, hi: int) -> nn.ModuleList:
 
 
 class LlamaStage(nn.Module):
-    """Layers ``lo:hi`` of a Llama-family model (+ embeddings on the first, norm + head on the last)."""
+    """Layers ``lo:hi`` of a Llama-family model (+ embeddings on the first, norm + head on the last;
+    ``lm_head``: the head, or the last stage's copy of one tied to the embedding)."""
 
-    def __init__(self, model: Any, lo: int, hi: int, first: bool, last: bool) -> None:
+    def __init__(self, model: Any, lo: int, hi: int, first: bool, last: bool, lm_head: nn.Module | None = None) -> None:
         super().__init__()
         inner: Any = model.model
         self.first, self.last = first, last
@@ -79,7 +85,7 @@ class LlamaStage(nn.Module):
                               embed_tokens=inner.embed_tokens if first else None,
                               norm=inner.norm if last else nn.Identity(),
                               rotary_emb=copy.deepcopy(inner.rotary_emb))  # buffers only; laid out per stage
-        self.lm_head = model.lm_head if last else None
+        self.lm_head = (lm_head if lm_head is not None else model.lm_head) if last else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: input ids [b, s] on the first stage, hidden states [b, s, h] on the others
@@ -167,10 +173,25 @@ def _moved(grad: DistTensor, to: torch.Tensor) -> torch.Tensor:
     return reshard(_reduced(grad), to.process_mesh, placements)
 
 
+# Llama-family models whose forward does more to ``inputs_embeds`` than use them (Gemma scales
+# them by sqrt(hidden_size)): a later stage's hidden states would be changed again
+_EMBEDS_TRANSFORMED = ("gemma",)
+
+
 def _family(model: Any) -> str:
+    kind = str(getattr(getattr(model, "config", None), "model_type", "") or "")
     if isinstance(getattr(getattr(model, "model", None), "layers", None), nn.ModuleList) and hasattr(model, "lm_head"):
+        missing = [a for a in ("embed_tokens", "norm", "rotary_emb") if not hasattr(model.model, a)]
+        if missing or kind.startswith(_EMBEDS_TRANSFORMED):
+            why = (f"its model.{missing[0]} is missing" if missing else
+                   f"its forward transforms inputs_embeds ({kind}), which later stages pass hidden states as")
+            raise TypeError(f"decoder_stages: {type(model).__name__} has model.layers but is not split like Llama: "
+                            f"{why}; lay it out with ap.pipeline.Pipeline and stage modules of your own")
         return "llama"
     if isinstance(getattr(getattr(model, "transformer", None), "h", None), nn.ModuleList) and hasattr(model, "lm_head"):
+        if kind not in ("gpt2", ""):  # GPT-J, Falcon, BLOOM: other embeddings, blocks that need positions
+            raise TypeError(f"decoder_stages: {type(model).__name__} ({kind}) has transformer.h but is not GPT-2; "
+                            "lay it out with ap.pipeline.Pipeline and stage modules of your own")
         return "gpt2"
     names = [n for n, _ in model.named_modules() if n][:8]
     raise TypeError(
@@ -221,18 +242,18 @@ def decoder_stages(
     bounds = _bounds(len(blocks), count, split_points)
     tied: list[tuple[tuple[nn.Module, str], tuple[nn.Module, str]]] = []
     modules: list[nn.Module] = []
+    embed = model.model.embed_tokens if family == "llama" else model.transformer.wte
     for c in range(count):
         first, last = c == 0, c == count - 1
-        if family == "llama":
-            modules.append(LlamaStage(model, bounds[c], bounds[c + 1], first, last))
-            continue
         head = model.lm_head if last else None
-        embed = model.transformer.wte
         if last and not first and model.lm_head.weight is embed.weight:  # tied across stages: a copy
             head = copy.copy(model.lm_head)
             head._parameters = {**model.lm_head._parameters, "weight": nn.Parameter(embed.weight.detach().clone())}
             tied.append(((embed, "weight"), (head, "weight")))
-        modules.append(GPT2Stage(model, bounds[c], bounds[c + 1], first, last, head))
+        if family == "llama":
+            modules.append(LlamaStage(model, bounds[c], bounds[c + 1], first, last, head))
+        else:
+            modules.append(GPT2Stage(model, bounds[c], bounds[c + 1], first, last, head))
     plans = _stage_plans(modules, plan)  # type: ignore[arg-type]
     stages = []
     for c, module in enumerate(modules):

@@ -58,6 +58,17 @@ def llama() -> Any:
     return LlamaForCausalLM(cfg)
 
 
+def llama_tied() -> Any:
+    """The same Llama with its LM head tied to the token embedding (``tie_word_embeddings``, as
+    Llama 3.2's small models): under pp the two live on different stages."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
+                      intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=64, attn_implementation="sdpa",
+                      tie_word_embeddings=True)
+    return LlamaForCausalLM(cfg)
+
+
 def mixtral() -> Any:
     """Mixtral LM: hidden 64, 2 layers, 8 heads, 4 key/value heads, 4 experts (MLP 128), top-2 routing."""
     from transformers import MixtralConfig, MixtralForCausalLM
@@ -88,7 +99,8 @@ def resnet() -> Any:
 
 
 MODELS: dict[str, Callable[[], Any]] = {
-    "gpt2": gpt2, "bert": bert, "llama": llama, "mixtral": mixtral, "vit": vit, "resnet": resnet,
+    "gpt2": gpt2, "bert": bert, "llama": llama, "llama_tied": llama_tied, "mixtral": mixtral, "vit": vit,
+    "resnet": resnet,
 }
 
 
@@ -321,6 +333,9 @@ CASES: dict[tuple[str, str], Any] = {
     ("llama", "tp"): [{'all_reduce': 14}] * STEPS,
     ("llama", "pp"): [{'all_reduce': 1, 'send_recv': 4}] * STEPS,
     ("llama", "dp_tp_sp"): [{'all_gather': 10, 'all_reduce': 6, 'reduce_scatter': 10}] * STEPS,
+    # tied: as GPT-2 under pp (the last stage's copy of the embedding, gradients crossing)
+    ("llama_tied", "zero3"): [{'all_gather': 6, 'all_reduce': 1, 'reduce_scatter': 3}] * STEPS,
+    ("llama_tied", "pp"): [{'all_reduce': 3, 'send_recv': 6}] * STEPS,
     ("mixtral", "dp"): [{'all_gather': 23, 'all_reduce': 15, 'all_to_all': 58, 'reduce_scatter': 53}, {'all_gather': 22, 'all_reduce': 16, 'all_to_all': 60, 'reduce_scatter': 54}, {'all_gather': 22, 'all_reduce': 16, 'all_to_all': 60, 'reduce_scatter': 54}],
     ("mixtral", "zero1"): [{'all_gather': 24, 'all_reduce': 15, 'all_to_all': 58, 'reduce_scatter': 53}, {'all_gather': 23, 'all_reduce': 16, 'all_to_all': 60, 'reduce_scatter': 54}, {'all_gather': 23, 'all_reduce': 16, 'all_to_all': 60, 'reduce_scatter': 54}],
     ("mixtral", "zero2"): [{'all_gather': 24, 'all_reduce': 14, 'all_to_all': 58, 'reduce_scatter': 54}, {'all_gather': 23, 'all_reduce': 15, 'all_to_all': 60, 'reduce_scatter': 55}, {'all_gather': 23, 'all_reduce': 15, 'all_to_all': 60, 'reduce_scatter': 55}],

@@ -48,3 +48,23 @@ def test_stages_share_layers_and_keep_names() -> None:
     later = GPT2Stage(g, 1, 2, False, True, g.lm_head)
     assert {n for n, _ in later.named_parameters()} >= {"transformer.h.1.attn.c_attn.weight", "transformer.ln_f.weight"}
     assert not any("wte" in n or "h.0." in n for n, _ in later.named_parameters())
+
+
+def test_families_the_stages_cannot_run_are_refused_clearly() -> None:
+    # a later stage hands hidden states to the model as inputs_embeds (Gemma would scale them
+    # again) or calls GPT-2's blocks directly (GPT-J's need positions): refused before any layout
+    transformers = pytest.importorskip("transformers")
+    small = dict(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32, vocab_size=32)
+    gemma = transformers.GemmaForCausalLM(transformers.GemmaConfig(num_key_value_heads=1, head_dim=8, **small))
+    with pytest.raises(TypeError, match=r"transforms inputs_embeds \(gemma\)"):
+        _family(gemma)
+    phi = transformers.PhiForCausalLM(transformers.PhiConfig(**small))
+    with pytest.raises(TypeError, match="its model.norm is missing"):
+        _family(phi)
+    gptj = transformers.GPTJForCausalLM(transformers.GPTJConfig(n_embd=16, n_layer=2, n_head=2, vocab_size=32, rotary_dim=4))
+    with pytest.raises(TypeError, match=r"\(gptj\) has transformer.h but is not GPT-2"):
+        _family(gptj)
+    tied = transformers.LlamaForCausalLM(transformers.LlamaConfig(num_key_value_heads=1, tie_word_embeddings=True, **small))
+    assert _family(tied) == "llama"  # a tied head is split like GPT-2's (tests/models/zoo.py: llama_tied x pp)
+    head = nn.Linear(16, 32, bias=False)
+    assert LlamaStage(tied, 1, 2, False, True, head).lm_head is head
