@@ -162,11 +162,11 @@ class _Region:
         except TypeError:  # an unhashable non-tensor argument: no signature
             return None
         if verdict is None:
-            objects = [x for x in leaves if _object(x)]
-            if objects:
+            kind = next((p[1] for p in key[1] if p[0] is _OBJECT), None)  # as ``_key`` marked it
+            if kind is not None:
                 # a trace, a replay and local runs would each change it (a key/value cache
                 # appended to three times, once with plain shards)
-                self._remember(key, _refused(f"an argument is a {type(objects[0]).__name__} object, which the "
+                self._remember(key, _refused(f"an argument is a {kind.__name__} object, which the "
                                              "module may change (a cache): it runs on DistTensors"))
                 return None
             # Inside a recomputed region the first call's trace and replay would save (and
@@ -218,7 +218,7 @@ class _Region:
             elif isinstance(x, torch.Tensor):
                 parts.append(("plain", tuple(x.shape), x.dtype, x.requires_grad))
             elif _object(x):  # keyed by its class: its identity would make every call a new signature
-                parts.append(("object", type(x)))
+                parts.append((_OBJECT, type(x)))
             else:
                 parts.append(("value", x))
         slot_parts = tuple(
@@ -514,6 +514,9 @@ def _autocast_state() -> tuple[Any, ...]:
 _VALUES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.layout,
            torch.memory_format, enum.Enum, slice, type(Ellipsis), type, types.FunctionType,
            types.BuiltinFunctionType, types.MethodType)
+
+
+_OBJECT = object()  # marks an object argument's part of a signature: (_OBJECT, its class)
 
 
 def _object(x: Any) -> bool:
