@@ -176,11 +176,13 @@ class StaticChunk:
             return result.refused
         try:
             parts = split_joint(result.program, n_primals, 1)
+            for gm in (parts.forward, parts.backward):  # collectives inside the stage: start early, wait late
+                sink_waits(gm)
+                hoist_starts(gm)
         except SplitError as e:
             return str(e)
-        for gm in (parts.forward, parts.backward):  # collectives inside the stage: start early, wait late
-            sink_waits(gm)
-            hoist_starts(gm)
+        except Exception as e:  # noqa: BLE001  (a program the passes cannot handle: the same on every rank of the stage)
+            return f"the captured program could not be split ({type(e).__name__}: {e})"
         return _Programs(parts.forward, parts.backward, parts.num_saved, got["specs"], result.records, got["out"])
 
     @staticmethod

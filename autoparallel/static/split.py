@@ -62,8 +62,9 @@ def split_joint(gm: torch.fx.GraphModule, num_primals: int, num_outputs: int) ->
         env[p] = fg.placeholder(p.name)
     for n in graph.nodes:
         if n in forward:
-            env[n] = fg.node_copy(n, lambda a: env[a])
-    fg.output(tuple(env[o] if isinstance(o, torch.fx.Node) else o for o in fwd_outs) + tuple(env[s] for s in saved))
+            env[n] = fg.node_copy(n, lambda a: _value(fg, env, a))
+    fg.output(tuple(_value(fg, env, o) if isinstance(o, torch.fx.Node) else o for o in fwd_outs)
+              + tuple(env[s] for s in saved))
 
     bg = torch.fx.Graph()
     benv: dict[torch.fx.Node, torch.fx.Node] = {}
@@ -72,6 +73,15 @@ def split_joint(gm: torch.fx.GraphModule, num_primals: int, num_outputs: int) ->
     for t in tangents:
         benv[t] = bg.placeholder(t.name)
     for n in backward:
-        benv[n] = bg.node_copy(n, lambda a: benv[a])
-    bg.output(tuple(benv[g] if isinstance(g, torch.fx.Node) else g for g in grads))
+        benv[n] = bg.node_copy(n, lambda a: _value(bg, benv, a))
+    bg.output(tuple(_value(bg, benv, g) if isinstance(g, torch.fx.Node) else g for g in grads))
     return Split(torch.fx.GraphModule(gm, fg), torch.fx.GraphModule(gm, bg), len(fwd_outs), len(saved))
+
+
+def _value(g: torch.fx.Graph, env: dict[torch.fx.Node, torch.fx.Node], a: torch.fx.Node) -> torch.fx.Node:
+    """``a``'s node in ``g``: a constant the trace kept as an attribute (``get_attr``: a tensor a
+    model builds in its forward, as ``torch.tensor(...)``) is read in each program that uses it,
+    not carried from the forward to the backward."""
+    if a not in env and a.op == "get_attr":
+        env[a] = g.get_attr(a.target)
+    return env[a]

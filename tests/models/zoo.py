@@ -9,8 +9,10 @@ every step (ours, one process), the parameters that differ from one process afte
 Strategies on 4 ranks: ``dp`` (mesh ``dp`` of 4: everything Replicate, batch ``Shard(0)``,
 ``ap.shard_optimizer``), ``zero1``/``zero2``/``zero3`` (the same with ``ap.ShardingStage1/2/3``),
 ``tp`` (mesh ``tp`` of 4, ``ap.plans.<model>``), ``dp_tp`` (2 x 2, the plan and
-``ap.shard_optimizer``), ``dp_tp_sp`` (2 x 2, the plan with sequence parallelism) and ``pp``
-(pp x dp 2 x 2: ``ap.pipeline.decoder_stages``, 2 micro-batches, 1F1B; Llama and GPT-2); for
+``ap.shard_optimizer``), ``dp_tp_sp`` (2 x 2, the plan with sequence parallelism), ``pp``
+(pp x dp 2 x 2: ``ap.pipeline.decoder_stages``, 2 micro-batches, 1F1B; Llama and GPT-2) and
+``pp_static`` (the same pipeline with ``static=True``: each stage's chunks captured once and
+replayed; a chunk falling back to eager fails the case, the warning is an error); for
 Mixtral also ``tp_whole`` (``ap.plans.mixtral(model, experts="replicate")``).
 
 ``CASES`` is the table the tests, and ``python -m tests.models.zoo_table`` (docs/models.md), read:
@@ -140,7 +142,7 @@ def batches(model: str, steps: int) -> list[dict[str, Any]]:
 def mesh_of(strategy: str) -> Any:
     import autoparallel as ap
 
-    if strategy == "pp":
+    if strategy.startswith("pp"):
         return ap.ProcessMesh([0, 1, 2, 3], dim_names=["world"])
     if strategy.startswith("tp"):
         return ap.ProcessMesh([0, 1, 2, 3], dim_names=["tp"])
@@ -177,7 +179,7 @@ def lay_out(model_name: str, strategy: str, model: Any, opt: Any) -> tuple[Any, 
     return mesh, opt, batch
 
 
-def _pipeline(model: Any) -> tuple[Any, Any, Callable[[dict[str, Any]], Any]]:
+def _pipeline(model: Any, static: bool) -> tuple[Any, Any, Callable[[dict[str, Any]], Any]]:
     """pp x dp 2 x 2: ``ap.pipeline.decoder_stages`` on meshes [0, 1] and [2, 3] (axis ``dp``), 2 micro-batches."""
     import torch
 
@@ -185,7 +187,8 @@ def _pipeline(model: Any) -> tuple[Any, Any, Callable[[dict[str, Any]], Any]]:
 
     meshes = [ap.ProcessMesh([0, 1], dim_names=["dp"]), ap.ProcessMesh([2, 3], dim_names=["dp"])]
     split = ap.pipeline.decoder_stages(model, meshes)
-    pipe = ap.pipeline.Pipeline(split.stages, split.loss_fn, num_microbatches=2, schedule="1F1B")
+    pipe = ap.pipeline.Pipeline(split.stages, split.loss_fn, num_microbatches=2, schedule="1F1B",
+                                static=static)
     # split.parameters(): with the last stage's copy of a tied weight; reduces each stage's dp gradients
     opt = ap.shard_optimizer(torch.optim.SGD(split.parameters(), lr=0.1, momentum=0.9))
 
@@ -211,8 +214,8 @@ def run_case(rank: int, model_name: str, strategy: str, steps: int = STEPS) -> d
     model.train()
     ref.train()
     data = batches(model_name, steps)
-    if strategy == "pp":
-        return _run_pipeline(model_name, model, ref, data)
+    if strategy.startswith("pp"):
+        return _run_pipeline(model_name, model, ref, data, static=strategy == "pp_static")
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     mesh, opt, placements = lay_out(model_name, strategy, model, opt)
@@ -273,17 +276,22 @@ def _gathered(t: Any, world: Any) -> Any:
 
 def peers(strategy: str, rank: int) -> int:
     """The rank whose collectives ``rank``'s must equal: rank 0, or under ``pp`` the first of its stage mesh."""
-    return rank - rank % 2 if strategy == "pp" else 0
+    return rank - rank % 2 if strategy.startswith("pp") else 0
 
 
-def _run_pipeline(model_name: str, model: Any, ref: Any, data: list[dict[str, Any]]) -> dict[str, Any]:
-    """``run_case`` for ``pp``: the loss and every parameter are brought to every rank to compare."""
+def _run_pipeline(model_name: str, model: Any, ref: Any, data: list[dict[str, Any]], static: bool) -> dict[str, Any]:
+    """``run_case`` for ``pp`` and ``pp_static``: the loss and every parameter are brought to every
+    rank to compare. Under ``pp_static`` a chunk that would run eagerly (its warning) fails the case."""
+    import warnings
+
     import torch
 
-
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    world, opt, step = _pipeline(model)
-    return _train_and_compare(model, ref, data, step, opt, ref_opt, lambda t: _gathered(t, world), buffers=False)
+    world, opt, step = _pipeline(model, static)
+    with warnings.catch_warnings():
+        if static:
+            warnings.filterwarnings("error", message=r".*Pipeline\(static=True\)")
+        return _train_and_compare(model, ref, data, step, opt, ref_opt, lambda t: _gathered(t, world), buffers=False)
 
 
 def check(results: list[dict[str, Any]]) -> list[dict[str, int]]:
@@ -299,7 +307,7 @@ def check(results: list[dict[str, Any]]) -> list[dict[str, int]]:
 
 # ---------------------------------------------------------------- the cases and their pinned collectives
 
-STRATEGIES = ["dp", "zero1", "zero2", "zero3", "tp", "tp_whole", "dp_tp", "dp_tp_sp", "pp"]
+STRATEGIES = ["dp", "zero1", "zero2", "zero3", "tp", "tp_whole", "dp_tp", "dp_tp_sp", "pp", "pp_static"]
 # (model, strategy) -> the collectives of each step on every rank (``ap.CommDebugMode`` counts of
 # forward + backward + optimizer step), or an xfail reason (a string). A change here is a change
 # in what a step sends: explain it in the commit. Where the steps differ, they differ for a
@@ -318,6 +326,7 @@ CASES: dict[tuple[str, str], Any] = {
     # gradient back) = 4 send_recv; GPT-2's tied embedding adds 2 (the two copies' gradients cross)
     # and 2 all-reduces (each copy's gradient reduced before it crosses, and stage 0's own)
     ("gpt2", "pp"): [{'all_reduce': 3, 'send_recv': 6}] * STEPS,
+    ("gpt2", "pp_static"): [{'all_reduce': 3, 'send_recv': 6}] * STEPS,  # the replayed programs issue what eager does
     ("bert", "dp"): [{'all_reduce': 2}] * STEPS,
     ("bert", "zero1"): [{'all_gather': 1, 'all_reduce': 2}] * STEPS,
     ("bert", "zero2"): [{'all_gather': 1, 'all_reduce': 1, 'reduce_scatter': 1}] * STEPS,
@@ -332,10 +341,12 @@ CASES: dict[tuple[str, str], Any] = {
     ("llama", "zero3"): [{'all_gather': 6, 'all_reduce': 1, 'reduce_scatter': 3}] * STEPS,
     ("llama", "tp"): [{'all_reduce': 14}] * STEPS,
     ("llama", "pp"): [{'all_reduce': 1, 'send_recv': 4}] * STEPS,
+    ("llama", "pp_static"): [{'all_reduce': 1, 'send_recv': 4}] * STEPS,
     ("llama", "dp_tp_sp"): [{'all_gather': 10, 'all_reduce': 6, 'reduce_scatter': 10}] * STEPS,
     # tied: as GPT-2 under pp (the last stage's copy of the embedding, gradients crossing)
     ("llama_tied", "zero3"): [{'all_gather': 6, 'all_reduce': 1, 'reduce_scatter': 3}] * STEPS,
     ("llama_tied", "pp"): [{'all_reduce': 3, 'send_recv': 6}] * STEPS,
+    ("llama_tied", "pp_static"): [{'all_reduce': 3, 'send_recv': 6}] * STEPS,
     ("mixtral", "dp"): [{'all_gather': 23, 'all_reduce': 15, 'all_to_all': 58, 'reduce_scatter': 53}, {'all_gather': 22, 'all_reduce': 16, 'all_to_all': 60, 'reduce_scatter': 54}, {'all_gather': 22, 'all_reduce': 16, 'all_to_all': 60, 'reduce_scatter': 54}],
     ("mixtral", "zero1"): [{'all_gather': 24, 'all_reduce': 15, 'all_to_all': 58, 'reduce_scatter': 53}, {'all_gather': 23, 'all_reduce': 16, 'all_to_all': 60, 'reduce_scatter': 54}, {'all_gather': 23, 'all_reduce': 16, 'all_to_all': 60, 'reduce_scatter': 54}],
     ("mixtral", "zero2"): [{'all_gather': 24, 'all_reduce': 14, 'all_to_all': 58, 'reduce_scatter': 54}, {'all_gather': 23, 'all_reduce': 15, 'all_to_all': 60, 'reduce_scatter': 55}, {'all_gather': 23, 'all_reduce': 15, 'all_to_all': 60, 'reduce_scatter': 55}],

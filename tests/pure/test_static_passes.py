@@ -162,3 +162,23 @@ def test_split_joint_refuses_a_forward_output_that_reads_the_output_gradient() -
     g.output((y, x))
     with pytest.raises(SplitError, match="output gradient"):
         split_joint(torch.fx.GraphModule(torch.nn.Module(), g), 1, 1)
+
+
+def test_split_joint_reads_a_constant_in_each_program_that_uses_it() -> None:
+    # a tensor the forward builds (GPT-2's ``torch.tensor(...)`` mask value) is kept by the trace
+    # as an attribute (``get_attr``); both programs read it, neither carries it to the other
+    from autoparallel.static.split import split_joint
+
+    root = torch.nn.Module()
+    root._tensor_constant0 = torch.tensor(3.0)
+    g = torch.fx.Graph()
+    x, tangent = g.placeholder("x"), g.placeholder("tangent")
+    c = g.get_attr("_tensor_constant0")
+    y = g.call_function(aten.mul.Tensor, (x, c))
+    gx = g.call_function(aten.mul.Tensor, (tangent, c))
+    g.output((y, gx))
+    parts = split_joint(torch.fx.GraphModule(root, g), 1, 1)
+    xv, tv = torch.randn(4), torch.randn(4)
+    out = parts.forward(xv)
+    (grad,) = parts.backward(*out[1:], tv)
+    assert torch.equal(out[0], xv * 3) and torch.equal(grad, tv * 3) and parts.num_saved == 0
