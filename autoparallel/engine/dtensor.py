@@ -32,14 +32,20 @@ def contiguous_local(local: torch.Tensor, spec: DistSpec) -> torch.Tensor:
     return conform(local, contiguous_strides(spec.shape))
 
 
-_IN_PLACE, _MATMUL = 1, 2
-_TF_KIND: dict[Any, int] = {}  # torch function -> 0 (pass through), _IN_PLACE or _MATMUL
+_IN_PLACE, _MATMUL, _SPLIT_AT = 1, 2, 3
+_TF_KIND: dict[Any, int] = {}  # torch function -> 0 (pass through), _IN_PLACE, _MATMUL or _SPLIT_AT
+# Functions taking split points as a tensor whose values torch's C++ reads from its memory (a
+# DistTensor has none: "data is not allocated"): the whole value is passed instead.
+_SPLIT_POINTS = {torch.tensor_split: ("tensor_indices_or_sections", "indices_or_sections", "indices", "sections"),
+                 torch.Tensor.tensor_split: ("tensor_indices_or_sections", "indices_or_sections", "indices", "sections")}
 
 
 def _tf_kind(func: Any) -> int:
     """What ``DistTensor.__torch_function__`` looks at for ``func`` (cached per function)."""
     if func in MATMULS:
         return _MATMUL
+    if func in _SPLIT_POINTS:
+        return _SPLIT_AT
     name = getattr(func, "__name__", "")
     return _IN_PLACE if isinstance(name, str) and is_in_place_name(name) else 0
 
@@ -91,6 +97,8 @@ class DistTensor(torch.Tensor):
         if kind and args:
             if kind == _IN_PLACE:
                 adopt_written_plain(cls, func.__name__, args)
+            elif kind == _SPLIT_AT:
+                args, kwargs = _whole_split_points(cls, func, args, kwargs or {})
             else:
                 with compat.disable_torch_function_subclass():
                     out = batch_first_matmul(cls, func, args, kwargs)
@@ -277,6 +285,18 @@ class _ToLocal(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[DistTensor, None]:  # type: ignore[override]
         return DistTensor._wrap(contiguous_local(grad, ctx.spec), ctx.spec), None
+
+
+def _whole_split_points(cls: Any, func: Any, args: tuple[Any, ...],
+                        kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``tensor_split``'s split points (its second argument) as a plain tensor where they are a
+    DistTensor: torch reads their values from memory, as it does for a plain CPU tensor."""
+    if len(args) > 1 and isinstance(args[1], cls):
+        args = (args[0], _full_local(args[1]), *args[2:])
+    for name in _SPLIT_POINTS[func]:
+        if isinstance(kwargs.get(name), cls):
+            kwargs = {**kwargs, name: _full_local(kwargs[name])}
+    return args, kwargs
 
 
 def _full_local(x: DistTensor) -> torch.Tensor:

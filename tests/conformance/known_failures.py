@@ -17,11 +17,7 @@ EXCLUDED: dict[str, str] = {
 
 KNOWN_FAILURES: dict[tuple[str, str, str], str] = {
     ('resize_', '*', 'forward'): 'RuntimeError: aten.resize_.default changes the shape of a DistTensor in place ((5, 5, 5) -> (25, 5)); use the out-of-place op instead',
-    ('short', 'shard0', 'forward'): 'RuntimeError: Invalid scalar type',
-    ('short', 'shard_last', 'forward'): 'RuntimeError: Invalid scalar type',
-    ('short', 'uneven', 'forward'): 'RuntimeError: Invalid scalar type',
     ('sparse.mm.reduce', '*', 'forward'): 'RuntimeError: Sparse CSR tensors do not have is_contiguous',
     ('sparse.sampled_addmm', '*', 'forward'): 'RuntimeError: Sparse CSR tensors do not have is_contiguous',
-    ('tensor_split', '*', 'forward'): 'RuntimeError: The tensor has a non-zero number of elements, but its data is not allocated yet.',
     ('to_sparse', '*', 'forward'): "NotImplementedError: Could not run 'aten::view' with arguments from the 'SparseCPU' backend. This could be because the operator doesn't exist for this backend, or was omitted during the selective/custom build process (if using custom bui...",
 }

@@ -142,6 +142,24 @@ def test_isin_keeps_the_elements_sharding(world4):  # type: ignore[no-untyped-de
     assert all(world4.run(_isin))
 
 
+def _tensor_split(rank: int) -> bool:
+    # split points given as a tensor: torch reads their values from memory, which a DistTensor
+    # does not have ("data is not allocated"); as a DistTensor they are taken whole
+    mesh = _mesh1()
+    a = reference((5, 6, 5), 5)
+    x = make_dist(a, mesh, (Shard(0),))
+    for points in (torch.tensor([1, 4]), torch.tensor(3), [2, 3], 4):
+        want = torch.tensor_split(a, points, dim=1)
+        for at in (points, make_dist(points, mesh, (R,)) if isinstance(points, torch.Tensor) else points):
+            for got in (torch.tensor_split(x, at, dim=1), x.tensor_split(at, dim=1)):
+                assert len(got) == len(want) and all(_close(g.full_tensor(), w) for g, w in zip(got, want))
+    return True
+
+
+def test_tensor_split_at_a_dist_tensor_of_points(world4):  # type: ignore[no-untyped-def]
+    assert all(world4.run(_tensor_split))
+
+
 def _reductions(rank: int) -> bool:
     mesh = _mesh1()
     a = reference((7, 5), 2)  # uneven over 4 ranks
