@@ -83,5 +83,5 @@ def _value(g: torch.fx.Graph, env: dict[torch.fx.Node, torch.fx.Node], a: torch.
     model builds in its forward, as ``torch.tensor(...)``) is read in each program that uses it,
     not carried from the forward to the backward."""
     if a not in env and a.op == "get_attr":
-        env[a] = g.get_attr(a.target)
+        env[a] = g.get_attr(str(a.target))
     return env[a]
