@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from autoparallel import compat as _compat
 from autoparallel import errors as _errors
 from autoparallel import log as _log
 
@@ -25,6 +26,7 @@ from autoparallel import log as _log
 # raises alike — is printed once, as one line (autoparallel/errors.py; AUTOPARALLEL_DEBUG=1: off).
 _errors.install()
 _log.configure_from_env()  # AUTOPARALLEL_LOG=debug: the library's diagnostics on stderr
+_compat.run_as_is_under_dynamo()  # torch.compile runs DistTensor ops eagerly, not the library's code compiled
 
 # public name -> the module that defines it
 _EXPORTS: dict[str, str] = {

@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.abc
+import importlib.machinery
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -208,6 +211,56 @@ def amp_check_and_unscale_(grads: list[torch.Tensor], found_inf: torch.Tensor, i
         g.mul_(inv_scale)
 
 
+# ---- torch.compile ------------------------------------------------------------------------------
+# ``torch._dynamo.trace_rules.add(package)``: Dynamo runs the frames of a listed package as they
+# are, as it does torch's own files, and stops its graph before a call into one. Without it,
+# ``torch.compile`` of a model on DistTensors compiles the library's own planning (decisions,
+# shape arithmetic, collectives) into graphs, which inductor fails on. The packages are listed
+# when ``torch._dynamo`` is imported (``torch.compile`` imports it), not earlier: importing it
+# costs ~1.3 s. Fallback when the name is gone: nothing listed (torch.compile over DistTensors
+# may fail, as without). docs/static.md: each DistTensor op then runs eagerly.
+LIBRARY_PACKAGES = ("autoparallel", "spmd_rules", "reshard")
+
+
+def run_as_is_under_dynamo() -> None:
+    """List the library's packages with Dynamo: now if ``torch._dynamo`` is imported, else as soon
+    as it is (an import watcher that removes itself)."""
+    if "torch._dynamo" in sys.modules:
+        _list_with_dynamo()
+    elif not any(isinstance(f, _DynamoImportWatch) for f in sys.meta_path):
+        sys.meta_path.insert(0, _DynamoImportWatch())
+
+
+def _list_with_dynamo() -> None:
+    try:
+        from torch._dynamo import trace_rules
+        for name in LIBRARY_PACKAGES:
+            trace_rules.add(name)
+    except Exception:  # noqa: BLE001  (a torch without it: nothing listed, see above)
+        pass
+
+
+class _DynamoImportWatch(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: when ``torch._dynamo`` is imported, its loader lists the library's
+    packages right after the module ran."""
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name != "torch._dynamo":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        run = spec.loader.exec_module
+
+        def exec_module(module: Any) -> None:
+            run(module)
+            _list_with_dynamo()
+
+        spec.loader.exec_module = exec_module  # this spec's own loader object
+        return spec
+
+
 # ---- pytrees and flat buffers ---------------------------------------------------------------------
 try:
     from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -230,7 +283,7 @@ except ImportError:  # pragma: no cover - the same in Python
 
 
 __all__ = [
-    "profiler_enabled", "SymbolicTools", "global_module_hooks", "modes_active", "symbolic_tools",
+    "LIBRARY_PACKAGES", "run_as_is_under_dynamo", "profiler_enabled", "SymbolicTools", "global_module_hooks", "modes_active", "symbolic_tools",
     "GRAD_SCALER_UNSCALE", "HAS_GRAD_SCALER_UNSCALE", "amp_check_and_unscale_",
     "WRAPPER_POSITIONAL", "TorchDispatchMode", "all_op_schemas", "disable_torch_function_subclass", "disabled_torch_function_impl", "flatten_dense_tensors",
     "make_wrapper_subclass", "meta_in_tls", "no_dispatch", "optimizer_global_hooks", "tree_flatten", "tree_unflatten",

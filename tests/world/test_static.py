@@ -279,6 +279,57 @@ def test_inductor_compiled_program_trains_as_the_plain_one(world2: Any) -> None:
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+def _torch_compiled(rank: int) -> dict[str, Any]:
+    import torch._dynamo
+
+    mesh = ap.ProcessMesh([0, 1, 2, 3], dim_names=["dp"])
+    data = _data(3)
+    torch.manual_seed(0)
+    model, ref = MLP(), MLP()
+    ref.load_state_dict(model.state_dict())
+    ap.shard_layer(model, mesh)
+    opt = ap.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    graphs: list[torch.fx.GraphModule] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:  # records what Dynamo compiles
+        graphs.append(gm)
+        return gm.forward
+
+    compiled = torch.compile(model, backend=backend)
+    losses = []
+    try:
+        for x, y in data:
+            loss = F.cross_entropy(compiled(ap.shard_tensor(x, mesh, [S0])), ap.shard_tensor(y, mesh, [S0]))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            want = F.cross_entropy(ref(x), y)
+            want.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            losses.append((float(loss.full_tensor()), float(want)))
+    finally:
+        torch._dynamo.reset()
+    ours = ("/autoparallel/", "/spmd_rules/", "/reshard/")
+    library = [str(n.meta.get("stack_trace", "")).strip().splitlines()[-2:] for g in graphs for n in g.graph.nodes
+               if any(p in str(n.meta.get("stack_trace", "")) for p in ours)]
+    return {"losses": losses, "params": [(p.full_tensor(), q.detach()) for p, q in zip(model.parameters(), ref.parameters())],
+            "library": library[:3]}
+
+
+def test_torch_compile_of_a_model_on_dist_tensors_runs_their_ops_eagerly(world4: Any) -> None:  # type: ignore[no-untyped-def]
+    # torch.compile (Dynamo) over DistTensors: the library's frames run as they are (none of its
+    # planning is compiled into a graph: compiled, it failed in inductor), and training equals
+    # one process
+    for res in world4.run(_torch_compiled, timeout=300):
+        assert res["library"] == [], res["library"]
+        for got, want in res["losses"]:
+            assert abs(got - want) <= 1e-5 * abs(want)
+        for a, b in res["params"]:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def _train(dm_or_model: Any, opt: Any, lay: Any, batches: list[Any], static: bool) -> list[float]:
     losses = []
     for x, y in batches:
