@@ -257,7 +257,7 @@ class _DynamoImportWatch(importlib.abc.MetaPathFinder):
             run(module)
             _list_with_dynamo()
 
-        spec.loader.exec_module = exec_module  # this spec's own loader object
+        spec.loader.exec_module = exec_module  # type: ignore[method-assign]  # this spec's own loader object
         return spec
 
 
