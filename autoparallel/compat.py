@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.abc
-import importlib.machinery
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -248,7 +247,12 @@ class _DynamoImportWatch(importlib.abc.MetaPathFinder):
         if name != "torch._dynamo":
             return None
         sys.meta_path.remove(self)
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        spec = None
+        for finder in sys.meta_path:  # the finders after it, as the import system would ask them
+            find = getattr(finder, "find_spec", None)
+            spec = find(name, path, target) if find is not None else None
+            if spec is not None:
+                break
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
         run = spec.loader.exec_module
