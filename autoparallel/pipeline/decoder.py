@@ -52,7 +52,7 @@ from autoparallel.api import reshard
 from autoparallel.engine.dtensor import DistTensor
 from autoparallel.mesh import ProcessMesh
 from autoparallel.nn import parallelize, shard_layer
-from autoparallel.pipeline.stage import Stage, _stage_plans, check_meshes
+from autoparallel.pipeline.stage import Absent, Stage, _stage_plans, check_meshes
 from autoparallel.placement import Partial, Replicate
 
 
@@ -83,7 +83,7 @@ class LlamaStage(nn.Module):
         self.first, self.last = first, last
         self.model = _shallow(inner, layers=_layers(inner.layers, lo, hi),
                               embed_tokens=inner.embed_tokens if first else None,
-                              norm=inner.norm if last else nn.Identity(),
+                              norm=inner.norm if last else Absent(),
                               rotary_emb=copy.deepcopy(inner.rotary_emb))  # buffers only; laid out per stage
         self.lm_head = (lm_head if lm_head is not None else model.lm_head) if last else None
 
@@ -103,11 +103,11 @@ class GPT2Stage(nn.Module):
         self.first = first
         blocks = _layers(inner.h, lo, hi)
         if first:  # GPT2Model.forward: embeddings, dropout, the blocks; ln_f on the last stage only
-            self.transformer = _shallow(inner, h=blocks, ln_f=inner.ln_f if last else nn.Identity())
+            self.transformer = _shallow(inner, h=blocks, ln_f=inner.ln_f if last else Absent())
         else:
             self.transformer = nn.Module()
             self.transformer.h = blocks
-            self.transformer.ln_f = inner.ln_f if last else nn.Identity()
+            self.transformer.ln_f = inner.ln_f if last else Absent()
         self.lm_head = lm_head
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -254,7 +254,7 @@ def decoder_stages(
             modules.append(LlamaStage(model, bounds[c], bounds[c + 1], first, last, head))
         else:
             modules.append(GPT2Stage(model, bounds[c], bounds[c + 1], first, last, head))
-    plans = _stage_plans(modules, plan)  # type: ignore[arg-type]
+    plans = _stage_plans(modules, plan)
     stages = []
     for c, module in enumerate(modules):
         mesh = meshes[c % len(meshes)]

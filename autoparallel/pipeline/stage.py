@@ -170,13 +170,19 @@ def split_sequential(
     return stages
 
 
-def _stage_plans(pieces: list[nn.Sequential], plan: dict[str, Any] | None) -> list[dict[str, Any]]:
+class Absent(nn.Identity):
+    """Where a stage holds no part of the model's own module (the final norm of a stage before
+    the last): the stage's forward passes through it, and a plan's pattern naming the module
+    applies only to the stage that holds it."""
+
+
+def _stage_plans(pieces: Sequence[nn.Module], plan: dict[str, Any] | None) -> list[dict[str, Any]]:
     """Each stage's part of ``plan`` (the patterns matching its modules); a pattern matching none raises."""
     if plan is None:
         return [{} for _ in pieces]
     if not isinstance(plan, dict):
         raise TypeError(f"split_sequential: plan must be a dict {{module-name pattern: style}}, got {type(plan).__name__}")
-    names = [[n for n, _ in piece.named_modules()] for piece in pieces]
+    names = [[n for n, m in piece.named_modules() if not isinstance(m, Absent)] for piece in pieces]
     out = [{k: v for k, v in plan.items() if any(fnmatchcase(n, k) for n in ns)} for ns in names]
     unused = [k for k in plan if not any(k in sub for sub in out)]
     if unused:
@@ -206,4 +212,4 @@ def _starts(names: list[str], split_points: Sequence[str] | None, count: int) ->
     return [0] + idx
 
 
-__all__ = ["Stage", "check_meshes", "split_sequential", "stages_from_annotations"]
+__all__ = ["Absent", "Stage", "check_meshes", "split_sequential", "stages_from_annotations"]

@@ -12,7 +12,8 @@ Strategies on 4 ranks: ``dp`` (mesh ``dp`` of 4: everything Replicate, batch ``S
 ``ap.shard_optimizer``), ``dp_tp_sp`` (2 x 2, the plan with sequence parallelism), ``pp``
 (pp x dp 2 x 2: ``ap.pipeline.decoder_stages``, 2 micro-batches, 1F1B; Llama and GPT-2) and
 ``pp_static`` (the same pipeline with ``static=True``: each stage's chunks captured once and
-replayed; a chunk falling back to eager fails the case, the warning is an error); for
+replayed; a chunk falling back to eager fails the case, the warning is an error) and
+``pp_tp_sp`` (pp x tp 2 x 2: each stage laid out by ``ap.plans.<model>(model, sp=True)``); for
 Mixtral also ``tp_whole`` (``ap.plans.mixtral(model, experts="replicate")``).
 
 ``CASES`` is the table the tests, and ``python -m tests.models.zoo_table`` (docs/models.md), read:
@@ -155,7 +156,7 @@ def plan_of(model_name: str, model: Any, strategy: str) -> dict[str, Any]:
     """``ap.plans.<model>(model)``; ``*_sp``: with ``sp=True``; ``tp_whole``: Mixtral's experts kept whole."""
     import autoparallel as ap
 
-    fn = getattr(ap.plans, model_name)
+    fn = getattr(ap.plans, model_name.removesuffix("_tied"))
     kwargs: dict[str, Any] = {"sp": True} if strategy.endswith("_sp") else {}
     if strategy == "tp_whole":
         kwargs["experts"] = "replicate"
@@ -179,22 +180,27 @@ def lay_out(model_name: str, strategy: str, model: Any, opt: Any) -> tuple[Any, 
     return mesh, opt, batch
 
 
-def _pipeline(model: Any, static: bool) -> tuple[Any, Any, Callable[[dict[str, Any]], Any]]:
-    """pp x dp 2 x 2: ``ap.pipeline.decoder_stages`` on meshes [0, 1] and [2, 3] (axis ``dp``), 2 micro-batches."""
+def _pipeline(model_name: str, model: Any, strategy: str) -> tuple[Any, Any, Callable[[dict[str, Any]], Any]]:
+    """``pp``/``pp_static``: pp x dp 2 x 2, ``ap.pipeline.decoder_stages`` on meshes [0, 1] and
+    [2, 3] (axis ``dp``), 2 micro-batches; ``pp_tp_sp``: pp x tp 2 x 2, the stages laid out by
+    the model's plan with sequence parallelism (axis ``tp``), the batch replicated."""
     import torch
 
     import autoparallel as ap
 
-    meshes = [ap.ProcessMesh([0, 1], dim_names=["dp"]), ap.ProcessMesh([2, 3], dim_names=["dp"])]
-    split = ap.pipeline.decoder_stages(model, meshes)
+    tp = strategy == "pp_tp_sp"
+    axis = "tp" if tp else "dp"
+    meshes = [ap.ProcessMesh([0, 1], dim_names=[axis]), ap.ProcessMesh([2, 3], dim_names=[axis])]
+    split = ap.pipeline.decoder_stages(model, meshes, plan=plan_of(model_name, model, strategy) if tp else None)
     pipe = ap.pipeline.Pipeline(split.stages, split.loss_fn, num_microbatches=2, schedule="1F1B",
-                                static=static)
+                                static=strategy == "pp_static")
     # split.parameters(): with the last stage's copy of a tied weight; reduces each stage's dp gradients
     opt = ap.shard_optimizer(torch.optim.SGD(split.parameters(), lr=0.1, momentum=0.9))
+    batch = [ap.Replicate()] if tp else [ap.Shard(0)]
 
-    def step(batch: dict[str, Any]) -> Any:
-        ids = ap.shard_tensor(batch["input_ids"], meshes[0], [ap.Shard(0)])
-        labels = ap.shard_tensor(batch["labels"], meshes[-1], [ap.Shard(0)])
+    def step(data: dict[str, Any]) -> Any:
+        ids = ap.shard_tensor(data["input_ids"], meshes[0], batch)
+        labels = ap.shard_tensor(data["labels"], meshes[-1], batch)
         loss = pipe.step(ids, labels)
         split.sync_tied_grads()
         return loss
@@ -215,7 +221,7 @@ def run_case(rank: int, model_name: str, strategy: str, steps: int = STEPS) -> d
     ref.train()
     data = batches(model_name, steps)
     if strategy.startswith("pp"):
-        return _run_pipeline(model_name, model, ref, data, static=strategy == "pp_static")
+        return _run_pipeline(model_name, model, ref, data, strategy)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     mesh, opt, placements = lay_out(model_name, strategy, model, opt)
@@ -279,17 +285,17 @@ def peers(strategy: str, rank: int) -> int:
     return rank - rank % 2 if strategy.startswith("pp") else 0
 
 
-def _run_pipeline(model_name: str, model: Any, ref: Any, data: list[dict[str, Any]], static: bool) -> dict[str, Any]:
-    """``run_case`` for ``pp`` and ``pp_static``: the loss and every parameter are brought to every
-    rank to compare. Under ``pp_static`` a chunk that would run eagerly (its warning) fails the case."""
+def _run_pipeline(model_name: str, model: Any, ref: Any, data: list[dict[str, Any]], strategy: str) -> dict[str, Any]:
+    """``run_case`` for ``pp*``: the loss and every parameter are brought to every rank to
+    compare. Under ``pp_static`` a chunk that would run eagerly (its warning) fails the case."""
     import warnings
 
     import torch
 
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    world, opt, step = _pipeline(model, static)
+    world, opt, step = _pipeline(model_name, model, strategy)
     with warnings.catch_warnings():
-        if static:
+        if strategy == "pp_static":
             warnings.filterwarnings("error", message=r".*Pipeline\(static=True\)")
         return _train_and_compare(model, ref, data, step, opt, ref_opt, lambda t: _gathered(t, world), buffers=False)
 
@@ -307,7 +313,7 @@ def check(results: list[dict[str, Any]]) -> list[dict[str, int]]:
 
 # ---------------------------------------------------------------- the cases and their pinned collectives
 
-STRATEGIES = ["dp", "zero1", "zero2", "zero3", "tp", "tp_whole", "dp_tp", "dp_tp_sp", "pp", "pp_static"]
+STRATEGIES = ["dp", "zero1", "zero2", "zero3", "tp", "tp_whole", "dp_tp", "dp_tp_sp", "pp", "pp_static", "pp_tp_sp"]
 # (model, strategy) -> the collectives of each step on every rank (``ap.CommDebugMode`` counts of
 # forward + backward + optimizer step), or an xfail reason (a string). A change here is a change
 # in what a step sends: explain it in the commit. Where the steps differ, they differ for a
@@ -327,6 +333,10 @@ CASES: dict[tuple[str, str], Any] = {
     # and 2 all-reduces (each copy's gradient reduced before it crosses, and stage 0's own)
     ("gpt2", "pp"): [{'all_reduce': 3, 'send_recv': 6}] * STEPS,
     ("gpt2", "pp_static"): [{'all_reduce': 3, 'send_recv': 6}] * STEPS,  # the replayed programs issue what eager does
+    # pp x tp with sequence parallelism: stage 0's ranks (the first step proves local regions:
+    # its traces communicate once more)
+    ("gpt2", "pp_tp_sp"): [{'all_gather': 14, 'all_reduce': 1, 'reduce_scatter': 11, 'send_recv': 6}]
+    + [{'all_gather': 12, 'all_reduce': 1, 'reduce_scatter': 8, 'send_recv': 6}] * (STEPS - 1),
     ("bert", "dp"): [{'all_reduce': 2}] * STEPS,
     ("bert", "zero1"): [{'all_gather': 1, 'all_reduce': 2}] * STEPS,
     ("bert", "zero2"): [{'all_gather': 1, 'all_reduce': 1, 'reduce_scatter': 1}] * STEPS,
@@ -342,11 +352,15 @@ CASES: dict[tuple[str, str], Any] = {
     ("llama", "tp"): [{'all_reduce': 14}] * STEPS,
     ("llama", "pp"): [{'all_reduce': 1, 'send_recv': 4}] * STEPS,
     ("llama", "pp_static"): [{'all_reduce': 1, 'send_recv': 4}] * STEPS,
+    ("llama", "pp_tp_sp"): [{'all_gather': 12, 'all_reduce': 1, 'reduce_scatter': 13, 'send_recv': 4}]
+    + [{'all_gather': 10, 'all_reduce': 1, 'reduce_scatter': 10, 'send_recv': 4}] * (STEPS - 1),
     ("llama", "dp_tp_sp"): [{'all_gather': 10, 'all_reduce': 6, 'reduce_scatter': 10}] * STEPS,
     # tied: as GPT-2 under pp (the last stage's copy of the embedding, gradients crossing)
     ("llama_tied", "zero3"): [{'all_gather': 6, 'all_reduce': 1, 'reduce_scatter': 3}] * STEPS,
     ("llama_tied", "pp"): [{'all_reduce': 3, 'send_recv': 6}] * STEPS,
     ("llama_tied", "pp_static"): [{'all_reduce': 3, 'send_recv': 6}] * STEPS,
+    ("llama_tied", "pp_tp_sp"): [{'all_gather': 12, 'all_reduce': 1, 'reduce_scatter': 13, 'send_recv': 6}]
+    + [{'all_gather': 10, 'all_reduce': 1, 'reduce_scatter': 10, 'send_recv': 6}] * (STEPS - 1),
     ("mixtral", "dp"): [{'all_gather': 23, 'all_reduce': 15, 'all_to_all': 58, 'reduce_scatter': 53}, {'all_gather': 22, 'all_reduce': 16, 'all_to_all': 60, 'reduce_scatter': 54}, {'all_gather': 22, 'all_reduce': 16, 'all_to_all': 60, 'reduce_scatter': 54}],
     ("mixtral", "zero1"): [{'all_gather': 24, 'all_reduce': 15, 'all_to_all': 58, 'reduce_scatter': 53}, {'all_gather': 23, 'all_reduce': 16, 'all_to_all': 60, 'reduce_scatter': 54}, {'all_gather': 23, 'all_reduce': 16, 'all_to_all': 60, 'reduce_scatter': 54}],
     ("mixtral", "zero2"): [{'all_gather': 24, 'all_reduce': 14, 'all_to_all': 58, 'reduce_scatter': 54}, {'all_gather': 23, 'all_reduce': 15, 'all_to_all': 60, 'reduce_scatter': 55}, {'all_gather': 23, 'all_reduce': 15, 'all_to_all': 60, 'reduce_scatter': 55}],

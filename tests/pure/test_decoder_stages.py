@@ -68,3 +68,21 @@ def test_families_the_stages_cannot_run_are_refused_clearly() -> None:
     assert _family(tied) == "llama"  # a tied head is split like GPT-2's (tests/models/zoo.py: llama_tied x pp)
     head = nn.Linear(16, 32, bias=False)
     assert LlamaStage(tied, 1, 2, False, True, head).lm_head is head
+
+
+def test_a_plan_naming_the_final_norm_goes_to_the_last_stage_only() -> None:
+    # a stage before the last holds no final norm (an ``Absent`` pass-through under its name):
+    # a sequence-parallel plan's "model.norm" entry is the last stage's, not a style refused
+    # on the first stage's pass-through
+    transformers = pytest.importorskip("transformers")
+    import autoparallel as ap
+    from autoparallel.pipeline.stage import Absent, _stage_plans
+
+    cfg = transformers.LlamaConfig(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                                   intermediate_size=32, vocab_size=32)
+    model = transformers.LlamaForCausalLM(cfg)
+    first, last = LlamaStage(model, 0, 1, True, False), LlamaStage(model, 1, 2, False, True)
+    assert isinstance(first.model.norm, Absent) and first.model.norm(3) == 3
+    plan = ap.plans.llama(model, sp=True)
+    plans = _stage_plans([first, last], plan)
+    assert "model.norm" in plan and "model.norm" not in plans[0] and "model.norm" in plans[1]
