@@ -52,6 +52,7 @@ from autoparallel.api import reshard
 from autoparallel.engine.dtensor import DistTensor
 from autoparallel.mesh import ProcessMesh
 from autoparallel.nn import parallelize, shard_layer
+from autoparallel.optim.clip import clip_grad_norm_
 from autoparallel.pipeline.stage import Absent, Stage, _stage_plans, check_meshes
 from autoparallel.placement import Partial, Replicate
 
@@ -138,6 +139,15 @@ class DecoderStages:
             for p in st.module.parameters():
                 out.setdefault(id(p), p)
         return list(out.values())
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Clip every stage's gradients by their global norm, as one process clips the model's
+        (``ap.clip_grad_norm_``; a tied weight counted once): call it on every rank after
+        ``sync_tied_grads``, before the optimizer's step."""
+        copies = {id(getattr(mb, b)) for _, (mb, b) in self.tied}
+        params = [p for p in self.parameters() if id(p) not in copies]
+        return clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite,
+                               copies=[p for p in self.parameters() if id(p) in copies])
 
     def sync_tied_grads(self) -> None:
         """Give each copy of a tied weight the sum of both copies' gradients (every rank calls it).

@@ -130,3 +130,47 @@ def test_llama_decodes_through_its_cache_equal_to_one_process(world4, layout: st
         assert res["lengths"] == [(6 + k, 6 + k) for k in range(5)], res["lengths"]
     if layout == "dp":
         assert res["report"]["model.layers.0.mlp"][0] == "local", res["report"]
+
+
+def _clipped_pipeline(rank: int, steps: int = 3) -> dict[str, object]:
+    import torch
+
+    import autoparallel as ap
+    from tests.models import zoo
+
+    torch.manual_seed(0)
+    model = zoo.llama_tied()  # the LM head tied to the embedding: a copy on the last stage
+    ref = copy.deepcopy(model)
+    data = zoo.batches("llama_tied", steps)
+    meshes = [ap.ProcessMesh([0, 1], dim_names=["dp"]), ap.ProcessMesh([2, 3], dim_names=["dp"])]
+    split = ap.pipeline.decoder_stages(model, meshes)
+    pipe = ap.pipeline.Pipeline(split.stages, split.loss_fn, num_microbatches=2, schedule="1F1B")
+    opt = ap.shard_optimizer(torch.optim.SGD(split.parameters(), lr=0.1, momentum=0.9))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    norms = []
+    for batch in data:
+        pipe.step(ap.shard_tensor(batch["input_ids"], meshes[0], [ap.Shard(0)]),
+                  ap.shard_tensor(batch["labels"], meshes[-1], [ap.Shard(0)]))
+        split.sync_tied_grads()
+        got = float(split.clip_grad_norm_(0.5))  # every stage's gradients, the tied weight once
+        opt.step()
+        opt.zero_grad()
+        ref(**batch).loss.backward()
+        want = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5))
+        ref_opt.step()
+        ref_opt.zero_grad()
+        norms.append((got, want))
+    world = zoo.mesh_of("pp")
+    bad = []
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        full = zoo._gathered(p.detach(), world)
+        if not torch.allclose(full, q.detach(), rtol=RTOL, atol=RTOL * q.abs().max().item()):
+            bad.append((name, (full - q).abs().max().item()))
+    return {"norms": norms, "bad": bad}
+
+
+def test_a_tied_llama_pipeline_clips_by_the_global_norm_as_one_process(world4) -> None:  # type: ignore[no-untyped-def]
+    for res in world4.run(_clipped_pipeline, timeout=300):
+        for got, want in res["norms"]:
+            assert want > 0.5 and got == pytest.approx(want, rel=RTOL), res["norms"]
+        assert not res["bad"], res["bad"]

@@ -121,6 +121,44 @@ def _scheduled(rank: int, groups: list[list[int]], schedule: str, m: int, chunks
     return _compare(rank, model, ref, losses, ref_losses)
 
 
+# ---- clipping by the global norm: every stage's gradients ----------------------------------
+MAX_NORM = 0.05  # below the gradients' norm: every step clips
+
+
+def _clipped(rank: int, norm_type: float) -> dict[str, Any]:
+    # torch.nn.utils.clip_grad_norm_ on a pipeline rank sees only its stage's gradients (the
+    # other stages' backward never ran there): each stage would be clipped by its own norm.
+    # ap.clip_grad_norm_ takes every stage's parameters, the same list on every rank.
+    x, t, ref = _data()
+    model = copy.deepcopy(ref)
+    ref_opt, ref_losses, ref_norms = _sgd(ref), [], []
+    for _ in range(STEPS):
+        loss = _mse(ref(x), t)
+        ref_opt.zero_grad()
+        loss.backward()
+        ref_norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM, norm_type)))
+        ref_opt.step()
+        ref_losses.append(loss.item())
+    meshes = _meshes(TWO)
+    pipe = Pipeline(split_sequential(model, meshes), _mse, num_microbatches=2, schedule="1F1B")
+    opt, losses, norms = _sgd(model), [], []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        losses.append(pipe.step(ap.shard_tensor(x, meshes[0], [Shard(0)]), ap.shard_tensor(t, meshes[-1], [Shard(0)])))
+        norms.append(float(ap.clip_grad_norm_(model.parameters(), MAX_NORM, norm_type)))
+        opt.step()
+    out = _compare(rank, model, ref, losses, ref_losses)
+    out["norms_ok"] = all(abs(a - b) <= 1e-5 * b for a, b in zip(norms, ref_norms)) and min(ref_norms) > MAX_NORM
+    return out
+
+
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")])
+def test_clip_grad_norm_over_every_stage_matches_single_process(world8, norm_type):  # type: ignore[no-untyped-def]
+    results = world8.run(_clipped, norm_type)
+    _check(results, TWO[-1])
+    assert all(r["norms_ok"] for r in results)
+
+
 def _check(results: list[dict[str, Any]], last_mesh: list[int]) -> None:
     assert all(not r["bad_params"] for r in results), [r["bad_params"] for r in results]
     assert all(r["losses_ok"] for r in results)
