@@ -39,10 +39,13 @@ from autoparallel.spec import DistSpec
 
 
 def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0,
-                    error_if_nonfinite: bool = False, *, copies: Iterable[torch.Tensor] = ()) -> torch.Tensor:
+                    error_if_nonfinite: bool = False, foreach: bool | None = None, *,
+                    copies: Iterable[torch.Tensor] = ()) -> torch.Tensor:
     """Scale every gradient of ``parameters`` so that their joint ``norm_type`` norm is at most
     ``max_norm``; return that norm before clipping (a plain 0-d tensor, the same on every rank
     of the meshes). Every rank passes the same parameters (see the module docstring).
+    The arguments are ``torch.nn.utils.clip_grad_norm_``'s (``foreach`` is passed on where torch
+    clips, for plain tensors only).
 
     ``copies``: parameters whose gradients repeat ones of ``parameters`` (the last stage's copy
     of a tied weight, after ``sync_tied_grads``): scaled as well, not counted in the norm
@@ -63,7 +66,7 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
         else:
             plain.append(p)
     if not groups and not any(isinstance(p, DistTensor) for p in extra):
-        found = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
+        found = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
         scale = min(1.0, max_norm / (float(found) + 1e-6))
         with torch.no_grad():
             for p in extra:
@@ -83,7 +86,9 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
     held = [p for p in extra if not isinstance(p, DistTensor) or rank in p.process_mesh]
     union = ProcessMesh(sorted({r for mesh in groups for r in mesh.process_ids} or {rank}), dim_names=["all"])
     spec = DistSpec(union, (Partial("max" if top else "sum"),), (), torch.float64)
-    whole = layout.wrap(torch.tensor(own, dtype=torch.float64), spec)
+    first = next(p for p in params + extra if isinstance(p, DistTensor))
+    device = layout.local_of(first).device  # the backend's device (NCCL: the GPU)
+    whole = layout.wrap(torch.tensor(own, dtype=torch.float64, device=device), spec)
     summed = float(layout.local_of(layout.reshard(whole, spec.with_placements((Replicate(),))))) if rank in union else 0.0
     local = _norm([p.grad for p in plain if p.grad is not None], norm_type)
     total = max(summed, local) if top else (summed + local ** norm_type) ** (1.0 / norm_type)

@@ -146,8 +146,7 @@ class DecoderStages:
         ``sync_tied_grads``, before the optimizer's step."""
         copies = {id(getattr(mb, b)) for _, (mb, b) in self.tied}
         params = [p for p in self.parameters() if id(p) not in copies]
-        return clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite,
-                               copies=[p for p in self.parameters() if id(p) in copies])
+        return clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, copies=[p for p in self.parameters() if id(p) in copies])
 
     def sync_tied_grads(self) -> None:
         """Give each copy of a tied weight the sum of both copies' gradients (every rank calls it).
