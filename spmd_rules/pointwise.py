@@ -9,7 +9,8 @@ broadcasting), replicated, or — for linear ops — Partial:
   ``P + R`` are not linear (the scalar would be added once per rank) and need a reduction;
 - ``mul``/``div``: one ``P(sum|avg)`` operand (the numerator for ``div``) times replicated
   operands or scalars stays ``P``;
-- ``isin``: sharded like its elements, the tested values replicated;
+- ``isin``, ``bucketize``, ``searchsorted`` (1-d sequence): sharded like their elements or
+  values, the tested values, boundaries or sorted sequence replicated;
 - any other op tagged ``torch.Tag.pointwise`` (``rsub.Scalar``, ``sinc``, ``logaddexp``, the
   in-place ``cos_``...): sharded or replicated, no Partial (``registry.register_tag_rule``).
 """
@@ -80,19 +81,43 @@ def plain_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
     return _sharded_strategies(call)
 
 
+def _elementwise_in(call: OpCall, k: int) -> list[AxisStrategy]:
+    """The output is elementwise in input ``k`` and keeps its sharding; every other tensor input
+    (values tested against, bucket boundaries, a sorted sequence) is needed whole (Replicate)."""
+    strategies = [replicate_all(call)]
+    out = call.out[0]
+    if out is None or len(call.inputs) <= k or out.shape != call.inputs[k].shape:
+        return strategies
+    for d in range(out.ndim):
+        if out.shape[d] >= 2:
+            strategies.append(AxisStrategy(tuple(Shard(d) if i == k else R for i in range(len(call.inputs))), (Shard(d),)))
+    return strategies
+
+
 @register_axis_rule([aten.isin])
 def isin_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
     """``isin(elements, test_elements)``: elementwise in ``elements``, whose sharding the output
     keeps; the values tested against are needed whole (Replicate). A scalar ``elements`` gives
     a 0-d result: replicated."""
-    strategies = [replicate_all(call)]
-    out = call.out[0]
-    if out is None or not call.args or not isinstance(call.args[0], TensorMeta):
-        return strategies
-    for d in range(out.ndim):
-        if out.shape[d] >= 2:
-            strategies.append(AxisStrategy(tuple(Shard(d) if k == 0 else R for k in range(len(call.inputs))), (Shard(d),)))
-    return strategies
+    if not call.args or not isinstance(call.args[0], TensorMeta):
+        return [replicate_all(call)]
+    return _elementwise_in(call, 0)
+
+
+@register_axis_rule([aten.bucketize.Tensor])
+def bucketize_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
+    """``bucketize(input, boundaries)``: elementwise in ``input``; the boundaries whole."""
+    return _elementwise_in(call, 0)
+
+
+@register_axis_rule([aten.searchsorted.Tensor])
+def searchsorted_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
+    """``searchsorted(sorted_sequence, values)``: with a 1-d sequence, elementwise in ``values``
+    (the sequence, and a ``sorter``, whole); an n-d sequence pairs its rows with the values'
+    rows: replicated."""
+    if len(call.args) < 2 or not isinstance(call.args[0], TensorMeta) or call.args[0].ndim != 1:
+        return [replicate_all(call)]
+    return _elementwise_in(call, 1)
 
 
 @register_axis_rule(COPY_OPS)

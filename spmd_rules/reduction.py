@@ -14,6 +14,7 @@ aminmax                        (P(min), P(max))        -
 all / any                      P(min) / P(max)         P(min) / P(max) for bool/uint8 input
 vector_norm, ord 1 or 0        P(sum)                  -
 vector_norm, ord inf / -inf    P(max) / P(min)         -
+histc with a given range       P(sum) (any dim)        -
 prod, logsumexp, var, std,     needs Replicate         -
 var_mean, std_mean, max/min
 .dim, argmax, argmin, norm 2
@@ -178,6 +179,19 @@ def all_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
 def any_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
     """any: Shard(reduced) -> P(max) (or of the pieces); P(max) passes for bool/uint8 input."""
     return reduction_strategies(call, axis, P_MAX, ("max",) if _logical_input(call) else (), empty_is_all=False)
+
+
+@register_axis_rule([aten.histc.default])
+def histc_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
+    """histc(input, bins, min, max): with a range given (min < max) the histogram of the whole is
+    the sum of the pieces' histograms, whichever dim is split (an empty piece counts nothing);
+    without one the range is the data's min and max: replicated."""
+    args = bound_args(call)
+    strategies = [AxisStrategy((R,), (R,))]
+    lo, hi = args.get("min", 0), args.get("max", 0)
+    if isinstance(lo, (int, float)) and isinstance(hi, (int, float)) and lo < hi:
+        strategies += [AxisStrategy((Shard(d),), (P_SUM,)) for d in range(call.inputs[0].ndim)]
+    return strategies
 
 
 NORM_OPS = [aten.linalg_vector_norm.default, aten.norm.Scalar, aten.norm.ScalarOpt_dim,

@@ -51,6 +51,7 @@ VALUE_OPS = frozenset({
 DATA_SHAPED_OPS = frozenset({
     torch.ops.aten.nonzero.default, torch.ops.aten.masked_select.default, torch.ops.aten._unique2.default,
     torch.ops.aten.unique_dim.default, torch.ops.aten.unique_consecutive.default, torch.ops.aten.argwhere.default,
+    torch.ops.aten.bincount.default,  # its length is the largest value + 1
 })
 # Views whose local implementation computes a new tensor (a lazy conj/neg bit cannot live on the
 # wrapper): like views of a moved input, writes through them raise instead of being lost.

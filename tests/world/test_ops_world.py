@@ -142,6 +142,35 @@ def test_isin_keeps_the_elements_sharding(world4):  # type: ignore[no-untyped-de
     assert all(world4.run(_isin))
 
 
+def _buckets_and_histograms(rank: int) -> bool:
+    # bucketize / searchsorted keep the values' sharding (boundaries whole), histc over a given
+    # range sums the pieces' histograms (Partial), all without a collective; histc without a
+    # range and bincount (its length is the largest value + 1) run replicated, by rule: no warning
+    mesh = _mesh2()
+    a = reference((6, 5), 9)
+    bounds = torch.tensor([-1.0, 0.0, 0.5, 1.0])
+    x = make_dist(a, mesh, (Shard(0), Shard(1)))
+    with warnings.catch_warnings(), ap.CommDebugMode() as comm:
+        warnings.simplefilter("error")
+        b = torch.bucketize(x, ap.shard_tensor(bounds, mesh, [R, R]), right=True)
+        s = torch.searchsorted(ap.shard_tensor(bounds, mesh, [R, R]), x)
+        h = torch.histc(x, bins=5, min=-2.0, max=2.0)
+    assert comm.get_total_counts() == 0
+    assert list(b.placements) == [Shard(0), Shard(1)] and torch.equal(b.full_tensor(), torch.bucketize(a, bounds, right=True))
+    assert list(s.placements) == [Shard(0), Shard(1)] and torch.equal(s.full_tensor(), torch.searchsorted(bounds, a))
+    assert list(h.placements) == [Partial(), Partial()] and torch.equal(h.full_tensor(), torch.histc(a, bins=5, min=-2.0, max=2.0))
+    ints = torch.randint(0, 7, (12,), generator=torch.Generator().manual_seed(3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _close(torch.histc(x, bins=4).full_tensor(), torch.histc(a, bins=4))
+        assert torch.equal(torch.bincount(make_dist(ints, mesh, (Shard(0), R))).full_tensor(), torch.bincount(ints))
+    return True
+
+
+def test_bucketize_searchsorted_histc_bincount(world4):  # type: ignore[no-untyped-def]
+    assert all(world4.run(_buckets_and_histograms))
+
+
 def _tensor_split(rank: int) -> bool:
     # split points given as a tensor: torch reads their values from memory, which a DistTensor
     # does not have ("data is not allocated"); as a DistTensor they are taken whole
