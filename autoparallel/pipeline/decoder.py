@@ -48,7 +48,7 @@ import torch
 from torch import nn
 
 from autoparallel import runtime
-from autoparallel.api import reshard
+from autoparallel.api import reshard, shard_tensor
 from autoparallel.engine.dtensor import DistTensor
 from autoparallel.mesh import ProcessMesh
 from autoparallel.nn import parallelize, shard_layer
@@ -182,6 +182,47 @@ def _moved(grad: DistTensor, to: torch.Tensor) -> torch.Tensor:
     return reshard(_reduced(grad), to.process_mesh, placements)
 
 
+def _weight(module: nn.Module) -> torch.Tensor:
+    """``module.weight`` as it is now (a layout replaces the parameter object)."""
+    w = module.weight
+    assert isinstance(w, torch.Tensor)
+    return w
+
+
+def _keep_the_copy_in_state_dicts(model: nn.Module, embed: nn.Module, head: nn.Module) -> None:
+    """``model.state_dict()`` names a tied weight twice (the embedding's key and the LM head's);
+    under pp the last stage's copy is a parameter of its own, updated alike. Its key holds the
+    copy, so a checkpoint keeps the copy's value too and training resumes from both (the copy
+    was otherwise left at its first value). ``model.load_state_dict`` loads that key into the
+    copy, and the model's own (tied) head from the embedding's key. Which path runs depends on
+    the entry's layout only (metadata: the same on every rank)."""
+    names = {id(m): n for n, m in model.named_modules()}
+    head_key, embed_key = names[id(model.lm_head)] + ".weight", names[id(embed)] + ".weight"
+
+    def saved(module: nn.Module, state: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+        if prefix + head_key in state:
+            state[prefix + head_key] = _weight(head).detach()
+
+    def loading(module: nn.Module, state: dict[str, Any], prefix: str, *rest: Any) -> None:
+        value = state.get(prefix + head_key)
+        if value is None:
+            return
+        copy_ = _weight(head)
+        assert isinstance(copy_, DistTensor)
+        with torch.no_grad():
+            if isinstance(value, DistTensor) and value.dist_spec == copy_.dist_spec:
+                copy_.to_local().copy_(value.to_local())  # the copy's own layout: no collective
+            else:  # another layout, or a whole tensor (a pretrained checkpoint)
+                moved = reshard(value, copy_.process_mesh, list(copy_.placements)) if isinstance(value, DistTensor) \
+                    else shard_tensor(value, copy_.process_mesh, list(copy_.placements))
+                copy_.to_local().copy_(moved.to_local())
+        # the model's own head is the embedding: loaded from the embedding's entry
+        state[prefix + head_key] = state.get(prefix + embed_key, _weight(embed).detach())
+
+    model.register_state_dict_post_hook(saved)
+    model.register_load_state_dict_pre_hook(loading)
+
+
 # Llama-family models whose forward does more to ``inputs_embeds`` than use them (Gemma scales
 # them by sqrt(hidden_size)): a later stage's hidden states would be changed again
 _EMBEDS_TRANSFORMED = ("gemma",)
@@ -272,6 +313,8 @@ def decoder_stages(
         else:
             shard_layer(module, mesh)
         stages.append(Stage(module, mesh, None, f"layers {bounds[c]}..{bounds[c + 1] - 1}"))
+    if tied:
+        _keep_the_copy_in_state_dicts(model, embed, tied[0][1][0])
     vocab = model.config.vocab_size
 
     def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

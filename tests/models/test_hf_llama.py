@@ -174,3 +174,57 @@ def test_a_tied_llama_pipeline_clips_by_the_global_norm_as_one_process(world4) -
         for got, want in res["norms"]:
             assert want > 0.5 and got == pytest.approx(want, rel=RTOL), res["norms"]
         assert not res["bad"], res["bad"]
+
+
+def _pp_resume(rank: int, path: str) -> dict[str, object]:
+    import torch
+    import torch.distributed as dist
+
+    import autoparallel as ap
+    from tests.models import zoo
+
+    data = zoo.batches("llama_tied", 4)
+    meshes = [ap.ProcessMesh([0, 1], dim_names=["dp"]), ap.ProcessMesh([2, 3], dim_names=["dp"])]
+    world = zoo.mesh_of("pp")
+
+    def build():  # type: ignore[no-untyped-def]
+        torch.manual_seed(0)
+        model = zoo.llama_tied()
+        split = ap.pipeline.decoder_stages(model, meshes)
+        pipe = ap.pipeline.Pipeline(split.stages, split.loss_fn, num_microbatches=2, schedule="1F1B")
+        return model, split, pipe, ap.shard_optimizer(torch.optim.AdamW(split.parameters(), lr=1e-2))
+
+    def step(split, pipe, opt, batch) -> float:  # type: ignore[no-untyped-def]
+        loss = pipe.step(ap.shard_tensor(batch["input_ids"], meshes[0], [ap.Shard(0)]),
+                         ap.shard_tensor(batch["labels"], meshes[-1], [ap.Shard(0)]))
+        split.sync_tied_grads()
+        opt.step()
+        opt.zero_grad()
+        return float(zoo._gathered(loss.detach(), world))
+
+    whole, split, pipe, opt = build()
+    straight = [step(split, pipe, opt, b) for b in data]
+    first, split, pipe, opt = build()
+    losses = [step(split, pipe, opt, b) for b in data[:2]]
+    ap.save_state_dict({"model": first.state_dict(), "optim": opt.state_dict()}, path)
+    dist.barrier()
+    again, split, pipe, opt = build()
+    ap.checkpoint.init_optimizer_state(opt)
+    sd = {"model": again.state_dict(), "optim": opt.state_dict()}
+    ap.load_state_dict(sd, path)
+    opt.load_state_dict(sd["optim"])
+    losses += [step(split, pipe, opt, b) for b in data[2:]]
+    bad = [name for (name, p), q in zip(again.named_parameters(), whole.parameters())
+           if not torch.allclose(zoo._gathered(p.detach(), world), zoo._gathered(q.detach(), world), rtol=RTOL, atol=1e-7)]
+    copies = [zoo._gathered(mb.weight.detach(), world) for _, (mb, _) in split.tied]
+    return {"straight": straight, "resumed": losses, "bad": bad,
+            "copy_equals_embedding": all(torch.equal(c, zoo._gathered(again.model.embed_tokens.weight.detach(), world))
+                                         for c in copies)}
+
+
+def test_a_tied_llama_pipeline_resumes_from_a_checkpoint_as_if_uninterrupted(world4, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # the last stage's copy of the tied weight is in model.state_dict() (under the LM head's
+    # key): a resumed pipeline starts from both saved values (the copy was left at its first)
+    for res in world4.run(_pp_resume, str(tmp_path / "ckpt"), timeout=300):
+        assert res["resumed"] == pytest.approx(res["straight"], rel=1e-6), (res["resumed"], res["straight"])
+        assert not res["bad"] and res["copy_equals_embedding"], res
