@@ -21,19 +21,6 @@ from autoparallel.checkpoint.metadata import CheckpointError
 WHERE = "export_state_dict"
 
 
-def _check_rank0(flat: dict[str, Any]) -> list[tuple[str, str]]:
-    """Errors for DistTensors rank 0 (the writer) cannot gather."""
-    from autoparallel.engine import layout  # noqa: PLC0415  (the engine loads on first use, not with the package)
-
-    out = []
-    for key, leaf in flat.items():
-        spec = layout.spec_or_none(leaf)
-        if spec is not None and 0 not in spec.mesh:
-            out.append(("value", f"{key!r} lives on {spec.mesh!r}, which lacks rank 0 (the writer); "
-                                 "reshard it onto a mesh containing rank 0 first"))
-    return out
-
-
 FORMATS = ("torch", "safetensors")
 
 
@@ -41,7 +28,8 @@ def export_state_dict(state_dict: dict[str, Any], file: str | os.PathLike[str], 
     """Write ``state_dict`` with full plain tensors to the single file ``file`` (rank 0 writes).
 
     Collective over the default world: every rank calls it with its state dict. Rank 0 must
-    hold every key that any rank holds (e.g. not a pipeline stage's private keys).
+    hold every key that any rank holds (e.g. not a pipeline stage's private keys); a DistTensor
+    on a mesh without rank 0 (a later pipeline stage's) is moved whole onto rank 0.
 
     ``format="torch"``: a ``torch.save`` file of the state dict's structure (read it with
     ``torch.load(file, weights_only=True)`` or ``ap.load_state_dict``). ``format="safetensors"``
@@ -64,21 +52,24 @@ def export_state_dict(state_dict: dict[str, Any], file: str | os.PathLike[str], 
         flat = flatten(state_dict, WHERE)
     except (TypeError, ValueError) as e:
         errors.append(("value", str(e)))
-    if rank == 0:
-        errors += _check_rank0(flat)
     gathered = _world.exchange((errors, list(flat)), WHERE, "checking the state dicts")
     lacking = [k for g in gathered for k in g[1] if k not in set(gathered[0][1])]
     everyone = [g[0] + ([("value", f"rank 0 lacks keys other ranks hold: {sorted(set(lacking))[:8]}")]
                         if lacking else []) for g in gathered]
     _world.raise_gathered(everyone, WHERE)
     full: dict[str, torch.Tensor] = {}
+    from autoparallel.api import reshard, unshard_dtensor  # noqa: PLC0415  (api imports the dtensor stack)
     from autoparallel.engine import layout  # noqa: PLC0415  (the engine loads on first use, not with the package)
+    from autoparallel.mesh import ProcessMesh  # noqa: PLC0415
+    from autoparallel.placement import Replicate  # noqa: PLC0415
 
+    writer = ProcessMesh([0], dim_names=["writer"])
     with torch.no_grad():
         for key, leaf in flat.items():
-            if layout.is_dist(leaf):
-                from autoparallel.api import unshard_dtensor  # noqa: PLC0415  (api imports the dtensor stack)
-
+            if layout.is_dist(leaf) and 0 not in leaf.process_mesh:
+                # a pipeline stage's tensor: moved whole onto rank 0 (every rank joins the move)
+                full[key] = reshard(leaf, writer, [Replicate()]).to_local().detach().cpu()
+            elif layout.is_dist(leaf):
                 full[key] = unshard_dtensor(leaf).detach().cpu()
             elif isinstance(leaf, torch.Tensor):
                 full[key] = leaf.detach().cpu().clone()

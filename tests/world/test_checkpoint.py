@@ -391,6 +391,23 @@ def test_export_single_file_and_import_into_any_layout(world4, tmp_path):  # typ
     assert world4.run(_import, file) == [True] * 4
 
 
+def _export_a_later_stage(rank: int, file: str) -> None:
+    # a pipeline's later stage: tensors on a mesh without rank 0 (the writer) move whole onto it
+    later = ap.ProcessMesh([2, 3], dim_names=["dp"])
+    sd = {"first": make_dist(reference((4, 3), 5), ap.ProcessMesh([0, 1], dim_names=["dp"]), (Shard(0),)),
+          "later": make_dist(reference((5, 2), 6), later, (Shard(0),)),
+          "partial": make_dist(reference((3,), 7), later, (Partial("sum"),))}
+    ap.checkpoint.export_state_dict(sd, file)
+
+
+def test_export_moves_a_later_stage_onto_the_writer(world4, tmp_path):  # type: ignore[no-untyped-def]
+    file = str(tmp_path / "stages.pt")
+    world4.run(_export_a_later_stage, file)
+    plain = torch.load(file, weights_only=True)
+    assert torch.equal(plain["first"], reference((4, 3), 5)) and torch.equal(plain["later"], reference((5, 2), 6))
+    torch.testing.assert_close(plain["partial"], reference((3,), 7))  # a Partial(sum) reduced: rounding
+
+
 # ---- resume helpers: RNG states and materialised optimizer state ----------------------------
 def _draw(g: torch.Generator) -> list:
     return [torch.rand(3).tolist(), random.random(), float(np.random.rand()), torch.randint(100, (4,), generator=g).tolist()]
