@@ -193,6 +193,37 @@ class Pipeline:
         pieces = local.chunk(m) if mesh.coordinate_of(self.rank) is not None else [local] * m
         return [layout.wrap(piece, mb) for piece in pieces]
 
+    def _rows_as_inputs(self, target: Any, x0: DistTensor) -> Any:
+        """``target`` with its rows reordered where the inputs and the targets are split over
+        different numbers of data-parallel shards (``split``: each shard cuts its own rows), so
+        that each target micro-batch holds the rows of the input micro-batch it meets at the last
+        stage, in their order. Rows move only then: the target is gathered on the last mesh,
+        permuted and laid out again (decided from the layouts alone)."""
+        m = self.num_microbatches
+        if not isinstance(target, DistTensor) or m == 1:
+            return target
+        spec, x_spec = layout.spec_of(target), layout.spec_of(x0)
+        if not spec.shape or any(isinstance(pl, Partial) for pl in spec.placements):
+            return target  # ``split`` says why
+        s_in, s_t = _shards(x_spec), _shards(spec)
+        batch = spec.shape[0]
+        if s_in == s_t or batch != x_spec.shape[0] * m or batch % (m * s_in) or batch % (m * s_t):
+            return target  # the same rows already, or ``split`` / the loss says what is wrong
+        rows = [[s * (batch // s_in) + k * (batch // (s_in * m)) + j for s in range(s_in) for j in range(batch // (s_in * m))]
+                for k in range(m)]  # input micro-batch k's rows of the whole batch, in order
+        per = batch // (m * s_t)
+        order = [0] * batch
+        for k in range(m):
+            for s in range(s_t):
+                for j in range(per):
+                    order[s * (batch // s_t) + k * per + j] = rows[k][s * per + j]
+        whole = layout.reshard(target, spec.with_placements([Replicate()] * spec.mesh.ndim))
+        if spec.mesh.coordinate_of(self.rank) is None:
+            return target  # holds nothing of it
+        local = layout.local_of(whole).detach()
+        moved = layout.wrap(local[torch.tensor(order, device=local.device)], layout.spec_of(whole))
+        return layout.reshard(moved, spec)
+
     # ---- layouts of the tensors crossing stage boundaries ---------------------------------
     def _next_spec(self, out: DistSpec, nxt: Stage) -> DistSpec:
         if nxt.input_placements is not None:
@@ -235,7 +266,7 @@ class Pipeline:
         between steps as usual). With ``record``, ``self.events`` holds this rank's timeline.
         """
         xs = self.split(inputs, self.meshes[0], "inputs")
-        ts = self.split(target, self.stages[-1].mesh, "targets")
+        ts = self.split(self._rows_as_inputs(target, xs[0]), self.stages[-1].mesh, "targets")
         lay = self.layouts(layout.spec_of(xs[0]), None if ts[0] is None else layout.spec_of(ts[0]))
         self.events = []
         if self.stage_index is None:
@@ -358,4 +389,13 @@ class _Run:
         p2p.send(self.grads_in.pop((mb, c)), self._plan(c, True), tag, self.pending)
 
 
+def _shards(spec: DistSpec) -> int:
+    """How many data-parallel pieces ``spec`` cuts dim 0 into."""
+    n = 1
+    for a in spec.axes_of_dim(0):
+        n *= spec.mesh.shape[a]
+    return n
+
+
 __all__ = ["Event", "Pipeline"]
+

@@ -121,6 +121,39 @@ def _scheduled(rank: int, groups: list[list[int]], schedule: str, m: int, chunks
     return _compare(rank, model, ref, losses, ref_losses)
 
 
+# ---- stage meshes that split the batch differently -----------------------------------------
+def _mixed(rank: int, groups: list[list[int]], names: list[str], m: int) -> dict[str, Any]:
+    # the inputs are split over the first mesh's data-parallel shards, the targets over the
+    # last's: each shard cuts its own rows, so with different shard counts a micro-batch's
+    # targets are other rows than its inputs unless the targets are reordered to match
+    x, t, ref = _data()
+    model = copy.deepcopy(ref)
+    ref_losses = _reference(ref, x, t)
+    meshes = [ap.ProcessMesh(g, dim_names=[n]) for g, n in zip(groups, names)]
+    pipe = Pipeline(split_sequential(model, meshes), _mse, num_microbatches=m, schedule="1F1B")
+
+    def batch(mesh: ap.ProcessMesh) -> list[Any]:
+        return [Shard(0) if mesh.dim_names[0] == "dp" else R]
+
+    opt, losses = _sgd(model), []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        losses.append(pipe.step(ap.shard_tensor(x, meshes[0], batch(meshes[0])),
+                                ap.shard_tensor(t, meshes[-1], batch(meshes[-1]))))
+        opt.step()
+    return _compare(rank, model, ref, losses, ref_losses)
+
+
+@pytest.mark.parametrize("groups, names, m", [
+    ([[0, 1, 2, 3], [4, 5]], ["dp", "dp"], 2),      # 4 shards in, 2 out
+    ([[0], [1, 2, 3, 4]], ["dp", "dp"], 4),         # 1 in, 4 out
+    ([[0, 1], [2, 3]], ["dp", "tp"], 2),            # sharded in, replicated out
+])
+def test_stage_meshes_splitting_the_batch_differently_match_single_process(world8, groups, names, m):  # type: ignore[no-untyped-def]
+    results = world8.run(_mixed, groups, names, m)
+    _check(results, groups[-1])
+
+
 # ---- clipping by the global norm: every stage's gradients ----------------------------------
 MAX_NORM = 0.05  # below the gradients' norm: every step clips
 
