@@ -34,8 +34,8 @@ from autoparallel import runtime
 from autoparallel.engine import layout
 from autoparallel.engine.dtensor import DistTensor
 from autoparallel.mesh import ProcessMesh
-from autoparallel.placement import Partial, Replicate
-from autoparallel.spec import DistSpec
+from autoparallel.runtime import comm
+from autoparallel.runtime import groups as process_groups
 
 
 def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0,
@@ -85,11 +85,10 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
             own = max(own, value) if top else own + value ** norm_type
     held = [p for p in extra if not isinstance(p, DistTensor) or rank in p.process_mesh]
     union = ProcessMesh(sorted({r for mesh in groups for r in mesh.process_ids} or {rank}), dim_names=["all"])
-    spec = DistSpec(union, (Partial("max" if top else "sum"),), (), torch.float64)
     first = next(p for p in params + extra if isinstance(p, DistTensor))
-    device = layout.local_of(first).device  # the backend's device (NCCL: the GPU)
-    whole = layout.wrap(torch.tensor(own, dtype=torch.float64, device=device), spec)
-    summed = float(layout.local_of(layout.reshard(whole, spec.with_placements((Replicate(),))))) if rank in union else 0.0
+    share = torch.tensor([own], dtype=torch.float64, device=layout.local_of(first).device)  # NCCL: on the GPU
+    process_groups.ensure(union)  # every rank: creating a group is a collective over the world
+    summed = float(comm.all_reduce(share, union, 0, "max" if top else "sum")) if rank in union else 0.0
     local = _norm([p.grad for p in plain if p.grad is not None], norm_type)
     total = max(summed, local) if top else (summed + local ** norm_type) ** (1.0 / norm_type)
     if error_if_nonfinite and not math.isfinite(total):

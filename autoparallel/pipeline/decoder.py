@@ -49,6 +49,7 @@ from torch import nn
 
 from autoparallel import runtime
 from autoparallel.api import reshard, shard_tensor
+from autoparallel.engine import layout
 from autoparallel.engine.dtensor import DistTensor
 from autoparallel.mesh import ProcessMesh
 from autoparallel.nn import parallelize, shard_layer
@@ -211,11 +212,11 @@ def _keep_the_copy_in_state_dicts(model: nn.Module, embed: nn.Module, head: nn.M
         assert isinstance(copy_, DistTensor)
         with torch.no_grad():
             if isinstance(value, DistTensor) and value.dist_spec == copy_.dist_spec:
-                copy_.to_local().copy_(value.to_local())  # the copy's own layout: no collective
+                layout.local_of(copy_).copy_(layout.local_of(value))  # the copy's own layout: no collective
             else:  # another layout, or a whole tensor (a pretrained checkpoint)
                 moved = reshard(value, copy_.process_mesh, list(copy_.placements)) if isinstance(value, DistTensor) \
                     else shard_tensor(value, copy_.process_mesh, list(copy_.placements))
-                copy_.to_local().copy_(moved.to_local())
+                layout.local_of(copy_).copy_(layout.local_of(moved))
         # the model's own head is the embedding: loaded from the embedding's entry
         state[prefix + head_key] = state.get(prefix + embed_key, _weight(embed).detach())
 

@@ -209,19 +209,15 @@ class Pipeline:
         batch = spec.shape[0]
         if s_in == s_t or batch != x_spec.shape[0] * m or batch % (m * s_in) or batch % (m * s_t):
             return target  # the same rows already, or ``split`` / the loss says what is wrong
-        rows = [[s * (batch // s_in) + k * (batch // (s_in * m)) + j for s in range(s_in) for j in range(batch // (s_in * m))]
-                for k in range(m)]  # input micro-batch k's rows of the whole batch, in order
-        per = batch // (m * s_t)
-        order = [0] * batch
-        for k in range(m):
-            for s in range(s_t):
-                for j in range(per):
-                    order[s * (batch // s_t) + k * per + j] = rows[k][s * per + j]
+        # input micro-batch k's rows of the whole batch, in order: shard s's k-th piece, for each s
+        rows = torch.arange(batch).view(s_in, m, batch // (s_in * m)).transpose(0, 1).reshape(m, batch // m)
+        # the same rows as the targets' shards cut them: shard s's k-th piece is rows[k]'s s-th
+        order = rows.view(m, s_t, batch // (m * s_t)).transpose(0, 1).reshape(batch)
         whole = layout.reshard(target, spec.with_placements([Replicate()] * spec.mesh.ndim))
         if spec.mesh.coordinate_of(self.rank) is None:
             return target  # holds nothing of it
         local = layout.local_of(whole).detach()
-        moved = layout.wrap(local[torch.tensor(order, device=local.device)], layout.spec_of(whole))
+        moved = layout.wrap(local[order.to(local.device)], layout.spec_of(whole))
         return layout.reshard(moved, spec)
 
     # ---- layouts of the tensors crossing stage boundaries ---------------------------------
