@@ -122,26 +122,23 @@ def _template_kind(d: Decision, func: Any) -> bool:
             and (not _returns_view(func) or all(p is None for p in d.plans)))
 
 
-Layouts = tuple[tuple[tuple[int, ...], tuple[int, ...], Any], ...]  # per output: (shape, strides, dtype)
-
-
 def _template_key(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], dts: list[Any],
-                  specs: list[DistSpec]) -> tuple[Any, Layouts | None]:
+                  specs: list[DistSpec]) -> tuple[Any, generic.Layouts | None]:
     """(the template key, the known output layouts) of this call; (None, None) where none."""
-    if not _templatable(func) or any(s.mesh != specs[0].mesh for s in specs[1:]):
+    if not _templatable(func):
         return None, None
+    mesh = specs[0].mesh
+    for s in specs[1:]:
+        if s.mesh is not mesh and s.mesh != mesh:
+            return None, None
 
     def is_dist(a: Any) -> bool:
         return isinstance(a, cls)
 
-    shaped = [(s.shape, d._stride) for s, d in zip(specs, dts)]
-    outs = generic.known_layouts(func, generic.out_key(func, args, kwargs, is_dist), shaped, args)
-    if not outs:
-        return None, None
-    return generic.template_key(func, specs, outs, args, kwargs, is_dist), outs
+    return generic.template_key(func, specs, [(s.shape, d._stride) for s, d in zip(specs, dts)], args, kwargs, is_dist)
 
 
-def _from_template(t: LocalStep, specs: list[DistSpec], outs: Layouts, cls: Any, func: Any, args: tuple[Any, ...],
+def _from_template(t: LocalStep, specs: list[DistSpec], outs: generic.Layouts, cls: Any, func: Any, args: tuple[Any, ...],
                    kwargs: dict[str, Any], dts: list[Any]) -> LocalStep:
     """The decision ``t`` made at another shape, for inputs ``specs`` and output layouts ``outs``."""
     assert t.coord is not None and len(outs) == len(t.out_specs)

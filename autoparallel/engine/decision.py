@@ -76,23 +76,37 @@ class LocalStep:
 def evolve(obj: _T, **changes: Any) -> _T:
     """``dataclasses.replace`` for the frozen slots dataclasses a decision is made of (``LocalStep``,
     ``LocalContext``; neither has a ``__post_init__``): the copy is built field by field, not
-    through ``__init__`` (a decision filled in at a new sequence length makes three per op)."""
-    names = _FIELDS.get(type(obj))
-    if names is None:
-        names = _FIELDS[type(obj)] = tuple(f.name for f in fields(obj))  # type: ignore[arg-type]
-        assert not hasattr(type(obj), "__post_init__") and set(names) == set(getattr(type(obj), "__slots__", ())), type(obj)
-    unknown = set(changes) - set(names)
-    if unknown:
-        raise TypeError(f"evolve: {type(obj).__name__} has no fields {sorted(unknown)}")
-    new = object.__new__(type(obj))
-    put = object.__setattr__
-    for name in names:
-        put(new, name, changes[name] if name in changes else getattr(obj, name))
-    return new
+    through ``__init__`` (a decision filled in at a new sequence length makes three per op).
+    Like ``dataclasses``' own ``__init__``, the copier of each class is generated once, as code
+    naming its fields (a keyword per field, each slot set through its descriptor): ~1.3 us a
+    copy of ``LocalStep``, against ~4 us for a loop over the fields."""
+    copier = _COPIERS.get(type(obj))
+    if copier is None:
+        copier = _COPIERS[type(obj)] = _copier(type(obj))
+    try:
+        return copier(obj, **changes)  # type: ignore[no-any-return]
+    except TypeError:
+        unknown = set(changes) - {f.name for f in fields(obj)}  # type: ignore[arg-type]
+        if unknown:
+            raise TypeError(f"evolve: {type(obj).__name__} has no fields {sorted(unknown)}") from None
+        raise
+
+
+def _copier(cls: type) -> Callable[..., Any]:
+    names = tuple(f.name for f in fields(cls))  # type: ignore[arg-type]
+    assert not hasattr(cls, "__post_init__") and set(names) == set(getattr(cls, "__slots__", ())), cls
+    assert all(n.isidentifier() and not n.startswith("_") for n in names), names
+    env: dict[str, Any] = {"_new": object.__new__, "_cls": cls, "_KEEP": _KEEP}
+    env.update({f"_set_{n}": cls.__dict__[n].__set__ for n in names})
+    params = ", ".join(f"{n}=_KEEP" for n in names)
+    body = "".join(f"    _set_{n}(new, obj.{n} if {n} is _KEEP else {n})\n" for n in names)
+    exec(f"def copy(obj, *, {params}):\n    new = _new(_cls)\n{body}    return new\n", env)  # noqa: S102
+    return env["copy"]  # type: ignore[no-any-return]
 
 
 _T = TypeVar("_T")
-_FIELDS: dict[type, tuple[str, ...]] = {}
+_KEEP = object()  # a field not given to ``evolve``: copied from the original
+_COPIERS: dict[type, Callable[..., Any]] = {}
 
 
 @dataclass(frozen=True, slots=True)

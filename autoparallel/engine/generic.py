@@ -192,33 +192,72 @@ def store_choice(key: Any, best: Strategy) -> None:
 
 
 # ---- whole decisions ---------------------------------------------------------------------------
-def template_key(func: Any, specs: Sequence[DistSpec], outs: Sequence[tuple[tuple[int, ...], Any, torch.dtype]],
-                 args: tuple[Any, ...], kwargs: dict[str, Any], is_dist: Any) -> Any:
-    """The signature a whole decision is stored under (``store_template``): ``choice_key``'s,
-    read off the specs and the known output directly (no ``OpCall``), with the meshes themselves
-    (the decision holds this rank's coordinate). None where ``choice_key`` would be None."""
-    code, generic = _coding(specs[0].mesh.shape, [*(sp.shape for sp in specs), *(o[0] for o in outs)])
+Layouts = tuple[tuple[tuple[int, ...], tuple[int, ...], torch.dtype], ...]  # per output: (shape, strides, dtype)
 
-    def leaf(a: Any) -> Any:
-        if is_dist(a):
-            return "D"  # its spec is in the key, in order
-        if isinstance(a, torch.Tensor):
-            return "scalar", a.dtype, a.dim()
-        return _NOT_LEAF
 
-    view = (specs[0].shape, outs[0][0]) if len(specs) == 1 and len(outs) == 1 else None
-    arguments = _arguments(func, args, kwargs, view, generic, leaf)
-    if arguments is None:
-        return None
-    return _hashable((func, tuple((sp.mesh, sp.placements, sp.shard_order, sp.dtype, code(sp.shape)) for sp in specs),
-                      tuple((code(o[0]), o[2]) for o in outs), arguments))
+def template_key(func: Any, specs: Sequence[DistSpec], shaped: Sequence[tuple[tuple[int, ...], tuple[int, ...]]],
+                 args: tuple[Any, ...], kwargs: dict[str, Any], is_dist: Any) -> tuple[Any, Layouts | None]:
+    """(the signature a whole decision is stored under (``store_template``), the outputs' known
+    layouts (``known_layouts``)) of a call whose DistTensor inputs have ``specs`` and
+    ``shaped`` (shape, strides) on one mesh: ``choice_key``'s signature, read off the specs and
+    the known outputs directly (no ``OpCall``), with the meshes themselves (the decision holds
+    this rank's coordinate). One walk of the arguments gives both the output key (``out_key``)
+    and the signature's arguments (a tensor as its kind, dtype and rank: its spec is in the
+    key too). The key is None where ``choice_key`` would be (an argument names a generic size);
+    both are None where the outputs are not known. Called at every new shape of every op
+    outside a region, so it does only that (measured: ``benchmarks/varying_shapes.py``)."""
+    ints: list[int] = []
+    view = func in _VIEWS
+    marked = _without_size_arg(func, args[:1] if view else args)
+    typed = _typed_ints(marked, is_dist, ints)
+    typed_kw = tuple([(k, _typed_ints(v, is_dist, ints)) for k, v in kwargs.items()]) if kwargs else ()
+    try:
+        dtypes = _OUT_DTYPES.get((func, typed, typed_kw))
+    except TypeError:  # an unhashable argument
+        return None, None
+    if dtypes is None:
+        return None, None
+    known = _outs(func, shaped, args)
+    if known is None or len(known) != len(dtypes):
+        return None, None
+    outs = tuple([(s, st, d) for (s, st), d in zip(known, dtypes)])
+    code, generic = _coding(specs[0].mesh.shape, [*(s for s, _ in shaped), *(s for s, _ in known)])
+    if generic and any(i in generic for i in ints):
+        return None, outs
+    extra = _groups(shaped[0][0], known[0][0]) if view and len(shaped) == 1 and len(known) == 1 else ()
+    key = (func, tuple([(sp.mesh, sp.placements, sp.shard_order, sp.dtype, code(sp.shape)) for sp in specs]),
+           tuple([(code(o[0]), o[2]) for o in outs]), typed, typed_kw, extra)
+    return key, outs
+
+
+def _typed_ints(a: Any, is_dist: Any, ints: list[int]) -> Any:
+    """``_typed``, appending every integer argument (not a bool) to ``ints``."""
+    if type(a) is int:
+        ints.append(a)
+        return a
+    if is_dist(a):
+        return ("dist", *_dtype_ndim(a))
+    if isinstance(a, torch.Tensor):
+        return "tensor", a.dtype, a.dim()
+    if isinstance(a, (list, tuple)):
+        return type(a).__name__, tuple([_typed_ints(x, is_dist, ints) for x in a])
+    return a
 
 
 def template(key: Any) -> Any:
-    return _TEMPLATES.get(key) if key is not None else None
+    if key is None:
+        return None
+    try:
+        return _TEMPLATES.get(key)
+    except TypeError:  # an unhashable non-tensor argument
+        return None
 
 
 def store_template(key: Any, decision: Any) -> None:
+    try:
+        hash(key)
+    except TypeError:
+        return
     if len(_TEMPLATES) >= MAX_ENTRIES:
         _TEMPLATES.clear()
     _TEMPLATES[key] = decision
