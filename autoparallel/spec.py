@@ -213,7 +213,7 @@ def _canonical_order(
     return tuple(out)
 
 
-@lru_cache(maxsize=65536)
+@lru_cache(maxsize=8192)
 def _local_box(
     placements: tuple[Placement, ...],
     order: tuple[tuple[int, tuple[int, ...]], ...],

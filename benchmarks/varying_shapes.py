@@ -13,13 +13,17 @@ lengths; every rank's figure is its own, the slowest rank's shown):
 
 * warm step (ms), first step at a new length (ms), and their ratio (target <= 1.2), the median
   of the per-length ratios and (``means``) the ratio of the means: pauses that hit some lengths
-  only, as Python's full garbage collections, show in the second; ``GC ms/shape``: the time
+  only, as Python's full garbage collections, show in the second; ``cpu f/w``: the same median
+  ratio of the process's CPU time (what a new length costs the rank itself, without the waits
+  for its peers that the wall time shares with warm steps); ``GC ms/shape``: the time
   spent in full (generation 2) collections over the measured steps, per new length;
 * RSS growth per new length per rank (KB): ``/proc/self/statm`` after the last length minus
   after the warm-up, over the number of lengths (target: a few KB; the allocator makes it
   noisy, +-200 KB between runs even for plain torch), and the Python heap's growth in
   allocated blocks (``sys.getallocatedblocks``, after ``gc.collect()``): what Python keeps
-  per length (decisions, caches), a steadier figure;
+  per length (decisions, caches), a steadier figure; ``late objs``: the same over the second
+  half of the lengths only (the caches that keep a bounded number of shapes fill up in the
+  first: this is what a new length adds once they are full);
 * the same model on plain tensors, one process per rank at the same time (``plain``): how much
   of the first-step cost is torch's own (kernels and autograd at a new shape).
 
@@ -111,15 +115,17 @@ def _build(layout: str, world: int, max_len: int) -> tuple[Callable[[int], None]
     return ours, theirs
 
 
-def _timed(fn: Callable[[int], None], t: int) -> float:
+def _timed(fn: Callable[[int], None], t: int, cpu: list[float]) -> float:
+    """Wall ms of one step started together on every rank; its process CPU ms appended to ``cpu``."""
     dist.barrier()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     fn(t)
+    cpu.append((time.process_time() - c0) * 1e3)
     return (time.perf_counter() - t0) * 1e3
 
 
 def _run(step: Callable[[int], None], lengths: list[int], warm: int, synced: bool) -> dict[str, float]:
-    timer = _timed if synced else (lambda fn, t: _plain_timed(fn, t))
+    timer = _timed if synced else _plain_timed
     # warm-up lengths (not measured, timed as one-time setup): two proofs make a region's model,
     # a third length builds its symbolic certificate (once per model); more lengths where
     # sizes coincide at some (a proof there makes no model)
@@ -139,11 +145,22 @@ def _run(step: Callable[[int], None], lengths: list[int], warm: int, synced: boo
         elif info["generation"] == 2:
             collecting[1] += (time.perf_counter() - collecting[0]) * 1e3
 
+    cpu_firsts: list[float] = []
+    cpu_warms: list[float] = []
+    half = len(lengths) // 2
+    blocks_half = 0
     gc.callbacks.append(watch)
     try:
-        for t in lengths:
-            firsts.append(timer(step, t))
-            warms.append(statistics.median(timer(step, t) for _ in range(warm)))
+        for k, t in enumerate(lengths):
+            if k == half:  # (not a pause of the steps: out of the GC figure)
+                gc.callbacks.remove(watch)
+                gc.collect()
+                blocks_half = sys.getallocatedblocks()
+                gc.callbacks.append(watch)
+            firsts.append(timer(step, t, cpu_firsts))
+            cpu: list[float] = []
+            warms.append(statistics.median(timer(step, t, cpu) for _ in range(warm)))
+            cpu_warms.append(statistics.median(cpu))
     finally:
         gc.callbacks.remove(watch)
     gc.collect()
@@ -151,13 +168,16 @@ def _run(step: Callable[[int], None], lengths: list[int], warm: int, synced: boo
     first, warm_ms = statistics.median(firsts), statistics.median(warms)
     return {"warm_ms": warm_ms, "first_ms": first, "ratio": statistics.median(f / w for f, w in zip(firsts, warms)),
             "mean_ratio": statistics.mean(firsts) / statistics.mean(warms), "gc_ms_per_shape": collecting[1] / len(lengths),
+            "cpu_ratio": statistics.median(f / w for f, w in zip(cpu_firsts, cpu_warms)),
             "rss_kb_per_shape": (rss1 - rss0) / len(lengths), "blocks_per_shape": (blocks1 - blocks0) / len(lengths),
+            "blocks_per_shape_late": (blocks1 - blocks_half) / (len(lengths) - half),
             "setup_s": setup_s}
 
 
-def _plain_timed(fn: Callable[[int], None], t: int) -> float:
-    t0 = time.perf_counter()
+def _plain_timed(fn: Callable[[int], None], t: int, cpu: list[float]) -> float:
+    t0, c0 = time.perf_counter(), time.process_time()
     fn(t)
+    cpu.append((time.process_time() - c0) * 1e3)
     return (time.perf_counter() - t0) * 1e3
 
 
@@ -223,8 +243,8 @@ def main() -> None:
     res = run_spawned(_worker, args.nprocs, opts, timeout=3000, prefix="varying")
     print(f"GPT (width {WIDTH}, {LAYERS} layers, batch {BATCH}) on {args.nprocs} gloo ranks, "
           f"{args.shapes} new sequence lengths each, medians; slowest rank")
-    print(f"{'layout':<8}{'side':<7}{'warm ms':>9}{'first ms':>10}{'first/warm':>12}{'means':>7}{'GC ms/shape':>13}"
-          f"{'RSS KB/shape':>14}{'objs/shape':>12}{'setup s':>9}")
+    print(f"{'layout':<8}{'side':<7}{'warm ms':>9}{'first ms':>10}{'first/warm':>12}{'means':>7}{'cpu f/w':>9}"
+          f"{'GC ms/shape':>13}{'RSS KB/shape':>14}{'objs/shape':>12}{'late objs':>11}{'setup s':>9}")
     for layout, per_rank in res.items():
         for side in ("ours", "plain"):
             rows = [r[side] for r in per_rank]
@@ -234,8 +254,10 @@ def main() -> None:
             means = max(r["mean_ratio"] for r in rows)
             collected = max(r["gc_ms_per_shape"] for r in rows)
             setup = max(r["setup_s"] for r in rows)
+            cpu = max(r["cpu_ratio"] for r in rows)
+            late = max(r["blocks_per_shape_late"] for r in rows)
             print(f"{layout:<8}{side:<7}{worst['warm_ms']:>9.1f}{worst['first_ms']:>10.1f}{worst['ratio']:>12.2f}"
-                  f"{means:>7.2f}{collected:>13.2f}{rss:>14.1f}{objs:>12.0f}{setup:>9.2f}")
+                  f"{means:>7.2f}{cpu:>9.2f}{collected:>13.2f}{rss:>14.1f}{objs:>12.0f}{late:>11.0f}{setup:>9.2f}")
         if "profile" in per_rank[0]:
             print(per_rank[0]["profile"])
     if args.json:

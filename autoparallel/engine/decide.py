@@ -178,7 +178,9 @@ def _from_template(t: LocalStep, specs: list[DistSpec], outs: generic.Layouts, c
     call = OpCall(func, map_args(cls, args, to_meta), map_args(cls, kwargs, to_meta), tuple(to_meta(d) for d in dts),
                   tuple(TensorMeta(o[0], o[2]) for o in outs), tuple(s.placements for s in specs), tuple(t.mesh.shape))
     shapes = tuple(locals_)
-    now, later = (evolve(c, call=call, out_shapes=shapes, in_specs=in_specs, out_specs=specs_out) for c in t.contexts)
+    now = evolve(t.contexts[0], call=call, out_shapes=shapes, in_specs=in_specs, out_specs=specs_out)
+    later = now if t.contexts[1] is t.contexts[0] else evolve(
+        t.contexts[1], call=call, out_shapes=shapes, in_specs=in_specs, out_specs=specs_out)
     return evolve(t, in_specs=in_specs, call=call, contexts=(now, later), out_specs=specs_out, out_strides=strides,
                   out_dense=dense_out, **moves)
 
@@ -303,14 +305,14 @@ def _local_step(func: Any, mesh: Any, specs: list[DistSpec], best: Strategy, cal
     )
 
 
-@lru_cache(maxsize=65536)
+@lru_cache(maxsize=8192)
 def _plan(spec: DistSpec, req: tuple[Any, ...]) -> Plan | CrossMeshPlan | None:
     """The plan taking ``spec`` to placements ``req`` (default shard order); None if none needed."""
     dst = spec.with_placements(req) if tuple(req) != spec.placements or spec.shard_order else spec
     return None if dst == spec else plan_best(spec, dst)
 
 
-@lru_cache(maxsize=65536)
+@lru_cache(maxsize=8192)
 def _plan_price(spec: DistSpec, req: tuple[Any, ...]) -> int | None:
     plan = _plan(spec, req)
     if plan is None:
@@ -383,7 +385,7 @@ def _cost(s: Strategy, specs: list[DistSpec], mesh: Any, out_metas: tuple[Tensor
     return moved, changed, compute
 
 
-@lru_cache(maxsize=65536)
+@lru_cache(maxsize=8192)
 def _largest_local_numel(shape: tuple[int, ...], placements: tuple[Any, ...], mesh_shape: tuple[int, ...]) -> int:
     """Elements of the shard at mesh coordinate 0 (torch.chunk gives it the largest piece)."""
     n = 1
@@ -441,8 +443,10 @@ def _finish(cls: Any, func: Any, d: Decision, args: tuple[Any, ...], kwargs: dic
         assert d.call is not None
         shapes = tuple(None if s is None else s.local_shape(d.coord) for s in d.out_specs)
         collectives = Collectives(d.mesh)
-        contexts = (LocalContext(d.call, shapes, d.in_specs, d.out_specs, d.coord, False, collectives),
-                    LocalContext(d.call, shapes, d.in_specs, d.out_specs, d.coord, func in DEFERRING, collectives))
+        now = LocalContext(d.call, shapes, d.in_specs, d.out_specs, d.coord, False, collectives)
+        # (one object for both where the kernel never defers: the same values)
+        contexts = (now, LocalContext(d.call, shapes, d.in_specs, d.out_specs, d.coord, True, collectives)
+                    if func in DEFERRING else now)
     detached_view = returns_view and moved_input
     simple = d.out_kind is OutKind.TENSOR and not d.mutated and not d.fallback and not detached_view
     in_conform: tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...] = ()
