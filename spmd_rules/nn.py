@@ -154,6 +154,17 @@ def norm_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
     return strategies
 
 
+def check_in_range(outside: torch.Tensor, message: str) -> None:
+    """Fail where any of ``outside`` (indices out of a whole table's range) is set, as torch does
+    on one device, with no read of the value on the host: an ``aten._assert_async`` (an
+    ``IndexError`` with ``message`` here on the CPU; a device-side assert on CUDA, as torch's
+    own kernels; a node of a captured program, so a replay checks too)."""
+    try:
+        torch._assert_async(~outside.any(), message)
+    except RuntimeError as e:
+        raise IndexError(message) from e
+
+
 # ---- embedding ------------------------------------------------------------------------------
 @register_axis_rule(aten.embedding.default)
 def embedding_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
@@ -175,16 +186,25 @@ def embedding_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
 
 @register_local_impl(aten.embedding.default)
 def embedding_local(ctx: LocalContext, weight: torch.Tensor, indices: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-    """Row-sharded weight: look up the indices this rank holds (shifted), zeros for the others."""
+    """Row-sharded weight: look up the indices this rank holds (shifted), zeros for the others.
+
+    An index outside the whole table (``< 0`` or ``>= num_embeddings``) stays out of range in
+    the local lookup on every rank (``-1``), so it fails as it does on one device (an
+    ``IndexError`` on the CPU, a device-side assert on CUDA) instead of reading as a row of
+    zeros on every rank; the ranks of the weight's mesh hold the same indices on its sharded
+    axis, so they fail alike."""
     assert ctx.coord is not None
     spec = ctx.in_specs[_slots(ctx.call)["weight"]]
     off, n = spec.local_box(ctx.coord)[0]
     if n == spec.shape[0]:
         return aten.embedding.default(weight, indices, *args, **kwargs)
     mine = (indices >= off) & (indices < off + n)
-    if n == 0:
+    valid = (indices >= 0) & (indices < spec.shape[0])
+    if n == 0:  # no rows here to look anything up in: the check, then zeros
+        check_in_range(~valid, f"embedding: index out of range in self (an index outside [0, {spec.shape[0]}))")
         return weight.new_zeros(tuple(indices.shape) + (weight.shape[1],))
-    out = aten.embedding.default(weight, torch.where(mine, indices - off, 0))  # the rest: backward only
+    local = torch.where(mine, indices - off, torch.where(valid, 0, -1))  # others' rows: 0, backward only
+    out = aten.embedding.default(weight, local)
     return torch.where(mine.unsqueeze(-1), out, 0)
 
 
@@ -285,14 +305,20 @@ def nll_pick(
     target: torch.Tensor, weight: torch.Tensor | None, ignore_index: int, classes: int, off: int, n: int,
     dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(weight of each target, 0 where ignored; whether its class is local; its local class)."""
+    """(weight of each target, 0 where ignored; whether its class is local; its local class).
+
+    A target outside ``[0, classes)`` that is not ``ignore_index`` fails as on one device, never
+    read as an ignored target: ``check_in_range`` (every rank holding these targets fails alike)."""
     valid = target != ignore_index
+    outside = valid & ((target < 0) | (target >= classes))
+    check_in_range(outside, f"Target out of bounds: a target outside [0, {classes}) that is not ignore_index "
+                   f"({ignore_index})")
     if weight is None:
         w_t = valid.to(dtype)
     else:
         w_t = torch.where(valid, weight[target.clamp(0, classes - 1)], 0).to(dtype)
     mine = valid & (target >= off) & (target < off + n)
-    return w_t, mine, (target - off).clamp(0, max(n - 1, 0))
+    return w_t, mine, torch.where(outside, n, (target - off).clamp(0, max(n - 1, 0)))
 
 
 @lru_cache(maxsize=1024)

@@ -261,3 +261,58 @@ def _vocab_parallel_training(rank: int) -> bool:
 
 def test_vocab_parallel_embedding_cross_entropy_training(world4):  # type: ignore[no-untyped-def]
     assert all(world4.run(_vocab_parallel_training))
+
+
+def _out_of_range_world(rank: int) -> bool:
+    """An index outside the table (an id ``>= vocab`` or negative) in a vocab-parallel embedding,
+    and a target outside the classes of a class-sharded cross-entropy, raise ``IndexError`` as on
+    one device on every rank that holds it (here all: the indices and the rows are replicated)
+    — they used to read as a row of zeros / an ignored target — in eager and in a captured
+    program's replay; ``ignore_index`` targets still count as ignored."""
+    import warnings
+
+    import pytest
+
+    torch.set_num_threads(1)
+    V, D = 13, 8
+    g = torch.Generator().manual_seed(3)
+    table, head = torch.randn(V, D, generator=g), torch.randn(V, D, generator=g)
+    for mesh, vocab in [(_mesh1(), (S0,)), (_mesh2(), (R, S0))]:
+        rep = [R] * mesh.ndim
+        w = ap.shard_tensor(table, mesh, list(vocab))
+        for bad in (V, V + 5, -1):
+            ids = ap.shard_tensor(torch.tensor([[1, bad, 2]]), mesh, rep)
+            with pytest.raises(IndexError, match="out of range"):
+                F.embedding(ids, w)
+            with pytest.raises(IndexError):  # one device raises too
+                F.embedding(torch.tensor([[1, bad, 2]]), table)
+        full = F.linear(F.embedding(torch.tensor([0, 4, 9]), table), head)
+        logits = ap.shard_tensor(full, mesh, [*rep[:-1], S1])  # class-sharded, every row on every rank
+        for bad in (V, -1):
+            for reduction in ("mean", "sum", "none"):
+                with pytest.raises(IndexError, match="out of bounds"):
+                    F.cross_entropy(logits, ap.shard_tensor(torch.tensor([1, bad, 2]), mesh, rep), reduction=reduction)
+        ok = F.cross_entropy(logits, ap.shard_tensor(torch.tensor([1, -100, 2]), mesh, rep))
+        want = F.cross_entropy(full, torch.tensor([1, -100, 2]))
+        _close("ignored target", ok.full_tensor(), want)
+
+    # a captured program checks its targets at every replay
+    mesh = _mesh1()
+    model = torch.nn.Sequential(torch.nn.Embedding(V, D), torch.nn.Linear(D, V, bias=False))
+    ap.parallelize(model, mesh, {"0": ap.VocabParallelEmbedding(), "1": ap.ColWiseParallel()})
+    opt = ap.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    dm = ap.to_static(model, loss=F.cross_entropy, optimizer=opt)
+    x = ap.shard_tensor(torch.tensor([0, 4, 9, 3]), mesh, [R])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):  # warm, capture, replay
+            dm(x, ap.shard_tensor(torch.tensor([1, 2, 12, 0]), mesh, [R]))
+    assert not [str(m.message) for m in caught if "autoparallel" in str(m.message)]
+    assert dm._programs, "the step was not captured"
+    with pytest.raises((IndexError, RuntimeError), match="out of bounds"):
+        dm(x, ap.shard_tensor(torch.tensor([1, 2, V, 0]), mesh, [R]))
+    return True
+
+
+def test_out_of_range_indices_and_targets_raise_on_every_rank(world4):  # type: ignore[no-untyped-def]
+    assert all(world4.run(_out_of_range_world))
