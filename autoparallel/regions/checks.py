@@ -15,7 +15,7 @@ from autoparallel.compat import TorchDispatchMode, tree_flatten
 from autoparallel.engine import dispatch as _dispatch
 from autoparallel.engine import layout
 from autoparallel.engine.dtensor import DistTensor
-from autoparallel.placement import Replicate, Shard
+from autoparallel.placement import Partial, Replicate, Shard
 from autoparallel.regions.crossing import with_partial
 from autoparallel.regions.generic import Record
 from autoparallel.spec import DistSpec
@@ -33,7 +33,7 @@ class _Verdict:
     arg_grads: tuple[DistSpec | None, ...] = ()      # per argument leaf: its gradient's layout
     slot_grads: tuple[DistSpec | None, ...] = ()     # per parameter/buffer slot
     out_local_shapes: tuple[tuple[int, ...] | None, ...] = ()  # per output leaf, on this rank
-    sharded_axes: tuple[int, ...] = ()               # mesh axes the outputs are sharded on
+    sharded_axes: tuple[int, ...] = ()               # mesh axes the outputs are sharded (or Partial(sum)) on
     generic: bool = False                            # answered by its family (``regions.generic``)
 
     @property
@@ -114,11 +114,21 @@ def _classify(out: Any, leaves: list[Any], tensors: list[torch.Tensor]) -> _Verd
     mesh = dist_out[0].mesh
     if any(s.mesh != mesh for s in dist_out):
         return _refused("its outputs live on another mesh")
-    if any(s.has_partial for s in dist_out):
-        return _refused("an output is Partial (a reduction is left pending)")
     inputs = [x for x in [*leaves, *tensors] if isinstance(x, DistTensor)]
     sharded: list[int] = []
     for a in range(mesh.ndim):
+        partial = [isinstance(s.placements[a], Partial) for s in dist_out]
+        if any(partial):
+            # Partial(sum) outputs (a row-parallel product): each rank computed its summand from
+            # its own shards and the replicated inputs, so with the whole gradient of the sum
+            # (Replicate: ``_Out`` moves it there) the local backward gives each sharded input
+            # its exact shard and each replicated one its summand (Partial(sum), as on a sharded
+            # axis). Every output must be such a summand: a replicated one beside them would
+            # add its replicated part to every summand of an input's gradient.
+            if not all(partial) or any(s.placements[a] != Partial("sum") for s in dist_out):
+                return _refused(f"its outputs are Partial on mesh axis {a} and not all Partial(sum) there")
+            sharded.append(a)
+            continue
         kinds = {isinstance(s.placements[a], Shard) for s in dist_out}
         if kinds == {True, False}:
             return _refused(f"its outputs are sharded on mesh axis {a} and replicated on it")

@@ -122,7 +122,8 @@ _will_run = compat.will_engine_execute_node
 class _Out(torch.autograd.Function):
     """A region's local output -> its DistTensor. Backward: the gradient in the output's layout
     (a Partial(sum) gradient on an axis where the output is Replicate stays Partial for a
-    single-output region: see ``_Call``), then its shard."""
+    single-output region: see ``_Call``), then its shard. The gradient of a Partial(sum) output
+    (each rank's local output is a summand) is the whole gradient of the sum: Replicate there."""
 
     @staticmethod
     def forward(ctx: Any, local: torch.Tensor, spec: DistSpec, call: _Call) -> DistTensor:  # type: ignore[override]
@@ -138,11 +139,14 @@ class _Out(torch.autograd.Function):
         else:  # with create_graph, differentiable: the backward of this backward reaches ``grad``
             local = grad.to_local() if torch.is_grad_enabled() else layout.local_of(grad)
         spec = layout.spec_of(grad)
+        summed = target.has_partial  # the output is a summand on these axes: its gradient is whole
+        if summed:
+            target = target.without_partial()
         if ctx.call.single:
             keep = []
             coord = spec.mesh.coordinate_of(runtime.get_rank())
             for a, (p, q) in enumerate(zip(spec.placements, target.placements)):
-                if not isinstance(q, Replicate) or coord is None:
+                if not isinstance(q, Replicate) or coord is None or (summed and isinstance(ctx.spec.placements[a], Partial)):
                     continue
                 if p == Partial("sum"):
                     keep.append(a)

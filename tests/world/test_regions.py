@@ -235,6 +235,83 @@ def test_sequence_sharded_gradient_into_replicated_output_is_zero_padded(world4:
     assert "all_gather" not in r["comm"][-1][1], r["comm"][-1]
 
 
+class RowParallel(nn.Module):
+    """A tensor-parallel MLP: ``fc1`` column-parallel, ``fc2`` row-parallel; its output is each
+    rank's summand (Partial(sum)), reduced by whoever uses it."""
+
+    def __init__(self, bias: bool) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(6, 8), nn.Linear(8, 6, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+def _row_parallel(rank: int, bias: bool, dp: bool) -> dict[str, Any]:
+    """SGD steps of ``RowParallel`` on a 4-rank tp mesh, or with ``dp`` on a 2 x 2 dp x tp mesh
+    with the batch split over dp, with and without regions: losses and parameters, collectives,
+    the report and the output's layout."""
+    mesh = ap.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "tp"]) if dp else _mesh()
+    rep = [R] if dp else []
+    batch = [S0, R] if dp else [R]
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(8, 6, generator=g)
+    runs = []
+    for local in (False, True):
+        torch.manual_seed(0)
+        model = RowParallel(bias)
+        model.fc1.weight = nn.Parameter(ap.shard_tensor(model.fc1.weight.detach(), mesh, [*rep, S0]))
+        model.fc1.bias = nn.Parameter(ap.shard_tensor(model.fc1.bias.detach(), mesh, [*rep, S0]))
+        model.fc2.weight = nn.Parameter(ap.shard_tensor(model.fc2.weight.detach(), mesh, [*rep, Shard(1)]))
+        if bias:
+            model.fc2.bias = nn.Parameter(ap.shard_tensor(model.fc2.bias.detach(), mesh, [*rep, R]))
+        if local:
+            enable_local_regions(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        out: dict[str, Any] = {"losses": [], "comm": []}
+        for _ in range(3):
+            xs = ap.shard_tensor(x, mesh, batch)
+            with ap.CommDebugMode() as c:
+                y = model(xs)
+                out["layout"] = list(y.placements)
+                loss = ((y + xs) ** 2).mean()
+                opt.zero_grad()
+                loss.backward()
+            opt.step()
+            out["losses"].append(float(loss.detach().full_tensor()))
+            out["comm"].append(c.get_comm_counts())
+        out["params"] = {n: p.detach().full_tensor() for n, p in model.named_parameters()}
+        out["report"] = local_regions_report(model)
+        runs.append(out)
+    plain, regions = runs
+    assert regions["losses"] == pytest.approx(plain["losses"], rel=1e-6), (regions["losses"], plain["losses"])
+    for n, p in plain["params"].items():
+        torch.testing.assert_close(regions["params"][n], p, rtol=1e-6, atol=1e-7)
+    return {"report": regions["report"], "layout": regions["layout"], "comm": regions["comm"], "plain_comm": plain["comm"]}
+
+
+@pytest.mark.parametrize("dp", [False, True], ids=["tp", "dp_tp"])
+def test_a_row_parallel_module_is_a_region_with_a_partial_output(world4: Any, dp: bool) -> None:
+    # Every op takes its inputs as they are; the output is each rank's summand. Its gradient
+    # arrives whole (Replicate) and the local backward gives every shard its exact gradient and
+    # the replicated input its summand — the same values as op by op, and no collective more
+    # (op by op, the backward's products also move their operands: two all-to-alls more here).
+    results = world4.run(_row_parallel, False, dp)
+    r = results[0]
+    assert r["report"] == {"<root>": ["local"]}, r["report"]
+    assert r["layout"] == ([S0, Partial("sum")] if dp else [Partial("sum")])
+    for x in results:
+        for got, plain in zip(x["comm"], x["plain_comm"]):
+            assert all(n <= plain.get(kind, 0) for kind, n in got.items()), (x["comm"], x["plain_comm"])
+
+
+def test_a_row_parallel_module_with_a_bias_is_refused(world4: Any) -> None:
+    # the replicated bias must become a summand (Partial) first: on local shards every rank adds it
+    r = world4.run(_row_parallel, True, False)[0]
+    assert "moves an input" in r["report"]["<root>"][0], r["report"]
+    assert r["report"]["fc1"] == ["local"], r["report"]
+
+
 # ---- signatures ---------------------------------------------------------------------------------
 def _signatures(rank: int) -> dict[str, list[str]]:
     mesh = _mesh()
