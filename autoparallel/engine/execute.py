@@ -23,10 +23,11 @@ from reshard.executor import run_any
 
 
 def execute(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], dts: list[Any], d: Decision,
-            observed: bool, redispatch: Callable[..., Any]) -> Any:
+            observed: bool, redispatch: Callable[..., Any], moves: Any = None) -> Any:
     """Run decision ``d`` for this call: move the inputs, run the local function, wrap the outputs
     (``observed``: an observer watches, kernels compute every output now; ``redispatch``: the
-    dispatcher, for an in-place view's out-of-place op)."""
+    dispatcher, for an in-place view's out-of-place op; ``moves``: a context manager the input
+    moves run in, given by an observer)."""
     if type(d) is not LocalStep:
         if type(d) is ValueDecision:
             return d.value
@@ -36,9 +37,11 @@ def execute(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], 
         _check_writable(func, dts, d.mutated)
     member = d.coord is not None
     if member:
-        locs = [t._local if p is None else run_any(t._local, p) for t, p in zip(dts, d.plans)]
-        for i, like, dense in d.in_conform:  # a copied shard follows its wrapper's strides
-            locs[i] = conform(locs[i], like, dense)
+        if moves is None:
+            locs = _moved(dts, d)
+        else:
+            with moves:
+                locs = _moved(dts, d)
         if d.slots is not None:
             largs = place_locals(list(args), d.slots[0], locs)
             lkwargs = place_locals(dict(kwargs), d.slots[1], locs) if d.slots[1] else kwargs
@@ -101,6 +104,15 @@ def execute(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], 
     if d.out_kind is OutKind.NONE:
         return None
     return tuple(wrapped) if d.out_kind is OutKind.TUPLE else wrapped
+
+
+def _moved(dts: list[Any], d: LocalStep) -> list[torch.Tensor]:
+    """Each DistTensor input's shard as the op takes it: moved by its plan, a copied shard made to
+    follow its wrapper's strides."""
+    locs = [t._local if p is None else run_any(t._local, p) for t, p in zip(dts, d.plans)]
+    for i, like, dense in d.in_conform:
+        locs[i] = conform(locs[i], like, dense)
+    return locs
 
 
 def _follow(local: torch.Tensor, d: LocalStep, k: int) -> torch.Tensor:

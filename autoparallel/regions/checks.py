@@ -19,6 +19,7 @@ from autoparallel.placement import Partial, Replicate, Shard
 from autoparallel.regions.crossing import with_partial
 from autoparallel.regions.generic import Record
 from autoparallel.spec import DistSpec
+from reshard.plan import TO_PARTIAL
 from spmd_rules.random_ops import draws_random
 
 
@@ -33,6 +34,7 @@ class _Verdict:
     arg_grads: tuple[DistSpec | None, ...] = ()      # per argument leaf: its gradient's layout
     slot_grads: tuple[DistSpec | None, ...] = ()     # per parameter/buffer slot
     out_local_shapes: tuple[tuple[int, ...] | None, ...] = ()  # per output leaf, on this rank
+    summand_slots: tuple[DistSpec | None, ...] = ()  # per slot: the Partial(sum) layout its ops take it in
     sharded_axes: tuple[int, ...] = ()               # mesh axes the outputs are sharded (or Partial(sum)) on
     generic: bool = False                            # answered by its family (``regions.generic``)
 
@@ -101,8 +103,12 @@ def _pieces(spec: DistSpec, dim: int) -> int:
     return n
 
 
-def _classify(out: Any, leaves: list[Any], tensors: list[torch.Tensor]) -> _Verdict:
-    """Output layouts -> gradient layouts of the inputs, or why the outputs do not allow it."""
+def _classify(out: Any, leaves: list[Any], tensors: list[torch.Tensor],
+              summands: dict[int, DistSpec] | None = None) -> _Verdict:
+    """Output layouts -> gradient layouts of the inputs, or why the outputs do not allow it.
+    ``summands``: slot index -> the Partial(sum) layout every op of the trace took that
+    replicated parameter in (``_Trace.summands``): the local run makes it a summand first."""
+    summands = summands or {}
     outs, out_tree = tree_flatten(out)
     specs = tuple(layout.spec_or_none(o) for o in outs)
     dist_out = [s for s in specs if s is not None]
@@ -140,8 +146,17 @@ def _classify(out: Any, leaves: list[Any], tensors: list[torch.Tensor]) -> _Verd
     def grad_of(x: Any) -> DistSpec | None:
         return with_partial(layout.spec_of(x), tuple(sharded)) if isinstance(x, DistTensor) else None
 
+    # A parameter made a summand on some axes has its whole gradient there on every rank
+    # (``as_summand``'s backward is the identity: each summand sees the whole gradient of the
+    # sum): Replicate on those axes, Partial(sum) on the other axes the outputs are split on.
+    def summand_grad(t: DistTensor, summand: DistSpec) -> DistSpec:
+        return with_partial(layout.spec_of(t), tuple(a for a in sharded if summand.placements[a] != Partial("sum")))
+
+    slot_grads = tuple(summand_grad(t, summands[k]) if k in summands and isinstance(t, DistTensor) else grad_of(t)
+                       for k, t in enumerate(tensors))
     return _Verdict(out_tree=out_tree, out_specs=specs, arg_grads=tuple(grad_of(x) for x in leaves),
-                    slot_grads=tuple(grad_of(t) for t in tensors), sharded_axes=tuple(sharded))
+                    slot_grads=slot_grads, sharded_axes=tuple(sharded),
+                    summand_slots=tuple(summands.get(k) for k in range(len(tensors))) if summands else ())
 
 
 # ---- recording aten calls ------------------------------------------------------------------------
@@ -168,12 +183,19 @@ class _Trace:
     In a replay every op must be on plain tensors.
     """
 
-    def __init__(self, replay: bool = False) -> None:
+    def __init__(self, replay: bool = False, slots: dict[int, int] | None = None) -> None:
         self.replay = replay
         self.ops: list[tuple[Any, ...]] = []
         self.reason = ""
         # a replay's calls with their sizes, for the signature's family (``regions.generic``)
         self.split: Record | None = Record() if replay else None
+        # Replicated parameters the ops take as summands: id of a slot's DistTensor -> its slot
+        # index; slot index -> the Partial(sum) layout every such op takes it in; the slots some
+        # op takes as they are (a parameter may not be both)
+        self.slots = slots or {}
+        self.summands: dict[int, DistSpec] = {}
+        self.as_is: set[int] = set()
+        self.quiet = False  # inside an op's input moves: not the op's own local calls
 
     def refuse(self, reason: str) -> None:
         self.reason = self.reason or reason
@@ -181,23 +203,113 @@ class _Trace:
     def spy(self) -> _Spy:
         return _Spy(self)
 
-    def observe(self, func: Any, decision: Any, args: tuple[Any, ...], kwargs: dict[str, Any], run: Callable[[], Any]) -> Any:
-        """Called by dispatch for each DistTensor op of a trace: check, then run under the spy."""
+    def observe(self, func: Any, decision: Any, args: tuple[Any, ...], kwargs: dict[str, Any], run: Callable[..., Any]) -> Any:
+        """Called by dispatch for each DistTensor op of a trace: check, then run under the spy
+        (the inputs' moves unrecorded: the only ones a region keeps are its parameters made
+        summands, which its local run does once, before the module runs)."""
         if decision.fallback or decision.out_kind in ("value", "unknown"):
             self.refuse(f"{func} runs replicated or returns a Python value")
-        elif any(p is not None for p in decision.plans):
+        elif not self._takes(decision, args, kwargs):
             self.refuse(f"{func} moves an input")
         elif draws_random(func, args, kwargs):
             self.refuse(f"{func} is random (its DistTensor result is the single-device draw)")
         with _Spy(self):
-            return run()
+            return run(_Quiet(self))
+
+    def _takes(self, decision: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """Whether the op takes every input as it is, or as a summand of a replicated parameter
+        of the region (``R -> Partial(sum)``: a local step, kept on one rank, zero on the others)
+        that every op of the trace takes in that one layout."""
+        plans = getattr(decision, "plans", ())
+        if all(p is None for p in plans):
+            for t in _dist_args(args, kwargs):
+                k = self.slots.get(id(t))
+                if k is not None:
+                    self.as_is.add(k)
+            return True
+        dts = _dist_args(args, kwargs)
+        if len(dts) != len(plans) or getattr(decision, "mutated", None):
+            return False
+        for t, p in zip(dts, plans):
+            k = self.slots.get(id(t))
+            if p is None:
+                if k is not None:
+                    self.as_is.add(k)
+                continue
+            if k is None or not _summand_move(p) or self.summands.setdefault(k, p.dst) != p.dst:
+                return False
+        return True
 
     def record(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        if self.quiet:
+            return
         if self.split is not None:
             self.split.add(func, args, kwargs, out)
         if func in _SIZED:  # the size may say -1 where the other side says the number
             args = args[:1] + args[2:]
         self.ops.append((func, _describe(args), _describe(kwargs), _describe(out)))
+
+
+class _Quiet:
+    """While an op's inputs move inside a trace: their local calls are not the op's."""
+
+    def __init__(self, trace: _Trace) -> None:
+        self.trace = trace
+
+    def __enter__(self) -> None:
+        self.trace.quiet = True
+
+    def __exit__(self, *exc: object) -> None:
+        self.trace.quiet = False
+
+
+def _dist_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[DistTensor]:
+    """The DistTensors of a call in the dispatcher's order (``engine.keys.call_key``)."""
+    out: list[DistTensor] = []
+    _collect(args, out)
+    _collect(kwargs.values(), out)
+    return out
+
+
+def _collect(items: Any, out: list[DistTensor]) -> None:
+    """(A module function, not a closure calling itself: such a closure is a reference cycle.)"""
+    for a in items:
+        if isinstance(a, DistTensor):
+            out.append(a)
+        elif isinstance(a, (list, tuple)):
+            _collect(a, out)
+
+
+def _summand_move(plan: Any) -> bool:
+    """Whether ``plan`` only makes a replicated tensor a summand (``R -> Partial(sum)`` on some
+    mesh axes: kept where the axis coordinate is 0, zero elsewhere)."""
+    steps = getattr(plan, "steps", None)
+    if not steps:
+        return False
+    return all(st.kind == TO_PARTIAL and st.dst.placements[st.axis] == Partial("sum")
+                               and isinstance(st.src.placements[st.axis], Replicate) for st in steps)
+
+
+def as_summand(local: torch.Tensor, spec: DistSpec, summand: DistSpec) -> torch.Tensor:
+    """A replicated parameter's shard as the summand ``summand`` (Partial(sum) where ``spec``
+    is Replicate): itself where this rank's coordinate on those axes is 0, zeros elsewhere;
+    its gradient is the incoming one on every rank (each summand sees the whole gradient of
+    the sum)."""
+    coord = spec.mesh.coordinate_of(runtime.get_rank())
+    assert coord is not None
+    keep = all(coord[a] == 0 for a, (p, q) in enumerate(zip(spec.placements, summand.placements))
+               if isinstance(p, Replicate) and q == Partial("sum"))
+    return _Summand.apply(local, keep)  # type: ignore[no-any-return]
+
+
+class _Summand(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, keep: bool) -> torch.Tensor:  # type: ignore[override]
+        return x.view_as(x) if keep else torch.zeros_like(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return grad, None
 
 
 class _Spy(TorchDispatchMode):

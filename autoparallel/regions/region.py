@@ -20,7 +20,16 @@ from autoparallel.engine import layout
 from autoparallel.engine.dtensor import DistTensor
 from autoparallel.log import logger
 from autoparallel.memory import recomputation
-from autoparallel.regions.checks import _classify, _pieces, _precheck, _refused, _Trace, _uneven, _Verdict
+from autoparallel.regions.checks import (
+    _classify,
+    _pieces,
+    _precheck,
+    _refused,
+    _Trace,
+    _uneven,
+    _Verdict,
+    as_summand,
+)
 from autoparallel.regions.crossing import _Call, _localize, _wrap_out, needs_grad, with_partial
 from autoparallel.regions.generic import Family, Model, Proof, Record, Recorder, Stop, mutable, point_of, sizes_at
 from autoparallel.regions.symbolic import Certificate, certify
@@ -239,12 +248,17 @@ class _Region:
         if reason:
             self.verdicts[key] = _refused(reason)
             return self._plain(args, kwargs), False
-        trace = _Trace()
+        slots: dict[int, int] = {}
+        for k, t in enumerate(tensors):
+            if isinstance(t, DistTensor):
+                slots.setdefault(id(t), k)
+        trace = _Trace(slots=slots)
         with CommDebugMode() as comm, _mode("trace"), trace.spy():
             out = self.forward(*args, **kwargs)
         verdict = _refused(trace.reason) if trace.reason else (
             _refused(f"it communicates ({comm.records[0].kind})") if comm.records else
-            _classify(out, leaves, tensors))
+            _refused(_summands_refusal(trace, leaves, tensors)) if _summands_refusal(trace, leaves, tensors) else
+            _classify(out, leaves, tensors, trace.summands))
         record = None
         if verdict.local:
             verdict, record = self._replay(verdict, trace, out, leaves, tree, tensors)
@@ -437,6 +451,12 @@ class _Region:
                 want.setdefault(id(t), (t, g))
         call = None if spy is not None else _Call(single=sum(o is not None for o in verdict.out_specs) == 1)
         local = _localize(list(want.values()), grad, call)
+        if verdict.summand_slots:  # replicated parameters its ops take as summands: made so once
+            done: set[int] = set()
+            for t, summand in zip(tensors, verdict.summand_slots):
+                if summand is not None and isinstance(t, DistTensor) and id(t) not in done:
+                    done.add(id(t))
+                    local[id(t)] = as_summand(local[id(t)], layout.spec_of(t), summand)
         if spy is not None:  # plain tensor arguments: copies too (see _localize)
             for x in leaves:
                 if isinstance(x, torch.Tensor) and not isinstance(x, DistTensor):
@@ -523,6 +543,19 @@ def _object(x: Any) -> bool:
     """Whether a non-tensor argument is an object with state of its own, which a module may
     change in place (``transformers``' key/value caches): one of a class hashed by identity."""
     return not isinstance(x, (torch.Tensor, *_VALUES)) and type(x).__hash__ is object.__hash__
+
+
+def _summands_refusal(trace: _Trace, leaves: list[Any], tensors: list[torch.Tensor]) -> str:
+    """Why the parameters the trace's ops took as summands cannot be made summands once, before
+    the local run ('' when they can): another op takes one as it is, or it is also an argument."""
+    if not trace.summands:
+        return ""
+    if trace.summands.keys() & trace.as_is:
+        return "a parameter is taken as it is by one op and as a summand (moved) by another"
+    args = {id(x) for x in leaves if isinstance(x, DistTensor)}
+    if any(id(tensors[k]) in args for k in trace.summands):
+        return "a parameter taken as a summand is also an argument"
+    return ""
 
 
 def _family_of(key: Any) -> Any:

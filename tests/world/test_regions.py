@@ -247,7 +247,15 @@ class RowParallel(nn.Module):
         return self.fc2(F.gelu(self.fc1(x)))
 
 
-def _row_parallel(rank: int, bias: bool, dp: bool) -> dict[str, Any]:
+class BiasReadTwice(RowParallel):
+    """Also scales by the bias's norm: an op taking the bias as it is, beside the ``addmm`` that
+    takes it as a summand (a local run with the bias made a summand would see zeros there)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * self.fc2.bias.norm()
+
+
+def _row_parallel(rank: int, bias: bool, dp: bool, cls: Any = RowParallel) -> dict[str, Any]:
     """SGD steps of ``RowParallel`` on a 4-rank tp mesh, or with ``dp`` on a 2 x 2 dp x tp mesh
     with the batch split over dp, with and without regions: losses and parameters, collectives,
     the report and the output's layout."""
@@ -259,7 +267,7 @@ def _row_parallel(rank: int, bias: bool, dp: bool) -> dict[str, Any]:
     runs = []
     for local in (False, True):
         torch.manual_seed(0)
-        model = RowParallel(bias)
+        model = cls(bias)
         model.fc1.weight = nn.Parameter(ap.shard_tensor(model.fc1.weight.detach(), mesh, [*rep, S0]))
         model.fc1.bias = nn.Parameter(ap.shard_tensor(model.fc1.bias.detach(), mesh, [*rep, S0]))
         model.fc2.weight = nn.Parameter(ap.shard_tensor(model.fc2.weight.detach(), mesh, [*rep, Shard(1)]))
@@ -277,6 +285,7 @@ def _row_parallel(rank: int, bias: bool, dp: bool) -> dict[str, Any]:
                 loss = ((y + xs) ** 2).mean()
                 opt.zero_grad()
                 loss.backward()
+            out["grad_layouts"] = {n: list(p.grad.placements) for n, p in model.named_parameters() if p.grad is not None}
             opt.step()
             out["losses"].append(float(loss.detach().full_tensor()))
             out["comm"].append(c.get_comm_counts())
@@ -287,29 +296,37 @@ def _row_parallel(rank: int, bias: bool, dp: bool) -> dict[str, Any]:
     assert regions["losses"] == pytest.approx(plain["losses"], rel=1e-6), (regions["losses"], plain["losses"])
     for n, p in plain["params"].items():
         torch.testing.assert_close(regions["params"][n], p, rtol=1e-6, atol=1e-7)
-    return {"report": regions["report"], "layout": regions["layout"], "comm": regions["comm"], "plain_comm": plain["comm"]}
+    return {"report": regions["report"], "layout": regions["layout"], "comm": regions["comm"], "plain_comm": plain["comm"],
+            "grad_layouts": regions["grad_layouts"], "plain_grad_layouts": plain["grad_layouts"]}
 
 
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
 @pytest.mark.parametrize("dp", [False, True], ids=["tp", "dp_tp"])
-def test_a_row_parallel_module_is_a_region_with_a_partial_output(world4: Any, dp: bool) -> None:
-    # Every op takes its inputs as they are; the output is each rank's summand. Its gradient
-    # arrives whole (Replicate) and the local backward gives every shard its exact gradient and
-    # the replicated input its summand — the same values as op by op, and no collective more
+def test_a_row_parallel_module_is_a_region_with_a_partial_output(world4: Any, dp: bool, bias: bool) -> None:
+    # Every op takes its inputs as they are — but for a bias, which ``addmm`` takes as a summand
+    # (kept on one rank, zero on the others: a local step), made so once before the local run;
+    # the output is each rank's summand. Its gradient arrives whole (Replicate) and the local
+    # backward gives every shard its exact gradient, the replicated input its summand and the
+    # bias its whole gradient — the same values and layouts as op by op, and no collective more
     # (op by op, the backward's products also move their operands: two all-to-alls more here).
-    results = world4.run(_row_parallel, False, dp)
+    results = world4.run(_row_parallel, bias, dp)
     r = results[0]
     assert r["report"] == {"<root>": ["local"]}, r["report"]
     assert r["layout"] == ([S0, Partial("sum")] if dp else [Partial("sum")])
     for x in results:
+        # the sharded weights' gradients come out sharded (op by op: Partial); the replicated
+        # bias's whole on the tp axis, summed over the batch shards on dp
+        assert x["grad_layouts"]["fc2.weight"] == ([Partial("sum"), Shard(1)] if dp else [Shard(1)]), x["grad_layouts"]
+        if bias:
+            assert x["grad_layouts"]["fc2.bias"] == ([Partial("sum"), R] if dp else [R]), x["grad_layouts"]
         for got, plain in zip(x["comm"], x["plain_comm"]):
             assert all(n <= plain.get(kind, 0) for kind, n in got.items()), (x["comm"], x["plain_comm"])
 
 
-def test_a_row_parallel_module_with_a_bias_is_refused(world4: Any) -> None:
-    # the replicated bias must become a summand (Partial) first: on local shards every rank adds it
-    r = world4.run(_row_parallel, True, False)[0]
-    assert "moves an input" in r["report"]["<root>"][0], r["report"]
-    assert r["report"]["fc1"] == ["local"], r["report"]
+def test_a_bias_read_as_it_is_and_as_a_summand_is_refused(world4: Any) -> None:
+    r = world4.run(_row_parallel, True, False, BiasReadTwice)[0]
+    assert "as it is by one op and as a summand" in r["report"]["<root>"][0], r["report"]
+    assert r["report"]["fc2"] == ["local"], r["report"]  # the Linear alone is a region
 
 
 # ---- signatures ---------------------------------------------------------------------------------
