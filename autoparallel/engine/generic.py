@@ -207,12 +207,9 @@ def template_key(func: Any, specs: Sequence[DistSpec], shaped: Sequence[tuple[tu
     both are None where the outputs are not known. Called at every new shape of every op
     outside a region, so it does only that (measured: ``benchmarks/varying_shapes.py``)."""
     ints: list[int] = []
-    view = func in _VIEWS
-    marked = _without_size_arg(func, args[:1] if view else args)
-    typed = _typed_ints(marked, is_dist, ints)
-    typed_kw = tuple([(k, _typed_ints(v, is_dist, ints)) for k, v in kwargs.items()]) if kwargs else ()
+    okey = _out_key(func, args, kwargs, is_dist, ints)
     try:
-        dtypes = _OUT_DTYPES.get((func, typed, typed_kw))
+        dtypes = _OUT_DTYPES.get(okey)
     except TypeError:  # an unhashable argument
         return None, None
     if dtypes is None:
@@ -224,24 +221,11 @@ def template_key(func: Any, specs: Sequence[DistSpec], shaped: Sequence[tuple[tu
     code, generic = _coding(specs[0].mesh.shape, [*(s for s, _ in shaped), *(s for s, _ in known)])
     if generic and any(i in generic for i in ints):
         return None, outs
-    extra = _groups(shaped[0][0], known[0][0]) if view and len(shaped) == 1 and len(known) == 1 else ()
-    key = (func, tuple([(sp.mesh, sp.placements, sp.shard_order, sp.dtype, code(sp.shape)) for sp in specs]),
-           tuple([(code(o[0]), o[2]) for o in outs]), typed, typed_kw, extra)
+    view = func in _VIEWS and len(shaped) == 1 and len(known) == 1
+    extra = _groups(shaped[0][0], known[0][0]) if view else ()
+    key = (okey, tuple([(sp.mesh, sp.placements, sp.shard_order, sp.dtype, code(sp.shape)) for sp in specs]),
+           tuple([(code(o[0]), o[2]) for o in outs]), extra)
     return key, outs
-
-
-def _typed_ints(a: Any, is_dist: Any, ints: list[int]) -> Any:
-    """``_typed``, appending every integer argument (not a bool) to ``ints``."""
-    if type(a) is int:
-        ints.append(a)
-        return a
-    if is_dist(a):
-        return ("dist", *_dtype_ndim(a))
-    if isinstance(a, torch.Tensor):
-        return "tensor", a.dtype, a.dim()
-    if isinstance(a, (list, tuple)):
-        return type(a).__name__, tuple([_typed_ints(x, is_dist, ints) for x in a])
-    return a
 
 
 def template(key: Any) -> Any:
@@ -540,9 +524,7 @@ def out_key(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], is_dist: A
     rank), every other argument exactly (a view's size aside: a view keeps its input's dtype; and
     the arguments its rule reads only through the output's shape: sizes and bounds); None if
     unhashable."""
-    if func in _VIEWS:
-        args = args[:1]
-    key = (func, _typed(_without_size_arg(func, args), is_dist), tuple((k, _typed(v, is_dist)) for k, v in kwargs.items()))
+    key = _out_key(func, args, kwargs, is_dist, [])
     try:
         hash(key)
     except TypeError:
@@ -550,15 +532,24 @@ def out_key(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], is_dist: A
     return key
 
 
-def _typed(a: Any, is_dist: Any) -> Any:
-    """``out_key``'s part for one argument: tensors as their kind, dtype and rank, the rest as is
-    (a module function: see ``_argument``)."""
+def _out_key(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], is_dist: Any, ints: list[int]) -> Any:
+    """``out_key`` (not checked for hashability), appending every integer argument to ``ints``."""
+    marked = _without_size_arg(func, args[:1] if func in _VIEWS else args)
+    return (func, _typed(marked, is_dist, ints), tuple([(k, _typed(v, is_dist, ints)) for k, v in kwargs.items()]))
+
+
+def _typed(a: Any, is_dist: Any, ints: list[int]) -> Any:
+    """``out_key``'s part for one argument: tensors as their kind, dtype and rank, the rest as is;
+    every integer (not a bool) also appended to ``ints`` (a module function: see ``_argument``)."""
+    if type(a) is int:
+        ints.append(a)
+        return a
     if is_dist(a):
         return ("dist", *_dtype_ndim(a))
     if isinstance(a, torch.Tensor):
         return "tensor", a.dtype, a.dim()
     if isinstance(a, (list, tuple)):
-        return type(a).__name__, tuple([_typed(x, is_dist) for x in a])
+        return type(a).__name__, tuple([_typed(x, is_dist, ints) for x in a])
     return a
 
 

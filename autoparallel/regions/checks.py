@@ -15,6 +15,7 @@ from autoparallel.compat import TorchDispatchMode, tree_flatten
 from autoparallel.engine import dispatch as _dispatch
 from autoparallel.engine import layout
 from autoparallel.engine.dtensor import DistTensor
+from autoparallel.engine.keys import call_key
 from autoparallel.placement import Partial, Replicate, Shard
 from autoparallel.regions.crossing import with_partial
 from autoparallel.regions.generic import Record
@@ -220,17 +221,11 @@ class _Trace:
         """Whether the op takes every input as it is, or as a summand of a replicated parameter
         of the region (``R -> Partial(sum)``: a local step, kept on one rank, zero on the others)
         that every op of the trace takes in that one layout."""
-        plans = getattr(decision, "plans", ())
-        if all(p is None for p in plans):
-            for t in _dist_args(args, kwargs):
-                k = self.slots.get(id(t))
-                if k is not None:
-                    self.as_is.add(k)
-            return True
+        plans = decision.plans
         dts = _dist_args(args, kwargs)
-        if len(dts) != len(plans) or getattr(decision, "mutated", None):
+        if any(p is not None for p in plans) and (len(dts) != len(plans) or decision.mutated):
             return False
-        for t, p in zip(dts, plans):
+        for t, p in zip(dts, plans or [None] * len(dts)):
             k = self.slots.get(id(t))
             if p is None:
                 if k is not None:
@@ -264,20 +259,13 @@ class _Quiet:
 
 
 def _dist_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[DistTensor]:
-    """The DistTensors of a call in the dispatcher's order (``engine.keys.call_key``)."""
-    out: list[DistTensor] = []
-    _collect(args, out)
-    _collect(kwargs.values(), out)
-    return out
-
-
-def _collect(items: Any, out: list[DistTensor]) -> None:
-    """(A module function, not a closure calling itself: such a closure is a reference cycle.)"""
-    for a in items:
-        if isinstance(a, DistTensor):
-            out.append(a)
-        elif isinstance(a, (list, tuple)):
-            _collect(a, out)
+    """The DistTensors of a call in the order its decision's plans follow (the dispatcher's
+    ``engine.keys.call_key`` collects them)."""
+    dts: list[DistTensor] = []
+    plain: list[torch.Tensor] = []
+    call_key(DistTensor, args, dts, plain)
+    call_key(DistTensor, tuple(kwargs.items()), dts, plain)
+    return dts
 
 
 def _summand_move(plan: Any) -> bool:

@@ -255,10 +255,9 @@ class _Region:
         trace = _Trace(slots=slots)
         with CommDebugMode() as comm, _mode("trace"), trace.spy():
             out = self.forward(*args, **kwargs)
-        verdict = _refused(trace.reason) if trace.reason else (
-            _refused(f"it communicates ({comm.records[0].kind})") if comm.records else
-            _refused(_summands_refusal(trace, leaves, tensors)) if _summands_refusal(trace, leaves, tensors) else
-            _classify(out, leaves, tensors, trace.summands))
+        why = trace.reason or (f"it communicates ({comm.records[0].kind})" if comm.records else
+                               _summands_refusal(trace, leaves, tensors))
+        verdict = _refused(why) if why else _classify(out, leaves, tensors, trace.summands)
         record = None
         if verdict.local:
             verdict, record = self._replay(verdict, trace, out, leaves, tree, tensors)
