@@ -323,16 +323,18 @@ class _Reshard(torch.autograd.Function):
     """DistTensor -> the same value in another layout (or mesh). Backward: the reverse move."""
 
     @staticmethod
-    def forward(ctx: Any, x: DistTensor, dst: DistSpec) -> DistTensor:  # type: ignore[override]
+    def forward(ctx: Any, x: DistTensor, dst: DistSpec, done: torch.Tensor | None = None) -> DistTensor:  # type: ignore[override]
         ctx.src = x._spec
         # the same value in another layout keeps its strides, as it would in one process (a
-        # transposed tensor stays transposed); the moved shard follows them
-        return DistTensor._wrap(conform(reshard_local(x._local, x._spec, dst), x._stride), dst, x._stride)
+        # transposed tensor stays transposed); the moved shard follows them. ``done``: the
+        # shard of the move already made of the same value (taken: nothing moves again)
+        moved = reshard_local(x._local, x._spec, dst) if done is None else done
+        return DistTensor._wrap(conform(moved, x._stride), dst, x._stride)
 
     @staticmethod
-    def backward(ctx: Any, grad: DistTensor) -> tuple[DistTensor, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: DistTensor) -> tuple[DistTensor, None, None]:  # type: ignore[override]
         target = grad_spec(ctx.src)
-        return grad._moved(lambda local: reshard_local(local, grad._spec, target), target), None
+        return grad._moved(lambda local: reshard_local(local, grad._spec, target), target), None, None
 
 
 def _rank() -> int:

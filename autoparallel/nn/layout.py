@@ -23,6 +23,7 @@ from autoparallel.api import reshard, shard_tensor
 from autoparallel.engine.dtensor import DistTensor
 from autoparallel.mesh import ProcessMesh
 from autoparallel.placement import PLACEMENT_TYPES, Placement, Replicate, check_placement
+from autoparallel.regions import moves
 
 Layout = None | Placement | Sequence[Placement]
 
@@ -63,9 +64,15 @@ def placements_for(x: Any, mesh: ProcessMesh, axis: int, layout: Layout) -> tupl
 
 
 def to_layout(x: Any, mesh: ProcessMesh, axis: int, layout: Layout, where: str) -> Any:
-    """``x`` in ``layout`` on ``mesh`` (see the module docstring); non-tensors pass through."""
+    """``x`` in ``layout`` on ``mesh`` (see the module docstring); non-tensors pass through.
+    Inside a local region's trace or local run the move goes through the region's door
+    (``autoparallel.regions.moves``)."""
     if layout is None or not isinstance(x, torch.Tensor):
         return x
+    return moves.move(x, lambda t: _to_layout(t, mesh, axis, layout, where))
+
+
+def _to_layout(x: torch.Tensor, mesh: ProcessMesh, axis: int, layout: Layout, where: str) -> Any:
     if isinstance(x, DistTensor) and x.process_mesh != mesh:
         raise ValueError(
             f"{where}: input lies on {x.process_mesh!r}, but the layer was parallelized on {mesh!r}; "

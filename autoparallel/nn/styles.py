@@ -42,6 +42,7 @@ from autoparallel.mesh import ProcessMesh
 from autoparallel.nn.layout import Layout, check_layout, map_layouts, to_layout
 from autoparallel.nn.shard_layer import ParamSharder
 from autoparallel.placement import Partial, Placement, Replicate, Shard
+from autoparallel.regions import moves
 
 
 @dataclass(frozen=True)
@@ -153,7 +154,7 @@ def _input_hook(module: nn.Module, layout: Layout, ctx: PlanContext, where: str,
             check(args[0])
         return (to_layout(args[0], ctx.mesh, ctx.axis, layout, where), *args[1:])
 
-    module.register_forward_pre_hook(hook)
+    module.register_forward_pre_hook(moves.style_hook(hook))
 
 
 def _output_hook(module: nn.Module, layout: Layout, ctx: PlanContext, where: str, check: Any = None) -> None:
@@ -163,7 +164,7 @@ def _output_hook(module: nn.Module, layout: Layout, ctx: PlanContext, where: str
             check(out)
         return to_layout(out, ctx.mesh, ctx.axis, layout, where)
 
-    module.register_forward_hook(hook)
+    module.register_forward_hook(moves.style_hook(hook))
 
 
 def _seq_check(ctx: PlanContext, seq_dim: int, where: str) -> Any:
@@ -390,7 +391,7 @@ class PrepareLayerInput(ParallelStyle):
             kwargs = {k: to_layout(v, ctx.mesh, ctx.axis, kw_layouts.get(k, by_name.get(k)), where) for k, v in kwargs.items()}
             return args, kwargs
 
-        module.register_forward_pre_hook(hook, with_kwargs=True)
+        module.register_forward_pre_hook(moves.style_hook(hook), with_kwargs=True)
 
 
 def _positional_names(module: nn.Module) -> list[str]:
@@ -429,7 +430,7 @@ class PrepareLayerOutput(ParallelStyle):
                 return map_layouts(out, layouts, ctx.mesh, ctx.axis, where)
             return map_layouts((out,), layouts, ctx.mesh, ctx.axis, where)[0]
 
-        module.register_forward_hook(hook)
+        module.register_forward_hook(moves.style_hook(hook))
 
 
 __all__ = [

@@ -38,6 +38,8 @@ class _Verdict:
     summand_slots: tuple[DistSpec | None, ...] = ()  # per slot: the Partial(sum) layout its ops take it in
     sharded_axes: tuple[int, ...] = ()               # mesh axes the outputs are sharded (or Partial(sum)) on
     generic: bool = False                            # answered by its family (``regions.generic``)
+    out_moves: tuple[DistSpec | None, ...] = ()      # per output leaf: the layout a style's epilogue moves it to
+    style_moves: int = 0                             # moves its styles' hooks make (``regions.moves``)
 
     @property
     def local(self) -> bool:

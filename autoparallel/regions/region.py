@@ -20,6 +20,7 @@ from autoparallel.engine import layout
 from autoparallel.engine.dtensor import DistTensor
 from autoparallel.log import logger
 from autoparallel.memory import recomputation
+from autoparallel.regions import moves
 from autoparallel.regions.checks import (
     _classify,
     _pieces,
@@ -254,10 +255,17 @@ class _Region:
                 slots.setdefault(id(t), k)
         trace = _Trace(slots=slots)
         with CommDebugMode() as comm, _mode("trace"), trace.spy():
-            out = self.forward(*args, **kwargs)
-        why = trace.reason or (f"it communicates ({comm.records[0].kind})" if comm.records else
-                               _summands_refusal(trace, leaves, tensors))
-        verdict = _refused(why) if why else _classify(out, leaves, tensors, trace.summands)
+            door = moves.Traced(trace, lambda: len(comm.records))
+            with moves.opened(door):
+                out = self.forward(*args, **kwargs)
+        outs, out_tree = tree_flatten(out)
+        why, before, out_moves = door.epilogue(outs)
+        if len(comm.records) > door.comm:
+            why = why or f"it communicates ({comm.records[0].kind})"
+        why = trace.reason or why or _summands_refusal(trace, leaves, tensors)
+        verdict = _refused(why) if why else replace(
+            _classify(tree_unflatten(before, out_tree), leaves, tensors, trace.summands),
+            out_moves=out_moves, style_moves=door.calls)
         record = None
         if verdict.local:
             verdict, record = self._replay(verdict, trace, out, leaves, tree, tensors)
@@ -271,7 +279,10 @@ class _Region:
             # (about as long as the trace). Proven local, the module runs once more on its shards
             # (writing nothing: no in-place op was traced) and its output, with the local
             # backward a warm call has, is returned instead.
-            return self._run_local(verdict, leaves, tree, tensors), True
+            # (the epilogue's moves are the trace's: the local run recomputes the same aten
+            # calls on the same shards, as the replay checked, so nothing moves twice)
+            done = [o if m is not None else None for o, m in zip(outs, verdict.out_moves)] or None
+            return self._run_local(verdict, leaves, tree, tensors, done=done), True
         return out, False
 
     def _replay(self, verdict: _Verdict, trace: _Trace, out: Any, leaves: list[Any], tree: Any,
@@ -396,8 +407,8 @@ class _Region:
                  tensors: list[torch.Tensor]) -> Certificate | str:
         """``model``'s symbolic certificate from a fake run of this call, or why there is none."""
         # (the module's own hooks run around this wrapper, on the real tensors)
-        if any(m._forward_hooks or m._forward_pre_hooks for m in self.modules[1:]) or compat.global_module_hooks():
-            return "a forward hook would see fake tensors"
+        if any(moves.foreign_hooks(m) for m in self.modules[1:]) or compat.global_module_hooks():
+            return "a forward hook would see fake tensors"  # (a style's moves through the door)
         grad = torch.is_grad_enabled()
         # as the local run gets them (``_localize``): a DistTensor's shard needs a gradient where
         # it gets one through the region's entry node, a plain tensor as it is
@@ -413,8 +424,12 @@ class _Region:
                 for (m, a), f in zip(self.slots, fake_slots):
                     m.__dict__[a] = f
                 largs, lkwargs = _unflatten_call(fake_leaves, tree)
-                with _mode("local"):
-                    return self.forward(*largs, **lkwargs)
+                door = moves.Local()
+                with _mode("local"), moves.opened(door):
+                    out = self.forward(*largs, **lkwargs)
+                if door.reason or door.calls != verdict.style_moves:
+                    raise RuntimeError(door.reason or f"its parallel styles move {door.calls} times, not {verdict.style_moves}")
+                return out
             finally:
                 for d, before in saved:
                     d.clear()
@@ -428,13 +443,14 @@ class _Region:
 
     # ---- running on shards -------------------------------------------------------------------
     def _run_local(self, verdict: _Verdict, leaves: list[Any], tree: Any, tensors: list[torch.Tensor],
-                   spy: _Trace | None = None) -> Any:
+                   spy: _Trace | None = None, done: list[Any] | None = None) -> Any:
         """Run the module on shards. With ``spy`` (a replay): on detached shards, recording its
-        aten calls, returning the local outputs."""
+        aten calls, returning the local outputs. ``done``: per output leaf, its epilogue's move
+        already made (``_wrap_local``)."""
         if spy is not None:
             return self._enter_local(verdict, leaves, tree, tensors, spy=spy)
         out, call = self._enter_local(verdict, leaves, tree, tensors)
-        return self._wrap_local(verdict, out, call)
+        return self._wrap_local(verdict, out, call, done)
 
     def _enter_local(self, verdict: _Verdict, leaves: list[Any], tree: Any, tensors: list[torch.Tensor],
                      spy: _Trace | None = None, recorder: Recorder | None = None) -> Any:
@@ -466,8 +482,9 @@ class _Region:
             d = m.__dict__
             saved.append(d.get(a, _MISSING))
             d[a] = local.get(id(t), t)
+        door = moves.Local()
         try:
-            with _mode("local"):
+            with _mode("local"), moves.opened(door):
                 if spy is not None:
                     with spy.spy():
                         out = self.forward(*largs, **lkwargs)
@@ -482,10 +499,22 @@ class _Region:
                     del m.__dict__[a]
                 else:
                     m.__dict__[a] = prev
+        why = door.reason or (f"its parallel styles move {door.calls} times on local tensors, not {verdict.style_moves}"
+                              if door.calls != verdict.style_moves else "")
+        if why:
+            if spy is not None:
+                spy.refuse(why)
+            elif recorder is not None:
+                raise Stop(why)
+            else:
+                raise RuntimeError(f"local region {type(self.module).__name__}: {why}; the module behaves differently "
+                                   "from its traced call with the same signature. Run with "
+                                   "AUTOPARALLEL_LOCAL_REGIONS=0 and report it.")
         return out, (local if spy is not None else call)
 
-    def _wrap_local(self, verdict: _Verdict, out: Any, call: _Call) -> Any:
-        """A local run's outputs as the DistTensors of the verdict's layouts."""
+    def _wrap_local(self, verdict: _Verdict, out: Any, call: _Call, done: list[Any] | None = None) -> Any:
+        """A local run's outputs as the DistTensors of the verdict's layouts, moved by the
+        styles' epilogue (``done``: per output leaf, that move already made, or None)."""
         outs = [out] if isinstance(out, torch.Tensor) else tree_flatten(out)[0]
         for o, s, shape in zip(outs, verdict.out_specs, verdict.out_local_shapes):
             if s is not None and (not isinstance(o, torch.Tensor) or isinstance(o, DistTensor) or o.dtype != s.dtype
@@ -497,6 +526,10 @@ class _Region:
                     "traced call with the same signature. Run with AUTOPARALLEL_LOCAL_REGIONS=0 and report it."
                 )
         wrapped = [o if s is None else _wrap_out(o, s, call) for o, s in zip(outs, verdict.out_specs)]  # type: ignore[arg-type]
+        for k, dst in enumerate(verdict.out_moves):  # the styles' epilogue (``regions.moves``)
+            if dst is not None:
+                wrapped[k] = layout.reshard(wrapped[k], moves.moved_to(dst, layout.spec_of(wrapped[k])),
+                                            None if done is None else done[k])
         if isinstance(out, torch.Tensor) and verdict.out_tree.is_leaf():
             return wrapped[0]
         return tree_unflatten(wrapped, verdict.out_tree)

@@ -318,7 +318,10 @@ STRATEGIES = ["dp", "zero1", "zero2", "zero3", "tp", "tp_whole", "dp_tp", "dp_tp
 # forward + backward + optimizer step), or an xfail reason (a string). A change here is a change
 # in what a step sends: explain it in the commit. Where the steps differ, they differ for a
 # reason: Mixtral routes data-dependently (which experts a step visits); ResNet's (and Mixtral
-# tp_whole's) first steps issue more than later ones — not investigated yet (docs/models.md).
+# tp_whole's) first steps issue more than later ones — not investigated yet (docs/models.md);
+# BERT under tp/dp_tp: from the second step its masked-LM head (``cls``: a column-parallel
+# decoder behind the replicated transform) runs as a local region, its styles' moves handed
+# back inside it (autoparallel.regions.moves): fewer collectives and bytes (tp: 296 -> 247 KB sent).
 CASES: dict[tuple[str, str], Any] = {
     ("gpt2", "dp"): [{'all_reduce': 2}] * STEPS,
     ("gpt2", "zero1"): [{'all_gather': 1, 'all_reduce': 2}] * STEPS,
@@ -341,8 +344,8 @@ CASES: dict[tuple[str, str], Any] = {
     ("bert", "zero1"): [{'all_gather': 1, 'all_reduce': 2}] * STEPS,
     ("bert", "zero2"): [{'all_gather': 1, 'all_reduce': 1, 'reduce_scatter': 1}] * STEPS,
     ("bert", "zero3"): [{'all_gather': 6, 'all_reduce': 1, 'reduce_scatter': 3}] * STEPS,
-    ("bert", "tp"): [{'all_gather': 5, 'all_reduce': 9, 'reduce_scatter': 9}] * STEPS,
-    ("bert", "dp_tp"): [{'all_gather': 29, 'all_reduce': 11, 'reduce_scatter': 9}] * STEPS,
+    ("bert", "tp"): [{'all_gather': 5, 'all_reduce': 9, 'reduce_scatter': 9}] + [{'all_reduce': 14}] * (STEPS - 1),
+    ("bert", "dp_tp"): [{'all_gather': 29, 'all_reduce': 11, 'reduce_scatter': 9}] + [{'all_gather': 24, 'all_reduce': 16}] * (STEPS - 1),
     ("bert", "dp_tp_sp"): [{'all_gather': 38, 'all_reduce': 6, 'reduce_scatter': 10}] * STEPS,
     ("llama", "dp"): [{'all_reduce': 2}] * STEPS,
     ("llama", "zero1"): [{'all_gather': 1, 'all_reduce': 2}] * STEPS,

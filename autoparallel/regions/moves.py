@@ -1,0 +1,143 @@
+"""A parallel style's moves inside a local region: the door ``nn.layout.to_layout`` goes through.
+
+The styles (``ColWiseParallel``, ``RowWiseParallel``, ``PrepareModuleInput``, ...) lay a
+module's activations out with forward hooks that call ``to_layout``. A module holding styled
+submodules (an MLP of a column- and a row-parallel Linear, an attention block) runs those hooks
+inside its forward. While a local region traces such a module or runs it on shards, every such
+move goes through the region's door (``opened``):
+
+* in a **trace** (on DistTensors) the move is made and noted (``Traced``). One that moves
+  nothing (the value already has the layout: a column-parallel input hook under plain TP) may
+  stand anywhere. One that moves data may only lay out a value the module returns, after its
+  last op: an *epilogue* (the row-parallel projection's all-reduce or reduce-scatter at the end
+  of an MLP or attention block). The region then runs the module locally up to those moves and
+  makes them itself on its DistTensor outputs, with their usual autograd.
+* in a **local run** (on shards, or fake tensors) the hook meets the plain shard and gets it back
+  as it is (``Local``): a move that moved nothing leaves it so, and an epilogue is the region's.
+
+Anything else (a style laying out a plain tensor inside a trace, or a DistTensor inside a local
+run) is noted, and the trace refuses the region / the local run is not trusted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from autoparallel.engine import layout
+from autoparallel.engine.dtensor import DistTensor
+from autoparallel.spec import DistSpec
+
+Run = Callable[[Any], Any]
+_DOORS: list[Any] = []  # the innermost open door last: entered and left only through ``opened``
+_STYLE = "_ap_style_hook"
+
+
+def style_hook(hook: Any) -> Any:
+    """Mark ``hook`` as a style's: it changes nothing but through ``move`` (and may raise on
+    sizes), so a local region's fake run may call it (``regions.symbolic``)."""
+    setattr(hook, _STYLE, True)
+    return hook
+
+
+def foreign_hooks(module: torch.nn.Module) -> bool:
+    """Whether ``module`` has a forward (pre-)hook that is not a style's."""
+    return any(not getattr(h, _STYLE, False)
+               for h in (*module._forward_pre_hooks.values(), *module._forward_hooks.values()))
+
+
+def move(x: Any, run: Run) -> Any:
+    """``run(x)`` (the style's move of ``x``), or what the open door makes of it."""
+    if not _DOORS:
+        return run(x)
+    return _DOORS[-1].move(x, run)
+
+
+@contextmanager
+def opened(door: Any) -> Iterator[Any]:
+    """Inside the block every style move goes through ``door.move(x, run)``."""
+    _DOORS.append(door)
+    try:
+        yield door
+    finally:
+        _DOORS.pop()
+
+
+class Traced:
+    """A trace's door: each move made and noted.
+
+    ``moved``: per data-moving move, (the value before, the value after); ``calls``: how many
+    moves the module made (a local run must make as many); ``comm``: how many of the
+    trace's communication records the moves made; ``ops_before``: how many aten calls the trace
+    had recorded at its first data-moving move (none may follow it); ``reason``: the first
+    reason to refuse.
+    """
+
+    def __init__(self, trace: Any, records: Callable[[], int]) -> None:
+        self.trace, self.records = trace, records
+        self.moved: list[tuple[DistTensor, DistTensor]] = []
+        self.calls = self.comm = 0
+        self.ops_before: int | None = None
+        self.reason = ""
+
+    def move(self, x: Any, run: Run) -> Any:
+        self.calls += 1
+        if not isinstance(x, DistTensor):
+            if isinstance(x, torch.Tensor):
+                self.reason = self.reason or "a parallel style lays out a plain tensor inside it"
+            return run(x)
+        before, quiet = self.records(), self.trace.quiet
+        self.trace.quiet = True  # the move's local calls are not the module's own
+        try:
+            y = run(x)
+        finally:
+            self.trace.quiet = quiet
+        self.comm += self.records() - before
+        if y is not x:
+            if self.ops_before is None:
+                self.ops_before = len(self.trace.ops)
+            self.moved.append((x, y))
+        return y
+
+    def epilogue(self, outs: list[Any]) -> tuple[str, list[Any], tuple[DistSpec | None, ...]]:
+        """(why the moves cannot be a region's epilogue ('' when they can), the output leaves
+        before their moves, per output leaf the layout it is moved to (None: not moved))."""
+        if self.reason or not self.moved:
+            return self.reason, outs, ()
+        if self.ops_before != len(self.trace.ops):
+            return "a parallel style moves data before its last op", outs, ()
+        at = {id(o): k for k, o in enumerate(outs)}
+        before = list(outs)
+        moves: list[DistSpec | None] = [None] * len(outs)
+        for x, y in self.moved:
+            k = at.get(id(y))
+            if k is None or moves[k] is not None:
+                return "a parallel style moves data it does not return", outs, ()
+            if id(x) in at:
+                return "it returns a value both before and after a parallel style moves it", outs, ()
+            before[k], moves[k] = x, layout.spec_of(y)
+        return "", before, tuple(moves)
+
+
+class Local:
+    """A local run's door: a style's move hands the shard back as it is (``calls`` counted;
+    ``reason`` where a DistTensor met a style, which a local run never holds)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.reason = ""
+
+    def move(self, x: Any, run: Run) -> Any:
+        self.calls += 1
+        if isinstance(x, DistTensor):
+            self.reason = self.reason or "a parallel style meets a DistTensor on local tensors"
+            return run(x)
+        return x
+
+
+def moved_to(dst: DistSpec, spec: DistSpec) -> DistSpec:
+    """The epilogue layout ``dst`` (noted at a proven length) for an output of layout ``spec``."""
+    return dst if dst.shape == spec.shape else dst.with_shape(spec.shape, spec.dtype)
