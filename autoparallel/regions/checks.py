@@ -39,6 +39,7 @@ class _Verdict:
     sharded_axes: tuple[int, ...] = ()               # mesh axes the outputs are sharded (or Partial(sum)) on
     generic: bool = False                            # answered by its family (``regions.generic``)
     out_moves: tuple[DistSpec | None, ...] = ()      # per output leaf: the layout a style's epilogue moves it to
+    in_moves: tuple[DistSpec | None, ...] = ()       # per argument leaf: the layout a style's prologue moves it to
     style_moves: int = 0                             # moves its styles' hooks make (``regions.moves``)
 
     @property
@@ -198,7 +199,8 @@ class _Trace:
         self.slots = slots or {}
         self.summands: dict[int, DistSpec] = {}
         self.as_is: set[int] = set()
-        self.quiet = False  # inside an op's input moves: not the op's own local calls
+        self.quiet = False  # inside an op's input moves (or a style's move): not the op's own local calls
+        self.reads: set[int] = set()  # ids of the DistTensors the ops read (not inside moves)
 
     def refuse(self, reason: str) -> None:
         self.reason = self.reason or reason
@@ -210,6 +212,8 @@ class _Trace:
         """Called by dispatch for each DistTensor op of a trace: check, then run under the spy
         (the inputs' moves unrecorded: the only ones a region keeps are its parameters made
         summands, which its local run does once, before the module runs)."""
+        if not self.quiet:
+            self.reads.update(id(t) for t in _dist_args(args, kwargs))
         if decision.fallback or decision.out_kind in ("value", "unknown"):
             self.refuse(f"{func} runs replicated or returns a Python value")
         elif not self._takes(decision, args, kwargs):

@@ -8,10 +8,13 @@ move goes through the region's door (``opened``):
 
 * in a **trace** (on DistTensors) the move is made and noted (``Traced``). One that moves
   nothing (the value already has the layout: a column-parallel input hook under plain TP) may
-  stand anywhere. One that moves data may only lay out a value the module returns, after its
-  last op: an *epilogue* (the row-parallel projection's all-reduce or reduce-scatter at the end
-  of an MLP or attention block). The region then runs the module locally up to those moves and
-  makes them itself on its DistTensor outputs, with their usual autograd.
+  stand anywhere. One that moves one of the module's arguments is a *prologue* (the
+  sequence-parallel all-gather at the start of an attention block): the local run gets that
+  argument moved (every read of it sees it so; the replay finds any op that read it before the
+  move: its local call differs). One that moves other data may only lay out a value the module
+  returns, after its last op: an *epilogue* (the row-parallel projection's all-reduce or
+  reduce-scatter at the end of an MLP or attention block). The region makes both itself, on
+  DistTensors, with their usual autograd, and runs the module locally in between.
 * in a **local run** (on shards, or fake tensors) the hook meets the plain shard and gets it back
   as it is (``Local``): a move that moved nothing leaves it so, and an epilogue is the region's.
 
@@ -76,12 +79,16 @@ class Traced:
     reason to refuse.
     """
 
-    def __init__(self, trace: Any, records: Callable[[], int]) -> None:
+    def __init__(self, trace: Any, records: Callable[[], int], leaves: list[Any]) -> None:
         self.trace, self.records = trace, records
         self.moved: list[tuple[DistTensor, DistTensor]] = []
         self.calls = self.comm = 0
         self.ops_before: int | None = None
         self.reason = ""
+        # prologues: the module's DistTensor arguments (id -> leaf index) and, per leaf moved,
+        # the first value it was moved to (every move of it must go to that layout)
+        self.args = {id(x): k for k, x in enumerate(leaves) if isinstance(x, DistTensor)}
+        self.prologue: dict[int, DistTensor] = {}
 
     def move(self, x: Any, run: Run) -> Any:
         self.calls += 1
@@ -96,11 +103,31 @@ class Traced:
         finally:
             self.trace.quiet = quiet
         self.comm += self.records() - before
-        if y is not x:
-            if self.ops_before is None:
-                self.ops_before = len(self.trace.ops)
-            self.moved.append((x, y))
+        if y is x:
+            return y
+        k = self.args.get(id(x))
+        if k is not None:  # an argument: a prologue (the local run gets it moved)
+            first = self.prologue.setdefault(k, y)
+            if layout.spec_of(first) != layout.spec_of(y):
+                self.reason = self.reason or "parallel styles move an argument to two layouts"
+            return y
+        if self.ops_before is None:
+            self.ops_before = len(self.trace.ops)
+        self.moved.append((x, y))
         return y
+
+    def arguments(self, leaves: list[Any]) -> tuple[list[Any], tuple[DistSpec | None, ...], list[Any] | None]:
+        """(the arguments as the local run gets them: each moved one as the trace moved it, per
+        leaf the layout its prologue moves it to (None: not moved), per leaf the trace's moved
+        value (None where not moved), or None where nothing was moved)."""
+        if not self.prologue:
+            return leaves, (), None
+        if any(id(leaves[k]) in self.trace.reads for k in self.prologue):
+            # (on shards it would read the moved argument: another value, perhaps of the same shape)
+            self.reason = self.reason or "an op reads an argument a parallel style moves"
+        done = [self.prologue.get(k) for k in range(len(leaves))]
+        return ([x if d is None else d for x, d in zip(leaves, done)],
+                tuple(None if d is None else layout.spec_of(d) for d in done), done)
 
     def epilogue(self, outs: list[Any]) -> tuple[str, list[Any], tuple[DistSpec | None, ...]]:
         """(why the moves cannot be a region's epilogue ('' when they can), the output leaves

@@ -255,20 +255,21 @@ class _Region:
                 slots.setdefault(id(t), k)
         trace = _Trace(slots=slots)
         with CommDebugMode() as comm, _mode("trace"), trace.spy():
-            door = moves.Traced(trace, lambda: len(comm.records))
+            door = moves.Traced(trace, lambda: len(comm.records), leaves)
             with moves.opened(door):
                 out = self.forward(*args, **kwargs)
         outs, out_tree = tree_flatten(out)
+        moved, in_moves, done_in = door.arguments(leaves)  # the styles' prologue
         why, before, out_moves = door.epilogue(outs)
         if len(comm.records) > door.comm:
             why = why or f"it communicates ({comm.records[0].kind})"
         why = trace.reason or why or _summands_refusal(trace, leaves, tensors)
         verdict = _refused(why) if why else replace(
-            _classify(tree_unflatten(before, out_tree), leaves, tensors, trace.summands),
-            out_moves=out_moves, style_moves=door.calls)
+            _classify(tree_unflatten(before, out_tree), moved, tensors, trace.summands),
+            out_moves=out_moves, in_moves=in_moves, style_moves=door.calls)
         record = None
         if verdict.local:
-            verdict, record = self._replay(verdict, trace, out, leaves, tree, tensors)
+            verdict, record = self._replay(verdict, trace, out, leaves, tree, tensors, done_in)
         self._family(key).add(Proof(point_of(leaves), record, verdict))
         self.verdicts[key] = verdict
         if not verdict.local:
@@ -282,17 +283,17 @@ class _Region:
             # (the epilogue's moves are the trace's: the local run recomputes the same aten
             # calls on the same shards, as the replay checked, so nothing moves twice)
             done = [o if m is not None else None for o, m in zip(outs, verdict.out_moves)] or None
-            return self._run_local(verdict, leaves, tree, tensors, done=done), True
+            return self._run_local(verdict, leaves, tree, tensors, done=done, done_in=done_in), True
         return out, False
 
     def _replay(self, verdict: _Verdict, trace: _Trace, out: Any, leaves: list[Any], tree: Any,
-                tensors: list[torch.Tensor]) -> tuple[_Verdict, Record | None]:
+                tensors: list[torch.Tensor], done_in: list[Any] | None) -> tuple[_Verdict, Record | None]:
         """Run once on detached local shards; the aten calls must be the traced ones. Also the
         replay's record where the signature may join its family (``regions.generic``)."""
         replay = _Trace(replay=True)
         try:
             with torch.random.fork_rng(devices=[]):
-                local_out, replay_inputs = self._run_local(verdict, leaves, tree, tensors, spy=replay)
+                local_out, replay_inputs = self._run_local(verdict, leaves, tree, tensors, spy=replay, done_in=done_in)
         except Exception as e:  # noqa: BLE001  (any failure on plain tensors refuses the region)
             return _refused(f"it fails on local tensors ({type(e).__name__}: {str(e)[:80]})"), None
         if replay.reason:
@@ -355,6 +356,7 @@ class _Region:
             logger.debug("local region %s: no generic verdict at %d: %s", type(self.module).__name__, tc, why)
             return None
         base = model.b.verdict
+        leaves = _moved_in(base, leaves, None)  # the styles' prologue: the local run's arguments
         grads = tuple(with_partial(layout.spec_of(x), base.sharded_axes) if isinstance(x, DistTensor) else None
                       for x in leaves)
         pre = replace(base, arg_grads=grads)
@@ -443,10 +445,11 @@ class _Region:
 
     # ---- running on shards -------------------------------------------------------------------
     def _run_local(self, verdict: _Verdict, leaves: list[Any], tree: Any, tensors: list[torch.Tensor],
-                   spy: _Trace | None = None, done: list[Any] | None = None) -> Any:
+                   spy: _Trace | None = None, done: list[Any] | None = None, done_in: list[Any] | None = None) -> Any:
         """Run the module on shards. With ``spy`` (a replay): on detached shards, recording its
-        aten calls, returning the local outputs. ``done``: per output leaf, its epilogue's move
-        already made (``_wrap_local``)."""
+        aten calls, returning the local outputs. ``done``/``done_in``: per output / argument leaf,
+        its epilogue's / prologue's move already made (``_wrap_local``, ``_moved_in``)."""
+        leaves = _moved_in(verdict, leaves, done_in)
         if spy is not None:
             return self._enter_local(verdict, leaves, tree, tensors, spy=spy)
         out, call = self._enter_local(verdict, leaves, tree, tensors)
@@ -548,6 +551,15 @@ def _flatten_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[A
             spec = _POSITIONAL[len(args)] = tree_flatten((args, kwargs))[1]
         return list(args), spec
     return tree_flatten((args, kwargs))
+
+
+def _moved_in(verdict: _Verdict, leaves: list[Any], done: list[Any] | None) -> list[Any]:
+    """The arguments moved by the styles' prologue (``regions.moves``; ``done``: per leaf, that
+    move already made by the trace, or None): as every read in the local run sees them."""
+    if not verdict.in_moves:
+        return leaves
+    return [x if dst is None else layout.reshard(x, moves.moved_to(dst, layout.spec_of(x)), None if done is None else done[k])
+            for k, (x, dst) in enumerate(zip(leaves, verdict.in_moves))]
 
 
 def _unflatten_call(values: list[Any], tree: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:

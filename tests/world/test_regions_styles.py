@@ -1,8 +1,9 @@
 """Local regions around parallel styles (autoparallel.regions.moves, docs/local_regions.md
-"Parallel styles inside a region"): a module whose styled submodules only move data at its end
-(the row-parallel projection's all-reduce closing an MLP or an attention block) runs locally up
-to that move, which the region then makes on its output. Each test compares the region run with
-the DistTensor run (regions disabled): losses, parameters, the verdicts and the collectives.
+"Parallel styles inside a region"): a module whose styled submodules move data only at its end
+(the row-parallel projection's all-reduce closing an MLP or an attention block) or move its
+arguments (the sequence-parallel all-gather at its start) runs locally between those moves,
+which the region makes on DistTensors. Each test compares the region run with the DistTensor
+run (regions disabled): losses, parameters, the verdicts and the collectives.
 """
 
 from __future__ import annotations
@@ -52,6 +53,16 @@ class ScaledMLP(MLP):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return super().forward(x) * 0.5
+
+
+class PeekingMLP(MLP):
+    """Reads its input as it is (a statistic of it, kept), beside the column-parallel input
+    hook's move: under sequence parallelism a local run given the moved input would read the
+    whole sequence there."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.peak = x.detach().abs().amax()
+        return super().forward(x)
 
 
 class Net(nn.Module):
@@ -111,11 +122,13 @@ def _train(rank: int, layout: str, mlp: type[nn.Module] = MLP) -> dict[str, Any]
             "certified": regions["certified"]}
 
 
-@pytest.mark.parametrize("layout", ["tp", "dp_tp", "tp_recompute"])
-def test_a_module_ending_in_a_styles_move_is_a_region(world4: Any, layout: str) -> None:
-    # attention and MLP: every op on shards, the projection's all-reduce at the very end (made
-    # by the region on its Partial(sum) output); at lengths after two proven ones answered by
-    # the family, through the symbolic certificate (the styles' hooks hand fakes back as they are)
+@pytest.mark.parametrize("layout", ["tp", "dp_tp", "tp_sp", "tp_recompute"])
+def test_a_module_between_styles_moves_is_a_region(world4: Any, layout: str) -> None:
+    # attention and MLP: every op on shards, the projection's all-reduce (under SP: reduce-
+    # scatter) at the very end, made by the region on its Partial(sum) output; under SP the
+    # column-parallel input's all-gather at the start, made by the region on its argument; at
+    # lengths after two proven ones answered by the family, through the symbolic certificate
+    # (the styles' hooks hand fakes back as they are)
     results = world4.run(_train, layout)
     r = results[0]
     # (a recomputed module runs on DistTensors: regions are proven outside recomputation only)
@@ -131,13 +144,15 @@ def test_a_module_ending_in_a_styles_move_is_a_region(world4: Any, layout: str) 
         assert x["comm"][-2:] == x["plain_comm"][-2:], (x["comm"], x["plain_comm"])
 
 
-def test_a_move_before_the_last_op_or_at_the_start_is_refused(world4: Any) -> None:
-    # an op after the projection's all-reduce (the move is not the module's last word) and,
-    # under sequence parallelism, the column-parallel input's all-gather at the start: refused
-    # for that reason, their submodules regions of their own; the values stay those op by op
+def test_a_move_before_the_last_op_or_of_an_argument_read_as_it_is_is_refused(world4: Any) -> None:
+    # an op after the projection's all-reduce (the move is not the module's last word); under
+    # sequence parallelism an op reading the argument the input hook all-gathers (a local run
+    # given the gathered argument would read the whole sequence there).
+    # Refused for that reason, their submodules regions of their own; the values those op by op
     r = world4.run(_train, "tp", ScaledMLP)[0]
     assert all("moves data before its last op" in v for v in r["report"]["mlp"]), r["report"]
     assert all(v.startswith("local") for v in r["report"]["mlp.fc"]), r["report"]
     assert all(v.startswith("local") for v in r["report"]["attn"]), r["report"]
-    s = world4.run(_train, "tp_sp")[0]
-    assert all("moves data before its last op" in v for v in s["report"]["attn"]), s["report"]
+    s = world4.run(_train, "tp_sp", PeekingMLP)[0]
+    assert all("an op reads an argument a parallel style moves" in v for v in s["report"]["mlp"]), s["report"]
+    assert all(v.startswith("local") for v in s["report"]["attn"]), s["report"]
