@@ -214,7 +214,9 @@ class _Trace:
         summands, which its local run does once, before the module runs)."""
         if not self.quiet:
             self.reads.update(id(t) for t in _dist_args(args, kwargs))
-        if decision.fallback or decision.out_kind in ("value", "unknown"):
+        # (an op returning a Python value, as ``item()``, is decided as a fallback: it reads
+        # the whole value, which a shard does not hold)
+        if decision.fallback:
             self.refuse(f"{func} runs replicated or returns a Python value")
         elif not self._takes(decision, args, kwargs):
             self.refuse(f"{func} moves an input")

@@ -46,6 +46,25 @@ class GlobalSize(MLP):
         return super().forward(x) * (1.0 / x.shape[0])
 
 
+class ScaledByParameter(MLP):
+    """Scales by a Python float read from a replicated parameter (the same value on a shard,
+    but ``item()`` is decided as a fallback, whatever the layout)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(0.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * float(self.scale)
+
+
+class ScaledByPeak(MLP):
+    """Scales by a Python float read from the batch: the whole batch's on DistTensors."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) / float(x.abs().amax())
+
+
 class BatchCentred(MLP):
     """Subtracts the batch mean: needs the whole batch (a reduction across shards)."""
 
@@ -187,6 +206,8 @@ def test_a_mean_over_whole_rows_runs_locally(world4: Any) -> None:
 @pytest.mark.parametrize("cls, args, reason", [
     (GlobalSize, (), "differs on local tensors"),        # x.shape[0] is global on DistTensors
     (BatchCentred, (), "moves an input"),                # the batch mean needs every shard
+    (ScaledByPeak, (), "returns a Python value"),        # a value read from the whole batch
+    (ScaledByParameter, (), "returns a Python value"),   # even from a replicated tensor (a fallback)
     (WithDropout, (0.5,), "is random"),                  # DistTensor dropout draws the single-device mask
     (TwoOutputs, (), "sharded on mesh axis 0 and replicated"),
 ])
