@@ -69,7 +69,10 @@ def to_layout(x: Any, mesh: ProcessMesh, axis: int, layout: Layout, where: str) 
     (``autoparallel.regions.moves``)."""
     if layout is None or not isinstance(x, torch.Tensor):
         return x
-    return moves.move(x, lambda t: _to_layout(t, mesh, axis, layout, where))
+    door = moves.current()
+    if door is not None:
+        return door.move(x, lambda t: _to_layout(t, mesh, axis, layout, where))
+    return _to_layout(x, mesh, axis, layout, where)
 
 
 def _to_layout(x: torch.Tensor, mesh: ProcessMesh, axis: int, layout: Layout, where: str) -> Any:

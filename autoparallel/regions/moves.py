@@ -52,11 +52,9 @@ def foreign_hooks(module: torch.nn.Module) -> bool:
                for h in (*module._forward_pre_hooks.values(), *module._forward_hooks.values()))
 
 
-def move(x: Any, run: Run) -> Any:
-    """``run(x)`` (the style's move of ``x``), or what the open door makes of it."""
-    if not _DOORS:
-        return run(x)
-    return _DOORS[-1].move(x, run)
+def current() -> Any:
+    """The innermost open door (its ``move(x, run)`` makes a style's move of ``x``), or None."""
+    return _DOORS[-1] if _DOORS else None
 
 
 @contextmanager
@@ -89,6 +87,7 @@ class Traced:
         # the first value it was moved to (every move of it must go to that layout)
         self.args = {id(x): k for k, x in enumerate(leaves) if isinstance(x, DistTensor)}
         self.prologue: dict[int, DistTensor] = {}
+        self.moved_args: set[int] = set()
 
     def move(self, x: Any, run: Run) -> Any:
         self.calls += 1
@@ -107,6 +106,7 @@ class Traced:
             return y
         k = self.args.get(id(x))
         if k is not None:  # an argument: a prologue (the local run gets it moved)
+            self.moved_args.add(id(x))
             first = self.prologue.setdefault(k, y)
             if layout.spec_of(first) != layout.spec_of(y):
                 self.reason = self.reason or "parallel styles move an argument to two layouts"
@@ -122,16 +122,16 @@ class Traced:
         value (None where not moved), or None where nothing was moved)."""
         if not self.prologue:
             return leaves, (), None
-        if any(id(leaves[k]) in self.trace.reads for k in self.prologue):
-            # (on shards it would read the moved argument: another value, perhaps of the same shape)
-            self.reason = self.reason or "an op reads an argument a parallel style moves"
         done = [self.prologue.get(k) for k in range(len(leaves))]
         return ([x if d is None else d for x, d in zip(leaves, done)],
                 tuple(None if d is None else layout.spec_of(d) for d in done), done)
 
     def epilogue(self, outs: list[Any]) -> tuple[str, list[Any], tuple[DistSpec | None, ...]]:
-        """(why the moves cannot be a region's epilogue ('' when they can), the output leaves
+        """(why the moves cannot stand around the local run ('' when they can), the output leaves
         before their moves, per output leaf the layout it is moved to (None: not moved))."""
+        if not self.reason and self.moved_args & self.trace.reads:
+            # (on shards it would read the moved argument: another value, perhaps of the same shape)
+            self.reason = "an op reads an argument a parallel style moves"
         if self.reason or not self.moved:
             return self.reason, outs, ()
         if self.ops_before != len(self.trace.ops):
@@ -153,7 +153,8 @@ class Local:
     """A local run's door: a style's move hands the shard back as it is (``calls`` counted;
     ``reason`` where a DistTensor met a style, which a local run never holds)."""
 
-    def __init__(self) -> None:
+    def __init__(self, expected: int) -> None:
+        self.expected = expected  # the moves the trace made
         self.calls = 0
         self.reason = ""
 
@@ -164,7 +165,17 @@ class Local:
             return run(x)
         return x
 
+    def why(self) -> str:
+        """Why the run did not move as traced ('' when it did)."""
+        if self.reason or self.calls == self.expected:
+            return self.reason
+        return f"its parallel styles move {self.calls} times on local tensors, not {self.expected}"
 
-def moved_to(dst: DistSpec, spec: DistSpec) -> DistSpec:
-    """The epilogue layout ``dst`` (noted at a proven length) for an output of layout ``spec``."""
-    return dst if dst.shape == spec.shape else dst.with_shape(spec.shape, spec.dtype)
+
+def remake(x: DistTensor, dst: DistSpec, done: DistTensor | None) -> DistTensor:
+    """A style's move of ``x`` to ``dst`` (the layout noted at a proven length, at ``x``'s shape),
+    differentiable; ``done``: that move already made by the trace (taken, nothing moves again)."""
+    spec = layout.spec_of(x)
+    if dst.shape != spec.shape:
+        dst = dst.with_shape(spec.shape, spec.dtype)
+    return layout.reshard(x, dst, done)

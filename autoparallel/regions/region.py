@@ -426,11 +426,11 @@ class _Region:
                 for (m, a), f in zip(self.slots, fake_slots):
                     m.__dict__[a] = f
                 largs, lkwargs = _unflatten_call(fake_leaves, tree)
-                door = moves.Local()
+                door = moves.Local(verdict.style_moves)
                 with _mode("local"), moves.opened(door):
                     out = self.forward(*largs, **lkwargs)
-                if door.reason or door.calls != verdict.style_moves:
-                    raise RuntimeError(door.reason or f"its parallel styles move {door.calls} times, not {verdict.style_moves}")
+                if door.why():
+                    raise RuntimeError(door.why())
                 return out
             finally:
                 for d, before in saved:
@@ -485,7 +485,7 @@ class _Region:
             d = m.__dict__
             saved.append(d.get(a, _MISSING))
             d[a] = local.get(id(t), t)
-        door = moves.Local()
+        door = moves.Local(verdict.style_moves)
         try:
             with _mode("local"), moves.opened(door):
                 if spy is not None:
@@ -502,8 +502,7 @@ class _Region:
                     del m.__dict__[a]
                 else:
                     m.__dict__[a] = prev
-        why = door.reason or (f"its parallel styles move {door.calls} times on local tensors, not {verdict.style_moves}"
-                              if door.calls != verdict.style_moves else "")
+        why = door.why()
         if why:
             if spy is not None:
                 spy.refuse(why)
@@ -531,8 +530,7 @@ class _Region:
         wrapped = [o if s is None else _wrap_out(o, s, call) for o, s in zip(outs, verdict.out_specs)]  # type: ignore[arg-type]
         for k, dst in enumerate(verdict.out_moves):  # the styles' epilogue (``regions.moves``)
             if dst is not None:
-                wrapped[k] = layout.reshard(wrapped[k], moves.moved_to(dst, layout.spec_of(wrapped[k])),
-                                            None if done is None else done[k])
+                wrapped[k] = moves.remake(wrapped[k], dst, None if done is None else done[k])
         if isinstance(out, torch.Tensor) and verdict.out_tree.is_leaf():
             return wrapped[0]
         return tree_unflatten(wrapped, verdict.out_tree)
@@ -558,7 +556,7 @@ def _moved_in(verdict: _Verdict, leaves: list[Any], done: list[Any] | None) -> l
     move already made by the trace, or None): as every read in the local run sees them."""
     if not verdict.in_moves:
         return leaves
-    return [x if dst is None else layout.reshard(x, moves.moved_to(dst, layout.spec_of(x)), None if done is None else done[k])
+    return [x if dst is None else moves.remake(x, dst, None if done is None else done[k])
             for k, (x, dst) in enumerate(zip(leaves, verdict.in_moves))]
 
 
