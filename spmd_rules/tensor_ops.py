@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import torch
 
-from autoparallel.placement import Partial, Placement
-from spmd_rules.base import AxisStrategy, OpCall, R, follow
-from spmd_rules.registry import register_axis_rule
+from autoparallel.placement import Partial, Placement, Shard
+from spmd_rules.base import AxisStrategy, LocalContext, OpCall, R, follow
+from spmd_rules.registry import register_axis_rule, register_local_impl
 
 aten = torch.ops.aten
 
@@ -21,10 +24,30 @@ def like_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
     return [AxisStrategy((p,), (R if isinstance(p, Partial) else p,))]
 
 
+# ``new_empty_strided`` names its strides too: its result is always built whole
+_SIZED_NEW_OPS = [aten.new_empty, aten.new_zeros, aten.new_ones, aten.new_full]
+
+
 @register_axis_rule(NEW_OPS)
 def new_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
-    """``x.new_*(size)`` builds a replicated tensor of the global ``size``; x is not moved."""
-    return [AxisStrategy((call.placements[0][axis],), (R,))]
+    """``x.new_*(size)`` builds a tensor of the global ``size``; x is not moved. Of x's shape
+    (``x.new_zeros(x.shape)``: a buffer filled from x next, as T5's shifted decoder inputs), it
+    is sharded as x is (its values depend on nothing, so any layout holds them; x's keeps the
+    writes that follow local); else replicated."""
+    p = call.placements[0][axis]
+    out = call.out[0] if call.out else None
+    if (isinstance(p, Shard) and out is not None and tuple(out.shape) == tuple(call.inputs[0].shape)
+            and call.op.overloadpacket in _SIZED_NEW_OPS):
+        return [AxisStrategy((p,), (p,))]
+    return [AxisStrategy((p,), (R,))]
+
+
+@register_local_impl(_SIZED_NEW_OPS)
+def new_local(ctx: LocalContext, x: torch.Tensor, size: Sequence[int], *args: Any, **kwargs: Any) -> torch.Tensor:
+    """``x.new_*`` at this rank's local size of the result (the global size where replicated)."""
+    local = ctx.out_shapes[0]
+    assert local is not None
+    return ctx.call.op(x, list(local), *args, **kwargs)  # type: ignore[no-any-return]
 
 
 @register_axis_rule([aten.copy_, aten.copy])

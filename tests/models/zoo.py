@@ -101,9 +101,19 @@ def resnet() -> Any:
     return ResNetForImageClassification(cfg)
 
 
+def t5() -> Any:
+    """T5 encoder-decoder: d_model 64, 2 + 2 layers, 4 heads, MLP 128, vocabulary 128 (relative
+    position buckets; the decoder's inputs are the labels shifted right, built with ``new_zeros``)."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    cfg = T5Config(d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4, vocab_size=VOCAB, dropout_rate=0.0,
+                   decoder_start_token_id=0)
+    return T5ForConditionalGeneration(cfg)
+
+
 MODELS: dict[str, Callable[[], Any]] = {
     "gpt2": gpt2, "bert": bert, "llama": llama, "llama_tied": llama_tied, "mixtral": mixtral, "vit": vit,
-    "resnet": resnet,
+    "resnet": resnet, "t5": t5,
 }
 
 
@@ -378,6 +388,10 @@ CASES: dict[tuple[str, str], Any] = {
     ("vit", "zero3"): [{'all_gather': 6, 'all_reduce': 1, 'reduce_scatter': 3}] * STEPS,
     ("vit", "tp"): [{'all_reduce': 8}] * STEPS,  # Megatron's 2 forward + 2 backward per layer
     ("vit", "dp_tp"): [{'all_gather': 16, 'all_reduce': 10}] * STEPS,  # eager attention's matmuls (docs/models.md)
+    # the shifted decoder inputs (``labels.new_zeros(labels.shape)``, then filled) are sharded as
+    # the labels: no all-gather, the decoder runs on each rank's examples
+    ("t5", "dp"): [{'all_reduce': 2}] * STEPS,
+    ("t5", "zero3"): [{'all_gather': 22, 'all_reduce': 1, 'reduce_scatter': 11}] * STEPS,  # 11 units: the root and each entry of a block's ``layer`` list
     ("resnet", "dp"): [{'all_gather': 8, 'all_reduce': 2, 'all_to_all': 2, 'reduce_scatter': 1}, {'all_gather': 8, 'all_reduce': 2, 'all_to_all': 2, 'reduce_scatter': 1}, {'all_gather': 2, 'all_reduce': 2, 'reduce_scatter': 1}],
     ("resnet", "zero1"): [{'all_gather': 3, 'all_reduce': 2, 'all_to_all': 2, 'reduce_scatter': 1}, {'all_gather': 3, 'all_reduce': 2, 'all_to_all': 2, 'reduce_scatter': 1}, {'all_gather': 3, 'all_reduce': 2, 'reduce_scatter': 1}],
     ("resnet", "zero2"): [{'all_gather': 3, 'all_reduce': 1, 'all_to_all': 2, 'reduce_scatter': 2}, {'all_gather': 3, 'all_reduce': 1, 'all_to_all': 2, 'reduce_scatter': 2}, {'all_gather': 3, 'all_reduce': 1, 'reduce_scatter': 2}],

@@ -279,6 +279,10 @@ BRUTE: list[tuple[str, Any, tuple, dict]] = [
     ("index_put-set", aten.index_put.default, (rnd(5, 4, 3), [torch.tensor([4, 0, 2])], rnd(3, 4, 3)), {}),
     ("index_put_", aten.index_put_.default, (rnd(5, 4, 3), [None, torch.tensor([3, 1])], rnd(5, 2, 3), True), {}),
     ("new_zeros-index_put", aten.index_put.default, (_fill(6, 4), [idx(6, 7)], rnd(7, 4), True), {}),
+    ("new_zeros-same", aten.new_zeros.default, (rnd(6, 4), [6, 4]), {}),
+    ("new_full-same", aten.new_full.default, (rnd(5, 3), [5, 3], 2.5), {}),
+    ("new_ones-other", aten.new_ones.default, (rnd(6, 4), [3, 4]), {}),
+    ("new_ones-more-dims", aten.new_ones.default, (rnd(6, 4), [6, 4, 2]), {}),
 ]
 
 
@@ -295,6 +299,16 @@ def test_offered_strategies_are_exact(name: str, op: Any, args: tuple, kwargs: d
 
 # ---- pinned strategies -----------------------------------------------------------------------
 X = rnd(5, 4)
+
+
+def test_new_of_the_inputs_shape_is_sharded_as_it_is() -> None:
+    # ``x.new_zeros(x.shape)`` then filled from x (T5's shifted decoder inputs): as x is, so
+    # the writes that follow stay local; of another shape, or from a Partial x: replicated
+    assert outputs_for(aten.new_zeros.default, (X, [5, 4]), [S0]) == [((S0,),)]
+    assert outputs_for(aten.new_full.default, (X, [5, 4], 1.0), [S1]) == [((S1,),)]
+    assert outputs_for(aten.new_zeros.default, (X, [4, 5]), [S0]) == [((R,),)]
+    assert outputs_for(aten.new_zeros.default, (X, [5, 4]), [P]) == [((R,),)]
+    assert outputs_for(aten.new_empty_strided.default, (X, [5, 4], [4, 1]), [S0]) == [((R,),)]
 
 
 def test_split_keeps_other_dims_and_partial() -> None:
