@@ -20,10 +20,12 @@ shards. Always offered: everything Replicate.
   pooling and every pooling backward are linear (Partial passes); max pooling is not (its
   indices would differ).
 - ``native_batch_norm``/``_native_batch_norm_legit*`` (+ ``native_batch_norm_backward``): the
-  channel dim 1 sharded with per-channel weight/bias/running stats ``S(0)``. Training mode
-  reduces over the batch and spatial dims, so those stay Replicate; in eval mode the op is
-  per channel only, so they may be sharded too (parameter gradients ``P(sum)``). The backward
-  is linear in grad_out.
+  channel dim 1 sharded with per-channel weight/bias/running stats ``S(0)``; or a batch or
+  spatial dim sharded. In eval mode the op is per channel only (parameter gradients
+  ``P(sum)``); in training mode it reduces over those dims, so its local step (the engine's
+  ``batch_norm_local`` kernel, as data-parallel "SyncBatchNorm") all-reduces the per-channel
+  statistics — one ``(2, C)`` all-reduce forward, one backward — and the statistics, running
+  statistics and parameter gradients come out Replicate. The backward is linear in grad_out.
 - ``native_group_norm`` (+ backward): batch dim 0 sharded (per sample) with a local
   implementation passing the local ``N``; channels stay Replicate (groups are not checked for
   shard alignment). The backward is linear in grad_out.
@@ -268,11 +270,11 @@ def _channel_placed(call: OpCall, x: TensorMeta, d: int, data: Sequence[str]) ->
 
 @register_axis_rule(BATCH_NORM_OPS)
 def batch_norm_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
-    """Channel dim sharded (stats S(0)); batch/spatial dims only in eval mode. Outputs: y, mean, invstd."""
+    """Channel dim sharded (stats S(0)), or a batch/spatial dim (in training, the kernel
+    all-reduces the statistics). Outputs: y, mean, invstd."""
     x = call.inputs[0]
     strategies = [_replicate(call)]
-    dims = range(1, 2) if _training(call) else range(x.ndim)
-    for d in _worth(call, "input", axis, [d for d in dims if d < x.ndim]):
+    for d in _worth(call, "input", axis, range(x.ndim)):
         outs = [Shard(d)] + [Shard(0) if d == 1 and o is not None and o.shape == (x.shape[1],) else R for o in call.out[1:]]
         strategies.append(_make(call, _channel_placed(call, x, d, ("input",)), outs))
     return strategies
@@ -286,21 +288,24 @@ def batch_norm_out_shapes(call: OpCall) -> tuple[tuple[int, ...] | None, ...] | 
 
 @register_axis_rule(aten.native_batch_norm_backward.default)
 def batch_norm_backward_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
-    """Channel dim sharded -> (S(1), S(0), S(0)); eval mode batch/spatial -> (S(d), P, P); linear in grad_out."""
+    """Channel dim sharded -> (S(1), S(0), S(0)); batch/spatial -> (S(d), P, P) in eval mode,
+    (S(d), R, R) in training (the kernel all-reduces the sums); linear in grad_out."""
     x = call.inputs[_slots(call)["input"]]
     strategies = [_replicate(call)]
-    dims = range(1, 2) if _training(call) else range(x.ndim)
-    for d in _worth(call, "input", axis, [d for d in dims if d < x.ndim]):
-        outs = [Shard(d)] + ([Shard(0), Shard(0)] if d == 1 else [P_SUM, P_SUM])
+    sums: list[Placement] = [R, R] if _training(call) else [P_SUM, P_SUM]
+    for d in _worth(call, "input", axis, range(x.ndim)):
+        outs = [Shard(d)] + ([Shard(0), Shard(0)] if d == 1 else sums)
         strategies.append(_make(call, _channel_placed(call, x, d, ("grad_out", "input")), outs))
     for t in LINEAR:
         strategies.append(_make(call, {"grad_out": Partial(t)}, [Partial(t)] * 3))
     return strategies
 
 
-@register_local_impl(BATCH_NORM_OPS + [aten.native_batch_norm_backward.default])
 def batch_norm_local(ctx: LocalContext, *args: Any, **kwargs: Any) -> Any:
-    """An empty shard (no channels here) gives empty outputs / zero sums (the kernel rejects empty input)."""
+    """The op on a shard of the channels (or, in eval mode, of a batch/spatial dim): an empty
+    shard (no channels here) gives empty outputs / zero sums (the kernel rejects empty input).
+    The local step of these ops is the engine's ``batch_norm_local`` kernel, which calls this
+    one where no statistic crosses ranks."""
     x = args[_slots(ctx.call)["input"]]
     if x.numel():
         return ctx.call.op(*args, **kwargs)

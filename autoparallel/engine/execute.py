@@ -87,8 +87,10 @@ def execute(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], 
         louts = [lo if lo is None or (marks and marks[k] is not None) else _follow(lo, d, k) for k, lo in enumerate(louts)]
     else:
         louts = [None if s is None else torch.empty((0,), dtype=s.dtype, device=dts[0]._local.device) for s in d.out_specs]
+    # (an output the local step leaves undefined where meta gives a tensor: a gradient the
+    # backward was not asked for, as ``native_batch_norm_backward``'s by its ``output_mask``)
     wrapped = [
-        None if s is None else cls._wrap(lo, s, st)
+        None if s is None or lo is None else cls._wrap(lo, s, st)
         for lo, s, st in zip(louts, d.out_specs, d.out_strides)
     ]
     if marks:  # the kernel started a deferred statistic: these outputs wait on it

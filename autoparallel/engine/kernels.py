@@ -23,8 +23,11 @@ import torch
 
 from autoparallel.engine.deferred import Deferred, Stat
 from autoparallel.mesh import ProcessMesh
+from autoparallel.placement import Shard
 from autoparallel.runtime import agree, comm
 from spmd_rules.base import LocalContext
+from spmd_rules.conv_attention import BATCH_NORM_OPS
+from spmd_rules.conv_attention import batch_norm_local as rules_batch_norm_local
 from spmd_rules.nn import (
     MEAN,
     NLL_FORWARD,
@@ -147,10 +150,105 @@ def nll_forward_local(
     return both[0] / both[1], both[1].to(tw.dtype)
 
 
+# ---- batch norm in training over a sharded batch/spatial dim ("SyncBatchNorm") ---------------
+def _bound(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The call's arguments by their schema names."""
+    bound = dict(zip((a.name for a in op._schema.arguments), args))
+    bound.update(kwargs)
+    return bound
+
+
+def _stat_axes(spec: Any) -> tuple[int, ...]:
+    """The mesh axes that shard a batch or spatial dim (any dim but the channels, 1) of ``spec``."""
+    return tuple(a for a, p in enumerate(spec.placements) if isinstance(p, Shard) and p.dim != 1)
+
+
+def _per_sample_count(spec: Any) -> int:
+    """How many values each channel's statistics reduce over: the global numel over the channels."""
+    n = 1
+    for d, size in enumerate(spec.shape):
+        n *= size if d != 1 else 1
+    return n
+
+
+def batch_norm_local(ctx: LocalContext, *args: Any, **kwargs: Any) -> Any:
+    """Training batch norm on batch (or spatial) shards: each channel's mean and variance over
+    the whole batch come from one all-reduce of ``(2, C)`` float64 sums; the shards are
+    normalised with them and every rank updates its replicated running statistics alike. Elsewhere (channel
+    shards, eval mode): the op on the shards (``spmd_rules.conv_attention.batch_norm_local``)."""
+    op = ctx.call.op
+    b = _bound(op, args, kwargs)
+    axes = _stat_axes(ctx.in_specs[0])
+    if not axes or not b.get("training", False):
+        return rules_batch_norm_local(ctx, *args, **kwargs)
+    x, w, bias = b["input"], b.get("weight"), b.get("bias")
+    mean_, var_ = b.get("running_mean"), b.get("running_var")
+    momentum, eps = b["momentum"], b["eps"]
+    n = _per_sample_count(ctx.in_specs[0])
+    dims = [d for d in range(x.ndim) if d != 1]
+    shape = [1, -1] + [1] * (x.ndim - 2)
+    xd = x.to(torch.float64)
+    # one all-reduce of the sums of x - K and of its squares, K the running mean where there is
+    # one (replicated, near the batch mean: the variance E[(x-K)^2] - (mean-K)^2 loses nothing
+    # to cancellation at float64 unless the batch mean is ~1e5 standard deviations off it)
+    shift = mean_.to(torch.float64) if mean_ is not None else xd.new_zeros(x.shape[1])
+    xs = xd - shift.view(shape)
+    sums = ctx.comm.all_reduce(torch.stack([xs.sum(dims), (xs * xs).sum(dims)]), axes, "sum") / n
+    var = (sums[1] - sums[0] * sums[0]).clamp_min(0)
+    mean = sums[0] + shift
+    centred = xd - mean.view(shape)
+    invstd = (var + eps).rsqrt()
+    out_meta, mean_meta, invstd_meta = ctx.call.out[:3]
+    assert out_meta is not None
+    y = (centred * invstd.view(shape)).to(compute_dtype(out_meta.dtype))
+    if w is not None:
+        y = y * w.view(shape)
+    if bias is not None:
+        y = y + bias.view(shape)
+    if mean_ is not None and var_ is not None:
+        with torch.no_grad():  # in place, as the op writes them (its schema does not say so)
+            mean_.mul_(1 - momentum).add_((mean * momentum).to(mean_.dtype))
+            var_.mul_(1 - momentum).add_((var * (momentum * n / max(n - 1, 1))).to(var_.dtype))
+    return (y.to(out_meta.dtype), mean.to(mean_meta.dtype if mean_meta is not None else x.dtype),
+            invstd.to(invstd_meta.dtype if invstd_meta is not None else x.dtype))
+
+
+def batch_norm_backward_local(ctx: LocalContext, *args: Any, **kwargs: Any) -> Any:
+    """The training backward on batch (or spatial) shards: the per-channel sums of the
+    gradient and of gradient x normalised input, one all-reduce of ``(2, C)``; the parameter
+    gradients are those sums (Replicate). Elsewhere: the op on the shards."""
+    op = ctx.call.op
+    b = _bound(op, args, kwargs)
+    axes = _stat_axes(ctx.in_specs[1])
+    if not axes or not b.get("train", False):
+        return rules_batch_norm_local(ctx, *args, **kwargs)
+    dy, x, w = b["grad_out"], b["input"], b.get("weight")
+    mean, invstd, mask = b["save_mean"], b["save_invstd"], list(b["output_mask"])
+    n = _per_sample_count(ctx.in_specs[1])
+    dims = [d for d in range(x.ndim) if d != 1]
+    shape = [1, -1] + [1] * (x.ndim - 2)
+    dyd = dy.to(torch.float64)
+    xhat = (x.to(torch.float64) - mean.to(torch.float64).view(shape)) * invstd.to(torch.float64).view(shape)
+    sums = ctx.comm.all_reduce(torch.stack([dyd.sum(dims), (dyd * xhat).sum(dims)]), axes, "sum")
+    metas = ctx.call.out[:3]
+    gi = gw = gb = None
+    if mask[0]:
+        scale = invstd.to(torch.float64) if w is None else invstd.to(torch.float64) * w.to(torch.float64)
+        gi = ((dyd - (sums[0] / n).view(shape) - xhat * (sums[1] / n).view(shape)) * scale.view(shape))
+        gi = gi.to(metas[0].dtype if metas[0] is not None else x.dtype)
+    if mask[1] and metas[1] is not None:
+        gw = sums[1].to(metas[1].dtype)
+    if mask[2] and metas[2] is not None:
+        gb = sums[0].to(metas[2].dtype)
+    return gi, gw, gb
+
+
 KERNELS: dict[Any, Callable[..., Any]] = {
     **{op: softmax_local for op in SOFTMAX_OPS},
     **{op: softmax_backward_local for op in SOFTMAX_BACKWARD_OPS},
     **{op: nll_forward_local for op in NLL_FORWARD},
+    **{op: batch_norm_local for op in BATCH_NORM_OPS},
+    aten.native_batch_norm_backward.default: batch_norm_backward_local,
 }
 # kernels that may return ``Deferred`` values (when ``ctx.may_defer``)
 DEFERRING = frozenset(NLL_FORWARD)

@@ -14,10 +14,13 @@ from typing import Any
 import pytest
 import torch
 
-from autoparallel import Partial, Replicate, Shard
+from autoparallel import Partial, ProcessMesh, Replicate, Shard
+from autoparallel.engine.kernels import kernel_for
 from autoparallel.placement import chunk_bounds
-from spmd_rules import LocalContext, OpCall, Strategy, TensorMeta, get_local_impl, get_rule
+from autoparallel.spec import DistSpec
+from spmd_rules import LocalContext, OpCall, Strategy, TensorMeta, get_rule
 from tests.pure.test_rules import combine, shard
+from tests.simcomm import SimComm
 from tests.treeutil import map_tensors, tensors_in
 
 aten = torch.ops.aten
@@ -146,13 +149,16 @@ def _local_shape(t: Any, p: Any, n: int, i: int) -> tuple[int, ...] | None:
     return tuple(shape)
 
 
-def _run(op: Any, call: OpCall, s: Strategy, expected: list, i: int, args: tuple, kwargs: dict) -> Any:
-    impl = get_local_impl(op)
+def _run(op: Any, call: OpCall, s: Strategy, expected: list, i: int, args: tuple, kwargs: dict,
+         in_specs: tuple, comm: SimComm) -> Any:
+    """The op's local step at rank ``i`` as the engine runs it (``kernel_for``: a rule's local
+    implementation, or a kernel issuing its collectives through ``comm``)."""
+    impl = kernel_for(op)
     if impl is None:
         return op(*args, **kwargs)
     n = call.mesh_shape[0]
     shapes = tuple(_local_shape(t, p[0], n, i) for t, p in zip(expected, s.outputs))
-    return impl(LocalContext(call, shapes), *args, **kwargs)
+    return impl(LocalContext(call, shapes, in_specs, (), (i,), False, comm), *args, **kwargs)
 
 
 @pytest.mark.parametrize("n", [3])  # uneven shards, and empty ones on the 2-long dims
@@ -174,11 +180,19 @@ def test_offered_strategies_are_exact(op: Any, args: tuple, kwargs: dict, n: int
     for s in seen:
         call = make_call(op, args, kwargs, [p[0] for p in s.inputs], n)
         pieces = [[pc.clone() for pc in shard(t, p[0], n, gen)] for t, p in zip(inputs, s.inputs)]
-        local_out = []
-        for i in range(n):
-            it = iter([pc[i] for pc in pieces])
+        mesh = ProcessMesh(list(range(n)))
+        in_specs = tuple(DistSpec(mesh, p, tuple(t.shape), t.dtype) for t, p in zip(inputs, s.inputs))
+        comm = SimComm([(i,) for i in range(n)])
+
+        def rank(c: tuple[int, ...], pieces: list = pieces, call: OpCall = call, s: Strategy = s,
+                 in_specs: tuple = in_specs, comm: SimComm = comm) -> Any:
+            it = iter([pc[c[0]] for pc in pieces])
             take = lambda _t: next(it)  # noqa: E731
-            local_out.append(_outs(_run(op, call, s, expected, i, map_tensors(args, take), map_tensors(kwargs, take))))
+            return _outs(_run(op, call, s, expected, c[0], map_tensors(args, take), map_tensors(kwargs, take),
+                              in_specs, comm))
+
+        done = comm.run(rank)
+        local_out = [done[(i,)] for i in range(n)]
         for k, want in enumerate(expected):
             if want is None:
                 continue
@@ -201,7 +215,8 @@ def test_expected_strategies() -> None:
     grouped = make_call(aten.convolution.default, CASES[10][1], {}, [R, R, R], 2)
     assert all(s.inputs[1] != (S0,) for s in get_rule(grouped.op)(grouped))  # type: ignore[misc]
     bn = make_call(*_case(aten.native_batch_norm.default), {}, [R] * 5, 2)
-    assert all(s.inputs[0][0] in (R, S1) for s in get_rule(bn.op)(bn))  # type: ignore[misc]
+    # training: channel shards, or batch/spatial shards whose statistics the kernel all-reduces
+    assert {s.inputs[0][0] for s in get_rule(bn.op)(bn)} == {R, S0, S1, Shard(2), Shard(3)}  # type: ignore[misc]
     gn = make_call(*_case(aten.native_group_norm.default), {}, [R] * 3, 2)
     assert {s.inputs[0][0] for s in get_rule(gn.op)(gn)} == {R, S0}  # type: ignore[misc]
 

@@ -12,7 +12,6 @@ World part: ``tests/world/test_nn_rules_world.py``.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +25,7 @@ from autoparallel import Partial, Replicate, Shard
 from autoparallel.engine.kernels import kernel_for
 from autoparallel.spec import DistSpec
 from spmd_rules import LocalContext, OpCall, Strategy, TensorMeta, get_rule
+from tests.simcomm import SimComm as _SimComm
 from tests.treeutil import map_tensors, one_thread, tensors_in  # noqa: F401  (one_thread: autouse fixture)
 
 aten = torch.ops.aten
@@ -143,66 +143,6 @@ def test_nll_strategies() -> None:
 
 
 # ---- brute force with simulated collectives --------------------------------------------------
-class _Collective(Exception):
-    """Raised by the first collective of a sequential run: rerun the ranks in threads."""
-
-
-class _SimComm:
-    """Stands in for the engine's ``Collectives`` (``ctx.comm`` of a kernel): threads meet at a
-    barrier and reduce over axis lines."""
-
-    def __init__(self, coords: list[tuple[int, ...]]) -> None:
-        self.coords = coords
-        self.barrier = threading.Barrier(len(coords), timeout=30)
-        self.slots: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
-        self.tls = threading.local()
-
-    def all_reduce(self, t: torch.Tensor, axes: Any, reduce_type: str) -> torch.Tensor:
-        for axis in axes:
-            t = self._reduce(t, axis, reduce_type)
-        return t
-
-    def _reduce(self, t: torch.Tensor, axis: int, reduce_type: str) -> torch.Tensor:
-        if not self.threaded:
-            raise _Collective
-        me, k = self.tls.coord, self.tls.step
-        self.tls.step += 1
-        self.slots[(k, me)] = t.clone()
-        self.barrier.wait()
-        line = [c for c in self.coords if all(c[b] == me[b] for b in range(len(me)) if b != axis)]
-        stacked = torch.stack([self.slots[(k, c)] for c in line])
-        out = {"sum": torch.sum, "avg": torch.mean, "max": torch.amax, "min": torch.amin}[reduce_type](stacked, 0)
-        self.barrier.wait()
-        return out
-
-    def run(self, fn: Callable[[tuple[int, ...]], Any]) -> dict[tuple[int, ...], Any]:
-        """``fn`` at every coordinate: in turn, or in threads once a collective shows up."""
-        self.threaded = False
-        try:
-            return {c: fn(c) for c in self.coords}
-        except _Collective:
-            self.threaded = True
-        results: dict[tuple[int, ...], Any] = {}
-        errors: list[BaseException] = []
-
-        def body(c: tuple[int, ...]) -> None:
-            self.tls.coord, self.tls.step = c, 0
-            try:
-                results[c] = fn(c)
-            except BaseException as e:  # noqa: BLE001  (re-raised below)
-                errors.append(e)
-                self.barrier.abort()
-
-        threads = [threading.Thread(target=body, args=(c,)) for c in self.coords]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-        if errors:
-            raise errors[0]
-        return results
-
-
 def _summand(x: torch.Tensor, placements: tuple, coord: tuple[int, ...], mesh_shape: tuple[int, ...], seed: int) -> torch.Tensor:
     """The piece at ``coord`` of a Partial-on-some-axes value ``x`` (random integer summands)."""
     for a, p in enumerate(placements):
