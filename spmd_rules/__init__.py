@@ -8,6 +8,7 @@ product over axes).
 
 from spmd_rules import (  # noqa: F401  (importing a family registers its rules)
     conv_attention,
+    losses,
     matmul,
     nn,
     optim_ops,

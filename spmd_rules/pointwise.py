@@ -56,6 +56,8 @@ PLAIN_OPS = [
     aten.xlogy, aten.sgn, aten.signbit, aten.isfinite, aten.threshold, aten.heaviside,
     aten.bitwise_left_shift, aten.bitwise_right_shift, aten.float_power, aten.hypot,
     aten.igamma, aten.lgamma, aten.digamma, aten.i0, aten.nextafter, aten.fmax, aten.fmin,
+    # activations' backward ops torch does not tag pointwise
+    aten.softplus_backward, aten.hardswish_backward, aten.hardsigmoid_backward, aten.mish_backward,
 ]
 
 

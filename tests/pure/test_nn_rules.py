@@ -286,6 +286,31 @@ def _cases() -> list[Case]:
             g = rnd(*loss.shape)
             currents = [[R, R, R] + ([R] if weight is not None else []) + [P]] if reduction != 1 else []
             cases.append(Case(back, (g, *big, weight, reduction, -100, tw), currents=currents))
+    # elementwise losses (spmd_rules.losses): none / mean / sum, broadcast weights
+    prob = torch.rand(5, 7, generator=_GEN, dtype=torch.float64) * 0.9 + 0.05
+    lab, sign = torch.rand(5, 7, generator=_GEN, dtype=torch.float64), rnd(5, 7).sign()
+    for red in (0, 1, 2):
+        t, g = rnd(5, 7), (rnd(5, 7) if red == 0 else rnd())
+        cases += [
+            Case(aten.mse_loss.default, (x2, t, red)),
+            Case(aten.huber_loss.default, (x2, t, red, 0.5)),
+            Case(aten.smooth_l1_loss.default, (x2, t, red, 0.5)),
+            Case(aten.soft_margin_loss.default, (x2, sign, red)),
+            Case(aten.binary_cross_entropy.default, (prob, lab, rnd(7).abs(), red)),
+            Case(aten.binary_cross_entropy_with_logits.default, (x2, lab, rnd(5, 1).abs(), rnd(7).abs(), red)),
+            Case(aten.mse_loss_backward.default, (g, x2, t, red)),
+            Case(aten.huber_loss_backward.default, (g, x2, t, red, 0.5)),
+            Case(aten.smooth_l1_loss_backward.default, (g, x2, t, red, 0.5)),
+            Case(aten.soft_margin_loss_backward.default, (g, x2, sign, red)),
+            Case(aten.binary_cross_entropy_backward.default, (g, prob, lab, rnd(7).abs(), red)),
+        ]
+    buffer = aten.log_sigmoid_forward.default(x2)[1]
+    cases += [Case(aten.log_sigmoid_forward.default, (x2,)),
+              Case(aten.log_sigmoid_backward.default, (rnd(5, 7), x2, buffer)),
+              Case(aten.softplus_backward.default, (rnd(5, 7), x2, 1.5, 20.0)),
+              Case(aten.hardswish_backward.default, (rnd(5, 7), x2)),
+              Case(aten.hardsigmoid_backward.default, (rnd(5, 7), x2)),
+              Case(aten.mish_backward.default, (rnd(5, 7), x2))]
     return cases
 
 
