@@ -111,9 +111,28 @@ def t5() -> Any:
     return T5ForConditionalGeneration(cfg)
 
 
+def swin() -> Any:
+    """Swin image classifier: 16 x 16 images, patch 2, 2 stages (16, 32 channels), window 4 (shifted
+    windows: ``roll``, window partitions, a relative position bias); no stochastic depth."""
+    from transformers import SwinConfig, SwinForImageClassification
+
+    cfg = SwinConfig(image_size=16, patch_size=2, num_channels=3, embed_dim=16, depths=[1, 1], num_heads=[2, 2],
+                     window_size=4, num_labels=10, drop_path_rate=0.0)
+    return SwinForImageClassification(cfg)
+
+
+def mamba() -> Any:
+    """Mamba LM: hidden 32, 2 layers, state 8, vocabulary 128 (the sequential selective scan in
+    plain torch: a loop over positions; ``softplus``)."""
+    from transformers import MambaConfig, MambaForCausalLM
+
+    cfg = MambaConfig(hidden_size=32, num_hidden_layers=2, vocab_size=VOCAB, state_size=8, expand=2, conv_kernel=4)
+    return MambaForCausalLM(cfg)
+
+
 MODELS: dict[str, Callable[[], Any]] = {
     "gpt2": gpt2, "bert": bert, "llama": llama, "llama_tied": llama_tied, "mixtral": mixtral, "vit": vit,
-    "resnet": resnet, "t5": t5,
+    "resnet": resnet, "t5": t5, "swin": swin, "mamba": mamba,
 }
 
 
@@ -126,7 +145,7 @@ def batches(model: str, steps: int) -> list[dict[str, Any]]:
     g = torch.Generator().manual_seed(1)
     out = []
     for _ in range(steps):
-        if model in ("vit", "resnet"):
+        if model in ("vit", "resnet", "swin"):
             size = 16
             out.append({"pixel_values": torch.randn(4, 3, size, size, generator=g),
                         "labels": torch.randint(0, 10, (4,), generator=g)})
@@ -392,6 +411,11 @@ CASES: dict[tuple[str, str], Any] = {
     # the labels: no all-gather, the decoder runs on each rank's examples
     ("t5", "dp"): [{'all_reduce': 2}] * STEPS,
     ("t5", "zero3"): [{'all_gather': 22, 'all_reduce': 1, 'reduce_scatter': 11}] * STEPS,  # 11 units: the root and each entry of a block's ``layer`` list
+    # autograd's as_strided backward fills ``grad.new_zeros(numel)`` viewed as the base: sharded
+    # as the gradient's rows (it used to be replicated, the gradient gathered into it)
+    ("swin", "dp"): [{'all_reduce': 2}] * STEPS,
+    # softplus_backward (the scan's step sizes) is pointwise: it used to run replicated
+    ("mamba", "dp"): [{'all_reduce': 2}] * STEPS,
     # BatchNorm in training on batch shards: one (2, C) all-reduce of the statistics forward and
     # one backward per BatchNorm (6), the input never gathered (engine.kernels.batch_norm_local)
     ("resnet", "dp"): [{'all_reduce': 14}] * STEPS,
