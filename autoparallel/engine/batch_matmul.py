@@ -8,15 +8,25 @@ matmul (found by the model zoo). Moving the sharded batch dims to the front firs
 (``[h, b, s, d]``) makes the flatten keep the shard (``Shard(0)``); the products are the same
 numbers (one ``bmm`` per batch element either way) and the result is permuted back and made
 contiguous, as ``matmul`` returns it.
+
+Two batch dims sharded on two mesh axes (DP x TP: the batch on ``dp``, the heads on ``tp``)
+merge into no placement whatever their order. There, where both operands are laid out alike
+(each mesh axis shards the same batch dim of both, or neither), every rank's batch elements are
+its own: ``matmul`` runs on the shards and its result is laid out as they are (``per_shard``;
+differentiable through ``to_local`` and the engine's ``from_local``, each operand's gradient
+coming back in its own layout).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from autoparallel.placement import Shard
+from autoparallel import runtime
+from autoparallel.placement import Replicate, Shard
+from autoparallel.spec import DistSpec
 
 MATMULS = frozenset({torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__})
 
@@ -31,11 +41,14 @@ def _sharded_dims(t: Any, batch: int) -> set[int]:
     return dims
 
 
-def batch_first_matmul(cls: Any, func: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
-    """``func(a, b)`` with the sharded batch dims moved first, or ``NotImplemented`` when it does not apply.
+def batch_first_matmul(cls: Any, func: Any, args: tuple[Any, ...], kwargs: Any,
+                       from_local: Callable[[torch.Tensor, DistSpec], Any]) -> Any:
+    """``func(a, b)`` with the sharded batch dims moved first (or, for two of them, on the
+    shards: ``per_shard``), or ``NotImplemented`` when it does not apply.
 
     Applies to two DistTensors of one rank >= 3 with equal batch shapes (no broadcasting) where
-    some batch dim other than the first is sharded.
+    some batch dim other than the first is sharded. ``from_local``: the engine's differentiable
+    shard -> DistTensor.
     """
     if func not in MATMULS or kwargs or len(args) != 2:
         return NotImplemented
@@ -46,6 +59,10 @@ def batch_first_matmul(cls: Any, func: Any, args: tuple[Any, ...], kwargs: Any) 
     if tuple(a.shape[:batch]) != tuple(b.shape[:batch]):
         return NotImplemented
     sharded = sorted(_sharded_dims(a, batch) | _sharded_dims(b, batch))
+    if len(sharded) > 1:
+        out = per_shard(a, b, batch, from_local)
+        if out is not NotImplemented:
+            return out
     if not sharded or sharded == list(range(len(sharded))):
         return NotImplemented  # already outermost: the flatten keeps it
     perm = sharded + [d for d in range(a.dim()) if d not in sharded]
@@ -54,4 +71,21 @@ def batch_first_matmul(cls: Any, func: Any, args: tuple[Any, ...], kwargs: Any) 
     return out.permute(inverse).contiguous()
 
 
-__all__ = ["batch_first_matmul"]
+def per_shard(a: Any, b: Any, batch: int, from_local: Callable[[torch.Tensor, DistSpec], Any]) -> Any:
+    """``matmul(a, b)`` on the shards where both are laid out alike on batch dims only (each
+    mesh axis shards one batch dim of both, or replicates both; one dtype; this rank on the
+    mesh): the result's batch dims keep that layout. Else ``NotImplemented``."""
+    sa, sb = a._spec, b._spec
+    if sa.mesh != sb.mesh or sa.placements != sb.placements or sa.shard_order != sb.shard_order or sa.dtype != sb.dtype:
+        return NotImplemented
+    for p in sa.placements:
+        if not (isinstance(p, Replicate) or (isinstance(p, Shard) and p.dim % a.dim() < batch)):
+            return NotImplemented  # Partial, or a matrix dim sharded: the products need more
+    if sa.mesh.coordinate_of(runtime.get_rank()) is None:
+        return NotImplemented
+    placements = tuple(Shard(p.dim % a.dim()) if isinstance(p, Shard) else p for p in sa.placements)
+    spec = DistSpec(sa.mesh, placements, (*sa.shape[:batch], sa.shape[-2], sb.shape[-1]), sa.dtype, sa.shard_order)
+    return from_local(torch.matmul(a.to_local(), b.to_local()), spec)
+
+
+__all__ = ["batch_first_matmul", "per_shard"]

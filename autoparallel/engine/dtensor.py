@@ -101,7 +101,7 @@ class DistTensor(torch.Tensor):
                 args, kwargs = _whole_split_points(cls, func, args, kwargs or {})
             else:
                 with compat.disable_torch_function_subclass():
-                    out = batch_first_matmul(cls, func, args, kwargs)
+                    out = batch_first_matmul(cls, func, args, kwargs, _FromLocal.apply)
                 if out is not NotImplemented:
                     return out
         return compat.disabled_torch_function_impl(func, types, args, kwargs or {})

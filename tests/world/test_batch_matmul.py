@@ -6,12 +6,15 @@ dims to ``b*h`` could not keep an inner-dim shard, so both operands were all-gat
 attention matmul. ``engine.batch_matmul`` moves the sharded batch dims first: no collective
 forward, the same values and gradients as one process, a contiguous result.
 
-Not covered: two batch dims sharded on two mesh axes (DP x TP: batch on ``dp``, heads on
-``tp``): merging them into one dim is not expressible by placements, so the flatten still
-gathers there (values stay right; the zoo's ``dp_tp`` counts show it).
+Two batch dims sharded on two mesh axes (DP x TP: batch on ``dp``, heads on ``tp``) merge into
+no placement: the flatten gathered both operands there (the zoo's ``dp_tp`` counts showed it).
+Laid out alike, each rank's batch elements are its own: ``matmul`` runs on the shards
+(``batch_matmul.per_shard``), uneven batch shards included.
 """
 
 from __future__ import annotations
+
+import pytest
 
 
 def _attention_matmul(rank: int, dp: bool) -> tuple[float, float, float, dict[str, int], list[str], bool]:
@@ -46,3 +49,35 @@ def test_head_sharded_matmul_moves_nothing(world2) -> None:  # type: ignore[no-u
         assert max(err, gq, gk) < 1e-5, (err, gq, gk)
         assert comm == {}, comm
         assert placements == ["S(1)"] and contiguous, placements
+
+
+def _dp_tp_matmul(rank: int, batch: int) -> tuple[float, float, float, dict[str, int], list[str]]:
+    import torch
+
+    import autoparallel as ap
+
+    torch.manual_seed(0)
+    q, k = torch.randn(batch, 4, 6, 8), torch.randn(batch, 4, 6, 8)
+    mesh = ap.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "tp"])
+    pl = [ap.Shard(0), ap.Shard(1)]
+    qd = ap.shard_tensor(q, mesh, pl).requires_grad_()
+    kd = ap.shard_tensor(k, mesh, pl).requires_grad_()
+    with ap.CommDebugMode() as comm:
+        s = torch.matmul(qd, kd.transpose(-1, -2))
+        p = s.softmax(-1) @ kd  # [b, h, s, s] @ [b, h, s, d]
+    qr, kr = q.clone().requires_grad_(), k.clone().requires_grad_()
+    ws = torch.matmul(qr, kr.transpose(-1, -2))
+    wp = ws.softmax(-1) @ kr
+    ((s * s).sum() + p.sum()).backward()
+    ((ws * ws).sum() + wp.sum()).backward()
+    err = max((s.full_tensor() - ws).abs().max().item(), (p.full_tensor() - wp).abs().max().item())
+    return (err, (qd.grad.full_tensor() - qr.grad).abs().max().item(), (kd.grad.full_tensor() - kr.grad).abs().max().item(),
+            comm.get_comm_counts(), [str(x) for x in p.placements])
+
+
+@pytest.mark.parametrize("batch", [4, 3], ids=["even", "uneven"])
+def test_batch_and_head_sharded_matmul_runs_on_the_shards(world4, batch: int) -> None:  # type: ignore[no-untyped-def]
+    for err, gq, gk, comm, placements in world4.run(_dp_tp_matmul, batch):
+        assert max(err, gq, gk) < 1e-5, (err, gq, gk)
+        assert comm == {}, comm  # forward: nothing moves
+        assert placements == ["S(0)", "S(1)"], placements
