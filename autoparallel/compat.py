@@ -54,6 +54,19 @@ disabled_torch_function_impl: Any = getattr(torch._C, "_disabled_torch_function_
 disable_torch_function_subclass: Any = getattr(torch._C, "DisableTorchFunctionSubclass", None) or torch._C.DisableTorchFunction
 
 
+def torch_function_enabled() -> bool:
+    """Whether subclass ``__torch_function__`` handling is on (it is off inside a subclass's own
+    handling: in the whole backward of ``loss.backward()`` on a DistTensor)."""
+    return bool(torch._C._is_torch_function_enabled())
+
+
+def enable_torch_function() -> Any:
+    """A context manager turning subclass ``__torch_function__`` handling back on (for a
+    recompute that must run as its forward did); a no-op context where torch has none."""
+    enable = getattr(torch._C, "_EnableTorchFunction", None)
+    return enable() if enable is not None else contextlib.nullcontext()
+
+
 # ---- dispatch ----------------------------------------------------------------------------------
 try:  # run a kernel with no Python dispatch in the way (for in-place views' metadata)
     from torch.utils._mode_utils import no_dispatch
@@ -290,6 +303,7 @@ __all__ = [
     "LIBRARY_PACKAGES", "run_as_is_under_dynamo", "profiler_enabled", "SymbolicTools", "global_module_hooks", "modes_active", "symbolic_tools",
     "GRAD_SCALER_UNSCALE", "HAS_GRAD_SCALER_UNSCALE", "amp_check_and_unscale_",
     "WRAPPER_POSITIONAL", "TorchDispatchMode", "all_op_schemas", "disable_torch_function_subclass", "disabled_torch_function_impl", "flatten_dense_tensors",
+    "enable_torch_function", "torch_function_enabled",
     "make_wrapper_subclass", "meta_in_tls", "no_dispatch", "optimizer_global_hooks", "tree_flatten", "tree_unflatten",
     "unflatten_dense_tensors", "will_engine_execute_node",
 ]

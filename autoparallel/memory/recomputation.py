@@ -40,6 +40,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from autoparallel import compat
 from autoparallel.engine import layout
 
 aten = torch.ops.aten
@@ -123,17 +124,29 @@ def _context_fn(policy: Policy) -> Callable[[], Any] | None:
 
 
 def _region(call: Callable[..., Any]) -> Callable[..., Any]:
-    """``call`` as checkpoint's function: its first run is the forward, later runs recompute."""
+    """``call`` as checkpoint's function: its first run is the forward, later runs recompute.
+
+    A recompute runs with the forward's ``__torch_function__`` state: ``loss.backward()`` on a
+    DistTensor runs the whole backward with subclass handling off (``DistTensor.__torch_function__``
+    hands ``Tensor.backward`` on so), and what the forward decided there (a batched ``matmul``
+    on the shards: ``engine.batch_matmul``) would be decided otherwise in the recompute, saving
+    tensors of other shapes than the forward did (torch's checkpoint refuses that)."""
     frame = _Frame()
     runs = [0]
+    forward_tf = [True]
 
     @functools.wraps(call)
     def run(*args: Any, **kwargs: Any) -> Any:
         frame.replaying, frame.pos = runs[0] > 0, 0
+        if runs[0] == 0:
+            forward_tf[0] = compat.torch_function_enabled()
         runs[0] += 1
         frames = _frames()
         frames.append(frame)
         try:
+            if frame.replaying and forward_tf[0] and not compat.torch_function_enabled():
+                with compat.enable_torch_function():
+                    return call(*args, **kwargs)
             return call(*args, **kwargs)
         finally:
             frames.pop()
