@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
-from typing import Any
-
 import torch
 
-from autoparallel.placement import Partial, Placement, Shard
-from spmd_rules.base import AxisStrategy, LocalContext, OpCall, R, follow
-from spmd_rules.registry import register_axis_rule, register_local_impl
+from autoparallel.placement import Partial, Placement
+from spmd_rules.base import AxisStrategy, OpCall, R, follow
+from spmd_rules.registry import register_axis_rule
 
 aten = torch.ops.aten
 
@@ -25,39 +21,16 @@ def like_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
     return [AxisStrategy((p,), (R if isinstance(p, Partial) else p,))]
 
 
-_SIZED_NEW_OPS = [aten.new_empty, aten.new_zeros, aten.new_ones, aten.new_full, aten.new_empty_strided]
-
-
 @register_axis_rule(NEW_OPS)
 def new_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
-    """``x.new_*(size)`` builds a tensor of the global ``size``; x is not moved. Of x's shape
-    (``x.new_zeros(x.shape)``: a buffer filled from x next, as T5's shifted decoder inputs), it
-    is sharded as x is (its values depend on nothing, so any layout holds them; x's keeps the
-    writes that follow local: autograd's ``CopySlices`` fills ``grad.new_empty_strided(base)``
-    with the gradient); else replicated."""
-    p = call.placements[0][axis]
-    out, x = call.out[0] if call.out else None, call.inputs[0]
-    if isinstance(p, Shard) and out is not None and call.op.overloadpacket in _SIZED_NEW_OPS:
-        if tuple(out.shape) == tuple(x.shape):
-            return [AxisStrategy((p,), (p,))]
-        if (p.dim == 0 and len(out.shape) == 1 and len(x.shape) > 1 and x.shape[0] % size == 0
-                and out.shape[0] == math.prod(x.shape)):
-            # x's storage flattened (autograd's as_strided backward: ``grad.new_zeros(numel)``,
-            # viewed as x and filled with the gradient): whole rows of x per rank, in order
-            return [AxisStrategy((p,), (p,))]
-    return [AxisStrategy((p,), (R,))]
+    """``x.new_*(size)`` builds a replicated tensor of the global ``size``; x is not moved.
 
-
-@register_local_impl(_SIZED_NEW_OPS)
-def new_local(ctx: LocalContext, x: torch.Tensor, size: Sequence[int], *args: Any, **kwargs: Any) -> torch.Tensor:
-    """``x.new_*`` at this rank's local size of the result (the global size where replicated;
-    ``new_empty_strided``'s strides: dense on the local size, the engine nests them as asked)."""
-    local = ctx.out_shapes[0]
-    assert local is not None
-    if ctx.call.op.overloadpacket is aten.new_empty_strided:
-        kwargs = {k: v for k, v in kwargs.items() if k != "stride"}
-        return aten.new_empty.default(x, list(local), **kwargs)  # type: ignore[no-any-return]
-    return ctx.call.op(x, list(local), *args, **kwargs)  # type: ignore[no-any-return]
+    Not sharded as x even where it has x's shape (T5's ``labels.new_zeros(labels.shape)``,
+    autograd's ``grad.new_empty_strided(base)``): its values depend on nothing, but the writes
+    that follow may go through a slice of a sharded dim (``buf[0] = v``), which a shard does not
+    take (the view would move: the write could not reach the buffer). Replicated, every write
+    stays local; the cost is a move where it meets sharded values."""
+    return [AxisStrategy((call.placements[0][axis],), (R,))]
 
 
 @register_axis_rule([aten.copy_, aten.copy])

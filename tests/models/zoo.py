@@ -103,7 +103,7 @@ def resnet() -> Any:
 
 def t5() -> Any:
     """T5 encoder-decoder: d_model 64, 2 + 2 layers, 4 heads, MLP 128, vocabulary 128 (relative
-    position buckets; the decoder's inputs are the labels shifted right, built with ``new_zeros``)."""
+    position buckets; the decoder's inputs are the labels shifted right into ``new_zeros``)."""
     from transformers import T5Config, T5ForConditionalGeneration
 
     cfg = T5Config(d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4, vocab_size=VOCAB, dropout_rate=0.0,
@@ -409,13 +409,15 @@ CASES: dict[tuple[str, str], Any] = {
     ("vit", "zero3"): [{'all_gather': 6, 'all_reduce': 1, 'reduce_scatter': 3}] * STEPS,
     ("vit", "tp"): [{'all_reduce': 8}] * STEPS,  # Megatron's 2 forward + 2 backward per layer
     ("vit", "dp_tp"): [{'all_reduce': 10}] * STEPS,  # eager attention's matmuls on the shards (docs/models.md)
-    # the shifted decoder inputs (``labels.new_zeros(labels.shape)``, then filled) are sharded as
-    # the labels: no all-gather, the decoder runs on each rank's examples
-    ("t5", "dp"): [{'all_reduce': 2}] * STEPS,
-    ("t5", "zero3"): [{'all_gather': 22, 'all_reduce': 1, 'reduce_scatter': 11}] * STEPS,  # 11 units: the root and each entry of a block's ``layer`` list
-    # autograd's as_strided backward fills ``grad.new_zeros(numel)`` viewed as the base: sharded
-    # as the gradient's rows (it used to be replicated, the gradient gathered into it)
-    ("swin", "dp"): [{'all_reduce': 2}] * STEPS,
+    # the shifted decoder inputs (``labels.new_zeros(labels.shape)``, then filled) are replicated
+    # (new tensors are: a write may slice a sharded dim), so the labels are gathered into them and
+    # the decoder runs replicated; from step 3 (local regions) its Partial gradients reduce-scatter
+    ("t5", "dp"): [{'all_gather': 1, 'all_reduce': 2}] * (STEPS - 1) + [{'all_gather': 1, 'all_reduce': 2, 'reduce_scatter': 3}],
+    # 11 units: the root and each entry of a block's ``layer`` list
+    ("t5", "zero3"): [{'all_gather': 23, 'all_reduce': 1, 'reduce_scatter': 14}] * STEPS,
+    # autograd's as_strided backward fills ``grad.new_zeros(numel)`` viewed as the base: a new
+    # tensor, replicated, so the classifier's gradient is gathered into it
+    ("swin", "dp"): [{'all_gather': 1, 'all_reduce': 2}] * STEPS,
     # softplus_backward (the scan's step sizes) is pointwise: it used to run replicated
     ("mamba", "dp"): [{'all_reduce': 2}] * STEPS,
     # BatchNorm in training on batch shards: one (2, C) all-reduce of the statistics forward and

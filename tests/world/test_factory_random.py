@@ -111,6 +111,40 @@ def test_factories(world4):  # type: ignore[no-untyped-def]
         assert warned == []
 
 
+# ---- new tensors made from a sharded one, then written ------------------------------------------
+WRITES: list[tuple[str, Callable[[torch.Tensor, torch.Tensor], Any]]] = [
+    ("row", lambda t, x: t.__setitem__(0, 5.0)),
+    ("rows", lambda t, x: t.__setitem__(slice(1, 3), 7.0)),
+    ("column", lambda t, x: t.__setitem__((slice(None), 0), 5.0)),
+    ("fill_diagonal_", lambda t, x: t.fill_diagonal_(2.0)),
+    ("shift", lambda t, x: t[..., 1:].copy_(x[..., :-1])),
+    ("index_put_", lambda t, x: t.index_put_((torch.tensor([0, 3]),), torch.tensor(9.0))),
+    ("masked_fill_", lambda t, x: t.masked_fill_(x > 5, 1.0)),
+]
+
+
+def _new_then_written(rank: int) -> list[str]:
+    """``x.new_zeros(x.shape)`` of a batch-sharded x, written through views (of the sharded dim
+    too): every write lands as on one device."""
+    bad = []
+    x = torch.arange(12.0).reshape(4, 3)
+    xd = ap.shard_tensor(x, _mesh1(), [S0])
+    for name, write in WRITES:
+        for make in ("new_zeros", "new_empty_strided"):
+            t = xd.new_zeros(x.shape) if make == "new_zeros" else xd.new_empty_strided(x.shape, (3, 1)).zero_()
+            want = torch.zeros(4, 3)
+            write(t, xd)
+            write(want, x)
+            if not torch.equal(t.full_tensor(), want):
+                bad.append(f"{make} {name}")
+    return bad
+
+
+def test_new_tensors_take_writes_through_any_view(world4):  # type: ignore[no-untyped-def]
+    for bad in world4.run(_new_then_written):
+        assert bad == []
+
+
 # ---- random ops on DistTensors -------------------------------------------------------------------
 FILLS: list[tuple[str, Callable[[torch.Tensor], Any]]] = [
     ("uniform_", lambda x: x.uniform_(-2, 3)),
