@@ -129,6 +129,20 @@ def is_partial(p: Placement, *types: str) -> bool:
     return isinstance(p, Partial) and (not types or p.reduce_type in types)
 
 
+def bound_args(op: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """An op call's arguments by schema name, defaults filled in (a rule's ``call.args`` or a
+    local step's own arguments)."""
+    out = {a.name: a.default_value for a in op._schema.arguments if a.has_default_value()}
+    out.update(zip((a.name for a in op._schema.arguments), args))
+    out.update(kwargs)
+    return out
+
+
+def tensor_names(call: OpCall) -> list[str]:
+    """Each tensor input's schema name, in input order (``input_slots`` inverted)."""
+    return list(input_slots(call))
+
+
 def input_slots(call: OpCall) -> dict[str, int]:
     """Input index of each tensor argument, by schema name (args, then kwargs, as dispatched)."""
     names = [a.name for a in call.op._schema.arguments]

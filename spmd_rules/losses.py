@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from autoparallel.placement import Partial, Placement, Shard
-from spmd_rules.base import AxisStrategy, LocalContext, OpCall, R, TensorMeta, follow, replicate_all
+from spmd_rules.base import AxisStrategy, LocalContext, OpCall, R, TensorMeta, bound_args, follow, replicate_all, tensor_names
 from spmd_rules.registry import register_axis_rule, register_local_impl
 
 aten = torch.ops.aten
@@ -51,21 +51,13 @@ FORWARD = list(LOSSES)
 BACKWARD = [b for b in LOSSES.values() if b is not None]
 
 
-def _bound(op: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The call's arguments by schema name (defaults filled in)."""
-    out = {a.name: a.default_value for a in op._schema.arguments if a.has_default_value()}
-    out.update(zip((a.name for a in op._schema.arguments), args))
-    out.update(kwargs)
-    return out
-
-
 def _reduction(call: OpCall) -> int:
-    return int(_bound(call.op, call.args, call.kwargs).get("reduction", MEAN))
+    return int(bound_args(call.op, call.args, call.kwargs).get("reduction", MEAN))
 
 
 def _terms_shape(call: OpCall, names: Sequence[str]) -> tuple[int, ...] | None:
     """The shape of the per-element terms: ``self`` and ``target`` broadcast (None: they do not)."""
-    b = _bound(call.op, call.args, call.kwargs)
+    b = bound_args(call.op, call.args, call.kwargs)
     shapes = [tuple(b[n].shape) for n in names if isinstance(b.get(n), TensorMeta)]
     try:
         return tuple(torch.broadcast_shapes(*shapes))
@@ -73,17 +65,9 @@ def _terms_shape(call: OpCall, names: Sequence[str]) -> tuple[int, ...] | None:
         return None
 
 
-def _tensor_names(call: OpCall) -> list[str]:
-    """Each tensor input's schema name, in input order."""
-    names = [a.name for a in call.op._schema.arguments]
-    out = [names[i] for i, a in enumerate(call.args) if isinstance(a, TensorMeta)]
-    return out + [k for k, a in call.kwargs.items() if isinstance(a, TensorMeta)]
-
-
 def _sharded(call: OpCall, shape: tuple[int, ...], d: int, keep: Sequence[str] = ()) -> tuple[Placement, ...]:
     """Every tensor input following ``Shard(d)`` of the terms' ``shape``; those named in ``keep`` whole."""
-    metas = [m for m in call.inputs]
-    return tuple(R if n in keep else follow(Shard(d), shape, m.shape) for n, m in zip(_tensor_names(call), metas))
+    return tuple(R if n in keep else follow(Shard(d), shape, m.shape) for n, m in zip(tensor_names(call), call.inputs))
 
 
 @register_axis_rule(FORWARD)
@@ -93,13 +77,10 @@ def loss_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
     shape = _terms_shape(call, ("self", "target"))
     if shape is None:
         return strategies
-    out: Placement = Partial("sum")
+    none = _reduction(call) == NONE
     for d in range(len(shape)):
-        if shape[d] < 2:
-            continue
-        if _reduction(call) == NONE:
-            out = Shard(d)
-        strategies.append(AxisStrategy(_sharded(call, shape, d), (out,)))
+        if shape[d] >= 2:
+            strategies.append(AxisStrategy(_sharded(call, shape, d), (Shard(d) if none else Partial("sum"),)))
     return strategies
 
 
@@ -110,7 +91,7 @@ def loss_backward_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]
     strategies = [replicate_all(call)]
     grad = call.out[0]
     shape = _terms_shape(call, ("self", "target"))
-    names = _tensor_names(call)
+    names = tensor_names(call)
     if grad is not None and shape == tuple(grad.shape):
         keep = ("grad_output",) if _reduction(call) != NONE else ()
         for d in range(len(shape)):

@@ -15,6 +15,7 @@ implementations.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +26,7 @@ from autoparallel.engine.deferred import Deferred, Stat
 from autoparallel.mesh import ProcessMesh
 from autoparallel.placement import Shard
 from autoparallel.runtime import agree, comm
-from spmd_rules.base import LocalContext
+from spmd_rules.base import LocalContext, bound_args
 from spmd_rules.conv_attention import BATCH_NORM_OPS
 from spmd_rules.conv_attention import batch_norm_local as rules_batch_norm_local
 from spmd_rules.nn import (
@@ -151,42 +152,33 @@ def nll_forward_local(
 
 
 # ---- batch norm in training over a sharded batch/spatial dim ("SyncBatchNorm") ---------------
-def _bound(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The call's arguments by their schema names."""
-    bound = dict(zip((a.name for a in op._schema.arguments), args))
-    bound.update(kwargs)
-    return bound
-
-
 def _stat_axes(spec: Any) -> tuple[int, ...]:
     """The mesh axes that shard a batch or spatial dim (any dim but the channels, 1) of ``spec``."""
     return tuple(a for a, p in enumerate(spec.placements) if isinstance(p, Shard) and p.dim != 1)
 
 
-def _per_sample_count(spec: Any) -> int:
-    """How many values each channel's statistics reduce over: the global numel over the channels."""
-    n = 1
-    for d, size in enumerate(spec.shape):
-        n *= size if d != 1 else 1
-    return n
+def _per_channel(spec: Any, x: torch.Tensor) -> tuple[int, list[int], list[int]]:
+    """(how many values each channel's statistics reduce over: the global numel over the
+    channels, the dims of ``x`` they reduce, the shape a per-channel vector broadcasts as)."""
+    n = math.prod(size for d, size in enumerate(spec.shape) if d != 1)
+    return n, [d for d in range(x.ndim) if d != 1], [1, -1] + [1] * (x.ndim - 2)
 
 
 def batch_norm_local(ctx: LocalContext, *args: Any, **kwargs: Any) -> Any:
     """Training batch norm on batch (or spatial) shards: each channel's mean and variance over
     the whole batch come from one all-reduce of ``(2, C)`` float64 sums; the shards are
-    normalised with them and every rank updates its replicated running statistics alike. Elsewhere (channel
-    shards, eval mode): the op on the shards (``spmd_rules.conv_attention.batch_norm_local``)."""
+    normalised with them and every rank updates its replicated running statistics alike.
+    Elsewhere (channel shards, eval mode): the op on the shards
+    (``spmd_rules.conv_attention.batch_norm_local``)."""
     op = ctx.call.op
-    b = _bound(op, args, kwargs)
+    b = bound_args(op, args, kwargs)
     axes = _stat_axes(ctx.in_specs[0])
     if not axes or not b.get("training", False):
         return rules_batch_norm_local(ctx, *args, **kwargs)
     x, w, bias = b["input"], b.get("weight"), b.get("bias")
     mean_, var_ = b.get("running_mean"), b.get("running_var")
     momentum, eps = b["momentum"], b["eps"]
-    n = _per_sample_count(ctx.in_specs[0])
-    dims = [d for d in range(x.ndim) if d != 1]
-    shape = [1, -1] + [1] * (x.ndim - 2)
+    n, dims, shape = _per_channel(ctx.in_specs[0], x)
     xd = x.to(torch.float64)
     # one all-reduce of the sums of x - K and of its squares, K the running mean where there is
     # one (replicated, near the batch mean: the variance E[(x-K)^2] - (mean-K)^2 loses nothing
@@ -218,15 +210,13 @@ def batch_norm_backward_local(ctx: LocalContext, *args: Any, **kwargs: Any) -> A
     gradient and of gradient x normalised input, one all-reduce of ``(2, C)``; the parameter
     gradients are those sums (Replicate). Elsewhere: the op on the shards."""
     op = ctx.call.op
-    b = _bound(op, args, kwargs)
+    b = bound_args(op, args, kwargs)
     axes = _stat_axes(ctx.in_specs[1])
     if not axes or not b.get("train", False):
         return rules_batch_norm_local(ctx, *args, **kwargs)
     dy, x, w = b["grad_out"], b["input"], b.get("weight")
     mean, invstd, mask = b["save_mean"], b["save_invstd"], list(b["output_mask"])
-    n = _per_sample_count(ctx.in_specs[1])
-    dims = [d for d in range(x.ndim) if d != 1]
-    shape = [1, -1] + [1] * (x.ndim - 2)
+    n, dims, shape = _per_channel(ctx.in_specs[1], x)
     dyd = dy.to(torch.float64)
     xhat = (x.to(torch.float64) - mean.to(torch.float64).view(shape)) * invstd.to(torch.float64).view(shape)
     sums = ctx.comm.all_reduce(torch.stack([dyd.sum(dims), (dyd * xhat).sum(dims)]), axes, "sum")
