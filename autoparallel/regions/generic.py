@@ -309,33 +309,40 @@ class Model:
 
 
 class Family:
-    """One family's latest proof and its model, built from the two latest proofs that make one
-    (a proof at a length where sizes coincide, or after a call that left the model, is no
-    witness: the model stays until two newer proofs make another).
+    """One family's latest proof and its model, built from the newest proof and the newest of
+    the few before it (``WITNESSES``) that make one with it: a proof at a length where sizes
+    coincide (``t == 8`` where ``4 * t`` meets a width of 32) is no witness, and the proofs on
+    either side of it still make the model. A model, once made, stays until a newer proof makes
+    another.
 
     ``refusal``: the reason both latest proofs were refused for, if the same (a new length then
     takes the DistTensor path without a trace: always correct, at worst slower)."""
 
+    WITNESSES = 4  # recorded proofs kept to pair the newest one with
+
     def __init__(self) -> None:
         self.latest: Proof | None = None
+        self.recorded: list[Proof] = []  # the latest proofs with a record, oldest first
         self.model: Model | None = None
         self.refusal = ""
         self.why = "fewer than two proven lengths"
 
     def add(self, proof: Proof) -> None:
         last, self.latest = self.latest, proof
-        if last is None:
+        if last is not None:
+            a, b = last.verdict, proof.verdict
+            self.refusal = b.reason if not a.local and a.reason == b.reason else ""
+        if proof.record is None:
             return
-        a, b = last.verdict, proof.verdict
-        self.refusal = b.reason if not a.local and a.reason == b.reason else ""
-        if last.record is None or proof.record is None:
-            return
-        model = Model(last, proof)
-        why = model.build()
-        if why is None:
-            self.model, self.why = model, ""
-        elif self.model is None:
-            self.why = why
+        for older in reversed(self.recorded):
+            model = Model(older, proof)
+            why = model.build()
+            if why is None:
+                self.model, self.why = model, ""
+                break
+            if self.model is None:
+                self.why = why
+        self.recorded = [*self.recorded[1 - self.WITNESSES:], proof]
 
 
 def _affine(xc: np.ndarray, xa: np.ndarray, xb: np.ndarray, ta: int, tb: int, tc: int) -> bool:

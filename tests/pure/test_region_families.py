@@ -11,9 +11,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autoparallel.regions.generic import Model, Proof, Recorder, Stop, point_of, sized_flags
+from autoparallel.regions.generic import Family, Model, Proof, Recorder, Stop, point_of, sized_flags
 
 pytestmark = pytest.mark.pure
+
+
+class _Local:
+    local, reason = True, ""
+
+
+_LOCAL = _Local()
 
 
 def _matmul(t: int) -> torch.Tensor:
@@ -84,6 +91,31 @@ def test_arguments_that_vary_in_two_ways_are_refused() -> None:
 def test_proven_lengths_with_a_coincidence_make_no_model() -> None:
     a, b = (Proof(point_of(leaves), rec, None) for rec, leaves in (_recorded(_matmul, 6), _recorded(_matmul, 8)))
     assert Model(a, b).build() == "sizes coincide at a proven length"
+
+
+def test_a_coincident_proof_is_skipped_and_the_proofs_around_it_make_the_model() -> None:
+    # _matmul's lines 2, t, 6: t = 6 is a coincidence. Proofs at 4, 6, 7 (the order a warm-up or
+    # variable lengths bring them): 4 alone makes nothing, 6 with 4 none (no witness), 7 pairs
+    # with 4 past it; a later coincident proof (2) leaves that model in place
+    family = Family()
+
+    def prove(t: int) -> None:
+        record, leaves = _recorded(_matmul, t)
+        family.add(Proof(point_of(leaves), record, verdict=_LOCAL))
+
+    prove(4)
+    assert family.model is None and family.why == "fewer than two proven lengths"
+    prove(6)
+    assert family.model is None and family.why == "sizes coincide at a proven length"
+    prove(7)
+    assert family.model is not None and (family.model.ta, family.model.tb) == (4, 7)
+    built = family.model
+    prove(2)
+    assert family.model is built
+    assert family.model.refusal_at(9) is None and family.model.refusal_at(6) == "sizes coincide at this length"
+    for _ in range(Family.WITNESSES + 2):  # only the latest few proofs are kept to pair with
+        prove(2)
+    assert len(family.recorded) == Family.WITNESSES
 
 
 def test_the_recorder_stops_before_an_unproven_or_in_place_op() -> None:
