@@ -124,13 +124,14 @@ def _timed(fn: Callable[[int], None], t: int, cpu: list[float]) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
-def _run(step: Callable[[int], None], lengths: list[int], warm: int, synced: bool) -> dict[str, float]:
+def _run(step: Callable[[int], None], lengths: list[int], warm: int, synced: bool,
+         warmup: tuple[int, ...] = WARMUP) -> dict[str, float]:
     timer = _timed if synced else _plain_timed
     # warm-up lengths (not measured, timed as one-time setup): two proofs make a region's model,
     # a third length builds its symbolic certificate (once per model); more lengths where
     # sizes coincide at some (a proof there makes no model)
     began = time.perf_counter()
-    for t in WARMUP:
+    for t in warmup:
         for _ in range(2):
             step(t)
     setup_s = time.perf_counter() - began
@@ -205,15 +206,18 @@ def _profile(step: Callable[[int], None], lengths: list[int]) -> str:
 def _worker(rank: int, world: int, store: str, opts: dict[str, Any], out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
-    lengths = list(range(FIRST_LEN, FIRST_LEN + 2 * opts["shapes"], 2))
+    by = opts["step"]
+    lengths = list(range(FIRST_LEN, FIRST_LEN + by * opts["shapes"], by))
     random.Random(0).shuffle(lengths)
-    max_len = FIRST_LEN + 2 * (opts["shapes"] + opts["profile_shapes"])
+    warmup = tuple(range(FIRST_LEN - by, 2, -by))
+    max_len = FIRST_LEN + by * (opts["shapes"] + opts["profile_shapes"])
     results: dict[str, Any] = {}
     for layout in opts["layouts"]:
         ours, theirs = _build(layout, world, max_len)
-        mine = {"ours": _run(ours, lengths, opts["warm"], True), "plain": _run(theirs, lengths, opts["warm"], False)}
+        mine = {"ours": _run(ours, lengths, opts["warm"], True, warmup),
+                "plain": _run(theirs, lengths, opts["warm"], False, warmup)}
         if opts["profile"]:
-            extra = list(range(FIRST_LEN + 2 * opts["shapes"], max_len, 2))
+            extra = list(range(FIRST_LEN + by * opts["shapes"], max_len, by))
             text = _profile(ours, extra)
             if rank == 0:
                 mine["profile"] = text
@@ -233,16 +237,23 @@ def main() -> None:
     parser.add_argument("--shapes", type=int, default=40, help="new sequence lengths measured per layout")
     parser.add_argument("--warm", type=int, default=2, help="warm steps timed after each first step")
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
+    parser.add_argument("--step", type=int, default=2, choices=(1, 2),
+                        help="2: even lengths (sequence parallelism needs equal pieces); 1: every length "
+                             "(DP and TP), odd ones included")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--json", default=None, help="also write the figures here")
     args = parser.parse_args()
     from benchmarks._spawn import run_spawned
 
-    opts = {"shapes": args.shapes, "warm": args.warm, "layouts": args.layouts.split(","), "profile": args.profile,
+    if args.step == 1 and "TP+SP" in args.layouts.split(","):
+        parser.error("--step 1 gives odd lengths, which sequence parallelism cannot split evenly: "
+                     "use --layouts DP,TP")
+    opts = {"step": args.step, "shapes": args.shapes, "warm": args.warm, "layouts": args.layouts.split(","), "profile": args.profile,
             "profile_shapes": 12 if args.profile else 0}
     res = run_spawned(_worker, args.nprocs, opts, timeout=3000, prefix="varying")
     print(f"GPT (width {WIDTH}, {LAYERS} layers, batch {BATCH}) on {args.nprocs} gloo ranks, "
-          f"{args.shapes} new sequence lengths each, medians; slowest rank")
+          f"{args.shapes} new sequence lengths each ({'every length' if args.step == 1 else 'even lengths'}), "
+          "medians; slowest rank")
     print(f"{'layout':<8}{'side':<7}{'warm ms':>9}{'first ms':>10}{'first/warm':>12}{'means':>7}{'cpu f/w':>9}"
           f"{'GC ms/shape':>13}{'RSS KB/shape':>14}{'objs/shape':>12}{'late objs':>11}{'setup s':>9}")
     for layout, per_rank in res.items():

@@ -340,7 +340,8 @@ def _generic_best(strategies: Sequence[Strategy], specs: Sequence[DistSpec], mes
     strategies compete when there is one); with several, and one output, the one of least local
     output (each strategy's is the output's size over a divisor of its own at every shape of the
     signature: its generic sizes are multiples of the mesh's size, the rest are fixed, so their
-    order holds; with several outputs sums of such terms may swap); with none taking every
+    order holds; with several outputs sums of such terms may swap; and where a generic size is
+    no multiple, ``torch.chunk``'s rounding up may too); with none taking every
     input as it is, the one strategy that moves nothing (every input as it is or reached by local
     steps: slices, relabels, ``R -> P``; priced 0 at any size, while every other plan has a
     collective or a fill, priced above 0 at any size). None where sizes decide."""
@@ -348,11 +349,18 @@ def _generic_best(strategies: Sequence[Strategy], specs: Sequence[DistSpec], mes
     if len(free) == 1:
         return free[0]
     if free:
-        if sum(m is not None for m in out_metas) != 1:
+        if sum(m is not None for m in out_metas) != 1 or _uneven_sizes(mesh, specs, out_metas):
             return None
         return min(free, key=lambda s: _cost(s, list(specs), mesh, out_metas))
     still = [s for s in strategies if all(not _plan_price(spec, tuple(req)) for spec, req in zip(specs, s.inputs))]
     return still[0] if len(still) == 1 else None
+
+
+def _uneven_sizes(mesh: Any, specs: Sequence[DistSpec], out_metas: tuple[TensorMeta | None, ...]) -> bool:
+    """Whether a size of the call is generic but no multiple of the mesh's size (``generic._coding``)."""
+    n = mesh.size
+    shapes = [*(s.shape for s in specs), *(m.shape for m in out_metas if m is not None)]
+    return any(size % n and generic.is_generic(size, n) for shape in shapes for size in shape)
 
 
 def _cheapest(strategies: Sequence[Strategy], specs: list[DistSpec], mesh: Any, out_metas: tuple[TensorMeta | None, ...]) -> Strategy:

@@ -4,10 +4,12 @@ take from a call of the same signature at another shape, without deciding afresh
 Three things, each exact where it is used and nowhere else:
 
 * **the choice** (``choice_key``, ``stored_choice``/``store_choice``): the strategy the rule and
-  the cost comparison picked. The signature keeps every size that is not a multiple (>= 2) of
-  the mesh's size exactly, and replaces each size that is by its rank among all sizes of the
-  call, so every comparison and equality between sizes, divisibility by any product of mesh
-  axes, evenness of every piece and size-1 broadcasting read the same; with it the op, the
+  the cost comparison picked. The signature keeps the small sizes exactly (below the mesh's
+  size squared, but its multiples), and replaces every other size by its rank among all sizes
+  of the call and its residue modulo the mesh's size (``_coding``), so every comparison and
+  equality between sizes, divisibility by any product of mesh axes, evenness and emptiness of
+  every piece and size-1 broadcasting read the same (an odd sequence length on two ranks is as
+  generic as an even one); with it the op, the
   non-tensor arguments exactly (but those the op's rule reads only through the output's shape,
   as declared at its registration: ``embedding_dense_backward``'s ``num_weights``, ``slice``'s
   bounds, ``split``'s sizes), dtypes,
@@ -102,18 +104,30 @@ _NOT_LEAF = object()
 
 def _coding(mesh_shape: Sequence[int], shapes: Sequence[Sequence[int]]) -> tuple[Any, frozenset[int]]:
     """(``code``: a shape with each generic size replaced by its rank among all of ``shapes``'
-    sizes, the generic sizes): those that are multiples (>= 2) of the mesh's size."""
+    sizes and its residue modulo the mesh's size ``n``, the generic sizes): the multiples (>= 2)
+    of ``n``, and every size from ``n * n`` on. What a rule or the planner reads of a size is
+    then the same at every size of one code: how it compares with the call's other sizes (the
+    rank), whether any product of mesh axes divides it, and how its pieces compare (the
+    residue: with ``torch.chunk``'s split, ``s mod k`` for every ``k`` dividing ``n``, nested
+    splits included), and, from ``n * n`` on, that no piece at any depth of a split over any
+    mesh axes is empty (each piece is at least ``s / prod(k) - sum(k - 1)`` long, and
+    ``1 + sum(k - 1) <= prod(k) <= n``)."""
     n = 1
     for a in mesh_shape:
         n *= a
     sizes = sorted({s for shape in shapes for s in shape})
     rank = {s: i for i, s in enumerate(sizes)}
-    generic = frozenset(s for s in sizes if s >= 2 and s % n == 0)
+    generic = frozenset(s for s in sizes if is_generic(s, n))
 
     def code(shape: Sequence[int]) -> tuple[Any, ...]:
-        return tuple(("g", rank[s]) if s in generic else s for s in shape)
+        return tuple(("g", rank[s], s % n) if s in generic else s for s in shape)
 
     return code, generic
+
+
+def is_generic(size: int, n: int) -> bool:
+    """Whether ``_coding`` codes ``size`` on a mesh of ``n`` ranks (else it is kept exactly)."""
+    return size >= 2 and (size % n == 0 or size >= n * n)
 
 
 def _arguments(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],

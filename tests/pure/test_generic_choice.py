@@ -4,7 +4,8 @@ an op's definition is the one its meta kernel gives.
 
 Random calls of a few op families (broadcasting pointwise, matmul, linear, reductions, softmax,
 layer norm) on random meshes and placements; each size is either exact (1, 2, 3, 5: uneven and
-size-1 cases) or generic (a multiple of the mesh's size). Two instances of one template share a
+size-1 cases) or generic (a multiple of the mesh's size, or any size from its square on: an odd
+sequence length). Two instances of one template share a
 signature; wherever the first's choice would be stored, the second's fresh choice must equal it.
 """
 
@@ -72,11 +73,13 @@ def _pair(draw: Any) -> tuple[Any, ...]:
     letters = sorted({c for s in shapes for c in s if c != "1"})
     generic = [c for c in letters if draw(st.booleans())]
     exact = {c: draw(st.sampled_from(EXACT)) for c in letters if c not in generic}
-    # generic sizes: distinct multiples of n above every exact size, in the same order twice
+    # generic sizes: distinct sizes n * v + r above every exact size (v >= n: from n * n on),
+    # in the same order twice, each with its residue r modulo n (0: a multiple) both times
     order = draw(st.permutations(generic))
-    first = sorted(draw(st.lists(st.integers(3, 20), min_size=len(order), max_size=len(order), unique=True)))
-    second = sorted(draw(st.lists(st.integers(3, 20), min_size=len(order), max_size=len(order), unique=True)))
-    sizes = [{**exact, **{c: n * v for c, v in zip(order, vals)}, "1": 1} for vals in (first, second)]
+    residue = {c: draw(st.sampled_from([0, 0, 1, n - 1])) for c in order}
+    first = sorted(draw(st.lists(st.integers(max(3, n), 20), min_size=len(order), max_size=len(order), unique=True)))
+    second = sorted(draw(st.lists(st.integers(max(3, n), 20), min_size=len(order), max_size=len(order), unique=True)))
+    sizes = [{**exact, **{c: n * v + residue[c] for c, v in zip(order, vals)}, "1": 1} for vals in (first, second)]
     placements = [tuple(_placement(draw, len(s)) for _ in mesh_shape) for s in shapes]
     return op, shapes, extra, mesh_shape, sizes, placements
 
@@ -362,9 +365,11 @@ def test_a_stored_view_choice_is_the_fresh_choice_at_another_shape(kind: str, me
     mesh = ProcessMesh(torch.arange(n).reshape(mesh_shape).tolist())
     made = []
     pl = None
-    first = {c: data.draw(st.sampled_from([1, 2, 3, 5, n, 2 * n, 3 * n, 4 * n, 6 * n])) for c in "abc"}
-    f = data.draw(st.sampled_from([2, 3, 5]))  # the second shape: every multiple of n scaled alike
-    for s in (first, {c: v * f if v >= 2 and v % n == 0 else v for c, v in first.items()}):
+    first = {c: data.draw(st.sampled_from([1, 2, 3, 5, n, 2 * n, 3 * n, 4 * n, 6 * n, n * n + 1, 2 * n * n - 1, 3 * n * n + 1]))
+             for c in "abc"}
+    f = data.draw(st.sampled_from([2, 3, 5]))  # the second shape: every generic size scaled alike, its residue kept
+    for s in (first, {c: v * f if v >= 2 and v % n == 0 else (v // n) * n * f + v % n if v >= n * n else v
+                      for c, v in first.items()}):
         shape, size = _view_sizes(kind, s)
         if pl is None:
             pl = tuple(_placement(data.draw, len(shape)) for _ in mesh_shape)

@@ -2,7 +2,8 @@
 made at another sequence length is, field for field, the decision made afresh (2 ranks).
 
 Each case is an op on DistTensors whose sizes include a varying length ``t`` (even and odd: a
-length the mesh does not divide is never generic), in several layouts. Lengths run in a
+length the mesh does not divide is generic from the mesh's size squared on, its pieces uneven
+where ``t`` is sharded), in several layouts. Lengths run in a
 shuffled order; at each, the decision from the caches (a template where one applies) is
 compared with the one made after every shape-generic cache is forgotten.
 """
@@ -117,12 +118,13 @@ TEMPLATED = {"addmm row parallel", "slice table R", "slice tail R", "split last 
              "attention backward S1", "embedding backward R"}
 
 
-def _compare(rank: int) -> tuple[int, int, set[str]]:
+def _compare(rank: int) -> tuple[int, int, set[str], set[str]]:
     mesh = ap.ProcessMesh([0, 1], dim_names=["x"])
     lengths = [6, 7, 8, 10, 11, 12, 14, 16, 18, 20, 6, 21, 24]
     random.Random(0).shuffle(lengths)
     made = fresh = 0
     names: set[str] = set()
+    odd: set[str] = set()  # filled in at an odd length
     filled: list[Any] = []
     original = deciding._from_template
 
@@ -156,15 +158,19 @@ def _compare(rank: int) -> tuple[int, int, set[str]]:
                 fresh += not used
                 if used:
                     names.add(name)
+                    if t % 2:
+                        odd.add(name)
     finally:
         deciding._from_template = original  # type: ignore[assignment]
-    return made, fresh, names
+    return made, fresh, names, odd
 
 
 def test_a_decision_from_another_shape_is_the_fresh_decision(world2) -> None:  # type: ignore[no-untyped-def]
-    for made, fresh, names in world2.run(_compare):
+    for made, fresh, names, odd in world2.run(_compare):
         assert made > 0 and fresh > 0
         assert TEMPLATED <= names, sorted(TEMPLATED - names)
+        # odd lengths too, their pieces uneven where t is sharded (S1 on (4, t, 6))
+        assert {"addmm row parallel", "attention R", "gelu S1", "add S1"} <= odd, sorted(odd)
 
 
 def _bounded(rank: int) -> tuple[list[int], bool]:
