@@ -20,7 +20,7 @@ from autoparallel.placement import Partial, Replicate, Shard
 from autoparallel.regions.crossing import with_partial
 from autoparallel.regions.generic import Record
 from autoparallel.spec import DistSpec
-from reshard.plan import TO_PARTIAL
+from reshard.plan import SLICE, TO_PARTIAL
 from spmd_rules.random_ops import draws_random
 
 
@@ -39,7 +39,7 @@ class _Verdict:
     sharded_axes: tuple[int, ...] = ()               # mesh axes the outputs are sharded (or Partial(sum)) on
     generic: bool = False                            # answered by its family (``regions.generic``)
     out_moves: tuple[DistSpec | None, ...] = ()      # per output leaf: the layout a style's epilogue moves it to
-    in_moves: tuple[DistSpec | None, ...] = ()       # per argument leaf: the layout a style's prologue moves it to
+    in_moves: tuple[DistSpec | None, ...] = ()       # per argument leaf: the layout a style's prologue (or an op's slice) moves it to
     style_moves: int = 0                             # moves its styles' hooks make (``regions.moves``)
 
     @property
@@ -187,7 +187,8 @@ class _Trace:
     In a replay every op must be on plain tensors.
     """
 
-    def __init__(self, replay: bool = False, slots: dict[int, int] | None = None) -> None:
+    def __init__(self, replay: bool = False, slots: dict[int, int] | None = None,
+                 args: list[Any] | None = None) -> None:
         self.replay = replay
         self.ops: list[tuple[Any, ...]] = []
         self.reason = ""
@@ -199,6 +200,19 @@ class _Trace:
         self.slots = slots or {}
         self.summands: dict[int, DistSpec] = {}
         self.as_is: set[int] = set()
+        # The module's DistTensor arguments and the views the trace took of them as they are
+        # (id -> (the tensor, its argument's leaf indices, per dim the argument's dim it spans
+        # whole or None)); per leaf, the layout an op slices it (or such a view of it) to: a
+        # replicated mask taken batch-sharded, which the region slices once, before the module
+        # runs (``arg_moves``: a second trace with them sliced proves it); the leaves some other
+        # op takes as they are
+        self.args: dict[int, tuple[Any, tuple[int, ...], tuple[int | None, ...]]] = {}
+        for k, x in enumerate(args or ()):
+            if isinstance(x, DistTensor):
+                _, ks, dims = self.args.get(id(x), (x, (), tuple(range(x.dim()))))
+                self.args[id(x)] = (x, (*ks, k), dims)
+        self.arg_moves: dict[int, DistSpec] = {}
+        self.args_as_is: set[int] = set()
         self.quiet = False  # inside an op's input moves (or a style's move): not the op's own local calls
         self.reads: set[int] = set()  # ids of the DistTensors the ops read (not inside moves)
 
@@ -218,26 +232,69 @@ class _Trace:
         # the whole value, which a shard does not hold)
         if decision.fallback:
             self.refuse(f"{func} runs replicated or returns a Python value")
-        elif not self._takes(decision, args, kwargs):
+        elif not self._takes(func, decision, args, kwargs):
             self.refuse(f"{func} moves an input")
         elif draws_random(func, args, kwargs):
             self.refuse(f"{func} is random (its DistTensor result is the single-device draw)")
         with _Spy(self):
-            return run(_Quiet(self))
+            out = run(_Quiet(self))
+        if func in _ARG_VIEWS and self.args and not self.quiet:
+            self._note_view(func, decision, args, out)
+        return out
 
-    def _takes(self, decision: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-        """Whether the op takes every input as it is, or as a summand of a replicated parameter
+    def _note_view(self, func: Any, decision: Any, args: tuple[Any, ...], out: Any) -> None:
+        """Track ``out`` where it is a view, taken as it is, of an argument (or of such a view)."""
+        src = self.args.get(id(args[0])) if isinstance(args[0], DistTensor) else None
+        if src is None or not isinstance(out, DistTensor) or any(p is not None for p in decision.plans):
+            return
+        dims = _view_dims(func, args, src[2], tuple(layout.spec_of(args[0]).shape), tuple(layout.spec_of(out).shape))
+        self.args[id(out)] = (out, src[1], dims)
+
+    def _arg_target(self, plan: Any, src: tuple[Any, tuple[int, ...], tuple[int | None, ...]]) -> DistSpec | None:
+        """The layout of the argument behind ``src`` that ``plan`` (slicing it, or a view of it)
+        asks for: each mesh axis the plan slices on a view dim, sliced on the argument dim that
+        view dim spans; None where a view dim spans none or the pieces would be uneven."""
+        arg, _, dims = src
+        spec = layout.spec_of(arg)
+        if plan.dst.shard_order:
+            return None
+        placements = list(spec.placements)
+        for a, (p, q) in enumerate(zip(plan.src.placements, plan.dst.placements)):
+            if p == q:
+                continue
+            if not (isinstance(p, Replicate) and isinstance(q, Shard) and isinstance(placements[a], Replicate)):
+                return None
+            d = dims[q.dim] if q.dim < len(dims) else None
+            if d is None:
+                return None
+            placements[a] = Shard(d)
+        dst = spec.with_placements(tuple(placements))
+        return None if _uneven_spec(dst) else dst
+
+    def _takes(self, func: Any, decision: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """Whether the op takes every input as it is, as a summand of a replicated parameter
         of the region (``R -> Partial(sum)``: a local step, kept on one rank, zero on the others)
-        that every op of the trace takes in that one layout."""
+        that every op of the trace takes in that one layout, or as an argument of the module
+        (or a view of one) sliced (``R -> S``, local, even pieces) to one layout of the argument
+        every op asks for (noted in ``arg_moves``: this trace then proves nothing, a second
+        one with those arguments sliced first does)."""
         plans = decision.plans
         dts = _dist_args(args, kwargs)
         if any(p is not None for p in plans) and (len(dts) != len(plans) or decision.mutated):
             return False
         for t, p in zip(dts, plans or [None] * len(dts)):
             k = self.slots.get(id(t))
+            src = self.args.get(id(t))
             if p is None:
                 if k is not None:
                     self.as_is.add(k)
+                if src is not None and func not in _ARG_VIEWS:
+                    self.args_as_is.update(src[1])
+                continue
+            dst = self._arg_target(p, src) if src is not None and k is None and _slice_move(p) else None
+            if dst is not None:
+                if any(self.arg_moves.setdefault(a, dst) != dst for a in src[1]):  # type: ignore[index]
+                    return False
                 continue
             if k is None or not _summand_move(p) or self.summands.setdefault(k, p.dst) != p.dst:
                 return False
@@ -284,6 +341,33 @@ def _summand_move(plan: Any) -> bool:
         return False
     return all(st.kind == TO_PARTIAL and st.dst.placements[st.axis] == Partial("sum")
                                and isinstance(st.src.placements[st.axis], Replicate) for st in steps)
+
+
+# views a trace follows from a module's arguments (``_Trace.args``): what an argument's slice
+# must reach through (transformers' attention takes ``mask[:, :, :, :kv_len]``)
+_ARG_VIEWS = frozenset({_aten.slice.Tensor, _aten.alias.default, _aten.detach.default, _aten.expand.default})
+
+
+def _view_dims(func: Any, args: tuple[Any, ...], dims: tuple[int | None, ...], shape: tuple[int, ...],
+               out: tuple[int, ...]) -> tuple[int | None, ...]:
+    """Per dim of the view ``func(*args)`` (of a tensor of ``shape`` whose dims span ``dims``
+    of an argument): the argument dim it spans whole, or None."""
+    if func is _aten.slice.Tensor:
+        d = args[1] % len(shape) if len(args) > 1 and len(shape) else 0
+        return tuple(None if i == d and out[i] != shape[i] else m for i, m in enumerate(dims))
+    if func is _aten.expand.default:
+        lead = len(out) - len(shape)
+        return (*([None] * lead), *(m if out[lead + i] == n else None for i, (m, n) in enumerate(zip(dims, shape))))
+    return dims
+
+
+def _slice_move(plan: Any) -> bool:
+    """Whether ``plan`` only slices a replicated tensor (``R -> S(d)`` on some mesh axes: each
+    rank keeps its piece, no communication)."""
+    steps = getattr(plan, "steps", None)
+    if not steps:
+        return False
+    return all(st.kind == SLICE for st in steps)
 
 
 def as_summand(local: torch.Tensor, spec: DistSpec, summand: DistSpec) -> torch.Tensor:

@@ -253,24 +253,33 @@ class _Region:
         for k, t in enumerate(tensors):
             if isinstance(t, DistTensor):
                 slots.setdefault(id(t), k)
-        trace = _Trace(slots=slots)
-        with CommDebugMode() as comm, _mode("trace"), trace.spy():
-            door = moves.Traced(trace, lambda: len(comm.records), leaves)
-            with moves.opened(door):
-                out = self.forward(*args, **kwargs)
+        point = point_of(leaves)  # the family's coordinates: the arguments as given
+        trace, door, comm, out = self._trace(leaves, slots, args, kwargs)
+        sliced: dict[int, DistSpec] = {}
+        if trace.arg_moves and not trace.reason and not any(mutable(op[0]) for op in trace.ops):
+            # an op took an argument (or a view of one) sliced: trace again with those arguments
+            # sliced first (the first trace wrote nothing; attributes its forward set are reset)
+            sliced = dict(trace.arg_moves)
+            leaves = [moves.remake(x, sliced[k], None) if k in sliced else x for k, x in enumerate(leaves)]
+            args, kwargs = _unflatten_call(leaves, tree)
+            trace, door, comm, out = self._trace(leaves, slots, args, kwargs)
         outs, out_tree = tree_flatten(out)
         moved, in_moves, done_in = door.arguments(leaves)  # the styles' prologue
         why, before, out_moves = door.epilogue(outs)
         if len(comm.records) > door.comm:
             why = why or f"it communicates ({comm.records[0].kind})"
         why = trace.reason or why or _summands_refusal(trace, leaves, tensors)
+        if not why and trace.arg_moves:
+            why = f"an op takes an argument sliced ({next(iter(trace.arg_moves.values()))})"
+        if not why and sliced:
+            why, in_moves, done_in = _sliced_first(sliced, leaves, in_moves, done_in)
         verdict = _refused(why) if why else replace(
             _classify(tree_unflatten(before, out_tree), moved, tensors, trace.summands),
             out_moves=out_moves, in_moves=in_moves, style_moves=door.calls)
         record = None
         if verdict.local:
             verdict, record = self._replay(verdict, trace, out, leaves, tree, tensors, done_in)
-        self._family(key).add(Proof(point_of(leaves), record, verdict))
+        self._family(key).add(Proof(point, record, verdict))
         self.verdicts[key] = verdict
         if not verdict.local:
             self._try_children()
@@ -285,6 +294,23 @@ class _Region:
             done = [o if m is not None else None for o, m in zip(outs, verdict.out_moves)] or None
             return self._run_local(verdict, leaves, tree, tensors, done=done, done_in=done_in), True
         return out, False
+
+    def _trace(self, leaves: list[Any], slots: dict[int, int], args: tuple[Any, ...],
+               kwargs: dict[str, Any]) -> tuple[_Trace, moves.Traced, CommDebugMode, Any]:
+        """The module's forward on DistTensors, traced: (the trace, its styles' door, the
+        communication it made, the output). The attributes the forward sets are put back as
+        they were when an op sliced an argument (``_Trace.arg_moves``: it is traced again)."""
+        saved = [(m.__dict__, dict(m.__dict__)) for m in self.modules]
+        trace = _Trace(slots=slots, args=leaves)
+        with CommDebugMode() as comm, _mode("trace"), trace.spy():
+            door = moves.Traced(trace, lambda: len(comm.records), leaves)
+            with moves.opened(door):
+                out = self.forward(*args, **kwargs)
+        if trace.arg_moves:
+            for d, before in saved:
+                d.clear()
+                d.update(before)
+        return trace, door, comm, out
 
     def _replay(self, verdict: _Verdict, trace: _Trace, out: Any, leaves: list[Any], tree: Any,
                 tensors: list[torch.Tensor], done_in: list[Any] | None) -> tuple[_Verdict, Record | None]:
@@ -357,6 +383,8 @@ class _Region:
             return None
         base = model.b.verdict
         leaves = _moved_in(base, leaves, None)  # the styles' prologue: the local run's arguments
+        if base.in_moves and _uneven(leaves):  # an argument sliced into uneven pieces at this length
+            return None
         grads = tuple(with_partial(layout.spec_of(x), base.sharded_axes) if isinstance(x, DistTensor) else None
                       for x in leaves)
         pre = replace(base, arg_grads=grads)
@@ -598,6 +626,20 @@ def _summands_refusal(trace: _Trace, leaves: list[Any], tensors: list[torch.Tens
     if any(id(tensors[k]) in args for k in trace.summands):
         return "a parameter taken as a summand is also an argument"
     return ""
+
+
+def _sliced_first(sliced: dict[int, DistSpec], leaves: list[Any], in_moves: tuple[DistSpec | None, ...],
+                  done_in: list[Any] | None) -> tuple[str, tuple[DistSpec | None, ...], list[Any] | None]:
+    """The arguments sliced before the second trace joined to its styles' prologue (``leaves``:
+    as that trace got them): (why not, '' when they join; per leaf the layout the local run gets
+    it in; per leaf its value so moved, or None)."""
+    specs: list[DistSpec | None] = list(in_moves) if in_moves else [None] * len(leaves)
+    if any(specs[k] is not None for k in sliced):
+        return "a parallel style moves an argument an op took sliced", in_moves, done_in
+    done = list(done_in) if done_in is not None else [None] * len(leaves)
+    for k, dst in sliced.items():
+        specs[k], done[k] = dst, leaves[k]
+    return "", tuple(specs), done
 
 
 def _family_of(key: Any) -> Any:

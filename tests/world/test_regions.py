@@ -256,6 +256,74 @@ def test_sequence_sharded_gradient_into_replicated_output_is_zero_padded(world4:
     assert "all_gather" not in r["comm"][-1][1], r["comm"][-1]
 
 
+class MaskedAttention(nn.Module):
+    """Attention over an additive key-padding mask argument, cut to the keys' length inside (as
+    transformers' SDPA attention takes ``mask[:, :, :, :kv_len]``): batch-sharded queries take
+    the replicated mask batch-sharded, a local slice of an argument."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.out = nn.Linear(8, 24), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, 2, 4).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, :, :, :t])
+        return self.out(y.transpose(1, 2).reshape(b, t, 8))
+
+
+def _masked(rank: int, lengths: list[int]) -> dict[str, Any]:
+    """MaskedAttention trained at ``lengths`` with and without regions, and in one process."""
+    mesh = _mesh()
+    runs = []
+    for local in (False, True, None):
+        torch.manual_seed(0)
+        model = MaskedAttention()
+        if local is not None:
+            ap.shard_layer(model, mesh)
+            if not local:
+                disable_local_regions(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses, comms = [], []
+        for t in lengths:
+            g = torch.Generator().manual_seed(t)
+            x = torch.randn(8, t, 8, generator=g)
+            mask = torch.randn(8, 1, 1, t + 2, generator=g)  # a padding mask, longer than the keys: cut inside
+            with ap.CommDebugMode() as comm:
+                if local is None:
+                    y = model(x, mask)
+                else:
+                    y = model(ap.shard_tensor(x, mesh, [S0]), ap.shard_tensor(mask, mesh, [R]))
+            loss = (y * y).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(float(loss.detach().full_tensor() if isinstance(loss, ap.DistTensor) else loss.detach()))
+            comms.append(comm.get_comm_counts())
+        params = {n: (p.detach().full_tensor() if isinstance(p, ap.DistTensor) else p.detach())
+                  for n, p in model.named_parameters()}
+        runs.append({"losses": losses, "params": params, "comm": comms,
+                     "report": local_regions_report(model) if local else {}})
+    return {"runs": runs}
+
+
+def test_an_argument_sliced_inside_is_sliced_before_a_local_run(world4: Any) -> None:
+    """A replicated mask argument that the attention takes batch-sharded (through a view of it)
+    no longer refuses the region: it is sliced once before the local run, which a second trace
+    with it sliced proves; new lengths are answered by the family. Equal to the DistTensor run
+    and to one process."""
+    lengths = [6, 8, 10, 12, 6, 14]
+    for res in world4.run(_masked, lengths):
+        on_dist, local, one = res["runs"]
+        assert local["report"]["<root>"][0] == "local", local["report"]
+        assert any("as its proven lengths" in v for v in local["report"]["<root>"]), local["report"]
+        assert all(c == {} for c in local["comm"]), local["comm"]  # a forward moves nothing
+        for run in (on_dist, local):
+            assert run["losses"] == pytest.approx(one["losses"], rel=1e-5)
+            for n, p in one["params"].items():
+                torch.testing.assert_close(run["params"][n], p, rtol=1e-5, atol=1e-6)
+
+
 # ---- signatures ---------------------------------------------------------------------------------
 def _signatures(rank: int) -> dict[str, list[str]]:
     mesh = _mesh()
