@@ -223,14 +223,14 @@ def _decide(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], 
     # signature, not per shape (autoparallel.engine.generic).
     shaped = [(d._spec.shape, d._stride) for d in dts] if not mutated else None
     out_key = generic.out_key(func, args, kwargs, lambda a: isinstance(a, cls)) if shaped else None
-    fake_out = generic.known_out(func, out_key, shaped, args) if shaped else None
+    fake_out = generic.known_out(func, out_key, shaped, args, kwargs) if shaped else None
     if fake_out is None:
         try:
             fake_out = func(*map_args(cls, args, to_fake), **fake_kwargs)
         except Exception:  # no meta kernel: compute replicated and learn the outputs from it
             return _fallback_decision(func, specs, mesh, None, mutated, reason="it has no meta kernel")
         if shaped:
-            generic.learn_out(func, out_key, shaped, fake_out, args)
+            generic.learn_out(func, out_key, shaped, fake_out, args, kwargs)
     out_kind, outs = flatten_out(fake_out)
     alias = out_aliases(func, args, kwargs, dts, mutated, len(outs))
     for k, i in enumerate(alias):

@@ -24,7 +24,8 @@ Three things, each exact where it is used and nowhere else:
 * **the output's metadata** (``known_out``/``learn_out``): for ops whose output shape follows
   from their definition — pointwise ops (``torch.Tag.pointwise``, broadcasting too) and softmax,
   ``mm``/``addmm``/``bmm``/``embedding`` and its backward (any strides), ``view`` (the size
-  with -1 resolved), reductions over
+  with -1 resolved), ``alias``, ``unsqueeze`` and ``clone`` (any strides; a preserving clone of a
+  non-dense input excepted), reductions over
   listed dims (``sum``/``mean``/``amax``/``amin``), ``cat``, ``nll_loss``, ``layer_norm`` and their
   backwards — on contiguous inputs, the outputs are contiguous tensors of those shapes; a
   pointwise op on inputs of one shape and one permuted-dense layout (a transposed activation)
@@ -228,7 +229,7 @@ def template_key(func: Any, specs: Sequence[DistSpec], shaped: Sequence[tuple[tu
         return None, None
     if dtypes is None:
         return None, None
-    known = _outs(func, shaped, args)
+    known = _outs(func, shaped, args, kwargs)
     if known is None or len(known) != len(dtypes):
         return None, None
     outs = tuple([(s, st, d) for (s, st), d in zip(known, dtypes)])
@@ -262,9 +263,12 @@ def store_template(key: Any, decision: Any) -> None:
 
 
 # ---- the output's metadata -------------------------------------------------------------------
-def _outs(func: Any, inputs: Sequence[tuple[tuple[int, ...], tuple[int, ...]]],
-          args: Sequence[Any]) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] | None:
-    """Every output's (shape, strides) by the op's definition, or None where not known."""
+def _outs(func: Any, inputs: Sequence[tuple[tuple[int, ...], tuple[int, ...]]], args: Sequence[Any],
+          kwargs: dict[str, Any] | None = None) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] | None:
+    """Every output's (shape, strides) by the op's definition, or None where not known
+    (``kwargs`` None: not given, what depends on them is not known)."""
+    if func is _aten.clone.default:
+        return _cloned(inputs, kwargs)
     view = _view_of(func, inputs, args)
     if view is not None:
         return (view,)
@@ -286,8 +290,16 @@ _PERMUTING = frozenset({_aten.transpose.int, _aten.t.default, _aten.permute.defa
 
 def _view_of(func: Any, inputs: Sequence[tuple[tuple[int, ...], tuple[int, ...]]],
              args: Sequence[Any]) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-    """(shape, strides) of ``transpose``/``t``/``permute`` of the one input: its own, rearranged."""
-    if func not in _PERMUTING or len(inputs) != 1:
+    """(shape, strides) of ``transpose``/``t``/``permute`` of the one input: its own, rearranged;
+    of ``alias``: its own; of ``unsqueeze``: a size-1 dim inserted, whose stride is the next
+    dim's extent (its size times its stride), or 1 at the end (any input strides)."""
+    if len(inputs) != 1:
+        return None
+    if func is _aten.alias.default:
+        return inputs[0]
+    if func is _aten.unsqueeze.default:
+        return _unsqueezed(inputs[0], args)
+    if func not in _PERMUTING:
         return None
     shape, stride = inputs[0]
     n = len(shape)
@@ -312,6 +324,38 @@ def _view_of(func: Any, inputs: Sequence[tuple[tuple[int, ...], tuple[int, ...]]
         if sorted(order) != list(range(n)):
             return None
     return tuple(shape[d] for d in order), tuple(stride[d] for d in order)
+
+
+def _cloned(inputs: Sequence[tuple[tuple[int, ...], tuple[int, ...]]],
+            kwargs: dict[str, Any] | None) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] | None:
+    """``clone``'s output: contiguous for ``memory_format=torch.contiguous_format``; with the
+    input's own strides for the default (preserve) where the input is non-overlapping and dense
+    (its dims of two or more elements, ordered by stride, nest exactly; none empty); else left to
+    the meta kernel (preserve picks a memory format then)."""
+    if kwargs is None or len(inputs) != 1 or set(kwargs) - {"memory_format"}:
+        return None
+    shape, stride = inputs[0]
+    fmt = kwargs.get("memory_format")
+    if fmt is torch.contiguous_format:
+        return ((shape, contiguous_strides(shape)),)
+    if fmt not in (None, torch.preserve_format) or 0 in shape:
+        return None
+    expect = 1
+    for n, st in sorted(((n, st) for n, st in zip(shape, stride) if n > 1), key=lambda x: x[1]):
+        if st != expect:
+            return None
+        expect *= n
+    return ((shape, stride),)
+
+
+def _unsqueezed(x: tuple[tuple[int, ...], tuple[int, ...]], args: Sequence[Any]) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    shape, stride = x
+    n = len(shape)
+    if len(args) != 2 or type(args[1]) is not int or not -(n + 1) <= args[1] <= n:
+        return None
+    d = args[1] % (n + 1)
+    new = shape[d] * stride[d] if d < n else 1
+    return shape[:d] + (1,) + shape[d:], stride[:d] + (new,) + stride[d:]
 
 
 def _laid_out(func: Any, inputs: Sequence[tuple[tuple[int, ...], tuple[int, ...]]],
@@ -575,23 +619,24 @@ def _dtype_ndim(t: Any) -> tuple[torch.dtype, int]:
 
 
 def known_layouts(func: Any, key: Any, inputs: Sequence[tuple[tuple[int, ...], tuple[int, ...]]],
-                  args: Sequence[Any] = ()) -> tuple[tuple[tuple[int, ...], tuple[int, ...], torch.dtype], ...] | None:
+                  args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None,
+                  ) -> tuple[tuple[tuple[int, ...], tuple[int, ...], torch.dtype], ...] | None:
     """Each output's (shape, strides, dtype) of a known-output op (``_outs``) whose dtypes were learned,
     else None."""
     dtypes = _OUT_DTYPES.get(key) if key is not None else None
     if dtypes is None:
         return None
-    known = _outs(func, inputs, args)
+    known = _outs(func, inputs, args, kwargs)
     if known is None or len(known) != len(dtypes):
         return None
     return tuple((s, st, d) for (s, st), d in zip(known, dtypes))
 
 
 def known_out(func: Any, key: Any, inputs: Sequence[tuple[tuple[int, ...], tuple[int, ...]]],
-              args: Sequence[Any] = ()) -> Any:
+              args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None) -> Any:
     """The output (a meta tensor, or a tuple of them) of a known-output op (``_outs``) whose dtypes were
     learned, else None."""
-    known = known_layouts(func, key, inputs, args)
+    known = known_layouts(func, key, inputs, args, kwargs)
     if known is None:
         return None
     outs = tuple(torch.empty_strided(s, st, dtype=d, device="meta") for s, st, d in known)
@@ -599,12 +644,12 @@ def known_out(func: Any, key: Any, inputs: Sequence[tuple[tuple[int, ...], tuple
 
 
 def learn_out(func: Any, key: Any, inputs: Sequence[tuple[tuple[int, ...], tuple[int, ...]]], fake_out: Any,
-              args: Sequence[Any] = ()) -> None:
+              args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None) -> None:
     """Store the output dtypes of a known-output op (``_outs``) where its meta kernel agreed with it."""
     if key is None:
         return
     outs = tuple(fake_out) if func in _TUPLE | _LIST and isinstance(fake_out, (tuple, list)) else (fake_out,)
-    known = _outs(func, inputs, args)
+    known = _outs(func, inputs, args, kwargs)
     if known is None or len(known) != len(outs):
         return
     for o, (s, st) in zip(outs, known):

@@ -135,7 +135,7 @@ OUT_OPS: list[tuple[Any, tuple[str, ...], tuple[Any, ...]]] = [
     (aten.mul.Scalar, ("ab",), (0.5,)),
     (aten.gelu_backward.default, ("abc", "abc"), ()),
     (aten.gelu.default, ("abc",), ()),
-    (aten.clone.default, ("abc",), ()),  # its memory_format may override the layout: never known
+    (aten.clone.default, ("abc",), ()),  # known where its input is dense (preserved strides)
     (aten.where.self, ("ab", "ab", "ab"), ()),
     (aten._log_softmax.default, ("abc",), (2, False)),
     (aten._softmax_backward_data.default, ("abc", "abc"), (1, torch.float32)),
@@ -151,6 +151,11 @@ OUT_OPS: list[tuple[Any, tuple[str, ...], tuple[Any, ...]]] = [
     (aten.transpose.int, ("abc",), (-1, 1)),
     (aten.t.default, ("ab",), ()),
     (aten.permute.default, ("abcd",), ([2, 0, 3, 1],)),
+    (aten.unsqueeze.default, ("abc",), (1,)),
+    (aten.unsqueeze.default, ("abc",), (-1,)),
+    (aten.unsqueeze.default, ("abc",), (0,)),
+    (aten.unsqueeze.default, ("abc",), (3,)),
+    (aten.alias.default, ("abc",), ()),
     (aten.embedding.default, ("ab", "cd"), ()),  # (weight, int64 indices)
     (aten.embedding.default, ("ab", "c"), ()),
     (aten.embedding_dense_backward.default, ("abc", "ab"), (7, -1, False)),
@@ -198,15 +203,16 @@ def _strided(draw: Any, ndim: int) -> torch.Tensor:
     return torch.empty_strided(shape, stride, device="meta")
 
 
-def _known_vs_meta(op: Any, args: tuple[Any, ...], tensors: list[torch.Tensor]) -> Any:
-    """The meta kernel's result of ``op(*args)`` (None where it raises), checked against
+def _known_vs_meta(op: Any, args: tuple[Any, ...], tensors: list[torch.Tensor], kwargs: dict[str, Any] | None = None) -> Any:
+    """The meta kernel's result of ``op(*args, **kwargs)`` (None where it raises), checked against
     ``known_out`` from the dtypes learned at earlier calls (of other shapes and strides), then
     learned from."""
+    kwargs = kwargs or {}
     inputs = [(tuple(t.shape), tuple(t.stride())) for t in tensors]
-    key = generic.out_key(op, args, {}, lambda t: isinstance(t, torch.Tensor))
-    known = generic.known_out(op, key, inputs, args)
+    key = generic.out_key(op, args, kwargs, lambda t: isinstance(t, torch.Tensor))
+    known = generic.known_out(op, key, inputs, args, kwargs)
     try:
-        real = op(*args)
+        real = op(*args, **kwargs)
     except RuntimeError:
         return None
     rs = real if isinstance(real, (tuple, list)) else [real]
@@ -214,10 +220,10 @@ def _known_vs_meta(op: Any, args: tuple[Any, ...], tensors: list[torch.Tensor]) 
         ks = known if isinstance(known, (tuple, list)) else [known]
         assert type(known) is type(real), (op, type(known), type(real))
         assert [(k.shape, k.stride(), k.dtype) for k in ks] == [(r.shape, r.stride(), r.dtype) for r in rs], op
-    layouts = generic._outs(op, inputs, args)  # the definition itself, dtypes aside (learning checks it too)
+    layouts = generic._outs(op, inputs, args, kwargs)  # the definition itself, dtypes aside (learning checks it too)
     if layouts is not None:
-        assert list(layouts) == [(tuple(r.shape), tuple(r.stride())) for r in rs], (op, inputs, args[1:])
-    generic.learn_out(op, key, inputs, real, args)
+        assert list(layouts) == [(tuple(r.shape), tuple(r.stride())) for r in rs], (op, inputs, args[1:], kwargs)
+    generic.learn_out(op, key, inputs, real, args, kwargs)
     return real
 
 
@@ -237,6 +243,22 @@ def test_known_slices_and_splits_are_the_meta_kernels(calls: Any, start: Any, en
         grad = torch.empty(real.shape, device="meta")
         _known_vs_meta(aten.slice_backward.default, (grad, list(x.shape), dim % x.dim(), 0, 2**62, step), [grad])
         _known_vs_meta(aten.split.Tensor, (x, size, dim), [x])
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.integers(0, 4).flatmap(lambda n: st.tuples(_strided(n), st.integers(-n - 1, n))), min_size=3,
+                max_size=3))
+def test_known_unsqueezes_aliases_and_clones_are_the_meta_kernels(calls: Any) -> None:
+    """``unsqueeze`` (a size-1 dim whose stride is the next dim's extent), ``alias`` and
+    ``clone`` (each memory format) of tensors of any strides, at three shapes: known layouts
+    are the meta kernels'."""
+    generic.forget()
+    for x, dim in calls:
+        _known_vs_meta(aten.unsqueeze.default, (x, dim), [x])
+        _known_vs_meta(aten.alias.default, (x,), [x])
+        for fmt in ({}, {"memory_format": torch.contiguous_format}, {"memory_format": torch.preserve_format},
+                    {"memory_format": torch.channels_last} if x.dim() == 4 else {}):
+            _known_vs_meta(aten.clone.default, (x,), [x], fmt)
 
 
 @settings(max_examples=150, deadline=None)
