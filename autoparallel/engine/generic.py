@@ -280,7 +280,10 @@ def _outs(func: Any, inputs: Sequence[tuple[tuple[int, ...], tuple[int, ...]]], 
         return tuple((s, contiguous_strides(s)) for s in shapes)
     if inputs and _pointwise(func):
         strides = _common_dense_strides(inputs)
-        return None if strides is None else ((inputs[0][0], strides),)
+        if strides is not None:
+            return ((inputs[0][0], strides),)
+        if func in _ITERATED:
+            return _iterated(inputs)
     return None
 
 
@@ -514,6 +517,65 @@ def _catted(shapes: Sequence[tuple[int, ...]], dim: Any) -> tuple[int, ...] | No
     if any(s[:d] + s[d + 1:] != rest for s in shapes):
         return None
     return shapes[0][:d] + (sum(s[d] for s in shapes),) + shapes[0][d + 1:]
+
+
+# pointwise ops whose kernels lay their output out as torch's TensorIterator does (``_iterated``),
+# checked against their meta kernels in tests/pure/test_generic_choice.py
+_ITERATED = frozenset({
+    _aten.add.Tensor, _aten.sub.Tensor, _aten.mul.Tensor, _aten.div.Tensor, _aten.add.Scalar, _aten.sub.Scalar,
+    _aten.mul.Scalar, _aten.div.Scalar, _aten.neg.default, _aten.where.self, _aten.silu.default,
+    _aten.gelu.default, _aten.exp.default, _aten.rsqrt.default, _aten.pow.Tensor_Scalar, _aten.tanh.default,
+    _aten.sigmoid.default, _aten.cos.default, _aten.sin.default, _aten.maximum.default, _aten.minimum.default,
+    _aten.eq.Tensor, _aten.eq.Scalar, _aten.logical_not.default, _aten.silu_backward.default,
+    _aten.gelu_backward.default, _aten.tanh_backward.default, _aten.sigmoid_backward.default,
+})
+
+
+def _iterated(inputs: Sequence[tuple[tuple[int, ...], tuple[int, ...]]],
+              ) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] | None:
+    """The output of a TensorIterator op of tensor inputs ``inputs`` (in argument order; scalars
+    and 0-d tensors broadcast everywhere and order nothing) where its shape has no dim of
+    fewer than two elements: dense, its dims nested in the order TensorIterator iterates them —
+    from the last dim outwards, a dim moved inside another where the first input that
+    strides both (a broadcast dim strides nothing) strides it less, or equally with fewer
+    elements. (Where every dim has two or more elements its fast paths for inputs of one
+    shape — contiguous, channels-last, one dense layout — give the same strides.)"""
+    shape = _broadcast([s for s, _ in inputs])
+    if shape is None or any(n < 2 for n in shape):
+        return None
+    n = len(shape)
+    strides = []
+    for s, st in inputs:
+        lead = n - len(s)
+        strides.append([0] * lead + [0 if size == 1 else x for size, x in zip(s, st)])
+
+    def after(d0: int, d1: int) -> int:  # 1: d0 goes outside d1, -1: inside, 0: no input says
+        for st in strides:
+            a, b = st[d0], st[d1]
+            if a == 0 or b == 0:
+                continue
+            if a != b:
+                return -1 if a < b else 1
+            if shape[d0] > shape[d1]:
+                return 1
+        return 0
+
+    perm = list(range(n))[::-1]  # innermost first
+    for i in range(1, n):
+        j = i
+        for k in range(i - 1, -1, -1):
+            c = after(perm[k], perm[j])
+            if c > 0:
+                perm[k], perm[j] = perm[j], perm[k]
+                j = k
+            elif c < 0:
+                break
+    out = [0] * n
+    acc = 1
+    for d in perm:
+        out[d] = acc
+        acc *= shape[d]
+    return ((shape, tuple(out)),)
 
 
 def _broadcast(shapes: Sequence[tuple[int, ...]]) -> tuple[int, ...] | None:

@@ -261,6 +261,53 @@ def test_known_unsqueezes_aliases_and_clones_are_the_meta_kernels(calls: Any) ->
             _known_vs_meta(aten.clone.default, (x,), [x], fmt)
 
 
+@st.composite
+def _broadcasting(draw: Any) -> list[torch.Tensor]:
+    """Meta tensors for one pointwise call: an output shape of 1-4 dims, each input spanning its
+    trailing dims or a size 1 there (broadcast), with any strides: dims nested in a random order,
+    gaps between them, sometimes a dim expanded (stride 0)."""
+    out = [draw(st.sampled_from([1, 2, 3, 4, 2, 3])) for _ in range(draw(st.integers(1, 4)))]
+    tensors = []
+    for _ in range(draw(st.integers(1, 3))):
+        n = draw(st.integers(0, len(out)))
+        shape = [draw(st.sampled_from([o, o, 1])) for o in out[len(out) - n:]]
+        order = draw(st.permutations(range(n)))
+        stride, acc = [0] * n, 1
+        for d in reversed(order):
+            stride[d] = acc
+            acc *= shape[d] * draw(st.sampled_from([1, 1, 2]))
+        if n and draw(st.integers(0, 3)) == 0:
+            stride[draw(st.integers(0, n - 1))] = 0
+        tensors.append(torch.empty_strided(shape, stride, device="meta"))
+    return tensors
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(sorted(generic._ITERATED, key=str)), _broadcasting())
+def test_iterated_pointwise_outputs_are_the_meta_kernels(op: Any, tensors: list[torch.Tensor]) -> None:
+    """A TensorIterator op's output layout (``generic._iterated``: broadcasting, transposed,
+    sliced and expanded inputs) is its meta kernel's wherever it is claimed."""
+    schema = op._schema
+    tensor_args = [a for a in schema.arguments if not a.kwarg_only and str(a.type) == "Tensor"]
+    scalars = [a for a in schema.arguments if not a.kwarg_only and str(a.type) == "Scalar"]
+    args: list[Any] = list(tensors[:len(tensor_args)])
+    while len(args) < len(tensor_args):
+        args.append(torch.empty((), device="meta"))
+    if op is aten.where.self:
+        args[0] = args[0].to(torch.bool)
+    args += [2.0] * len(scalars)
+    inputs = [(tuple(t.shape), tuple(t.stride())) for t in args if isinstance(t, torch.Tensor) and t.dim()]
+    if not inputs:
+        return
+    try:
+        real = op(*args)
+    except RuntimeError:
+        return
+    known = generic._outs(op, inputs, args, {})
+    if known is not None:
+        assert list(known) == [(tuple(real.shape), tuple(real.stride()))], (op, inputs)
+
+
 @settings(max_examples=150, deadline=None)
 @given(st.lists(_strided(4), min_size=4, max_size=4), st.booleans())
 def test_known_cpu_flash_attention_outputs_are_the_meta_kernels(queries: list[torch.Tensor], causal: bool) -> None:

@@ -57,6 +57,8 @@ def _cases(mesh: Any, t: int) -> list[tuple[str, Any, Callable[[], tuple[Any, ..
             (f"unsqueeze transposed {name}", aten.unsqueeze.default, lambda p=p: (d((4, t, 6), p, True), -1)),
             (f"alias {name}", aten.alias.default, lambda p=p: (d((4, t, 6), p),)),
             (f"clone transposed {name}", aten.clone.default, lambda p=p: (d((4, t, 6), p, True),)),
+            (f"mul transposed by a row {name}", aten.mul.Tensor, lambda p=p: (d((4, t, 6), p, True), d((6,), R))),
+            (f"neg transposed {name}", aten.neg.default, lambda p=p: (d((4, t, 6), p, True),)),
             (f"sum {name}", aten.sum.dim_IntList, lambda p=p: (d((4, t, 6), p), [1])),
             (f"mean keepdim {name}", aten.mean.dim, lambda p=p: (d((4, t, 6), p), [-1], True)),
             (f"view merge {name}", aten.view.default, lambda p=p: (d((4, t, 6), p), [-1, 6])),
@@ -174,7 +176,8 @@ def test_a_decision_from_another_shape_is_the_fresh_decision(world2) -> None:  #
         assert made > 0 and fresh > 0
         assert TEMPLATED <= names, sorted(TEMPLATED - names)
         # odd lengths too, their pieces uneven where t is sharded (S1 on (4, t, 6))
-        assert {"addmm row parallel", "attention R", "gelu S1", "add S1", "unsqueeze S1", "alias S0", "clone transposed S1"} <= odd, sorted(odd)
+        assert {"addmm row parallel", "attention R", "gelu S1", "add S1", "unsqueeze S1", "alias S0", "clone transposed S1",
+                "mul transposed by a row S1", "mul transposed by a row R"} <= odd, sorted(odd)
 
 
 def _bounded(rank: int) -> tuple[list[int], bool]:
