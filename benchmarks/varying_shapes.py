@@ -2,6 +2,7 @@
 
     python benchmarks/varying_shapes.py                       # DP, TP, TP+SP on 2 gloo ranks
     python benchmarks/varying_shapes.py --shapes 60 --layouts TP+SP --profile
+    python benchmarks/varying_shapes.py --model llama --step 1 --layouts DP,TP   # transformers' Llama
 
 Each rank trains the example GPT (width 64, 2 layers, vocab 96, batch 4; AdamW through
 ``shard_optimizer``) laid out one way, with the sequence length changing between steps: after
@@ -64,6 +65,52 @@ WARMUP = tuple(range(FIRST_LEN - 2, 2, -2))  # 14, 12, .., 4
 def _rss_kb() -> float:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1024
+
+
+def _build_llama(layout: str, world: int, max_len: int) -> tuple[Callable[[int], None], Callable[[int], None]]:
+    """``--model llama``: transformers' Llama (hidden 64, 2 layers, 8 heads, 4 key/value heads,
+    MLP 128, vocabulary 96), unmodified, laid out by ``ap.plans.llama`` (TP, TP+SP) or
+    ``shard_layer`` (DP); (ours step at length t, plain step at length t)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import autoparallel as ap
+
+    cfg = LlamaConfig(hidden_size=WIDTH, num_hidden_layers=LAYERS, num_attention_heads=8, num_key_value_heads=4,
+                      intermediate_size=2 * WIDTH, vocab_size=VOCAB, max_position_embeddings=max_len,
+                      attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    plain = LlamaForCausalLM(cfg)
+    plain.load_state_dict(model.state_dict())
+    if layout == "DP":
+        mesh = ap.ProcessMesh(list(range(world)), dim_names=["dp"])
+        ap.shard_layer(model, mesh)
+        place = [ap.Shard(0)]
+    else:
+        mesh = ap.ProcessMesh(list(range(world)), dim_names=["tp"])
+        ap.parallelize(model, mesh, ap.plans.llama(model, sp=layout == "TP+SP"))
+        place = [ap.Replicate()]
+    opt = ap.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False))
+    popt = torch.optim.AdamW(plain.parameters(), lr=1e-3, foreach=False)
+    gen = torch.Generator().manual_seed(1)
+
+    def ours(t: int) -> None:
+        x = ap.shard_tensor(torch.randint(0, VOCAB, (BATCH, t), generator=gen), mesh, place)
+        loss = model(input_ids=x, labels=x).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        float(loss.detach().full_tensor())
+
+    def theirs(t: int) -> None:
+        x = torch.randint(0, VOCAB, (BATCH, t), generator=gen)
+        loss = plain(input_ids=x, labels=x).loss
+        popt.zero_grad(set_to_none=True)
+        loss.backward()
+        popt.step()
+        float(loss.detach())
+
+    return ours, theirs
 
 
 def _build(layout: str, world: int, max_len: int) -> tuple[Callable[[int], None], Callable[[int], None]]:
@@ -213,7 +260,7 @@ def _worker(rank: int, world: int, store: str, opts: dict[str, Any], out: str) -
     max_len = FIRST_LEN + by * (opts["shapes"] + opts["profile_shapes"])
     results: dict[str, Any] = {}
     for layout in opts["layouts"]:
-        ours, theirs = _build(layout, world, max_len)
+        ours, theirs = (_build_llama if opts["model"] == "llama" else _build)(layout, world, max_len)
         mine = {"ours": _run(ours, lengths, opts["warm"], True, warmup),
                 "plain": _run(theirs, lengths, opts["warm"], False, warmup)}
         if opts["profile"]:
@@ -237,6 +284,8 @@ def main() -> None:
     parser.add_argument("--shapes", type=int, default=40, help="new sequence lengths measured per layout")
     parser.add_argument("--warm", type=int, default=2, help="warm steps timed after each first step")
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
+    parser.add_argument("--model", default="gpt", choices=("gpt", "llama"),
+                        help="gpt: the example GPT; llama: transformers' Llama, unmodified (needs transformers)")
     parser.add_argument("--step", type=int, default=2, choices=(1, 2),
                         help="2: even lengths (sequence parallelism needs equal pieces); 1: every length "
                              "(DP and TP), odd ones included")
@@ -248,10 +297,11 @@ def main() -> None:
     if args.step == 1 and "TP+SP" in args.layouts.split(","):
         parser.error("--step 1 gives odd lengths, which sequence parallelism cannot split evenly: "
                      "use --layouts DP,TP")
-    opts = {"step": args.step, "shapes": args.shapes, "warm": args.warm, "layouts": args.layouts.split(","), "profile": args.profile,
+    opts = {"model": args.model, "step": args.step, "shapes": args.shapes, "warm": args.warm, "layouts": args.layouts.split(","), "profile": args.profile,
             "profile_shapes": 12 if args.profile else 0}
     res = run_spawned(_worker, args.nprocs, opts, timeout=3000, prefix="varying")
-    print(f"GPT (width {WIDTH}, {LAYERS} layers, batch {BATCH}) on {args.nprocs} gloo ranks, "
+    name = "transformers' Llama" if args.model == "llama" else "GPT"
+    print(f"{name} (width {WIDTH}, {LAYERS} layers, batch {BATCH}) on {args.nprocs} gloo ranks, "
           f"{args.shapes} new sequence lengths each ({'every length' if args.step == 1 else 'even lengths'}), "
           "medians; slowest rank")
     print(f"{'layout':<8}{'side':<7}{'warm ms':>9}{'first ms':>10}{'first/warm':>12}{'means':>7}{'cpu f/w':>9}"
