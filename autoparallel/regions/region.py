@@ -254,11 +254,14 @@ class _Region:
             if isinstance(t, DistTensor):
                 slots.setdefault(id(t), k)
         point = point_of(leaves)  # the family's coordinates: the arguments as given
+        rng = _rng_states()
         trace, door, comm, out = self._trace(leaves, slots, args, kwargs)
         sliced: dict[int, DistSpec] = {}
         if trace.arg_moves and not trace.reason and not any(mutable(op[0]) for op in trace.ops):
             # an op took an argument (or a view of one) sliced: trace again with those arguments
-            # sliced first (the first trace wrote nothing; attributes its forward set are reset)
+            # sliced first (the first trace wrote nothing; attributes its forward set are reset,
+            # and the random generators: the second trace draws what the first did)
+            _set_rng_states(rng)
             sliced = dict(trace.arg_moves)
             leaves = [moves.remake(x, sliced[k], None) if k in sliced else x for k, x in enumerate(leaves)]
             args, kwargs = _unflatten_call(leaves, tree)
@@ -626,6 +629,18 @@ def _summands_refusal(trace: _Trace, leaves: list[Any], tensors: list[torch.Tens
     if any(id(tensors[k]) in args for k in trace.summands):
         return "a parameter taken as a summand is also an argument"
     return ""
+
+
+def _rng_states() -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+    """The CPU generator's state, and each CUDA device's where CUDA is initialized."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_states(states: tuple[torch.Tensor, list[torch.Tensor] | None]) -> None:
+    torch.set_rng_state(states[0])
+    if states[1] is not None:
+        torch.cuda.set_rng_state_all(states[1])
 
 
 def _sliced_first(sliced: dict[int, DistSpec], leaves: list[Any], in_moves: tuple[DistSpec | None, ...],
