@@ -343,7 +343,7 @@ def _cloned(inputs: Sequence[tuple[tuple[int, ...], tuple[int, ...]]],
         return ((shape, contiguous_strides(shape)),)
     if fmt not in (None, torch.preserve_format) or 0 in shape:
         return None
-    expect = 1
+    expect = 1  # (``strides.follows`` takes its strides as the nesting: a stride 0 would pass)
     for n, st in sorted(((n, st) for n, st in zip(shape, stride) if n > 1), key=lambda x: x[1]):
         if st != expect:
             return None

@@ -204,15 +204,13 @@ class _Trace:
         # (id -> (the tensor, its argument's leaf indices, per dim the argument's dim it spans
         # whole or None)); per leaf, the layout an op slices it (or such a view of it) to: a
         # replicated mask taken batch-sharded, which the region slices once, before the module
-        # runs (``arg_moves``: a second trace with them sliced proves it); the leaves some other
-        # op takes as they are
+        # runs (``arg_moves``: a second trace with them sliced proves it)
         self.args: dict[int, tuple[Any, tuple[int, ...], tuple[int | None, ...]]] = {}
         for k, x in enumerate(args or ()):
             if isinstance(x, DistTensor):
                 _, ks, dims = self.args.get(id(x), (x, (), tuple(range(x.dim()))))
                 self.args[id(x)] = (x, (*ks, k), dims)
         self.arg_moves: dict[int, DistSpec] = {}
-        self.args_as_is: set[int] = set()
         self.quiet = False  # inside an op's input moves (or a style's move): not the op's own local calls
         self.reads: set[int] = set()  # ids of the DistTensors the ops read (not inside moves)
 
@@ -232,7 +230,7 @@ class _Trace:
         # the whole value, which a shard does not hold)
         if decision.fallback:
             self.refuse(f"{func} runs replicated or returns a Python value")
-        elif not self._takes(func, decision, args, kwargs):
+        elif not self._takes(decision, args, kwargs):
             self.refuse(f"{func} moves an input")
         elif draws_random(func, args, kwargs):
             self.refuse(f"{func} is random (its DistTensor result is the single-device draw)")
@@ -271,7 +269,7 @@ class _Trace:
         dst = spec.with_placements(tuple(placements))
         return None if _uneven_spec(dst) else dst
 
-    def _takes(self, func: Any, decision: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    def _takes(self, decision: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         """Whether the op takes every input as it is, as a summand of a replicated parameter
         of the region (``R -> Partial(sum)``: a local step, kept on one rank, zero on the others)
         that every op of the trace takes in that one layout, or as an argument of the module
@@ -284,16 +282,14 @@ class _Trace:
             return False
         for t, p in zip(dts, plans or [None] * len(dts)):
             k = self.slots.get(id(t))
-            src = self.args.get(id(t))
             if p is None:
                 if k is not None:
                     self.as_is.add(k)
-                if src is not None and func not in _ARG_VIEWS:
-                    self.args_as_is.update(src[1])
                 continue
-            dst = self._arg_target(p, src) if src is not None and k is None and _slice_move(p) else None
-            if dst is not None:
-                if any(self.arg_moves.setdefault(a, dst) != dst for a in src[1]):  # type: ignore[index]
+            src = self.args.get(id(t)) if k is None and _slice_move(p) else None
+            if src is not None:
+                dst = self._arg_target(p, src)
+                if dst is None or any(self.arg_moves.setdefault(a, dst) != dst for a in src[1]):
                     return False
                 continue
             if k is None or not _summand_move(p) or self.summands.setdefault(k, p.dst) != p.dst:
@@ -333,14 +329,19 @@ def _dist_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[DistTensor
     return dts
 
 
-def _summand_move(plan: Any) -> bool:
-    """Whether ``plan`` only makes a replicated tensor a summand (``R -> Partial(sum)`` on some
-    mesh axes: kept where the axis coordinate is 0, zero elsewhere)."""
+def _only_steps(plan: Any, ok: Callable[[Any], bool]) -> bool:
+    """Whether ``plan`` (a one-mesh plan) has steps, and each is ``ok``."""
     steps = getattr(plan, "steps", None)
     if not steps:
         return False
-    return all(st.kind == TO_PARTIAL and st.dst.placements[st.axis] == Partial("sum")
-                               and isinstance(st.src.placements[st.axis], Replicate) for st in steps)
+    return all(ok(st) for st in steps)
+
+
+def _summand_move(plan: Any) -> bool:
+    """Whether ``plan`` only makes a replicated tensor a summand (``R -> Partial(sum)`` on some
+    mesh axes: kept where the axis coordinate is 0, zero elsewhere)."""
+    return _only_steps(plan, lambda st: st.kind == TO_PARTIAL and st.dst.placements[st.axis] == Partial("sum")
+                       and isinstance(st.src.placements[st.axis], Replicate))
 
 
 # views a trace follows from a module's arguments (``_Trace.args``): what an argument's slice
@@ -364,10 +365,7 @@ def _view_dims(func: Any, args: tuple[Any, ...], dims: tuple[int | None, ...], s
 def _slice_move(plan: Any) -> bool:
     """Whether ``plan`` only slices a replicated tensor (``R -> S(d)`` on some mesh axes: each
     rank keeps its piece, no communication)."""
-    steps = getattr(plan, "steps", None)
-    if not steps:
-        return False
-    return all(st.kind == SLICE for st in steps)
+    return _only_steps(plan, lambda st: st.kind == SLICE)
 
 
 def as_summand(local: torch.Tensor, spec: DistSpec, summand: DistSpec) -> torch.Tensor:
