@@ -14,6 +14,7 @@ import random
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
 
 import autoparallel as ap
@@ -211,3 +212,60 @@ def test_filled_in_decisions_are_kept_for_the_latest_shapes_only(world2) -> None
         # filled-in ones are the latest 3: from the sixth length on, nothing more is kept,
         # new lengths and returns alike
         assert held[:6] == [1, 2, 3, 4, 5, 6] and set(held[6:]) == {6}, held
+
+
+def _gpt_lengths(rank: int, lengths: list[int]) -> tuple[list[tuple[float, float]], float, int]:
+    """The example GPT under TP (2 ranks) trained at these lengths (odd ones too: the decisions
+    outside regions are filled in from templates there) and in one process: (per step the two
+    losses, the largest relative parameter difference, the decisions filled in)."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                    "examples"))
+    import train_gpt
+    from gpt_model import GPT, GPTConfig, lm_loss
+
+    mesh = ap.ProcessMesh([0, 1], dim_names=["mp"])
+    cfg = GPTConfig(vocab=24, seq=32, layers=1, width=16, heads=2)
+    torch.manual_seed(0)
+    model, ref = GPT(cfg), GPT(cfg)
+    ref.load_state_dict(model.state_dict())
+    train_gpt.parallelize_gpt(model, mesh, sp=False)
+    opt = ap.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    filled: list[Any] = []
+    original = deciding._from_template
+
+    def counted(*args: Any) -> Any:
+        filled.append(args[0])
+        return original(*args)
+
+    deciding._from_template = counted  # type: ignore[assignment]
+    losses = []
+    try:
+        for t in lengths:
+            x = torch.randint(0, 24, (3, t + 1), generator=torch.Generator().manual_seed(t))
+            xi, yi = x[:, :-1].contiguous(), x[:, 1:].contiguous()
+            loss = lm_loss(model(ap.shard_tensor(xi, mesh, [Replicate()])), ap.shard_tensor(yi, mesh, [Replicate()]))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            ref_loss = lm_loss(ref(xi), yi)
+            ref_opt.zero_grad()
+            ref_loss.backward()
+            ref_opt.step()
+            losses.append((float(loss.detach().full_tensor()), float(ref_loss.detach())))
+    finally:
+        deciding._from_template = original  # type: ignore[assignment]
+    worst = max(float((p.detach().full_tensor() - q.detach()).norm() / q.detach().norm())
+                for p, q in zip(model.parameters(), ref.parameters()))
+    return losses, worst, len(filled)
+
+
+def test_tensor_parallel_training_at_odd_lengths_matches_one_process(world2) -> None:  # type: ignore[no-untyped-def]
+    for losses, worst, filled in world2.run(_gpt_lengths, [6, 8, 9, 11, 7, 13, 10, 15, 9]):
+        assert filled > 0  # decisions were filled in at new lengths
+        for ours, ref in losses:
+            assert ours == pytest.approx(ref, rel=1e-5)
+        assert worst <= 1e-5
