@@ -38,6 +38,24 @@ def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+def channels_last_like(shape: Sequence[int], stride: Sequence[int]) -> bool:
+    """Whether torch suggests a channels-last memory format for a tensor of ``shape``/``stride``
+    (``Tensor.suggest_memory_format``; what ``cat`` and ``constant_pad_nd`` lay their output out
+    by): 4-d (NHWC) or 5-d (NDHWC) only, its dims visited from the channels outwards (C, the
+    spatial dims from the last, then N), none empty, each stride at least the extent of the dims
+    visited before it (a dim's stride, times its size where that is above 1); ambiguous cases
+    are contiguous: a channel stride of 0, or N's stride equal to that extent where it is C's stride."""
+    n = len(shape)
+    if n not in (4, 5) or stride[1] == 0:
+        return False
+    bound = 0
+    for d in (1, 3, 2, 0) if n == 4 else (1, 4, 3, 2, 0):
+        if shape[d] == 0 or stride[d] < bound or (d == 0 and bound == stride[1]):
+            return False
+        bound = stride[d] * shape[d] if shape[d] > 1 else stride[d]
+    return True
+
+
 def nesting(like: Sequence[int]) -> list[int]:
     """Dims outermost first by stride in ``like`` (ties: the earlier dim outside, as row-major)."""
     return sorted(range(len(like)), key=lambda d: (-like[d], d))

@@ -349,18 +349,19 @@ def _generic_best(strategies: Sequence[Strategy], specs: Sequence[DistSpec], mes
     if len(free) == 1:
         return free[0]
     if free:
-        if sum(m is not None for m in out_metas) != 1 or _uneven_sizes(mesh, specs, out_metas):
+        if sum(m is not None for m in out_metas) != 1 or _uneven_sizes(mesh, out_metas):
             return None
         return min(free, key=lambda s: _cost(s, list(specs), mesh, out_metas))
     still = [s for s in strategies if all(not _plan_price(spec, tuple(req)) for spec, req in zip(specs, s.inputs))]
     return still[0] if len(still) == 1 else None
 
 
-def _uneven_sizes(mesh: Any, specs: Sequence[DistSpec], out_metas: tuple[TensorMeta | None, ...]) -> bool:
-    """Whether a size of the call is generic but no multiple of the mesh's size (``generic._coding``)."""
+def _uneven_sizes(mesh: Any, out_metas: tuple[TensorMeta | None, ...]) -> bool:
+    """Whether an output's size is generic but no multiple of the mesh's size (``generic._coding``):
+    free strategies are compared by their local outputs alone (``_cost``: nothing moves), so
+    the inputs' sizes (an odd sequence length reduced away) do not matter."""
     n = mesh.size
-    shapes = [*(s.shape for s in specs), *(m.shape for m in out_metas if m is not None)]
-    return any(size % n and generic.is_generic(size, n) for shape in shapes for size in shape)
+    return any(size % n and generic.is_generic(size, n) for m in out_metas if m is not None for size in m.shape)
 
 
 def _cheapest(strategies: Sequence[Strategy], specs: list[DistSpec], mesh: Any, out_metas: tuple[TensorMeta | None, ...]) -> Strategy:

@@ -26,8 +26,9 @@ Three things, each exact where it is used and nowhere else:
   ``mm``/``addmm``/``bmm``/``embedding`` and its backward (any strides), ``view`` (the size
   with -1 resolved), ``alias``, ``unsqueeze`` and ``clone`` (any strides; a preserving clone of a
   non-dense input excepted), reductions over
-  listed dims (``sum``/``mean``/``amax``/``amin``), ``cat``, ``nll_loss``, ``layer_norm`` and their
-  backwards — on contiguous inputs, the outputs are contiguous tensors of those shapes; a
+  listed dims (``sum``/``mean``/``amax``/``amin``), ``nll_loss``, ``layer_norm`` and their
+  backwards — on contiguous inputs, the outputs are contiguous tensors of those shapes; ``cat``
+  and ``constant_pad_nd`` of any strides (not channels-last) make contiguous ones too; a
   pointwise op on inputs of one shape and one permuted-dense layout (a transposed activation)
   keeps that layout; ``transpose``/``t``/``permute`` rearrange their input's shape and strides
   (any strides). Only the dtypes (a function of the dtypes and the non-tensor arguments; a
@@ -50,7 +51,7 @@ from typing import Any
 import torch
 
 from autoparallel.spec import DistSpec
-from autoparallel.strides import contiguous_strides, dense_strides
+from autoparallel.strides import channels_last_like, contiguous_strides, dense_strides
 from spmd_rules.base import OpCall, Strategy, TensorMeta
 from spmd_rules.registry import size_args
 
@@ -392,6 +393,12 @@ def _laid_out(func: Any, inputs: Sequence[tuple[tuple[int, ...], tuple[int, ...]
     if func is _aten.slice_backward.default and len(inputs) == 1 and len(args) == 6 and _sizes(args[1]):
         sizes = tuple(args[1])
         return None if len(sizes) != len(inputs[0][0]) else ((sizes, contiguous_strides(sizes)),)
+    if func is _aten.cat.default and args and isinstance(args[0], (list, tuple)) and len(args[0]) == len(inputs):
+        joined = _catted(inputs, args[1] if len(args) > 1 else 0)
+        return None if joined is None else ((joined, contiguous_strides(joined)),)
+    if func is _aten.constant_pad_nd.default and len(inputs) == 1 and 2 <= len(args) <= 3:
+        padded = _padded(inputs[0], args[1])
+        return None if padded is None else ((padded, contiguous_strides(padded)),)
     if func is _SDPA_CPU and len(inputs) >= 3 and len(inputs[0][0]) == 4 and _is_tensor(args[0]):
         shape, stride = inputs[0]
         like = _like_strides(shape, stride)
@@ -476,9 +483,6 @@ def _out_shapes(func: Any, inputs: Sequence[tuple[tuple[int, ...], tuple[int, ..
         return tuple(out), ()
     if func is _aten.nll_loss_backward.default and len(args) >= 2 and _is_tensor(args[1]):
         return (tuple(args[1].shape),)
-    if func is _aten.cat.default and args and isinstance(args[0], (list, tuple)) and len(args[0]) == len(shapes):
-        joined = _catted(shapes, args[1] if len(args) > 1 else 0)
-        return None if joined is None else (joined,)
     if func in _REDUCTIONS and len(shapes) == 1 and len(args) >= 2:
         kept = _reduced(shapes[0], args[1], bool(args[2]) if len(args) > 2 else False)
         return None if kept is None else (kept,)
@@ -506,9 +510,14 @@ def _reduced(shape: tuple[int, ...], dims: Any, keepdim: bool) -> tuple[int, ...
     return tuple(1 if d in gone else s for d, s in enumerate(shape) if keepdim or d not in gone)
 
 
-def _catted(shapes: Sequence[tuple[int, ...]], dim: Any) -> tuple[int, ...] | None:
-    """The shape of ``cat`` of contiguous tensors of ``shapes`` along ``dim`` (None where they do
-    not join, or an empty one is among them: torch skips legacy empty tensors)."""
+def _catted(inputs: Sequence[tuple[tuple[int, ...], tuple[int, ...]]], dim: Any) -> tuple[int, ...] | None:
+    """The shape of ``cat`` along ``dim`` where its output is contiguous (any input strides):
+    torch skips 1-d empty tensors (the legacy empty tensor a cache starts from) and lays the
+    output out channels-last only where every input suggests it (then None, as where the
+    inputs do not join or an input or the output is empty)."""
+    if all(channels_last_like(s, st) for s, st in inputs):
+        return None
+    shapes = [s for s, _ in inputs if s != (0,)]
     n = len(shapes[0]) if shapes else 0
     if n == 0 or type(dim) is not int or not -n <= dim < n or any(len(s) != n or 0 in s for s in shapes):
         return None
@@ -517,6 +526,22 @@ def _catted(shapes: Sequence[tuple[int, ...]], dim: Any) -> tuple[int, ...] | No
     if any(s[:d] + s[d + 1:] != rest for s in shapes):
         return None
     return shapes[0][:d] + (sum(s[d] for s in shapes),) + shapes[0][d + 1:]
+
+
+def _padded(input: tuple[tuple[int, ...], tuple[int, ...]], pad: Any) -> tuple[int, ...] | None:
+    """The shape of ``constant_pad_nd`` (pairs of before/after amounts from the last dim inwards)
+    where its output is a new contiguous tensor: some amount positive (none: a copy of a
+    narrowed view, torch's own strides), the input not channels-last, no size below one."""
+    shape, stride = input
+    if not _sizes(pad) or len(pad) % 2 or len(pad) // 2 > len(shape) or not any(p > 0 for p in pad):
+        return None
+    if channels_last_like(shape, stride):
+        return None
+    out = list(shape)
+    for i in range(len(pad) // 2):
+        d = len(shape) - 1 - i
+        out[d] += pad[2 * i] + pad[2 * i + 1]
+    return None if any(s < 1 for s in out) else tuple(out)
 
 
 # pointwise ops whose kernels lay their output out as torch's TensorIterator does (``_iterated``),

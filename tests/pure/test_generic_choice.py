@@ -261,6 +261,32 @@ def test_known_unsqueezes_aliases_and_clones_are_the_meta_kernels(calls: Any) ->
             _known_vs_meta(aten.clone.default, (x,), [x], fmt)
 
 
+@settings(max_examples=150, deadline=None)
+@given(st.integers(1, 5).flatmap(lambda n: st.tuples(st.lists(_strided(n), min_size=1, max_size=3),
+                                                     st.integers(-n, n - 1), st.booleans(), st.booleans())),
+       st.lists(st.sampled_from([-1, 0, 0, 1, 2]), min_size=2, max_size=6))
+def test_known_cats_and_pads_are_the_meta_kernels(case: Any, pad: list[int]) -> None:
+    """``cat`` of tensors of any strides (channels-last ones too; a legacy empty ``(0,)`` tensor
+    among them, as a cache starts from) and ``constant_pad_nd`` of any strides: known layouts
+    are the meta kernels'."""
+    generic.forget()
+    tensors, dim, legacy, channels_last = case
+    if channels_last and tensors[0].dim() in (4, 5):
+        fmt = torch.channels_last if tensors[0].dim() == 4 else torch.channels_last_3d
+        tensors = [t.contiguous(memory_format=fmt) for t in tensors]
+    d = dim % tensors[0].dim()
+    joinable = [torch.empty_strided([*t.shape[:d], k + 1, *t.shape[d + 1:]], t.stride(), device="meta") if t.numel() == 0
+                else t for k, t in enumerate(tensors)]  # (empty pieces aside: sizes that join on dim d)
+    joinable = [t if t.shape[:d] + t.shape[d + 1:] == joinable[0].shape[:d] + joinable[0].shape[d + 1:]
+                else torch.empty_strided([*joinable[0].shape[:d], t.shape[d], *joinable[0].shape[d + 1:]], t.stride(),
+                                         device="meta") for t in joinable]
+    for ts in (tensors, joinable, [torch.empty(0, device="meta"), *joinable] if legacy else joinable):
+        _known_vs_meta(aten.cat.default, (ts, dim), ts)
+    for t in tensors:
+        n = min(len(pad) // 2, t.dim()) * 2
+        _known_vs_meta(aten.constant_pad_nd.default, (t, pad[:n], 0.0), [t])
+
+
 @st.composite
 def _broadcasting(draw: Any) -> list[torch.Tensor]:
     """Meta tensors for one pointwise call: an output shape of 1-4 dims, each input spanning its

@@ -66,6 +66,11 @@ def _cases(mesh: Any, t: int) -> list[tuple[str, Any, Callable[[], tuple[Any, ..
             (f"view heads {name}", aten.view.default, lambda p=p: (d((4, t, 6), p), [4, t, 2, 3])),
             (f"log_softmax {name}", aten._log_softmax.default, lambda p=p: (d((4, t, 6), p), -1, False)),
             (f"cat {name}", aten.cat.default, lambda p=p: ([d((4, t, 6), p), d((4, t, 6), p)], 2 if p != S2 else 1)),
+            (f"cat transposed {name}", aten.cat.default,  # (a rotary embedding's halves, transposed heads)
+             lambda p=p: ([d((4, t, 6), p, True), d((4, t, 6), p)], 2 if p != S2 else 1)),
+            (f"cat after a legacy empty {name}", aten.cat.default,  # (a key/value cache's first update)
+             lambda p=p: ([ap.shard_tensor(torch.empty(0), mesh, [R]), d((4, t, 6), p)], -2 if p != S1 else -1)),
+            (f"pad {name}", aten.constant_pad_nd.default, lambda p=p: (d((4, t, 6), p), [0, 1] if p != S2 else [0, 0, 0, 1])),
             (f"bmm {name}", aten.bmm.default, lambda p=p: (d((4, t, 6), p), d((4, 6, t), p if p != S2 else S1))),
         ]
     for name, (pa, pb) in {"RR": (R, R), "S0R": (S0, R), "RS1": (R, S1), "S1S0": (S1, S0)}.items():
@@ -122,7 +127,8 @@ def _cases(mesh: Any, t: int) -> list[tuple[str, Any, Callable[[], tuple[Any, ..
 # calls filled in from another length's decision at some length (the rest may be too)
 TEMPLATED = {"addmm row parallel", "slice table R", "slice tail R", "split last R", "split last S0",
              "slice backward R", "attention R", "attention S1", "attention heads S0", "attention backward R",
-             "attention backward S1", "embedding backward R"}
+             "attention backward S1", "embedding backward R", "cat transposed R", "cat transposed S1",
+             "cat after a legacy empty S0", "pad R", "pad S0"}
 
 
 def _compare(rank: int) -> tuple[int, int, set[str], set[str]]:
@@ -178,7 +184,8 @@ def test_a_decision_from_another_shape_is_the_fresh_decision(world2) -> None:  #
         assert TEMPLATED <= names, sorted(TEMPLATED - names)
         # odd lengths too, their pieces uneven where t is sharded (S1 on (4, t, 6))
         assert {"addmm row parallel", "attention R", "gelu S1", "add S1", "unsqueeze S1", "alias S0", "clone transposed S1",
-                "mul transposed by a row S1", "mul transposed by a row R"} <= odd, sorted(odd)
+                "mul transposed by a row S1", "mul transposed by a row R", "cat transposed S1", "pad S1",
+                "embedding backward R"} <= odd, sorted(odd)
 
 
 def _bounded(rank: int) -> tuple[list[int], bool]:
