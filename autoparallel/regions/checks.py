@@ -108,10 +108,12 @@ def _pieces(spec: DistSpec, dim: int) -> int:
 
 
 def _classify(out: Any, leaves: list[Any], tensors: list[torch.Tensor],
-              summands: dict[int, DistSpec] | None = None) -> _Verdict:
+              summands: dict[int, DistSpec] | None = None, reads: set[int] | None = None) -> _Verdict:
     """Output layouts -> gradient layouts of the inputs, or why the outputs do not allow it.
     ``summands``: slot index -> the Partial(sum) layout every op of the trace took that
-    replicated parameter in (``_Trace.summands``): the local run makes it a summand first."""
+    replicated parameter in (``_Trace.summands``): the local run makes it a summand first.
+    ``reads``: ids of the DistTensors some op of the trace took (``_Trace.reads``); an input no
+    op took (a hidden state a rotary embedding reads only the dtype of) bears on no output."""
     summands = summands or {}
     outs, out_tree = tree_flatten(out)
     specs = tuple(layout.spec_or_none(o) for o in outs)
@@ -124,7 +126,7 @@ def _classify(out: Any, leaves: list[Any], tensors: list[torch.Tensor],
     mesh = dist_out[0].mesh
     if any(s.mesh != mesh for s in dist_out):
         return _refused("its outputs live on another mesh")
-    inputs = [x for x in [*leaves, *tensors] if isinstance(x, DistTensor)]
+    inputs = [x for x in [*leaves, *tensors] if isinstance(x, DistTensor) and (reads is None or id(x) in reads)]
     sharded: list[int] = []
     for a in range(mesh.ndim):
         partial = [isinstance(s.placements[a], Partial) for s in dist_out]

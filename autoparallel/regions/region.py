@@ -277,7 +277,7 @@ class _Region:
         if not why and sliced:
             why, in_moves, done_in = _sliced_first(sliced, leaves, in_moves, done_in)
         verdict = _refused(why) if why else replace(
-            _classify(tree_unflatten(before, out_tree), moved, tensors, trace.summands),
+            _classify(tree_unflatten(before, out_tree), moved, tensors, trace.summands, trace.reads),
             out_moves=out_moves, in_moves=in_moves, style_moves=door.calls)
         record = None
         if verdict.local:

@@ -102,6 +102,35 @@ class PosAdd(nn.Module):
         return self.proj(x + self.pos(torch.arange(x.shape[1])))
 
 
+class RotaryTables(nn.Module):
+    """Cosine and sine tables of the positions, as transformers' rotary embeddings make them:
+    the hidden state is an argument only for its dtype (no op reads it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", torch.tensor([1.0, 0.1, 0.01]), persistent=False)
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        f = pos[:, None].float() * self.inv_freq[None, :]
+        emb = torch.cat([f, f], dim=-1)
+        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+
+class Rotated(nn.Module):
+    """A projection rotated by position (rotary tables from a batch-sharded hidden state), centred
+    over the batch: the root needs the whole batch, the tables are a region of their own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rot, self.proj = RotaryTables(), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cos, sin = self.rot(x, torch.arange(x.shape[1]))
+        h = self.proj(x)
+        y = h * cos + h.flip(-1) * sin
+        return y - y.mean(0)
+
+
 # ---- helpers ------------------------------------------------------------------------------------
 class SeqNet(nn.Module):
     """Tokens [b, t] -> embedding, attention-like mixing over t, a head; any length."""
@@ -221,6 +250,14 @@ def test_refused_modules_run_on_disttensors(world4: Any, cls: Any, args: tuple[A
 def test_children_of_a_refused_module_become_regions(world4: Any) -> None:
     report = world4.run(_compare, BatchCentred, (8, 6), [S0])[0]["report"]
     assert report["fc1"] == ["local"] and report["fc2"] == ["local"], report
+
+
+def test_an_input_no_op_reads_does_not_refuse_a_replicated_output(world4: Any) -> None:
+    """Rotary tables made from the positions, given the batch-sharded hidden state for its dtype
+    only: no op reads the sharded input, so its replicated outputs are a region's (refused before:
+    "an input is sharded on mesh axis 0 but no output is"); equal to the DistTensor run."""
+    report = world4.run(_compare, Rotated, (8, 5, 6), [S0])[0]["report"]
+    assert report["<root>"][0].startswith("refused") and report["rot"] == ["local"], report
 
 
 def test_dropout_without_probability_is_local(world4: Any) -> None:
