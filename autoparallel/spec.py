@@ -213,7 +213,9 @@ def _canonical_order(
     return tuple(out)
 
 
-@lru_cache(maxsize=8192)
+# Keyed by the exact shape: a new sequence length adds ~20 entries, a miss costs a few
+# microseconds, and warm steps do not ask (their decisions hold the local shapes): small.
+@lru_cache(maxsize=256)
 def _local_box(
     placements: tuple[Placement, ...],
     order: tuple[tuple[int, tuple[int, ...]], ...],
