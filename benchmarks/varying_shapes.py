@@ -3,6 +3,7 @@
     python benchmarks/varying_shapes.py                       # DP, TP, TP+SP on 2 gloo ranks
     python benchmarks/varying_shapes.py --shapes 60 --layouts TP+SP --profile
     python benchmarks/varying_shapes.py --model llama --step 1 --layouts DP,TP   # transformers' Llama
+    python benchmarks/varying_shapes.py --model llama --step 1 --layouts DP,TP --no-kv-cache
 
 Each rank trains the example GPT (width 64, 2 layers, vocab 96, batch 4; AdamW through
 ``shard_optimizer``) laid out one way, with the sequence length changing between steps: after
@@ -67,17 +68,20 @@ def _rss_kb() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1024
 
 
-def _build_llama(layout: str, world: int, max_len: int) -> tuple[Callable[[int], None], Callable[[int], None]]:
+def _build_llama(layout: str, world: int, max_len: int,
+                 use_cache: bool = True) -> tuple[Callable[[int], None], Callable[[int], None]]:
     """``--model llama``: transformers' Llama (hidden 64, 2 layers, 8 heads, 4 key/value heads,
     MLP 128, vocabulary 96), unmodified, laid out by ``ap.plans.llama`` (TP, TP+SP) or
-    ``shard_layer`` (DP); (ours step at length t, plain step at length t)."""
+    ``shard_layer`` (DP); (ours step at length t, plain step at length t). ``use_cache``: the
+    config's (transformers' default True: every forward fills a ``DynamicCache``, even in
+    training; fine-tuning scripts often set it False)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import autoparallel as ap
 
     cfg = LlamaConfig(hidden_size=WIDTH, num_hidden_layers=LAYERS, num_attention_heads=8, num_key_value_heads=4,
                       intermediate_size=2 * WIDTH, vocab_size=VOCAB, max_position_embeddings=max_len,
-                      attn_implementation="sdpa")
+                      attn_implementation="sdpa", use_cache=use_cache)
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg)
     plain = LlamaForCausalLM(cfg)
@@ -260,7 +264,10 @@ def _worker(rank: int, world: int, store: str, opts: dict[str, Any], out: str) -
     max_len = FIRST_LEN + by * (opts["shapes"] + opts["profile_shapes"])
     results: dict[str, Any] = {}
     for layout in opts["layouts"]:
-        ours, theirs = (_build_llama if opts["model"] == "llama" else _build)(layout, world, max_len)
+        if opts["model"] == "llama":
+            ours, theirs = _build_llama(layout, world, max_len, use_cache=not opts["no_kv_cache"])
+        else:
+            ours, theirs = _build(layout, world, max_len)
         mine = {"ours": _run(ours, lengths, opts["warm"], True, warmup),
                 "plain": _run(theirs, lengths, opts["warm"], False, warmup)}
         if opts["profile"]:
@@ -286,6 +293,9 @@ def main() -> None:
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
     parser.add_argument("--model", default="gpt", choices=("gpt", "llama"),
                         help="gpt: the example GPT; llama: transformers' Llama, unmodified (needs transformers)")
+    parser.add_argument("--no-kv-cache", action="store_true",
+                        help="--model llama with use_cache=False (no DynamicCache argument: the attention "
+                             "can be a local region)")
     parser.add_argument("--step", type=int, default=2, choices=(1, 2),
                         help="2: even lengths (sequence parallelism needs equal pieces); 1: every length "
                              "(DP and TP), odd ones included")
@@ -297,7 +307,7 @@ def main() -> None:
     if args.step == 1 and "TP+SP" in args.layouts.split(","):
         parser.error("--step 1 gives odd lengths, which sequence parallelism cannot split evenly: "
                      "use --layouts DP,TP")
-    opts = {"model": args.model, "step": args.step, "shapes": args.shapes, "warm": args.warm, "layouts": args.layouts.split(","), "profile": args.profile,
+    opts = {"model": args.model, "no_kv_cache": args.no_kv_cache, "step": args.step, "shapes": args.shapes, "warm": args.warm, "layouts": args.layouts.split(","), "profile": args.profile,
             "profile_shapes": 12 if args.profile else 0}
     res = run_spawned(_worker, args.nprocs, opts, timeout=3000, prefix="varying")
     name = "transformers' Llama" if args.model == "llama" else "GPT"

@@ -47,6 +47,7 @@ import torch
 from autoparallel.compat import TorchDispatchMode
 from autoparallel.engine import layout
 from autoparallel.engine.dtensor import DistTensor
+from autoparallel.strides import nesting
 
 
 class Stop(BaseException):
@@ -159,16 +160,38 @@ class Recorder(TorchDispatchMode):
 
 # ---- families -------------------------------------------------------------------------------------
 def point_of(leaves: Sequence[Any]) -> tuple[int, ...]:
-    """The sizes and strides of a call's tensor arguments, in order (the family's coordinates)."""
+    """The sizes and strides of a call's tensor arguments, in order (the family's coordinates):
+    a dense argument's strides as its layout (``_layout_coords``), any other's as they are."""
     out: list[int] = []
     for x in leaves:
         if isinstance(x, DistTensor):  # (its own ``shape``/``stride()`` go through ``__torch_function__``)
-            out.extend(layout.spec_of(x).shape)
-            out.extend(layout.stride_of(x))
+            shape, stride = layout.spec_of(x).shape, layout.stride_of(x)
         elif isinstance(x, torch.Tensor):
-            out.extend(x.shape)
-            out.extend(x.stride())
+            shape, stride = tuple(x.shape), tuple(x.stride())
+        else:
+            continue
+        out.extend(shape)
+        out.extend(_layout_coords(shape, stride))
     return tuple(out)
+
+
+def _layout_coords(shape: Sequence[int], stride: Sequence[int]) -> Sequence[int]:
+    """A tensor argument's strides as family coordinates. A dense tensor (its elements packed,
+    dims nested in some order: what a kernel, a copy or a factory makes) is given by that
+    nesting, as negative numbers (``-1 - depth`` per dim, outermost first), the same at every
+    length: a contiguous ``(B, 1, T, T)`` mask's ``T * T`` strides are no line in ``T``, its
+    nesting is a constant. Any other tensor (expanded, sliced, overlapping, empty) keeps its
+    strides, which must then follow the model's lines (``Model.admits_point``)."""
+    order = nesting(stride)
+    expected = 1
+    for d in reversed(order):
+        if shape[d] == 0 or (shape[d] != 1 and stride[d] != expected):
+            return stride
+        expected *= shape[d]
+    depth = [0] * len(shape)
+    for k, d in enumerate(order):
+        depth[d] = -1 - k
+    return depth
 
 
 def sizes_at(leaves: Sequence[Any], point: Sequence[int]) -> list[tuple[int, ...] | None]:
@@ -225,6 +248,8 @@ class Model:
             return "the two proven lengths ran different aten calls"
         if pa.shape != pb.shape:
             return "the arguments differ in rank"
+        if np.any(((pa < 0) | (pb < 0)) & (pa != pb)):
+            return "an argument is laid out differently at the proven lengths"  # (``_layout_coords``)
         varying = np.flatnonzero(pa != pb)
         if not len(varying):
             return "no argument size differs"

@@ -200,3 +200,27 @@ def test_points_follow_the_lines_of_the_arguments() -> None:
         assert model.admits_point(point) == by_lines(point), point
     assert model.admits_point(point_of((torch.empty(2, 9),))) == 9
     assert model.admits_point((2, 9, 9)) is None  # another rank
+
+
+def _masked(t: int) -> torch.Tensor:
+    return torch.ones(2, 1, t, t).sum(-1)
+
+
+def test_a_dense_argument_is_given_by_its_layout_not_its_strides() -> None:
+    """A contiguous ``(2, 1, t, t)`` mask argument: strides ``t * t`` are no line in ``t``, its layout
+    (dense, row-major) is the same at every length: new lengths are admitted. Transposed it is
+    another layout; sliced (not dense) its strides are coordinates again."""
+    def mask(t: int) -> torch.Tensor:
+        return torch.empty(2, 1, t, t)
+
+    a, b = (Proof(point_of((mask(t),)), _recorded(_masked, t)[0], verdict=None) for t in (4, 5))
+    model = Model(a, b)
+    assert model.build() is None
+    for t in (7, 9, 30):
+        assert model.admits_point(point_of((mask(t),))) == t
+    assert model.admits_point(point_of((mask(9).transpose(2, 3),))) is None  # another nesting
+    assert model.admits_point(point_of((torch.empty(2, 1, 9, 10)[..., :9],))) is None  # sliced: its strides
+    assert point_of((torch.empty(2, 1, 9, 10)[..., :9],))[4:] == (90, 90, 10, 1)
+    # proven at two lengths with different layouts: no model
+    c = Proof(point_of((mask(6).transpose(2, 3),)), _recorded(_masked, 6)[0], verdict=None)
+    assert Model(a, c).build() == "an argument is laid out differently at the proven lengths"

@@ -309,8 +309,9 @@ class MaskedAttention(nn.Module):
         return self.out(y.transpose(1, 2).reshape(b, t, 8))
 
 
-def _masked(rank: int, lengths: list[int]) -> dict[str, Any]:
-    """MaskedAttention trained at ``lengths`` with and without regions, and in one process."""
+def _masked(rank: int, lengths: list[int], square: bool = False) -> dict[str, Any]:
+    """MaskedAttention trained at ``lengths`` with and without regions, and in one process
+    (``square``: the mask is ``(B, 1, t, t)``, contiguous, as transformers' causal masks are)."""
     mesh = _mesh()
     runs = []
     for local in (False, True, None):
@@ -325,7 +326,8 @@ def _masked(rank: int, lengths: list[int]) -> dict[str, Any]:
         for t in lengths:
             g = torch.Generator().manual_seed(t)
             x = torch.randn(8, t, 8, generator=g)
-            mask = torch.randn(8, 1, 1, t + 2, generator=g)  # a padding mask, longer than the keys: cut inside
+            # a padding mask, longer than the keys: cut inside; or a square one (strides t * t, t, 1)
+            mask = torch.randn(8, 1, t, t, generator=g) if square else torch.randn(8, 1, 1, t + 2, generator=g)
             with ap.CommDebugMode() as comm:
                 if local is None:
                     y = model(x, mask)
@@ -355,6 +357,21 @@ def test_an_argument_sliced_inside_is_sliced_before_a_local_run(world4: Any) -> 
         assert local["report"]["<root>"][0] == "local", local["report"]
         assert any("as its proven lengths" in v for v in local["report"]["<root>"]), local["report"]
         assert all(c == {} for c in local["comm"]), local["comm"]  # a forward moves nothing
+        for run in (on_dist, local):
+            assert run["losses"] == pytest.approx(one["losses"], rel=1e-5)
+            for n, p in one["params"].items():
+                torch.testing.assert_close(run["params"][n], p, rtol=1e-5, atol=1e-6)
+
+
+def test_a_square_mask_argument_is_answered_by_its_family(world4: Any) -> None:
+    """A contiguous ``(B, 1, t, t)`` mask argument: its strides (``t * t``) are no line in ``t``, its
+    layout (dense, row-major) is the same at every length, so new lengths are answered by the
+    family (before, every length was proven). Equal to the DistTensor run and to one process."""
+    lengths = [6, 10, 14, 18, 22, 6, 26]  # (no coincidence: 12 would be 2 * 12 == 24 features)
+    for res in world4.run(_masked, lengths, True):
+        on_dist, local, one = res["runs"]
+        assert local["report"]["<root>"][0] == "local", local["report"]
+        assert sum("as its proven lengths" in v for v in local["report"]["<root>"]) >= 3, local["report"]
         for run in (on_dist, local):
             assert run["losses"] == pytest.approx(one["losses"], rel=1e-5)
             for n, p in one["params"].items():
