@@ -18,7 +18,7 @@ from autoparallel.engine.dtensor import DistTensor
 from autoparallel.engine.keys import call_key
 from autoparallel.placement import Partial, Replicate, Shard
 from autoparallel.regions.crossing import with_partial
-from autoparallel.regions.generic import Record
+from autoparallel.regions.generic import Made, Record, mutable
 from autoparallel.spec import DistSpec
 from reshard.plan import SLICE, TO_PARTIAL
 from spmd_rules.random_ops import draws_random
@@ -207,13 +207,20 @@ class _Trace:
         # whole or None)); per leaf, the layout an op slices it (or such a view of it) to: a
         # replicated mask taken batch-sharded, which the region slices once, before the module
         # runs (``arg_moves``: a second trace with them sliced proves it)
+        # (a plain tensor argument too: an op adopts it Replicate, its shard is the tensor itself;
+        # and what the ops derive from them elementwise: ``_follow``)
         self.args: dict[int, tuple[Any, tuple[int, ...], tuple[int | None, ...]]] = {}
         for k, x in enumerate(args or ()):
-            if isinstance(x, DistTensor):
+            if isinstance(x, torch.Tensor) and (isinstance(x, DistTensor) or not x.requires_grad):
                 _, ks, dims = self.args.get(id(x), (x, (), tuple(range(x.dim()))))
                 self.args[id(x)] = (x, (*ks, k), dims)
         self.arg_moves: dict[int, DistSpec] = {}
         self.quiet = False  # inside an op's input moves (or a style's move): not the op's own local calls
+        # the storages its recorded calls made, and whether one wrote a tensor they did not make
+        # (a module attribute, an argument, a parameter): a trace that wrote nothing else may
+        # run again (``region._first_call``)
+        self.made = Made()
+        self.writes = False
         self.reads: set[int] = set()  # ids of the DistTensors the ops read (not inside moves)
 
     def refuse(self, reason: str) -> None:
@@ -238,24 +245,54 @@ class _Trace:
             self.refuse(f"{func} is random (its DistTensor result is the single-device draw)")
         with _Spy(self):
             out = run(_Quiet(self))
-        if func in _ARG_VIEWS and self.args and not self.quiet:
-            self._note_view(func, decision, args, out)
+        if self.args and not self.quiet and all(p is None for p in decision.plans):
+            self._follow(func, args, kwargs, out)
         return out
 
-    def _note_view(self, func: Any, decision: Any, args: tuple[Any, ...], out: Any) -> None:
-        """Track ``out`` where it is a view, taken as it is, of an argument (or of such a view)."""
-        src = self.args.get(id(args[0])) if isinstance(args[0], DistTensor) else None
-        if src is None or not isinstance(out, DistTensor) or any(p is not None for p in decision.plans):
+    def _source(self, t: Any) -> tuple[Any, tuple[int, ...], tuple[int | None, ...]] | None:
+        """What ``t`` is of the arguments (``args``' entry), if anything: itself, or for a
+        replicated DistTensor, the plain tensor an op adopted (its shard is that tensor)."""
+        src = self.args.get(id(t))
+        if src is None and isinstance(t, DistTensor):
+            spec = layout.spec_of(t)
+            if spec.is_replicated():
+                src = self.args.get(id(layout.local_of(t)))
+        return src
+
+    def _follow(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        """Track ``out`` (the op's one output) where an argument slices into it the way the
+        output is sliced: a view of a tracked tensor (``_ARG_VIEWS``), or an elementwise value
+        of tracked tensors of its own shape (and 0-d ones): pointwise ops, ``*_like``
+        factories, ``masked_fill`` (SDPA turning a boolean mask into an additive one). Only a
+        guess of which arguments to slice first: the second trace proves it (it moves nothing)."""
+        if not isinstance(out, torch.Tensor):
             return
-        dims = _view_dims(func, args, src[2], tuple(layout.spec_of(args[0]).shape), tuple(layout.spec_of(out).shape))
-        self.args[id(out)] = (out, src[1], dims)
+        tensors = _tensors(args, kwargs)
+        if not tensors:
+            return
+        srcs = [self._source(t) for t in tensors]
+        if func in _ARG_VIEWS:
+            if srcs[0] is not None:
+                dims = _view_dims(func, args, srcs[0][2], _shape(tensors[0]), _shape(out))
+                self.args[id(out)] = (out, srcs[0][1], dims)
+            return
+        shape = _shape(out)
+        found = [s for s in srcs if s is not None]
+        if (not found or not _elementwise(func)
+                or any(s is None and _shape(t) != () for s, t in zip(srcs, tensors))
+                or any(s is not None and (_shape(t) != shape or s[2] != found[0][2]) for s, t in zip(srcs, tensors))):
+            if mutable(func):  # written with what no argument slices: no longer the argument's
+                self.args.pop(id(tensors[0]), None)
+            return
+        self.args[id(out)] = (out, tuple(sorted({k for s in found for k in s[1]})), found[0][2])
 
     def _arg_target(self, plan: Any, src: tuple[Any, tuple[int, ...], tuple[int | None, ...]]) -> DistSpec | None:
         """The layout of the argument behind ``src`` that ``plan`` (slicing it, or a view of it)
         asks for: each mesh axis the plan slices on a view dim, sliced on the argument dim that
         view dim spans; None where a view dim spans none or the pieces would be uneven."""
         arg, _, dims = src
-        spec = layout.spec_of(arg)
+        spec = layout.spec_of(arg) if isinstance(arg, DistTensor) else DistSpec(
+            plan.src.mesh, tuple(Replicate() for _ in plan.src.placements), tuple(arg.shape), arg.dtype)
         if plan.dst.shard_order:
             return None
         placements = list(spec.placements)
@@ -288,10 +325,12 @@ class _Trace:
                 if k is not None:
                     self.as_is.add(k)
                 continue
-            src = self.args.get(id(t)) if k is None and _slice_move(p) else None
+            src = self._source(t) if k is None and _slice_move(p) else None
             if src is not None:
                 dst = self._arg_target(p, src)
-                if dst is None or any(self.arg_moves.setdefault(a, dst) != dst for a in src[1]):
+                # (the layout asked of a view or an elementwise value of the argument: its
+                # placements are the argument's; its shape and dtype ``moves.remake`` takes from it)
+                if dst is None or any(self.arg_moves.setdefault(a, dst).placements != dst.placements for a in src[1]):
                     return False
                 continue
             if k is None or not _summand_move(p) or self.summands.setdefault(k, p.dst) != p.dst:
@@ -301,6 +340,10 @@ class _Trace:
     def record(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         if self.quiet:
             return
+        self.writes = self.writes or self.made.writes_outside(func, args, kwargs)
+        self.made.add(out)
+        if self.args and not self.replay:
+            self._follow(func, args, kwargs, out)
         if self.split is not None:
             self.split.add(func, args, kwargs, out)
         if func in _SIZED:  # the size may say -1 where the other side says the number
@@ -344,6 +387,32 @@ def _summand_move(plan: Any) -> bool:
     mesh axes: kept where the axis coordinate is 0, zero elsewhere)."""
     return _only_steps(plan, lambda st: st.kind == TO_PARTIAL and st.dst.placements[st.axis] == Partial("sum")
                        and isinstance(st.src.placements[st.axis], Replicate))
+
+
+def _tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors among an op's arguments (one level of lists), in order."""
+    out: list[torch.Tensor] = []
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            out.append(a)
+        elif isinstance(a, (list, tuple)):
+            out += [x for x in a if isinstance(x, torch.Tensor)]
+    return out
+
+
+def _shape(t: torch.Tensor) -> tuple[int, ...]:
+    """A tensor's (global) shape; a DistTensor's from its spec."""
+    return tuple(layout.spec_of(t).shape) if isinstance(t, DistTensor) else tuple(t.shape)
+
+
+_LIKE = frozenset({_aten.zeros_like.default, _aten.ones_like.default, _aten.full_like.default,
+                   _aten.empty_like.default, _aten.masked_fill.Scalar, _aten.masked_fill_.Scalar,
+                   _aten.masked_fill.Tensor, _aten.masked_fill_.Tensor, _aten._to_copy.default})
+
+
+def _elementwise(func: Any) -> bool:
+    """An op whose output (of its inputs' shape) is computed element by element."""
+    return func in _LIKE or torch.Tag.pointwise in getattr(func, "tags", ())
 
 
 # views a trace follows from a module's arguments (``_Trace.args``): what an argument's slice

@@ -46,6 +46,7 @@ import torch
 
 from autoparallel.compat import TorchDispatchMode
 from autoparallel.engine import layout
+from autoparallel.engine.aliases import written_args
 from autoparallel.engine.dtensor import DistTensor
 from autoparallel.strides import nesting
 
@@ -77,6 +78,13 @@ def _split(x: Any, ints: list[Any]) -> Any:
     return x
 
 
+# ``alias`` is the tensor itself (same sizes, strides, storage), and whether one is issued is
+# up to the caller's path through torch: indexing ``mask[:, :, :, :n]`` with ``n`` its whole
+# length aliases the mask on real sizes but issues nothing on symbolic ones (where ``n`` is the
+# mask's own size). Records leave it out.
+_ALIAS = torch.ops.aten.alias.default
+
+
 class Record:
     """A local run's aten calls as a skeleton (one entry per op) and its integers; ``bounds[k]``:
     where op k's integers end."""
@@ -85,13 +93,52 @@ class Record:
         self.skeleton: list[Any] = []
         self.ints: list[Any] = []       # ints; ``SymInt``s in a symbolic run
         self.bounds: list[int] = []
-        self.mutates = False
+        self.mutates = False            # an op wrote a tensor the run did not make
+        self.made = Made()
 
     def add(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        if func is _ALIAS:
+            return  # (see ``_ALIAS``)
         ints = self.ints
         self.skeleton.append((func, _split(args, ints), _split(kwargs, ints) if kwargs else None, _split(out, ints)))
         self.bounds.append(len(ints))
-        self.mutates = self.mutates or mutable(func)
+        self.mutates = self.mutates or self.made.writes_outside(func, args, kwargs)
+        self.made.add(out)
+
+
+class Made:
+    """The storages of the tensors a run's aten calls made. An in-place op writing only those
+    (a mask built by ``zeros_like`` and ``masked_fill_``, as SDPA converts a boolean mask)
+    writes nothing the run did not make: running it again, or stopping it midway, changes
+    nothing outside it."""
+
+    def __init__(self) -> None:
+        self.storages: set[int] = set()
+
+    def add(self, out: Any) -> None:
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                key = _storage_of(t)
+                if key:
+                    self.storages.add(key)
+
+    def writes_outside(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """Whether ``func`` (about to run, or just run in place) writes a tensor the run did not make."""
+        if not mutable(func):
+            return False
+        written = written_args(func, args, kwargs)
+        return not written or any(not isinstance(w, torch.Tensor) or _storage_of(w) not in self.storages
+                                  for w in written)
+
+
+def _storage_of(t: torch.Tensor) -> int:
+    """A plain tensor's storage address (0 where it has none: an empty or meta tensor; or for a
+    subclass, as the fake tensors of a symbolic run, whose sizes a test would guard on)."""
+    if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
+        return 0
+    if t.is_meta or not t.numel():
+        return 0
+    return int(t.untyped_storage().data_ptr())
 
 
 _MUTABLE: dict[Any, bool] = {}
@@ -138,7 +185,8 @@ def _flags(skel: Any, size: bool, flags: list[bool]) -> None:
 
 class Recorder(TorchDispatchMode):
     """Records a local run into a ``Record``; with ``expect`` (a family's skeleton), stops the
-    run (``Stop``) before an op that is not the expected one, any in-place op, or a DistTensor."""
+    run (``Stop``) before an op that is not the expected one, an in-place op writing a tensor
+    the run did not make (``Made``), or a DistTensor."""
 
     def __init__(self, expect: Sequence[Any] | None = None) -> None:
         super().__init__()
@@ -148,9 +196,11 @@ class Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         expect = self.expect
+        if func is _ALIAS:
+            return func(*args, **kwargs)  # (not recorded: ``_ALIAS``)
         if expect is not None:
             k = len(self.record.skeleton)
-            if (k >= len(expect) or expect[k][0] is not func or mutable(func)
+            if (k >= len(expect) or expect[k][0] is not func or self.record.made.writes_outside(func, args, kwargs)
                     or any(issubclass(t, DistTensor) for t in types)):
                 raise Stop(f"aten call {k} ({func}) is not the proven one")
         out = func(*args, **kwargs)
@@ -390,4 +440,4 @@ def _crossings(lines: list[tuple[int, int]], ta: int, tb: int) -> list[int]:
     return out
 
 
-__all__ = ["Family", "Model", "Proof", "Record", "Recorder", "Stop", "mutable", "point_of", "sized_flags", "sizes_at"]
+__all__ = ["Family", "Made", "Model", "Proof", "Record", "Recorder", "Stop", "mutable", "point_of", "sized_flags", "sizes_at"]

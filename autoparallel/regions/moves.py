@@ -176,6 +176,6 @@ def remake(x: DistTensor, dst: DistSpec, done: DistTensor | None) -> DistTensor:
     """A style's move of ``x`` to ``dst`` (the layout noted at a proven length, at ``x``'s shape),
     differentiable; ``done``: that move already made by the trace (taken, nothing moves again)."""
     spec = layout.spec_of(x)
-    if dst.shape != spec.shape:
-        dst = dst.with_shape(spec.shape, spec.dtype)
+    if dst.shape != spec.shape or dst.dtype != spec.dtype:  # (a layout noted on a view of ``x``, or on a value made from it)
+        dst = DistSpec(dst.mesh, dst.placements, spec.shape, spec.dtype, dst.shard_order)
     return layout.reshard(x, dst, done)

@@ -20,6 +20,7 @@ from autoparallel.engine import layout
 from autoparallel.engine.dtensor import DistTensor
 from autoparallel.log import logger
 from autoparallel.memory import recomputation
+from autoparallel.placement import Replicate
 from autoparallel.regions import moves
 from autoparallel.regions.checks import (
     _classify,
@@ -32,7 +33,7 @@ from autoparallel.regions.checks import (
     as_summand,
 )
 from autoparallel.regions.crossing import _Call, _localize, _wrap_out, needs_grad, with_partial
-from autoparallel.regions.generic import Family, Model, Proof, Record, Recorder, Stop, mutable, point_of, sizes_at
+from autoparallel.regions.generic import Family, Model, Proof, Record, Recorder, Stop, point_of, sizes_at
 from autoparallel.regions.symbolic import Certificate, certify
 from autoparallel.runtime.debug import CommDebugMode
 from autoparallel.spec import DistSpec
@@ -257,13 +258,14 @@ class _Region:
         rng = _rng_states()
         trace, door, comm, out = self._trace(leaves, slots, args, kwargs)
         sliced: dict[int, DistSpec] = {}
-        if trace.arg_moves and not trace.reason and not any(mutable(op[0]) for op in trace.ops):
+        if trace.arg_moves and not trace.reason and not trace.writes:
             # an op took an argument (or a view of one) sliced: trace again with those arguments
             # sliced first (the first trace wrote nothing; attributes its forward set are reset,
             # and the random generators: the second trace draws what the first did)
             _set_rng_states(rng)
             sliced = dict(trace.arg_moves)
-            leaves = [moves.remake(x, sliced[k], None) if k in sliced else x for k, x in enumerate(leaves)]
+            leaves = [moves.remake(_dist(x, sliced[k]), sliced[k], None) if k in sliced else x
+                      for k, x in enumerate(leaves)]
             args, kwargs = _unflatten_call(leaves, tree)
             trace, door, comm, out = self._trace(leaves, slots, args, kwargs)
         outs, out_tree = tree_flatten(out)
@@ -287,7 +289,7 @@ class _Region:
         if not verdict.local:
             self._try_children()
             return out, False
-        if torch.is_grad_enabled() and _requires_grad(out) and not any(mutable(op[0]) for op in trace.ops):
+        if torch.is_grad_enabled() and _requires_grad(out) and not trace.writes:
             # The trace's output would take the backward through every op on DistTensors again
             # (about as long as the trace). Proven local, the module runs once more on its shards
             # (writing nothing: no in-place op was traced) and its output, with the local
@@ -587,8 +589,17 @@ def _moved_in(verdict: _Verdict, leaves: list[Any], done: list[Any] | None) -> l
     move already made by the trace, or None): as every read in the local run sees them."""
     if not verdict.in_moves:
         return leaves
-    return [x if dst is None else moves.remake(x, dst, None if done is None else done[k])
+    return [x if dst is None else moves.remake(_dist(x, dst), dst, None if done is None else done[k])
             for k, (x, dst) in enumerate(zip(leaves, verdict.in_moves))]
+
+
+def _dist(x: Any, like: DistSpec) -> DistTensor:
+    """``x`` as a DistTensor: a plain tensor argument an op slices (a mask built from plain
+    tensors) as the Replicate DistTensor an op adopts it as, on ``like``'s mesh."""
+    if isinstance(x, DistTensor):
+        return x
+    rep = tuple(Replicate() for _ in like.placements)
+    return layout.wrap(x, DistSpec(like.mesh, rep, tuple(x.shape), x.dtype), tuple(x.stride()))
 
 
 def _unflatten_call(values: list[Any], tree: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:

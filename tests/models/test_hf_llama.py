@@ -228,3 +228,56 @@ def test_a_tied_llama_pipeline_resumes_from_a_checkpoint_as_if_uninterrupted(wor
     for res in world4.run(_pp_resume, str(tmp_path / "ckpt"), timeout=300):
         assert res["resumed"] == pytest.approx(res["straight"], rel=1e-6), (res["resumed"], res["straight"])
         assert not res["bad"] and res["copy_equals_embedding"], res
+
+
+def _data_parallel_lengths(rank: int, lengths: list[int]) -> dict[str, object]:
+    """``shard_layer`` (data parallel) Llama without a key/value cache (``use_cache=False``, as
+    fine-tuning scripts set it), trained at changing lengths: (losses, one process's, bad
+    parameters, the decoder layers' region report)."""
+    import torch
+
+    import autoparallel as ap
+    from autoparallel.regions import local_regions_report
+
+    torch.manual_seed(0)
+    model = tiny_llama()
+    model.config.use_cache = False
+    ref = copy.deepcopy(model)
+    mesh = ap.ProcessMesh([0, 1, 2, 3], dim_names=["dp"])
+    ap.shard_layer(model, mesh)
+    opt = ap.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    gen = torch.Generator().manual_seed(1)
+    losses = []
+    for t in lengths:
+        ids = torch.randint(0, 128, (8, t), generator=gen)
+        loss = model(input_ids=ap.shard_tensor(ids, mesh, [ap.Shard(0)]), labels=ap.shard_tensor(ids, mesh, [ap.Shard(0)])).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref_loss = ref(input_ids=ids, labels=ids).loss
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        losses.append((loss.full_tensor().item(), ref_loss.item()))
+    bad = []
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        full = p.detach().full_tensor()
+        if not torch.allclose(full, q.detach(), rtol=RTOL, atol=RTOL * q.abs().max().item()):
+            bad.append((name, (full - q).abs().max().item()))
+    report = local_regions_report(model)
+    return {"losses": losses, "bad": bad, "layers": report["model.layers.0"] + report["model.layers.1"]}
+
+
+def test_data_parallel_llama_without_a_cache_runs_its_layers_locally_at_new_lengths(world4) -> None:  # type: ignore[no-untyped-def]
+    """Its causal mask is a plain boolean tensor each decoder layer takes and SDPA slices by the
+    batch: the layer slices it once and runs on shards (a local region), and new lengths are
+    answered by the layer's family; loss and parameters equal one process."""
+    # (the model itself is refused at the first lengths: its layers get their turn from the third)
+    lengths = [9, 11, 13, 15, 17, 19, 21, 11, 25, 27]
+    for r in world4.run(_data_parallel_lengths, lengths):
+        for ours, theirs in r["losses"]:
+            assert ours == pytest.approx(theirs, rel=RTOL)
+        assert not r["bad"], r["bad"]
+        assert all(v.startswith("local") for v in r["layers"]), r["layers"]
+        assert sum("as its proven lengths" in v for v in r["layers"]) >= 6, r["layers"]

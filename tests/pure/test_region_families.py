@@ -224,3 +224,42 @@ def test_a_dense_argument_is_given_by_its_layout_not_its_strides() -> None:
     # proven at two lengths with different layouts: no model
     c = Proof(point_of((mask(6).transpose(2, 3),)), _recorded(_masked, 6)[0], verdict=None)
     assert Model(a, c).build() == "an argument is laid out differently at the proven lengths"
+
+
+def test_writes_to_what_the_run_made_are_no_writes() -> None:
+    """A run that writes in place only tensors it made (SDPA's ``zeros_like`` then ``masked_fill_``)
+    writes nothing outside (``Record.mutates`` False, the recorder does not stop); a write to an
+    argument or a buffer does, a view of a made tensor is made too."""
+    mask = torch.ones(2, 3, dtype=torch.bool).tril()
+    buffer = torch.zeros(2, 3)
+
+    def convert(m: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(m, dtype=torch.float32)
+        out[:, :2].masked_fill_(m.logical_not()[:, :2], float("-inf"))
+        return out
+
+    rec = Recorder()
+    with rec:
+        convert(mask)
+    assert not rec.record.mutates
+    with Recorder(expect=rec.record.skeleton):  # a new run of it is not stopped
+        convert(mask)
+    rec = Recorder()
+    with rec:
+        buffer.add_(1.0)
+    assert rec.record.mutates
+    with pytest.raises(Stop):
+        with Recorder(expect=rec.record.skeleton):
+            buffer.add_(1.0)
+
+
+def test_records_leave_aliases_out() -> None:
+    """``alias`` (the tensor itself) is not recorded: a run that issues one and a run that does not
+    (indexing a mask over its whole length on real and on symbolic sizes) record the same."""
+    x = torch.ones(2, 3)
+    a, b = Recorder(), Recorder()
+    with a:
+        torch.ops.aten.alias.default(x).exp()
+    with b:
+        x.exp()
+    assert a.record.skeleton == b.record.skeleton and a.record.ints == b.record.ints

@@ -309,9 +309,11 @@ class MaskedAttention(nn.Module):
         return self.out(y.transpose(1, 2).reshape(b, t, 8))
 
 
-def _masked(rank: int, lengths: list[int], square: bool = False) -> dict[str, Any]:
+def _masked(rank: int, lengths: list[int], square: bool = False, plain_bool: bool = False) -> dict[str, Any]:
     """MaskedAttention trained at ``lengths`` with and without regions, and in one process
-    (``square``: the mask is ``(B, 1, t, t)``, contiguous, as transformers' causal masks are)."""
+    (``square``: the mask is ``(B, 1, t, t)``, contiguous, as transformers' causal masks are;
+    ``plain_bool``: a causal boolean mask, given as a plain tensor, as transformers' models
+    build it from plain tensors)."""
     mesh = _mesh()
     runs = []
     for local in (False, True, None):
@@ -328,11 +330,13 @@ def _masked(rank: int, lengths: list[int], square: bool = False) -> dict[str, An
             x = torch.randn(8, t, 8, generator=g)
             # a padding mask, longer than the keys: cut inside; or a square one (strides t * t, t, 1)
             mask = torch.randn(8, 1, t, t, generator=g) if square else torch.randn(8, 1, 1, t + 2, generator=g)
+            if plain_bool:  # (keys that see no query would make NaN rows: a causal mask has none)
+                mask = torch.ones(t, t + 2, dtype=torch.bool).tril(2)[None, None].expand(8, 1, t, t + 2).contiguous()
             with ap.CommDebugMode() as comm:
                 if local is None:
                     y = model(x, mask)
                 else:
-                    y = model(ap.shard_tensor(x, mesh, [S0]), ap.shard_tensor(mask, mesh, [R]))
+                    y = model(ap.shard_tensor(x, mesh, [S0]), mask if plain_bool else ap.shard_tensor(mask, mesh, [R]))
             loss = (y * y).mean()
             opt.zero_grad()
             loss.backward()
@@ -372,6 +376,25 @@ def test_a_square_mask_argument_is_answered_by_its_family(world4: Any) -> None:
         on_dist, local, one = res["runs"]
         assert local["report"]["<root>"][0] == "local", local["report"]
         assert sum("as its proven lengths" in v for v in local["report"]["<root>"]) >= 3, local["report"]
+        for run in (on_dist, local):
+            assert run["losses"] == pytest.approx(one["losses"], rel=1e-5)
+            for n, p in one["params"].items():
+                torch.testing.assert_close(run["params"][n], p, rtol=1e-5, atol=1e-6)
+
+
+def test_a_plain_boolean_mask_argument_is_sliced_before_a_local_run(world4: Any) -> None:
+    """A plain boolean mask argument (transformers builds its causal mask from plain tensors):
+    SDPA adopts it Replicate, makes it additive (``zeros_like``, ``logical_not``, ``masked_fill_``
+    on that new tensor: a write to nothing the module did not make) and takes it batch-sharded.
+    The region slices the plain argument once before its local run (refused before: "moves an
+    input"); new lengths are answered by the family. Equal to the DistTensor run and to one
+    process."""
+    lengths = [6, 10, 14, 18, 6, 26]  # (no coincidence: 22 + 2 would meet 24 features)
+    for res in world4.run(_masked, lengths, False, True):
+        on_dist, local, one = res["runs"]
+        assert all(v.startswith("local") for v in local["report"]["<root>"]), local["report"]
+        assert sum("as its proven lengths" in v for v in local["report"]["<root>"]) >= 2, local["report"]
+        assert all(c == {} for c in local["comm"]), local["comm"]  # a forward moves nothing
         for run in (on_dist, local):
             assert run["losses"] == pytest.approx(one["losses"], rel=1e-5)
             for n, p in one["params"].items():
