@@ -11,7 +11,8 @@ compared with the one made after every shape-generic cache is forgotten.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -131,13 +132,9 @@ TEMPLATED = {"addmm row parallel", "slice table R", "slice tail R", "split last 
              "cat after a legacy empty S0", "pad R", "pad S0"}
 
 
-def _compare(rank: int) -> tuple[int, int, set[str], set[str]]:
-    mesh = ap.ProcessMesh([0, 1], dim_names=["x"])
-    lengths = [6, 7, 8, 10, 11, 12, 14, 16, 18, 20, 6, 21, 24]
-    random.Random(0).shuffle(lengths)
-    made = fresh = 0
-    names: set[str] = set()
-    odd: set[str] = set()  # filled in at an odd length
+@contextmanager
+def _counting_fills() -> Iterator[list[Any]]:
+    """Within the block, the templates of the decisions filled in from another shape's, in order."""
     filled: list[Any] = []
     original = deciding._from_template
 
@@ -147,6 +144,19 @@ def _compare(rank: int) -> tuple[int, int, set[str], set[str]]:
 
     deciding._from_template = counted  # type: ignore[assignment]
     try:
+        yield filled
+    finally:
+        deciding._from_template = original  # type: ignore[assignment]
+
+
+def _compare(rank: int) -> tuple[int, int, set[str], set[str]]:
+    mesh = ap.ProcessMesh([0, 1], dim_names=["x"])
+    lengths = [6, 7, 8, 10, 11, 12, 14, 16, 18, 20, 6, 21, 24]
+    random.Random(0).shuffle(lengths)
+    made = fresh = 0
+    names: set[str] = set()
+    odd: set[str] = set()  # filled in at an odd length
+    with _counting_fills() as filled:
         for t in lengths:
             for name, op, make in _cases(mesh, t):
                 args = make()
@@ -173,8 +183,6 @@ def _compare(rank: int) -> tuple[int, int, set[str], set[str]]:
                     names.add(name)
                     if t % 2:
                         odd.add(name)
-    finally:
-        deciding._from_template = original  # type: ignore[assignment]
     return made, fresh, names, odd
 
 
@@ -241,16 +249,8 @@ def _gpt_lengths(rank: int, lengths: list[int]) -> tuple[list[tuple[float, float
     train_gpt.parallelize_gpt(model, mesh, sp=False)
     opt = ap.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    filled: list[Any] = []
-    original = deciding._from_template
-
-    def counted(*args: Any) -> Any:
-        filled.append(args[0])
-        return original(*args)
-
-    deciding._from_template = counted  # type: ignore[assignment]
     losses = []
-    try:
+    with _counting_fills() as filled:
         for t in lengths:
             x = torch.randint(0, 24, (3, t + 1), generator=torch.Generator().manual_seed(t))
             xi, yi = x[:, :-1].contiguous(), x[:, 1:].contiguous()
@@ -263,8 +263,6 @@ def _gpt_lengths(rank: int, lengths: list[int]) -> tuple[list[tuple[float, float
             ref_loss.backward()
             ref_opt.step()
             losses.append((float(loss.detach().full_tensor()), float(ref_loss.detach())))
-    finally:
-        deciding._from_template = original  # type: ignore[assignment]
     worst = max(float((p.detach().full_tensor() - q.detach()).norm() / q.detach().norm())
                 for p, q in zip(model.parameters(), ref.parameters()))
     return losses, worst, len(filled)
