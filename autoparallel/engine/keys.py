@@ -63,18 +63,26 @@ def adopt_plain(
         raise TypeError(f"{func}: cannot write a DistTensor result into a plain tensor of shape "
                         f"{tuple(hit.shape)}: the ranks outside mesh {mesh} would not write it; "
                         "make it a DistTensor first (ap.shard_tensor)")
-    rep = tuple(Replicate() for _ in range(mesh.ndim))
     member = mesh_coord(mesh) is not None
     adopted: dict[int, Any] = {}
 
     def adopt(t: torch.Tensor) -> Any:
         if id(t) not in adopted:
-            local = t if member else t.new_empty((0,))
-            stride = tuple(t.stride()) if t.layout == torch.strided else None
-            adopted[id(t)] = cls._wrap(local, DistSpec(mesh, rep, tuple(t.shape), t.dtype), stride)
+            adopted[id(t)] = adopt_one(cls, t, mesh, member)
         return adopted[id(t)]
 
     return _adopted(cls, args, adopt), {k: _adopted(cls, v, adopt) for k, v in kwargs.items()}
+
+
+def adopt_one(cls: Any, t: torch.Tensor, mesh: Any, member: bool | None = None) -> Any:
+    """The plain tensor ``t`` as the Replicate DistTensor on ``mesh`` an op adopts it as: its
+    shard is ``t`` itself on the mesh's ranks (an empty tensor elsewhere). ``member``: whether
+    this rank is on the mesh, if known."""
+    if member is None:
+        member = mesh_coord(mesh) is not None
+    local = t if member else t.new_empty((0,))
+    stride = tuple(t.stride()) if t.layout == torch.strided else None
+    return cls._wrap(local, DistSpec(mesh, tuple(Replicate() for _ in range(mesh.ndim)), tuple(t.shape), t.dtype), stride)
 
 
 def _adopted(cls: Any, a: Any, adopt: Any) -> Any:

@@ -18,9 +18,9 @@ from autoparallel import compat, runtime
 from autoparallel.compat import tree_flatten, tree_unflatten
 from autoparallel.engine import layout
 from autoparallel.engine.dtensor import DistTensor
+from autoparallel.engine.keys import adopt_one
 from autoparallel.log import logger
 from autoparallel.memory import recomputation
-from autoparallel.placement import Replicate
 from autoparallel.regions import moves
 from autoparallel.regions.checks import (
     _classify,
@@ -292,7 +292,7 @@ class _Region:
         if torch.is_grad_enabled() and _requires_grad(out) and not trace.writes:
             # The trace's output would take the backward through every op on DistTensors again
             # (about as long as the trace). Proven local, the module runs once more on its shards
-            # (writing nothing: no in-place op was traced) and its output, with the local
+            # (writing nothing: no in-place op wrote what the trace did not make) and its output, with the local
             # backward a warm call has, is returned instead.
             # (the epilogue's moves are the trace's: the local run recomputes the same aten
             # calls on the same shards, as the replay checked, so nothing moves twice)
@@ -595,11 +595,8 @@ def _moved_in(verdict: _Verdict, leaves: list[Any], done: list[Any] | None) -> l
 
 def _dist(x: Any, like: DistSpec) -> DistTensor:
     """``x`` as a DistTensor: a plain tensor argument an op slices (a mask built from plain
-    tensors) as the Replicate DistTensor an op adopts it as, on ``like``'s mesh."""
-    if isinstance(x, DistTensor):
-        return x
-    rep = tuple(Replicate() for _ in like.placements)
-    return layout.wrap(x, DistSpec(like.mesh, rep, tuple(x.shape), x.dtype), tuple(x.stride()))
+    tensors) as the Replicate DistTensor an op adopts it as (``keys.adopt_one``), on ``like``'s mesh."""
+    return x if isinstance(x, DistTensor) else adopt_one(DistTensor, x, like.mesh)
 
 
 def _unflatten_call(values: list[Any], tree: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
