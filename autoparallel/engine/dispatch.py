@@ -11,7 +11,7 @@ observer of the op path (``observed_by``).
 from __future__ import annotations
 
 import logging
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -33,8 +33,15 @@ MAX_CACHED_DECISIONS = 65536
 # for the MAX_SHAPES_PER_TEMPLATE shapes filled in last, per template: with sequence lengths that
 # keep changing, what a new length adds is bounded (an older length's decisions go; coming back
 # to it fills them in again, at a new length's cost). Template key -> cache keys, oldest first.
+# All templates together keep at most MAX_FILLED_DECISIONS (``_FILLED_ALL``: cache key -> its
+# template, oldest first): a model fills in ~10-120 decisions per new length (measured,
+# ``benchmarks/varying_shapes.py``), so that is the latest ~8-100 lengths' worth, and once it is
+# reached a new length keeps nothing more (each template's own bound alone is reached only once
+# its size ordering has recurred 16 times: a length crossing another size keys differently).
 _FILLED: dict[Any, deque[Any]] = {}
+_FILLED_ALL: OrderedDict[Any, Any] = OrderedDict()
 MAX_SHAPES_PER_TEMPLATE = 16
+MAX_FILLED_DECISIONS = 1024
 _DETACH = torch.ops.aten.detach.default
 _AS_STRIDED = torch.ops.aten.as_strided.default
 # The observers of the op path, innermost last: entered and left only through ``observed_by``.
@@ -69,6 +76,7 @@ def dispatch(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any])
         if len(_CACHE) >= MAX_CACHED_DECISIONS:  # e.g. a changing Python scalar in the key
             _CACHE.clear()
             _FILLED.clear()
+            _FILLED_ALL.clear()
         _CACHE[key] = decision
         if filled:
             _keep_filled(filled[0], key)
@@ -81,13 +89,24 @@ def dispatch(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any])
 
 
 def _keep_filled(template: Any, key: Any) -> None:
-    """Note a filled-in decision's cache key under its template; drop the oldest beyond the bound."""
+    """Note a filled-in decision's cache key under its template; drop the oldest beyond the
+    template's bound and beyond the bound of all (the key is new: it missed the cache)."""
     keys = _FILLED.get(template)
     if keys is None:
         keys = _FILLED[template] = deque()
     keys.append(key)
+    _FILLED_ALL[key] = template
     if len(keys) > MAX_SHAPES_PER_TEMPLATE:
-        _CACHE.pop(keys.popleft(), None)
+        old = keys.popleft()
+        _CACHE.pop(old, None)
+        _FILLED_ALL.pop(old, None)
+    if len(_FILLED_ALL) > MAX_FILLED_DECISIONS:
+        old, was = _FILLED_ALL.popitem(last=False)
+        of = _FILLED[was]
+        of.remove(old)  # (the oldest of all is the oldest of its template: its deque's first)
+        if not of:
+            del _FILLED[was]
+        _CACHE.pop(old, None)
 
 
 def _as_strided(cls: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -108,6 +127,7 @@ def clear_cache() -> None:
     """Forget every cached decision and shape-generic choice (and which ops warned that they run replicated)."""
     _CACHE.clear()
     _FILLED.clear()
+    _FILLED_ALL.clear()
     generic.forget()
     forget_warnings()
 

@@ -60,6 +60,9 @@ MAX_ENTRIES = 16384
 _CHOICES: dict[Any, Strategy] = {}
 _OUT_DTYPES: dict[Any, tuple[torch.dtype, ...]] = {}
 _TEMPLATES: dict[Any, Any] = {}  # template_key -> a LocalStep decided at another shape
+# A template is a whole decision (~40 objects, ~3 KB); a model has ~100-250 per ordering of its
+# sizes (a length crossing another size keys anew): the oldest go beyond this bound.
+MAX_TEMPLATES = 2048
 # Ops whose one output has the shape of their tensor inputs (all of one shape), besides pointwise ones.
 _SAME_SHAPE = frozenset({
     _aten._softmax.default, _aten._log_softmax.default,
@@ -258,8 +261,8 @@ def store_template(key: Any, decision: Any) -> None:
         hash(key)
     except TypeError:
         return
-    if len(_TEMPLATES) >= MAX_ENTRIES:
-        _TEMPLATES.clear()
+    if len(_TEMPLATES) >= MAX_TEMPLATES:
+        del _TEMPLATES[next(iter(_TEMPLATES))]
     _TEMPLATES[key] = decision
 
 

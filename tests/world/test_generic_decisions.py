@@ -229,6 +229,39 @@ def test_filled_in_decisions_are_kept_for_the_latest_shapes_only(world2) -> None
         assert held[:6] == [1, 2, 3, 4, 5, 6] and set(held[6:]) == {6}, held
 
 
+def _bounded_all(rank: int) -> tuple[list[int], bool, bool]:
+    from autoparallel.engine import dispatch
+
+    mesh = ap.ProcessMesh([0, 1], dim_names=["x"])
+    dispatch.clear_cache()
+    bound, dispatch.MAX_FILLED_DECISIONS = dispatch.MAX_FILLED_DECISIONS, 5
+    try:
+        held: list[int] = []
+        exact = consistent = True
+        for t in [*range(4, 40, 2), 8, 4]:  # two templates filled per length; then back to dropped lengths
+            x = torch.randn(4, t, 6, generator=torch.Generator().manual_seed(t))
+            y = ap.shard_tensor(x, mesh, [Shard(1)]).view(4, t, 2, 3) * 2
+            exact = exact and bool(torch.equal(y.full_tensor(), x.view(4, t, 2, 3) * 2))
+            filled = [k for keys in dispatch._FILLED.values() for k in keys]
+            held.append(len(dispatch._FILLED_ALL))
+            consistent = consistent and sorted(map(repr, filled)) == sorted(map(repr, dispatch._FILLED_ALL)) \
+                and all(k in dispatch._CACHE for k in filled) and all(dispatch._FILLED.values())
+        return held, exact, consistent
+    finally:
+        dispatch.MAX_FILLED_DECISIONS = bound
+        dispatch.clear_cache()
+
+
+def test_filled_in_decisions_of_all_templates_are_bounded_together(world2) -> None:  # type: ignore[no-untyped-def]
+    """Beyond each template's bound, all filled-in decisions together are kept for the latest
+    ``MAX_FILLED_DECISIONS`` only (a size ordering that rarely recurs fills its template's
+    bound slowly): from then on a new length keeps nothing more, and a dropped length computes
+    the same when it comes back."""
+    for held, exact, consistent in world2.run(_bounded_all):
+        assert exact and consistent
+        assert max(held) == 5 and held[-8:] == [5] * 8, held
+
+
 def _gpt_lengths(rank: int, lengths: list[int]) -> tuple[list[tuple[float, float]], float, int]:
     """The example GPT under TP (2 ranks) trained at these lengths (odd ones too: the decisions
     outside regions are filled in from templates there) and in one process: (per step the two
