@@ -81,7 +81,9 @@ def decide(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], d
            filled: list[Any] | None = None) -> Decision:
     """The decision for ``func`` on these arguments (``dts``: the DistTensors among them, in
     order): a pure function of their specs, strides and the non-tensor arguments. ``filled``
-    gets the template's key where the decision was filled in from one made at another shape."""
+    gets the template's key where the decision is one shape of a template: filled in from one
+    made at another shape, or the one made afresh that becomes the template (the dispatcher
+    keeps a bounded number of each template's shapes)."""
     specs = [t._spec for t in dts]
     key, out = _template_key(cls, func, args, kwargs, dts, specs)
     template = generic.template(key)
@@ -93,6 +95,8 @@ def decide(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], d
     d = _finish(cls, func, _decide(cls, func, args, kwargs, dts, stored), args, kwargs, specs, [t._stride for t in dts])
     if stored and key is not None and _template_kind(d, func):
         generic.store_template(key, d)
+        if filled is not None:
+            filled.append(key)
     return d
 
 

@@ -29,10 +29,11 @@ from autoparallel.runtime.comm import profiled
 
 _CACHE: dict[Any, Decision] = {}
 MAX_CACHED_DECISIONS = 65536
-# Decisions filled in from a template (``decide``: the same decision at another shape) are kept
-# for the MAX_SHAPES_PER_TEMPLATE shapes filled in last, per template: with sequence lengths that
-# keep changing, what a new length adds is bounded (an older length's decisions go; coming back
-# to it fills them in again, at a new length's cost). Template key -> cache keys, oldest first.
+# Decisions filled in from a template (``decide``: the same decision at another shape), and the
+# one made afresh that became the template, are kept for the MAX_SHAPES_PER_TEMPLATE shapes
+# decided last, per template: with sequence lengths that keep changing, what a new length adds is
+# bounded (an older length's decisions go; coming back to it fills them in again, at a new
+# length's cost; the template itself stays). Template key -> cache keys, oldest first.
 # All templates together keep at most MAX_FILLED_DECISIONS (``_FILLED_ALL``: cache key -> its
 # template, oldest first): a model fills in ~10-120 decisions per new length (measured,
 # ``benchmarks/varying_shapes.py``), so that is the latest ~8-100 lengths' worth, and once it is
@@ -89,7 +90,7 @@ def dispatch(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any])
 
 
 def _keep_filled(template: Any, key: Any) -> None:
-    """Note a filled-in decision's cache key under its template; drop the oldest beyond the
+    """Note a decision's cache key under its template; drop the oldest beyond the
     template's bound and beyond the bound of all (the key is new: it missed the cache)."""
     keys = _FILLED.get(template)
     if keys is None:

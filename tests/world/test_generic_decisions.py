@@ -218,15 +218,16 @@ def _bounded(rank: int) -> tuple[list[int], bool]:
 
 
 def test_filled_in_decisions_are_kept_for_the_latest_shapes_only(world2) -> None:  # type: ignore[no-untyped-def]
-    """With lengths that keep changing, the dispatcher keeps a template's filled-in decisions for
-    its latest ``MAX_SHAPES_PER_TEMPLATE`` shapes: what a new length adds is bounded. A length
+    """With lengths that keep changing, the dispatcher keeps a template's decisions for its
+    latest ``MAX_SHAPES_PER_TEMPLATE`` shapes: what a new length adds is bounded. A length
     whose decisions were dropped is filled in again and computes the same."""
     for held, exact in world2.run(_bounded):
         assert exact
-        # a few lengths are decided afresh (where t meets another size: 4, 6) and stay; the
-        # filled-in ones are the latest 3: from the sixth length on, nothing more is kept,
-        # new lengths and returns alike
-        assert held[:6] == [1, 2, 3, 4, 5, 6] and set(held[6:]) == {6}, held
+        # lengths where t meets another size (4, 6) key templates of their own and stay; every
+        # other length shares one template, which keeps its latest 3 shapes (the one decided
+        # afresh that made it included): from the fifth length on, nothing more is kept, new
+        # lengths and returns alike
+        assert held[:5] == [1, 2, 3, 4, 5] and set(held[5:]) == {5}, held
 
 
 def _bounded_all(rank: int) -> tuple[list[int], bool, bool]:
