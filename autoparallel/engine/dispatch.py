@@ -33,14 +33,27 @@ MAX_CACHED_DECISIONS = 65536
 # one made afresh that became the template, are kept for the MAX_SHAPES_PER_TEMPLATE shapes
 # decided last, per template: with sequence lengths that keep changing, what a new length adds is
 # bounded (an older length's decisions go; coming back to it fills them in again, at a new
-# length's cost; the template itself stays). Template key -> cache keys, oldest first.
-# All templates together keep at most MAX_FILLED_DECISIONS (``_FILLED_ALL``: cache key -> its
-# template, oldest first): a model fills in ~10-120 decisions per new length (measured,
-# ``benchmarks/varying_shapes.py``), so that is the latest ~8-100 lengths' worth, and once it is
+# length's cost; the template itself stays). Template key -> its shapes' cache keys.
+# All templates together keep at most MAX_FILLED_DECISIONS (``_FILLED_ALL``, oldest first): a
+# model fills in ~10-120 decisions per new length (measured, ``benchmarks/varying_shapes.py``),
+# so that is the latest ~8-100 lengths' worth, and once it is
 # reached a new length keeps nothing more (each template's own bound alone is reached only once
 # its size ordering has recurred 16 times: a length crossing another size keys differently).
-_FILLED: dict[Any, deque[Any]] = {}
-_FILLED_ALL: OrderedDict[Any, Any] = OrderedDict()
+
+
+class _Shapes(deque[Any]):
+    """One template's kept cache keys, oldest first, and the template key it is kept under (the
+    first one seen: each call's own key is a new equal tuple, not to be kept once per shape)."""
+
+    __slots__ = ("template",)
+
+    def __init__(self, template: Any) -> None:
+        super().__init__()
+        self.template = template
+
+
+_FILLED: dict[Any, _Shapes] = {}
+_FILLED_ALL: OrderedDict[Any, _Shapes] = OrderedDict()  # cache key -> its template's shapes
 MAX_SHAPES_PER_TEMPLATE = 16
 MAX_FILLED_DECISIONS = 1024
 _DETACH = torch.ops.aten.detach.default
@@ -94,19 +107,18 @@ def _keep_filled(template: Any, key: Any) -> None:
     template's bound and beyond the bound of all (the key is new: it missed the cache)."""
     keys = _FILLED.get(template)
     if keys is None:
-        keys = _FILLED[template] = deque()
+        keys = _FILLED[template] = _Shapes(template)
     keys.append(key)
-    _FILLED_ALL[key] = template
+    _FILLED_ALL[key] = keys
     if len(keys) > MAX_SHAPES_PER_TEMPLATE:
         old = keys.popleft()
         _CACHE.pop(old, None)
         _FILLED_ALL.pop(old, None)
     if len(_FILLED_ALL) > MAX_FILLED_DECISIONS:
-        old, was = _FILLED_ALL.popitem(last=False)
-        of = _FILLED[was]
+        old, of = _FILLED_ALL.popitem(last=False)
         of.remove(old)  # (the oldest of all is the oldest of its template: its deque's first)
         if not of:
-            del _FILLED[was]
+            del _FILLED[of.template]
         _CACHE.pop(old, None)
 
 

@@ -246,7 +246,8 @@ def _bounded_all(rank: int) -> tuple[list[int], bool, bool]:
             filled = [k for keys in dispatch._FILLED.values() for k in keys]
             held.append(len(dispatch._FILLED_ALL))
             consistent = consistent and sorted(map(repr, filled)) == sorted(map(repr, dispatch._FILLED_ALL)) \
-                and all(k in dispatch._CACHE for k in filled) and all(dispatch._FILLED.values())
+                and all(k in dispatch._CACHE for k in filled) and all(dispatch._FILLED.values()) \
+                and all(dispatch._FILLED[s.template] is s for s in dispatch._FILLED_ALL.values())
         return held, exact, consistent
     finally:
         dispatch.MAX_FILLED_DECISIONS = bound
