@@ -41,6 +41,11 @@ class _Verdict:
     out_moves: tuple[DistSpec | None, ...] = ()      # per output leaf: the layout a style's epilogue moves it to
     in_moves: tuple[DistSpec | None, ...] = ()       # per argument leaf: the layout a style's prologue (or an op's slice) moves it to
     style_moves: int = 0                             # moves its styles' hooks make (``regions.moves``)
+    # where an argument is an object (``regions.objects``): the paths of the tensors the module
+    # writes into it (its last output leaves: the output is ``(output, written)``), and the
+    # other values it writes; None: no object argument
+    writes: tuple[Any, ...] | None = None
+    written_values: tuple[Any, ...] = ()
 
     @property
     def local(self) -> bool:
@@ -135,10 +140,14 @@ def _classify(out: Any, leaves: list[Any], tensors: list[torch.Tensor],
             # its own shards and the replicated inputs, so with the whole gradient of the sum
             # (Replicate: ``_Out`` moves it there) the local backward gives each sharded input
             # its exact shard and each replicated one its summand (Partial(sum), as on a sharded
-            # axis). Every output must be such a summand: a replicated one beside them would
-            # add its replicated part to every summand of an input's gradient.
-            if not all(partial) or any(s.placements[a] != Partial("sum") for s in dist_out):
-                return _refused(f"its outputs are Partial on mesh axis {a} and not all Partial(sum) there")
+            # axis). A sharded output beside them gives the same (each rank's shard of its
+            # gradient, through its own shards: exact for sharded inputs, a summand for
+            # replicated ones: the keys and values an attention writes into its cache beside its
+            # row-parallel output). A replicated one would add its replicated part to every
+            # summand of an input's gradient.
+            if any(s.placements[a] != Partial("sum") and not isinstance(s.placements[a], Shard) for s in dist_out):
+                return _refused(f"its outputs are Partial on mesh axis {a} and neither Partial(sum) nor sharded "
+                                "there (a replicated one beside a summand)")
             sharded.append(a)
             continue
         kinds = {isinstance(s.placements[a], Shard) for s in dist_out}

@@ -3,10 +3,8 @@ local runs. See ``autoparallel.regions``."""
 
 from __future__ import annotations
 
-import enum
 import os
 import time
-import types
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -21,7 +19,7 @@ from autoparallel.engine.dtensor import DistTensor
 from autoparallel.engine.keys import adopt_one
 from autoparallel.log import logger
 from autoparallel.memory import recomputation
-from autoparallel.regions import moves
+from autoparallel.regions import moves, objects
 from autoparallel.regions.checks import (
     _classify,
     _pieces,
@@ -173,12 +171,12 @@ class _Region:
         except TypeError:  # an unhashable non-tensor argument: no signature
             return None
         if verdict is None:
-            kind = next((p[1] for p in key[1] if p[0] is _OBJECT), None)  # as ``_key`` marked it
+            kind = next((p[1] for p in key[1] if p[0] is _OBJECT and p[2] is None), None)  # as ``_key`` marked it
             if kind is not None:
-                # a trace, a replay and local runs would each change it (a key/value cache
-                # appended to three times, once with plain shards)
-                self._remember(key, _refused(f"an argument is a {kind.__name__} object, which the "
-                                             "module may change (a cache): it runs on DistTensors"))
+                # its entries cannot be walked: what the module writes into it could not be
+                # undone between the trace, the replay and the local run (``regions.objects``)
+                self._remember(key, _refused(f"an argument is a {kind.__name__} object whose entries a region "
+                                             "cannot follow (regions.objects): it runs on DistTensors"))
                 return None
             # Inside a recomputed region the first call's trace and replay would save (and
             # run) more than its recompute: signatures are proven outside such regions only.
@@ -228,8 +226,9 @@ class _Region:
                 parts.append((spec_of(x), stride_of(x), x.requires_grad))
             elif isinstance(x, torch.Tensor):
                 parts.append(("plain", tuple(x.shape), x.dtype, x.requires_grad))
-            elif _object(x):  # keyed by its class: its identity would make every call a new signature
-                parts.append((_OBJECT, type(x)))
+            elif objects.is_object(x):  # keyed by its class and entries: its identity would make
+                # every call a new signature (None: entries a region cannot follow)
+                parts.append((_OBJECT, type(x), objects.signature(x)))
             else:
                 parts.append(("value", x))
         slot_parts = tuple(
@@ -256,39 +255,54 @@ class _Region:
                 slots.setdefault(id(t), k)
         point = point_of(leaves)  # the family's coordinates: the arguments as given
         rng = _rng_states()
-        trace, door, comm, out = self._trace(leaves, slots, args, kwargs)
+        # object arguments (a key/value cache): what the trace, the replay and the local run
+        # write into them is undone before the next (``regions.objects``); ``out`` is then
+        # ``(output, the tensors written)``
+        entry = objects.snapshot(leaves) if objects.any_object(leaves) else []
+        trace, door, comm, out, writer = self._trace(leaves, slots, args, kwargs)
         sliced: dict[int, DistSpec] = {}
-        if trace.arg_moves and not trace.reason and not trace.writes:
+        if (trace.arg_moves and not trace.reason and not trace.writes and len(comm.records) <= door.comm
+                and not door.epilogue(tree_flatten(out)[0])[0]):
             # an op took an argument (or a view of one) sliced: trace again with those arguments
             # sliced first (the first trace wrote nothing; attributes its forward set are reset,
-            # and the random generators: the second trace draws what the first did)
+            # and the random generators: the second trace draws what the first did) — unless
+            # the first is refused for what slicing does not change (it communicates, a style
+            # moves data inside it): a second trace would issue its collectives again
             _set_rng_states(rng)
+            objects.restore(entry)
             sliced = dict(trace.arg_moves)
             leaves = [moves.remake(_dist(x, sliced[k]), sliced[k], None) if k in sliced else x
                       for k, x in enumerate(leaves)]
             args, kwargs = _unflatten_call(leaves, tree)
-            trace, door, comm, out = self._trace(leaves, slots, args, kwargs)
+            trace, door, comm, out, writer = self._trace(leaves, slots, args, kwargs)
+        traced = objects.snapshot(leaves) if writer is not None else []  # its writes stand where it is refused
+        user = out if writer is None else out[0]  # the module's own output
         outs, out_tree = tree_flatten(out)
         moved, in_moves, done_in = door.arguments(leaves)  # the styles' prologue
         why, before, out_moves = door.epilogue(outs)
         if len(comm.records) > door.comm:
             why = why or f"it communicates ({comm.records[0].kind})"
-        why = trace.reason or why or _summands_refusal(trace, leaves, tensors)
+        why = trace.reason or why or _summands_refusal(trace, leaves, tensors) or _writes_refusal(writer, trace)
         if not why and trace.arg_moves:
             why = f"an op takes an argument sliced ({next(iter(trace.arg_moves.values()))})"
         if not why and sliced:
             why, in_moves, done_in = _sliced_first(sliced, leaves, in_moves, done_in)
         verdict = _refused(why) if why else replace(
             _classify(tree_unflatten(before, out_tree), moved, tensors, trace.summands, trace.reads),
-            out_moves=out_moves, in_moves=in_moves, style_moves=door.calls)
+            out_moves=out_moves, in_moves=in_moves, style_moves=door.calls,
+            writes=None if writer is None else writer.paths, written_values=() if writer is None else writer.values)
         record = None
         if verdict.local:
-            verdict, record = self._replay(verdict, trace, out, leaves, tree, tensors, done_in)
+            objects.restore(entry)
+            try:
+                verdict, record = self._replay(verdict, trace, out, leaves, tree, tensors, done_in)
+            finally:
+                objects.restore(traced)
         self._family(key).add(Proof(point, record, verdict))
         self.verdicts[key] = verdict
         if not verdict.local:
             self._try_children()
-            return out, False
+            return user, False
         if torch.is_grad_enabled() and _requires_grad(out) and not trace.writes:
             # The trace's output would take the backward through every op on DistTensors again
             # (about as long as the trace). Proven local, the module runs once more on its shards
@@ -297,25 +311,29 @@ class _Region:
             # (the epilogue's moves are the trace's: the local run recomputes the same aten
             # calls on the same shards, as the replay checked, so nothing moves twice)
             done = [o if m is not None else None for o, m in zip(outs, verdict.out_moves)] or None
+            objects.restore(entry)
             return self._run_local(verdict, leaves, tree, tensors, done=done, done_in=done_in), True
-        return out, False
+        return user, False
 
     def _trace(self, leaves: list[Any], slots: dict[int, int], args: tuple[Any, ...],
-               kwargs: dict[str, Any]) -> tuple[_Trace, moves.Traced, CommDebugMode, Any]:
+               kwargs: dict[str, Any]) -> tuple[_Trace, moves.Traced, CommDebugMode, Any, objects.Writing | None]:
         """The module's forward on DistTensors, traced: (the trace, its styles' door, the
-        communication it made, the output). The attributes the forward sets are put back as
-        they were when an op sliced an argument (``_Trace.arg_moves``: it is traced again)."""
+        communication it made, the output, what it wrote into object arguments: None where it
+        has none, else the output is ``(output, the tensors written)``). The attributes the
+        forward sets are put back as they were when an op sliced an argument
+        (``_Trace.arg_moves``: it is traced again)."""
         saved = [(m.__dict__, dict(m.__dict__)) for m in self.modules]
         trace = _Trace(slots=slots, args=leaves)
+        writer = objects.Writing(self.forward, leaves) if objects.any_object(leaves) else None
         with CommDebugMode() as comm, _mode("trace"), trace.spy():
             door = moves.Traced(trace, lambda: len(comm.records), leaves)
             with moves.opened(door):
-                out = self.forward(*args, **kwargs)
+                out = (writer or self.forward)(*args, **kwargs)
         if trace.arg_moves:
             for d, before in saved:
                 d.clear()
                 d.update(before)
-        return trace, door, comm, out
+        return trace, door, comm, out, writer
 
     def _replay(self, verdict: _Verdict, trace: _Trace, out: Any, leaves: list[Any], tree: Any,
                 tensors: list[torch.Tensor], done_in: list[Any] | None) -> tuple[_Verdict, Record | None]:
@@ -404,11 +422,13 @@ class _Region:
                          (time.perf_counter() - began) * 1e3)
         cert = model.certificate
         recorder = None if isinstance(cert, Certificate) and cert.holds(_locals(leaves)) else Recorder(expect=model.skeleton)
+        entry = objects.snapshot(leaves) if base.writes is not None else []  # (undone where it is no answer)
         try:
             out, call = self._enter_local(pre, leaves, tree, tensors, recorder=recorder)
         except (Stop, Exception) as e:  # noqa: BLE001  (the proof runs it again, and raises what is real)
             logger.debug("local region %s: no generic verdict: %s: %s", type(self.module).__name__,
                          type(e).__name__, e)
+            objects.restore(entry)
             return None
         why = None if recorder is None else model.admits_record(recorder.record, tc)
         outs, out_tree = ([out], None) if isinstance(out, torch.Tensor) else tree_flatten(out)
@@ -432,11 +452,12 @@ class _Region:
                 shapes.append(tuple(o.shape))
         if why is not None:
             logger.debug("local region %s: no generic verdict: %s", type(self.module).__name__, why)
+            objects.restore(entry)
             return None
         verdict = replace(pre, out_specs=tuple(specs), out_local_shapes=tuple(shapes), generic=True)
         self._remember(key, verdict)
         self.certified += recorder is None
-        return self._wrap_local(verdict, out, call)
+        return _put_written(verdict, leaves, self._wrap_local(verdict, out, call))
 
     def _certify(self, model: Model, verdict: _Verdict, leaves: list[Any], tree: Any,
                  tensors: list[torch.Tensor]) -> Certificate | str:
@@ -455,6 +476,7 @@ class _Region:
 
         def run(fake_leaves: list[Any], fake_slots: list[torch.Tensor]) -> Any:
             saved = [(m.__dict__, dict(m.__dict__)) for m in self.modules]  # attributes set by the forward
+            held = objects.snapshot(leaves) if verdict.writes is not None else []  # and into object arguments
             try:
                 for (m, a), f in zip(self.slots, fake_slots):
                     m.__dict__[a] = f
@@ -466,6 +488,7 @@ class _Region:
                     raise RuntimeError(door.why())
                 return out
             finally:
+                objects.restore(held)
                 for d, before in saved:
                     d.clear()
                     d.update(before)
@@ -486,7 +509,7 @@ class _Region:
         if spy is not None:
             return self._enter_local(verdict, leaves, tree, tensors, spy=spy)
         out, call = self._enter_local(verdict, leaves, tree, tensors)
-        return self._wrap_local(verdict, out, call, done)
+        return _put_written(verdict, leaves, self._wrap_local(verdict, out, call, done))
 
     def _enter_local(self, verdict: _Verdict, leaves: list[Any], tree: Any, tensors: list[torch.Tensor],
                      spy: _Trace | None = None, recorder: Recorder | None = None) -> Any:
@@ -519,23 +542,25 @@ class _Region:
             saved.append(d.get(a, _MISSING))
             d[a] = local.get(id(t), t)
         door = moves.Local(verdict.style_moves)
+        writer = None if verdict.writes is None else objects.Writing(self.forward, leaves)
+        forward = writer or self.forward
         try:
             with _mode("local"), moves.opened(door):
                 if spy is not None:
                     with spy.spy():
-                        out = self.forward(*largs, **lkwargs)
+                        out = forward(*largs, **lkwargs)
                 elif recorder is not None:
                     with recorder:
-                        out = self.forward(*largs, **lkwargs)
+                        out = forward(*largs, **lkwargs)
                 else:
-                    out = self.forward(*largs, **lkwargs)
+                    out = forward(*largs, **lkwargs)
         finally:
             for (m, a), prev in zip(self.slots, saved):
                 if prev is _MISSING:
                     del m.__dict__[a]
                 else:
                     m.__dict__[a] = prev
-        why = door.why()
+        why = door.why() or ("" if writer is None else writer.differs(verdict.writes, verdict.written_values))
         if why:
             if spy is not None:
                 spy.refuse(why)
@@ -611,19 +636,44 @@ def _autocast_state() -> tuple[Any, ...]:
     return tuple((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda"))
 
 
-# arguments that are values: compared by value, never changed by a module
-_VALUES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.layout,
-           torch.memory_format, enum.Enum, slice, type(Ellipsis), type, types.FunctionType,
-           types.BuiltinFunctionType, types.MethodType)
+# marks an object argument's part of a signature: (_OBJECT, its class, its entries'
+# ``objects.signature``, None where a region cannot follow them)
+_OBJECT = object()
 
 
-_OBJECT = object()  # marks an object argument's part of a signature: (_OBJECT, its class)
+def _writes_refusal(writer: objects.Writing | None, trace: _Trace) -> str:
+    """Why what the trace wrote into object arguments cannot be a region's extra outputs ('' when
+    it can): the writes themselves (``Writing.why``), a plain tensor the objects held (which the
+    trace's reads do not follow), a DistTensor they held that an op read (the local run leaves
+    them as they are), a plain tensor written."""
+    if writer is None:
+        return ""
+    if writer.why:
+        return writer.why
+    for v in writer.held.values():
+        if isinstance(v, DistTensor) and id(v) in trace.reads:
+            return "an op reads a tensor an argument object holds"
+        if isinstance(v, torch.Tensor) and not isinstance(v, DistTensor):
+            return "an argument object holds a plain tensor"
+    for p in writer.paths:
+        if not isinstance(_entry(writer, p), DistTensor):
+            return "it writes a plain tensor into an argument object"
+    return ""
 
 
-def _object(x: Any) -> bool:
-    """Whether a non-tensor argument is an object with state of its own, which a module may
-    change in place (``transformers``' key/value caches): one of a class hashed by identity."""
-    return not isinstance(x, (torch.Tensor, *_VALUES)) and type(x).__hash__ is object.__hash__
+def _entry(writer: objects.Writing, path: Any) -> Any:
+    found = objects.entries(writer.leaves)
+    return None if found is None else found.get(path)
+
+
+def _put_written(verdict: _Verdict, leaves: list[Any], wrapped: Any) -> Any:
+    """A local run's wrapped output; where it wrote into object arguments (``verdict.writes``),
+    ``(output, written)``: the written DistTensors are put at their paths, the output returned."""
+    if verdict.writes is None:
+        return wrapped
+    out, written = wrapped
+    objects.put(leaves, verdict.writes, written)
+    return out
 
 
 def _summands_refusal(trace: _Trace, leaves: list[Any], tensors: list[torch.Tensor]) -> str:

@@ -27,11 +27,11 @@ PLAN_NAMES = {
 }
 
 
-def tiny_llama():  # type: ignore[no-untyped-def]
-    """hidden 64, 2 layers, 4 heads, 2 key/value heads, MLP 128, vocabulary 128; no downloads."""
+def tiny_llama(kv_heads: int = 2):  # type: ignore[no-untyped-def]
+    """hidden 64, 2 layers, 4 heads, 2 (``kv_heads``) key/value heads, MLP 128, vocabulary 128; no downloads."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    cfg = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=kv_heads,
                       intermediate_size=128, vocab_size=128, max_position_embeddings=64,
                       attn_implementation="sdpa")
     return LlamaForCausalLM(cfg)
@@ -239,50 +239,89 @@ def test_a_tied_llama_pipeline_resumes_from_a_checkpoint_as_if_uninterrupted(wor
         assert not res["bad"] and res["copy_equals_embedding"], res
 
 
-def _data_parallel_lengths(rank: int, lengths: list[int]) -> dict[str, object]:
-    """``shard_layer`` (data parallel) Llama without a key/value cache (``use_cache=False``, as
-    fine-tuning scripts set it), trained at changing lengths: (losses, one process's, bad
-    parameters, the decoder layers' region report)."""
+def _data_parallel_lengths(rank: int, lengths: list[int], use_cache: bool, tp: bool = False) -> dict[str, object]:
+    """``shard_layer`` (data parallel) Llama, or with ``tp`` laid out by ``ap.plans.llama``
+    (tensor parallel; 4 key/value heads), with or without its key/value cache (transformers' default
+    ``use_cache=True``: a ``DynamicCache`` filled at every forward; ``False`` as fine-tuning
+    scripts set it), trained at changing lengths: (losses, one process's, bad parameters, the
+    decoder layers' (TP: attention modules') region report, whether every cached key and value
+    equals one process's, in its batch-sharded (TP: head-sharded) layout)."""
     import torch
 
     import autoparallel as ap
     from autoparallel.regions import local_regions_report
 
     torch.manual_seed(0)
-    model = tiny_llama()
-    model.config.use_cache = False
+    model = tiny_llama(kv_heads=4 if tp else 2)
+    model.config.use_cache = use_cache
     ref = copy.deepcopy(model)
-    mesh = ap.ProcessMesh([0, 1, 2, 3], dim_names=["dp"])
-    ap.shard_layer(model, mesh)
+    if tp:
+        mesh = ap.ProcessMesh([0, 1, 2, 3], dim_names=["tp"])
+        ap.parallelize(model, mesh, ap.plans.llama(model))
+        place, kept = [ap.Replicate()], (ap.Shard(1),)
+    else:
+        mesh = ap.ProcessMesh([0, 1, 2, 3], dim_names=["dp"])
+        ap.shard_layer(model, mesh)
+        place, kept = [ap.Shard(0)], (ap.Shard(0),)
     opt = ap.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     gen = torch.Generator().manual_seed(1)
     losses = []
+    cached = True
     for t in lengths:
         ids = torch.randint(0, 128, (8, t), generator=gen)
-        loss = model(input_ids=ap.shard_tensor(ids, mesh, [ap.Shard(0)]), labels=ap.shard_tensor(ids, mesh, [ap.Shard(0)])).loss
+        out = model(input_ids=ap.shard_tensor(ids, mesh, place), labels=ap.shard_tensor(ids, mesh, place))
+        loss = out.loss
         loss.backward()
         opt.step()
         opt.zero_grad()
-        ref_loss = ref(input_ids=ids, labels=ids).loss
+        ref_out = ref(input_ids=ids, labels=ids)
+        ref_loss = ref_out.loss
+        if use_cache:  # (before the step: the cache holds what the forward computed)
+            for ours, theirs in zip(out.past_key_values.layers, ref_out.past_key_values.layers):
+                for a, b in ((ours.keys, theirs.keys), (ours.values, theirs.values)):
+                    cached = (cached and isinstance(a, ap.DistTensor) and a.placements == kept
+                              and torch.allclose(a.full_tensor(), b, rtol=RTOL, atol=RTOL * float(b.abs().max())))
         ref_loss.backward()
         ref_opt.step()
         ref_opt.zero_grad()
         losses.append((loss.full_tensor().item(), ref_loss.item()))
     report = local_regions_report(model)
-    return {"losses": losses, "bad": _bad_parameters(model, ref),
-            "layers": report["model.layers.0"] + report["model.layers.1"]}
+    inner = ".self_attn" if tp else ""
+    return {"losses": losses, "bad": _bad_parameters(model, ref), "cached": cached,
+            "layers": report[f"model.layers.0{inner}"] + report[f"model.layers.1{inner}"]}
 
 
-def test_data_parallel_llama_without_a_cache_runs_its_layers_locally_at_new_lengths(world4) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("use_cache", [False, True])
+def test_data_parallel_llama_runs_its_layers_locally_at_new_lengths(world4, use_cache: bool) -> None:  # type: ignore[no-untyped-def]
     """Its causal mask is a plain boolean tensor each decoder layer takes and SDPA slices by the
     batch: the layer slices it once and runs on shards (a local region), and new lengths are
-    answered by the layer's family; loss and parameters equal one process."""
+    answered by the layer's family; loss and parameters equal one process. With transformers'
+    default cache each layer writes its keys and values into the ``DynamicCache`` it is given
+    (``regions.objects``): they are the region's extra outputs, put back as DistTensors."""
     # (the model itself is refused at the first lengths: its layers get their turn from the third)
     lengths = [9, 11, 13, 15, 17, 19, 21, 11, 25, 27]
-    for r in world4.run(_data_parallel_lengths, lengths):
+    for r in world4.run(_data_parallel_lengths, lengths, use_cache):
         for ours, theirs in r["losses"]:
             assert ours == pytest.approx(theirs, rel=RTOL)
         assert not r["bad"], r["bad"]
+        assert r["cached"]
+        assert all(v.startswith("local") for v in r["layers"]), r["layers"]
+        assert sum("as its proven lengths" in v for v in r["layers"]) >= 6, r["layers"]
+
+
+def test_tensor_parallel_llama_attention_with_its_cache_is_a_region_at_new_lengths(world4) -> None:  # type: ignore[no-untyped-def]
+    """Under ``ap.plans.llama`` the attention's output is Partial(sum) (its row-parallel
+    ``o_proj``) and the keys and values it writes into the cache are head-sharded: sharded
+    outputs beside summands give the inputs' gradients the same layouts, so it is a region,
+    answered by its family at new lengths; loss, parameters and the cache equal one process."""
+    # (the model, then its decoder layers are refused first, each at two lengths: the attention
+    # modules get their turn from the fifth)
+    lengths = [9, 11, 13, 15, 17, 19, 21, 11, 25, 27, 29, 31]
+    for r in world4.run(_data_parallel_lengths, lengths, True, True):
+        for ours, theirs in r["losses"]:
+            assert ours == pytest.approx(theirs, rel=RTOL)
+        assert not r["bad"], r["bad"]
+        assert r["cached"]
         assert all(v.startswith("local") for v in r["layers"]), r["layers"]
         assert sum("as its proven lengths" in v for v in r["layers"]) >= 6, r["layers"]

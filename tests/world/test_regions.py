@@ -21,8 +21,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 import autoparallel as ap
 from autoparallel.placement import Partial, Replicate, Shard
-from autoparallel.regions import disable_local_regions, enable_local_regions, local_regions_report
-from autoparallel.regions import region as region_module
+from autoparallel.regions import disable_local_regions, enable_local_regions, local_regions_report, objects
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples"))
 
@@ -478,8 +477,11 @@ class CacheUser(MLP):
 
 @pytest.mark.pure  # single process, no world
 def test_a_cache_argument_is_changed_once_per_call() -> None:
-    # a trace, a replay and a local run would each append (once with plain shards): a module given
-    # an object with state of its own runs on DistTensors, one refused signature for every such call
+    # what the module writes into an object argument is undone between the trace, the replay and
+    # the local run (``regions.objects``): appended to once per call. The first call writes into
+    # an empty cache (a region: the written tensor is an extra output, put back as a
+    # DistTensor); later calls read what it holds (cat), which the local run would not slice:
+    # they run on DistTensors (each a new signature: the list is longer)
     mesh = ap.ProcessMesh([0], dim_names=["dp"])
     torch.manual_seed(0)
     model = ap.shard_layer(CacheUser(), mesh)
@@ -491,12 +493,12 @@ def test_a_cache_argument_is_changed_once_per_call() -> None:
         y = model(ap.shard_tensor(x, mesh, [S0]), cache, scale=0.5)
         torch.testing.assert_close(y.full_tensor(), ref(x, ref_cache, scale=0.5))
         assert len(cache.entries) == step + 1 and all(isinstance(e, ap.DistTensor) for e in cache.entries)
+        torch.testing.assert_close(cache.entries[-1].full_tensor(), ref_cache.entries[-1])
     report = local_regions_report(model)["<root>"]
-    assert report == ["refused: an argument is a KVCache object, which the module may change (a cache): "
-                      "it runs on DistTensors"], report
+    assert report == ["local"] + ["refused: an op reads a tensor an argument object holds"] * 3, report
     # values stay part of the signature: a module given a number, a dtype or a function is a region
-    assert not region_module._object(0.5) and not region_module._object(torch.float32) and not region_module._object(F.gelu)
-    assert region_module._object(KVCache()) and region_module._object(torch.Generator())
+    assert not objects.is_object(0.5) and not objects.is_object(torch.float32) and not objects.is_object(F.gelu)
+    assert objects.is_object(KVCache()) and objects.is_object(torch.Generator())
 
 
 class Growing(MLP):

@@ -1,0 +1,231 @@
+"""Argument objects a region's module writes into: transformers' key/value caches.
+
+A ``DynamicCache`` is passed to every decoder layer and attention module, even in training, and
+each writes its own layer's keys and values into it (attributes set on a ``DynamicLayer`` held
+in a list). Such an argument is walked here as *entries*: every attribute of a plain Python
+object (hashed by identity, with a ``__dict__``; not a module, not a tensor), every item of a
+list, tuple or dict it holds, recursively — each named by its *path* from the call's argument
+leaf (``(leaf index, ("a", name) | ("i", index) | ("k", key), ...)``), which does not depend on
+the objects' identities. What a region needs of them:
+
+* ``signature``: the entries' structure and kinds (a DistTensor by its layout, dtype and rank,
+  not its sizes: the family of a signature gives the sizes; a value by itself) for the
+  signature; None where an entry is something else (a set, an object with slots, a cycle, more
+  than ``MAX_ENTRIES``): such an argument stays refused, as any object argument was before.
+* ``Writing``: the module's forward returning ``(its output, the tensors it wrote)``, with the
+  paths written (``paths``: of tensors, in order; ``values``: the other values written, as
+  ``(path, value)``): the written tensors are the region's extra outputs, proven, classified and
+  wrapped as outputs are, and put back at their paths (``put``) as DistTensors.
+* ``snapshot``/``restore``: the containers' contents, so that the trace, the replay and the
+  local run each start from the state the call was made in (and the trace's writes stand where
+  it is refused).
+
+A write that removes an entry or writes an object or container (a new cache layer appended) is
+not a region's (``Writing.why``).
+"""
+
+from __future__ import annotations
+
+import enum
+import types
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from autoparallel.engine import layout
+from autoparallel.engine.dtensor import DistTensor
+
+MAX_ENTRIES = 4096
+MAX_DEPTH = 8
+Path = tuple[Any, ...]
+
+# values: compared by value, never changed in place
+VALUES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.layout,
+          torch.memory_format, enum.Enum, slice, type(Ellipsis), type, types.FunctionType,
+          types.BuiltinFunctionType, types.MethodType)
+
+
+def is_object(x: Any) -> bool:
+    """Whether a non-tensor argument is an object with state of its own, which a module may
+    change in place (``transformers``' key/value caches): one of a class hashed by identity."""
+    return not isinstance(x, (torch.Tensor, *VALUES)) and type(x).__hash__ is object.__hash__
+
+
+class _Unsupported(Exception):
+    pass
+
+
+def _walkable(x: Any) -> bool:
+    return (is_object(x) and not isinstance(x, (nn.Module, list, dict, tuple))
+            and isinstance(getattr(x, "__dict__", None), dict))
+
+
+def _walk(x: Any, path: Path, out: dict[Path, Any], seen: set[int], depth: int) -> None:
+    """Every entry under ``x`` (at ``path``) into ``out``; raises ``_Unsupported``."""
+    if depth > MAX_DEPTH or id(x) in seen:
+        raise _Unsupported
+    seen.add(id(x))
+    if isinstance(x, (list, tuple)):
+        tag = "i" if isinstance(x, list) else "t"
+        items: Any = ((tag, k, v) for k, v in enumerate(x))
+    elif isinstance(x, dict):
+        items = (("k", k, v) for k, v in x.items())
+    elif _walkable(x):
+        items = (("a", k, v) for k, v in vars(x).items())
+    else:
+        raise _Unsupported
+    for tag, k, v in items:
+        if tag == "k" and not isinstance(k, (str, int)):
+            raise _Unsupported
+        p = (*path, (tag, k))
+        out[p] = v
+        if len(out) > MAX_ENTRIES:
+            raise _Unsupported
+        if isinstance(v, (torch.Tensor, *VALUES)):
+            continue
+        _walk(v, p, out, seen, depth + 1)
+
+
+def entries(leaves: Sequence[Any]) -> dict[Path, Any] | None:
+    """Every entry of the object arguments among ``leaves``; None where one is not walkable."""
+    out: dict[Path, Any] = {}
+    try:
+        for k, x in enumerate(leaves):
+            if is_object(x):
+                _walk(x, (k,), out, set(), 0)
+    except _Unsupported:
+        return None
+    return out
+
+
+def _kind(v: Any) -> Any:
+    if isinstance(v, DistTensor):
+        s = layout.spec_of(v)
+        return ("dist", s.mesh, s.placements, s.shard_order, s.dtype, len(s.shape), v.requires_grad)
+    if isinstance(v, torch.Tensor):
+        return ("plain", v.dtype, v.dim(), v.requires_grad)
+    if isinstance(v, (list, tuple)):
+        return (type(v).__name__, len(v))
+    if isinstance(v, dict):
+        return ("dict",)
+    if isinstance(v, VALUES):
+        return ("value", v)
+    return ("object", type(v))
+
+
+def signature(x: Any) -> Any:
+    """One object argument's part of a region's signature (module docstring), or None."""
+    found = entries([x])
+    if found is None:
+        return None
+    sig = tuple((p[1:], _kind(v)) for p, v in found.items())
+    try:
+        hash(sig)
+    except TypeError:
+        return None
+    return sig
+
+
+def snapshot(leaves: Sequence[Any]) -> list[tuple[Any, Any]]:
+    """Every container under the object arguments and a copy of its contents."""
+    found = entries(leaves)
+    assert found is not None
+    containers: list[Any] = [x for x in leaves if is_object(x)]
+    containers += [v for v in found.values() if isinstance(v, (list, dict)) or _walkable(v)]
+    out: list[tuple[Any, Any]] = []
+    for c in containers:
+        if isinstance(c, list):
+            out.append((c, list(c)))
+        elif isinstance(c, dict):
+            out.append((c, dict(c)))
+        else:
+            out.append((c.__dict__, dict(c.__dict__)))
+    return out
+
+
+def restore(saved: list[tuple[Any, Any]]) -> None:
+    for c, before in saved:
+        if isinstance(c, list):
+            c[:] = before
+        else:
+            c.clear()
+            c.update(before)
+
+
+def _writes(before: dict[Path, Any], after: dict[Path, Any] | None) -> tuple[str, list[tuple[Path, Any]]]:
+    """(why the writes are not a region's ('' when they are), the entries written, in order)."""
+    if after is None:
+        return "it makes an argument object that cannot be walked", []
+    if any(p not in after for p in before):
+        return "it removes an entry of an argument object", []
+    out = []
+    for p, v in after.items():
+        old = before.get(p, _absent)
+        if old is v:
+            continue
+        if (isinstance(v, VALUES) and type(old) is type(v) and not isinstance(v, type)
+                and bool(old == v)):
+            continue  # (an equal value written again)
+        if not isinstance(v, (torch.Tensor, *VALUES)):
+            return "it writes an object or container into an argument object", []
+        if p[-1][0] == "t":
+            return "it writes into a tuple of an argument object", []
+        out.append((p, v))
+    return "", out
+
+
+_absent = object()
+
+
+class Writing:
+    """``forward`` returning ``(its output, the tensors it wrote into object arguments)``;
+    ``paths``/``values``/``why`` describe the last call's writes (module docstring)."""
+
+    def __init__(self, forward: Callable[..., Any], leaves: Sequence[Any]) -> None:
+        self.forward = forward
+        self.leaves = leaves
+        self.paths: tuple[Path, ...] = ()
+        self.values: tuple[tuple[Path, Any], ...] = ()
+        self.why = ""
+        self.held: dict[Path, Any] = {}  # the entries as the call found them
+
+    def __call__(self, *args: Any, **kwargs: Any) -> tuple[Any, tuple[torch.Tensor, ...]]:
+        before = entries(self.leaves)
+        assert before is not None  # (the signature walked them)
+        self.held = before
+        out = self.forward(*args, **kwargs)
+        self.why, written = _writes(before, entries(self.leaves))
+        self.paths = tuple(p for p, v in written if isinstance(v, torch.Tensor))
+        self.values = tuple((p, v) for p, v in written if not isinstance(v, torch.Tensor))
+        return out, tuple(v for _, v in written if isinstance(v, torch.Tensor))
+
+    def differs(self, paths: tuple[Path, ...] | None, values: tuple[tuple[Path, Any], ...]) -> str:
+        """Why this call's writes are not the proven ones ('' when they are)."""
+        if self.why:
+            return self.why
+        if self.paths != paths or self.values != values:
+            return "it writes other entries of an argument object than its traced call"
+        return ""
+
+
+def put(leaves: Sequence[Any], paths: Sequence[Path], values: Sequence[Any]) -> None:
+    """Set each ``values[k]`` at ``paths[k]`` under the object arguments among ``leaves``."""
+    for path, v in zip(paths, values):
+        c = leaves[path[0]]
+        for tag, k in path[1:-1]:
+            c = vars(c)[k] if tag == "a" else c[k]
+        tag, k = path[-1]
+        if tag == "a":
+            vars(c)[k] = v
+        else:
+            c[k] = v
+
+
+def any_object(leaves: Sequence[Any]) -> bool:
+    return any(is_object(x) for x in leaves)
+
+
+__all__ = ["MAX_ENTRIES", "VALUES", "Writing", "any_object", "entries", "is_object", "put", "restore",
+           "signature", "snapshot"]
