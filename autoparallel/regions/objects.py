@@ -37,7 +37,7 @@ from torch import nn
 from autoparallel.engine import layout
 from autoparallel.engine.dtensor import DistTensor
 
-MAX_ENTRIES = 4096
+MAX_ENTRIES = 1024  # walked three times per call (signature, before and after the run)
 MAX_DEPTH = 8
 Path = tuple[Any, ...]
 
@@ -45,12 +45,14 @@ Path = tuple[Any, ...]
 VALUES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.layout,
           torch.memory_format, enum.Enum, slice, type(Ellipsis), type, types.FunctionType,
           types.BuiltinFunctionType, types.MethodType)
+_LEAVES = (torch.Tensor, *VALUES)  # not walked into
+_EXACT = frozenset({type(None), bool, int, float, str, torch.dtype, torch.device})  # the usual values, by type
 
 
 def is_object(x: Any) -> bool:
     """Whether a non-tensor argument is an object with state of its own, which a module may
     change in place (``transformers``' key/value caches): one of a class hashed by identity."""
-    return not isinstance(x, (torch.Tensor, *VALUES)) and type(x).__hash__ is object.__hash__
+    return type(x) not in _EXACT and not isinstance(x, _LEAVES) and type(x).__hash__ is object.__hash__
 
 
 class _Unsupported(Exception):
@@ -79,11 +81,11 @@ def _walk(x: Any, path: Path, out: dict[Path, Any], seen: set[int], depth: int) 
     for tag, k, v in items:
         if tag == "k" and not isinstance(k, (str, int)):
             raise _Unsupported
-        p = (*path, (tag, k))
+        p = path + ((tag, k),)
         out[p] = v
         if len(out) > MAX_ENTRIES:
             raise _Unsupported
-        if isinstance(v, (torch.Tensor, *VALUES)):
+        if type(v) in _EXACT or isinstance(v, _LEAVES):
             continue
         _walk(v, p, out, seen, depth + 1)
 
@@ -101,6 +103,8 @@ def entries(leaves: Sequence[Any]) -> dict[Path, Any] | None:
 
 
 def _kind(v: Any) -> Any:
+    if type(v) in _EXACT:
+        return ("value", v)
     if isinstance(v, DistTensor):
         s = layout.spec_of(v)
         return ("dist", s.mesh, s.placements, s.shard_order, s.dtype, len(s.shape), v.requires_grad)
@@ -168,7 +172,7 @@ def _writes(before: dict[Path, Any], after: dict[Path, Any] | None) -> tuple[str
         if (isinstance(v, VALUES) and type(old) is type(v) and not isinstance(v, type)
                 and bool(old == v)):
             continue  # (an equal value written again)
-        if not isinstance(v, (torch.Tensor, *VALUES)):
+        if not isinstance(v, _LEAVES):
             return "it writes an object or container into an argument object", []
         if p[-1][0] == "t":
             return "it writes into a tuple of an argument object", []
