@@ -13,6 +13,7 @@ every step and every parameter (gathered) agree with one process to rtol 1e-5.
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 
@@ -292,6 +293,17 @@ def _data_parallel_lengths(rank: int, lengths: list[int], use_cache: bool, tp: b
             "layers": report[f"model.layers.0{inner}"] + report[f"model.layers.1{inner}"]}
 
 
+def _check_lengths(r: dict[str, Any]) -> None:
+    """One rank's ``_data_parallel_lengths``: losses, parameters and the cache equal one
+    process; the regions are local, at least six answered by their families."""
+    for ours, theirs in r["losses"]:
+        assert ours == pytest.approx(theirs, rel=RTOL)
+    assert not r["bad"], r["bad"]
+    assert r["cached"]
+    assert all(v.startswith("local") for v in r["layers"]), r["layers"]
+    assert sum("as its proven lengths" in v for v in r["layers"]) >= 6, r["layers"]
+
+
 @pytest.mark.parametrize("use_cache", [False, True])
 def test_data_parallel_llama_runs_its_layers_locally_at_new_lengths(world4, use_cache: bool) -> None:  # type: ignore[no-untyped-def]
     """Its causal mask is a plain boolean tensor each decoder layer takes and SDPA slices by the
@@ -302,12 +314,7 @@ def test_data_parallel_llama_runs_its_layers_locally_at_new_lengths(world4, use_
     # (the model itself is refused at the first lengths: its layers get their turn from the third)
     lengths = [9, 11, 13, 15, 17, 19, 21, 11, 25, 27]
     for r in world4.run(_data_parallel_lengths, lengths, use_cache):
-        for ours, theirs in r["losses"]:
-            assert ours == pytest.approx(theirs, rel=RTOL)
-        assert not r["bad"], r["bad"]
-        assert r["cached"]
-        assert all(v.startswith("local") for v in r["layers"]), r["layers"]
-        assert sum("as its proven lengths" in v for v in r["layers"]) >= 6, r["layers"]
+        _check_lengths(r)
 
 
 def test_tensor_parallel_llama_attention_with_its_cache_is_a_region_at_new_lengths(world4) -> None:  # type: ignore[no-untyped-def]
@@ -319,9 +326,4 @@ def test_tensor_parallel_llama_attention_with_its_cache_is_a_region_at_new_lengt
     # modules get their turn from the fifth)
     lengths = [9, 11, 13, 15, 17, 19, 21, 11, 25, 27, 29, 31]
     for r in world4.run(_data_parallel_lengths, lengths, True, True):
-        for ours, theirs in r["losses"]:
-            assert ours == pytest.approx(theirs, rel=RTOL)
-        assert not r["bad"], r["bad"]
-        assert r["cached"]
-        assert all(v.startswith("local") for v in r["layers"]), r["layers"]
-        assert sum("as its proven lengths" in v for v in r["layers"]) >= 6, r["layers"]
+        _check_lengths(r)
