@@ -17,7 +17,12 @@ lengths; every rank's figure is its own, the slowest rank's shown):
   of the per-length ratios and (``means``) the ratio of the means: pauses that hit some lengths
   only, as Python's full garbage collections, show in the second; ``cpu f/w``: the same median
   ratio of the process's CPU time (what a new length costs the rank itself, without the waits
-  for its peers that the wall time shares with warm steps); ``GC ms/shape``: the time
+  for its peers that the wall time shares with warm steps); ``late f/w``: the median ratio over
+  the second half of the lengths only (the first half also pays for what recurs once per size
+  ordering: a length crossing a width keys its ops' templates anew); ``revisit``: afterwards,
+  ``--revisits`` steps at lengths drawn from those measured, their mean over the warm step (what
+  training with varying lengths pays once every length has come: what the bounded caches let
+  go is decided again); ``GC ms/shape``: the time
   spent in full (generation 2) collections over the measured steps, per new length;
 * RSS growth per new length per rank (KB): ``/proc/self/statm`` after the last length minus
   after the warm-up, over the number of lengths (target: a few KB; the allocator makes it
@@ -176,7 +181,7 @@ def _timed(fn: Callable[[int], None], t: int, cpu: list[float]) -> float:
 
 
 def _run(step: Callable[[int], None], lengths: list[int], warm: int, synced: bool,
-         warmup: tuple[int, ...] = WARMUP) -> dict[str, float]:
+         warmup: tuple[int, ...] = WARMUP, revisits: int = 0) -> dict[str, float]:
     timer = _timed if synced else _plain_timed
     # warm-up lengths (not measured, timed as one-time setup): two proofs make a region's model,
     # a third length builds its symbolic certificate (once per model); more lengths where
@@ -218,7 +223,15 @@ def _run(step: Callable[[int], None], lengths: list[int], warm: int, synced: boo
     gc.collect()
     rss1, blocks1 = _rss_kb(), sys.getallocatedblocks()
     first, warm_ms = statistics.median(firsts), statistics.median(warms)
-    return {"warm_ms": warm_ms, "first_ms": first, "ratio": statistics.median(f / w for f, w in zip(firsts, warms)),
+    ratios = [f / w for f, w in zip(firsts, warms)]
+    # steps at lengths drawn from those seen (the same draw on every rank), as training with
+    # varying lengths runs once every length has come: a length back after many others finds
+    # some of what it kept evicted (the bounded caches), and pays for it again
+    draw = random.Random(2)
+    again = [timer(step, draw.choice(lengths), []) for _ in range(revisits)]
+    return {"warm_ms": warm_ms, "first_ms": first, "ratio": statistics.median(ratios),
+            "late_ratio": statistics.median(ratios[half:]),
+            "revisit_ratio": statistics.mean(again) / warm_ms if again else float("nan"),
             "mean_ratio": statistics.mean(firsts) / statistics.mean(warms), "gc_ms_per_shape": collecting[1] / len(lengths),
             "cpu_ratio": statistics.median(f / w for f, w in zip(cpu_firsts, cpu_warms)),
             "rss_kb_per_shape": (rss1 - rss0) / len(lengths), "blocks_per_shape": (blocks1 - blocks0) / len(lengths),
@@ -268,8 +281,8 @@ def _worker(rank: int, world: int, store: str, opts: dict[str, Any], out: str) -
             ours, theirs = _build_llama(layout, world, max_len, use_cache=not opts["no_kv_cache"])
         else:
             ours, theirs = _build(layout, world, max_len)
-        mine = {"ours": _run(ours, lengths, opts["warm"], True, warmup),
-                "plain": _run(theirs, lengths, opts["warm"], False, warmup)}
+        mine = {"ours": _run(ours, lengths, opts["warm"], True, warmup, opts["revisits"]),
+                "plain": _run(theirs, lengths, opts["warm"], False, warmup, opts["revisits"])}
         if opts["profile"]:
             extra = list(range(FIRST_LEN + by * opts["shapes"], max_len, by))
             text = _profile(ours, extra)
@@ -290,6 +303,8 @@ def main() -> None:
     parser.add_argument("--nprocs", type=int, default=2)
     parser.add_argument("--shapes", type=int, default=40, help="new sequence lengths measured per layout")
     parser.add_argument("--warm", type=int, default=2, help="warm steps timed after each first step")
+    parser.add_argument("--revisits", type=int, default=60,
+                        help="steps afterwards at lengths drawn from those measured (0: none)")
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
     parser.add_argument("--model", default="gpt", choices=("gpt", "llama"),
                         help="gpt: the example GPT; llama: transformers' Llama, unmodified (needs transformers)")
@@ -307,7 +322,7 @@ def main() -> None:
     if args.step == 1 and "TP+SP" in args.layouts.split(","):
         parser.error("--step 1 gives odd lengths, which sequence parallelism cannot split evenly: "
                      "use --layouts DP,TP")
-    opts = {"model": args.model, "no_kv_cache": args.no_kv_cache, "step": args.step, "shapes": args.shapes, "warm": args.warm, "layouts": args.layouts.split(","), "profile": args.profile,
+    opts = {"model": args.model, "no_kv_cache": args.no_kv_cache, "step": args.step, "shapes": args.shapes, "warm": args.warm, "revisits": args.revisits, "layouts": args.layouts.split(","), "profile": args.profile,
             "profile_shapes": 12 if args.profile else 0}
     res = run_spawned(_worker, args.nprocs, opts, timeout=3000, prefix="varying")
     name = "transformers' Llama" if args.model == "llama" else "GPT"
@@ -315,7 +330,7 @@ def main() -> None:
           f"{args.shapes} new sequence lengths each ({'every length' if args.step == 1 else 'even lengths'}), "
           "medians; slowest rank")
     print(f"{'layout':<8}{'side':<7}{'warm ms':>9}{'first ms':>10}{'first/warm':>12}{'means':>7}{'cpu f/w':>9}"
-          f"{'GC ms/shape':>13}{'RSS KB/shape':>14}{'objs/shape':>12}{'late objs':>11}{'setup s':>9}")
+          f"{'late f/w':>10}{'revisit':>9}{'GC ms/shape':>13}{'RSS KB/shape':>14}{'objs/shape':>12}{'late objs':>11}{'setup s':>9}")
     for layout, per_rank in res.items():
         for side in ("ours", "plain"):
             rows = [r[side] for r in per_rank]
@@ -327,8 +342,10 @@ def main() -> None:
             setup = max(r["setup_s"] for r in rows)
             cpu = max(r["cpu_ratio"] for r in rows)
             late = max(r["blocks_per_shape_late"] for r in rows)
+            late_ratio = max(r.get("late_ratio", 0.0) for r in rows)
+            revisit = max(r.get("revisit_ratio", 0.0) for r in rows)
             print(f"{layout:<8}{side:<7}{worst['warm_ms']:>9.1f}{worst['first_ms']:>10.1f}{worst['ratio']:>12.2f}"
-                  f"{means:>7.2f}{cpu:>9.2f}{collected:>13.2f}{rss:>14.1f}{objs:>12.0f}{late:>11.0f}{setup:>9.2f}")
+                  f"{means:>7.2f}{cpu:>9.2f}{late_ratio:>10.2f}{revisit:>9.2f}{collected:>13.2f}{rss:>14.1f}{objs:>12.0f}{late:>11.0f}{setup:>9.2f}")
         if "profile" in per_rank[0]:
             print(per_rank[0]["profile"])
     if args.json:

@@ -40,6 +40,7 @@ _ATTR = "_ap_region"
 _MODE: list[str] = []          # "trace" (a parent is tracing) or "local" (running on shards)
 MAX_SIGNATURES = 16            # per module; beyond that, evict the least recently used signature
 #   while signatures are reused (varying sequence lengths), else give up (a changing scalar argument)
+MAX_PROVEN = MAX_SIGNATURES // 2  # of those, proven by a trace: kept before family-answered ones
 MAX_FAMILIES = 8               # per module: signatures up to sizes (``regions.generic``)
 _MISSING = object()
 
@@ -196,7 +197,7 @@ class _Region:
             if len(self.verdicts) >= MAX_SIGNATURES:
                 if self.reused < self.firsts:  # signatures are not coming back: stop proving new ones
                     return None
-                del self.verdicts[next(iter(self.verdicts))]  # the least recently used
+                self._evict()
             self.firsts += 1
             return self._first_call(key, leaves, tree, tensors, args, kwargs)
         self.reused += 1
@@ -386,10 +387,22 @@ class _Region:
         return family
 
     def _remember(self, key: Any, verdict: _Verdict) -> None:
-        """Store a verdict not proven by a trace (its family's), evicting the least recently used."""
+        """Store a verdict not proven by a trace (its family's), evicting one if full (``_evict``)."""
         if len(self.verdicts) >= MAX_SIGNATURES:
-            del self.verdicts[next(iter(self.verdicts))]
+            self._evict()
         self.verdicts[key] = verdict
+
+    def _evict(self) -> None:
+        """Drop one verdict: the least recently used of those its family answered (a local run
+        away: ``_generic``), unless proven ones hold more than ``MAX_PROVEN`` places. A proven
+        verdict took a trace, a replay and a local run (3-5 warm steps): at a length where sizes
+        coincide (``t == 16`` where ``4 * t`` meets a width of 64) no family answers, and every
+        return to it after its eviction would pay that again."""
+        proven = [k for k, v in self.verdicts.items() if not v.generic]
+        if len(proven) > MAX_PROVEN or len(proven) == len(self.verdicts):
+            del self.verdicts[proven[0]]
+        else:
+            del self.verdicts[next(k for k, v in self.verdicts.items() if v.generic)]
 
     def _generic(self, model: Model, key: Any, leaves: list[Any], tree: Any,
                  tensors: list[torch.Tensor]) -> Any:

@@ -22,6 +22,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 import autoparallel as ap
 from autoparallel.placement import Partial, Replicate, Shard
 from autoparallel.regions import disable_local_regions, enable_local_regions, local_regions_report, objects
+from autoparallel.regions import region as region_module
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples"))
 
@@ -671,6 +672,7 @@ def _train_lengths(cls: Any, lengths: list[int | tuple[int, int]], mode: str) ->
     models = [f.model for f in region.families.values() if f.model is not None] if region is not None else []
     return {"losses": losses, "params": params, "report": local_regions_report(model) if mode == "local" else {},
             "generic": region.generic if region is not None else 0,
+            "firsts": region.firsts if region is not None else 0,
             "certified": region.certified if region is not None else 0,
             "certificates": [m.certificate if isinstance(m.certificate, str) or m.certificate is None
                              else m.certificate.text for m in models],
@@ -684,7 +686,7 @@ def _lengths(rank: int, cls: Any, lengths: list[int]) -> dict[str, Any]:
         for n, p in runs["plain"]["params"].items():
             torch.testing.assert_close(runs[mode]["params"][n], p, rtol=1e-5, atol=1e-6)
     local = runs["local"]
-    return {k: local[k] for k in ("report", "generic", "certified", "certificates", "state")}
+    return {k: local[k] for k in ("report", "generic", "firsts", "certified", "certificates", "state")}
 
 
 def test_new_lengths_run_locally_as_their_proven_ones(world4: Any) -> None:
@@ -695,6 +697,21 @@ def test_new_lengths_run_locally_as_their_proven_ones(world4: Any) -> None:
     # 5 and 6 are proven; 7, 9, 10, 13, 15 follow them without a proof (no size coincides there)
     assert root == ["local", "local"] + ["local (as its proven lengths)"] * 5, root
     assert r["generic"] == 5
+
+
+def test_a_proven_length_outlives_the_lengths_its_family_answered(world4: Any) -> None:
+    # 8 is a width of SeqNet: at t == 8 sizes coincide, no family answers, it is proven (a trace,
+    # a replay, a local run). Seventeen lengths its family answers come after it, more than a
+    # region keeps signatures of: they go first, so coming back to 8 proves nothing again
+    answered = [7, 9, 10, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 25, 26, 27]
+    assert len(answered) > region_module.MAX_SIGNATURES
+    results = world4.run(_lengths, SeqNet, [5, 6, 8, *answered, 8])
+    r = results[0]
+    assert all(x == r for x in results)
+    assert r["firsts"] == 3 and r["generic"] == len(answered), r
+    root = r["report"]["<root>"]
+    assert len(root) == region_module.MAX_SIGNATURES and root[-1] == "local", root
+    assert list(r["report"]) == ["<root>"], r["report"]  # 8 ran locally again, not on DistTensors
 
 
 def test_a_length_that_takes_another_path_is_proven_again(world4: Any) -> None:
