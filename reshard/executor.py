@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from autoparallel import runtime
-from autoparallel.placement import Partial, Shard, chunk_bounds
+from autoparallel.placement import Partial, Replicate, Shard, chunk_bounds
 from autoparallel.runtime import agree, comm
 from autoparallel.spec import Box, DistSpec, intersect_boxes
 from reshard.crossmesh import CrossMeshPlan, plan_best
@@ -170,5 +170,25 @@ def reshard_local(local: torch.Tensor, src: DistSpec, dst: DistSpec) -> torch.Te
     """This rank's shard of ``dst``, given its shard of ``src`` (same or different mesh)."""
     if src == dst:
         return local
+    if _slices_only(src, dst):
+        return piece_of_whole(local, dst)
     with comm.profiled("autoparallel::reshard"):
         return run_any(local, plan_best(src, dst))
+
+
+def _slices_only(src: DistSpec, dst: DistSpec) -> bool:
+    """Whether ``src`` is replicated and ``dst`` the same tensor on the same mesh, sharded or
+    replicated on every axis: each rank's piece is a view of what it holds, by its box (what
+    ``shard_tensor`` of every batch asks: no plan, so nothing kept per shape)."""
+    return (src.shape == dst.shape and src.dtype == dst.dtype and not dst.has_partial
+            and (src.mesh is dst.mesh or src.mesh == dst.mesh)
+            and all(type(p) is Replicate for p in src.placements))
+
+
+def piece_of_whole(full: torch.Tensor, dst: DistSpec) -> torch.Tensor:
+    """This rank's piece of ``dst`` (no Partial axis) from the whole tensor, as every rank holds
+    it: a view by its box; empty outside the mesh."""
+    coord = dst.mesh.coordinate_of(runtime.get_rank())
+    if coord is None:
+        return empty_local(dst, full)
+    return _view(full, tuple((0, n) for n in full.shape), dst.local_box(coord))

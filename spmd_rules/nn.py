@@ -67,11 +67,16 @@ def _dims(call: OpCall, i: int, axis: int, dims: Sequence[int]) -> list[int]:
     return [d for d in dims if m.shape[d] >= 2 or cur == Shard(d)]
 
 
-@lru_cache(maxsize=4096)
 def axes_sharding(spec: Any, dim: int) -> tuple[int, ...]:
-    """Mesh axes (of more than one rank) that shard tensor ``dim`` of ``spec`` (cached: every
-    local softmax and loss asks)."""
-    return tuple(a for a, p in enumerate(spec.placements) if isinstance(p, Shard) and p.dim == dim and spec.mesh.shape[a] > 1)
+    """Mesh axes (of more than one rank) that shard tensor ``dim`` of ``spec``."""
+    return _axes_sharding(spec.placements, spec.mesh.shape, dim)
+
+
+@lru_cache(maxsize=1024)
+def _axes_sharding(placements: tuple[Any, ...], mesh_shape: tuple[int, ...], dim: int) -> tuple[int, ...]:
+    """(cached on what it reads, not on the spec: every local softmax and loss asks, and a
+    spec's shape changes with every sequence length)"""
+    return tuple(a for a, p in enumerate(placements) if isinstance(p, Shard) and p.dim == dim and mesh_shape[a] > 1)
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -321,9 +326,11 @@ def nll_pick(
     return w_t, mine, torch.where(outside, n, (target - off).clamp(0, max(n - 1, 0)))
 
 
-@lru_cache(maxsize=1024)
 def nll_layout(ctx: LocalContext) -> tuple[Any, int, int, int, tuple[int, ...]]:
-    """(input spec, class dim, local class offset, local class count, axes sharding the target)."""
+    """(input spec, class dim, local class offset, local class count, axes sharding the target).
+    Not cached on the context: that would keep every sequence length's call (its ``OpCall``,
+    specs, metadata) after the decision cache let it go; what it reads is cached below it
+    (``DistSpec.local_box``)."""
     assert ctx.coord is not None
     slots = _slots(ctx.call)
     spec = ctx.in_specs[slots["self"]]

@@ -21,7 +21,7 @@ from autoparallel.mesh import Dims, ProcessMesh
 from autoparallel.placement import Replicate
 from autoparallel.spec import DistSpec
 from autoparallel.strides import conform, contiguous_strides
-from reshard.executor import reshard_local
+from reshard.executor import piece_of_whole, reshard_local
 
 _DETACH = torch.ops.aten.detach.default
 
@@ -263,7 +263,8 @@ class _ShardTensor(torch.autograd.Function):
     def forward(ctx: Any, full: torch.Tensor, spec: DistSpec) -> DistTensor:  # type: ignore[override]
         ctx.spec = spec
         ctx.shape = full.shape
-        local = reshard_local(full.detach(), replicated(spec), spec)
+        whole = full.detach()
+        local = reshard_local(whole, replicated(spec), spec) if spec.has_partial else piece_of_whole(whole, spec)
         return DistTensor._wrap(local.contiguous(), spec)  # the wrapper advertises contiguous strides
 
     @staticmethod
