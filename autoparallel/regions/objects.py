@@ -37,7 +37,7 @@ from torch import nn
 from autoparallel.engine import layout
 from autoparallel.engine.dtensor import DistTensor
 
-MAX_ENTRIES = 1024  # walked three times per call (signature, before and after the run)
+MAX_ENTRIES = 1024  # walked twice per call (the signature, which the run starts from, and after the run)
 MAX_DEPTH = 8
 Path = tuple[Any, ...]
 
@@ -121,20 +121,30 @@ def _kind(v: Any) -> Any:
 
 def signature(x: Any) -> Any:
     """One object argument's part of a region's signature (module docstring), or None."""
-    found = entries([x])
-    if found is None:
-        return None
+    return walked(x, 0)[0]
+
+
+def walked(x: Any, index: int) -> tuple[Any, dict[Path, Any] | None]:
+    """(``signature(x)``, the entries of ``x`` as argument leaf ``index``, as ``entries`` names
+    them; None where it cannot be walked): a call's key and its local run read one walk."""
+    found: dict[Path, Any] = {}
+    try:
+        _walk(x, (index,), found, set(), 0)
+    except _Unsupported:
+        return None, None
     sig = tuple((p[1:], _kind(v)) for p, v in found.items())
     try:
         hash(sig)
     except TypeError:
-        return None
-    return sig
+        return None, found
+    return sig, found
 
 
-def snapshot(leaves: Sequence[Any]) -> list[tuple[Any, Any]]:
-    """Every container under the object arguments and a copy of its contents."""
-    found = entries(leaves)
+def snapshot(leaves: Sequence[Any], found: dict[Path, Any] | None = None) -> list[tuple[Any, Any]]:
+    """Every container under the object arguments and a copy of its contents (``found``: their
+    entries, where the caller walked them already)."""
+    if found is None:
+        found = entries(leaves)
     assert found is not None
     containers: list[Any] = [x for x in leaves if is_object(x)]
     containers += [v for v in found.values() if isinstance(v, (list, dict)) or _walkable(v)]
@@ -187,18 +197,24 @@ class Writing:
     """``forward`` returning ``(its output, the tensors it wrote into object arguments)``;
     ``paths``/``values``/``why`` describe the last call's writes (module docstring)."""
 
-    def __init__(self, forward: Callable[..., Any], leaves: Sequence[Any]) -> None:
+    def __init__(self, forward: Callable[..., Any], leaves: Sequence[Any], held: dict[Path, Any] | None = None) -> None:
         self.forward = forward
         self.leaves = leaves
         self.paths: tuple[Path, ...] = ()
         self.values: tuple[tuple[Path, Any], ...] = ()
         self.why = ""
-        self.held: dict[Path, Any] = {}  # the entries as the call found them
+        # the entries as the call found them (``held``: the walk the call's signature made, of
+        # these objects as they still are; else walked when called)
+        self.held: dict[Path, Any] = {} if held is None else held
+        self._walked = held is not None
 
     def __call__(self, *args: Any, **kwargs: Any) -> tuple[Any, tuple[torch.Tensor, ...]]:
-        before = entries(self.leaves)
-        assert before is not None  # (the signature walked them)
-        self.held = before
+        if not self._walked:
+            found = entries(self.leaves)
+            assert found is not None  # (the signature walked them)
+            self.held = found
+        self._walked = False  # (a second call walks afresh)
+        before = self.held
         out = self.forward(*args, **kwargs)
         self.why, written = _writes(before, entries(self.leaves))
         self.paths = tuple(p for p, v in written if isinstance(v, torch.Tensor))
@@ -232,4 +248,4 @@ def any_object(leaves: Sequence[Any]) -> bool:
 
 
 __all__ = ["MAX_ENTRIES", "VALUES", "Writing", "any_object", "entries", "is_object", "put", "restore",
-           "signature", "snapshot"]
+           "signature", "snapshot", "walked"]

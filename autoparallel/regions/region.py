@@ -164,7 +164,7 @@ class _Region:
             self.verdicts.clear()
             self.families.clear()
         tensors = [_current(m, a) for m, a in self.slots]
-        key = self._key(leaves, tree, tensors)
+        key, held = self._key(leaves, tree, tensors)
         if key is None:
             return None
         try:
@@ -185,7 +185,7 @@ class _Region:
                 return None
             family = self.families.get(_family_of(key))
             if family is not None and family.model is not None:
-                out = self._generic(family.model, key, leaves, tree, tensors)
+                out = self._generic(family.model, key, leaves, tree, tensors, held)
                 if out is not None:
                     self.generic += 1
                     return out, True
@@ -204,7 +204,7 @@ class _Region:
         if len(self.verdicts) > 1:
             self.verdicts[key] = self.verdicts.pop(key)  # now the most recently used
         if verdict.local:
-            return self._run_local(verdict, leaves, tree, tensors), True
+            return self._run_local(verdict, leaves, tree, tensors, held=held), True
         return None
 
     def _plain(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -218,18 +218,24 @@ class _Region:
             for child in self.module.children():
                 _install(child)
 
-    def _key(self, leaves: list[Any], tree: Any, tensors: list[torch.Tensor]) -> Any:
-        """The signature, or None when this call cannot be a region (no DistTensor at all)."""
+    def _key(self, leaves: list[Any], tree: Any, tensors: list[torch.Tensor]) -> tuple[Any, dict[Any, Any] | None]:
+        """(the signature, or None when this call cannot be a region (no DistTensor at all); the
+        entries of its object arguments, as ``objects.entries`` walks them, where it has some:
+        its local run starts from that walk)."""
         parts: list[Any] = []
+        held: dict[Any, Any] | None = None
         spec_of, stride_of = layout.spec_of, layout.stride_of  # bound once: every call of the module asks
-        for x in leaves:
+        for i, x in enumerate(leaves):
             if isinstance(x, DistTensor):
                 parts.append((spec_of(x), stride_of(x), x.requires_grad))
             elif isinstance(x, torch.Tensor):
                 parts.append(("plain", tuple(x.shape), x.dtype, x.requires_grad))
             elif objects.is_object(x):  # keyed by its class and entries: its identity would make
                 # every call a new signature (None: entries a region cannot follow)
-                parts.append((_OBJECT, type(x), objects.signature(x)))
+                sig, found = objects.walked(x, i)
+                parts.append((_OBJECT, type(x), sig))
+                if sig is not None and found is not None:
+                    held = found if held is None else {**held, **found}
             else:
                 parts.append(("value", x))
         slot_parts = tuple(
@@ -237,9 +243,9 @@ class _Region:
             for t in tensors
         )
         if not any(isinstance(x, DistTensor) for x in leaves) and not any(isinstance(t, DistTensor) for t in tensors):
-            return None
+            return None, None
         return (tree, tuple(parts), slot_parts, _ties(tensors), tuple(m.training for m in self.modules),
-                torch.is_grad_enabled(), _autocast_state())
+                torch.is_grad_enabled(), _autocast_state()), held
 
     # ---- first call of a signature: trace, classify, replay ---------------------------------
     def _first_call(self, key: Any, leaves: list[Any], tree: Any, tensors: list[torch.Tensor],
@@ -405,9 +411,9 @@ class _Region:
             del self.verdicts[next(k for k, v in self.verdicts.items() if v.generic)]
 
     def _generic(self, model: Model, key: Any, leaves: list[Any], tree: Any,
-                 tensors: list[torch.Tensor]) -> Any:
+                 tensors: list[torch.Tensor], held: dict[Any, Any] | None = None) -> Any:
         """Run a call of a new signature locally where its family answers for it (else None:
-        nothing was written; prove it)."""
+        nothing was written; prove it). ``held``: its object arguments' entries (``_key``)."""
         tc = model.admits_point(point_of(leaves))
         if tc is None or _uneven(leaves):  # ranks' local runs would differ
             # (the rest of ``_precheck`` reads what the family's signature fixes: placements,
@@ -435,9 +441,9 @@ class _Region:
                          (time.perf_counter() - began) * 1e3)
         cert = model.certificate
         recorder = None if isinstance(cert, Certificate) and cert.holds(_locals(leaves)) else Recorder(expect=model.skeleton)
-        entry = objects.snapshot(leaves) if base.writes is not None else []  # (undone where it is no answer)
+        entry = objects.snapshot(leaves, held) if base.writes is not None else []  # (undone where it is no answer)
         try:
-            out, call = self._enter_local(pre, leaves, tree, tensors, recorder=recorder)
+            out, call = self._enter_local(pre, leaves, tree, tensors, recorder=recorder, held=held)
         except (Stop, Exception) as e:  # noqa: BLE001  (the proof runs it again, and raises what is real)
             logger.debug("local region %s: no generic verdict: %s: %s", type(self.module).__name__,
                          type(e).__name__, e)
@@ -514,20 +520,24 @@ class _Region:
 
     # ---- running on shards -------------------------------------------------------------------
     def _run_local(self, verdict: _Verdict, leaves: list[Any], tree: Any, tensors: list[torch.Tensor],
-                   spy: _Trace | None = None, done: list[Any] | None = None, done_in: list[Any] | None = None) -> Any:
+                   spy: _Trace | None = None, done: list[Any] | None = None, done_in: list[Any] | None = None,
+                   held: dict[Any, Any] | None = None) -> Any:
         """Run the module on shards. With ``spy`` (a replay): on detached shards, recording its
         aten calls, returning the local outputs. ``done``/``done_in``: per output / argument leaf,
-        its epilogue's / prologue's move already made (``_wrap_local``, ``_moved_in``)."""
+        its epilogue's / prologue's move already made (``_wrap_local``, ``_moved_in``); ``held``:
+        the object arguments' entries as the signature walked them (``_key``)."""
         leaves = _moved_in(verdict, leaves, done_in)
         if spy is not None:
             return self._enter_local(verdict, leaves, tree, tensors, spy=spy)
-        out, call = self._enter_local(verdict, leaves, tree, tensors)
+        out, call = self._enter_local(verdict, leaves, tree, tensors, held=held)
         return _put_written(verdict, leaves, self._wrap_local(verdict, out, call, done))
 
     def _enter_local(self, verdict: _Verdict, leaves: list[Any], tree: Any, tensors: list[torch.Tensor],
-                     spy: _Trace | None = None, recorder: Recorder | None = None) -> Any:
+                     spy: _Trace | None = None, recorder: Recorder | None = None,
+                     held: dict[Any, Any] | None = None) -> Any:
         """The module's forward on shards: ``(local output, the run's _Call)``; with ``spy``
-        ``(local output, the detached inputs)``; under ``recorder`` when given."""
+        ``(local output, the detached inputs)``; under ``recorder`` when given (``held``:
+        ``_run_local``)."""
         grad = torch.is_grad_enabled()
         want: dict[int, tuple[DistTensor, DistSpec | None]] = {}
         for x, g in zip(leaves, verdict.arg_grads):
@@ -555,7 +565,7 @@ class _Region:
             saved.append(d.get(a, _MISSING))
             d[a] = local.get(id(t), t)
         door = moves.Local(verdict.style_moves)
-        writer = None if verdict.writes is None else objects.Writing(self.forward, leaves)
+        writer = None if verdict.writes is None else objects.Writing(self.forward, leaves, held)
         forward = writer or self.forward
         try:
             with _mode("local"), moves.opened(door):
