@@ -303,7 +303,7 @@ def main() -> None:
     parser.add_argument("--nprocs", type=int, default=2)
     parser.add_argument("--shapes", type=int, default=40, help="new sequence lengths measured per layout")
     parser.add_argument("--warm", type=int, default=2, help="warm steps timed after each first step")
-    parser.add_argument("--revisits", type=int, default=60,
+    parser.add_argument("--revisits", type=int, default=200,
                         help="steps afterwards at lengths drawn from those measured (0: none)")
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
     parser.add_argument("--model", default="gpt", choices=("gpt", "llama"),
