@@ -203,18 +203,14 @@ class Writing:
         self.paths: tuple[Path, ...] = ()
         self.values: tuple[tuple[Path, Any], ...] = ()
         self.why = ""
-        # the entries as the call found them (``held``: the walk the call's signature made, of
-        # these objects as they still are; else walked when called)
-        self.held: dict[Path, Any] = {} if held is None else held
-        self._walked = held is not None
+        self.held: dict[Path, Any] = {}  # the entries as the call found them
+        self._given = held  # the walk the call's signature made of these objects as they are now
 
     def __call__(self, *args: Any, **kwargs: Any) -> tuple[Any, tuple[torch.Tensor, ...]]:
-        if not self._walked:
-            found = entries(self.leaves)
-            assert found is not None  # (the signature walked them)
-            self.held = found
-        self._walked = False  # (a second call walks afresh)
-        before = self.held
+        before = self._given if self._given is not None else entries(self.leaves)
+        assert before is not None  # (the signature walked them)
+        self._given = None  # (a second call walks afresh)
+        self.held = before
         out = self.forward(*args, **kwargs)
         self.why, written = _writes(before, entries(self.leaves))
         self.paths = tuple(p for p, v in written if isinstance(v, torch.Tensor))
