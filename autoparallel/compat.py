@@ -134,6 +134,13 @@ class SymbolicTools:
                           getattr(getattr(torch.ops.prim, "layout", None), "default", None)) if op is not None)
 
 
+def is_fake(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a fake tensor (``FakeTensorMode``: a region's symbolic certificate runs a
+    module on them): it has no storage to read an address of."""
+    fake = getattr(torch._subclasses, "FakeTensor", None)
+    return fake is not None and isinstance(t, fake)
+
+
 @functools.cache
 def symbolic_tools() -> SymbolicTools | None:
     """torch's symbolic-shape machinery, imported on first use (~0.5 s). Fallback: None -- local

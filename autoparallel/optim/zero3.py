@@ -124,8 +124,8 @@ class _Live(dict[int, tuple["_UnitGather", int]]):
         if not self:
             return t
         loc = layout.local_or_plain(t)
-        if loc.layout != torch.strided or not loc.numel():
-            return t
+        if compat.is_fake(loc) or loc.layout != torch.strided or not loc.numel():
+            return t  # (a fake run's tensor, the certificate's: no storage, none of the gathered)
         found = self.get(loc.untyped_storage().data_ptr())
         if found is None:
             return t
