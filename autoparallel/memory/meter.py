@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from autoparallel import compat
 from autoparallel.compat import TorchDispatchMode, tree_flatten
 from autoparallel.engine import layout
 
@@ -40,8 +41,8 @@ def _storage(t: Any) -> tuple[int, int, torch.UntypedStorage] | None:
     if not isinstance(t, torch.Tensor):
         return None
     local = layout.local_or_plain(t)
-    if local.layout != torch.strided or local.device.type == "meta":
-        return None
+    if compat.is_fake(local) or local.layout != torch.strided or local.device.type == "meta":
+        return None  # (a fake tensor: a local region's symbolic certificate, no storage)
     st = local.untyped_storage()
     if st.nbytes() == 0:
         return None

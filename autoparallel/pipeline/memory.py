@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from autoparallel import compat
 from autoparallel.engine import layout
 
 
@@ -25,8 +26,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def _storage(t: torch.Tensor) -> tuple[int, int] | None:
     """(data pointer, bytes) of ``t``'s local storage; None for empty or meta tensors."""
     local = _local(t)
-    if local.device.type == "meta" or local.numel() == 0:
-        return None
+    if compat.is_fake(local) or local.device.type == "meta" or local.numel() == 0:
+        return None  # (a fake tensor: a local region's symbolic certificate, no storage)
     st = local.untyped_storage()
     return st.data_ptr(), st.nbytes()
 
