@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import enum
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import torch
@@ -204,6 +204,7 @@ class Writing:
         self.values: tuple[tuple[Path, Any], ...] = ()
         self.why = ""
         self.held: dict[Path, Any] = {}  # the entries as the call found them
+        self.left: dict[Path, Any] = {}  # ... and as it left them
         self._given = held  # the walk the call's signature made of these objects as they are now
 
     def __call__(self, *args: Any, **kwargs: Any) -> tuple[Any, tuple[torch.Tensor, ...]]:
@@ -212,10 +213,29 @@ class Writing:
         self._given = None  # (a second call walks afresh)
         self.held = before
         out = self.forward(*args, **kwargs)
-        self.why, written = _writes(before, entries(self.leaves))
+        after = entries(self.leaves)
+        self.left = after or {}
+        self.why, written = _writes(before, after)
         self.paths = tuple(p for p, v in written if isinstance(v, torch.Tensor))
         self.values = tuple((p, v) for p, v in written if not isinstance(v, torch.Tensor))
         return out, tuple(v for _, v in written if isinstance(v, torch.Tensor))
+
+    def refusal(self, reads: Collection[int]) -> str:
+        """Why what the (traced) call wrote cannot be a region's extra outputs ('' when it can):
+        the writes themselves (``why``), a plain tensor the objects held (which the trace's reads
+        do not follow), a DistTensor they held that an op read (``reads``: ids; the local run
+        leaves them as they are), a plain tensor written."""
+        if self.why:
+            return self.why
+        for v in self.held.values():
+            if isinstance(v, DistTensor) and id(v) in reads:
+                return "an op reads a tensor an argument object holds"
+            if isinstance(v, torch.Tensor) and not isinstance(v, DistTensor):
+                return "an argument object holds a plain tensor"
+        for p in self.paths:
+            if not isinstance(self.left.get(p), DistTensor):
+                return "it writes a plain tensor into an argument object"
+        return ""
 
     def differs(self, paths: tuple[Path, ...] | None, values: tuple[tuple[Path, Any], ...]) -> str:
         """Why this call's writes are not the proven ones ('' when they are)."""

@@ -289,7 +289,8 @@ class _Region:
         why, before, out_moves = door.epilogue(outs)
         if len(comm.records) > door.comm:
             why = why or f"it communicates ({comm.records[0].kind})"
-        why = trace.reason or why or _summands_refusal(trace, leaves, tensors) or _writes_refusal(writer, trace)
+        why = trace.reason or why or _summands_refusal(trace, leaves, tensors)
+        why = why or ("" if writer is None else writer.refusal(trace.reads))
         if not why and trace.arg_moves:
             why = f"an op takes an argument sliced ({next(iter(trace.arg_moves.values()))})"
         if not why and sliced:
@@ -662,31 +663,6 @@ def _autocast_state() -> tuple[Any, ...]:
 # marks an object argument's part of a signature: (_OBJECT, its class, its entries'
 # ``objects.signature``, None where a region cannot follow them)
 _OBJECT = object()
-
-
-def _writes_refusal(writer: objects.Writing | None, trace: _Trace) -> str:
-    """Why what the trace wrote into object arguments cannot be a region's extra outputs ('' when
-    it can): the writes themselves (``Writing.why``), a plain tensor the objects held (which the
-    trace's reads do not follow), a DistTensor they held that an op read (the local run leaves
-    them as they are), a plain tensor written."""
-    if writer is None:
-        return ""
-    if writer.why:
-        return writer.why
-    for v in writer.held.values():
-        if isinstance(v, DistTensor) and id(v) in trace.reads:
-            return "an op reads a tensor an argument object holds"
-        if isinstance(v, torch.Tensor) and not isinstance(v, DistTensor):
-            return "an argument object holds a plain tensor"
-    for p in writer.paths:
-        if not isinstance(_entry(writer, p), DistTensor):
-            return "it writes a plain tensor into an argument object"
-    return ""
-
-
-def _entry(writer: objects.Writing, path: Any) -> Any:
-    found = objects.entries(writer.leaves)
-    return None if found is None else found.get(path)
 
 
 def _put_written(verdict: _Verdict, leaves: list[Any], wrapped: Any) -> Any:
