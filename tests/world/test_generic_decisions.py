@@ -5,7 +5,9 @@ Each case is an op on DistTensors whose sizes include a varying length ``t`` (ev
 length the mesh does not divide is generic from the mesh's size squared on, its pieces uneven
 where ``t`` is sharded), in several layouts. Lengths run in a
 shuffled order; at each, the decision from the caches (a template where one applies) is
-compared with the one made after every shape-generic cache is forgotten.
+compared with the one made after every shape-generic cache is forgotten. Also: what the filled-in
+decisions keep is bounded, and sharding a batch or the loss at a new length keeps nothing below
+the decision cache.
 """
 
 from __future__ import annotations
@@ -309,3 +311,36 @@ def test_tensor_parallel_training_at_odd_lengths_matches_one_process(world2) -> 
         for ours, ref in losses:
             assert ours == pytest.approx(ref, rel=1e-5)
         assert worst <= 1e-5
+
+
+def _kept_per_shape(rank: int) -> dict[str, int]:
+    import torch.nn.functional as F
+
+    import reshard.planner as planner
+    import spmd_rules.nn as nn_rules
+
+    mesh = ap.ProcessMesh([0, 1], ["dp"])
+    w = ap.shard_tensor(torch.randn(8, 12, generator=torch.Generator().manual_seed(0)), mesh, [Replicate()])
+
+    def batch(t: int) -> None:
+        gen = torch.Generator().manual_seed(t)
+        x = ap.shard_tensor(torch.randn(2 * t, 8, generator=gen), mesh, [Shard(0)])
+        y = ap.shard_tensor(torch.randint(0, 12, (2 * t,), generator=gen), mesh, [Shard(0)])
+        F.cross_entropy(x @ w, y).full_tensor()
+
+    for t in (3, 4, 5):  # the first shapes: templates, one-time
+        batch(t)
+    before = (planner._plan.cache_info().currsize, nn_rules._axes_sharding.cache_info().currsize)
+    for t in range(6, 36):
+        batch(t)
+    after = (planner._plan.cache_info().currsize, nn_rules._axes_sharding.cache_info().currsize)
+    return {"plans": after[0] - before[0], "axes": after[1] - before[1],
+            "nll_cached": int(hasattr(nn_rules.nll_layout, "cache_info"))}
+
+
+def test_sharding_batches_and_the_loss_keep_nothing_per_shape(world2) -> None:  # type: ignore[no-untyped-def]
+    # a new batch shape is sharded by each rank's box (no reshard plan kept per shape), and the
+    # NLL kernels read their layout without a memo keyed by the call (which kept every length's
+    # call after the decision cache let it go): 30 new lengths add no entry
+    for kept in world2.run(_kept_per_shape):
+        assert kept == {"plans": 0, "axes": 0, "nll_cached": 0}, kept
