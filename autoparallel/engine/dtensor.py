@@ -264,6 +264,8 @@ class _ShardTensor(torch.autograd.Function):
         ctx.spec = spec
         ctx.shape = full.shape
         whole = full.detach()
+        # (``reshard_local`` takes the same piece for replicated -> sharded; called directly, no
+        # replicated spec is made, nor kept, per batch shape)
         local = reshard_local(whole, replicated(spec), spec) if spec.has_partial else piece_of_whole(whole, spec)
         return DistTensor._wrap(local.contiguous(), spec)  # the wrapper advertises contiguous strides
 
