@@ -89,14 +89,17 @@ def plan_best(src: DistSpec, dst: DistSpec) -> Plan | CrossMeshPlan:
     """
     if src.mesh != dst.mesh:
         return plan_cross_mesh(src, dst)
+    plan = plan_reshard(src, dst)  # one step: built from placements (``one_move``), not cached
+    if src.partial_axes() or not plan.collectives() or len(plan.steps) < 2:
+        return plan  # a single collective already moves exactly what each rank lacks
     return _plan_best_same_mesh(src, dst)
 
 
 @lru_cache(maxsize=8192)
 def _plan_best_same_mesh(src: DistSpec, dst: DistSpec) -> Plan | CrossMeshPlan:
+    """The planner's plan (several collectives, no Partial source) or point-to-point, whichever
+    is cheaper."""
     plan = plan_reshard(src, dst)
-    if src.partial_axes() or not plan.collectives() or len(plan.steps) < 2:
-        return plan  # a single collective already moves exactly what each rank lacks
     p2p = plan_cross_mesh(src, dst)
     return p2p if p2p.max_bytes() < plan.max_bytes() else plan
 

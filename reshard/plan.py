@@ -68,10 +68,11 @@ class Plan:
         return self.bytes_at(self.src.mesh.coordinate_of(rank))
 
     def max_bytes(self) -> int:
-        """The largest number of bytes any rank receives."""
+        """The largest number of bytes any rank receives (computed afresh: its callers cache
+        their verdicts, and a plan at a new shape then leaves no byte table behind)."""
         if not self.steps:
             return 0
-        total = sum(step_bytes_table(s)[1] for s in self.steps)
+        total = sum(step_bytes(s)[1] for s in self.steps)
         return int(np.max(total))
 
     def collectives(self) -> list[str]:
@@ -115,7 +116,14 @@ def step_bytes_table(step: Step) -> tuple[np.ndarray, np.ndarray]:
     """(sent, received) bytes of every mesh coordinate for one step (arrays of mesh shape).
 
     The same formulas as ``autoparallel.cost`` (what ``CommDebugMode`` records), vectorised.
+    Cached: the planner's search prices the same steps many times; ``step_bytes`` is the same
+    uncached, for callers that cache what they make of it (a plan's price).
     """
+    return step_bytes(step)
+
+
+def step_bytes(step: Step) -> tuple[np.ndarray, np.ndarray]:
+    """``step_bytes_table``, uncached."""
     mesh_shape = tuple(step.src.mesh.shape)
     if step.is_local:
         z = np.zeros(mesh_shape, dtype=np.int64)

@@ -53,14 +53,41 @@ class ReshardError(ValueError):
 
 
 def plan_reshard(src: DistSpec, dst: DistSpec) -> Plan:
-    """The cheapest plan from ``src`` to ``dst`` on the same mesh (cached, pure)."""
+    """The cheapest plan from ``src`` to ``dst`` on the same mesh (pure; searched plans cached)."""
     if src.mesh != dst.mesh:
         raise ReshardError(f"plan_reshard needs one mesh; got {src.mesh} and {dst.mesh} (use plan_cross_mesh)")
     if src.shape != dst.shape or src.dtype != dst.dtype:
         raise ReshardError(
             f"cannot reshard a {tuple(src.shape)} {src.dtype} tensor into {tuple(dst.shape)} {dst.dtype}"
         )
-    return _plan(src, dst)
+    return one_move(src, dst) or _plan(src, dst)
+
+
+def one_move(src: DistSpec, dst: DistSpec) -> Plan | None:
+    """The plan of one step where ``src`` and ``dst`` differ on one mesh axis by an all-gather,
+    an all-to-all or a local step (None otherwise, or where they are equal). Such a step moves
+    exactly what each rank lacks, so no plan beats it at any size: it is built from the
+    placements alone — no search, no byte count — and not cached (it costs about what a cache
+    lookup does), so a tensor at a new shape (a new sequence length) adds nothing to the
+    planner's caches for it. Reductions are compared with their alternatives: ``_plan``."""
+    a = -1
+    for b, (p, q) in enumerate(zip(src.placements, dst.placements)):
+        if p != q:
+            if a >= 0:
+                return None
+            a = b
+    if a < 0:
+        return None
+    p = dst.placements[a]
+    kind = RELABEL if src.mesh.shape[a] == 1 else _kind(src, a, src.placements[a], p)
+    if kind is None or kind in (ALL_REDUCE, REDUCE_SCATTER):
+        return None
+    if src.shard_order or dst.shard_order:
+        if _moved(src, a, p) != dst:
+            return None
+    elif isinstance(p, Shard) and dst.axes_of_dim(p.dim)[-1] != a:
+        return None  # the step makes ``a`` the innermost split of the dim: an explicit order
+    return Plan(src, dst, (Step(kind, a, src, dst),))
 
 
 @lru_cache(maxsize=8192)
@@ -202,6 +229,11 @@ def _kind(state: DistSpec, a: int, src: Placement, dst: Placement) -> str | None
 @lru_cache(maxsize=65536)
 def _move(state: DistSpec, a: int, p: Placement) -> DistSpec | None:
     """``state`` with axis ``a`` set to ``p``; a new split of a dim becomes its innermost."""
+    return _moved(state, a, p)
+
+
+def _moved(state: DistSpec, a: int, p: Placement) -> DistSpec | None:
+    """``_move``, uncached."""
     placements = list(state.placements)
     old = placements[a]
     placements[a] = p

@@ -28,7 +28,7 @@ from autoparallel.placement import Replicate, Shard
 from autoparallel.spec import DistSpec, _itemsize
 from autoparallel.strides import dense_strides
 from reshard.crossmesh import CrossMeshPlan, plan_best
-from reshard.plan import ALL_GATHER, FILL, RELABEL, SLICE, Plan, Step, step_bytes_table
+from reshard.plan import ALL_GATHER, FILL, RELABEL, SLICE, Plan, Step, step_bytes
 from reshard.planner import LATENCY_BYTES
 from spmd_rules.base import LocalContext, OpCall, ScalarMeta, Strategy, TensorMeta
 from spmd_rules.registry import get_out_shapes, get_rule
@@ -309,9 +309,9 @@ def _local_step(func: Any, mesh: Any, specs: list[DistSpec], best: Strategy, cal
     )
 
 
-@lru_cache(maxsize=8192)
 def _plan(spec: DistSpec, req: tuple[Any, ...]) -> Plan | CrossMeshPlan | None:
-    """The plan taking ``spec`` to placements ``req`` (default shard order); None if none needed."""
+    """The plan taking ``spec`` to placements ``req`` (default shard order); None if none needed.
+    Not cached here: the planner caches what it searched, and builds one-step plans directly."""
     dst = spec.with_placements(req) if tuple(req) != spec.placements or spec.shard_order else spec
     return None if dst == spec else plan_best(spec, dst)
 
@@ -333,7 +333,7 @@ def _deferred_price(plan: Plan | CrossMeshPlan) -> int:
     price = 0
     for s in steps:
         if s.kind == FILL:  # an all-gather's bytes depend on its source only
-            price += int(step_bytes_table(Step(ALL_GATHER, s.axis, s.src, s.dst))[1].max()) + LATENCY_BYTES
+            price += int(step_bytes(Step(ALL_GATHER, s.axis, s.src, s.dst))[1].max()) + LATENCY_BYTES
     return price
 
 

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from autoparallel import DistSpec, Partial, ProcessMesh, Replicate, Shard, cost
 from reshard import Plan, ReshardError, Step, plan_reshard
 from reshard.plan import fill_exact
-from reshard.planner import LOCAL_STEP_WEIGHT, _weight, plan_cost
+from reshard.planner import LOCAL_STEP_WEIGHT, _plan, _weight, one_move, plan_cost
 
 R = Replicate()
 S0, S1, S2 = Shard(0), Shard(1), Shard(2)
@@ -555,6 +555,43 @@ def test_single_axis_change_is_one_collective_unless_replicas_split_a_reduction(
     for s in plan.steps:
         for c in coords(src.mesh):
             assert s.bytes_at(c) == reference_bytes(s, c), (str(s), c)
+
+
+@settings(max_examples=80, deadline=None)
+@given(spec_pairs(), st.data())
+def test_a_one_step_plan_built_from_placements_is_the_searched_one(
+    pair: tuple[DistSpec, DistSpec], data: st.DataObject
+) -> None:
+    """``one_move`` (no search, no cache) returns exactly the plan the search returns, wherever
+    it returns one; and it returns one for every single gather, all-to-all or local step."""
+    src, _ = pair
+    a = data.draw(st.integers(0, src.mesh.ndim - 1))
+    new = data.draw(st.sampled_from([R] + [Shard(d) for d in range(src.ndim)]
+                                    + [p for p in src.placements if isinstance(p, Partial)]))
+    dst = _set(src, a, new)
+    searched = _plan.__wrapped__(src, dst)  # type: ignore[attr-defined]
+    one = one_move(src, dst)
+    if one is not None:
+        assert one == searched, (str(one), str(searched))
+    elif len(searched.steps) == 1 and searched.steps[0].kind not in ("all_reduce", "reduce_scatter"):
+        raise AssertionError(f"one_move missed {searched}")
+    # any two layouts (orders that one step cannot reach included): a plan only where it is the search's
+    other = one_move(*pair)
+    if other is not None:
+        assert other == _plan.__wrapped__(*pair), str(other)  # type: ignore[attr-defined]
+
+
+def test_one_step_plans_at_new_shapes_leave_the_planner_cache_alone() -> None:
+    """A tensor at ever new sequence lengths gathered, re-split or sliced: no cache entry per shape."""
+    mesh = ProcessMesh(list(range(4)))
+    before = _plan.cache_info().currsize
+    for t in range(5, 45):
+        s1 = DistSpec(mesh, (Shard(1),), (2, t, 8), F32)
+        assert plan_reshard(s1, s1.with_placements((R,))).collectives() == ["all_gather"]
+        assert plan_reshard(s1, s1.with_placements((Shard(2),))).collectives() == ["all_to_all"]
+        r = DistSpec(mesh, (R,), (2, t, 8), F32)
+        assert plan_reshard(r, s1).collectives() == []
+    assert _plan.cache_info().currsize == before
 
 
 def test_replicas_split_a_reduction_on_a_2x3_mesh() -> None:
