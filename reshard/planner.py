@@ -69,7 +69,9 @@ def one_move(src: DistSpec, dst: DistSpec) -> Plan | None:
     exactly what each rank lacks, so no plan beats it at any size: it is built from the
     placements alone — no search, no byte count — and not cached (it costs about what a cache
     lookup does), so a tensor at a new shape (a new sequence length) adds nothing to the
-    planner's caches for it. Reductions are compared with their alternatives: ``_plan``."""
+    planner's caches for it. A reduction (all-reduce, reduce-scatter) is built so where it is
+    cheapest at any size (``_reduction_is_direct``); elsewhere ``_plan`` compares it with
+    its alternatives."""
     a = -1
     for b, (p, q) in enumerate(zip(src.placements, dst.placements)):
         if p != q:
@@ -80,7 +82,9 @@ def one_move(src: DistSpec, dst: DistSpec) -> Plan | None:
         return None
     p = dst.placements[a]
     kind = RELABEL if src.mesh.shape[a] == 1 else _kind(src, a, src.placements[a], p)
-    if kind is None or kind in (ALL_REDUCE, REDUCE_SCATTER):
+    if kind is None:
+        return None
+    if kind in (ALL_REDUCE, REDUCE_SCATTER) and not _reduction_is_direct(src, a, p):
         return None
     if src.shard_order or dst.shard_order:
         if _moved(src, a, p) != dst:
@@ -88,6 +92,19 @@ def one_move(src: DistSpec, dst: DistSpec) -> Plan | None:
     elif isinstance(p, Shard) and dst.axes_of_dim(p.dim)[-1] != a:
         return None  # the step makes ``a`` the innermost split of the dim: an explicit order
     return Plan(src, dst, (Step(kind, a, src, dst),))
+
+
+def _reduction_is_direct(src: DistSpec, a: int, p: Placement) -> bool:
+    """Whether reducing axis ``a`` of ``src`` into ``p`` in one collective is the cheapest plan
+    at any size, as ``_direct_step`` finds it: no other mesh axis holds replicas (they could
+    split the reduction), and for a reduce-scatter onto ``Shard(d)``, ``d`` is split by no other
+    axis and at least as long as the axis: every rank then receives ``(n - 1) x
+    ceil(len / n)`` rows, at most the ``2 (n - 1) / n x len`` rows of an all-reduce (with
+    ``len >= n - 1``), so the all-reduce and slice never wins."""
+    shape = src.mesh.shape
+    if any(isinstance(q, Replicate) and shape[b] > 1 for b, q in enumerate(src.placements) if b != a):
+        return False
+    return not isinstance(p, Shard) or (not src.axes_of_dim(p.dim) and src.shape[p.dim] >= shape[a])
 
 
 @lru_cache(maxsize=8192)
