@@ -98,13 +98,18 @@ def _reduction_is_direct(src: DistSpec, a: int, p: Placement) -> bool:
     """Whether reducing axis ``a`` of ``src`` into ``p`` in one collective is the cheapest plan
     at any size, as ``_direct_step`` finds it: no other mesh axis holds replicas (they could
     split the reduction), and for a reduce-scatter onto ``Shard(d)``, ``d`` is split by no other
-    axis and at least as long as the axis: every rank then receives ``(n - 1) x
-    ceil(len / n)`` rows, at most the ``2 (n - 1) / n x len`` rows of an all-reduce (with
-    ``len >= n - 1``), so the all-reduce and slice never wins."""
-    shape = src.mesh.shape
-    if any(isinstance(q, Replicate) and shape[b] > 1 for b, q in enumerate(src.placements) if b != a):
+    axis (``len >= n``): every rank then receives ``(n - 1) x ceil(len / n)`` rows, at most
+    the ``2 (n - 1) / n x len`` rows of an all-reduce, so the all-reduce and slice never wins."""
+    if _replicas_elsewhere(src, a):
         return False
-    return not isinstance(p, Shard) or (not src.axes_of_dim(p.dim) and src.shape[p.dim] >= shape[a])
+    return not isinstance(p, Shard) or (not src.axes_of_dim(p.dim) and src.shape[p.dim] >= src.mesh.shape[a])
+
+
+def _replicas_elsewhere(src: DistSpec, a: int) -> bool:
+    """Whether a mesh axis other than ``a`` holds replicas (a reduction on ``a`` may then be
+    split: slice, reduce a smaller piece, gather)."""
+    shape = src.mesh.shape
+    return any(isinstance(q, Replicate) and shape[b] > 1 for b, q in enumerate(src.placements) if b != a)
 
 
 @lru_cache(maxsize=8192)
@@ -178,10 +183,7 @@ def _direct_step(src: DistSpec, dst: DistSpec) -> Step | None:
         if step.dst != dst:
             continue
         if step.kind in (ALL_REDUCE, REDUCE_SCATTER):
-            replicas = any(
-                isinstance(p, Replicate) and src.mesh.shape[b] > 1 for b, p in enumerate(src.placements) if b != a
-            )
-            if replicas:
+            if _replicas_elsewhere(src, a):
                 return None
             if step.kind == REDUCE_SCATTER:
                 via = _move(src, a, Replicate())
