@@ -16,7 +16,7 @@ from autoparallel.engine import pending
 from autoparallel.engine.batch_matmul import MATMULS, batch_first_matmul
 from autoparallel.engine.deferred import Deferred, Finish, Stat
 from autoparallel.engine.dispatch import dispatch
-from autoparallel.engine.keys import adopt_written_plain, is_in_place_name
+from autoparallel.engine.keys import adopt_plain_leaves, adopt_written_plain, is_in_place_name
 from autoparallel.mesh import Dims, ProcessMesh
 from autoparallel.placement import Replicate
 from autoparallel.spec import DistSpec
@@ -33,6 +33,7 @@ def contiguous_local(local: torch.Tensor, spec: DistSpec) -> torch.Tensor:
 
 
 _IN_PLACE, _MATMUL, _SPLIT_AT = 1, 2, 3
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # the exact types of plain tensors and parameters
 _TF_KIND: dict[Any, int] = {}  # torch function -> 0 (pass through), _IN_PLACE, _MATMUL or _SPLIT_AT
 # Functions taking split points as a tensor whose values torch's C++ reads from its memory (a
 # DistTensor has none: "data is not allocated"): the whole value is passed instead.
@@ -88,9 +89,15 @@ class DistTensor(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         """Torch's default without wrapping results (ops decompose below Python and reach
-        ``__torch_dispatch__``), after two looks: an in-place op writing a plain tensor with a value
-        that requires grad makes it a DistTensor first (``keys.adopt_written_plain``); a batched
+        ``__torch_dispatch__``), after three looks: a plain leaf that requires grad (a parameter left
+        plain) becomes a Replicate DistTensor in place (``keys.adopt_plain_leaves``); an in-place op
+        writing a plain tensor with a value that requires grad makes it a DistTensor first
+        (``keys.adopt_written_plain``); a batched
         ``matmul`` with a sharded inner batch dim moves that dim first (``batch_matmul``)."""
+        for a in args:  # a plain leaf that requires grad (a parameter left plain): laid out first
+            if type(a) in _PLAIN and a.requires_grad:
+                adopt_plain_leaves(cls, func, args, kwargs or {})
+                break
         kind = _TF_KIND.get(func)
         if kind is None:
             kind = _TF_KIND[func] = _tf_kind(func)

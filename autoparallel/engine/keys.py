@@ -10,6 +10,7 @@ import torch
 from autoparallel import runtime
 from autoparallel.engine.aliases import written_args
 from autoparallel.placement import Replicate
+from autoparallel.runtime import agree
 from autoparallel.spec import DistSpec
 
 
@@ -45,6 +46,8 @@ def adopt_plain(
     plain tensor), when the op writes it and the mesh is not the whole world (ranks outside the
     mesh would not write it; inside, the adopted tensor's shard IS the plain tensor, so the full
     result lands in it), or when the DistTensors live on several meshes (no mesh to replicate on).
+    Plain tensors whose values differ across the mesh's ranks raise a ``ValueError`` on every rank
+    (``agree.check_plain``: the first calls of each op, every call with ``AUTOPARALLEL_CHECK=1``).
     """
     what = f"{func}: cannot mix a DistTensor with a plain tensor of shape {tuple(plain[0].shape)}"
     meshes = list(dict.fromkeys(d._spec.mesh for d in dts))
@@ -64,6 +67,7 @@ def adopt_plain(
                         f"{tuple(hit.shape)}: the ranks outside mesh {mesh} would not write it; "
                         "make it a DistTensor first (ap.shard_tensor)")
     member = mesh_coord(mesh) is not None
+    agree.check_plain(str(func), mesh, plain)  # the same value on every rank, or one error everywhere
     adopted: dict[int, Any] = {}
 
     def adopt(t: torch.Tensor) -> Any:
@@ -141,8 +145,44 @@ def adopt_written_plain(cls: Any, name: str, args: tuple[Any, ...]) -> None:
         return
 
 
+def adopt_plain_leaves(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Lay out, in place, every plain leaf that requires grad (a parameter left plain) that an op
+    mixes with DistTensors: it becomes a Replicate DistTensor (a Parameter stays a Parameter;
+    ``torch.utils.swap_tensors``, so a module or an optimizer holding it holds the DistTensor).
+
+    Paddle's convention: a plain parameter meeting distributed tensors is replicated, and its
+    gradient is the full gradient, so any optimizer keeps it in sync. Its values must agree
+    across the mesh (``agree.check_plain``: the same value on every rank, or one error
+    everywhere). Called from ``DistTensor.__torch_function__`` (above autograd, so autograd
+    records the op on the DistTensor). Nothing changes — and the op raises its ``TypeError`` —
+    for a non-leaf, when the DistTensors live on several meshes, or when the mesh is not the
+    whole world (ranks outside it would hold no value of the parameter).
+    """
+    leaves = [a for a in (*args, *kwargs.values())
+              if type(a) in (torch.Tensor, torch.nn.Parameter) and a.requires_grad and a.is_leaf and a.dim() != 0]
+    if not leaves:
+        return
+    meshes = {a._spec.mesh for a in (*args, *kwargs.values()) if isinstance(a, cls)}
+    if len(meshes) != 1:
+        return
+    mesh = meshes.pop()
+    if mesh.size != runtime.get_world_size():
+        return
+    agree.check_plain(f"a plain parameter in {getattr(func, '__name__', func)}", mesh, leaves)
+    rep = tuple(Replicate() for _ in range(mesh.ndim))
+    for t in dict.fromkeys(leaves):  # (one tensor passed twice is laid out once)
+        stride = tuple(t.stride()) if t.layout == torch.strided else None
+        new = cls._wrap(t.detach(), DistSpec(mesh, rep, tuple(t.shape), t.dtype), stride, True)
+        if isinstance(t, torch.nn.Parameter):
+            new = torch.nn.Parameter(new)
+        try:
+            torch.utils.swap_tensors(t, new)
+        except RuntimeError:  # weak references or other holders: leave it; the op raises as before
+            continue
+
+
 def mesh_coord(mesh: Any) -> tuple[int, ...] | None:
     return mesh.coordinate_of(runtime.get_rank())
 
 
-__all__ = ["adopt_plain", "adopt_written_plain", "call_key", "is_in_place_name", "mesh_coord"]
+__all__ = ["adopt_plain", "adopt_plain_leaves", "adopt_written_plain", "call_key", "is_in_place_name", "mesh_coord"]

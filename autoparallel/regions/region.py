@@ -33,6 +33,7 @@ from autoparallel.regions.checks import (
 from autoparallel.regions.crossing import _Call, _localize, _wrap_out, needs_grad, with_partial
 from autoparallel.regions.generic import Family, Model, Proof, Record, Recorder, Stop, point_of, sizes_at
 from autoparallel.regions.symbolic import Certificate, certify
+from autoparallel.runtime import agree
 from autoparallel.runtime.debug import CommDebugMode
 from autoparallel.spec import DistSpec
 
@@ -164,6 +165,7 @@ class _Region:
             self.verdicts.clear()
             self.families.clear()
         tensors = [_current(m, a) for m, a in self.slots]
+        _agree_plain(self.module, leaves, tensors)
         key, held = self._key(leaves, tree, tensors)
         if key is None:
             return None
@@ -640,6 +642,18 @@ def _moved_in(verdict: _Verdict, leaves: list[Any], done: list[Any] | None) -> l
         return leaves
     return [x if dst is None else moves.remake(_dist(x, dst), dst, None if done is None else done[k])
             for k, (x, dst) in enumerate(zip(leaves, verdict.in_moves))]
+
+
+def _agree_plain(module: nn.Module, leaves: list[Any], tensors: list[torch.Tensor]) -> None:
+    """The plain tensor arguments of a call that holds DistTensors are Replicate (the same value
+    on every rank), whichever path the call takes: checked as an op checks them
+    (``agree.check_plain``), since a local run issues no op that would."""
+    plain = [x for x in leaves if type(x) is torch.Tensor and x.dim() != 0]
+    if not plain:
+        return
+    dist = next((t for t in (*leaves, *tensors) if isinstance(t, DistTensor)), None)
+    if dist is not None:
+        agree.check_plain(f"a plain argument of {type(module).__name__}", dist._spec.mesh, plain)
 
 
 def _dist(x: Any, like: DistSpec) -> DistTensor:

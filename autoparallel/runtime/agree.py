@@ -20,7 +20,14 @@ one, the members of its axis line compare a digest of what each is about to issu
 ranks, global shape, dtype, layouts), and on a mismatch every member raises the same
 ``ValueError`` naming the first differing rank and both collectives — where a rank-dependent
 decision would otherwise abort in gloo, hang, or silently mix pieces. ``AUTOPARALLEL_CHECK=0``
-turns the checks off. A mesh of one
+turns the checks off.
+
+``check_plain`` holds plain tensors that meet DistTensors to the same contract: taken as
+Replicate, they must hold the same value on every rank; the ranks compare their shapes, dtypes
+and a checksum of their values (sampled in the default mode, whole with ``AUTOPARALLEL_CHECK=1``),
+so per-rank data fed as a plain tensor raises instead of desynchronising replicated weights.
+
+A mesh of one
 rank, a rank outside the mesh, and a static capture (its eager warm-up call was checked; a
 program holds no control messages) check nothing; calls inside a capture do not count.
 """
@@ -30,11 +37,12 @@ from __future__ import annotations
 import hashlib
 import os
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
+from autoparallel import compat
 from autoparallel.runtime import comm, groups
 from autoparallel.runtime.debug import unrecorded
 from autoparallel.runtime.world import get_rank, world_available
@@ -45,6 +53,7 @@ if TYPE_CHECKING:
 CHECK_VAR = "AUTOPARALLEL_CHECK"
 SETUP_CALLS = 64
 DESCRIPTION_BYTES = 480  # a description is cut to this many bytes for the gather
+PLAIN_SAMPLE = 4096  # elements of a plain tensor checksummed in the default mode
 
 
 class _Calls:
@@ -67,9 +76,13 @@ def _digest(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little", signed=True)
 
 
-def checksum(t: torch.Tensor) -> str:
-    """A checksum of ``t``'s values (bytes), for comparing data across ranks."""
-    b = t.detach().contiguous().reshape(-1).view(torch.uint8).to(torch.int64)
+def checksum(t: torch.Tensor, sample: bool = False) -> str:
+    """A checksum of ``t``'s values (bytes), for comparing data across ranks; ``sample``: of
+    ``PLAIN_SAMPLE`` evenly spaced elements at most (and all of a smaller tensor)."""
+    flat = t.detach().reshape(-1)
+    if sample and flat.numel() > PLAIN_SAMPLE:
+        flat = flat[:: flat.numel() // PLAIN_SAMPLE][:PLAIN_SAMPLE]
+    b = flat.contiguous().view(torch.uint8).to(torch.int64)
     if b.numel() == 0:
         return "empty"
     w = torch.arange(b.numel(), dtype=torch.int64) % 65521 + 1
@@ -80,20 +93,74 @@ def check(where: str, mesh: ProcessMesh, describe: Callable[[], str],
           values: Callable[[], str] | None = None) -> None:
     """Raise the same ``ValueError`` on every member of ``mesh`` when they passed different
     metadata (``describe()``) — see the module docstring for when this runs."""
-    how = mode()
-    if how == "off" or mesh.size == 1 or comm.capturing() or not world_available():
-        return  # (a capture replays what its eager warm-up call, which was checked, did)
-    key = (where, mesh)
-    n = _CALLS.count[key]
-    _CALLS.count[key] = n + 1
-    if how == "setup" and n >= SETUP_CALLS:
-        return
-    coord = mesh.coordinate_of(get_rank())
-    if coord is None:
+    how = _due(where, mesh)
+    if how is None:
         return
     text = describe()
     if how == "all" and values is not None:
         text += f"; values checksum {values()}"
+    texts = _disagreement(text, mesh)
+    if texts is None:
+        return
+    first, (c, t) = texts[(0,) * mesh.ndim], _first_other(texts)
+    raise ValueError(
+        f"{where}: the ranks of {mesh!r} disagree (every rank must pass the same global shape, dtype, "
+        f"mesh and placements): rank {mesh.rank_at((0,) * mesh.ndim)} passed {first}; "
+        f"rank {mesh.rank_at(c)} passed {t}")
+
+
+def check_plain(where: str, mesh: ProcessMesh, tensors: Sequence[torch.Tensor]) -> None:
+    """Raise the same ``ValueError`` on every member of ``mesh`` when the plain tensors an op
+    (or a module) takes as Replicate (docs/plain_tensors.md) differ across its ranks.
+
+    A plain tensor mixed with DistTensors must hold the same full value on every rank. Per-rank
+    data there (the DDP habit: each rank feeds its own batch) would make every rank compute a
+    different "replicated" result and silently desynchronise replicated weights. The digest is
+    the shapes, dtypes and a checksum of the values (an even sample of ``PLAIN_SAMPLE`` elements
+    per tensor in the default mode, every byte with ``AUTOPARALLEL_CHECK=1``), compared like
+    ``check``'s metadata: the first ``SETUP_CALLS`` calls per ``where`` (an op or a module)
+    and mesh, every call with ``AUTOPARALLEL_CHECK=1``."""
+    how = _due(where, mesh)
+    if how is None:
+        return
+    live = [t for t in tensors if t.layout == torch.strided and t.device.type != "meta" and not compat.is_fake(t)]
+    if not live:
+        return
+    text = "; ".join(f"shape {list(t.shape)}, {t.dtype}, values checksum {checksum(t, sample=how != 'all')}"
+                     for t in live)
+    texts = _disagreement(text, mesh)
+    if texts is None:
+        return
+    first, (c, t) = texts[(0,) * mesh.ndim], _first_other(texts)
+    raise ValueError(
+        f"{where}: a plain tensor met DistTensors on {mesh!r} and was taken as Replicate (the same full "
+        f"value on every rank), but the ranks hold different values: rank {mesh.rank_at((0,) * mesh.ndim)} "
+        f"has {first}; rank {mesh.rank_at(c)} has {t}. Per-rank data must be laid out: the global batch "
+        "with ap.shard_tensor(batch, mesh, [Shard(0)]), a loader with ap.shard_dataloader(loader, mesh, "
+        "shard_dims='dp'), or each rank's own piece with ap.dtensor_from_local(local, mesh, [Shard(0)])")
+
+
+def _due(where: str, mesh: ProcessMesh) -> str | None:
+    """The mode of a check of ``where`` on ``mesh`` that is due on this rank now (it counts the
+    call), or None: no check (off, a one-rank mesh, a capture, no world, past the set-up calls,
+    not a member)."""
+    how = mode()
+    if how == "off" or mesh.size == 1 or comm.capturing() or not world_available():
+        return None  # (a capture replays what its eager warm-up call, which was checked, did)
+    key = (where, mesh)
+    n = _CALLS.count[key]
+    _CALLS.count[key] = n + 1
+    if how == "setup" and n >= SETUP_CALLS:
+        return None
+    if mesh.coordinate_of(get_rank()) is None:
+        return None
+    return how
+
+
+def _disagreement(text: str, mesh: ProcessMesh) -> dict[tuple[int, ...], str] | None:
+    """None when every member of ``mesh`` passed ``text``; else every member's text by mesh
+    coordinate (the same on every member). Control messages: one tiny all-reduce per mesh axis
+    (and the gather on a mismatch), which ``CommDebugMode`` does not record."""
     groups.ensure(mesh)
     d = _digest(text)
     both = torch.tensor([d, -d], dtype=torch.int64)
@@ -102,15 +169,14 @@ def check(where: str, mesh: ProcessMesh, describe: Callable[[], str],
             if mesh.shape[axis] > 1:  # a one-rank line has nothing to compare (and no group)
                 both = comm.all_reduce(both, mesh, axis, "max")
         if int(both[0]) == d and int(both[1]) == -d:
-            return  # max == min == this rank's digest: every member agrees
-        texts = _gather(text, mesh)
-    first = texts[(0,) * mesh.ndim]
-    for c, t in sorted(texts.items()):
-        if t != first:
-            raise ValueError(
-                f"{where}: the ranks of {mesh!r} disagree (every rank must pass the same global shape, dtype, "
-                f"mesh and placements): rank {mesh.rank_at((0,) * mesh.ndim)} passed {first}; "
-                f"rank {mesh.rank_at(c)} passed {t}")
+            return None  # max == min == this rank's digest: every member agrees
+        return _gather(text, mesh)
+
+
+def _first_other(texts: dict[tuple[int, ...], str]) -> tuple[tuple[int, ...], str]:
+    """The first coordinate (row-major) whose text differs from the mesh's first rank's."""
+    first = texts[min(texts)]
+    return next((c, t) for c, t in sorted(texts.items()) if t != first)
 
 
 def _gather(text: str, mesh: ProcessMesh) -> dict[tuple[int, ...], str]:
