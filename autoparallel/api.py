@@ -15,7 +15,7 @@ from autoparallel import runtime
 from autoparallel.engine import layout
 from autoparallel.engine.dtensor import DistTensor
 from autoparallel.mesh import ProcessMesh
-from autoparallel.placement import Partial, Placement, Shard, check_placement
+from autoparallel.placement import Partial, Placement, Replicate, Shard, check_placement
 from autoparallel.runtime import agree, comm, groups
 from autoparallel.spec import DistSpec
 
@@ -29,10 +29,18 @@ def _check_mesh(mesh: Any, where: str) -> ProcessMesh:
     return mesh
 
 
-def _check_placements(placements: Any, where: str) -> tuple[Placement, ...]:
+def _check_placements(placements: Any, where: str, mesh: Any) -> tuple[Placement, ...]:
+    """One placement per mesh axis: a shorter list is padded with ``Replicate()`` for the mesh
+    axes it leaves out (Paddle's rule); a longer one is refused."""
     if isinstance(placements, (str, bytes)) or not isinstance(placements, Sequence):
         raise TypeError(f"{where}: placements must be a list of Replicate/Shard/Partial, got {placements!r}")
-    return tuple(check_placement(p) for p in placements)
+    out = tuple(check_placement(p) for p in placements)
+    if isinstance(mesh, ProcessMesh):
+        if len(out) > mesh.ndim:
+            raise ValueError(f"{where}: {len(out)} placements {list(out)} for a {mesh.ndim}-d mesh {mesh!r}: "
+                             "give one placement per mesh axis")
+        out += (Replicate(),) * (mesh.ndim - len(out))
+    return out
 
 
 def _check_reductions(spec: DistSpec, where: str) -> DistSpec:
@@ -79,7 +87,7 @@ def shard_tensor(
     Parameter. ``Partial`` placements keep the value on the first rank of the axis (sum) or on
     every rank (avg/max/min). Differentiable: the gradient of ``data`` is the full gradient.
     """
-    placements = _check_placements(placements, "shard_tensor")
+    placements = _check_placements(placements, "shard_tensor", mesh)
     mesh = _check_mesh(mesh, "shard_tensor")
     if isinstance(data, DistTensor):
         return reshard(data, mesh, placements)
@@ -118,7 +126,7 @@ def dtensor_from_local(
     """
     if not isinstance(local, torch.Tensor) or isinstance(local, DistTensor):
         raise TypeError(f"dtensor_from_local: local must be a plain torch.Tensor, got {type(local).__name__}")
-    placements = _check_placements(placements, "dtensor_from_local")
+    placements = _check_placements(placements, "dtensor_from_local", mesh)
     mesh = _check_mesh(mesh, "dtensor_from_local")
     coord = mesh.coordinate_of(runtime.get_rank())
     if shape is None:
@@ -148,7 +156,7 @@ def reshard(x: DistTensor, mesh: ProcessMesh, placements: Sequence[Placement], *
     """The same global value laid out on ``mesh`` by ``placements`` (any mesh; differentiable)."""
     if not isinstance(x, DistTensor):
         raise TypeError(f"reshard: x must be a DistTensor, got {type(x).__name__}; use shard_tensor for plain tensors")
-    placements = _check_placements(placements, "reshard")
+    placements = _check_placements(placements, "reshard", mesh)
     mesh = _check_mesh(mesh, "reshard")
     src = layout.spec_of(x)
     dst = _check_reductions(DistSpec(mesh, placements, src.shape, src.dtype, _order(shard_order)), "reshard")
@@ -160,9 +168,12 @@ def reshard(x: DistTensor, mesh: ProcessMesh, placements: Sequence[Placement], *
 
 
 def unshard_dtensor(x: DistTensor) -> torch.Tensor:
-    """The full value as a plain tensor on every rank of ``x``'s mesh (empty elsewhere)."""
+    """The full value as a plain tensor on every rank of ``x``'s mesh (empty elsewhere); an
+    ``nn.Parameter`` comes back as a plain ``nn.Parameter`` (a new leaf, with its ``requires_grad``)."""
     if not isinstance(x, DistTensor):
         raise TypeError(f"unshard_dtensor: x must be a DistTensor, got {type(x).__name__}")
+    if isinstance(x, torch.nn.Parameter):  # a parameter stays a parameter (Paddle's rule)
+        return torch.nn.Parameter(x.full_tensor().detach(), requires_grad=x.requires_grad)
     return x.full_tensor()
 
 

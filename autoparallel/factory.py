@@ -42,7 +42,7 @@ def _shape(size: tuple[Any, ...], where: str) -> tuple[int, ...]:
 def _spec(where: str, shape: tuple[int, ...], mesh: ProcessMesh, placements: Sequence[Placement],
           dtype: torch.dtype) -> tuple[DistSpec, tuple[int, ...] | None]:
     """The validated layout and this rank's mesh coordinate (None outside the mesh)."""
-    pl = _check_placements(placements, where)
+    pl = _check_placements(placements, where, mesh)
     mesh = _check_mesh(mesh, where)
     return DistSpec(mesh, pl, shape, dtype), mesh.coordinate_of(runtime.get_rank())
 
@@ -50,7 +50,10 @@ def _spec(where: str, shape: tuple[int, ...], mesh: ProcessMesh, placements: Seq
 def _wrap(spec: DistSpec, local: torch.Tensor | None, requires_grad: bool) -> DistTensor:
     if local is None:  # outside the mesh
         local = torch.empty((0,), dtype=spec.dtype, device=runtime.default_device())
-    return layout.wrap(local, spec, None, requires_grad)
+    out = layout.wrap(local, spec, None, requires_grad)
+    if requires_grad:
+        layout.keep_grad_layout(out)  # a leaf's gradient in its own layout
+    return out
 
 
 def _constant(where: str, shape: tuple[int, ...], value: Any, mesh: ProcessMesh, placements: Sequence[Placement],

@@ -32,7 +32,10 @@ def contiguous_local(local: torch.Tensor, spec: DistSpec) -> torch.Tensor:
     return conform(local, contiguous_strides(spec.shape))
 
 
-_IN_PLACE, _MATMUL, _SPLIT_AT = 1, 2, 3
+_IN_PLACE, _MATMUL, _SPLIT_AT, _GRAD_FLAG = 1, 2, 3, 4
+# ``t.requires_grad_()`` and ``t.requires_grad = ...``: a leaf that starts requiring grad gets its
+# gradient in its own layout (``keep_grad_layout``)
+_GRAD_FLAGS = (torch.Tensor.requires_grad_, torch.Tensor.requires_grad.__set__)  # type: ignore[attr-defined]  # a getset descriptor
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # the exact types of plain tensors and parameters
 _TF_KIND: dict[Any, int] = {}  # torch function -> 0 (pass through), _IN_PLACE, _MATMUL or _SPLIT_AT
 # Functions taking split points as a tensor whose values torch's C++ reads from its memory (a
@@ -45,6 +48,8 @@ def _tf_kind(func: Any) -> int:
     """What ``DistTensor.__torch_function__`` looks at for ``func`` (cached per function)."""
     if func in MATMULS:
         return _MATMUL
+    if any(func == f for f in _GRAD_FLAGS):
+        return _GRAD_FLAG
     if func in _SPLIT_POINTS:
         return _SPLIT_AT
     name = getattr(func, "__name__", "")
@@ -104,6 +109,10 @@ class DistTensor(torch.Tensor):
         if kind and args:
             if kind == _IN_PLACE:
                 adopt_written_plain(cls, func.__name__, args)
+            elif kind == _GRAD_FLAG:
+                out = compat.disabled_torch_function_impl(func, types, args, kwargs or {})
+                keep_grad_layout(args[0])
+                return out
             elif kind == _SPLIT_AT:
                 args, kwargs = _whole_split_points(cls, func, args, kwargs or {})
             else:
@@ -232,6 +241,33 @@ class PendingTensor(DistTensor):
 
 
 _make_wrapper = compat.make_wrapper_subclass
+
+
+def keep_grad_layout(t: Any) -> None:
+    """Make ``.grad`` of the leaf ``t`` (not a parameter) come back in ``t``'s own layout.
+
+    The gradient of a leaf arrives in ``grad_spec`` of its layout, or Partial where the backward
+    left summands (a Replicate input of an op on a sharded batch): each rank would read a
+    summand. A post-accumulate-grad hook reshards it to the leaf's placements (an all-reduce or
+    reduce-scatter, on every rank in backward order), as Paddle does for leaf gradients.
+    Parameters are left to the optimizer: ``shard_optimizer`` reduces their gradients in
+    buckets, and an optimizer's ops reduce a Partial gradient where they read it.
+    """
+    if (isinstance(t, DistTensor) and t.requires_grad and t.is_leaf and not isinstance(t, torch.nn.Parameter)
+            and not getattr(t, "_grad_layout_kept", False)):
+        t.register_post_accumulate_grad_hook(_grad_to_own_layout)
+        t._grad_layout_kept = True  # type: ignore[attr-defined]  # once per tensor
+
+
+def _grad_to_own_layout(t: DistTensor) -> None:
+    g = t.grad
+    want = t._spec
+    if (not isinstance(g, DistTensor) or g._spec.mesh != want.mesh or want.has_partial
+            or (g._spec.placements == want.placements and g._spec.shard_order == want.shard_order)):
+        return
+    src, dst = g._spec, g._spec.with_placements(want.placements, want.shard_order)
+    with torch.no_grad():
+        t.grad = g._moved(lambda local: reshard_local(local, src, dst), dst)
 
 
 

@@ -15,7 +15,7 @@ Three kinds of operation:
 - **make**: ``wrap`` (a DistTensor around a shard, not differentiable: for values autograd
   does not track, e.g. gradients handed over by hand), the differentiable ``from_local`` (a
   shard) and ``shard_full`` (the full value), and ``pending_gradient`` (a scaled gradient kept
-  unscaled until read);
+  unscaled until read); ``keep_grad_layout`` (a leaf's ``.grad`` comes back in its own layout);
 - **move**: ``move`` (a shard from one layout to another: the planner's plan, run),
   ``run_plan`` (a plan already made), the differentiable ``reshard`` (a DistTensor
   into another layout or mesh), ``grad_spec`` (the layout a gradient comes back in),
@@ -39,6 +39,7 @@ from autoparallel.engine.dtensor import (
     _Reshard,
     _ShardTensor,
     grad_spec,
+    keep_grad_layout,
 )
 from autoparallel.engine.pending import scaled_raw
 from autoparallel.spec import DistSpec
@@ -140,7 +141,7 @@ def set_local_(t: DistTensor, local: torch.Tensor) -> DistTensor:
 
 
 __all__ = [
-    "Stat", "from_local", "grad_spec", "is_dist", "local_of", "local_or_plain", "move", "pending_gradient",
+    "Stat", "from_local", "grad_spec", "is_dist", "keep_grad_layout", "local_of", "local_or_plain", "move", "pending_gradient",
     "raw_of", "relayout_", "reshard", "run_plan", "scaled_raw", "set_local_",
     "shard_full", "spec_of", "spec_or_none", "stride_of", "wrap",
 ]

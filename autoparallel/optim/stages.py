@@ -20,9 +20,12 @@ from autoparallel.spec import DistSpec
 class ShardingStage:
     """Shard optimizer states (stage 1), + gradients (2), + parameters (3) along ``axis`` of ``mesh``.
 
-    ``axis`` is a mesh axis name or index; by default the axis named ``"dp"`` if the mesh has
-    one, else axis 0. Parameters may live on ``mesh`` or on a sub-mesh of it (pipeline stages)
-    that has an axis of the same name.
+    ``axis`` is a mesh axis name or index: the data-parallel axis, the one the batch is sharded
+    on. By default the axis named ``"dp"`` if the mesh has one, else the only axis of a 1-d mesh;
+    on a mesh of several axes none of which is named ``"dp"`` it must be given (a ``ValueError``
+    says so: sharding along a model-parallel axis would be wrong). Paddle's argument order,
+    ``ShardingStage1("x", mesh)``, is accepted too. Parameters may live on ``mesh`` or on a
+    sub-mesh of it (pipeline stages) that has an axis of the same name.
     """
 
     mesh: ProcessMesh
@@ -30,6 +33,10 @@ class ShardingStage:
     stage: int = 1
 
     def __post_init__(self) -> None:
+        if isinstance(self.axis, ProcessMesh) and isinstance(self.mesh, (str, int)):  # Paddle's order
+            mesh, axis = self.axis, self.mesh
+            object.__setattr__(self, "mesh", mesh)  # (a frozen value, set once here)
+            object.__setattr__(self, "axis", axis)
         if not isinstance(self.mesh, ProcessMesh):
             raise TypeError(f"{type(self).__name__}: mesh must be an ap.ProcessMesh, got {type(self.mesh).__name__}")
         if self.stage not in (1, 2, 3):
@@ -41,7 +48,12 @@ class ShardingStage:
         """The data-parallel axis as a name of ``mesh``."""
         names = self.mesh.dim_names
         if self.axis is None:
-            return "dp" if "dp" in names else names[0]
+            if "dp" in names or len(names) == 1:
+                return "dp" if "dp" in names else names[0]
+            raise ValueError(
+                f"{type(self).__name__}: mesh {self.mesh!r} has {len(names)} axes and none is named 'dp': "
+                f"name the data-parallel axis (the one the batch is sharded on), e.g. "
+                f"ap.{type(self).__name__}(mesh, {names[0]!r})")
         if isinstance(self.axis, str):
             if self.axis not in names:
                 raise ValueError(
@@ -57,22 +69,22 @@ class ShardingStage:
 class ShardingStage1(ShardingStage):
     """ZeRO-1: optimizer states sharded along the data-parallel axis; gradients all-reduced."""
 
-    def __init__(self, mesh: ProcessMesh, axis: int | str | None = None) -> None:
-        super().__init__(mesh, axis, 1)
+    def __init__(self, mesh: ProcessMesh | int | str, axis: int | str | ProcessMesh | None = None) -> None:
+        super().__init__(mesh, axis, 1)  # type: ignore[arg-type]  # Paddle's order is swapped in __post_init__
 
 
 class ShardingStage2(ShardingStage):
     """ZeRO-2: optimizer states and gradients (reduce-scattered) sharded along the axis."""
 
-    def __init__(self, mesh: ProcessMesh, axis: int | str | None = None) -> None:
-        super().__init__(mesh, axis, 2)
+    def __init__(self, mesh: ProcessMesh | int | str, axis: int | str | ProcessMesh | None = None) -> None:
+        super().__init__(mesh, axis, 2)  # type: ignore[arg-type]  # Paddle's order is swapped in __post_init__
 
 
 class ShardingStage3(ShardingStage):
     """ZeRO-3: parameters too, gathered before each module's forward and freed after it."""
 
-    def __init__(self, mesh: ProcessMesh, axis: int | str | None = None) -> None:
-        super().__init__(mesh, axis, 3)
+    def __init__(self, mesh: ProcessMesh | int | str, axis: int | str | ProcessMesh | None = None) -> None:
+        super().__init__(mesh, axis, 3)  # type: ignore[arg-type]  # Paddle's order is swapped in __post_init__
 
 
 def param_axis(stage: ShardingStage, spec: DistSpec, where: str) -> int:

@@ -67,7 +67,10 @@ def test_shard_layout_picks_a_local_slice() -> None:
 @pytest.mark.pure  # single process, no world
 def test_stage_values_validate() -> None:
     mesh = ap.ProcessMesh([[0, 1], [2, 3]], ["x", "y"])
-    assert ap.ShardingStage1(mesh).axis_name == "x"  # no "dp" axis: axis 0
+    with pytest.raises(ValueError, match=r"has 2 axes and none is named 'dp': name the data-parallel axis"):
+        ap.ShardingStage1(mesh)  # a model-parallel axis is never guessed as the data-parallel one
+    assert ap.ShardingStage1(ap.ProcessMesh([0, 1], ["x"])).axis_name == "x"  # the only axis
+    assert ap.ShardingStage2("y", mesh).axis_name == "y"  # Paddle's order: (axis, mesh)
     assert ap.ShardingStage2(mesh, 1).axis_name == "y"
     with pytest.raises(ValueError, match=r"'dp' is not in the mesh's axes \['x', 'y'\]"):
         ap.ShardingStage3(mesh, "dp")
