@@ -7,14 +7,25 @@ global batch: ``Shard(0)`` on the data-parallel axis, ``Replicate`` on the other
 list of meshes (one per input — e.g. inputs on the first pipeline stage mesh, labels on the
 last) each input lands on its own mesh; a rank outside an input's mesh holds an empty shard.
 
+An input may be a tensor or a nest of lists, tuples, dicts, namedtuples and dataclass instances
+(``{"inputs": [x1, x2], "label": y}``): every tensor in it is laid out on the mesh of its input,
+the containers are rebuilt as the same types, and str, number and None leaves pass through.
+
 Every decision (which slice, global shapes, errors) depends only on the global batch index
 list and the meshes, never on the rank, so every rank raises the same error at the same batch.
+A batch is checked whole before any of it is laid out (laying out may communicate), and error
+messages name only what every rank sees alike: the path of the value, its type, dtype and the
+dims after the batch dim.
 """
 
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterator, Mapping, Sequence
+import copy
+import dataclasses
+import functools
+import numbers
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +39,10 @@ from autoparallel.placement import Placement, Replicate, Shard
 from autoparallel.runtime import groups
 
 AxisSpec = str | int | None
+
+# Leaves of an input that are kept as loaded: they carry no rows to lay out.
+_PASSTHROUGH = (str, bytes, numbers.Number, type(None))
+_WHOLE = object()  # the key of a batch that is one input (a tensor, a dataclass instance)
 
 
 @dataclass(frozen=True)
@@ -113,16 +128,16 @@ class _SliceSampler(Sampler[list[int]]):
                     f"data-parallel degree {self.degree}" + (
                         " (the last batch is short: use drop_last=True)" if n else "")
                 )
-            spans = [r for r in (t.rows(self.rank, n) for t in self.targets) if r is not None]
-            lo = min((s[0] for s in spans), default=0)
-            hi = max((s[1] for s in spans), default=1)  # no input here: one sample, for shapes
+            lo, hi = self.span(n)
             self.sizes.append(n)
             yield indices[lo:hi]
 
-    def span(self, n: int) -> int:
-        """First global row this rank loaded for a batch of ``n`` samples."""
+    def span(self, n: int) -> tuple[int, int]:
+        """Global rows [lo, hi) this rank loads of a batch of ``n`` samples."""
         spans = [r for r in (t.rows(self.rank, n) for t in self.targets) if r is not None]
-        return min((s[0] for s in spans), default=0)
+        lo = min((s[0] for s in spans), default=0)
+        hi = max((s[1] for s in spans), default=1)  # no input here: one sample, for shapes
+        return lo, hi
 
 
 class ShardDataloader:
@@ -163,23 +178,29 @@ class ShardDataloader:
 
     # ---- turning a local batch into DistTensors -------------------------------------------
     def _distribute(self, batch: Any, n: int) -> Any:
+        """The loaded ``batch`` with every input laid out as DistTensors of a global batch of ``n``."""
+        lo, hi = self._sampler.span(n)
+        inputs = self._inputs(batch)
+        for value, _, path in inputs.values():  # refuse the whole batch before laying out any of it
+            _map(value, path, functools.partial(self._check, rows=hi - lo, n=n))
+        laid = {k: _map(value, path, functools.partial(self._lay, target=t, n=n, start=lo))
+                for k, (value, t, path) in inputs.items()}
+        return laid[_WHOLE] if _WHOLE in laid else _rebuild(batch, laid)
+
+    def _inputs(self, batch: Any) -> dict[Any, tuple[Any, _Target, str]]:
+        """The inputs of ``batch``: {key, index or _WHOLE: (value, target, path)}."""
         if isinstance(batch, Mapping):
             keys = list(batch) if self._input_keys is None else self._input_keys
             missing = [k for k in keys if k not in batch]
             if missing:
                 raise ValueError(f"shard_dataloader: input_keys {missing} are not in the batch keys {list(batch)}")
             targets = self._per_input(len(keys), f"input keys {keys}")
-            moved = {k: self._one(batch[k], t, n, repr(k)) for k, t in zip(keys, targets)}
-            return {k: moved.get(k, v) for k, v in batch.items()}
-        if self._input_keys is not None:
-            raise ValueError(
-                f"shard_dataloader: input_keys {self._input_keys} given but batches are {type(batch).__name__}, not dicts"
-            )
-        if isinstance(batch, (list, tuple)):
+            return {k: (batch[k], t, f"batch[{k!r}]") for k, t in zip(keys, targets)}
+        if isinstance(batch, (list, tuple)):  # positional: every element is an input; input_keys unused
             targets = self._per_input(len(batch), f"{len(batch)} batch elements")
-            items = [self._one(v, t, n, f"element {i}") for i, (v, t) in enumerate(zip(batch, targets))]
-            return type(batch)(items) if isinstance(batch, list) else tuple(items)
-        return self._one(batch, self._per_input(1, "a single tensor")[0], n, "the batch")
+            return {i: (v, t, f"batch[{i}]") for i, (v, t) in enumerate(zip(batch, targets))}
+        target = self._per_input(1, f"one input (a {_type_name(batch)} batch)")[0]
+        return {_WHOLE: (batch, target, "batch")}
 
     def _per_input(self, count: int, what: str) -> list[_Target]:
         if len(self._targets) == 1:
@@ -188,12 +209,28 @@ class ShardDataloader:
             raise ValueError(f"shard_dataloader: {len(self._targets)} meshes for {what}; give one mesh or one per input")
         return self._targets
 
-    def _one(self, value: Any, target: _Target, n: int, name: str) -> Any:
-        if not isinstance(value, torch.Tensor):
-            return value
+    @staticmethod
+    def _check(value: torch.Tensor, path: str, rows: int, n: int) -> torch.Tensor:
+        """``value`` if its dim 0 holds one row per loaded sample (``rows`` of them), else raise.
+
+        The message leaves out dim 0 and ``rows``: both may differ between ranks.
+        """
         if value.dim() == 0:
-            raise ValueError(f"shard_dataloader: {name} is a 0-d tensor; batches need a leading batch dim")
-        start = self._sampler.span(n)
+            raise ValueError(
+                f"shard_dataloader: {path} is a 0-d {value.dtype} tensor; every tensor of an input "
+                "needs the batch along dim 0"
+            )
+        if value.shape[0] != rows:
+            shape = "(*" + "".join(f", {d}" for d in value.shape[1:]) + ")"  # dim 0 left out
+            raise ValueError(
+                f"shard_dataloader: {path} is a {value.dtype} tensor of shape {shape} whose dim 0 "
+                f"is not the batch dim: it does not hold one row per sample of the batch ({n} samples "
+                "in all); collate it per sample along dim 0, or leave its key out of input_keys"
+            )
+        return value
+
+    def _lay(self, value: torch.Tensor, path: str, target: _Target, n: int, start: int) -> Any:
+        """``value`` (this rank's rows from global row ``start`` on) as a DistTensor of ``n`` rows."""
         shape = (n,) + tuple(value.shape[1:])
         rows = target.rows(self._rank, n)
         local = value[rows[0] - start: rows[1] - start] if rows is not None else value[:0]
@@ -201,6 +238,68 @@ class ShardDataloader:
         if local.device.type != device.type:
             local = local.to(device, non_blocking=local.is_pinned())
         return dtensor_from_local(local.contiguous(), target.mesh, target.placements(), shape)
+
+
+# ---- nested inputs: lists, tuples, dicts, namedtuples, dataclass instances -----------------
+def _type_name(value: Any) -> str:
+    t = type(value)
+    return t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+
+
+def _is_namedtuple(value: Any) -> bool:
+    return isinstance(value, tuple) and hasattr(type(value), "_fields")
+
+
+def _children(value: Any) -> list[tuple[Any, str, Any]] | None:
+    """(key, path suffix, child) of each child of a container; None for anything else."""
+    if isinstance(value, Mapping):
+        return [(k, f"[{k!r}]", v) for k, v in value.items()]
+    if _is_namedtuple(value):
+        return [(i, f".{f}", v) for i, (f, v) in enumerate(zip(value._fields, value))]
+    if isinstance(value, (list, tuple)):
+        return [(i, f"[{i}]", v) for i, v in enumerate(value)]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return [(f.name, f".{f.name}", getattr(value, f.name)) for f in dataclasses.fields(value)]
+    return None
+
+
+def _rebuild(value: Any, new: Mapping[Any, Any]) -> Any:
+    """The container ``value`` again, same type, with the children keyed in ``new`` replaced."""
+    if isinstance(value, Mapping):
+        if isinstance(value, MutableMapping) and type(value) is not dict:
+            clone = copy.copy(value)  # OrderedDict, defaultdict, UserDict keep their type and state
+            clone.update(new)
+            return clone
+        kind: Any = type(value)  # dict, or an immutable Mapping built from a dict
+        return kind({k: new.get(k, v) for k, v in value.items()})
+    if _is_namedtuple(value):
+        return type(value)(*(new.get(i, v) for i, v in enumerate(value)))
+    if isinstance(value, (list, tuple)):
+        items = [new.get(i, v) for i, v in enumerate(value)]
+        return items if type(value) is list else type(value)(items)
+    clone = copy.copy(value)  # a dataclass instance: fields set directly (frozen ones too)
+    for name, v in new.items():
+        object.__setattr__(clone, name, v)
+    return clone
+
+
+def _map(value: Any, path: str, fn: Callable[[torch.Tensor, str], Any]) -> Any:
+    """``value`` rebuilt with ``fn(tensor, path)`` at each tensor; str, number and None kept.
+
+    Any other leaf raises TypeError naming its path and type.
+    """
+    if isinstance(value, torch.Tensor):
+        return fn(value, path)
+    if isinstance(value, _PASSTHROUGH):
+        return value
+    kids = _children(value)
+    if kids is None:
+        raise TypeError(
+            f"shard_dataloader: {path} is a {_type_name(value)}, which cannot be laid out: the leaves "
+            "of an input must be tensors (laid out), or str, numbers or None (passed through); "
+            "make it a tensor in collate_fn, or leave its key out of input_keys"
+        )
+    return _rebuild(value, {k: _map(v, path + suffix, fn) for k, suffix, v in kids})
 
 
 def shard_dataloader(
@@ -211,14 +310,26 @@ def shard_dataloader(
 ) -> ShardDataloader:
     """Wrap ``dataloader`` so each rank loads only its part and batches arrive as DistTensors.
 
+    The inputs of a batch: the values of ``input_keys`` for a dict batch (every key without
+    ``input_keys``); each element of a tuple or list batch (``input_keys`` is not used: positions
+    are not keys); any other batch (a tensor, a dataclass instance) is one input. An input is a
+    tensor or a nest of lists, tuples, dicts, namedtuples and dataclass instances: each tensor
+    in it becomes a DistTensor of the global batch on the input's mesh, ``Shard(0)`` on the
+    data-parallel axis and ``Replicate`` elsewhere; the containers are rebuilt as the same
+    types; str, number and None leaves pass through. Any other leaf raises TypeError, and a
+    tensor without one row per sample along dim 0 raises ValueError, both naming the leaf's
+    path (``batch['inputs'][1]``); a key of ``input_keys`` missing from a dict batch raises
+    ValueError. Keys of a dict batch not in ``input_keys`` pass through as loaded (this rank's
+    rows only).
+
     ``meshes``: one mesh for every input, or a list with one mesh per input (per batch element
-    for tuple/list batches, per key of ``input_keys`` for dict batches). ``shard_dims``: the
-    mesh axis (name or number) the batch dim is split on — one for all meshes or one per mesh;
-    None replicates the batch (every rank loads all of it). Every batch of the original loader
-    must hold a multiple of the data-parallel degree samples. Keys of a dict batch not in
-    ``input_keys`` and non-tensor values pass through as loaded. Local shards move to the
-    world's device (the current CUDA device under NCCL; ``pin_memory=True`` makes that copy
-    asynchronous).
+    for tuple/list batches, per key of ``input_keys`` for dict batches); all tensors of a nested
+    input share its mesh (give leaves that belong on different meshes keys of their own).
+    ``shard_dims``: the mesh axis (name or number) the batch dim is split on — one for all
+    meshes or one per mesh; None replicates the batch (every rank loads all of it). Every batch
+    of the original loader must hold a multiple of the data-parallel degree samples. Local
+    shards move to the world's device (the current CUDA device under NCCL;
+    ``pin_memory=True`` makes that copy asynchronous).
     """
     if not isinstance(dataloader, DataLoader):
         raise TypeError(f"shard_dataloader: dataloader must be a torch DataLoader, got {type(dataloader).__name__}")

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+import functools
+from typing import Any, NamedTuple
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 import autoparallel as ap
@@ -149,4 +153,210 @@ def test_bad_input_same_error_on_every_rank(world4, fn, match):  # type: ignore[
     with pytest.raises(ValueError, match=match) as info:
         world4.run(fn)
     assert "[all 4 ranks raised]" in str(info.value)
+    assert all(world4.run(_healthy))
+
+
+# ---- nested inputs: every tensor under an input key is laid out -----------------------------
+class AB(NamedTuple):
+    a: torch.Tensor
+    b: torch.Tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class ABData:
+    a: torch.Tensor
+    b: torch.Tensor
+    tag: str = "ab"  # a str leaf passes through
+
+
+class Token:
+    """A leaf that is neither a tensor nor a str/number: cannot be laid out."""
+
+
+def _pack(kind: str, a: torch.Tensor, b: torch.Tensor) -> Any:
+    if kind == "list":
+        return [a, b]
+    if kind == "tuple":
+        return (a, b)
+    if kind == "dict":
+        return {"a": a, "rest": {"b": b, "note": None}}  # two levels, a None leaf
+    if kind == "namedtuple":
+        return AB(a, b)
+    return ABData(a, b)
+
+
+def _unpack(kind: str, inputs: Any) -> tuple[Any, Any]:
+    """(a, b) of a packed input, checking its container type was kept."""
+    want = {"list": list, "tuple": tuple, "dict": dict, "namedtuple": AB, "dataclass": ABData}[kind]
+    assert type(inputs) is want, (kind, type(inputs))
+    if kind == "dict":
+        assert inputs["rest"]["note"] is None
+        return inputs["a"], inputs["rest"]["b"]
+    if kind == "dataclass":
+        assert inputs.tag == "ab"
+        return inputs.a, inputs.b
+    return inputs[0], inputs[1]
+
+
+def _collate(kind: str, samples: list[Any]) -> dict[str, Any]:
+    """{"inputs": packed (a, b) of the samples, "label": y, "name": [...]}; a[i] = x_i, b[i] = 2 x_i."""
+    x = torch.stack([s[0] for s in samples])
+    y = torch.stack([s[1] for s in samples])
+    return {"inputs": _pack(kind, x, 2 * x), "label": y, "name": [f"s{int(v)}" for v in y]}
+
+
+def _nested(rank: int, kind: str) -> dict[str, Any]:
+    mesh = ap.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"])
+    ds = Pairs()
+    collate = functools.partial(_collate, kind)
+    loader = ap.shard_dataloader(DataLoader(ds, batch_size=BATCH, collate_fn=collate), mesh,
+                                 input_keys=["inputs", "label"], shard_dims="dp")
+    steps = []
+    for batch in loader:
+        a, b = _unpack(kind, batch["inputs"])
+        for t, cols in ((a, 3), (b, 3), (batch["label"], None)):
+            assert isinstance(t, ap.DistTensor) and t.process_mesh == mesh
+            assert list(t.placements) == [Shard(0), Replicate()]
+            assert tuple(t.shape) == ((BATCH, cols) if cols else (BATCH,))
+            assert t.to_local().shape[0] == BATCH // 2
+        assert batch["name"] == [f"s{i}" for i in sorted(ds.loaded)[len(steps) * 4:len(steps) * 4 + 4]]
+        steps.append([a.full_tensor(), b.full_tensor(), batch["label"].full_tensor(), a.to_local().clone()])
+    return {"steps": steps, "loaded": sorted(ds.loaded)}
+
+
+@pytest.mark.parametrize("kind", ["list", "tuple", "dict", "namedtuple", "dataclass"])
+def test_nested_inputs_under_a_key_are_laid_out(world4, kind):  # type: ignore[no-untyped-def]
+    out = world4.run(_nested, kind)
+    ref = list(DataLoader(Pairs(), batch_size=BATCH, collate_fn=functools.partial(_collate, kind)))
+    for step, rb in enumerate(ref):
+        ra, rbb = _unpack(kind, rb["inputs"])
+        for o in out:
+            a, b, y, _ = o["steps"][step]
+            assert torch.equal(a, ra) and torch.equal(b, rbb) and torch.equal(y, rb["label"])
+        for dp_ranks in ((0, 2), (1, 3)):  # the dp shards concatenate to the batch along each mp column
+            assert torch.equal(torch.cat([out[r]["steps"][step][3] for r in dp_ranks]), ra)
+    assert out[0]["loaded"] == out[1]["loaded"] == [0, 1, 2, 3, 8, 9, 10, 11]
+    assert out[2]["loaded"] == out[3]["loaded"] == [4, 5, 6, 7, 12, 13, 14, 15]
+
+
+def _positional_with_keys(rank: int) -> list[Any]:
+    mesh = ap.ProcessMesh([0, 1], dim_names=["dp"])
+    ds = Pairs()
+    nested = lambda s: ([torch.stack([x for x, _ in s]), torch.stack([-x for x, _ in s])],  # noqa: E731
+                        torch.stack([y for _, y in s]))
+    seen = []
+    for collate in (None, nested):  # (x, y) batches, then ([x, -x], y) batches
+        kwargs = {} if collate is None else {"collate_fn": collate}
+        loader = ap.shard_dataloader(DataLoader(ds, batch_size=BATCH, **kwargs), mesh,
+                                     input_keys=["x", "y"], shard_dims="dp")
+        for first, y in loader:
+            leaves = [first] if collate is None else first
+            assert isinstance(leaves, list)
+            for t in [*leaves, y]:
+                assert isinstance(t, ap.DistTensor) and list(t.placements) == [Shard(0)]
+                assert t.to_local().shape[0] == BATCH // 2
+            seen.append([t.full_tensor() for t in [*leaves, y]])
+    return [seen, sorted(set(ds.loaded))]
+
+
+def test_positional_batches_ignore_input_keys(world2):  # type: ignore[no-untyped-def]
+    out = world2.run(_positional_with_keys)
+    ref = [[x, y] for x, y in _reference()] + [[x, -x, y] for x, y in _reference()]
+    for o in out:
+        assert len(o[0]) == len(ref)
+        for got, want in zip(o[0], ref):
+            assert all(torch.equal(g, w) for g, w in zip(got, want)) and len(got) == len(want)
+    assert out[0][1] == [0, 1, 2, 3, 8, 9, 10, 11] and out[1][1] == [4, 5, 6, 7, 12, 13, 14, 15]
+
+
+# ---- a model with two inputs from one nested key, DP on 2 ranks == one process -------------
+STEPS = 3
+
+
+class TwoInputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fa, self.fb = nn.Linear(3, 2), nn.Linear(3, 2)
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return self.fa(a) + torch.tanh(self.fb(b))  # (B, 3), (B, 3) -> (B, 2)
+
+
+class Regression(Dataset):
+    """Sample i: {"inputs": {"a": a_i, "b": b_i}, "label": y_i}, fixed random values."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(1)
+        self.a, self.b, self.y = (torch.randn(STEPS * BATCH, k, generator=g) for k in (3, 3, 2))
+
+    def __len__(self) -> int:
+        return STEPS * BATCH
+
+    def __getitem__(self, i: int) -> Any:
+        return {"inputs": {"a": self.a[i], "b": self.b[i]}, "label": self.y[i]}
+
+
+def _train_two_inputs(loader: Any, model: nn.Module, opt: Any) -> list[Any]:
+    losses = []
+    for batch in loader:
+        loss = F.mse_loss(model(batch["inputs"]["a"], batch["inputs"]["b"]), batch["label"])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    return losses
+
+
+def _dp_two_inputs(rank: int) -> dict[str, Any]:
+    mesh = ap.ProcessMesh([0, 1], dim_names=["dp"])
+    torch.manual_seed(0)
+    model = ap.shard_layer(TwoInputs(), mesh)
+    opt = ap.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    loader = ap.shard_dataloader(DataLoader(Regression(), batch_size=BATCH), mesh,
+                                 input_keys=["inputs", "label"], shard_dims="dp")
+    losses = _train_two_inputs(loader, model, opt)
+    return {"losses": [x.full_tensor() for x in losses],
+            "params": {n: p.detach().full_tensor() for n, p in model.named_parameters()}}
+
+
+def test_two_input_model_trains_as_in_one_process(world2):  # type: ignore[no-untyped-def]
+    out = world2.run(_dp_two_inputs)
+    torch.manual_seed(0)
+    model = TwoInputs()
+    losses = _train_two_inputs(DataLoader(Regression(), batch_size=BATCH), model,
+                               torch.optim.SGD(model.parameters(), lr=0.1))
+    assert len(losses) == STEPS
+    for o in out:
+        for got, want in zip(o["losses"], losses, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(o["params"][n], p.detach(), rtol=1e-5, atol=1e-7)
+
+
+# ---- nested values that cannot be laid out: the same error on every rank -------------------
+def _bad_nested(rank: int, case: str) -> None:
+    meshes = [ap.ProcessMesh([0, 1], ["dp"]), ap.ProcessMesh([2, 3], ["dp"])]
+    shard_dims: list[str | None] = ["dp", None]  # ranks 0, 1 load 4 rows of a batch, ranks 2, 3 all 8
+
+    def collate(samples: list[Any]) -> dict[str, Any]:
+        x = torch.stack([s[0] for s in samples])
+        odd = {"token": Token(), "table": torch.zeros(5, 3), "scalar": torch.tensor(1.0)}[case]
+        return {"inputs": [x, {"extra": odd}], "label": torch.stack([s[1] for s in samples])}
+
+    loader = ap.shard_dataloader(DataLoader(Pairs(), batch_size=BATCH, collate_fn=collate), meshes,
+                                 input_keys=["inputs", "label"], shard_dims=shard_dims)
+    next(iter(loader))
+
+
+@pytest.mark.parametrize("case, error, match", [
+    ("token", TypeError, r"batch\['inputs'\]\[1\]\['extra'\] is a [\w.]*Token, which cannot be laid out"),
+    ("table", ValueError, r"batch\['inputs'\]\[1\]\['extra'\] is a torch\.float32 tensor of shape \(\*, 3\) "
+                          r"whose dim 0 is not the batch dim.*8 samples"),
+    ("scalar", ValueError, r"batch\['inputs'\]\[1\]\['extra'\] is a 0-d torch\.float32 tensor"),
+], ids=["token", "table", "scalar"])
+def test_nested_values_that_cannot_be_laid_out_are_refused(world4, case, error, match):  # type: ignore[no-untyped-def]
+    with pytest.raises(error, match=match) as info:
+        world4.run(_bad_nested, case)
+    assert "[all 4 ranks raised]" in str(info.value)
+    assert len({f.message for f in info.value.rank_failures.values()}) == 1  # word for word
     assert all(world4.run(_healthy))
