@@ -27,12 +27,21 @@ Policies:
   The expensive column-parallel GEMMs are never redone; the attention core always is.
 * a callable ``(ctx, op, *args, **kwargs) -> CheckpointPolicy``: any torch SAC policy.
 * ``"none"``/``None``: undo.
+
+A key/value cache cannot be recomputed: the recomputed forward would write into it again (its
+keys grow by the sequence a second time). As transformers' own gradient checkpointing does, a
+checkpointed call given a cache (``past_key_values``, ``past_key_value``, ``layer_past`` not
+None, or ``use_cache=True``, by keyword or by position) runs without it (``None``,
+``use_cache=False``), after one warning per module class: set ``model.config.use_cache = False``
+for training.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import threading
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -51,6 +60,14 @@ POLICIES = ("full", "selective", "none")
 KEEP_OPS = frozenset({aten.mm.default, aten.addmm.default, aten._scaled_mm.default})
 _ATTR = "_ap_recompute"
 _state = threading.local()
+# transformers' names for a layer's key/value cache (GradientCheckpointingLayer drops the same)
+CACHE_ARGS = ("past_key_values", "past_key_value", "layer_past")
+_warned: set[str] = set()  # module classes that warned they run without their cache (once each)
+
+
+def forget_warnings() -> None:
+    """Let every module class warn again that its recompute runs without its cache."""
+    _warned.clear()
 
 
 class _Frame:
@@ -83,13 +100,18 @@ def active() -> bool:
 
 
 def forced_path() -> bool | None:
-    """In a recompute: whether the forward ran the next local region locally; else None."""
+    """In a recompute: whether the forward ran the next local region locally; else None.
+
+    A region the forward did not note (a module that became a region after the forward ran it
+    on DistTensors: regions are installed on a refused parent's children at its call) is
+    recomputed on DistTensors too (False): its first call would otherwise check and trace what
+    the forward did not, and a selective recompute finds ops the forward never saved."""
     frames = _frames()
     if not frames or not frames[-1].replaying:
         return None
     f = frames[-1]
     f.pos += 1
-    return f.paths[f.pos - 1] if f.pos <= len(f.paths) else None
+    return f.paths[f.pos - 1] if f.pos <= len(f.paths) else False
 
 
 def note_path(local: bool) -> None:
@@ -153,6 +175,55 @@ def _region(call: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
+@functools.cache
+def _positional_names(cls: type) -> tuple[str, ...]:
+    """The names of ``cls.forward``'s parameters that a positional argument may fill (self left out)."""
+    try:
+        params = inspect.signature(cls.forward).parameters.values()  # type: ignore[attr-defined]
+    except (TypeError, ValueError):  # a builtin or an unreadable signature: keywords only
+        return ()
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return tuple(p.name for p in params if p.kind in kinds)[1:]
+
+
+def _dropped(name: str, value: Any) -> Any:
+    """What a cache argument becomes in a checkpointed call (``value`` itself when nothing to drop)."""
+    if name == "use_cache":
+        return False if value else value
+    return None if name in CACHE_ARGS else value
+
+
+def _without_cache(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``args``, ``kwargs`` with a key/value cache dropped (``None``, ``use_cache=False``), warning once per class.
+
+    A recomputed forward would write into the cache a second time (the keys of a
+    ``DynamicCache`` grow by the sequence again, and torch's checkpoint refuses the recomputed
+    shapes); transformers' ``GradientCheckpointingLayer`` drops the same arguments."""
+    changed: list[str] = []
+    names = _positional_names(type(module))  # type: ignore[arg-type]  # classes hash
+    if any(n == "use_cache" or n in CACHE_ARGS for n in names[:len(args)]):
+        new_args = list(args)
+        for i, name in enumerate(names[:len(args)]):
+            new_args[i] = _dropped(name, args[i])
+            if new_args[i] is not args[i]:
+                changed.append(f"{name}={new_args[i]}")
+        args = tuple(new_args)
+    if any(n == "use_cache" or n in CACHE_ARGS for n in kwargs):
+        kwargs = dict(kwargs)
+        for name, value in list(kwargs.items()):
+            kwargs[name] = _dropped(name, value)
+            if kwargs[name] is not value:
+                changed.append(f"{name}={kwargs[name]}")
+    cls = type(module).__name__
+    if changed and cls not in _warned:
+        _warned.add(cls)
+        warnings.warn(
+            f"autoparallel: ap.recompute runs {cls} without its key/value cache ({', '.join(changed)}): a "
+            "recomputed forward would write into the cache a second time. A cache is for generation; "
+            "set model.config.use_cache = False (or pass use_cache=False) for training.", stacklevel=4)
+    return args, kwargs
+
+
 class _Recomputed:
     """Mixed into a module's class by ``recompute``: each call is one checkpointed region."""
 
@@ -160,6 +231,7 @@ class _Recomputed:
         policy = getattr(self, _ATTR, None)
         if policy is None or not torch.is_grad_enabled():
             return super().__call__(*args, **kwargs)  # type: ignore[misc]
+        args, kwargs = _without_cache(self, args, kwargs)  # type: ignore[arg-type]
         ctx_fn = _context_fn(policy)
         extra: dict[str, Any] = {} if ctx_fn is None else {"context_fn": ctx_fn}
         return checkpoint(_region(super().__call__), *args,  # type: ignore[misc]
@@ -201,4 +273,4 @@ def policy_of(module: nn.Module) -> Policy:
     return getattr(module, _ATTR, None) if isinstance(module, _Recomputed) else None
 
 
-__all__ = ["KEEP_OPS", "POLICIES", "active", "forced_path", "note_path", "policy_of", "recompute", "selective_policy"]
+__all__ = ["CACHE_ARGS", "KEEP_OPS", "POLICIES", "active", "forced_path", "forget_warnings", "note_path", "policy_of", "recompute", "selective_policy"]

@@ -208,3 +208,89 @@ def test_bad_policies_are_refused() -> None:
     m = ap.recompute(nn.Linear(2, 2), "full")
     assert type(m).__name__ == "Linear" and isinstance(m, nn.Linear)
     assert ap.memory.recomputation.policy_of(ap.recompute(m, "none")) is None
+
+
+def _llama_with_cache(rank: int, policy: str) -> dict[str, Any]:
+    """An unmodified tiny ``LlamaForCausalLM`` under ``ap.plans.llama`` (TP on 2 ranks), its decoder
+    layers recomputed with ``policy``, 3 forward + backward passes with ``use_cache=True`` (the
+    gradients accumulate): losses, full gradients, the warnings said, the returned caches' lengths."""
+    import warnings
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import autoparallel as ap
+    from autoparallel.memory import recomputation
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                      intermediate_size=64, vocab_size=64, max_position_embeddings=32, use_cache=True)
+    model = LlamaForCausalLM(cfg)
+    mesh = ap.ProcessMesh([0, 1], dim_names=["tp"])
+    ap.parallelize(model, mesh, ap.plans.llama(model))
+    if policy != "none":
+        for layer in model.model.layers:
+            ap.recompute(layer, policy)
+    recomputation.forget_warnings()
+    gen = torch.Generator().manual_seed(1)
+    losses, lengths = [], []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):  # (the decoder layers become local-region candidates between calls)
+            x = ap.shard_tensor(torch.randint(0, 64, (4, 16), generator=gen), mesh, [ap.Replicate()])
+            out = model(input_ids=x, labels=x, use_cache=True)
+            out.loss.backward()
+            losses.append(out.loss.full_tensor().item())
+            lengths.append(out.past_key_values.get_seq_length())
+    said = [str(w.message) for w in caught if "recompute" in str(w.message)]
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    return {"losses": losses, "grads": grads, "said": said, "lengths": lengths}
+
+
+@pytest.mark.parametrize("policy", ["full", "selective"])
+def test_recomputed_llama_layers_run_without_their_cache(world2, policy: str) -> None:  # type: ignore[no-untyped-def]
+    """transformers' default ``use_cache=True`` in training: a recomputed decoder layer is given no
+    cache (a recomputed forward would write into it again), after one warning; the losses and
+    gradients are bitwise those without recompute (which fills the cache)."""
+    pytest.importorskip("transformers")
+    base = world2.run(_llama_with_cache, "none")
+    got = world2.run(_llama_with_cache, policy)
+    for r in range(2):
+        assert got[r]["losses"] == base[r]["losses"], (got[r]["losses"], base[r]["losses"])
+        for name, g in base[r]["grads"].items():
+            assert torch.equal(got[r]["grads"][name], g), name
+        assert base[r]["said"] == [] and base[r]["lengths"] == [16] * 3, base[r]
+        assert len(got[r]["said"]) == 1, got[r]["said"]
+        assert "LlamaDecoderLayer without its key/value cache (past_key_values=None)" in got[r]["said"][0]
+        assert "model.config.use_cache = False" in got[r]["said"][0]
+        assert got[r]["lengths"] == [0] * 3  # the layers were given no cache to write into
+
+
+@pytest.mark.pure  # single process, no world
+def test_cache_arguments_are_dropped_by_keyword_and_by_position() -> None:
+    import warnings
+
+    import autoparallel as ap
+    from autoparallel.memory import recomputation
+
+    class Block(nn.Module):  # GPT-2's order: the cache is the second positional argument
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor, layer_past: Any = None, use_cache: bool = False) -> torch.Tensor:
+            assert layer_past is None and not use_cache, (layer_past, use_cache)
+            return self.fc(x)
+
+    block = ap.recompute(Block())
+    recomputation.forget_warnings()
+    x = torch.randn(2, 4, requires_grad=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        block(x, object(), True).sum().backward()
+        block(x, layer_past=object(), use_cache=True).sum().backward()
+        block(x).sum().backward()
+    said = [str(w.message) for w in caught]
+    assert len(said) == 1 and "Block without its key/value cache (layer_past=None, use_cache=False)" in said[0], said
+    with torch.no_grad():  # not recomputed: the arguments reach the module as given
+        with pytest.raises(AssertionError):
+            block(x, object())
