@@ -9,6 +9,7 @@ buffer the plan did not cover.
 
 from __future__ import annotations
 
+import difflib
 from fnmatch import fnmatchcase
 from typing import Any
 
@@ -43,12 +44,49 @@ def resolve_axis(mesh: ProcessMesh, axis: int | str | None) -> int:
     )
 
 
+def close_patterns(pattern: str, names: list[str], n: int = 3) -> list[str]:
+    """Up to ``n`` patterns that match some of ``names`` (dotted module names) and read closest
+    to ``pattern`` (``difflib``), for a pattern that matches none: the names themselves, the
+    names with each numeric part as ``*`` (``layers.*.mlp.gate_proj``), and for a pattern
+    starting with ``*`` every name's dotted suffix after ``*.`` (``*.mlp.gate_proj``)."""
+    candidates: dict[str, None] = {}  # ordered and unique
+    for name in names:
+        if not name:
+            continue
+        parts = name.split(".")
+        wild = ".".join("*" if p.isdigit() else p for p in parts)
+        candidates[name] = candidates[wild] = None
+        if pattern.startswith("*"):
+            wild_parts = wild.split(".")
+            for i in range(1, len(wild_parts)):
+                if wild_parts[i] != "*":
+                    candidates["*." + ".".join(wild_parts[i:])] = None
+    close = difflib.get_close_matches(pattern, list(candidates), n=2 * n)
+    close.sort(key=lambda c: not c.startswith(pattern))  # a name the pattern stops short of first
+    out: list[str] = []
+    for c in close:
+        if not any(fnmatchcase(c, earlier) for earlier in out):  # not ``layers.1.x`` after ``layers.*.x``
+            out.append(c)
+    return out[:n]
+
+
+def no_match_message(what: str, pattern: Any, layer: nn.Module, names: list[str]) -> str:
+    """``{what} {pattern!r} matches no module of <class>``, then the closest patterns that do
+    match (or a sample of the module names when none reads close)."""
+    msg = f"parallelize: {what} {pattern!r} matches no module of {type(layer).__name__}"
+    close = close_patterns(pattern, names) if isinstance(pattern, str) else []
+    if close:
+        return msg + f"; did you mean {' or '.join(repr(c) for c in close)}?"
+    return msg + f" (module names look like {[n for n in names if n][:8]})"
+
+
 def match_plan(layer: nn.Module, plan: dict[str, Any]) -> list[tuple[str, str, nn.Module, ParallelStyle]]:
     """``(pattern, name, module, style)`` for every module each pattern matches, in plan order.
 
     Patterns are ``fnmatch`` patterns over whole dotted module names (``*`` also crosses dots;
-    ``""`` is the root module). A pattern matching nothing, a value that is not a style, or a
-    module given two parameter-sharding styles raises.
+    ``""`` is the root module). A pattern matching nothing (``ValueError`` naming the closest
+    patterns that match), a value that is not a style, or a module given two parameter-sharding
+    styles raises.
     """
     if not isinstance(plan, dict):
         raise TypeError(f"parallelize: plan must be a dict {{module-name pattern: style}}, got {type(plan).__name__}")
@@ -63,11 +101,7 @@ def match_plan(layer: nn.Module, plan: dict[str, Any]) -> list[tuple[str, str, n
             raise TypeError(f"parallelize: plan[{pattern!r}] = {style!r} is not a parallel style{hint}")
         hits = [(n, m) for n, m in modules if fnmatchcase(n, pattern)]
         if not hits:
-            sample = [n for n, _ in modules if n][:8]
-            raise ValueError(
-                f"parallelize: plan pattern {pattern!r} matches no module of {type(layer).__name__} "
-                f"(module names look like {sample})"
-            )
+            raise ValueError(no_match_message("plan pattern", pattern, layer, [n for n, _ in modules]))
         for name, module in hits:
             if style.shards_parameters:
                 if name in owner:
@@ -133,7 +167,8 @@ def match_recompute(layer: nn.Module, recompute: dict[str, Any] | None) -> list[
     """``(module, policy)`` for the outermost modules each ``recompute`` pattern matches, in
     order (a later pattern overrides an earlier one). ``*`` crosses dots, so ``"blocks.*"`` also
     matches every module inside a block: only the outermost match is recomputed (one region per
-    block, not nested ones). A pattern matching nothing or a bad policy raises."""
+    block, not nested ones). A pattern matching nothing (``ValueError`` naming the closest
+    patterns that match) or a bad policy raises."""
     if recompute is None:
         return []
     if not isinstance(recompute, dict):
@@ -144,7 +179,7 @@ def match_recompute(layer: nn.Module, recompute: dict[str, Any] | None) -> list[
         if not (policy is None or callable(policy) or policy in POLICIES):
             raise ValueError(f"parallelize: recompute[{pattern!r}] = {policy!r} is none of {POLICIES} (or a SAC policy callable)")
         if not any(isinstance(pattern, str) and fnmatchcase(n, pattern) for n, _ in modules):
-            raise ValueError(f"parallelize: recompute pattern {pattern!r} matches no module of {type(layer).__name__}")
+            raise ValueError(no_match_message("recompute pattern", pattern, layer, [n for n, _ in modules]))
         out += [(m, policy) for m in outermost_matches(layer, [pattern]).values()]
     return out
 

@@ -100,3 +100,53 @@ def test_vit_plan_splits_heads_and_mlp_and_checks_them() -> None:
                                          intermediate_size=48, vocab_size=64))
     with pytest.raises(ValueError, match="is it a vit model"):
         ap.plans.vit(llama)
+
+
+class _Mlp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = nn.Linear(4, 8), nn.Linear(4, 8), nn.Linear(8, 4)
+
+
+class _Layer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = _Mlp()
+
+
+class _Tiny(nn.Module):
+    """``layers.{0,1}.mlp.{gate,up,down}_proj`` and ``lm_head``: the names a plan typo misses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([_Layer(), _Layer()])
+        self.lm_head = nn.Linear(4, 16)
+
+
+@pytest.mark.parametrize("pattern, suggestion", [
+    ("layers.*.mlp.gate", "did you mean 'layers.*.mlp.gate_proj' or 'layers.*.mlp'?"),
+    ("*.mlp.up", "did you mean '*.mlp.up_proj' or '*.mlp'"),
+    ("layers.1.mlp.down", "did you mean 'layers.1.mlp.down_proj'"),
+    ("lmhead", "did you mean 'lm_head'?"),
+])
+def test_a_plan_pattern_matching_nothing_names_the_closest_patterns(pattern: str, suggestion: str) -> None:
+    mesh = ap.ProcessMesh([0], dim_names=["tp"])
+    model = _Tiny()
+    with pytest.raises(ValueError, match="plan pattern") as err:
+        ap.parallelize(model, mesh, {pattern: ap.ColWiseParallel()})
+    assert str(err.value).startswith(f"parallelize: plan pattern {pattern!r} matches no module of _Tiny; {suggestion}"), \
+        str(err.value)
+    assert not isinstance(model.lm_head.weight, ap.DistTensor)  # refused before any layout
+
+
+def test_a_recompute_pattern_matching_nothing_names_the_closest_patterns() -> None:
+    mesh = ap.ProcessMesh([0], dim_names=["tp"])
+    with pytest.raises(ValueError) as err:
+        ap.parallelize(_Tiny(), mesh, {}, recompute={"layer.*": "full"})
+    assert str(err.value) == "parallelize: recompute pattern 'layer.*' matches no module of _Tiny; did you mean 'layers.*' or 'layers'?"
+
+
+def test_a_pattern_with_no_close_name_shows_a_sample_of_the_names() -> None:
+    mesh = ap.ProcessMesh([0], dim_names=["tp"])
+    with pytest.raises(ValueError, match=r"plan pattern 'zzz' matches no module of _Tiny \(module names look like \['layers', 'layers.0'"):
+        ap.parallelize(_Tiny(), mesh, {"zzz": ap.ColWiseParallel()})
