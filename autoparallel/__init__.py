@@ -28,6 +28,15 @@ _errors.install()
 _log.configure_from_env()  # AUTOPARALLEL_LOG=debug: the library's diagnostics on stderr
 _compat.run_as_is_under_dynamo()  # torch.compile runs DistTensor ops eagerly, not the library's code compiled
 
+
+def _start_world() -> None:
+    """Start the default process group from torchrun's environment if none exists (the runtime's)."""
+    importlib.import_module("autoparallel.runtime.world").ensure_world()
+
+
+# Under torchrun the first ProcessMesh starts the default process group (as init_device_mesh does).
+importlib.import_module("autoparallel.mesh").ProcessMesh.world_starter = _start_world
+
 # public name -> the module that defines it
 _EXPORTS: dict[str, str] = {
     # values

@@ -1,7 +1,10 @@
 """``ProcessMesh``: an n-d array of ranks with named axes.
 
 A mesh is a value (frozen, hashable, comparable): building one issues no collective and
-creates no process group. The runtime (``autoparallel.runtime.groups``) creates a mesh's groups
+creates no process group of its own; under torchrun the first mesh starts the default process
+group if none exists (through ``ProcessMesh.world_starter``, a door the package opens), so
+``torch.distributed.get_rank()``, a ``DistributedSampler`` and the user's own collectives work
+right after it. The runtime (``autoparallel.runtime.groups``) creates a mesh's groups
 when the mesh enters the world through an entry point every rank passes. The two things a mesh
 reads of the world are its size (ranks outside it are refused at once) and this process's rank,
 for ``mesh["dp"]`` (the line through this rank): the default group's, else torchrun's
@@ -11,8 +14,8 @@ for ``mesh["dp"]`` (the line through this rank): the default group's, else torch
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -62,6 +65,11 @@ class ProcessMesh:
     """
 
     __slots__ = ("_shape", "_ids", "_dim_names", "_hash", "_family", "_coords", "_lines")
+    # The door through which the package starts the default process group when a mesh is built
+    # under torchrun and none exists (as ``init_device_mesh`` does): ``autoparallel/__init__.py``
+    # sets it to the runtime's ``ensure_world``. The value itself creates nothing; sub-groups stay
+    # lazy and owned by the runtime.
+    world_starter: ClassVar[Callable[[], None] | None] = None
 
     def __init__(self, mesh: Any, dim_names: Sequence[str] | None = None) -> None:
         arr = _to_array(mesh)
@@ -89,6 +97,8 @@ class ProcessMesh:
         self._dim_names = tuple(names)
         self._hash = hash((self._shape, self._ids, self._dim_names))
         self._family: ProcessMesh | None = None  # the mesh a per-rank sub-mesh was taken from
+        if ProcessMesh.world_starter is not None:
+            ProcessMesh.world_starter()
         world = _world_size()
         bad = [r for r in ids if world is not None and r >= world]
         if bad:

@@ -10,6 +10,7 @@ DistTensor Parameter is put back everywhere.
 from __future__ import annotations
 
 import gc
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from autoparallel import runtime
 from autoparallel.api import shard_tensor
 from autoparallel.engine.dtensor import DistTensor
 from autoparallel.mesh import ProcessMesh
@@ -235,8 +237,40 @@ def shard_layer(
                     _record_replacement(sharder, sub, a, old, new, _qual(name, a))
     sharder.replicate_rest(layer)
     install_io_hooks(layer, mesh, input_fn, output_fn)
+    watch_batch_split(layer, mesh)
     enable_local_regions(layer)
     return layer
+
+
+DP_AXIS = "dp"  # the mesh axis name that says "data parallel"
+
+
+def watch_batch_split(layer: nn.Module, mesh: ProcessMesh) -> None:
+    """Warn once (rank 0) when the first call of ``layer`` gets a batch that the data-parallel
+    axis (``"dp"``, of more than one rank) does not split: every tensor argument is Replicate
+    on it (or plain), so every rank would compute the whole batch — no data parallelism. A
+    forward pre-hook that removes itself after the first call; metadata only."""
+    if DP_AXIS not in mesh.dim_names or mesh.get_dim_size(DP_AXIS) == 1:
+        return
+
+    def first_call(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        handle.remove()
+        tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.dim() > 0]
+        if not tensors or runtime.get_rank() != 0:
+            return
+        for t in tensors:
+            if not isinstance(t, DistTensor):
+                continue
+            m = t.process_mesh
+            if DP_AXIS not in m.dim_names or not isinstance(t.placements[m.axis_index(DP_AXIS)], Replicate):
+                return  # split on the data-parallel axis (or laid out where it has none): nothing to say
+        warnings.warn(
+            f"{type(module).__name__}: its first batch is not split on the data-parallel mesh axis {DP_AXIS!r} "
+            f"({mesh.get_dim_size(DP_AXIS)} ranks): every rank computes the whole batch (no data parallelism). "
+            f"Split it with ap.shard_dataloader(loader, mesh, shard_dims={DP_AXIS!r}) or "
+            f"ap.shard_tensor(batch, mesh, placements) with Shard(0) on {DP_AXIS!r}", stacklevel=2)
+
+    handle = layer.register_forward_pre_hook(first_call, with_kwargs=True)
 
 
 def install_io_hooks(layer: nn.Module, mesh: ProcessMesh, input_fn: InputFn | None, output_fn: OutputFn | None) -> None:

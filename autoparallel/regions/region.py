@@ -653,7 +653,7 @@ def _agree_plain(module: nn.Module, leaves: list[Any], tensors: list[torch.Tenso
         return
     dist = next((t for t in (*leaves, *tensors) if isinstance(t, DistTensor)), None)
     if dist is not None:
-        agree.check_plain(f"a plain argument of {type(module).__name__}", dist._spec.mesh, plain)
+        agree.check_plain(f"a plain argument of {type(module).__name__}", layout.spec_of(dist).mesh, plain)
 
 
 def _dist(x: Any, like: DistSpec) -> DistTensor:

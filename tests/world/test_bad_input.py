@@ -21,8 +21,8 @@ def _shard_out_of_range(rank: int) -> None:
     ap.shard_tensor(torch.ones(4, 6), ap.ProcessMesh([0, 1, 2, 3]), [Shard(3)])
 
 
-def _placements_count(rank: int) -> None:
-    ap.shard_tensor(torch.ones(4, 6), ap.ProcessMesh([[0, 1], [2, 3]]), [Shard(0)])
+def _placements_count(rank: int) -> None:  # (a shorter list is padded with Replicate: Paddle's rule)
+    ap.shard_tensor(torch.ones(4, 6), ap.ProcessMesh([[0, 1], [2, 3]]), [Shard(0), Shard(1), Shard(0)])
 
 
 def _duplicate_ranks(rank: int) -> None:
@@ -63,10 +63,11 @@ def _mixed_meshes(rank: int) -> None:
 # unless it requires grad, the op writes it while ranks lie outside the mesh, or the
 # DistTensors live on several meshes.
 def _mixed_plain_requires_grad(rank: int) -> None:
+    # (a plain leaf is laid out in place as Replicate: docs/plain_tensors.md; a computed one cannot be)
     a = ap.shard_tensor(torch.ones(4), ap.ProcessMesh([0, 1, 2, 3]), [Shard(0)])
     with pytest.raises(TypeError):  # Python operators replace the message with their own
-        a + torch.ones(4, requires_grad=True)
-    torch.add(a, torch.ones(4, requires_grad=True))
+        a + torch.ones(4, requires_grad=True) * 2
+    torch.add(a, torch.ones(4, requires_grad=True) * 2)
 
 
 def _mixed_plain_written(rank: int) -> None:
@@ -117,7 +118,7 @@ def _to_local_bad_grad_placements_no_grad(rank: int) -> None:
 
 CASES = [
     (_shard_out_of_range, ValueError, "tensor dim 3 does not exist"),
-    (_placements_count, ValueError, "need one per mesh axis"),
+    (_placements_count, ValueError, "give one placement per mesh axis"),
     (_duplicate_ranks, ValueError, "appear more than once"),
     (_negative_rank, ValueError, "negative rank"),
     (_rank_too_large, ValueError, "not in the world of size 4"),

@@ -1,0 +1,86 @@
+"""No silent non-parallelism: a data-parallel axis that splits no batch warns once on rank 0; a
+rank outside every mesh raises a clear error where it reads a value; under torchrun the first
+mesh starts the default process group (``dist.get_rank()`` works right after it)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+import autoparallel as ap
+from autoparallel import Replicate, Shard
+from tests.world_harness import REPO_ROOT
+
+
+def _dp_batch(rank: int, split: bool, how: str) -> list[str]:
+    mesh = ap.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"])
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    if how == "shard_layer":
+        model = ap.shard_layer(model, mesh)
+    else:
+        model = ap.parallelize(model, mesh, {"0": ap.ColWiseParallel(), "2": ap.RowWiseParallel()})
+    opt = ap.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            x = ap.shard_tensor(torch.ones(4, 4), mesh, [Shard(0) if split else Replicate(), Replicate()])
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    return [str(w.message) for w in seen if "data parallelism" in str(w.message)]
+
+
+def test_a_replicated_batch_on_the_data_parallel_axis_warns_once_on_rank_0(world4: Any) -> None:
+    for how in ("shard_layer", "parallelize"):
+        r0, *rest = world4.run(_dp_batch, False, how)
+        assert len(r0) == 1 and not any(rest), (r0, rest)
+        assert "'dp'" in r0[0] and "ap.shard_dataloader" in r0[0] and "every rank computes the whole batch" in r0[0]
+        assert world4.run(_dp_batch, True, how) == [[]] * 4  # a split batch: nothing to say
+
+
+def _outside(rank: int) -> str:
+    mesh = ap.ProcessMesh([0, 1], dim_names=["dp"])
+    x = ap.shard_tensor(torch.arange(8.0), mesh, [Shard(0)])
+    loss = (x * 2).sum()
+    try:
+        return f"value {loss.item()}"
+    except ValueError as e:
+        return str(e)
+
+
+def test_a_rank_outside_the_mesh_that_reads_a_value_gets_a_clear_error(world4: Any) -> None:
+    out = world4.run(_outside)
+    assert out[:2] == ["value 56.0", "value 56.0"]
+    for r in (2, 3):
+        assert f"rank {r} is outside ProcessMesh([0, 1]" in out[r] and "--nproc-per-node 2" in out[r], out[r]
+
+
+_SCRIPT = """
+import torch, torch.distributed as dist, autoparallel as ap
+assert not dist.is_initialized()
+mesh = ap.ProcessMesh([0, 1], dim_names=["dp"])
+t = torch.tensor([dist.get_rank() + 1.0])
+dist.all_reduce(t)                     # a user collective right after the first mesh
+sampler = torch.utils.data.DistributedSampler(range(8))
+print(f"rank {dist.get_rank()} of {dist.get_world_size()}: sum {float(t)}, {len(list(sampler))} samples")
+"""
+
+
+def test_the_first_mesh_starts_the_default_process_group_under_torchrun(tmp_path: Any) -> None:
+    script = tmp_path / "first_mesh.py"
+    script.write_text(textwrap.dedent(_SCRIPT))
+    env = {**os.environ, "PYTHONPATH": REPO_ROOT}
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        env.pop(var, None)
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(script)], capture_output=True, text=True, env=env, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "rank 0 of 2: sum 3.0, 4 samples" in done.stdout and "rank 1 of 2: sum 3.0, 4 samples" in done.stdout
