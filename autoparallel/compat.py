@@ -166,12 +166,26 @@ def modes_active() -> bool:
 # torch.nn's global module hooks (``register_module_forward_hook`` and the pre-hook): a local
 # region's fake run (``regions.symbolic``) would hand them fake tensors. Fallback: "there may be
 # some" -- regions then keep checking new lengths by a recorded run.
+OBSERVER_HOOK = "_ap_observer_hook"  # set (True) on a global hook that never reads a tensor (CommDebugMode's)
+
+
 def global_module_hooks() -> bool:
-    """Whether any global forward (pre-)hook is registered."""
+    """Whether any global forward (pre-)hook is registered, besides observers' (``OBSERVER_HOOK``)."""
     import torch.nn.modules.module as module_module
 
     tables = [getattr(module_module, n, None) for n in ("_global_forward_hooks", "_global_forward_pre_hooks")]
-    return any(t is None or len(t) for t in tables)
+    return any(t is None or any(not getattr(h, OBSERVER_HOOK, False) for h in t.values()) for t in tables)
+
+
+# Whether autograd's engine is running a backward on this thread (``CommDebugMode`` names the
+# module whose backward issued a collective only then). Fallback: "no" -- a backward's
+# collectives are attributed to no module.
+_graph_task_id: Callable[[], int] | None = getattr(torch._C, "_current_graph_task_id", None)
+
+
+def in_backward() -> bool:
+    """Whether a backward pass is running on this thread."""
+    return _graph_task_id is not None and _graph_task_id() != -1
 
 
 # ---- autograd ----------------------------------------------------------------------------------
@@ -307,7 +321,8 @@ except ImportError:  # pragma: no cover - the same in Python
 
 
 __all__ = [
-    "LIBRARY_PACKAGES", "run_as_is_under_dynamo", "profiler_enabled", "SymbolicTools", "global_module_hooks", "modes_active", "symbolic_tools",
+    "LIBRARY_PACKAGES", "run_as_is_under_dynamo", "profiler_enabled", "SymbolicTools", "global_module_hooks", "in_backward", "OBSERVER_HOOK", "modes_active",
+    "symbolic_tools",
     "GRAD_SCALER_UNSCALE", "HAS_GRAD_SCALER_UNSCALE", "amp_check_and_unscale_",
     "WRAPPER_POSITIONAL", "TorchDispatchMode", "all_op_schemas", "disable_torch_function_subclass", "disabled_torch_function_impl", "flatten_dense_tensors",
     "enable_torch_function", "torch_function_enabled",

@@ -17,6 +17,7 @@ from autoparallel.engine.decision import Decision, InplaceViewDecision, LocalSte
 from autoparallel.engine.deferred import split_deferred
 from autoparallel.engine.slots import flatten_out, map_args, place_locals
 from autoparallel.placement import Replicate
+from autoparallel.runtime import debug
 from autoparallel.spec import DistSpec
 from autoparallel.strides import conform
 from reshard.executor import run_any
@@ -28,6 +29,9 @@ def execute(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], 
     (``observed``: an observer watches, kernels compute every output now; ``redispatch``: the
     dispatcher, for an in-place view's out-of-place op; ``moves``: a context manager the input
     moves run in, given by an observer)."""
+    if debug.active() and not debug.attributing(func):  # a CommDebugMode records: collectives name this op
+        with debug.attributed(func):
+            return execute(cls, func, args, kwargs, dts, d, observed, redispatch, moves)
     if type(d) is not LocalStep:
         if type(d) is ValueDecision:
             return d.value

@@ -26,7 +26,7 @@ from autoparallel import cost, runtime
 from autoparallel.compat import profiler_enabled
 from autoparallel.placement import chunk_bounds
 from autoparallel.runtime import groups
-from autoparallel.runtime.debug import record
+from autoparallel.runtime.debug import record, timed
 
 if TYPE_CHECKING:
     from autoparallel.mesh import ProcessMesh
@@ -212,12 +212,23 @@ def profiled(name: str, of: Any = None) -> Any:
 
 
 def _ranged(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` inside a profiler range ``autoparallel::<its name>``."""
+    """``fn`` inside a profiler range ``autoparallel::<its name>``, timed for ``CommDebugMode``."""
     name = "autoparallel::" + fn.__name__
 
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
-        with profiled(name):
+        with profiled(name), timed():
+            return fn(*args, **kwargs)
+
+    return call
+
+
+def _timed(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` (a collective started without waiting) timed for ``CommDebugMode``."""
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with timed():
             return fn(*args, **kwargs)
 
     return call
@@ -278,6 +289,7 @@ def all_reduce(local: torch.Tensor, mesh: ProcessMesh, axis: int, reduce_type: s
     return out
 
 
+@_timed
 def all_reduce_start(
     local: torch.Tensor, mesh: ProcessMesh, axis: int, reduce_type: str = "sum", in_place: bool = False
 ) -> tuple[torch.Tensor, object]:
@@ -501,6 +513,7 @@ def send_recv(
         record("send_recv", mesh, None, peers, sent, recv)
 
 
+@_timed
 def isend(sends: Sequence[tuple[torch.Tensor, int]], tag: int, mesh: object = None) -> list[object]:
     """Start sending each ``(tensor, dst_rank)`` with ``tag``; returns the works to wait on.
 
@@ -514,6 +527,7 @@ def isend(sends: Sequence[tuple[torch.Tensor, int]], tag: int, mesh: object = No
     return works
 
 
+@_timed
 def irecv(recvs: Sequence[tuple[torch.Tensor, int]], tag: int, mesh: object = None) -> list[object]:
     """Post receives into each ``(buffer, src_rank)`` with ``tag``; wait on the returned works."""
     _refuse_in_capture("irecv")

@@ -25,7 +25,7 @@ dropout draws the forward's masks) is refused when it draws: the reset is Python
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -85,7 +85,8 @@ def capture(fn: Callable[..., Any], inputs: Sequence[torch.Tensor]) -> Capture:
         return out
 
     watch = Watch()
-    with CommDebugMode() as seen, comm.functional_collectives(), dispatch.observed_by(watch), _RngResets() as resets:
+    # (no module hooks of its own: a capture runs the same modules' code as an uncaptured step)
+    with CommDebugMode(modules=False) as seen, comm.functional_collectives(), dispatch.observed_by(watch), _RngResets() as resets:
         try:
             gm = make_fx(traced, tracing_mode="real")(*inputs)
         except comm.CaptureError as e:
@@ -104,7 +105,8 @@ def capture(fn: Callable[..., Any], inputs: Sequence[torch.Tensor]) -> Capture:
         return Capture(None, reason, results[0] if results else None)
     gm.graph.eliminate_dead_code()
     gm.recompile()
-    return Capture(gm, "", results[0], tuple(seen.records))
+    # a replay records these again, with no time of their own (the program runs as a whole)
+    return Capture(gm, "", results[0], tuple(replace(r, seconds=0.0) for r in seen.records))
 
 
 class _RngResets:
