@@ -14,6 +14,7 @@ import logging
 from collections import OrderedDict, deque
 from collections.abc import Iterator
 from contextlib import contextmanager
+from time import perf_counter
 from typing import Any
 
 import torch
@@ -24,7 +25,7 @@ from autoparallel.engine.decision import Decision
 from autoparallel.engine.execute import execute
 from autoparallel.engine.keys import adopt_plain, call_key
 from autoparallel.engine.restride import as_view_permute
-from autoparallel.log import logger
+from autoparallel.log import Tally, logger
 from autoparallel.runtime.comm import profiled
 
 _CACHE: dict[Any, Decision] = {}
@@ -60,6 +61,9 @@ _DETACH = torch.ops.aten.detach.default
 _AS_STRIDED = torch.ops.aten.as_strided.default
 # The observers of the op path, innermost last: entered and left only through ``observed_by``.
 _OBSERVERS: list[Any] = []
+# Time spent deciding at cache misses, said at INFO once it adds up to a second (the first step)
+_PLANNING = Tally("planning: decided %d ops for new layouts or shapes in %.2f s (over the last %.1f s; "
+                  "each decision is cached)")
 
 
 def dispatch(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -83,8 +87,10 @@ def dispatch(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any])
     decision = _CACHE.get(key)
     if decision is None:
         filled: list[Any] = []
+        start = perf_counter()
         with profiled("autoparallel::plan", func):  # a cache miss: rules and reshard plans
             decision = decide(cls, func, args, kwargs, dts, filled)
+        _PLANNING.add(start)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("dispatch: planned %s for inputs %s", func, [str(d._spec) for d in dts])
         if len(_CACHE) >= MAX_CACHED_DECISIONS:  # e.g. a changing Python scalar in the key

@@ -27,6 +27,7 @@ output reading the output gradient) runs eagerly from then on, after one warning
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ from typing import Any
 import torch
 
 from autoparallel.engine import dispatch, layout
+from autoparallel.log import logger
 from autoparallel.runtime.debug import CommRecord, replay
 from autoparallel.spec import DistSpec
 from autoparallel.static.capture import Watch, capture
@@ -109,10 +111,14 @@ class StaticChunk:
             if watch.reason:
                 self._refuse(key, watch.reason)
             return value
+        start = time.perf_counter()
         progs = self._capture(x, t, loss_fn, divide, out_spec, in_grad_spec)
         if isinstance(progs, str):
             self._refuse(key, progs)
             return eager()
+        logger.info("static: captured pipeline chunk %s in %.2f s (forward %d nodes, backward %d nodes, %d collectives)",
+                    self.name, time.perf_counter() - start, len(progs.forward.graph.nodes),
+                    len(progs.backward.graph.nodes), len(progs.records))
         self._programs[key] = progs
         return self._run(progs, x, t)
 

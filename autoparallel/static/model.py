@@ -23,6 +23,7 @@ so static training equals eager training.
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -248,7 +249,9 @@ class DistModel:
             return [layout.local_of(t) if layout.is_dist(t) else t for t in [loss.detach()] + present]
 
         rng = torch.get_rng_state()
+        start = time.perf_counter()
         result: Capture = capture(step, state + xs)
+        took = time.perf_counter() - start
         if result.results is None:  # stopped part-way: this call runs eagerly, drawing what it would have
             torch.set_rng_state(rng)
             self._refuse(key, result.refused)
@@ -274,8 +277,8 @@ class DistModel:
                 self._warn("compile='inductor': the step draws random numbers (dropout); inductor draws them with its "
                            "own generator, so masks differ from eager's for the same seed (compile=None keeps them)")
         self._keep(key, _Program(run, specs, grad_index, result.records, got.get("tree")))
-        logger.debug("static: captured a %s program of %d nodes (%d collectives, %d signatures kept)", self._mode,
-                     len(result.program.graph.nodes), len(result.records), len(self._programs))
+        logger.info("static: captured the %s step in %.2f s (a program of %d nodes, %d collectives; %d signatures kept)",
+                    self._mode, took, len(result.program.graph.nodes), len(result.records), len(self._programs))
         return value
 
     def _reduces_in_program(self, trained: list[torch.Tensor]) -> bool:
@@ -310,6 +313,9 @@ class DistModel:
         def run(*flat: torch.Tensor) -> Any:
             if state["run"] is not None:
                 return state["run"](*flat)
+            logger.info("static: compiling the %s program with inductor (%d nodes; its first call compiles)",
+                        self._mode, len(gm.graph.nodes))
+            start = time.perf_counter()
             try:
                 out = compiled(*flat)
             except Exception as e:  # noqa: BLE001  (the same on every rank: the same program and compiler)
@@ -317,6 +323,8 @@ class DistModel:
                            "replaying the captured program as it is")
                 state["run"] = gm
                 return gm(*flat)
+            logger.info("static: compiled the %s program with inductor in %.2f s (and ran it once)", self._mode,
+                        time.perf_counter() - start)
             state["run"] = compiled
             return out
 
