@@ -258,10 +258,21 @@ LIBRARY_PACKAGES = ("autoparallel", "spmd_rules", "reshard")
 def run_as_is_under_dynamo() -> None:
     """List the library's packages with Dynamo: now if ``torch._dynamo`` is imported, else as soon
     as it is (an import watcher that removes itself)."""
+    when_dynamo_imported(_list_with_dynamo)
+
+
+def when_dynamo_imported(action: Callable[[], None]) -> None:
+    """Run ``action()`` now if ``torch._dynamo`` is imported, else right after it is (one import
+    watcher, which removes itself, runs every action handed to it in order)."""
     if "torch._dynamo" in sys.modules:
-        _list_with_dynamo()
-    elif not any(isinstance(f, _DynamoImportWatch) for f in sys.meta_path):
-        sys.meta_path.insert(0, _DynamoImportWatch())
+        action()
+        return
+    watch = next((f for f in sys.meta_path if isinstance(f, _DynamoImportWatch)), None)
+    if watch is None:
+        watch = _DynamoImportWatch()
+        sys.meta_path.insert(0, watch)
+    if action not in watch.actions:
+        watch.actions.append(action)
 
 
 def _list_with_dynamo() -> None:
@@ -273,9 +284,50 @@ def _list_with_dynamo() -> None:
         pass
 
 
+# ``torch._dynamo.callback.callback_handler.register_start_callback``: Dynamo calls it as it
+# starts compiling a frame (a torch.compile'd function's first call, a recompile); the engine
+# looks for DistTensor ops under torch.compile (``in_compiled_call``) only from then on, so a
+# process that never compiles pays one bool per op. Fallback when gone: never called (no
+# warning that torch.compile runs DistTensor ops eagerly; they still run, as eagerly).
+def on_dynamo_compile(callback: Callable[[], None]) -> None:
+    """Call ``callback()`` whenever Dynamo starts compiling a frame (registered as soon as
+    ``torch._dynamo`` is imported; the library's own ``make_fx`` captures compile no frame)."""
+    when_dynamo_imported(functools.partial(_register_compile_start, callback))
+
+
+def _register_compile_start(callback: Callable[[], None]) -> None:
+    try:
+        from torch._dynamo.callback import callback_handler
+        callback_handler.register_start_callback(lambda *_: callback())  # (older torch passes no arguments)
+    except Exception:  # noqa: BLE001  (a torch without it: never called, see above)
+        pass
+
+
+# ``torch._C._dynamo.eval_frame.get_eval_frame_callback``: Dynamo's frame hook, set (not None or
+# False: torch's own test in ``torch._dynamo.eval_frame._set_stance``) while a torch.compile'd
+# function runs: its graphs and, after each graph break, the eager code between them, where every
+# DistTensor op runs (the library's frames are run as they are, above). ``torch.compiler.
+# is_compiling()`` is False there: it is True only while Dynamo traces, and it never traces the
+# library's frames. Fallback when gone: "not in a compiled call" (no warning).
+_eval_frame_callback: Callable[[], Any] | None = getattr(
+    getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None), "get_eval_frame_callback", None)
+
+
+def in_compiled_call() -> bool:
+    """Whether this code runs inside a call of a ``torch.compile``'d function (Dynamo's frame
+    hook is set), in a graph or in the eager code after a graph break."""
+    if _eval_frame_callback is None:
+        return False
+    hook = _eval_frame_callback()
+    return hook is not None and hook is not False
+
+
 class _DynamoImportWatch(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: when ``torch._dynamo`` is imported, its loader lists the library's
-    packages right after the module ran."""
+    """Finds nothing itself: when ``torch._dynamo`` is imported, its loader runs the ``actions``
+    (``when_dynamo_imported``) right after the module ran."""
+
+    def __init__(self) -> None:
+        self.actions: list[Callable[[], None]] = []
 
     def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
         if name != "torch._dynamo":
@@ -289,11 +341,12 @@ class _DynamoImportWatch(importlib.abc.MetaPathFinder):
                 break
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
-        run = spec.loader.exec_module
+        run, actions = spec.loader.exec_module, self.actions
 
         def exec_module(module: Any) -> None:
             run(module)
-            _list_with_dynamo()
+            for action in actions:
+                action()
 
         spec.loader.exec_module = exec_module  # type: ignore[method-assign]  # this spec's own loader object
         return spec
@@ -321,7 +374,7 @@ except ImportError:  # pragma: no cover - the same in Python
 
 
 __all__ = [
-    "LIBRARY_PACKAGES", "run_as_is_under_dynamo", "profiler_enabled", "SymbolicTools", "global_module_hooks", "in_backward", "OBSERVER_HOOK", "modes_active",
+    "LIBRARY_PACKAGES", "run_as_is_under_dynamo", "when_dynamo_imported", "on_dynamo_compile", "in_compiled_call", "profiler_enabled", "SymbolicTools", "global_module_hooks", "in_backward", "OBSERVER_HOOK", "modes_active",
     "symbolic_tools",
     "GRAD_SCALER_UNSCALE", "HAS_GRAD_SCALER_UNSCALE", "amp_check_and_unscale_",
     "WRAPPER_POSITIONAL", "TorchDispatchMode", "all_op_schemas", "disable_torch_function_subclass", "disabled_torch_function_impl", "flatten_dense_tensors",
