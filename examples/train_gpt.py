@@ -19,6 +19,8 @@ the LayerNorms and residual stream are split on the sequence dim between the blo
 With ``--check`` (default) rank 0 then trains the same model, same seed, same batches in one
 process and compares the loss at every step (relative difference <= 1e-5) and every final
 parameter tensor (||p - p_ref|| <= 1e-5 ||p_ref||); any mismatch makes every rank exit non-zero.
+The last line printed says PASS or FAIL overall and for each checked figure:
+``PASS: loss max rel diff 1.7e-07 <= 1e-05 PASS; parameters max rel diff 8.4e-07 <= 1e-05 PASS``.
 
 ELEMENTWISE: the distributed run sums in another order (per-rank partial sums over the batch,
 over the sequence under SP, over hidden features in row-parallel layers), so gradients agree to
@@ -359,9 +361,14 @@ def reference_run(reference: nn.Module, data: TokenWindows, args: argparse.Names
     return state.losses
 
 
+def loss_rel(losses: list[float], ref: list[float]) -> list[float]:
+    """The relative difference of the loss at each step from the single-process loss."""
+    return [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, ref)]
+
+
 def loss_table(losses: list[float], ref: list[float], rtol: float = RTOL) -> tuple[bool, list[str]]:
     """(ok, rows): the loss at every step within ``rtol`` of the single-process loss."""
-    rel = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, ref)]
+    rel = loss_rel(losses, ref)
     rows = ["  step | parallel loss | single-process loss | rel. diff",
             "  -----+---------------+---------------------+----------"]
     shown = sorted({0, len(rel) - 1, *range(0, len(rel), max(1, len(rel) // 8))})
@@ -372,10 +379,23 @@ def loss_table(losses: list[float], ref: list[float], rtol: float = RTOL) -> tup
     return ok, rows
 
 
-def param_report(params: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], rtol: float = RTOL,
-                 model_wide: bool = False) -> tuple[bool, list[str]]:
-    """(ok, rows): every parameter tensor within ``rtol`` normwise (``model_wide``: all of them as
-    one vector, the bf16 verdict); elementwise outliers counted."""
+@dataclass
+class ParamDiff:
+    """How far the parameters are from the single-process ones: the worst tensor normwise
+    (``worst``, ``worst_name``), all of them as one vector (``whole``), and the elements outside
+    the elementwise tolerance (``outside`` of ``total``; the largest, ``el_abs`` in ``el_name``)."""
+
+    worst: float
+    worst_name: str
+    whole: float
+    outside: int
+    total: int
+    el_name: str
+    el_abs: float
+
+
+def param_diff(params: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> ParamDiff:
+    """The parameters' differences from ``ref`` (see ``ParamDiff``)."""
     worst, worst_name, outside, total, el_name, el_abs = 0.0, "", 0, 0, "", 0.0
     err_sq = ref_sq = 0.0
     for name, q in ref.items():
@@ -388,23 +408,50 @@ def param_report(params: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], 
         outside, total = outside + int(bad.sum()), total + q.numel()
         if bad.any() and float(err.abs().max()) > el_abs:
             el_name, el_abs = name, float(err.abs().max())
-    whole = (err_sq / max(ref_sq, 1e-60)) ** 0.5
-    ok = (whole if model_wide else worst) <= rtol
+    return ParamDiff(worst, worst_name, (err_sq / max(ref_sq, 1e-60)) ** 0.5, outside, total, el_name, el_abs)
+
+
+def param_report(params: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], rtol: float = RTOL,
+                 model_wide: bool = False) -> tuple[bool, list[str]]:
+    """(ok, rows): every parameter tensor within ``rtol`` normwise (``model_wide``: all of them as
+    one vector, the bf16 verdict); elementwise outliers counted."""
+    d = param_diff(params, ref)
+    ok = (d.whole if model_wide else d.worst) <= rtol
     verdict = f"(rtol {rtol:g}): {'PASS' if ok else 'FAIL'}"
-    rows = [f"  parameters: {len(ref)} tensors, max ||p - p_ref|| / ||p_ref|| = {worst:.1e} ({worst_name})"
+    rows = [f"  parameters: {len(ref)} tensors, max ||p - p_ref|| / ||p_ref|| = {d.worst:.1e} ({d.worst_name})"
             + ("" if model_wide else f" {verdict}"),
-            *([f"  model-wide ||p - p_ref|| / ||p_ref|| = {whole:.1e} {verdict}"] if model_wide else []),
-            f"  elementwise |p - p_ref| <= 1e-6 + {RTOL:g}|p_ref|: {outside} of {total:,} elements outside"
-            + (f" (largest {el_abs:.1e} in {el_name}; see ELEMENTWISE in --help)" if outside else "")]
+            *([f"  model-wide ||p - p_ref|| / ||p_ref|| = {d.whole:.1e} {verdict}"] if model_wide else []),
+            f"  elementwise |p - p_ref| <= 1e-6 + {RTOL:g}|p_ref|: {d.outside} of {d.total:,} elements outside"
+            + (f" (largest {d.el_abs:.1e} in {d.el_name}; see ELEMENTWISE in --help)" if d.outside else "")]
     return ok, rows
+
+
+def verdict_line(losses: list[float], ref: list[float], params: dict[str, torch.Tensor],
+                 ref_params: dict[str, torch.Tensor], rtol: float = RTOL, model_wide: bool = False) -> str:
+    """The last line: PASS or FAIL overall, then each checked figure against its bound with its
+    own verdict (the elementwise count above is reported, not checked: ELEMENTWISE in --help)."""
+    ok_loss, _ = loss_table(losses, ref, rtol)
+    ok_params, _ = param_report(params, ref_params, rtol, model_wide)
+    d = param_diff(params, ref_params)
+    rel = max(loss_rel(losses, ref), default=0.0)
+    steps = "" if len(losses) == len(ref) else f" ({len(losses)} steps vs {len(ref)})"
+    p_name, p_value = ("parameters model-wide rel diff", d.whole) if model_wide else ("parameters max rel diff", d.worst)
+
+    def figure(name: str, value: float, ok: bool) -> str:
+        return f"{name} {value:.1e} {'<=' if value <= rtol else '>'} {rtol:g} {'PASS' if ok else 'FAIL'}"
+
+    return (f"{'PASS' if ok_loss and ok_params else 'FAIL'}: {figure('loss max rel diff', rel, ok_loss)}{steps}; "
+            f"{figure(p_name, p_value, ok_params)}")
 
 
 def compare(losses: list[float], ref: list[float], params: dict[str, torch.Tensor],
             ref_params: dict[str, torch.Tensor], rtol: float = RTOL, model_wide: bool = False) -> tuple[bool, str]:
-    """(ok, table): losses per step and parameters against the single-process run."""
+    """(ok, table): losses per step and parameters against the single-process run; its last
+    line is the verdict on every figure (``verdict_line``)."""
     ok_loss, rows = loss_table(losses, ref, rtol)
     ok_params, more = param_report(params, ref_params, rtol, model_wide)
-    return ok_loss and ok_params, "\n".join(rows + more)
+    last = verdict_line(losses, ref, params, ref_params, rtol, model_wide)
+    return ok_loss and ok_params, "\n".join(rows + more + [last])
 
 
 def full_params(model: nn.Module) -> dict[str, torch.Tensor]:

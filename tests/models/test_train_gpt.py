@@ -180,3 +180,21 @@ def test_bf16_parameters_are_judged_model_wide() -> None:
     assert ok and "model-wide" in rows[1]
     wrong = {"w": ref["w"] * 1.1, "b": ref["b"]}
     assert not train_gpt.param_report(wrong, ref, train_gpt.BF16_RTOL, model_wide=True)[0]
+
+
+def test_the_last_line_says_pass_or_fail_for_every_figure() -> None:
+    """``compare``'s table ends with one line: the verdict overall, then each checked figure
+    (the loss's max relative difference, the parameters' normwise one) with its bound and verdict."""
+    import train_gpt
+
+    ref = {"w": torch.ones(4, 4)}
+    near = {"w": ref["w"] * (1 + 2 ** -19)}  # 1.9e-6, exact in float32
+    ok, table = train_gpt.compare([2.0, 1.0], [2.0, 1.0 + 1e-7], near, ref)
+    assert ok and table.splitlines()[-1] == (
+        "PASS: loss max rel diff 1.0e-07 <= 1e-05 PASS; parameters max rel diff 1.9e-06 <= 1e-05 PASS"), table
+    ok, table = train_gpt.compare([2.0, 1.1], [2.0, 1.0], near, ref)
+    assert not ok and table.splitlines()[-1] == (
+        "FAIL: loss max rel diff 1.0e-01 > 1e-05 FAIL; parameters max rel diff 1.9e-06 <= 1e-05 PASS"), table
+    ok, table = train_gpt.compare([2.0], [2.0], {"w": ref["w"] * 1.1}, ref, train_gpt.BF16_RTOL, model_wide=True)
+    assert not ok and table.splitlines()[-1].startswith("FAIL: loss max rel diff 0.0e+00 <= ")
+    assert table.splitlines()[-1].endswith(f"PASS; parameters model-wide rel diff 1.0e-01 > {train_gpt.BF16_RTOL:g} FAIL")
