@@ -38,6 +38,8 @@ def contiguous_local(local: torch.Tensor, spec: DistSpec) -> torch.Tensor:
 _IN_PLACE, _MATMUL, _SPLIT_AT, _GRAD_FLAG = 1, 2, 3, 4
 # ``t.requires_grad_()`` and ``t.requires_grad = ...``: a leaf that starts requiring grad gets its
 # gradient in its own layout (``keep_grad_layout``)
+# ``nn.Parameter(dist_tensor)`` makes its parameter with ``data.detach().requires_grad_()``
+_PARAMETER_NEW = torch.nn.Parameter.__new__.__code__
 _GRAD_FLAGS = (torch.Tensor.requires_grad_, torch.Tensor.requires_grad.__set__)  # type: ignore[attr-defined]  # a getset descriptor
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # the exact types of plain tensors and parameters
 _TF_KIND: dict[Any, int] = {}  # torch function -> 0 (pass through), _IN_PLACE, _MATMUL or _SPLIT_AT
@@ -171,7 +173,8 @@ class DistTensor(torch.Tensor):
                 adopt_written_plain(cls, func.__name__, args)
             elif kind == _GRAD_FLAG:
                 out = compat.disabled_torch_function_impl(func, types, args, kwargs or {})
-                keep_grad_layout(args[0])
+                if sys._getframe(1).f_code is not _PARAMETER_NEW:  # (a parameter in the making: not a leaf input)
+                    keep_grad_layout(args[0])
                 return out
             elif kind == _SPLIT_AT:
                 args, kwargs = _whole_split_points(cls, func, args, kwargs or {})
@@ -315,11 +318,14 @@ def keep_grad_layout(t: Any) -> None:
     """
     if (isinstance(t, DistTensor) and t.requires_grad and t.is_leaf and not isinstance(t, torch.nn.Parameter)
             and not getattr(t, "_grad_layout_kept", False)):
-        t.register_post_accumulate_grad_hook(_grad_to_own_layout)
+        handle = t.register_post_accumulate_grad_hook(lambda leaf: _grad_to_own_layout(leaf, handle))
         t._grad_layout_kept = True  # type: ignore[attr-defined]  # once per tensor
 
 
-def _grad_to_own_layout(t: DistTensor) -> None:
+def _grad_to_own_layout(t: DistTensor, handle: Any) -> None:
+    if isinstance(t, torch.nn.Parameter):  # made a parameter after the hook: the optimizer's business
+        handle.remove()
+        return
     g = t.grad
     want = t._spec
     if (not isinstance(g, DistTensor) or g._spec.mesh != want.mesh or want.has_partial

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from autoparallel import compat
+from autoparallel import compat, runtime
 from autoparallel.engine.decision import Decision, InplaceViewDecision, LocalStep, OutKind, ValueDecision
 from autoparallel.engine.deferred import split_deferred
 from autoparallel.engine.slots import flatten_out, map_args, place_locals
@@ -72,7 +72,7 @@ def execute(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], 
     if d.fallback and member and not d.mutated:  # the kernel's outputs, whatever meta said
         return _wrap_unknown(cls, out, d)
     if d.out_kind is OutKind.UNKNOWN and not d.mutated:
-        raise RuntimeError(f"autoparallel: {func} has no meta kernel and ran on a rank outside its mesh")
+        raise _outside(func, dts[0]._spec.mesh)
     if d.mutated:
         # Written tensors keep their identity and their layout. A written input that had to move
         # is copied back INTO its own shard: views of it (and what it is a view of) see the write.
@@ -190,3 +190,12 @@ def _wrap_unknown(cls: Any, out: Any, d: LocalStep) -> Any:
     return tuple(wrapped) if kind is OutKind.TUPLE else wrapped
 
 
+def _outside(func: Any, mesh: Any) -> Exception:
+    """The error of a rank outside ``mesh`` asked for a value only the mesh's ranks hold (``x.item()``,
+    an op with no meta kernel): it has none to give."""
+    rank, world = runtime.get_rank(), runtime.get_world_size()
+    return ValueError(
+        f"{func}: rank {rank} is outside {mesh!r} and holds no part of its tensors, so it has no value to "
+        f"read here. Every process of the world ({world} ranks) runs the script: launch as many processes "
+        f"as the meshes cover (torchrun --nproc-per-node {mesh.size} for this mesh), build the mesh over the "
+        f"whole world, or read values on the mesh's ranks only (`if ap.get_rank() in mesh: ...`)")
