@@ -318,7 +318,12 @@ def keep_grad_layout(t: Any) -> None:
     """
     if (isinstance(t, DistTensor) and t.requires_grad and t.is_leaf and not isinstance(t, torch.nn.Parameter)
             and not getattr(t, "_grad_layout_kept", False)):
-        handle = t.register_post_accumulate_grad_hook(lambda leaf: _grad_to_own_layout(leaf, handle))
+        handle: Any = None
+
+        def hook(leaf: DistTensor) -> None:
+            _grad_to_own_layout(leaf, handle)
+
+        handle = t.register_post_accumulate_grad_hook(hook)
         t._grad_layout_kept = True  # type: ignore[attr-defined]  # once per tensor
 
 
