@@ -41,7 +41,7 @@ def _phases(rank: int) -> dict[str, Any]:
     log.logger.addHandler(lines)
     try:
         dm = ap.to_static(model, loss=F.cross_entropy, optimizer=opt, strategy=ap.Strategy(compile="inductor"))
-        for step in range(3):  # eager, captured, replayed (compiled at its first call)
+        for _ in range(3):  # eager, captured, replayed (compiled at its first call)
             x = ap.shard_tensor(torch.randn(10, 7), mesh, [Shard(0)])
             y = ap.shard_tensor(torch.arange(10) % 3, mesh, [Shard(0)])
             dm(x, y)
