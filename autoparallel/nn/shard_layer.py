@@ -24,6 +24,7 @@ from autoparallel.engine.dtensor import DistTensor
 from autoparallel.mesh import ProcessMesh
 from autoparallel.placement import Placement, Replicate
 from autoparallel.regions import enable_local_regions
+from autoparallel.regions.moves import style_hook
 
 ShardFn = Callable[[str, nn.Module, ProcessMesh], None]
 InputFn = Callable[[Any, ProcessMesh], Any]
@@ -248,29 +249,37 @@ DP_AXIS = "dp"  # the mesh axis name that says "data parallel"
 def watch_batch_split(layer: nn.Module, mesh: ProcessMesh) -> None:
     """Warn once (rank 0) when the first call of ``layer`` gets a batch that the data-parallel
     axis (``"dp"``, of more than one rank) does not split: every tensor argument is Replicate
-    on it (or plain), so every rank would compute the whole batch — no data parallelism. A
-    forward pre-hook that removes itself after the first call; metadata only."""
+    on it (or plain), so every rank would compute the whole batch — no data parallelism.
+    Metadata only. A forward pre-hook that stays (a hook removed after the first call would make
+    the second call differ from the first: a static capture's signature, a region's hooks); it
+    reads nothing after its first call and changes nothing, as a style's hook (``moves.style_hook``)."""
     if DP_AXIS not in mesh.dim_names or mesh.get_dim_size(DP_AXIS) == 1:
         return
+    first = [True]
 
     def first_call(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        handle.remove()
-        tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.dim() > 0]
-        if not tensors or runtime.get_rank() != 0:
-            return
-        for t in tensors:
-            if not isinstance(t, DistTensor):
-                continue
-            m = t.process_mesh
-            if DP_AXIS not in m.dim_names or not isinstance(t.placements[m.axis_index(DP_AXIS)], Replicate):
-                return  # split on the data-parallel axis (or laid out where it has none): nothing to say
-        warnings.warn(
-            f"{type(module).__name__}: its first batch is not split on the data-parallel mesh axis {DP_AXIS!r} "
-            f"({mesh.get_dim_size(DP_AXIS)} ranks): every rank computes the whole batch (no data parallelism). "
-            f"Split it with ap.shard_dataloader(loader, mesh, shard_dims={DP_AXIS!r}) or "
-            f"ap.shard_tensor(batch, mesh, placements) with Shard(0) on {DP_AXIS!r}", stacklevel=2)
+        if first[0]:
+            first[0] = False
+            _warn_unsplit(module, mesh, (*args, *kwargs.values()))
 
-    handle = layer.register_forward_pre_hook(first_call, with_kwargs=True)
+    layer.register_forward_pre_hook(style_hook(first_call), with_kwargs=True)
+
+
+def _warn_unsplit(module: nn.Module, mesh: ProcessMesh, values: tuple[Any, ...]) -> None:
+    tensors = [t for t in values if isinstance(t, torch.Tensor) and t.dim() > 0]
+    if not tensors or runtime.get_rank() != 0:
+        return
+    for t in tensors:
+        if not isinstance(t, DistTensor):
+            continue
+        m = t.process_mesh
+        if DP_AXIS not in m.dim_names or not isinstance(t.placements[m.axis_index(DP_AXIS)], Replicate):
+            return  # split on the data-parallel axis (or laid out where it has none): nothing to say
+    warnings.warn(
+        f"{type(module).__name__}: its first batch is not split on the data-parallel mesh axis {DP_AXIS!r} "
+        f"({mesh.get_dim_size(DP_AXIS)} ranks): every rank computes the whole batch (no data parallelism). "
+        f"Split it with ap.shard_dataloader(loader, mesh, shard_dims={DP_AXIS!r}) or "
+        f"ap.shard_tensor(batch, mesh, placements) with Shard(0) on {DP_AXIS!r}", stacklevel=3)
 
 
 def install_io_hooks(layer: nn.Module, mesh: ProcessMesh, input_fn: InputFn | None, output_fn: OutputFn | None) -> None:
