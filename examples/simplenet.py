@@ -1,4 +1,4 @@
-"""The seeds' SimpleNet under every data/tensor-parallel strategy, checked against one process.
+"""Paddle's auto-parallel guide's SimpleNet under every data/tensor-parallel strategy, checked against one process.
 
     torchrun --standalone --nproc-per-node 4 examples/simplenet.py --strategy zero3
     torchrun --standalone --nproc-per-node 2 examples/simplenet.py --strategy dp
@@ -43,7 +43,7 @@ CLASSES = 10
 
 
 class SimpleNet(nn.Module):
-    """The seeds' model: three Linears and a final ReLU."""
+    """Paddle's guide's model: three Linears and a final ReLU."""
 
     def __init__(self, input_size: int = 256, inner_size: int = 1024, output_size: int = CLASSES) -> None:
         super().__init__()
