@@ -7,9 +7,7 @@ Every aten op reaching ``__torch_dispatch__`` goes through ``autoparallel.engine
 
 from __future__ import annotations
 
-import os
 import sys
-import warnings
 from typing import Any, cast
 
 import torch
@@ -17,6 +15,7 @@ import torch
 from autoparallel import compat, runtime
 from autoparallel.engine import pending
 from autoparallel.engine.batch_matmul import MATMULS, batch_first_matmul
+from autoparallel.engine.compile_notice import NOTICE as _COMPILE
 from autoparallel.engine.deferred import Deferred, Finish, Stat
 from autoparallel.engine.dispatch import dispatch
 from autoparallel.engine.keys import adopt_plain_leaves, adopt_written_plain, is_in_place_name
@@ -59,60 +58,6 @@ def _tf_kind(func: Any) -> int:
         return _SPLIT_AT
     name = getattr(func, "__name__", "")
     return _IN_PLACE if isinstance(name, str) and is_in_place_name(name) else 0
-
-
-COMPILE_NOTICE = (
-    "autoparallel: torch.compile runs every DistTensor op eagerly: Dynamo stops its graph before each "
-    "one (the library's own code runs as it is), so none of the distributed step is compiled. To compile "
-    "it, capture the step with ap.to_static(model, loss=..., optimizer=..., strategy=ap.Strategy("
-    "compile=\"inductor\")): its program is plain tensors and collectives, which inductor compiles "
-    "(docs/static.md)")
-
-
-class _CompileNotice:
-    """``COMPILE_NOTICE``, said once per process, at the first DistTensor op that runs inside a
-    ``torch.compile``'d call (where Dynamo broke its graph: ``compat.in_compiled_call``).
-
-    ``armed`` is the one bool every op reads: set when Dynamo starts compiling a frame
-    (``compat.on_dynamo_compile``), so a process that never compiles looks no further. The
-    library's own captures (``make_fx``) compile no frame; its inductor programs run no
-    DistTensor op."""
-
-    __slots__ = ("armed", "said")
-
-    def __init__(self) -> None:
-        self.armed = self.said = False
-
-    def arm(self) -> None:
-        self.armed = not self.said
-
-    def check(self) -> None:
-        if compat.in_compiled_call():
-            self.armed, self.said = False, True
-            warnings.warn(COMPILE_NOTICE, stacklevel=_caller_level())
-
-    def forget(self) -> None:
-        """Say it again at the next DistTensor op inside a compiled call."""
-        self.armed, self.said = True, False
-
-
-def _caller_level() -> int:
-    """The ``stacklevel`` of the first frame outside torch and this library (the user's call)."""
-    frame, level = sys._getframe(2), 2  # (stacklevel 1 is ``check``, the caller of ``warnings.warn``)
-    while frame.f_back is not None and frame.f_code.co_filename.startswith(_INSIDE):
-        frame, level = frame.f_back, level + 1
-    return level
-
-
-_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-_INSIDE = (os.path.dirname(torch.__file__) + os.sep, *(os.path.join(_ROOT, p) + os.sep for p in compat.LIBRARY_PACKAGES))
-_COMPILE = _CompileNotice()
-compat.on_dynamo_compile(_COMPILE.arm)
-
-
-def forget_compile_notice() -> None:
-    """Let ``torch.compile`` over DistTensors warn again (it warns once per process)."""
-    _COMPILE.forget()
 
 
 class DistTensor(torch.Tensor):
