@@ -99,14 +99,12 @@ def check(where: str, mesh: ProcessMesh, describe: Callable[[], str],
     text = describe()
     if how == "all" and values is not None:
         text += f"; values checksum {values()}"
-    texts = _disagreement(text, mesh)
-    if texts is None:
-        return
-    first, (c, t) = texts[(0,) * mesh.ndim], _first_other(texts)
-    raise ValueError(
-        f"{where}: the ranks of {mesh!r} disagree (every rank must pass the same global shape, dtype, "
-        f"mesh and placements): rank {mesh.rank_at((0,) * mesh.ndim)} passed {first}; "
-        f"rank {mesh.rank_at(c)} passed {t}")
+    found = _disagreement(text, mesh)
+    if found is not None:
+        r0, first, r, other = found
+        raise ValueError(
+            f"{where}: the ranks of {mesh!r} disagree (every rank must pass the same global shape, dtype, "
+            f"mesh and placements): rank {r0} passed {first}; rank {r} passed {other}")
 
 
 def check_plain(where: str, mesh: ProcessMesh, tensors: Sequence[torch.Tensor]) -> None:
@@ -132,14 +130,14 @@ def check_plain(where: str, mesh: ProcessMesh, tensors: Sequence[torch.Tensor]) 
         return
     text = "; ".join(f"shape {list(t.shape)}, {t.dtype}, values checksum {checksum(t, sample=how != 'all')}"
                      for t in live)
-    texts = _disagreement(text, mesh)
-    if texts is None:
+    found = _disagreement(text, mesh)
+    if found is None:
         return
-    first, (c, t) = texts[(0,) * mesh.ndim], _first_other(texts)
+    r0, first, r, other = found
     raise ValueError(
         f"{where}: a plain tensor met DistTensors on {mesh!r} and was taken as Replicate (the same full "
-        f"value on every rank), but the ranks hold different values: rank {mesh.rank_at((0,) * mesh.ndim)} "
-        f"has {first}; rank {mesh.rank_at(c)} has {t}. Per-rank data must be laid out: the global batch "
+        f"value on every rank), but the ranks hold different values: rank {r0} has {first}; rank {r} has "
+        f"{other}. Per-rank data must be laid out: the global batch "
         "with ap.shard_tensor(batch, mesh, [Shard(0)]), a loader with ap.shard_dataloader(loader, mesh, "
         "shard_dims='dp'), or each rank's own piece with ap.dtensor_from_local(local, mesh, [Shard(0)])")
 
@@ -161,10 +159,11 @@ def _due(where: str, mesh: ProcessMesh) -> str | None:
     return how
 
 
-def _disagreement(text: str, mesh: ProcessMesh) -> dict[tuple[int, ...], str] | None:
-    """None when every member of ``mesh`` passed ``text``; else every member's text by mesh
-    coordinate (the same on every member). Control messages: one tiny all-reduce per mesh axis
-    (and the gather on a mismatch), which ``CommDebugMode`` does not record."""
+def _disagreement(text: str, mesh: ProcessMesh) -> tuple[int, str, int, str] | None:
+    """None when every member of ``mesh`` passed ``text``; else (the mesh's first rank, its text,
+    the first rank whose text differs, that text), the same on every member. Control messages:
+    one tiny all-reduce per mesh axis (and the gather on a mismatch), which ``CommDebugMode`` does
+    not record."""
     groups.ensure(mesh)
     d = _digest(text)
     both = torch.tensor([d, -d], dtype=torch.int64)
@@ -174,13 +173,10 @@ def _disagreement(text: str, mesh: ProcessMesh) -> dict[tuple[int, ...], str] | 
                 both = comm.all_reduce(both, mesh, axis, "max")
         if int(both[0]) == d and int(both[1]) == -d:
             return None  # max == min == this rank's digest: every member agrees
-        return _gather(text, mesh)
-
-
-def _first_other(texts: dict[tuple[int, ...], str]) -> tuple[tuple[int, ...], str]:
-    """The first coordinate (row-major) whose text differs from the mesh's first rank's."""
-    first = texts[min(texts)]
-    return next((c, t) for c, t in sorted(texts.items()) if t != first)
+        texts = _gather(text, mesh)
+    origin = (0,) * mesh.ndim
+    c, other = next((c, t) for c, t in sorted(texts.items()) if t != texts[origin])
+    return mesh.rank_at(origin), texts[origin], mesh.rank_at(c), other
 
 
 def _gather(text: str, mesh: ProcessMesh) -> dict[tuple[int, ...], str]:
