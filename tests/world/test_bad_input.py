@@ -94,6 +94,10 @@ def _plain_is_replicate(rank: int) -> bool:
 
 
 def _bad_placement_type(rank: int) -> None:
+    ap.shard_tensor(torch.ones(4), ap.ProcessMesh([0, 1, 2, 3]), [0])
+
+
+def _placement_as_text(rank: int) -> None:  # a str element makes a dims mapping: "S(0)" is no mesh axis
     ap.shard_tensor(torch.ones(4), ap.ProcessMesh([0, 1, 2, 3]), ["S(0)"])
 
 
@@ -131,6 +135,7 @@ CASES = [
     (_mixed_plain_written, TypeError, "the ranks outside mesh"),
     (_mixed_plain_two_meshes, TypeError, "no mesh to be replicated on"),
     (_bad_placement_type, TypeError, "is not a Replicate"),
+    (_placement_as_text, ValueError, "names mesh axis 'S(0)', which mesh ProcessMesh([0, 1, 2, 3], dim_names=['d0']) lacks"),
     (_bad_mesh_type, TypeError, "must be an ap.ProcessMesh"),
     (_mixed_partial_kinds, ValueError, "do not commute"),
     (_to_local_bad_grad_placements, ValueError, "tensor dim 2 does not exist"),
