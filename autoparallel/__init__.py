@@ -9,7 +9,7 @@ that defines it on first access (PEP 562), so ``import autoparallel.placement`` 
 ``import spmd_rules``, which uses the value types) runs no engine, runtime or model code.
 The layers, bottom up (docs/architecture.md): values (``placement``, ``mesh``, ``spec``,
 ``cost``, and ``compat``: the private torch names) -> ``spmd_rules`` and ``reshard``'s planner -> ``runtime`` -> ``engine`` -> model-level
-APIs (``api``, ``factory``, ``local_map``, ``nn``, ``plans``, ``optim``, ``data``, ``pipeline``,
+APIs (``api``, ``shard_op``, ``factory``, ``local_map``, ``nn``, ``plans``, ``optim``, ``data``, ``pipeline``,
 ``checkpoint``, ``regions``, ``memory``).
 """
 
@@ -61,6 +61,7 @@ _EXPORTS: dict[str, str] = {
     "dtensor_from_local": "autoparallel.api",
     "reshard": "autoparallel.api",
     "shard_tensor": "autoparallel.api",
+    "shard_op": "autoparallel.shard_op",
     "unshard_dtensor": "autoparallel.api",
     "LocalLayer": "autoparallel.local_map",
     "local_map": "autoparallel.local_map",
@@ -153,6 +154,7 @@ __all__ = [
     "save_state_dict",
     "shard_dataloader",
     "shard_layer",
+    "shard_op",
     "shard_optimizer",
     "shard_tensor",
     "to_static",
@@ -204,6 +206,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; nothing is imported at run time
     from autoparallel.regions import disable_local_regions, enable_local_regions, local_regions_report
     from autoparallel.runtime.debug import CommDebugMode, CommRecord
     from autoparallel.runtime.world import get_rank, get_world_size
+    from autoparallel.shard_op import shard_op
     from autoparallel.spec import DistSpec
     from autoparallel.static import DistModel, Strategy, to_static
     from spmd_rules.registry import register_axis_rule, register_local_impl, register_rule

@@ -1,0 +1,107 @@
+"""``shard_op``: Paddle's static-graph op annotation, on the dynamic engine.
+
+``ap.shard_op(op, mesh, in_dims_mappings, out_dims_mappings)(*args)`` lays each tensor input
+out as its dims mapping says, runs ``op``, and lays each tensor output out as its mapping says.
+Between the two the op is an ordinary call on DistTensors: its SPMD rules choose how it runs
+on the shards, as for any other op. A mapping is what ``shard_tensor`` takes (one mesh-axis name
+or ``None`` per tensor dim, or one placement per mesh axis); ``None`` in place of a mapping
+leaves that tensor as it is.
+
+One mesh per call. Giving ops different meshes (sub-meshes of one mesh) moves the tensors
+between them, but does not yet split the program into pipeline stages with a schedule; for
+pipelines use ``ap.pipeline``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from autoparallel.api import Layout, reshard, shard_tensor, to_placements
+from autoparallel.engine.dtensor import DistTensor
+from autoparallel.mesh import ProcessMesh
+
+Mappings = Sequence[Layout | None] | None
+
+
+def _check_mappings(mappings: Any, what: str) -> tuple[Layout | None, ...] | None:
+    """``mappings`` as a tuple (one entry per tensor: a layout or ``None``), or ``None``."""
+    if mappings is None:
+        return None
+    if isinstance(mappings, (str, bytes)) or not isinstance(mappings, Sequence):
+        raise TypeError(f"shard_op: {what} must be a list with one dims mapping (or None) per tensor, "
+                        f"got {mappings!r}")
+    for m in mappings:
+        if m is not None and (isinstance(m, (str, bytes)) or not isinstance(m, Sequence)):
+            raise TypeError(f"shard_op: {what} {list(mappings)} holds {m!r}: each entry is a dims mapping "
+                            "(a list such as [None, 'mp']) or None")
+    return tuple(mappings)
+
+
+def _lay_out(values: list[Any], positions: list[int], mappings: tuple[Layout | None, ...],
+             mesh: ProcessMesh, what: str) -> list[Any]:
+    """``values`` with ``values[positions[i]]`` laid out by ``mappings[i]`` (checked first, on
+    metadata only, so a bad mapping raises on every rank before any tensor moves)."""
+    if len(mappings) != len(positions):
+        raise ValueError(f"shard_op: {len(mappings)} {what} {list(mappings)} for {len(positions)} tensor "
+                         f"{'inputs' if what.startswith('in') else 'outputs'}: give one per tensor (None: leave it)")
+    for p, m in zip(positions, mappings, strict=True):
+        if m is not None:
+            to_placements(m, f"shard_op ({what}[{positions.index(p)}])", mesh, tuple(values[p].shape))
+    out = list(values)
+    for p, m in zip(positions, mappings, strict=True):
+        if m is not None:
+            t = values[p]
+            out[p] = reshard(t, mesh, m) if isinstance(t, DistTensor) else shard_tensor(t, mesh, m)
+    return out
+
+
+def shard_op(
+    op: Callable[..., Any],
+    mesh: ProcessMesh,
+    in_dims_mappings: Mappings = None,
+    out_dims_mappings: Mappings = None,
+) -> Callable[..., Any]:
+    """``op`` (a function or a module) with its tensor inputs and outputs laid out on ``mesh``.
+
+    ``in_dims_mappings``: one entry per positional tensor argument, in order (non-tensor
+    arguments and keyword arguments pass through): a dims mapping (``[None, "mp"]``: tensor dim 1
+    sharded along mesh axis ``"mp"``), placements, or ``None`` to leave the tensor as it is. A
+    plain tensor is laid out with ``shard_tensor`` (a plain ``nn.Parameter`` in place, as an
+    annotation), a DistTensor with ``reshard``. ``out_dims_mappings``: the same for the tensors
+    ``op`` returns (one tensor, or the tensors of a returned tuple or list). A wrong number of
+    mappings raises ``ValueError`` naming both counts.
+
+    >>> y = ap.shard_op(torch.matmul, mesh, [[None, None], [None, "mp"]], [[None, "mp"]])(x, w)
+    """
+    if not callable(op):
+        raise TypeError(f"shard_op: op must be a function or a module, got {type(op).__name__}")
+    if not isinstance(mesh, ProcessMesh):
+        raise TypeError(f"shard_op: mesh must be an ap.ProcessMesh, got {type(mesh).__name__}")
+    ins = _check_mappings(in_dims_mappings, "in_dims_mappings")
+    outs = _check_mappings(out_dims_mappings, "out_dims_mappings")
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        values = list(args)
+        if ins is not None:
+            positions = [i for i, a in enumerate(values) if isinstance(a, torch.Tensor)]
+            values = _lay_out(values, positions, ins, mesh, "in_dims_mappings")
+        result = op(*values, **kwargs)
+        if outs is None:
+            return result
+        if isinstance(result, torch.Tensor):
+            return _lay_out([result], [0], outs, mesh, "out_dims_mappings")[0]
+        if isinstance(result, (tuple, list)):
+            positions = [i for i, r in enumerate(result) if isinstance(r, torch.Tensor)]
+            laid = _lay_out(list(result), positions, outs, mesh, "out_dims_mappings")
+            return type(result)(laid) if type(result) in (tuple, list) else type(result)(*laid)
+        return _lay_out([result], [], outs, mesh, "out_dims_mappings")[0]
+
+    call.__name__ = f"shard_op({getattr(op, '__name__', type(op).__name__)})"
+    call.__doc__ = getattr(op, "__doc__", None)
+    return call
+
+
+__all__ = ["shard_op"]
