@@ -197,15 +197,16 @@ def shard_tensor(
     an annotation, as in Paddle's static graph: a plain Parameter is laid out in place (the same
     object becomes the DistTensor, so the module and an optimizer built before hold it) and
     returned, so ``ap.shard_tensor(self.linear1.weight, mesh, ["mp", None])`` may stand alone in
-    ``forward``. Either form on a Parameter that is already a DistTensor returns it when the
-    layout is its own and raises ``ValueError`` naming both layouts when it is not.
+    ``forward``; on a Parameter that is already a DistTensor it returns the parameter when the
+    layout is its own and raises ``ValueError`` naming both layouts when it is not. With
+    placements, a DistTensor (a Parameter too) is resharded: ``ap.reshard``.
     """
     static = is_dims_mapping(placements)
     if not isinstance(data, torch.Tensor):
         data = torch.as_tensor(data)
     placements = to_placements(placements, "shard_tensor", mesh, tuple(data.shape))
     if isinstance(data, DistTensor):
-        if isinstance(data, torch.nn.Parameter):
+        if static and isinstance(data, torch.nn.Parameter):
             return _annotated(data, mesh, placements, shard_order, "shard_tensor")
         return reshard(data, _check_mesh(mesh, "shard_tensor"), placements, shard_order=shard_order)
     is_param, original = isinstance(data, torch.nn.Parameter), data

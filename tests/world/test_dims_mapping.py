@@ -166,10 +166,12 @@ def _annotated_twice(rank: int) -> None:
     ap.shard_tensor(lin.weight, _mesh(), [None, "mp"])
 
 
-def _annotated_then_placements(rank: int) -> None:
+def _annotated_then_placements(rank: int) -> tuple[bool, list[Any], list[Any], bool]:
+    """Placements on a laid-out parameter reshard a copy (``ap.reshard``); the parameter stays."""
     lin = nn.Linear(6, 4)
-    ap.shard_tensor(lin.weight, _mesh(), ["mp", None])
-    ap.shard_tensor(lin.weight, _mesh(), [R])
+    w = ap.shard_tensor(lin.weight, _mesh(), ["mp", None])
+    copy = ap.shard_tensor(lin.weight, _mesh(), [R])
+    return copy is w, list(w.placements), list(copy.placements), bool(torch.equal(copy.full_tensor(), w.full_tensor()))
 
 
 def _annotated_after_use(rank: int) -> None:
@@ -206,7 +208,6 @@ CASES = [
     (_mixed, "mixes placements [Shard(0)] with mesh-axis names/None"),
     (_reshard_wrong_length, "reshard: dims mapping ['mp'] has 1 entries for a 2-d tensor"),
     (_annotated_twice, "already laid out as [Shard(0)] on ProcessMesh([0, 1], dim_names=['mp']); annotating it as [Shard(1)]"),
-    (_annotated_then_placements, "already laid out as [Shard(0)]"),
     (_annotated_after_use, "something besides its Python object holds this parameter's tensor"),
     (_shard_op_inputs, "1 in_dims_mappings [[None, None]] for 2 tensor inputs"),
     (_shard_op_outputs, "2 out_dims_mappings [[None, None], [None, None]] for 1 tensor outputs"),
@@ -225,3 +226,8 @@ def test_bad_input_raises_the_same_error_on_every_rank(world2: Any, fn: Any, tex
     assert len(set(messages)) == 1, messages
     assert text in messages[0], messages[0]
     assert all(world2.run(_healthy))
+
+
+def test_placements_on_an_annotated_parameter_reshard_a_copy(world2: Any) -> None:
+    for same, own, copy, equal in world2.run(_annotated_then_placements):
+        assert not same and own == [Shard(0)] and copy == [R] and equal
