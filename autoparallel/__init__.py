@@ -10,7 +10,7 @@ that defines it on first access (PEP 562), so ``import autoparallel.placement`` 
 The layers, bottom up (docs/architecture.md): values (``placement``, ``mesh``, ``spec``,
 ``cost``, and ``compat``: the private torch names) -> ``spmd_rules`` and ``reshard``'s planner -> ``runtime`` -> ``engine`` -> model-level
 APIs (``api``, ``shard_op``, ``factory``, ``local_map``, ``nn``, ``plans``, ``optim``, ``data``, ``pipeline``,
-``checkpoint``, ``regions``, ``memory``).
+``checkpoint``, ``regions``, ``memory``, ``static``: ``to_static`` and ``Engine``).
 """
 
 from __future__ import annotations
@@ -95,6 +95,9 @@ _EXPORTS: dict[str, str] = {
     "LayerMeter": "autoparallel.memory",
     "recompute": "autoparallel.memory",
     "DistModel": "autoparallel.static",
+    "Engine": "autoparallel.static",
+    "InputSpec": "autoparallel.static",
+    "metrics": "autoparallel.static",
     "Strategy": "autoparallel.static",
     "to_static": "autoparallel.static",
 }
@@ -111,7 +114,9 @@ __all__ = [
     "DistSpec",
     "DistModel",
     "DistTensor",
+    "Engine",
     "GradScaler",
+    "InputSpec",
     "LayerMeter",
     "LocalLayer",
     "MixedPrecision",
@@ -140,6 +145,7 @@ __all__ = [
     "load_state_dict",
     "local_map",
     "local_regions_report",
+    "metrics",
     "ones",
     "parallelize",
     "pipeline",
@@ -208,5 +214,5 @@ if TYPE_CHECKING:  # for type checkers and IDEs; nothing is imported at run time
     from autoparallel.runtime.world import get_rank, get_world_size
     from autoparallel.shard_op import shard_op
     from autoparallel.spec import DistSpec
-    from autoparallel.static import DistModel, Strategy, to_static
+    from autoparallel.static import DistModel, Engine, InputSpec, Strategy, metrics, to_static
     from spmd_rules.registry import register_axis_rule, register_local_impl, register_rule

@@ -1,15 +1,168 @@
-"""``ap.Strategy``: the settings of a static (captured) training step."""
+"""``ap.Strategy``: the settings of a static (captured) step and of ``ap.Engine``.
+
+Two kinds of settings live here. The top-level fields (``accumulate_steps``, ``bucket_bytes``,
+``compile``, ``overlap``) tell ``ap.to_static`` how to capture and replay a step. Paddle's config
+groups (``sharding``, ``pipeline``, ``amp``, ``recompute``, ``gradient_merge``) and ``auto_mode``
+tell ``ap.Engine`` which dynamic-API pieces to apply (docs/engine.md).
+
+Every group has a fixed set of settings: assigning or reading a name that is not one of them
+(``strategy.shardin``, ``strategy.sharding.enabel``) raises ``AttributeError`` naming the valid
+ones, and each value is checked when it is assigned.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 COMPILERS = (None, "inductor")
+AUTO_MODES = ("semi", "full")
+AMP_DTYPES = ("bfloat16", "float16")
+SCHEDULES = ("FThenB", "1F1B", "Interleaved1F1B")
 
 
-@dataclass(frozen=True)
-class Strategy:
-    """How ``ap.to_static`` runs a step.
+def _int_at_least(where: str, value: Any, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{where} must be an int >= {low}, got {value!r}")
+    return value
+
+
+def _bool(where: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{where} must be a bool, got {value!r}")
+    return value
+
+
+def _one_of(where: str, value: Any, choices: tuple[Any, ...]) -> Any:
+    if value not in choices:
+        raise ValueError(f"{where} must be one of {choices}, got {value!r}")
+    return value
+
+
+class _Slotted:
+    """Attributes from a fixed list only; each assignment is validated by ``_check``."""
+
+    __slots__ = ()
+    _label: ClassVar[str]
+    _defaults: ClassVar[dict[str, Any]]
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name not in self._defaults:
+            raise AttributeError(
+                f"{self._label} has no setting {name!r}; its settings are {', '.join(self._defaults)}")
+        object.__setattr__(self, name, self._check(name, value))
+
+    def __getattr__(self, name: str) -> Any:  # only reached for names that are not settings
+        raise AttributeError(f"{self._label} has no setting {name!r}; its settings are {', '.join(self._defaults)}")
+
+    def _check(self, name: str, value: Any) -> Any:
+        raise NotImplementedError
+
+    def _update(self, values: Mapping[str, Any]) -> None:
+        for k, v in values.items():
+            setattr(self, k, v)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The settings as a plain dict (groups as nested dicts)."""
+        return {k: (v.to_dict() if isinstance(v, _Slotted) else v) for k, v in
+                ((k, object.__getattribute__(self, k)) for k in self._defaults)}
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and self.to_dict() == other.to_dict()  # type: ignore[attr-defined]
+
+    __hash__ = None  # type: ignore[assignment]  # mutable settings: not a cache key
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in self.to_dict().items())})"
+
+
+class _Group(_Slotted):
+    __slots__ = ()
+
+    def __init__(self) -> None:
+        for k, v in self._defaults.items():
+            setattr(self, k, v)
+
+
+class Sharding(_Group):
+    """ZeRO on the data-parallel axis: ``enable``, ``stage`` (1, 2, 3), ``degree`` (None: the
+    whole data-parallel axis; a number must equal its size)."""
+
+    __slots__ = ("enable", "stage", "degree")
+    _label = "Strategy.sharding"
+    _defaults = {"enable": False, "stage": 1, "degree": None}
+
+    def _check(self, name: str, value: Any) -> Any:
+        where = f"Strategy.sharding.{name}"
+        if name == "enable":
+            return _bool(where, value)
+        if name == "stage":
+            return _one_of(where, value, (1, 2, 3))
+        return None if value is None else _int_at_least(where, value, 1)
+
+
+class Pipeline(_Group):
+    """Paddle's pipeline settings: ``enable``, ``micro_batch_size``, ``accumulate_steps``,
+    ``schedule_mode`` (the Engine does not build pipelines yet: use ``ap.pipeline``)."""
+
+    __slots__ = ("enable", "micro_batch_size", "accumulate_steps", "schedule_mode")
+    _label = "Strategy.pipeline"
+    _defaults = {"enable": False, "micro_batch_size": 1, "accumulate_steps": 1, "schedule_mode": "1F1B"}
+
+    def _check(self, name: str, value: Any) -> Any:
+        where = f"Strategy.pipeline.{name}"
+        if name == "enable":
+            return _bool(where, value)
+        if name == "schedule_mode":
+            return _one_of(where, value, SCHEDULES)
+        return _int_at_least(where, value, 1)
+
+
+class Amp(_Group):
+    """Mixed precision: ``enable``, ``dtype`` ("bfloat16" or "float16") -> ``ap.MixedPrecision``."""
+
+    __slots__ = ("enable", "dtype")
+    _label = "Strategy.amp"
+    _defaults = {"enable": False, "dtype": "bfloat16"}
+
+    def _check(self, name: str, value: Any) -> Any:
+        where = f"Strategy.amp.{name}"
+        return _bool(where, value) if name == "enable" else _one_of(where, value, AMP_DTYPES)
+
+
+class Recompute(_Group):
+    """Activation recomputation: ``enable`` -> ``ap.recompute`` on the model's children."""
+
+    __slots__ = ("enable",)
+    _label = "Strategy.recompute"
+    _defaults = {"enable": False}
+
+    def _check(self, name: str, value: Any) -> Any:
+        return _bool(f"Strategy.recompute.{name}", value)
+
+
+class GradientMerge(_Group):
+    """Gradient merge: ``enable``, ``k_steps`` (the optimizer steps once every ``k_steps`` runs
+    with the mean of their gradients)."""
+
+    __slots__ = ("enable", "k_steps")
+    _label = "Strategy.gradient_merge"
+    _defaults = {"enable": False, "k_steps": 1}
+
+    def _check(self, name: str, value: Any) -> Any:
+        where = f"Strategy.gradient_merge.{name}"
+        return _bool(where, value) if name == "enable" else _int_at_least(where, value, 1)
+
+
+_GROUPS: dict[str, type[_Group]] = {
+    "sharding": Sharding, "pipeline": Pipeline, "amp": Amp, "recompute": Recompute, "gradient_merge": GradientMerge,
+}
+
+
+class Strategy(_Slotted):
+    """How ``ap.to_static`` runs a step, and what ``ap.Engine`` applies.
+
+    For ``ap.to_static``:
 
     - ``accumulate_steps``: gradient merge (Paddle's name): gradients of this many calls are
       summed, divided by ``accumulate_steps`` and stepped once, on the last call of each group
@@ -24,19 +177,48 @@ class Strategy:
       unit ahead) and is waited for only where its result is first needed
       (``passes.sink_waits``), so compute overlaps the communication. The values are the same
       either way.
+
+    For ``ap.Engine`` (Paddle's groups, each an object with fixed settings):
+    ``sharding`` (enable, stage, degree), ``pipeline`` (enable, micro_batch_size,
+    accumulate_steps, schedule_mode), ``amp`` (enable, dtype), ``recompute`` (enable),
+    ``gradient_merge`` (enable, k_steps) and ``auto_mode`` ("semi"; "full" is not built yet).
+    ``config``: Paddle's dict form, ``{"sharding": {"enable": True, "stage": 2}, "auto_mode": "semi"}``.
     """
 
-    accumulate_steps: int = 1
-    bucket_bytes: int | None = None
-    compile: str | None = None
-    overlap: bool = True
+    __slots__ = ("accumulate_steps", "bucket_bytes", "compile", "overlap", "auto_mode", *_GROUPS)
+    _label = "Strategy"
+    _defaults = {"accumulate_steps": 1, "bucket_bytes": None, "compile": None, "overlap": True, "auto_mode": "semi",
+                 **{name: None for name in _GROUPS}}
 
-    def __post_init__(self) -> None:
-        if isinstance(self.accumulate_steps, bool) or not isinstance(self.accumulate_steps, int) or self.accumulate_steps < 1:
-            raise ValueError(f"Strategy: accumulate_steps must be an int >= 1, got {self.accumulate_steps!r}")
-        if self.bucket_bytes is not None and (not isinstance(self.bucket_bytes, int) or self.bucket_bytes < 1):
-            raise ValueError(f"Strategy: bucket_bytes must be a positive int or None, got {self.bucket_bytes!r}")
-        if self.compile not in COMPILERS:
-            raise ValueError(f"Strategy: compile must be one of {COMPILERS}, got {self.compile!r}")
-        if not isinstance(self.overlap, bool):
-            raise TypeError(f"Strategy: overlap must be a bool, got {self.overlap!r}")
+    def __init__(self, config: Mapping[str, Any] | None = None, *, accumulate_steps: int = 1,
+                 bucket_bytes: int | None = None, compile: str | None = None, overlap: bool = True,
+                 auto_mode: str = "semi") -> None:
+        for name, group in _GROUPS.items():
+            object.__setattr__(self, name, group())
+        self.accumulate_steps = accumulate_steps
+        self.bucket_bytes = bucket_bytes
+        self.compile = compile
+        self.overlap = overlap
+        self.auto_mode = auto_mode
+        if config is not None:
+            if not isinstance(config, Mapping):
+                raise TypeError(f"Strategy: config must be a dict of settings, got {type(config).__name__}")
+            for key, value in config.items():
+                if key in _GROUPS and isinstance(value, Mapping):
+                    getattr(self, key)._update(value)
+                else:
+                    setattr(self, key, value)
+
+    def _check(self, name: str, value: Any) -> Any:
+        if name in _GROUPS:
+            raise AttributeError(f"Strategy.{name} is a group of settings: set its fields "
+                                 f"(strategy.{name}.{next(iter(_GROUPS[name]._defaults))} = ...)")
+        if name == "accumulate_steps":
+            return _int_at_least("Strategy: accumulate_steps", value, 1)
+        if name == "bucket_bytes":
+            return None if value is None else _int_at_least("Strategy: bucket_bytes", value, 1)
+        if name == "compile":
+            return _one_of("Strategy: compile", value, COMPILERS)
+        if name == "overlap":
+            return _bool("Strategy: overlap", value)
+        return _one_of("Strategy: auto_mode", value, AUTO_MODES)

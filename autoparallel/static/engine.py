@@ -1,0 +1,414 @@
+"""``ap.Engine``: Paddle's static semi-auto training driver, as a thin layer over the dynamic API.
+
+Everything the Engine does is a dynamic-API call a script could make itself (docs/engine.md):
+
+- layout: a model whose parameters are plain after a probe forward (one zero sample, eval mode,
+  no gradients — annotations written in ``forward`` lay their parameters out there) becomes data
+  parallel over the whole world: ``ap.shard_layer(model, ProcessMesh(range(world), ["dp"]))``.
+  A model holding DistTensors keeps their mesh and layout;
+- the batch: ``Shard(0)`` on the mesh axis ``"dp"`` (``ap.shard_dataloader`` /
+  ``ap.shard_tensor``), ``Replicate`` on a mesh without one;
+- ``strategy.sharding`` -> ``ap.ShardingStage{1,2,3}(mesh, "dp")``, ``strategy.amp`` ->
+  ``ap.MixedPrecision``, both given to ``ap.shard_optimizer``; ``strategy.recompute`` ->
+  ``ap.recompute`` on each child of the model; ``strategy.gradient_merge`` -> the optimizer
+  steps every ``k_steps`` runs with the mean of their gradients;
+- ``save``/``load``: ``ap.save_state_dict``/``ap.load_state_dict`` of the model and optimizer.
+
+Every decision reads metadata every rank sees alike, so a bad configuration raises the same
+error on every rank. The steps run eagerly (each op on DistTensors); ``ap.to_static`` is the
+dynamic API's captured step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, default_collate
+
+from autoparallel import runtime
+from autoparallel.api import shard_tensor
+from autoparallel.checkpoint import init_optimizer_state, load_state_dict, save_state_dict
+from autoparallel.data import ShardDataloader, shard_dataloader
+from autoparallel.engine.dtensor import DistTensor
+from autoparallel.memory import recompute
+from autoparallel.mesh import ProcessMesh
+from autoparallel.nn.shard_layer import shard_layer
+from autoparallel.optim import MixedPrecision, ShardedOptimizer, ShardingStage1, ShardingStage2, ShardingStage3, shard_optimizer
+from autoparallel.placement import Placement, Replicate, Shard
+from autoparallel.static.inputs import InputSpec, as_specs
+from autoparallel.static.metrics import whole
+from autoparallel.static.progress import Summary, progress
+from autoparallel.static.strategy import Strategy
+
+MODES = ("train", "eval", "predict")
+_STAGES = {1: ShardingStage1, 2: ShardingStage2, 3: ShardingStage3}
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _mode(mode: Any) -> str:
+    if mode not in MODES:
+        raise ValueError(f"ap.Engine: mode must be one of {MODES}, got {mode!r}")
+    return str(mode)
+
+
+def _float(value: Any) -> float:
+    t = whole(value)
+    return float(t.detach().reshape(()).item()) if isinstance(t, torch.Tensor) else float(t)
+
+
+class EngineLoader:
+    """What ``Engine.dataloader`` returns: call it (or iterate it) for one pass over the data.
+
+    Each pass resets the Engine's metrics, so ``run`` reports them over the pass so far."""
+
+    def __init__(self, loader: ShardDataloader, epochs: int, on_pass: Callable[[], None]) -> None:
+        self.loader, self.epochs, self._on_pass = loader, epochs, on_pass
+
+    def __call__(self) -> Iterator[Any]:
+        return iter(self)
+
+    def __iter__(self) -> Iterator[Any]:
+        self._on_pass()
+        return iter(self.loader)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+
+class Engine:
+    """Train, evaluate and predict with ``model``, ``loss``, ``optimizer`` and ``metrics`` laid out
+    by ``strategy`` (an ``ap.Strategy``; default: data parallel over the whole world).
+
+    ``metrics``: an ``ap.metrics`` metric (``compute``/``update``/``accumulate``/``reset``/
+    ``name``), any callable ``(outputs, labels) -> dict`` of numbers, or a list of them.
+    """
+
+    def __init__(self, model: torch.nn.Module, loss: Callable[..., Any] | None = None,
+                 optimizer: torch.optim.Optimizer | None = None, metrics: Any = None,
+                 strategy: Strategy | None = None) -> None:
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"ap.Engine: model must be a torch.nn.Module, got {type(model).__name__}")
+        if loss is not None and not callable(loss):
+            raise TypeError(f"ap.Engine: loss must be callable, got {type(loss).__name__}")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"ap.Engine: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if strategy is not None and not isinstance(strategy, Strategy):
+            raise TypeError(f"ap.Engine: strategy must be an ap.Strategy, got {type(strategy).__name__}")
+        self.model, self.loss, self.optimizer = model, loss, optimizer
+        self.strategy = strategy if strategy is not None else Strategy()
+        self.metrics = self._check_metrics(metrics)
+        self.mesh: ProcessMesh | None = None       # set by the first prepare/dataloader/run
+        self.data_axis: str | None = None          # the mesh axis the batch is split on
+        self._specs: tuple[list[InputSpec] | None, list[InputSpec] | None] = (None, None)
+        self._micro = 0                            # runs since the last optimizer step
+        self._check_strategy()
+
+    # ---- configuration -------------------------------------------------------------------------
+    @staticmethod
+    def _check_metrics(metrics: Any) -> list[Any]:
+        items = [] if metrics is None else list(metrics) if isinstance(metrics, (list, tuple)) else [metrics]
+        for m in items:
+            paddle_style = all(callable(getattr(m, a, None)) for a in ("update", "accumulate", "reset", "name"))
+            if not paddle_style and not callable(m):
+                raise TypeError(f"ap.Engine: a metric must have update/accumulate/reset/name (ap.metrics) "
+                                f"or be a callable (outputs, labels) -> dict, got {type(m).__name__}")
+        return items
+
+    def _check_strategy(self) -> None:
+        s = self.strategy
+        if s.auto_mode == "full":
+            raise NotImplementedError(
+                "ap.Engine: Strategy.auto_mode='full' (full-auto parallel) is not available yet; keep "
+                "auto_mode='semi' and lay the model out with ap.shard_tensor / ap.parallelize (docs/guide.md)")
+        if s.pipeline.enable:
+            raise NotImplementedError(
+                "ap.Engine: Strategy.pipeline.enable: pipelines built from the meshes of a forward are not "
+                "available yet; split the model into stages and run them with ap.pipeline.Pipeline(stages, "
+                f"loss_fn, num_microbatches={s.pipeline.accumulate_steps}, schedule={s.pipeline.schedule_mode!r}) "
+                "(docs/pipeline.md)")
+        world = runtime.get_world_size()
+        degree = s.sharding.degree
+        if s.sharding.enable and degree is not None and world % degree:
+            raise ValueError(f"ap.Engine: Strategy.sharding.degree {degree} does not divide the world of "
+                             f"{world} processes")
+
+    @property
+    def merge_steps(self) -> int:
+        """Runs per optimizer step: ``gradient_merge.k_steps`` when enabled, else ``accumulate_steps``."""
+        gm = self.strategy.gradient_merge
+        return gm.k_steps if gm.enable else self.strategy.accumulate_steps
+
+    # ---- laying out (once) ------------------------------------------------------------------------
+    def prepare(self, inputs_spec: Any = None, labels_spec: Any = None, mode: str = "train") -> None:
+        """Record the input and label specs and lay the model and optimizer out (Paddle's prepare).
+
+        ``inputs_spec``/``labels_spec``: an ``ap.InputSpec`` or a list; batches are checked
+        against them (``None`` dims: any size). Without them a batch is ``(input, *labels)``."""
+        _mode(mode)
+        specs = (as_specs(inputs_spec, "ap.Engine.prepare: inputs_spec"),
+                 as_specs(labels_spec, "ap.Engine.prepare: labels_spec"))
+        self._specs = specs
+        self._setup(lambda: [s.sample() for s in specs[0]] if specs[0] else None)
+
+    def _setup(self, sample: Callable[[], list[Any] | None]) -> None:
+        if self.mesh is not None:
+            return
+        model = self.model
+        if not any(isinstance(p, DistTensor) for p in model.parameters()):
+            inputs = sample()
+            if inputs is not None:
+                self._probe(inputs)
+        meshes = {p.process_mesh for p in model.parameters() if isinstance(p, DistTensor)}
+        if len(meshes) > 1:
+            raise NotImplementedError(
+                f"ap.Engine: the model's parameters live on {len(meshes)} meshes; pipelines are not built "
+                "by the Engine yet: use ap.pipeline.Pipeline (docs/pipeline.md)")
+        mesh = meshes.pop() if meshes else ProcessMesh(list(range(runtime.get_world_size())), dim_names=["dp"])
+        if any(not isinstance(p, DistTensor) for p in model.parameters()):
+            shard_layer(model, mesh)  # plain parameters: Replicate on every axis
+        self.data_axis = "dp" if "dp" in mesh.dim_names else None
+        stage = self._sharding(mesh)
+        if self.strategy.recompute.enable:
+            recompute(model)
+        amp = self.strategy.amp
+        precision = MixedPrecision(_DTYPES[amp.dtype]) if amp.enable else None
+        if self.optimizer is not None and not isinstance(self.optimizer, ShardedOptimizer):
+            self.optimizer = shard_optimizer(self.optimizer, stage, mixed_precision=precision)
+        elif (stage is not None or precision is not None) and self.optimizer is not None:
+            raise ValueError("ap.Engine: the optimizer is already an ap.shard_optimizer; give the plain "
+                             "optimizer so Strategy.sharding / Strategy.amp can wrap it")
+        self.mesh = mesh
+
+    def _probe(self, inputs: list[Any]) -> None:
+        """Run the forward once on zeros, so annotations in ``forward`` lay parameters out."""
+        was = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                self.model(*inputs)
+        finally:
+            self.model.train(was)
+
+    def _sharding(self, mesh: ProcessMesh) -> Any:
+        s = self.strategy.sharding
+        if not s.enable:
+            return None
+        if self.data_axis is None:
+            raise ValueError(f"ap.Engine: Strategy.sharding shards along the data-parallel axis 'dp', and the "
+                             f"model's mesh {mesh!r} has none")
+        size = mesh.get_dim_size("dp")
+        if s.degree is not None and s.degree != size:
+            raise ValueError(f"ap.Engine: Strategy.sharding.degree {s.degree} differs from the data-parallel "
+                             f"degree {size} (the 'dp' axis of {mesh!r}); sharding a part of the data-parallel "
+                             "ranks is not built: set degree to None or to the 'dp' size")
+        return _STAGES[s.stage](mesh, "dp")
+
+    # ---- batches ----------------------------------------------------------------------------
+    def _laid_mesh(self) -> ProcessMesh:
+        assert self.mesh is not None, "laid out by _setup first"
+        return self.mesh
+
+    def _placements(self) -> list[Placement]:
+        return [Shard(0) if n == self.data_axis else Replicate() for n in self._laid_mesh().dim_names]
+
+    def _split(self, data: Any, mode: str) -> tuple[list[Any], list[Any]]:
+        """(inputs, labels) of a batch: a dict (keys: the specs' names), a list/tuple or one input."""
+        ins, labs = self._specs
+        if isinstance(data, Mapping):
+            named = (ins or []) + ([] if mode == "predict" else labs or [])
+            if not named or any(s.name is None for s in named):
+                raise ValueError("ap.Engine: a dict batch needs prepare() with named InputSpecs (the keys)")
+            missing = [s.name for s in named if s.name not in data]
+            if missing:
+                raise ValueError(f"ap.Engine: batch keys {list(data)} lack {missing}")
+            return [data[s.name] for s in ins or []], [data[s.name] for s in labs or []] if mode != "predict" else []
+        items = list(data) if isinstance(data, (list, tuple)) else [data]
+        n = len(ins) if ins else (len(items) - len(labs) if labs and mode != "predict" else 1)
+        if n < 1 or n > len(items):
+            raise ValueError(f"ap.Engine: a batch of {len(items)} items for {n} inputs")
+        return items[:n], items[n:]
+
+    def _batch(self, data: Any, mode: str) -> tuple[list[Any], list[Any]]:
+        inputs, labels = self._split(data, mode)
+        self._setup(lambda: [torch.zeros((1, *t.shape[1:]), dtype=t.dtype) if isinstance(t, torch.Tensor) else t
+                             for t in inputs])
+        for specs, values, what in ((self._specs[0], inputs, "input"), (self._specs[1], labels, "label")):
+            for i, (spec, t) in enumerate(zip(specs or [], values)):
+                spec.check(t, f"ap.Engine: {what} {i}")
+        placements = self._placements()
+
+        def lay(t: Any) -> Any:
+            if isinstance(t, torch.Tensor) and not isinstance(t, DistTensor):
+                return shard_tensor(t, self._laid_mesh(), placements)
+            return t
+        return [lay(t) for t in inputs], [lay(t) for t in labels]
+
+    def dataloader(self, dataset: Dataset[Any], batch_size: int = 1, epochs: int = 1, shuffle: bool = False,
+                   mode: str = "train", collate_fn: Callable[[list[Any]], Any] | None = None,
+                   num_workers: int = 0, seed: int = 0) -> EngineLoader:
+        """Batches of ``batch_size`` samples (the global batch), laid out for the strategy; each rank
+        loads only its rows. Call the result once per pass; a short last batch is dropped.
+        ``shuffle`` draws the order from a generator seeded with ``seed``, alike on every rank."""
+        _mode(mode)
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"ap.Engine.dataloader: batch_size must be an int >= 1, got {batch_size!r}")
+        collate = collate_fn or default_collate
+        self._setup(lambda: self._sample_of(collate([dataset[0]]), mode))
+        generator = torch.Generator().manual_seed(seed) if shuffle else None
+        loader = DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, drop_last=True, collate_fn=collate,
+                            num_workers=num_workers, generator=generator)
+        return EngineLoader(shard_dataloader(loader, self._laid_mesh(), shard_dims=self.data_axis), epochs, self._reset_metrics)
+
+    def _sample_of(self, batch: Any, mode: str) -> list[Any]:
+        inputs, _ = self._split(batch, mode)
+        return [torch.zeros_like(t) if isinstance(t, torch.Tensor) else t for t in inputs]
+
+    # ---- one step ----------------------------------------------------------------------------
+    def run(self, data: Any, mode: str = "train") -> dict[str, Any]:
+        """One batch: train (forward, loss, backward, optimizer step every ``merge_steps`` runs),
+        eval (forward and loss) or predict (forward). Returns, on every rank, ``{"loss": float, <each
+        metric name>: float}`` — metrics of ``ap.metrics`` accumulated since their last reset (each
+        pass of an ``Engine.dataloader``) — or ``{"outputs": the full output}`` for predict."""
+        mode = _mode(mode)
+        inputs, labels = self._batch(data, mode)
+        if mode == "predict":
+            self.model.eval()
+            with torch.no_grad():
+                return {"outputs": whole(self.model(*inputs))}
+        if self.loss is None:
+            raise ValueError(f"ap.Engine.run(mode={mode!r}) needs a loss; the Engine was given none")
+        if mode == "train":
+            if self.optimizer is None:
+                raise ValueError("ap.Engine.run(mode='train') needs an optimizer; the Engine was given none")
+            self.model.train()
+            out = self.model(*inputs)
+            loss = self.loss(out, *labels)
+            loss.backward()
+            self._micro += 1
+            if self._micro == self.merge_steps:
+                self._step()
+        else:
+            self.model.eval()
+            with torch.no_grad():
+                out = self.model(*inputs)
+                loss = self.loss(out, *labels)
+        logs = {"loss": _float(loss.detach())}
+        logs.update(self._measure(out.detach(), labels))
+        return logs
+
+    def _step(self) -> None:
+        assert self.optimizer is not None
+        k, self._micro = self._micro, 0
+        if k > 1:  # gradient merge: the mean of the k runs' gradients
+            with torch.no_grad():
+                for p in self.model.parameters():
+                    if p.grad is not None:
+                        p.grad.div_(k)
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+
+    def _measure(self, out: Any, labels: list[Any]) -> dict[str, float]:
+        logs: dict[str, float] = {}
+        for m in self.metrics:
+            if hasattr(m, "accumulate"):
+                computed = m.compute(out, *labels) if hasattr(m, "compute") else (out, *labels)
+                m.update(*(computed if isinstance(computed, (tuple, list)) else (computed,)))
+                values, names = m.accumulate(), m.name()
+                values = list(values) if isinstance(values, (list, tuple)) else [values]
+                names = [names] if isinstance(names, str) else list(names)
+                logs.update({n: _float(v) for n, v in zip(names, values)})
+            else:
+                got = m(out, labels[0] if len(labels) == 1 else labels)
+                if not isinstance(got, Mapping):
+                    raise TypeError(f"ap.Engine: metric {m!r} returned {type(got).__name__}, not a dict")
+                logs.update({str(k): _float(v) for k, v in got.items()})
+        return logs
+
+    def _reset_metrics(self) -> None:
+        for m in self.metrics:
+            if hasattr(m, "reset"):
+                m.reset()
+
+    # ---- loops ----------------------------------------------------------------------------------
+    def _loader(self, data: Any, batch_size: int, mode: str, shuffle: bool = False) -> EngineLoader:
+        return data if isinstance(data, EngineLoader) else self.dataloader(data, batch_size, shuffle=shuffle, mode=mode)
+
+    def fit(self, train_data: Any, valid_data: Any = None, batch_size: int = 1, epochs: int = 1,
+            steps_per_epoch: int | None = None, shuffle: bool = False, verbose: int = 1) -> list[dict[str, float]]:
+        """Train ``epochs`` passes over ``train_data`` (a dataset or an ``Engine.dataloader``);
+        returns one dict per epoch: the mean loss (and mean of callable metrics) over its steps,
+        ``ap.metrics`` accumulated over it, and ``val_``-prefixed ``evaluate`` results."""
+        loader = self._loader(train_data, batch_size, "train", shuffle)
+        history = []
+        for epoch in range(epochs):
+            summary = Summary()
+            for step, data in enumerate(progress(loader(), len(loader), f"epoch {epoch + 1}/{epochs}", verbose)):
+                summary.add(self.run(data, mode="train"))
+                if steps_per_epoch is not None and step + 1 >= steps_per_epoch:
+                    break
+            logs = summary.result(self._accumulated())
+            if valid_data is not None:
+                logs.update({f"val_{k}": v for k, v in self.evaluate(valid_data, batch_size, verbose=0).items()})
+            history.append(logs)
+        return history
+
+    def evaluate(self, valid_data: Any, batch_size: int = 1, steps: int | None = None,
+                 verbose: int = 1) -> dict[str, float]:
+        """Loss and metrics over ``valid_data`` (no update): the mean loss over its batches, ``ap.metrics``
+        accumulated over them."""
+        loader = self._loader(valid_data, batch_size, "eval")
+        summary = Summary()
+        for step, data in enumerate(progress(loader(), len(loader), "evaluate", verbose)):
+            summary.add(self.run(data, mode="eval"))
+            if steps is not None and step + 1 >= steps:
+                break
+        return summary.result(self._accumulated())
+
+    def predict(self, test_data: Any, batch_size: int = 1, steps: int | None = None,
+                verbose: int = 1) -> list[torch.Tensor]:
+        """The model's full outputs, one tensor per batch, on every rank."""
+        loader = self._loader(test_data, batch_size, "predict")
+        outs = []
+        for step, data in enumerate(progress(loader(), len(loader), "predict", verbose)):
+            outs.append(self.run(data, mode="predict")["outputs"])
+            if steps is not None and step + 1 >= steps:
+                break
+        return outs
+
+    def _accumulated(self) -> set[str]:
+        names: set[str] = set()
+        for m in self.metrics:
+            if hasattr(m, "accumulate"):
+                n = m.name()
+                names.update([n] if isinstance(n, str) else n)
+        return names
+
+    # ---- checkpoints --------------------------------------------------------------------------
+    def _state(self, optimizer: bool) -> dict[str, Any]:
+        if self.mesh is None:
+            raise ValueError("ap.Engine: call prepare() (or dataloader/run/fit) before save/load, so the "
+                             "model is laid out")
+        state: dict[str, Any] = {"model": self.model.state_dict()}
+        if optimizer and self.optimizer is not None:
+            state["optimizer"] = self.optimizer.state_dict()
+        return state
+
+    def save(self, path: str, training: bool = True) -> None:
+        """``ap.save_state_dict({"model": ..., "optimizer": ...}, path)`` (the optimizer if ``training``)."""
+        save_state_dict(self._state(training), path)
+
+    def load(self, path: str, strict: bool = True, load_optimizer: bool = True) -> None:
+        """Fill the model (and optimizer) from ``path`` in their current layout."""
+        if load_optimizer and self.optimizer is not None:
+            init_optimizer_state(self.optimizer)
+        state = self._state(load_optimizer)
+        load_state_dict(state, path, strict=strict)
+        self.model.load_state_dict(state["model"])
+        if "optimizer" in state:
+            assert self.optimizer is not None
+            self.optimizer.load_state_dict(state["optimizer"])
+
+
+__all__ = ["Engine", "EngineLoader", "InputSpec", "MODES"]

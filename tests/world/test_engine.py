@@ -1,0 +1,264 @@
+"""``ap.Engine`` and ``ap.Strategy``: the primer's static semi-auto programs on the dynamic API.
+
+Data parallel (default Strategy, 4 ranks), group sharded (sharding stage 1/2/3, degree 4),
+model parallel (SimpleNet with dims mappings in forward on a mesh ["mp"], 2 ranks), recompute,
+gradient merge: each trained with ``engine.run`` over ``engine.dataloader`` equals one process
+(loss and parameters within 1e-5 relative), top-1/top-5 accuracy counts the global batch as one
+process does, the Engine equals the same layout written with the dynamic API (fp32 and bf16
+mixed precision), checkpoints round-trip, and bad configurations raise the same clear error on
+every rank.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import autoparallel as ap
+
+STEPS, BATCH, IN, INNER, OUT = 3, 8, 16, 32, 10
+
+
+class SimpleNet(nn.Module):
+    """The primer's SimpleNet; with a mesh, its model-parallel program (dims mappings in forward)."""
+
+    def __init__(self, mesh: ap.ProcessMesh | None = None) -> None:
+        super().__init__()
+        self.mesh = mesh
+        self.linear1 = nn.Linear(IN, INNER)
+        self.linear2 = nn.Linear(INNER, IN)
+        self.linear3 = nn.Linear(IN, OUT)
+        self.relu = nn.ReLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mesh is not None:
+            ap.shard_tensor(self.linear1.weight, self.mesh, ["mp", None])  # column-parallel
+            ap.shard_tensor(self.linear1.bias, self.mesh, ["mp"])
+            ap.shard_tensor(self.linear2.weight, self.mesh, [None, "mp"])  # row-parallel
+        return self.relu(self.linear3(self.linear2(self.linear1(x))))
+
+
+def _dataset(n: int) -> TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    return TensorDataset(torch.randn(n, IN, generator=g), torch.randint(0, OUT, (n,), generator=g))
+
+
+def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, ap.DistTensor) else t).detach().clone()
+
+
+def _reference(batch: int = BATCH, steps: int = STEPS) -> dict[str, Any]:
+    """One process: losses, accuracies (over the pass so far) and parameters."""
+    torch.manual_seed(0)
+    model = SimpleNet()
+    opt = _optimizer(model)
+    ds = _dataset(batch * steps)
+    losses, accs, hits, seen = [], [], torch.zeros(2), 0
+    for i in range(steps):
+        x, y = ds[i * batch:(i + 1) * batch]
+        out = model(x)
+        loss = F.cross_entropy(out, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        top = out.detach().topk(5, dim=1).indices
+        hits += torch.stack([(top[:, :1] == y[:, None]).sum(), (top == y[:, None]).sum()]).float()
+        seen += batch
+        losses.append(float(loss.detach()))
+        accs.append((float(hits[0]) / seen, float(hits[1]) / seen))
+    return {"losses": losses, "accs": accs, "params": {n: p.detach() for n, p in model.named_parameters()}}
+
+
+def _strategy(kind: str) -> ap.Strategy:
+    s = ap.Strategy()
+    if kind.startswith("zero"):
+        s.sharding.enable = True
+        s.sharding.stage = int(kind[-1])
+        s.sharding.degree = 4
+    if kind == "recompute":
+        s.recompute.enable = True
+    if kind == "merge":
+        s.gradient_merge.enable = True
+        s.gradient_merge.k_steps = 2
+    return s
+
+
+def _engine_program(rank: int, kind: str) -> dict[str, Any]:
+    """The primer's program: Engine, prepare, dataloader, run per batch."""
+    mesh = ap.ProcessMesh([0, 1], dim_names=["mp"]) if kind == "mp" else None
+    torch.manual_seed(0)
+    model = SimpleNet(mesh)
+    engine = ap.Engine(model, nn.CrossEntropyLoss(), _optimizer(model),
+                       metrics=ap.metrics.Accuracy(topk=(1, 5)), strategy=_strategy(kind))
+    engine.prepare(inputs_spec=ap.InputSpec([None, IN], torch.float32, "img"),
+                   labels_spec=ap.InputSpec([None], torch.int64, "label"), mode="train")
+    batch = BATCH // 2 if kind == "merge" else BATCH    # gradient merge: two half batches per step
+    steps = STEPS * 2 if kind == "merge" else STEPS
+    loader = engine.dataloader(_dataset(batch * steps), batch_size=batch, epochs=1, mode="train")
+    outs = [engine.run(data, mode="train") for data in loader()]
+    return {
+        "outs": outs,
+        "params": {n: _full(p) for n, p in model.named_parameters()},
+        "placements": {n: list(p.placements) for n, p in model.named_parameters()},
+        "optimizer": type(engine.optimizer).__name__,
+    }
+
+
+def _close(got: float, want: float) -> bool:
+    return abs(got - want) <= 1e-5 * max(abs(want), 1e-6)
+
+
+def _check_params(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    for n, w in want.items():
+        rel = float((got[n] - w).norm() / w.norm())
+        assert rel <= 1e-5, (n, rel)
+
+
+@pytest.mark.parametrize("kind", ["dp", "zero1", "zero2", "zero3", "recompute"])
+def test_programs_train_like_one_process(world4: Any, kind: str) -> None:
+    ref = _reference()
+    for o in world4.run(_engine_program, kind):
+        assert [set(d) for d in o["outs"]] == [{"loss", "acc_top1", "acc_top5"}] * STEPS
+        losses = [d["loss"] for d in o["outs"]]
+        assert all(_close(g, w) for g, w in zip(losses, ref["losses"], strict=True)), (losses, ref["losses"])
+        accs = [(d["acc_top1"], d["acc_top5"]) for d in o["outs"]]
+        assert accs == pytest.approx(ref["accs"], abs=1e-9)  # the global batch, counted once
+        _check_params(o["params"], ref["params"])
+        assert o["optimizer"] == "ShardedOptimizer"
+
+
+def test_model_parallel_program_keeps_its_layout(world2: Any) -> None:
+    ref = _reference()
+    for o in world2.run(_engine_program, "mp"):
+        losses = [d["loss"] for d in o["outs"]]
+        assert all(_close(g, w) for g, w in zip(losses, ref["losses"], strict=True)), (losses, ref["losses"])
+        assert [(d["acc_top1"], d["acc_top5"]) for d in o["outs"]] == pytest.approx(ref["accs"], abs=1e-9)
+        _check_params(o["params"], ref["params"])
+        assert o["placements"]["linear1.weight"] == [ap.Shard(0)]
+        assert o["placements"]["linear2.weight"] == [ap.Shard(1)]
+        assert o["placements"]["linear3.weight"] == [ap.Replicate()]
+
+
+def test_gradient_merge_equals_the_doubled_batch(world4: Any) -> None:
+    ref = _reference(batch=BATCH, steps=STEPS)  # k_steps=2 of half batches: one step of the whole batch
+    for o in world4.run(_engine_program, "merge"):
+        _check_params(o["params"], ref["params"])
+        halves = [d["loss"] for d in o["outs"]]
+        assert len(halves) == 2 * STEPS
+
+
+def _engine_vs_dynamic(rank: int, amp: bool) -> dict[str, Any]:
+    ds = _dataset(BATCH * STEPS)
+    torch.manual_seed(0)
+    model = SimpleNet()
+    strategy = ap.Strategy()
+    strategy.amp.enable = amp
+    engine = ap.Engine(model, F.cross_entropy, _optimizer(model), strategy=strategy)
+    engine_losses = [engine.run(d)["loss"] for d in engine.dataloader(ds, batch_size=BATCH)()]
+
+    torch.manual_seed(0)
+    model = SimpleNet()
+    mesh = ap.ProcessMesh([0, 1, 2, 3], dim_names=["dp"])
+    ap.shard_layer(model, mesh)
+    opt = ap.shard_optimizer(_optimizer(model), mixed_precision=ap.MixedPrecision(torch.bfloat16) if amp else None)
+    loader = ap.shard_dataloader(torch.utils.data.DataLoader(ds, batch_size=BATCH, drop_last=True), mesh, shard_dims="dp")
+    losses = []
+    for x, y in loader:
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.full_tensor()))
+    return {"engine": engine_losses, "dynamic": losses}
+
+
+@pytest.mark.parametrize("amp", [False, True], ids=["fp32", "bf16"])
+def test_engine_equals_the_dynamic_api(world4: Any, amp: bool) -> None:
+    for o in world4.run(_engine_vs_dynamic, amp):
+        assert o["engine"] == o["dynamic"]
+
+
+def _fit_save_load(rank: int, folder: str) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = SimpleNet()
+    engine = ap.Engine(model, F.cross_entropy, _optimizer(model), metrics=ap.metrics.Accuracy())
+    history = engine.fit(_dataset(BATCH * STEPS), batch_size=BATCH, epochs=2, verbose=0)
+    evaluated = engine.evaluate(_dataset(BATCH * 2), batch_size=BATCH, verbose=0)
+    preds = engine.predict(_dataset(BATCH * 2), batch_size=BATCH, verbose=0)
+    engine.save(folder)
+    saved = {n: _full(p) for n, p in model.named_parameters()}
+    torch.manual_seed(1)
+    other = SimpleNet()
+    again = ap.Engine(other, F.cross_entropy, _optimizer(other), metrics=ap.metrics.Accuracy())
+    again.prepare(ap.InputSpec([None, IN]), ap.InputSpec([None], "int64"))
+    again.load(folder)
+    return {"history": history, "eval": evaluated, "again": again.evaluate(_dataset(BATCH * 2), batch_size=BATCH, verbose=0),
+            "preds": [tuple(p.shape) for p in preds], "loaded": all(torch.equal(saved[n], _full(p)) for n, p in other.named_parameters())}
+
+
+def test_fit_evaluate_predict_save_load(world4: Any) -> None:
+    with tempfile.TemporaryDirectory() as d:
+        outs = world4.run(_fit_save_load, os.path.join(d, "ckpt"))
+    for o in outs:
+        assert [set(h) for h in o["history"]] == [{"loss", "acc"}] * 2
+        assert o["history"][1]["loss"] < o["history"][0]["loss"]
+        assert o["preds"] == [(BATCH, OUT)] * 2 and o["loaded"]
+        assert o["again"] == pytest.approx(o["eval"], rel=1e-6)
+    assert all(o["history"] == outs[0]["history"] for o in outs)  # the same numbers on every rank
+
+
+# ---- bad configurations: clear errors, the same on every rank ------------------------------------
+@pytest.mark.pure
+def test_strategy_refuses_unknown_names_and_bad_values() -> None:
+    s = ap.Strategy()
+    with pytest.raises(AttributeError, match="'shardin'.*sharding, pipeline, amp"):
+        s.shardin.enable = True  # type: ignore[attr-defined]
+    with pytest.raises(AttributeError, match="'enabel'.*enable, stage, degree"):
+        s.sharding.enabel = True  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match=r"stage must be one of \(1, 2, 3\), got 4"):
+        s.sharding.stage = 4
+    with pytest.raises(ValueError, match="dtype must be one of.*'float8'"):
+        s.amp.dtype = "float8"
+    with pytest.raises(ValueError, match="auto_mode"):
+        s.auto_mode = "auto"
+    assert ap.Strategy({"sharding": {"enable": True, "stage": 2}}).sharding.stage == 2
+
+
+def _engine_with(rank: int, setting: str) -> None:
+    s = ap.Strategy()
+    if setting == "degree":
+        s.sharding.enable, s.sharding.degree = True, 3
+    elif setting == "degree_not_dp":
+        s.sharding.enable, s.sharding.degree = True, 2
+    elif setting == "pipeline":
+        s.pipeline.enable = True
+    elif setting == "full":
+        s.auto_mode = "full"
+    model = SimpleNet()
+    engine = ap.Engine(model, F.cross_entropy, _optimizer(model), strategy=s)
+    engine.prepare(ap.InputSpec([None, IN]), ap.InputSpec([None], torch.int64))
+    engine.run((torch.zeros(BATCH, IN), torch.zeros(BATCH, 1, dtype=torch.int64)))
+
+
+@pytest.mark.parametrize("setting,exc,text", [
+    ("degree", ValueError, "degree 3 does not divide the world of 4 processes"),
+    ("degree_not_dp", ValueError, "degree 2 differs from the data-parallel degree 4"),
+    ("pipeline", NotImplementedError, "ap.pipeline.Pipeline"),
+    ("full", NotImplementedError, "auto_mode='full'"),
+    ("bad_label", ValueError, "shape (8, 1) does not fit InputSpec([None], torch.int64)"),
+])
+def test_bad_configurations_raise_on_every_rank(world4: Any, setting: str, exc: type, text: str) -> None:
+    with pytest.raises(exc) as info:
+        world4.run(_engine_with, setting, timeout=60)
+    assert text in str(info.value)
