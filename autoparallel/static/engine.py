@@ -10,7 +10,7 @@ Everything the Engine does is a dynamic-API call a script could make itself (doc
   ``ap.shard_tensor``), ``Replicate`` on a mesh without one;
 - ``strategy.sharding`` -> ``ap.ShardingStage{1,2,3}(mesh, "dp")``, ``strategy.amp`` ->
   ``ap.MixedPrecision``, both given to ``ap.shard_optimizer``; ``strategy.recompute`` ->
-  ``ap.recompute`` on each child of the model; ``strategy.gradient_merge`` -> the optimizer
+  ``ap.recompute(model)``; ``strategy.gradient_merge`` -> the optimizer
   steps every ``k_steps`` runs with the mean of their gradients;
 - ``save``/``load``: ``ap.save_state_dict``/``ap.load_state_dict`` of the model and optimizer.
 

@@ -131,7 +131,7 @@ class Amp(_Group):
 
 
 class Recompute(_Group):
-    """Activation recomputation: ``enable`` -> ``ap.recompute`` on the model's children."""
+    """Activation recomputation: ``enable`` -> ``ap.recompute`` on the whole model."""
 
     __slots__ = ("enable",)
     _label = "Strategy.recompute"
