@@ -91,26 +91,40 @@ def all_reduce(
 
 def reduce_scatter(
     locals_: Sequence[torch.Tensor], dims: Sequence[int], mesh: ProcessMesh, axis: int, reduce_type: str,
-    scale: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None, prescales: Sequence[torch.Tensor | None] | None = None,
 ) -> list[torch.Tensor]:
     """Reduce every tensor over ``axis`` and keep this rank's ``torch.chunk`` piece along its dim
-    (times ``scale``, a 0-dim tensor, if given).
+    (times ``scale``, a 0-dim tensor, if given). ``prescales[k]`` (a 0-dim tensor or None): tensor
+    ``k`` enters the reduction multiplied by it, computed while packing (no scaled copy is made).
 
-    One reduce-scatter: segment ``r`` of the buffer holds member ``r``'s pieces of every tensor.
+    One reduce-scatter of one buffer: segment ``r`` holds member ``r``'s pieces of every tensor,
+    each copied straight from its tensor (the buffer is the only copy the packing makes).
     """
     n, me = _line(mesh, axis)
+    pre = list(prescales) if prescales is not None else [None] * len(locals_)
     if n == 1:
-        return list(locals_) if scale is None else [t * scale for t in locals_]
-    segments = [torch.cat([_chunk(t, d, n, r).reshape(-1) for t, d in zip(locals_, dims)]) for r in range(n)]
-    width = max(s.numel() for s in segments)  # member 0 has the largest pieces
-    buf = torch.cat([_pad(s, width) for s in segments])  # [n * width]
+        out = [t if s is None else t * s for t, s in zip(locals_, pre)]
+        return out if scale is None else [t * scale for t in out]
+    shapes = [[_chunk_shape(t.shape, d, n, r) for t, d in zip(locals_, dims)] for r in range(n)]
+    width = max(sum(_numel(s) for s in row) for row in shapes)  # member 0 has the largest pieces
+    buf = locals_[0].new_empty(n * width)  # [n * width]
+    for r in range(n):
+        at = r * width
+        for t, d, s, shape in zip(locals_, dims, pre, shapes[r]):
+            k = _numel(shape)
+            seat = buf[at: at + k].view(shape)
+            if s is None:
+                seat.copy_(_chunk(t, d, n, r))
+            else:
+                torch.mul(_chunk(t, d, n, r), s, out=seat)
+            at += k
+        buf[at: (r + 1) * width].zero_()  # padding of a member with smaller pieces
     mine = comm.reduce_scatter(buf, mesh, axis, 0, reduce_type)  # [width]
     if scale is not None:
         mine.mul_(scale)
-    shapes = [_chunk_shape(t.shape, d, n, me) for t, d in zip(locals_, dims)]
-    sizes = [_numel(s) for s in shapes]
+    sizes = [_numel(s) for s in shapes[me]]
     pieces = mine[: sum(sizes)].split(sizes)
-    return [p.view(s) for p, s in zip(pieces, shapes)]
+    return [p.view(s) for p, s in zip(pieces, shapes[me])]
 
 
 def all_gather(

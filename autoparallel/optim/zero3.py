@@ -36,7 +36,10 @@ their unit computes (forward) or its gradients are computed (backward).
 
 The gather is an autograd function whose backward is the mirror image: the gradients (Partial
 over the data-parallel axis) are reduce-scattered in one collective straight into the shard
-layout, so a full gradient never persists.
+layout, so a full gradient never persists. Each gradient is copied once, into the collective's
+one buffer (``buckets.reduce_scatter``), and a pending gradient of a deferred batch mean is
+multiplied by its ``1 / count`` as it is copied: beside the unit's gradients, which autograd
+holds until this backward returns, the reduction makes one full-size buffer, no more.
 
 Mixed precision (``ap.MixedPrecision``, ``optim.precision``) rides on the same units. A ZeRO-3
 parameter's layout then names a compute dtype: the shard is cast before the all-gather (half the
@@ -67,6 +70,7 @@ from autoparallel.engine.dtensor import DistTensor
 from autoparallel.memory.recomputation import active as in_recomputed_region
 from autoparallel.optim import buckets
 from autoparallel.placement import Partial, chunk_bounds
+from autoparallel.runtime.comm import profiled
 from autoparallel.spec import DistSpec
 
 _ATTR = "_ap_zero3"         # per parameter: its Zero3Layout
@@ -380,7 +384,8 @@ class _UnitGather:
         if self.cached is None:
             params = [ref() for ref in self.params]
             assert all(p is not None for p in params), "a ZeRO-3 parameter was freed before its backward"
-            self.cached = _gather_locals(params, self.layouts)  # type: ignore[arg-type]
+            with profiled("autoparallel::zero3_regather"):
+                self.cached = _gather_locals(params, self.layouts)  # type: ignore[arg-type]
         return self.cached[k]
 
     def release(self) -> None:
@@ -452,7 +457,8 @@ class _GatherParams(torch.autograd.Function):
     def forward(ctx: Any, layouts: tuple[Zero3Layout, ...], source: _UnitGather, *params: DistTensor) -> tuple[DistTensor, ...]:  # type: ignore[override]
         ctx.layouts = layouts
         ctx.source = source
-        fulls = _gather_locals(list(params), layouts)
+        with profiled("autoparallel::zero3_gather"):
+            fulls = _gather_locals(list(params), layouts)
         return tuple(layout.wrap(full, lay.used) for full, lay in zip(fulls, layouts))
 
     @staticmethod
@@ -464,26 +470,45 @@ class _GatherParams(torch.autograd.Function):
         live = [k for k, g in enumerate(grads) if g is not None]
         sub = tuple(layouts[k] for k in live)
         wire = [layouts[k].reduce or grads[k].dtype for k in live]  # type: ignore[union-attr]
-        for (mesh, axis, dtype), idx in _groups(sub, wire).items():
-            ks = [live[i] for i in idx]
-            if axis is None:  # a compute copy only: the gradient in the master's dtype, reduced later
-                for k in ks:
-                    g, master = grads[k], layouts[k].shard.dtype
-                    out[k] = layout.wrap(layout.local_of(g).to(master), layout.spec_of(g).with_dtype(master))  # type: ignore[arg-type]
-                continue
-            summands = [_summand(grads[k], layouts[k]).to(dtype) for k in ks]  # type: ignore[arg-type]
-            if mesh.coordinate_of(rank) is None:
-                pieces = summands
-            else:
-                pieces = buckets.reduce_scatter(summands, [layouts[k].dim for k in ks], mesh, axis, "sum")
-            for k, piece in zip(ks, pieces):
-                out[k] = layout.wrap(piece.to(layouts[k].shard.dtype), layouts[k].shard)
+        with profiled("autoparallel::zero3_reduce_scatter"):
+            for (mesh, axis, dtype), idx in _groups(sub, wire).items():
+                ks = [live[i] for i in idx]
+                if axis is None:  # a compute copy only: the gradient in the master's dtype, reduced later
+                    for k in ks:
+                        g, master = grads[k], layouts[k].shard.dtype
+                        out[k] = layout.wrap(layout.local_of(g).to(master), layout.spec_of(g).with_dtype(master))  # type: ignore[arg-type]
+                    continue
+                if mesh.coordinate_of(rank) is None:
+                    pieces = [_summand(grads[k], layouts[k]).to(dtype) for k in ks]  # type: ignore[arg-type]
+                else:
+                    summands, scales = zip(*(_summand_scaled(grads[k], layouts[k], dtype) for k in ks))  # type: ignore[arg-type]
+                    pieces = buckets.reduce_scatter(summands, [layouts[k].dim for k in ks], mesh, axis, "sum",
+                                                    prescales=scales)
+                    del summands  # (the full-size gradients themselves are autograd's until we return)
+                for k, piece in zip(ks, pieces):
+                    out[k] = layout.wrap(piece.to(layouts[k].shard.dtype), layouts[k].shard)
         return (None, None, *out)
+
+
+def _partial(lay: Zero3Layout, dtype: torch.dtype) -> DistSpec:
+    """A sharded parameter's full layout, Partial(sum) on its axis, in ``dtype``."""
+    placements = list(lay.full.placements)
+    placements[lay.axis] = Partial("sum")  # type: ignore[index]  # a sharded parameter's axis
+    return lay.full.with_placements(placements, lay.full.shard_order).with_dtype(dtype)
 
 
 def _summand(grad: DistTensor, lay: Zero3Layout) -> torch.Tensor:
     """This rank's local summand of ``grad`` laid out as ``full`` but Partial(sum) on the axis."""
-    placements = list(lay.full.placements)
-    placements[lay.axis] = Partial("sum")  # type: ignore[index]  # a sharded parameter's axis
-    target = lay.full.with_placements(placements, lay.full.shard_order).with_dtype(grad.dtype)
-    return layout.move(layout.local_of(grad), layout.spec_of(grad), target)
+    return layout.move(layout.local_of(grad), layout.spec_of(grad), _partial(lay, grad.dtype))
+
+
+def _summand_scaled(grad: DistTensor, lay: Zero3Layout, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(tensor, scale): the summand is ``tensor * scale`` (scale None: ``tensor``) in ``dtype``.
+
+    A pending scaled gradient already in the summand's layout and dtype gives its unscaled shard
+    and ``1 / count``: the reduction's packing multiplies as it copies, the very product reading
+    its value would compute, without a full-size scaled copy of every gradient of the unit."""
+    pending = layout.scaled_raw(grad)
+    if pending is not None and pending[0].dtype == dtype and layout.spec_of(grad) == _partial(lay, dtype):
+        return pending[0], pending[1].inverse_count()
+    return _summand(grad, lay).to(dtype), None

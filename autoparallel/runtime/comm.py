@@ -341,6 +341,9 @@ def all_gather(local: torch.Tensor, mesh: ProcessMesh, axis: int, dim: int, size
         else:
             out = x.new_empty(shape)
             _all_gather_flat(_wire(out), _wire(x), group=group)  # type: ignore[arg-type]
+        if list(grank) == list(range(n)):  # group-rank order is coordinate order: no copy
+            record("all_gather", mesh, axis, line, *cost.all_gather_bytes([s * row * item for s in sizes], me))
+            return out.movedim(0, dim).contiguous()
         pieces = list(out.split(sizes[0]))
         pieces = [pieces[g] for g in grank]  # group-rank order -> coordinate order
     else:
@@ -386,10 +389,14 @@ def reduce_scatter(
         stack = _exchange_pieces(x, pieces_c, length, grank, group)
         out = carry.result(_reduce_local(carry.to_wire(stack), carry.op), n, reduce_type)
     elif size:
-        by_group: list[torch.Tensor] = [x] * n
-        for c, g in enumerate(grank):
-            by_group[g] = x.narrow(0, *pieces_c[c])
-        inp = carry.to_wire(torch.cat(by_group, dim=0))  # [size, ...rest], group-rank order
+        if list(grank) == list(range(n)) and x.is_contiguous():
+            ordered = x  # coordinate order is group-rank order: the input as it is, no copy
+        else:
+            by_group: list[torch.Tensor] = [x] * n
+            for c, g in enumerate(grank):
+                by_group[g] = x.narrow(0, *pieces_c[c])
+            ordered = torch.cat(by_group, dim=0)
+        inp = carry.to_wire(ordered)  # [size, ...rest], group-rank order
         if _FUNCTIONAL[0]:
             w = _fc.wait_tensor(_fc.reduce_scatter_tensor(inp, carry.op, n, _name(group)))
         else:
