@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from autoparallel import runtime
+from autoparallel import compat, runtime
 from autoparallel.engine import layout
 from autoparallel.engine.dtensor import DistTensor
 from autoparallel.mesh import ProcessMesh
@@ -109,7 +109,7 @@ def _check_in_place(param: torch.nn.Parameter, where: str) -> None:
         raise ValueError(f"{where}: this parameter of shape {tuple(param.shape)} has weak references, so it cannot "
                          "be laid out in place (torch.utils.swap_tensors refuses); lay it out with "
                          "`module.weight = ap.shard_tensor(module.weight, mesh, placements)` instead")
-    if param._use_count() > 2:  # type: ignore[attr-defined]  # torch's private refcount of the TensorImpl
+    if compat.tensor_use_count(param) > 2:  # its Python object and this call's reference
         raise ValueError(f"{where}: something besides its Python object holds this parameter's tensor of shape "
                          f"{tuple(param.shape)} (a view of it, or the graph of a forward whose backward has not "
                          "run), so it cannot be laid out in place; annotate it before that")

@@ -188,6 +188,17 @@ def in_backward() -> bool:
     return _graph_task_id is not None and _graph_task_id() != -1
 
 
+# ---- tensor holders ----------------------------------------------------------------------------
+# ``Tensor._use_count()``: how many references hold a tensor's TensorImpl (its Python object, a view,
+# a saved tensor of a pending backward). A parameter laid out in place (``torch.utils.swap_tensors``)
+# must have no other holder. Fallback: 0 -- no extra holder seen; swap_tensors itself still refuses
+# a tensor it cannot swap.
+def tensor_use_count(t: torch.Tensor) -> int:
+    """References to ``t``'s TensorImpl (0 where torch does not say)."""
+    count = getattr(t, "_use_count", None)
+    return int(count()) if callable(count) else 0
+
+
 # ---- autograd ----------------------------------------------------------------------------------
 # Whether the running backward will execute an autograd node: a local region hands a parameter
 # its gradient directly only where the accumulation node would run and store it unchanged.
@@ -374,7 +385,7 @@ except ImportError:  # pragma: no cover - the same in Python
 
 
 __all__ = [
-    "LIBRARY_PACKAGES", "run_as_is_under_dynamo", "when_dynamo_imported", "on_dynamo_compile", "in_compiled_call", "profiler_enabled", "SymbolicTools", "global_module_hooks", "in_backward", "OBSERVER_HOOK", "modes_active",
+    "LIBRARY_PACKAGES", "run_as_is_under_dynamo", "when_dynamo_imported", "on_dynamo_compile", "in_compiled_call", "profiler_enabled", "SymbolicTools", "global_module_hooks", "in_backward", "tensor_use_count", "OBSERVER_HOOK", "modes_active",
     "symbolic_tools",
     "GRAD_SCALER_UNSCALE", "HAS_GRAD_SCALER_UNSCALE", "amp_check_and_unscale_",
     "WRAPPER_POSITIONAL", "TorchDispatchMode", "all_op_schemas", "disable_torch_function_subclass", "disabled_torch_function_impl", "flatten_dense_tensors",
