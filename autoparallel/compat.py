@@ -163,6 +163,54 @@ def modes_active() -> bool:
     return bool(_dispatch_depth() or _function_depth())
 
 
+# What sees every tensor autograd saves, or every op: the top of the saved-tensor hooks stack
+# (``torch.autograd.graph.saved_tensors_hooks``: torch's checkpoint, in its forward and in its
+# recompute, and CPU offloading) and the dispatch mode stack (selective checkpoint's caching
+# modes, ``make_fx``). A module run twice under them would be seen twice: torch's checkpoint
+# counts and compares the saves of its forward and of its recompute. Our own hooks and modes
+# carry ``OWN_OBSERVER`` (they follow what runs, as the code around them expects). Fallback:
+# "observed" -- local regions then prove new signatures only where nothing watches (slower).
+OWN_OBSERVER = "_ap_own_observer"
+_top_saved_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
+def _own(obj: Any) -> bool:
+    return bool(getattr(getattr(obj, "__func__", obj), OWN_OBSERVER, False))
+
+
+def foreign_saved_hooks() -> bool:
+    """Whether saved-tensor hooks that are not the library's own are on top of the stack (they
+    receive every tensor autograd saves now: torch's checkpoint, offloading)."""
+    if _top_saved_hooks is None:
+        return True
+    try:
+        top = _top_saved_hooks(False)
+    except (TypeError, RuntimeError):  # pragma: no cover - another signature
+        return True
+    return top is not None and not _own(top[0])
+
+
+def foreign_dispatch_modes() -> bool:
+    """Whether a ``TorchDispatchMode`` that is not the library's own is active (selective
+    checkpoint's caching and replaying modes, ``make_fx``, a user's mode)."""
+    if _dispatch_depth is None:
+        return True
+    n = _dispatch_depth()
+    if not n:
+        return False
+    try:
+        from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+        return any(not _own(type(m)) for m in _get_current_dispatch_mode_stack())
+    except (ImportError, AttributeError, RuntimeError):  # pragma: no cover
+        return True
+
+
+def mark_own_observer(obj: Any) -> Any:
+    """Mark a saved-tensor pack function or a dispatch mode class as the library's own."""
+    setattr(getattr(obj, "__func__", obj), OWN_OBSERVER, True)
+    return obj
+
+
 # torch.nn's global module hooks (``register_module_forward_hook`` and the pre-hook): a local
 # region's fake run (``regions.symbolic``) would hand them fake tensors. Fallback: "there may be
 # some" -- regions then keep checking new lengths by a recorded run.
@@ -385,7 +433,7 @@ except ImportError:  # pragma: no cover - the same in Python
 
 
 __all__ = [
-    "LIBRARY_PACKAGES", "run_as_is_under_dynamo", "when_dynamo_imported", "on_dynamo_compile", "in_compiled_call", "profiler_enabled", "SymbolicTools", "global_module_hooks", "in_backward", "tensor_use_count", "OBSERVER_HOOK", "modes_active",
+    "LIBRARY_PACKAGES", "run_as_is_under_dynamo", "when_dynamo_imported", "on_dynamo_compile", "in_compiled_call", "profiler_enabled", "SymbolicTools", "global_module_hooks", "in_backward", "tensor_use_count", "OBSERVER_HOOK", "modes_active", "OWN_OBSERVER", "foreign_saved_hooks", "foreign_dispatch_modes", "mark_own_observer",
     "symbolic_tools",
     "GRAD_SCALER_UNSCALE", "HAS_GRAD_SCALER_UNSCALE", "amp_check_and_unscale_",
     "WRAPPER_POSITIONAL", "TorchDispatchMode", "all_op_schemas", "disable_torch_function_subclass", "disabled_torch_function_impl", "flatten_dense_tensors",

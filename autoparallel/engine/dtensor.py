@@ -34,7 +34,7 @@ def contiguous_local(local: torch.Tensor, spec: DistSpec) -> torch.Tensor:
     return conform(local, contiguous_strides(spec.shape))
 
 
-_IN_PLACE, _MATMUL, _SPLIT_AT, _GRAD_FLAG = 1, 2, 3, 4
+_IN_PLACE, _MATMUL, _SPLIT_AT, _GRAD_FLAG, _BACKWARD = 1, 2, 3, 4, 5
 # ``t.requires_grad_()`` and ``t.requires_grad = ...``: a leaf that starts requiring grad gets its
 # gradient in its own layout (``keep_grad_layout``)
 # ``nn.Parameter(dist_tensor)`` makes its parameter with ``data.detach().requires_grad_()``
@@ -56,8 +56,38 @@ def _tf_kind(func: Any) -> int:
         return _GRAD_FLAG
     if func in _SPLIT_POINTS:
         return _SPLIT_AT
+    if func is torch.Tensor.backward:
+        return _BACKWARD
     name = getattr(func, "__name__", "")
     return _IN_PLACE if isinstance(name, str) and is_in_place_name(name) else 0
+
+
+_BACKWARD_ARGS = ("gradient", "retain_graph", "create_graph", "inputs")
+_gradient_edge = getattr(torch.autograd.graph, "get_gradient_edge", None)
+
+
+def _backward_as_forward(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """``loss.backward()`` run with subclass ``__torch_function__`` handling on, as the forward
+    ran; False: not done (torch's default then runs it with that handling off).
+
+    torch's default turns the handling off for the function it hands on, which here is the
+    whole backward pass: a recompute inside it (torch's checkpoint) would decide ``matmul``
+    otherwise than its forward did (``batch_matmul``) and save tensors of other shapes. The
+    pass starts from the loss's gradient edge, which no ``__torch_function__`` looks at."""
+    bound = dict(zip(_BACKWARD_ARGS, args[1:]))
+    bound.update(kwargs)
+    loss = args[0]
+    if (_gradient_edge is None or bound.get("inputs") is not None or not isinstance(loss, DistTensor)
+            or not loss.requires_grad or set(bound) - set(_BACKWARD_ARGS)):
+        return False
+    gradient = bound.get("gradient")
+    if gradient is None:
+        if loss.numel() != 1:
+            return False  # (torch's own error: a gradient is needed for a non-scalar)
+        gradient = torch.ones_like(loss, memory_format=torch.preserve_format)
+    torch.autograd.backward(_gradient_edge(loss), grad_tensors=gradient, retain_graph=bound.get("retain_graph"),
+                            create_graph=bool(bound.get("create_graph", False)))
+    return True
 
 
 class DistTensor(torch.Tensor):
@@ -123,6 +153,9 @@ class DistTensor(torch.Tensor):
                 return out
             elif kind == _SPLIT_AT:
                 args, kwargs = _whole_split_points(cls, func, args, kwargs or {})
+            elif kind == _BACKWARD:
+                if _backward_as_forward(args, kwargs or {}):
+                    return None
             else:
                 with compat.disable_torch_function_subclass():
                     out = batch_first_matmul(cls, func, args, kwargs, _FromLocal.apply)

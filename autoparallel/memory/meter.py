@@ -65,6 +65,8 @@ def _ancestors(name: str) -> list[str]:
 
 
 class _Recorder(TorchDispatchMode):  # type: ignore[misc,valid-type]  # compat's TorchDispatchMode
+    _ap_own_observer = True  # (``compat.OWN_OBSERVER``)
+
     def __init__(self, meter: LayerMeter) -> None:
         super().__init__()
         self.meter = meter

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import threading
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -59,7 +58,6 @@ POLICIES = ("full", "selective", "none")
 # the linear layers' products: kept by "selective" unless their output is Partial
 KEEP_OPS = frozenset({aten.mm.default, aten.addmm.default, aten._scaled_mm.default})
 _ATTR = "_ap_recompute"
-_state = threading.local()
 # transformers' names for a layer's key/value cache (GradientCheckpointingLayer drops the same)
 CACHE_ARGS = ("past_key_values", "past_key_value", "layer_past")
 _warned: set[str] = set()  # module classes that warned they run without their cache (once each)
@@ -68,57 +66,6 @@ _warned: set[str] = set()  # module classes that warned they run without their c
 def forget_warnings() -> None:
     """Let every module class warn again that its recompute runs without its cache."""
     _warned.clear()
-
-
-class _Frame:
-    """One recomputed call: the path (local or not) each local region inside it took in the
-    forward, replayed in the recompute so both run the same ops (a region's first call traces
-    on DistTensors and later calls run on plain shards: the recompute must not switch)."""
-
-    __slots__ = ("paths", "pos", "replaying")
-
-    def __init__(self) -> None:
-        self.paths: list[bool] = []
-        self.pos = 0
-        self.replaying = False
-
-
-def _frames() -> list[_Frame]:
-    frames = getattr(_state, "frames", None)
-    if frames is None:
-        frames = _state.frames = []
-    return frames
-
-
-def active() -> bool:
-    """True while a recomputed region runs (its forward or its recompute in the backward).
-
-    ZeRO-3 reads it: inside a region the checkpoint already keeps no gathered parameter, so
-    ZeRO-3 installs no saved-tensor hook of its own (it would take the region's saves away
-    from the checkpoint)."""
-    return bool(_frames())
-
-
-def forced_path() -> bool | None:
-    """In a recompute: whether the forward ran the next local region locally; else None.
-
-    A region the forward did not note (a module that became a region after the forward ran it
-    on DistTensors: regions are installed on a refused parent's children at its call) is
-    recomputed on DistTensors too (False): its first call would otherwise check and trace what
-    the forward did not, and a selective recompute finds ops the forward never saved."""
-    frames = _frames()
-    if not frames or not frames[-1].replaying:
-        return None
-    f = frames[-1]
-    f.pos += 1
-    return f.paths[f.pos - 1] if f.pos <= len(f.paths) else False
-
-
-def note_path(local: bool) -> None:
-    """A local region inside a recomputed forward ran locally (or not)."""
-    frames = _frames()
-    if frames and not frames[-1].replaying:
-        frames[-1].paths.append(local)
 
 
 def _is_partial(t: Any) -> bool:
@@ -148,30 +95,24 @@ def _context_fn(policy: Policy) -> Callable[[], Any] | None:
 def _region(call: Callable[..., Any]) -> Callable[..., Any]:
     """``call`` as checkpoint's function: its first run is the forward, later runs recompute.
 
-    A recompute runs with the forward's ``__torch_function__`` state: ``loss.backward()`` on a
-    DistTensor runs the whole backward with subclass handling off (``DistTensor.__torch_function__``
-    hands ``Tensor.backward`` on so), and what the forward decided there (a batched ``matmul``
-    on the shards: ``engine.batch_matmul``) would be decided otherwise in the recompute, saving
-    tensors of other shapes than the forward did (torch's checkpoint refuses that)."""
-    frame = _Frame()
+    A recompute runs with the forward's ``__torch_function__`` state: a backward started by
+    ``torch.autograd.backward``/``grad`` on a DistTensor runs with subclass handling off (torch's
+    default; ``loss.backward()`` keeps it on, ``engine.dtensor``), and what the forward decided
+    there (a batched ``matmul`` on the shards: ``engine.batch_matmul``) would be decided
+    otherwise in the recompute, saving tensors of other shapes than the forward did (torch's
+    checkpoint refuses that)."""
     runs = [0]
     forward_tf = [True]
 
     @functools.wraps(call)
     def run(*args: Any, **kwargs: Any) -> Any:
-        frame.replaying, frame.pos = runs[0] > 0, 0
         if runs[0] == 0:
             forward_tf[0] = compat.torch_function_enabled()
         runs[0] += 1
-        frames = _frames()
-        frames.append(frame)
-        try:
-            if frame.replaying and forward_tf[0] and not compat.torch_function_enabled():
-                with compat.enable_torch_function():
-                    return call(*args, **kwargs)
-            return call(*args, **kwargs)
-        finally:
-            frames.pop()
+        if runs[0] > 1 and forward_tf[0] and not compat.torch_function_enabled():
+            with compat.enable_torch_function():
+                return call(*args, **kwargs)
+        return call(*args, **kwargs)
     return run
 
 
@@ -273,4 +214,4 @@ def policy_of(module: nn.Module) -> Policy:
     return getattr(module, _ATTR, None) if isinstance(module, _Recomputed) else None
 
 
-__all__ = ["CACHE_ARGS", "KEEP_OPS", "POLICIES", "active", "forced_path", "forget_warnings", "note_path", "policy_of", "recompute", "selective_policy"]
+__all__ = ["CACHE_ARGS", "KEEP_OPS", "POLICIES", "forget_warnings", "policy_of", "recompute", "selective_policy"]

@@ -67,7 +67,6 @@ from torch.utils.hooks import RemovableHandle
 from autoparallel import compat, runtime
 from autoparallel.engine import layout
 from autoparallel.engine.dtensor import DistTensor
-from autoparallel.memory.recomputation import active as in_recomputed_region
 from autoparallel.optim import buckets
 from autoparallel.placement import Partial, chunk_bounds
 from autoparallel.runtime.comm import profiled
@@ -124,6 +123,7 @@ class _Live(dict[int, tuple["_UnitGather", int]]):
     """The storage address of each gathered parameter's local (while its unit runs) -> its source
     and index; its ``pack`` is the saved-tensor hook, so a kept graph pins this map, not the owner."""
 
+    @compat.mark_own_observer
     def pack(self, t: torch.Tensor) -> Any:
         if not self:
             return t
@@ -348,7 +348,8 @@ class _Unit:
         # Inside a recomputed region the checkpoint keeps no gathered parameter (its recompute
         # gathers the unit again: the backward's one all-gather); our hook would take the
         # region's saves away from it, so none is installed.
-        hooks = (contextlib.nullcontext() if in_recomputed_region()
+        # Likewise under torch's checkpoint (or offloading hooks): theirs stay on top.
+        hooks = (contextlib.nullcontext() if compat.foreign_saved_hooks()
                  else torch.autograd.graph.saved_tensors_hooks(owner.live.pack, _unpack))
         hooks.__enter__()
         self.active += 1

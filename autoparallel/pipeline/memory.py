@@ -73,6 +73,7 @@ class ActivationMeter:
     def reset_peak(self) -> None:
         self.peak = self.current
 
+    @compat.mark_own_observer
     def _pack(self, t: torch.Tensor) -> Any:
         info = _storage(t)
         if info is None or info[0] in self._exclude:

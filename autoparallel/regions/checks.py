@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from autoparallel import runtime
+from autoparallel import compat, runtime
 from autoparallel.compat import TorchDispatchMode, tree_flatten
 from autoparallel.engine import dispatch as _dispatch
 from autoparallel.engine import layout
@@ -244,6 +244,10 @@ class _Trace:
         summands, which its local run does once, before the module runs)."""
         if not self.quiet:
             self.reads.update(id(t) for t in _dist_args(args, kwargs))
+        if compat.foreign_saved_hooks() or compat.foreign_dispatch_modes():
+            # (a region proves a signature only where nothing watches: this one came from inside)
+            self.refuse("it runs torch's checkpoint inside (the recompute in the backward would run "
+                        "outside the local run)")
         # (an op returning a Python value, as ``item()``, is decided as a fallback: it reads
         # the whole value, which a shard does not hold)
         if decision.fallback:
@@ -472,6 +476,8 @@ class _Summand(torch.autograd.Function):
 
 class _Spy(TorchDispatchMode):
     """Records plain aten calls into a trace; hands DistTensor calls on to dispatch."""
+
+    _ap_own_observer = True  # (``compat.OWN_OBSERVER``)
 
     def __init__(self, trace: _Trace) -> None:
         super().__init__()

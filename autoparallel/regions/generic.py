@@ -188,6 +188,8 @@ class Recorder(TorchDispatchMode):
     run (``Stop``) before an op that is not the expected one, an in-place op writing a tensor
     the run did not make (``Made``), or a DistTensor."""
 
+    _ap_own_observer = True  # (``compat.OWN_OBSERVER``)
+
     def __init__(self, expect: Sequence[Any] | None = None) -> None:
         super().__init__()
         self.record = Record()

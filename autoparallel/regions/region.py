@@ -18,7 +18,6 @@ from autoparallel.engine import layout
 from autoparallel.engine.dtensor import DistTensor
 from autoparallel.engine.keys import adopt_one
 from autoparallel.log import logger
-from autoparallel.memory import recomputation
 from autoparallel.regions import moves, objects
 from autoparallel.regions.checks import (
     _classify,
@@ -44,6 +43,11 @@ MAX_SIGNATURES = 16            # per module; beyond that, evict the least recent
 MAX_PROVEN = MAX_SIGNATURES // 2  # of those, proven by a trace: kept before family-answered ones
 MAX_FAMILIES = 8               # per module: signatures up to sizes (``regions.generic``)
 _MISSING = object()
+
+
+def _observed() -> bool:
+    """Whether saved-tensor hooks or dispatch modes other than the library's own watch this call."""
+    return compat.foreign_saved_hooks() or compat.foreign_dispatch_modes()
 
 
 def _enabled() -> bool:
@@ -149,10 +153,7 @@ class _Region:
     def call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if _MODE:  # inside a parent's trace or local run: behave as the plain module
             return self.forward(*args, **kwargs)
-        if recomputation.forced_path() is False:  # recomputing what the forward ran on DistTensors
-            return self._plain(args, kwargs)
         ran = self._call(args, kwargs)
-        recomputation.note_path(ran is not None and ran[1])
         return self._plain(args, kwargs) if ran is None else ran[0]
 
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, bool] | None:
@@ -181,9 +182,12 @@ class _Region:
                 self._remember(key, _refused(f"an argument is a {kind.__name__} object whose entries a region "
                                              "cannot follow (regions.objects): it runs on DistTensors"))
                 return None
-            # Inside a recomputed region the first call's trace and replay would save (and
-            # run) more than its recompute: signatures are proven outside such regions only.
-            if recomputation.active():
+            # A new signature is proven (traced, replayed, run locally: the module runs more
+            # than once) only where nothing watches each saved tensor or op: inside torch's
+            # checkpoint (its forward, and its recompute in the backward), selective
+            # checkpoint's modes, offloading hooks or make_fx, the call takes the DistTensor
+            # path, as its recompute will (checkpoint compares what both save).
+            if _observed():
                 return None
             family = self.families.get(_family_of(key))
             if family is not None and family.model is not None:

@@ -1,0 +1,180 @@
+"""torch's own activation checkpoint on laid-out models, written as users write it.
+
+``torch.utils.checkpoint.checkpoint(block, x, use_reentrant=...)`` around each block's call (its
+hooks inside: ZeRO-3's gather is redone by the recompute) and transformers'
+``model.gradient_checkpointing_enable()``: every call of a signature takes one path, the first
+and the recomputation in the backward included (a local region does not prove a new signature
+under a checkpoint, and refuses one whose forward checkpoints inside it). Non-reentrant: the
+losses and every parameter after 3 SGD steps are bitwise those without checkpointing under DP,
+TP, TP + SP, DP x TP and ZeRO-3 (4 gloo ranks, the example GPT with dropout). Reentrant: equal
+within float rounding. ``ap.recompute`` of the last Linear of a ``shard_layer``'d network trains
+bitwise as without.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+EXAMPLES = os.path.join(ROOT, "examples")
+if EXAMPLES not in sys.path:
+    sys.path.insert(0, EXAMPLES)
+
+from gpt_model import GPT, GPTConfig, lm_loss  # noqa: E402
+
+CFG = GPTConfig(vocab=32, seq=8, layers=2, width=32, heads=4, dropout=0.1, attention="math")
+STEPS = 3
+MESHES = {"dp": (4, 1), "tp": (1, 4), "tp_sp": (1, 4), "dp_tp": (2, 2), "zero3": (2, 2)}
+
+
+def _checkpointed(module: nn.Module, reentrant: bool) -> None:
+    """Every call of ``module`` runs inside ``torch.utils.checkpoint.checkpoint`` (hooks included)."""
+    import torch.utils.checkpoint as tuc
+
+    cls = type(module)
+
+    def call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return tuc.checkpoint(cls.__call__.__get__(self), *args, use_reentrant=reentrant, **kwargs)
+
+    module.__class__ = type(cls.__name__, (cls,), {"__call__": call})
+
+
+def _gpt(rank: int, layout: str, how: str) -> dict[str, Any]:
+    """3 SGD steps of the example GPT laid out as ``layout``; ``how``: none, reentrant, nonreentrant."""
+    import train_gpt
+
+    import autoparallel as ap
+
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    dp, tp = MESHES[layout]
+    mesh = ap.ProcessMesh(torch.arange(4).reshape(dp, tp).tolist(), dim_names=["dp", "mp"])
+    ap.parallelize(model, mesh, {} if layout == "dp" else train_gpt.gpt_plan(layout in ("tp_sp", "zero3")))
+    if how != "none":
+        for block in model.blocks:
+            _checkpointed(block, how == "reentrant")
+    opt = ap.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                             ap.ShardingStage3(mesh, "dp") if layout == "zero3" else None)
+    torch.manual_seed(7)  # the dropout masks
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(STEPS):
+        x, y = (torch.randint(0, CFG.vocab, (4, CFG.seq), generator=g) for _ in range(2))
+        loss = lm_loss(model(ap.shard_tensor(x, mesh, [ap.Shard(0), ap.Replicate()])),
+                       ap.shard_tensor(y, mesh, [ap.Shard(0), ap.Replicate()]))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(train_gpt.scalar(loss))
+    return {"losses": losses, "params": train_gpt.full_params(model), "rng": torch.get_rng_state()}
+
+
+def _bitwise(a: dict[str, Any], b: dict[str, Any], what: str) -> None:
+    assert a["losses"] == b["losses"], (what, a["losses"], b["losses"])
+    for name, p in a["params"].items():
+        assert torch.equal(p, b["params"][name]), (what, name, float((p - b["params"][name]).abs().max()))
+    assert torch.equal(a["rng"], b["rng"]), (what, "the generator ends elsewhere")
+
+
+def _close(a: dict[str, Any], b: dict[str, Any], what: str) -> None:
+    torch.testing.assert_close(a["losses"], b["losses"], rtol=1e-5, atol=0, msg=what)
+    for name, p in a["params"].items():
+        torch.testing.assert_close(p, b["params"][name], rtol=1e-5, atol=1e-7, msg=f"{what} {name}")
+
+
+@pytest.mark.parametrize("layout", list(MESHES))
+def test_torch_checkpoint_is_bitwise_no_checkpoint(world4, layout: str) -> None:  # type: ignore[no-untyped-def]
+    base = world4.run(_gpt, layout, "none")
+    got = world4.run(_gpt, layout, "nonreentrant")
+    for r in range(4):
+        _bitwise(base[r], got[r], f"{layout} non-reentrant rank {r}")
+    if layout in ("dp_tp", "zero3"):
+        got = world4.run(_gpt, layout, "reentrant")
+        for r in range(4):
+            _close(base[r], got[r], f"{layout} reentrant rank {r}")
+
+
+def _llama(rank: int, layout: str, checkpointing: dict[str, Any] | None | bool) -> dict[str, Any]:
+    """3 SGD steps of an unmodified tiny Llama under TP (or DP x TP), with transformers' own
+    gradient checkpointing (``checkpointing``: its kwargs; None: its default; False: off)."""
+    import autoparallel as ap
+    from tests.models.test_hf_llama import PLAN_NAMES, tiny_llama
+
+    torch.manual_seed(0)
+    model = tiny_llama()
+    model.config.use_cache = False
+    if checkpointing is not False:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing)
+    model.train()
+    ids = torch.randint(0, 128, (STEPS, 4, 16))
+    if layout == "tp":
+        mesh, batch = ap.ProcessMesh([0, 1, 2, 3], dim_names=["tp"]), [ap.Replicate()]
+    else:
+        mesh, batch = ap.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "tp"]), [ap.Shard(0), ap.Replicate()]
+    styles = {"col": ap.ColWiseParallel, "row": ap.RowWiseParallel}
+    ap.parallelize(model, mesh, {k: styles[v]() for k, v in PLAN_NAMES.items()})
+    opt = ap.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    losses = []
+    for step in range(STEPS):
+        x = ap.shard_tensor(ids[step], mesh, batch)
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.full_tensor().item())
+    return {"losses": losses, "params": {n: p.full_tensor() for n, p in model.named_parameters()},
+            "rng": torch.get_rng_state()}
+
+
+@pytest.mark.parametrize("layout", ["tp", "dp_tp"])
+def test_transformers_gradient_checkpointing(world4, layout: str) -> None:  # type: ignore[no-untyped-def]
+    pytest.importorskip("transformers")
+    base = world4.run(_llama, layout, False)
+    got = world4.run(_llama, layout, {"use_reentrant": False})
+    for r in range(4):
+        _bitwise(base[r], got[r], f"llama {layout} non-reentrant rank {r}")
+    got = world4.run(_llama, layout, None)  # transformers' default (reentrant)
+    for r in range(4):
+        _close(base[r], got[r], f"llama {layout} default rank {r}")
+
+
+def _simple(rank: int, recompute: bool) -> list[float]:
+    """A Linear-ReLU-Linear-Linear net, the first two tensor-parallel by ``shard_layer``."""
+    import autoparallel as ap
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16), nn.Linear(16, 10))
+    mesh = ap.ProcessMesh([0, 1], dim_names=["mp"])
+
+    def shard_fn(name: str, layer: nn.Module, mesh: Any) -> None:
+        if name == "0":
+            layer.weight = ap.shard_tensor(layer.weight, mesh, [ap.Shard(0)])
+            layer.bias = ap.shard_tensor(layer.bias, mesh, [ap.Shard(0)])
+        elif name == "2":
+            layer.weight = ap.shard_tensor(layer.weight, mesh, [ap.Shard(1)])
+
+    ap.shard_layer(model, mesh, shard_fn)
+    if recompute:
+        ap.recompute(model[3], "full")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(STEPS):
+        loss = model(torch.randn(8, 16, generator=g)).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.full_tensor()))
+    return losses + [float(p.full_tensor().sum()) for p in model.parameters()]
+
+
+def test_recompute_inside_a_local_region(world2) -> None:  # type: ignore[no-untyped-def]
+    # the whole network is a local region; its last Linear is recomputed: the region is refused
+    # (its recompute would run outside the local run) and the network trains as without recompute
+    assert world2.run(_simple, True) == world2.run(_simple, False)
