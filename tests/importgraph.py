@@ -35,6 +35,14 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
                "autoparallel.plans", "autoparallel.regions", "autoparallel.static", "autoparallel.memory")),
 )
 PURE = ("spmd_rules", "reshard.plan", "reshard.planner", "reshard.crossmesh")
+# What model-level code may take from the engine: the door module whole, and these names of
+# two others (the public class; the op path's observer door). Everything else is the engine's.
+ENGINE = "autoparallel.engine"
+ENGINE_DOORS: dict[str, frozenset[str] | None] = {
+    "autoparallel.engine.layout": None,  # None: any name
+    "autoparallel.engine.dtensor": frozenset({"DistTensor"}),
+    "autoparallel.engine.dispatch": frozenset({"observed_by"}),
+}
 
 
 @dataclass
@@ -179,6 +187,49 @@ def upward_edges(g: Graph) -> list[tuple[str, str]]:
     return sorted(out)
 
 
+def _uses(tree: ast.AST, alias: str) -> set[str]:
+    """The attributes read off the name ``alias`` in ``tree`` (``alias.x`` -> ``x``); ``*`` where
+    the name is used otherwise (passed on whole)."""
+    out: set[str] = set()
+    attrs = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)}
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == alias:
+            out.add(n.attr)
+        elif isinstance(n, ast.Name) and n.id == alias and id(n) not in attrs and isinstance(n.ctx, ast.Load):
+            out.add("*")
+    return out
+
+
+def engine_internals(root: str) -> list[tuple[str, str]]:
+    """(model-level module, engine name it takes) for every engine name outside ``ENGINE_DOORS``."""
+    mods = _module_names(root)
+    model = dict(LAYERS)["model"]
+    out = []
+    for mod, path in sorted(mods.items()):
+        if not any(mod == p or mod.startswith(p + ".") for p in model):
+            continue
+        with open(path, encoding="utf-8") as fh:
+            tree = ast.parse(fh.read(), path)
+        for node in _imports(tree):
+            if isinstance(node, ast.Import):
+                out += [(mod, a.name) for a in node.names if a.name.startswith(ENGINE + ".") and a.name not in ENGINE_DOORS]
+                continue
+            base = _resolve(node.module or "", mod, path.endswith("__init__.py"), node.level)
+            for a in node.names:
+                full = f"{base}.{a.name}"
+                if full in ENGINE_DOORS:  # ``from autoparallel.engine import dispatch``: what is read off it
+                    allowed = ENGINE_DOORS[full]
+                    used = _uses(tree, a.asname or a.name)
+                    out += [(mod, f"{full}.{u}") for u in sorted(used) if allowed is not None and u not in allowed]
+                elif base in ENGINE_DOORS:
+                    allowed = ENGINE_DOORS[base]
+                    if allowed is not None and a.name not in allowed:
+                        out.append((mod, full))
+                elif base == ENGINE or base.startswith(ENGINE + "."):
+                    out.append((mod, full))
+    return out
+
+
 def report(root: str) -> str:
     g = build(root)
     cyc = cycles(g)
@@ -191,6 +242,9 @@ def report(root: str) -> str:
     up = upward_edges(g)
     lines.append(f"imports pointing up a layer: {len(up)}")
     lines += [f"  {a} -> {b}" for a, b in up]
+    inner = engine_internals(root)
+    lines.append(f"engine internals taken by model-level modules: {len(inner)}")
+    lines += [f"  {a} -> {b}" for a, b in inner]
     return "\n".join(lines)
 
 

@@ -7,13 +7,16 @@ between layouts may change inside the engine without touching them.
 
 Three kinds of operation:
 
-- **read**: ``is_dist``, ``spec_of`` (global layout; ``spec_or_none`` for any value),
+- **read**: ``dist_args`` (a call's DistTensors, in the order the dispatcher collects them),
+  ``written_args`` (the arguments an op writes in place), ``VALUE_OPS`` (the ops whose result
+  is a Python value read from a tensor), ``is_dist``, ``spec_of`` (global layout; ``spec_or_none`` for any value),
   ``local_of`` (this rank's shard; a pending value is computed; ``local_or_plain`` for any
   value), ``stride_of`` (the strides the wrapper advertises), and of a pending scaled gradient
   (``autoparallel.engine.pending``) ``scaled_raw`` (its unscaled shard and statistic, or None)
   and ``raw_of`` (its unscaled shard, read without computing the value);
 - **make**: ``wrap`` (a DistTensor around a shard, not differentiable: for values autograd
-  does not track, e.g. gradients handed over by hand), the differentiable ``from_local`` (a
+  does not track, e.g. gradients handed over by hand), ``adopt`` (the Replicate DistTensor an
+  op takes a plain tensor as), the differentiable ``from_local`` (a
   shard) and ``shard_full`` (the full value), and ``pending_gradient`` (a scaled gradient kept
   unscaled until read); ``keep_grad_layout`` (a leaf's ``.grad`` comes back in its own layout);
 - **move**: ``move`` (a shard from one layout to another: the planner's plan, run),
@@ -31,6 +34,8 @@ from typing import Any, TypeGuard
 
 import torch
 
+from autoparallel.engine.aliases import written_args
+from autoparallel.engine.decide import VALUE_OPS
 from autoparallel.engine.deferred import Stat
 from autoparallel.engine.dtensor import (
     DistTensor,
@@ -41,12 +46,22 @@ from autoparallel.engine.dtensor import (
     grad_spec,
     keep_grad_layout,
 )
+from autoparallel.engine.keys import adopt_one, call_key
 from autoparallel.engine.pending import scaled_raw
 from autoparallel.spec import DistSpec
 from reshard.executor import reshard_local, run_plan
 
 
 # ---- read ------------------------------------------------------------------------------------
+def dist_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[DistTensor]:
+    """The DistTensors of an op call, in the order its decision's plans follow."""
+    dts: list[DistTensor] = []
+    plain: list[torch.Tensor] = []
+    call_key(DistTensor, args, dts, plain)
+    call_key(DistTensor, tuple(kwargs.items()), dts, plain)
+    return dts
+
+
 def is_dist(t: Any) -> TypeGuard[DistTensor]:
     """Whether ``t`` is a DistTensor (pending ones included)."""
     return isinstance(t, DistTensor)
@@ -84,6 +99,12 @@ def raw_of(t: DistTensor) -> torch.Tensor:
 
 
 # ---- make ------------------------------------------------------------------------------------
+def adopt(t: torch.Tensor, mesh: Any) -> DistTensor:
+    """The plain tensor ``t`` as the Replicate DistTensor on ``mesh`` an op takes it as (its
+    shard is ``t`` itself; an empty tensor on ranks outside the mesh)."""
+    return adopt_one(DistTensor, t, mesh)  # type: ignore[no-any-return]
+
+
 def wrap(local: torch.Tensor, spec: DistSpec, stride: tuple[int, ...] | None = None,
          requires_grad: bool = False) -> DistTensor:
     """A DistTensor of layout ``spec`` around ``local`` (this rank's shard, taken as it is; not
@@ -141,7 +162,7 @@ def set_local_(t: DistTensor, local: torch.Tensor) -> DistTensor:
 
 
 __all__ = [
-    "Stat", "from_local", "grad_spec", "is_dist", "keep_grad_layout", "local_of", "local_or_plain", "move", "pending_gradient",
+    "VALUE_OPS", "Stat", "adopt", "dist_args", "from_local", "grad_spec", "is_dist", "keep_grad_layout", "local_of", "local_or_plain", "move", "pending_gradient",
     "raw_of", "relayout_", "reshard", "run_plan", "scaled_raw", "set_local_",
-    "shard_full", "spec_of", "spec_or_none", "stride_of", "wrap",
+    "shard_full", "spec_of", "spec_or_none", "stride_of", "wrap", "written_args",
 ]

@@ -15,7 +15,6 @@ from autoparallel.compat import TorchDispatchMode, tree_flatten
 from autoparallel.engine import dispatch as _dispatch
 from autoparallel.engine import layout
 from autoparallel.engine.dtensor import DistTensor
-from autoparallel.engine.keys import call_key
 from autoparallel.placement import Partial, Replicate, Shard
 from autoparallel.regions.crossing import with_partial
 from autoparallel.regions.generic import Made, Record, mutable
@@ -378,13 +377,8 @@ class _Quiet:
 
 
 def _dist_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[DistTensor]:
-    """The DistTensors of a call in the order its decision's plans follow (the dispatcher's
-    ``engine.keys.call_key`` collects them)."""
-    dts: list[DistTensor] = []
-    plain: list[torch.Tensor] = []
-    call_key(DistTensor, args, dts, plain)
-    call_key(DistTensor, tuple(kwargs.items()), dts, plain)
-    return dts
+    """The DistTensors of a call in the order its decision's plans follow."""
+    return layout.dist_args(args, kwargs)
 
 
 def _only_steps(plan: Any, ok: Callable[[Any], bool]) -> bool:

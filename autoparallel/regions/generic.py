@@ -46,7 +46,6 @@ import torch
 
 from autoparallel.compat import TorchDispatchMode
 from autoparallel.engine import layout
-from autoparallel.engine.aliases import written_args
 from autoparallel.engine.dtensor import DistTensor
 from autoparallel.strides import nesting
 
@@ -126,7 +125,7 @@ class Made:
         """Whether ``func`` (about to run, or just run in place) writes a tensor the run did not make."""
         if not mutable(func):
             return False
-        written = written_args(func, args, kwargs)
+        written = layout.written_args(func, args, kwargs)
         return not written or any(not isinstance(w, torch.Tensor) or _storage_of(w) not in self.storages
                                   for w in written)
 

@@ -16,7 +16,6 @@ from autoparallel import compat, runtime
 from autoparallel.compat import tree_flatten, tree_unflatten
 from autoparallel.engine import layout
 from autoparallel.engine.dtensor import DistTensor
-from autoparallel.engine.keys import adopt_one
 from autoparallel.log import logger
 from autoparallel.regions import moves, objects
 from autoparallel.regions.checks import (
@@ -663,7 +662,7 @@ def _agree_plain(module: nn.Module, leaves: list[Any], tensors: list[torch.Tenso
 def _dist(x: Any, like: DistSpec) -> DistTensor:
     """``x`` as a DistTensor: a plain tensor argument an op slices (a mask built from plain
     tensors) as the Replicate DistTensor an op adopts it as (``keys.adopt_one``), on ``like``'s mesh."""
-    return x if isinstance(x, DistTensor) else adopt_one(DistTensor, x, like.mesh)
+    return x if isinstance(x, DistTensor) else layout.adopt(x, like.mesh)
 
 
 def _unflatten_call(values: list[Any], tree: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:

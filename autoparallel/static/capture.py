@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from autoparallel.engine import decide, dispatch
+from autoparallel.engine import dispatch, layout
 from autoparallel.runtime import comm
 from autoparallel.runtime.debug import CommDebugMode, CommRecord
 from spmd_rules.random_ops import draws_random
@@ -39,7 +39,7 @@ from spmd_rules.random_ops import draws_random
 aten = torch.ops.aten
 # Ops whose result is a Python value read from a tensor (the engine's own list, and the composite
 # ones a plain-tensor region may record): a replay would bake the value in.
-VALUE_OPS = decide.VALUE_OPS | {aten.item.default, aten.allclose.default}
+VALUE_OPS = layout.VALUE_OPS | {aten.item.default, aten.allclose.default}
 
 
 @dataclass

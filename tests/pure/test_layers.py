@@ -43,6 +43,34 @@ def test_rules_and_planner_never_reach_torch_distributed(graph: importgraph.Grap
     assert "autoparallel.runtime.comm" in graph.distributed  # the check sees the modules that do
 
 
+def test_model_level_code_takes_the_engine_through_its_doors() -> None:
+    # engine.layout whole, the DistTensor class, and dispatch.observed_by: nothing else
+    assert importgraph.engine_internals(ROOT) == []
+
+
+def test_the_door_check_sees_engine_internals(tmp_path: object) -> None:
+    root = str(tmp_path)
+    files = {
+        "autoparallel/__init__.py": "", "autoparallel/engine/__init__.py": "",
+        "autoparallel/engine/keys.py": "", "autoparallel/engine/dispatch.py": "", "autoparallel/engine/layout.py": "",
+        "autoparallel/regions/__init__.py": "",
+        "autoparallel/regions/a.py": ("from autoparallel.engine.keys import adopt_one\n"
+                                      "from autoparallel.engine import dispatch, layout\n"
+                                      "dispatch.observed_by(1); dispatch._OBSERVERS; layout.anything\n"),
+        "autoparallel/regions/b.py": "from autoparallel.engine.dtensor import DistTensor, _FromLocal\n",
+    }
+    for rel, text in files.items():
+        path = os.path.join(root, rel)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w", encoding="utf-8") as fh:
+            fh.write(text)
+    assert importgraph.engine_internals(root) == [
+        ("autoparallel.regions.a", "autoparallel.engine.keys.adopt_one"),
+        ("autoparallel.regions.a", "autoparallel.engine.dispatch._OBSERVERS"),
+        ("autoparallel.regions.b", "autoparallel.engine.dtensor._FromLocal"),
+    ]
+
+
 def test_values_import_nothing_above_them(graph: importgraph.Graph) -> None:
     for mod in ("autoparallel.placement", "autoparallel.mesh", "autoparallel.spec", "autoparallel.cost"):
         assert all(importgraph.layer_of(m) == 0 for m in importgraph.reaches(graph, mod)), mod
