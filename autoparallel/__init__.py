@@ -61,7 +61,7 @@ _EXPORTS: dict[str, str] = {
     "dtensor_from_local": "autoparallel.api",
     "reshard": "autoparallel.api",
     "shard_tensor": "autoparallel.api",
-    "shard_op": "autoparallel.shard_op",
+    "shard_op": "autoparallel.sharded_call",
     "unshard_dtensor": "autoparallel.api",
     "LocalLayer": "autoparallel.local_map",
     "local_map": "autoparallel.local_map",
@@ -95,7 +95,7 @@ _EXPORTS: dict[str, str] = {
     "LayerMeter": "autoparallel.memory",
     "recompute": "autoparallel.memory",
     "DistModel": "autoparallel.static",
-    "Engine": "autoparallel.static",
+    "Engine": "autoparallel.static.engine",
     "InputSpec": "autoparallel.static",
     "metrics": "autoparallel.static",
     "Strategy": "autoparallel.static",
@@ -212,7 +212,8 @@ if TYPE_CHECKING:  # for type checkers and IDEs; nothing is imported at run time
     from autoparallel.regions import disable_local_regions, enable_local_regions, local_regions_report
     from autoparallel.runtime.debug import CommDebugMode, CommRecord
     from autoparallel.runtime.world import get_rank, get_world_size
-    from autoparallel.shard_op import shard_op
+    from autoparallel.sharded_call import shard_op
     from autoparallel.spec import DistSpec
-    from autoparallel.static import DistModel, Engine, InputSpec, Strategy, metrics, to_static
+    from autoparallel.static import DistModel, InputSpec, Strategy, metrics, to_static
+    from autoparallel.static.engine import Engine
     from spmd_rules.registry import register_axis_rule, register_local_impl, register_rule

@@ -1,6 +1,7 @@
 """Pipeline parallelism across stage meshes: stage splitting and schedules as data.
 
 * :mod:`.stage` — :class:`Stage`, :func:`split_sequential`, :func:`stages_from_annotations`
+* :mod:`.by_mesh` — :func:`split_by_meshes`: stages from the meshes a forward's ``ap.shard_op`` calls name
 * :mod:`.schedule` — :func:`build_schedule` (FThenB, 1F1B, Interleaved1F1B) as per-mesh action lists
 * :mod:`.simulate` — :func:`simulate`: send/recv matching, deadlock check, ideal timeline, bubble
 * :mod:`.runner` — :class:`Pipeline`: runs a schedule on real ranks, gradients accumulate
@@ -12,6 +13,7 @@
 
 from __future__ import annotations
 
+from autoparallel.pipeline.by_mesh import run_stages, split_by_meshes
 from autoparallel.pipeline.decoder import DecoderStages, decoder_stages
 from autoparallel.pipeline.memory import ActivationMeter
 from autoparallel.pipeline.runner import Event, Pipeline
@@ -49,7 +51,9 @@ __all__ = [
     "chrome_trace",
     "decoder_stages",
     "events_from_simulation",
+    "run_stages",
     "simulate",
+    "split_by_meshes",
     "split_sequential",
     "stages_from_annotations",
     "theoretical_bubble",

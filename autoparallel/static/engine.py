@@ -12,6 +12,12 @@ Everything the Engine does is a dynamic-API call a script could make itself (doc
   ``ap.MixedPrecision``, both given to ``ap.shard_optimizer``; ``strategy.recompute`` ->
   ``ap.recompute(model)``; ``strategy.gradient_merge`` -> the optimizer
   steps every ``k_steps`` runs with the mean of their gradients;
+- ``strategy.pipeline`` -> ``ap.pipeline.Pipeline`` over the stages the forward's
+  ``ap.shard_op(layer, sub_mesh)`` calls name (``pipeline.split_by_meshes``: the forward traced and
+  cut at the mesh changes), ``accumulate_steps`` micro-batches of ``micro_batch_size`` samples
+  each, ``schedule_mode``; inputs arrive on the first stage's mesh, labels on the last one's;
+  the loss and ``ap.metrics`` (updated per micro-batch on the last stage) are sent to every rank;
+  eval and predict run the stages one after another on the whole batch;
 - ``save``/``load``: ``ap.save_state_dict``/``ap.load_state_dict`` of the model and optimizer.
 
 Every decision reads metadata every rank sees alike, so a bad configuration raises the same
@@ -28,7 +34,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
 
 from autoparallel import runtime
-from autoparallel.api import shard_tensor
+from autoparallel.api import dtensor_from_local, reshard, shard_tensor
 from autoparallel.checkpoint import init_optimizer_state, load_state_dict, save_state_dict
 from autoparallel.data import ShardDataloader, shard_dataloader
 from autoparallel.engine.dtensor import DistTensor
@@ -36,6 +42,8 @@ from autoparallel.memory import recompute
 from autoparallel.mesh import ProcessMesh
 from autoparallel.nn.shard_layer import shard_layer
 from autoparallel.optim import MixedPrecision, ShardedOptimizer, ShardingStage1, ShardingStage2, ShardingStage3, shard_optimizer
+from autoparallel.pipeline import Pipeline, run_stages, split_by_meshes
+from autoparallel.pipeline.stage import Stage
 from autoparallel.placement import Placement, Replicate, Shard
 from autoparallel.static.inputs import InputSpec, as_specs
 from autoparallel.static.metrics import whole
@@ -103,6 +111,8 @@ class Engine:
         self.data_axis: str | None = None          # the mesh axis the batch is split on
         self._specs: tuple[list[InputSpec] | None, list[InputSpec] | None] = (None, None)
         self._micro = 0                            # runs since the last optimizer step
+        self._stages: list[Stage] | None = None    # Strategy.pipeline: the stages, in forward order
+        self._pipe: Pipeline | None = None
         self._check_strategy()
 
     # ---- configuration -------------------------------------------------------------------------
@@ -123,11 +133,12 @@ class Engine:
                 "ap.Engine: Strategy.auto_mode='full' (full-auto parallel) is not available yet; keep "
                 "auto_mode='semi' and lay the model out with ap.shard_tensor / ap.parallelize (docs/guide.md)")
         if s.pipeline.enable:
-            raise NotImplementedError(
-                "ap.Engine: Strategy.pipeline.enable: pipelines built from the meshes of a forward are not "
-                "available yet; split the model into stages and run them with ap.pipeline.Pipeline(stages, "
-                f"loss_fn, num_microbatches={s.pipeline.accumulate_steps}, schedule={s.pipeline.schedule_mode!r}) "
-                "(docs/pipeline.md)")
+            if s.sharding.enable:
+                raise NotImplementedError("ap.Engine: Strategy.pipeline with Strategy.sharding is not built; "
+                                          "use one of them (or ap.pipeline.Pipeline with ap.shard_optimizer)")
+            if any(not hasattr(m, "accumulate") for m in self.metrics):
+                raise ValueError("ap.Engine: under Strategy.pipeline the metrics must be ap.metrics objects (their "
+                                 "names are known on every stage); a callable metric runs on the last stage only")
         world = runtime.get_world_size()
         degree = s.sharding.degree
         if s.sharding.enable and degree is not None and world % degree:
@@ -155,6 +166,9 @@ class Engine:
     def _setup(self, sample: Callable[[], list[Any] | None]) -> None:
         if self.mesh is not None:
             return
+        if self.strategy.pipeline.enable:
+            self._setup_pipeline()
+            return
         model = self.model
         if not any(isinstance(p, DistTensor) for p in model.parameters()):
             inputs = sample()
@@ -180,6 +194,39 @@ class Engine:
             raise ValueError("ap.Engine: the optimizer is already an ap.shard_optimizer; give the plain "
                              "optimizer so Strategy.sharding / Strategy.amp can wrap it")
         self.mesh = mesh
+
+    def _setup_pipeline(self) -> None:
+        """Stages from the forward's meshes, the Pipeline, the optimizer (``Strategy.pipeline``)."""
+        pp = self.strategy.pipeline
+        stages = split_by_meshes(self.model)
+        if self.strategy.recompute.enable:
+            for st in stages:
+                recompute(st.module)
+        self._pipe = Pipeline(stages, self._pipeline_loss, num_microbatches=pp.accumulate_steps,
+                              schedule=pp.schedule_mode)
+        self._stages = stages
+        amp = self.strategy.amp
+        precision = MixedPrecision(_DTYPES[amp.dtype]) if amp.enable else None
+        if self.optimizer is not None and not isinstance(self.optimizer, ShardedOptimizer):
+            self.optimizer = shard_optimizer(self.optimizer, None, mixed_precision=precision)
+        self.mesh = stages[0].mesh
+        self.data_axis = "dp" if "dp" in self.mesh.dim_names else None
+
+    def _pipeline_loss(self, out: Any, *labels: Any) -> Any:
+        """The loss of one micro-batch on the last stage; ``ap.metrics`` see its output there."""
+        assert self.loss is not None
+        loss = self.loss(out, *labels)
+        if torch.is_grad_enabled():  # (not the pipeline's no-grad pass finding its layouts)
+            self._update_metrics(out.detach(), list(labels))
+        return loss
+
+    def _check_micro_batches(self, rows: int) -> None:
+        pp = self.strategy.pipeline
+        if rows != pp.micro_batch_size * pp.accumulate_steps:
+            raise ValueError(
+                f"ap.Engine: Strategy.pipeline runs {pp.accumulate_steps} micro-batches (accumulate_steps) of "
+                f"micro_batch_size {pp.micro_batch_size}, {pp.micro_batch_size * pp.accumulate_steps} samples, "
+                f"but the batch holds {rows}: make batch_size = micro_batch_size x accumulate_steps")
 
     def _probe(self, inputs: list[Any]) -> None:
         """Run the forward once on zeros, so annotations in ``forward`` lay parameters out."""
@@ -210,8 +257,13 @@ class Engine:
         assert self.mesh is not None, "laid out by _setup first"
         return self.mesh
 
-    def _placements(self) -> list[Placement]:
-        return [Shard(0) if n == self.data_axis else Replicate() for n in self._laid_mesh().dim_names]
+    def _placements(self, mesh: ProcessMesh | None = None) -> list[Placement]:
+        mesh = mesh or self._laid_mesh()
+        return [Shard(0) if n == "dp" and self.data_axis else Replicate() for n in mesh.dim_names]
+
+    def _label_mesh(self) -> ProcessMesh:
+        """Where labels go: the last stage's mesh under a pipeline (the loss runs there), else the model's."""
+        return self._stages[-1].mesh if self._stages else self._laid_mesh()
 
     def _split(self, data: Any, mode: str) -> tuple[list[Any], list[Any]]:
         """(inputs, labels) of a batch: a dict (keys: the specs' names), a list/tuple or one input."""
@@ -237,13 +289,11 @@ class Engine:
         for specs, values, what in ((self._specs[0], inputs, "input"), (self._specs[1], labels, "label")):
             for i, (spec, t) in enumerate(zip(specs or [], values)):
                 spec.check(t, f"ap.Engine: {what} {i}")
-        placements = self._placements()
-
-        def lay(t: Any) -> Any:
+        def lay(t: Any, mesh: ProcessMesh) -> Any:
             if isinstance(t, torch.Tensor) and not isinstance(t, DistTensor):
-                return shard_tensor(t, self._laid_mesh(), placements)
+                return shard_tensor(t, mesh, self._placements(mesh))
             return t
-        return [lay(t) for t in inputs], [lay(t) for t in labels]
+        return [lay(t, self._laid_mesh()) for t in inputs], [lay(t, self._label_mesh()) for t in labels]
 
     def dataloader(self, dataset: Dataset[Any], batch_size: int = 1, epochs: int = 1, shuffle: bool = False,
                    mode: str = "train", collate_fn: Callable[[list[Any]], Any] | None = None,
@@ -259,7 +309,20 @@ class Engine:
         generator = torch.Generator().manual_seed(seed) if shuffle else None
         loader = DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, drop_last=True, collate_fn=collate,
                             num_workers=num_workers, generator=generator)
-        return EngineLoader(shard_dataloader(loader, self._laid_mesh(), shard_dims=self.data_axis), epochs, self._reset_metrics)
+        if self._stages is None:
+            return EngineLoader(shard_dataloader(loader, self._laid_mesh(), shard_dims=self.data_axis), epochs,
+                                self._reset_metrics)
+        if mode == "train":
+            self._check_micro_batches(batch_size)
+        # a pipeline: inputs on the first stage's mesh, labels on the last one's
+        sample = collate([dataset[0]])
+        inputs, labels = self._split(sample, mode)
+        meshes = [self._laid_mesh()] * len(inputs) + [self._label_mesh()] * len(labels)
+        keys = None
+        if isinstance(sample, Mapping):
+            keys = [str(s.name) for s in (self._specs[0] or []) + ([] if mode == "predict" else self._specs[1] or [])]
+        dims = ["dp" if "dp" in m.dim_names and self.data_axis else None for m in meshes]
+        return EngineLoader(shard_dataloader(loader, meshes, input_keys=keys, shard_dims=dims), epochs, self._reset_metrics)
 
     def _sample_of(self, batch: Any, mode: str) -> list[Any]:
         inputs, _ = self._split(batch, mode)
@@ -273,6 +336,8 @@ class Engine:
         pass of an ``Engine.dataloader``) — or ``{"outputs": the full output}`` for predict."""
         mode = _mode(mode)
         inputs, labels = self._batch(data, mode)
+        if self._pipe is not None:
+            return self._run_pipeline(inputs, labels, mode)
         if mode == "predict":
             self.model.eval()
             with torch.no_grad():
@@ -298,6 +363,50 @@ class Engine:
         logs.update(self._measure(out.detach(), labels))
         return logs
 
+    def _run_pipeline(self, inputs: list[Any], labels: list[Any], mode: str) -> dict[str, Any]:
+        """``run`` under ``Strategy.pipeline``: train through the Pipeline's schedule; eval and
+        predict through the stages one after another. The loss and metrics reach every rank."""
+        assert self._pipe is not None and self._stages is not None
+        if len(inputs) != 1 or len(labels) > 1:
+            raise ValueError(f"ap.Engine: a pipeline takes one input and at most one label per batch, got "
+                             f"{len(inputs)} inputs and {len(labels)} labels")
+        x = inputs[0]
+        if mode == "predict":
+            self.model.eval()
+            with torch.no_grad():
+                out = run_stages(self._stages, x)
+            return {"outputs": whole(self._everywhere(out))}
+        if self.loss is None:
+            raise ValueError(f"ap.Engine.run(mode={mode!r}) needs a loss; the Engine was given none")
+        if mode == "train":
+            if self.optimizer is None:
+                raise ValueError("ap.Engine.run(mode='train') needs an optimizer; the Engine was given none")
+            self._check_micro_batches(x.shape[0])
+            self.model.train()
+            loss = self._pipe.step(x, labels[0] if labels else None)
+            self._micro += 1
+            if self._micro == self.merge_steps:
+                self._step()
+        else:
+            self.model.eval()
+            with torch.no_grad():
+                out = run_stages(self._stages, x)
+                loss = self.loss(out, *labels)
+            if runtime.get_rank() in self._stages[-1].mesh:  # (the output lives there)
+                self._update_metrics(out.detach(), labels)
+        last = self._stages[-1].mesh
+        names, values = self._metric_values() if runtime.get_rank() in last else (self._metric_names(), None)
+        here = [_float(loss.detach()), *values] if values is not None else [0.0] * (1 + len(names))
+        got = whole(self._everywhere(dtensor_from_local(torch.tensor(here, dtype=torch.float64), last,
+                                                        [Replicate()] * last.ndim, (len(here),)))).tolist()
+        return {"loss": got[0], **dict(zip(names, got[1:], strict=True))}
+
+    @staticmethod
+    def _everywhere(t: DistTensor) -> DistTensor:
+        """``t`` (on the last stage's mesh) replicated on every rank of the world."""
+        world = ProcessMesh(list(range(runtime.get_world_size())), dim_names=["world"])
+        return reshard(t, world, [Replicate()])
+
     def _step(self) -> None:
         assert self.optimizer is not None
         k, self._micro = self._micro, 0
@@ -309,17 +418,38 @@ class Engine:
         self.optimizer.step()
         self.optimizer.zero_grad()
 
-    def _measure(self, out: Any, labels: list[Any]) -> dict[str, float]:
-        logs: dict[str, float] = {}
+    def _update_metrics(self, out: Any, labels: list[Any]) -> None:
+        """Feed one output (a batch, or a pipeline's micro-batch) to the ``ap.metrics``."""
         for m in self.metrics:
             if hasattr(m, "accumulate"):
                 computed = m.compute(out, *labels) if hasattr(m, "compute") else (out, *labels)
                 m.update(*(computed if isinstance(computed, (tuple, list)) else (computed,)))
-                values, names = m.accumulate(), m.name()
-                values = list(values) if isinstance(values, (list, tuple)) else [values]
-                names = [names] if isinstance(names, str) else list(names)
-                logs.update({n: _float(v) for n, v in zip(names, values)})
-            else:
+
+    def _metric_names(self) -> list[str]:
+        names: list[str] = []
+        for m in self.metrics:
+            if hasattr(m, "accumulate"):
+                n = m.name()
+                names += [n] if isinstance(n, str) else list(n)
+        return names
+
+    def _metric_values(self) -> tuple[list[str], list[float]]:
+        """The ``ap.metrics``' names and accumulated values."""
+        values: list[float] = []
+        for m in self.metrics:
+            if hasattr(m, "accumulate"):
+                v = m.accumulate()
+                values += [_float(x) for x in (v if isinstance(v, (list, tuple)) else [v])]
+        return self._metric_names(), values
+
+    def _measure(self, out: Any, labels: list[Any]) -> dict[str, float]:
+        """Update every metric with one batch's output; the ``ap.metrics``' accumulated values and
+        each callable metric's dict for this batch."""
+        self._update_metrics(out, labels)
+        names, values = self._metric_values()
+        logs: dict[str, float] = dict(zip(names, values, strict=True))
+        for m in self.metrics:
+            if not hasattr(m, "accumulate"):
                 got = m(out, labels[0] if len(labels) == 1 else labels)
                 if not isinstance(got, Mapping):
                     raise TypeError(f"ap.Engine: metric {m!r} returned {type(got).__name__}, not a dict")

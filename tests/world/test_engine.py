@@ -254,7 +254,7 @@ def _engine_with(rank: int, setting: str) -> None:
 @pytest.mark.parametrize("setting,exc,text", [
     ("degree", ValueError, "degree 3 does not divide the world of 4 processes"),
     ("degree_not_dp", ValueError, "degree 2 differs from the data-parallel degree 4"),
-    ("pipeline", NotImplementedError, "ap.pipeline.Pipeline"),
+    ("pipeline", ValueError, "the forward assigns nothing to a stage mesh"),
     ("full", NotImplementedError, "auto_mode='full'"),
     ("bad_label", ValueError, "shape (8, 1) does not fit InputSpec([None], torch.int64)"),
 ])
@@ -262,3 +262,119 @@ def test_bad_configurations_raise_on_every_rank(world4: Any, setting: str, exc: 
     with pytest.raises(exc) as info:
         world4.run(_engine_with, setting, timeout=60)
     assert text in str(info.value)
+
+
+# ---- pipelines by mesh assignment (the primer's fourth program) ----------------------------------
+class PipeNet(nn.Module):
+    """SimpleNet with its layers assigned to pipeline stages by ``shard_op`` sub-meshes."""
+
+    def __init__(self, mesh: ap.ProcessMesh, order: str = "in order") -> None:
+        super().__init__()
+        self.mesh, self.order = mesh, order
+        self.linear1 = nn.Linear(IN, INNER)
+        self.linear2 = nn.Linear(INNER, IN)
+        self.linear3 = nn.Linear(IN, OUT)
+        self.relu = nn.ReLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = ap.shard_op(self.linear1, self.mesh[0])(x)
+        x = self.linear2(x)                                  # follows its input: stage 0
+        x = ap.shard_op(self.linear3, self.mesh[1])(x)
+        if self.order == "back":                             # returns to the first stage's mesh
+            x = ap.shard_op(self.relu, self.mesh[0])(x)
+        return self.relu(x)
+
+
+def _pipeline_program(rank: int, schedule: str, micro: int = BATCH // 2) -> dict[str, Any]:
+    mesh = ap.ProcessMesh([0, 1], dim_names=["pp"])
+    torch.manual_seed(0)
+    model = PipeNet(mesh)
+    s = ap.Strategy()
+    s.pipeline.enable = True
+    s.pipeline.micro_batch_size = micro
+    s.pipeline.accumulate_steps = BATCH // micro
+    s.pipeline.schedule_mode = schedule
+    engine = ap.Engine(model, nn.CrossEntropyLoss(), _optimizer(model),
+                       metrics=ap.metrics.Accuracy(topk=(1, 5)), strategy=s)
+    engine.prepare(inputs_spec=ap.InputSpec([BATCH, IN], torch.float32, "img"),
+                   labels_spec=ap.InputSpec([BATCH], torch.int64, "label"), mode="train")
+    loader = engine.dataloader(_dataset(BATCH * STEPS), batch_size=BATCH, epochs=1, mode="train")
+    outs = [engine.run(data, mode="train") for data in loader()]
+    ev = engine.evaluate(_dataset(BATCH * 2), batch_size=BATCH, verbose=0)
+    pred = engine.predict(_dataset(BATCH), batch_size=BATCH, verbose=0)
+    return {"outs": outs, "eval": ev, "pred": pred[0],
+            "params": {n: _full(p) for n, p in model.named_parameters() if rank in p.process_mesh},
+            "meshes": {n: p.process_mesh.process_ids for n, p in model.named_parameters()}}
+
+
+@pytest.mark.parametrize("schedule", ["FThenB", "1F1B"])
+def test_pipeline_by_shard_op_meshes_trains_like_one_process(world2: Any, schedule: str) -> None:
+    ref = _reference()
+    got = world2.run(_pipeline_program, schedule)
+    for r, o in enumerate(got):
+        # linear1 and linear2 (which follows its input) on stage 0, linear3 on stage 1
+        assert o["meshes"] == {"linear1.weight": (0,), "linear1.bias": (0,), "linear2.weight": (0,),
+                               "linear2.bias": (0,), "linear3.weight": (1,), "linear3.bias": (1,)}
+        losses = [d["loss"] for d in o["outs"]]  # on every rank, not only the last stage's
+        assert all(_close(g, w) for g, w in zip(losses, ref["losses"], strict=True)), (r, losses, ref["losses"])
+        accs = [(d["acc_top1"], d["acc_top5"]) for d in o["outs"]]
+        assert accs == pytest.approx(ref["accs"], abs=1e-9)
+        _check_params(o["params"], {n: p for n, p in ref["params"].items() if n in o["params"]})
+        assert set(o["eval"]) == {"loss", "acc_top1", "acc_top5"}
+        assert tuple(o["pred"].shape) == (BATCH, OUT)
+    assert got[0]["eval"] == got[1]["eval"]
+    assert torch.equal(got[0]["pred"], got[1]["pred"])
+
+
+def _pipeline_bad(rank: int, what: str) -> None:
+    mesh = ap.ProcessMesh([0, 1], dim_names=["pp"])
+    model = PipeNet(mesh, order="back" if what == "order" else "in order")
+    s = ap.Strategy()
+    s.pipeline.enable = True
+    s.pipeline.micro_batch_size = 3 if what == "micro" else BATCH // 2
+    s.pipeline.accumulate_steps = 2
+    engine = ap.Engine(model, nn.CrossEntropyLoss(), _optimizer(model), strategy=s)
+    engine.prepare(ap.InputSpec([None, IN]), ap.InputSpec([None], torch.int64))
+    engine.run((torch.zeros(BATCH, IN), torch.zeros(BATCH, dtype=torch.int64)))
+
+
+@pytest.mark.parametrize("what,text", [
+    ("order", "sub-mesh stages must cover the model in order"),
+    ("micro", "make batch_size = micro_batch_size x accumulate_steps"),
+])
+def test_bad_pipeline_strategies_raise_on_every_rank(world2: Any, what: str, text: str) -> None:
+    with pytest.raises(ValueError) as info:
+        world2.run(_pipeline_bad, what, timeout=60)
+    assert text in str(info.value)
+
+
+def _pipeline_dynamic(rank: int) -> dict[str, Any]:
+    """The Engine's pipeline program written with the dynamic API."""
+    from torch.utils.data import DataLoader
+
+    from autoparallel.pipeline import Pipeline, split_by_meshes
+
+    mesh = ap.ProcessMesh([0, 1], dim_names=["pp"])
+    torch.manual_seed(0)
+    model = PipeNet(mesh)
+    pipe = Pipeline(split_by_meshes(model), nn.CrossEntropyLoss(), num_microbatches=2, schedule="1F1B")
+    opt = ap.shard_optimizer(_optimizer(model))
+    loader = ap.shard_dataloader(DataLoader(_dataset(BATCH * STEPS), batch_size=BATCH, drop_last=True),
+                                 [mesh[0], mesh[1]])
+    losses = []
+    for x, y in loader:
+        loss = pipe.step(x, y)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.full_tensor()) if rank in mesh[1] else None)
+    return {"losses": losses, "params": {n: _full(p) for n, p in model.named_parameters() if rank in p.process_mesh}}
+
+
+def test_engine_pipeline_is_the_dynamic_pipeline(world2: Any) -> None:
+    engine = world2.run(_pipeline_program, "1F1B")
+    dynamic = world2.run(_pipeline_dynamic)
+    assert [d["loss"] for d in engine[1]["outs"]] == dynamic[1]["losses"]  # bitwise (the last stage's ranks)
+    for r in range(2):
+        assert engine[r]["params"].keys() == dynamic[r]["params"].keys()
+        for n, p in engine[r]["params"].items():
+            assert torch.equal(p, dynamic[r]["params"][n]), (r, n)

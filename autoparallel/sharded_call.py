@@ -1,4 +1,4 @@
-"""``shard_op``: Paddle's static-graph op annotation, on the dynamic engine.
+"""``shard_op`` (module ``sharded_call``, so that importing it never hides ``ap.shard_op``): Paddle's static-graph op annotation, on the dynamic engine.
 
 ``ap.shard_op(op, mesh, in_dims_mappings, out_dims_mappings)(*args)`` lays each tensor input
 out as its dims mapping says, runs ``op``, and lays each tensor output out as its mapping says.
@@ -7,9 +7,12 @@ on the shards, as for any other op. A mapping is what ``shard_tensor`` takes (on
 or ``None`` per tensor dim, or one placement per mesh axis); ``None`` in place of a mapping
 leaves that tensor as it is.
 
-One mesh per call. Giving ops different meshes (sub-meshes of one mesh) moves the tensors
-between them, but does not yet split the program into pipeline stages with a schedule; for
-pipelines use ``ap.pipeline``.
+Pipeline stages by mesh: ``ap.shard_op(self.linear3, world_mesh[1])(x)`` with a sub-mesh
+assigns that call to the stage on that mesh. ``ap.Engine`` with ``Strategy.pipeline.enable``
+traces the forward (``torch.fx``), where each call marks the nodes it made with its mesh
+(``MESH_META``), and splits the program into stages at the mesh changes
+(``ap.pipeline.split_by_meshes``). Run eagerly, a call on another mesh is an ordinary call whose
+inputs the engine moves where its parameters live.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from autoparallel.engine.dtensor import DistTensor
 from autoparallel.mesh import ProcessMesh
 
 Mappings = Sequence[Layout | None] | None
+MESH_META = "ap_mesh"  # fx node meta key: the mesh a traced shard_op call assigned the node to
 
 
 def _check_mappings(mappings: Any, what: str) -> tuple[Layout | None, ...] | None:
@@ -84,6 +88,9 @@ def shard_op(
     outs = _check_mappings(out_dims_mappings, "out_dims_mappings")
 
     def call(*args: Any, **kwargs: Any) -> Any:
+        tracer = _tracer_of(args, kwargs)
+        if tracer is not None:
+            return _traced(tracer, op, mesh, ins, outs, args, kwargs)
         values = list(args)
         if ins is not None:
             positions = [i for i, a in enumerate(values) if isinstance(a, torch.Tensor)]
@@ -104,4 +111,31 @@ def shard_op(
     return call
 
 
-__all__ = ["shard_op"]
+def _tracer_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The ``torch.fx`` tracer when a call's arguments are proxies (a symbolic trace), else None."""
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.fx.Proxy):
+            return a.tracer
+    return None
+
+
+def _traced(tracer: Any, op: Callable[..., Any], mesh: ProcessMesh, ins: Any, outs: Any,
+            args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A call inside a symbolic trace: record ``op`` and mark every node it made with ``mesh``."""
+    if ins is not None or outs is not None:
+        raise NotImplementedError(
+            f"shard_op: dims mappings on a call inside a traced forward (a pipeline split by mesh) are not "
+            f"supported; give {getattr(op, '__name__', type(op).__name__)} a mesh only, and lay its "
+            "parameters out with ap.shard_tensor")
+    graph = tracer.graph
+    last = next(iter(reversed(graph.nodes)), None)
+    result = op(*args, **kwargs)
+    seen = last is None
+    for node in graph.nodes:
+        if seen and node.op != "placeholder":
+            node.meta[MESH_META] = mesh
+        seen = seen or node is last
+    return result
+
+
+__all__ = ["MESH_META", "shard_op"]

@@ -1,0 +1,132 @@
+"""Pipeline stages from the meshes a forward assigns: Paddle's pipeline by ``shard_op`` sub-meshes.
+
+``split_by_meshes(model)`` traces ``model``'s forward with ``torch.fx`` (symbolically: no tensor
+is computed, nothing communicates). Each ``ap.shard_op(op, sub_mesh)`` call in it marks the nodes
+it made with its mesh (``sharded_call.MESH_META``); every other node follows its inputs (the
+latest stage among them; the model's inputs start on the first mesh; a parameter read directly
+belongs to the stage of its first use). The program is cut where the mesh changes
+(``torch.fx.passes.split_module``) into one ``torch.fx.GraphModule`` per mesh, holding the
+original submodules and parameters (the optimizer's references stay valid); plain parameters are
+laid out ``Replicate`` on their stage's mesh (``ap.shard_layer``, in place).
+
+What a split needs, checked on metadata before anything runs (the same error on every rank):
+
+- at least one ``shard_op`` call on a mesh in ``forward``;
+- the meshes visited in one order, each once (stage ``k + 1`` never feeds back into stage ``k``),
+  on disjoint ranks;
+- one tensor crossing each stage boundary, and one model input (the Pipeline's micro-batches).
+
+``Pipeline(split_by_meshes(model), loss_fn, num_microbatches=..., schedule=...)`` is what
+``ap.Engine`` runs for ``Strategy.pipeline``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from autoparallel.mesh import ProcessMesh
+from autoparallel.nn.shard_layer import shard_layer
+from autoparallel.pipeline.stage import Stage, check_meshes
+from autoparallel.sharded_call import MESH_META
+
+_WHAT = "split_by_meshes"
+
+
+def _trace(model: nn.Module) -> torch.fx.GraphModule:
+    try:
+        return torch.fx.symbolic_trace(model)
+    except Exception as e:  # noqa: BLE001  (any trace failure: say what to do)
+        raise ValueError(
+            f"{_WHAT}: splitting the model into stages traces its forward with torch.fx, which failed "
+            f"({type(e).__name__}: {str(e).splitlines()[0][:200]}). Keep the forward free of data-dependent "
+            "Python control flow, or build the stages yourself: Pipeline(split_sequential(...), ...)") from e
+
+
+def _stages_of(gm: torch.fx.GraphModule) -> tuple[dict[torch.fx.Node, int], list[ProcessMesh]]:
+    """Stage index of every node, and the stage meshes in forward order."""
+    nodes = list(gm.graph.nodes)
+    meshes = list(dict.fromkeys(n.meta[MESH_META] for n in nodes if MESH_META in n.meta))
+    if not meshes:
+        raise ValueError(f"{_WHAT}: the forward assigns nothing to a stage mesh; call ap.shard_op(layer, "
+                         "sub_mesh)(x) in forward for the layers of each stage (sub_mesh = world_mesh[k])")
+    check_meshes(meshes)
+    index = {m: i for i, m in enumerate(meshes)}
+    stage: dict[torch.fx.Node, int] = {}
+    reached, where = 0, "the model's input"
+    for n in nodes:
+        if n.op in ("get_attr", "output"):
+            continue
+        if n.op == "placeholder":
+            stage[n] = 0
+            continue
+        k = index[n.meta[MESH_META]] if MESH_META in n.meta else max(
+            (stage[a] for a in n.all_input_nodes if a in stage), default=reached)
+        if k < reached:
+            raise ValueError(
+                f"{_WHAT}: sub-mesh stages must cover the model in order: {n.format_node()} runs on mesh "
+                f"{meshes[k]!r} (stage {k}) after {where} ran on stage {reached}; each stage's mesh is "
+                "visited once, in forward order")
+        if k > reached:
+            reached, where = k, n.format_node()
+        stage[n] = k
+    for n in nodes:
+        if n.op == "get_attr":
+            users = [stage[u] for u in n.users if u in stage]
+            stage[n] = min(users) if users else 0
+    return stage, meshes
+
+
+def _check_boundaries(split: torch.fx.GraphModule, count: int) -> list[nn.Module]:
+    """The stage modules in order; each takes exactly the previous one's single output."""
+    calls = [n for n in split.graph.nodes if n.op == "call_module"]
+    inputs = [n for n in split.graph.nodes if n.op == "placeholder"]
+    if len(inputs) != 1:
+        raise ValueError(f"{_WHAT}: the model takes {len(inputs)} inputs; a pipeline feeds one tensor "
+                         "(its micro-batches) to the first stage")
+    if len(calls) != count or any(n.op not in ("placeholder", "call_module", "output") for n in split.graph.nodes):
+        raise ValueError(f"{_WHAT}: a stage passes several values to the next; each stage boundary must carry "
+                         "one tensor (return one tensor from the layers of each stage)")
+    prev: torch.fx.Node = inputs[0]
+    for k, n in enumerate(calls):
+        if list(n.args) != [prev] or n.kwargs:
+            raise ValueError(f"{_WHAT}: stage {k} takes {len(n.args) + len(n.kwargs)} values; each stage boundary "
+                             "must carry one tensor, from the stage just before it")
+        prev = n
+    out = next(n for n in split.graph.nodes if n.op == "output")
+    if out.args[0] is not prev:
+        raise ValueError(f"{_WHAT}: the model's output must be the last stage's one tensor")
+    return [getattr(split, str(n.target)) for n in calls]
+
+
+def split_by_meshes(model: nn.Module) -> list[Stage]:
+    """``model`` as pipeline stages, one per mesh its forward's ``shard_op`` calls name (module doc)."""
+    from torch.fx.passes.split_module import split_module
+
+    gm = _trace(model)
+    stage, meshes = _stages_of(gm)
+    split = split_module(gm, model, lambda n: stage[n])
+    modules = _check_boundaries(split, len(meshes))
+    stages = []
+    for k, (module, mesh) in enumerate(zip(modules, meshes, strict=True)):
+        shard_layer(module, mesh)  # plain parameters: Replicate on the stage mesh, in place
+        stages.append(Stage(module, mesh, name=f"stage {k}"))
+    return stages
+
+
+def run_stages(stages: list[Stage], x: Any) -> Any:
+    """The stages one after another on the whole batch (no micro-batches, no schedule): each
+    stage's input moved onto its mesh (``Replicate``) as the pipeline would."""
+    from autoparallel.api import reshard
+    from autoparallel.placement import Replicate
+
+    for k, st in enumerate(stages):
+        if k:
+            x = reshard(x, st.mesh, [Replicate()] * st.mesh.ndim)
+        x = st.module(x)
+    return x
+
+
+__all__ = ["run_stages", "split_by_meshes"]
