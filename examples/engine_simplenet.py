@@ -190,6 +190,14 @@ def report(strategy: str, res: Result) -> None:
           f"{verdict} the single-process run")
 
 
+def all_ranks_ok(ok: bool) -> bool:
+    """Whether every rank's check passed (a pipeline rank checks its own stage's parameters)."""
+    mine = ap.dtensor_from_local(torch.tensor([float(ok)]), ap.ProcessMesh(list(range(ap.get_world_size()))),
+                                 [ap.Partial("min")])
+    assert isinstance(mine, ap.DistTensor)
+    return bool(mine.full_tensor())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--strategy", choices=(*STRATEGIES, "all"), default="dp")
@@ -201,9 +209,7 @@ def main() -> None:
     ok = True
     for strategy in STRATEGIES if args.strategy == "all" else (args.strategy,):
         res = run(strategy, args.steps, args.inner, args.stage, args.schedule)
-        ok &= res.ok and bool(ap.dtensor_from_local(torch.tensor([float(res.ok)]),
-                                                    ap.ProcessMesh(list(range(ap.get_world_size()))),
-                                                    [ap.Partial("min")]).full_tensor())
+        ok &= all_ranks_ok(res.ok)
         if ap.get_rank() == 0:
             report(strategy, res)
     if not ok:
