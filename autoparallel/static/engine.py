@@ -9,7 +9,8 @@ Everything the Engine does is a dynamic-API call a script could make itself (doc
 - the batch: ``Shard(0)`` on the mesh axis ``"dp"`` (``ap.shard_dataloader`` /
   ``ap.shard_tensor``), ``Replicate`` on a mesh without one;
 - ``strategy.sharding`` -> ``ap.ShardingStage{1,2,3}(mesh, "dp")``, ``strategy.amp`` ->
-  ``ap.MixedPrecision``, both given to ``ap.shard_optimizer``; ``strategy.recompute`` ->
+  ``ap.MixedPrecision``, both given to ``ap.shard_optimizer``; float16 also scales the loss
+  with ``ap.GradScaler`` (``scaler.scale(loss).backward()``, ``scaler.step``, ``scaler.update``); ``strategy.recompute`` ->
   ``ap.recompute(model)``; ``strategy.gradient_merge`` -> the optimizer
   steps every ``k_steps`` runs with the mean of their gradients;
 - ``strategy.pipeline`` -> ``ap.pipeline.Pipeline`` over the stages the forward's
@@ -41,7 +42,15 @@ from autoparallel.engine.dtensor import DistTensor
 from autoparallel.memory import recompute
 from autoparallel.mesh import ProcessMesh
 from autoparallel.nn.shard_layer import shard_layer
-from autoparallel.optim import MixedPrecision, ShardedOptimizer, ShardingStage1, ShardingStage2, ShardingStage3, shard_optimizer
+from autoparallel.optim import (
+    GradScaler,
+    MixedPrecision,
+    ShardedOptimizer,
+    ShardingStage1,
+    ShardingStage2,
+    ShardingStage3,
+    shard_optimizer,
+)
 from autoparallel.pipeline import Pipeline, run_stages, split_by_meshes
 from autoparallel.pipeline.stage import Stage
 from autoparallel.placement import Placement, Replicate, Shard
@@ -113,6 +122,7 @@ class Engine:
         self._micro = 0                            # runs since the last optimizer step
         self._stages: list[Stage] | None = None    # Strategy.pipeline: the stages, in forward order
         self._pipe: Pipeline | None = None
+        self.scaler: GradScaler | None = None      # Strategy.amp with float16: the loss scaler
         self._check_strategy()
 
     # ---- configuration -------------------------------------------------------------------------
@@ -136,6 +146,9 @@ class Engine:
             if s.sharding.enable:
                 raise NotImplementedError("ap.Engine: Strategy.pipeline with Strategy.sharding is not built; "
                                           "use one of them (or ap.pipeline.Pipeline with ap.shard_optimizer)")
+            if s.amp.enable and s.amp.dtype == "float16":
+                raise NotImplementedError("ap.Engine: Strategy.pipeline with float16 (loss scaling) is not built; "
+                                          "use Strategy.amp.dtype = 'bfloat16'")
             if any(not hasattr(m, "accumulate") for m in self.metrics):
                 raise ValueError("ap.Engine: under Strategy.pipeline the metrics must be ap.metrics objects (their "
                                  "names are known on every stage); a callable metric runs on the last stage only")
@@ -193,6 +206,9 @@ class Engine:
         elif (stage is not None or precision is not None) and self.optimizer is not None:
             raise ValueError("ap.Engine: the optimizer is already an ap.shard_optimizer; give the plain "
                              "optimizer so Strategy.sharding / Strategy.amp can wrap it")
+        if amp.enable and amp.dtype == "float16":
+            device = "cuda" if any(p.is_cuda for p in model.parameters()) else "cpu"
+            self.scaler = GradScaler(device, init_scale=amp.init_loss_scaling)
         self.mesh = mesh
 
     def _setup_pipeline(self) -> None:
@@ -350,7 +366,7 @@ class Engine:
             self.model.train()
             out = self.model(*inputs)
             loss = self.loss(out, *labels)
-            loss.backward()
+            (loss if self.scaler is None else self.scaler.scale(loss)).backward()
             self._micro += 1
             if self._micro == self.merge_steps:
                 self._step()
@@ -415,7 +431,12 @@ class Engine:
                 for p in self.model.parameters():
                     if p.grad is not None:
                         p.grad.div_(k)
-        self.optimizer.step()
+        if self.scaler is None:
+            self.optimizer.step()
+        else:  # unscaled, checked for inf/NaN on every rank alike; skipped everywhere if found
+            self.scaler.step(self.optimizer)
+            amp = self.strategy.amp  # a fixed scale: set back after each update
+            self.scaler.update(None if amp.use_dynamic_loss_scaling else amp.init_loss_scaling)
         self.optimizer.zero_grad()
 
     def _update_metrics(self, out: Any, labels: list[Any]) -> None:

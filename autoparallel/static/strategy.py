@@ -119,15 +119,23 @@ class Pipeline(_Group):
 
 
 class Amp(_Group):
-    """Mixed precision: ``enable``, ``dtype`` ("bfloat16" or "float16") -> ``ap.MixedPrecision``."""
+    """Mixed precision: ``enable``, ``dtype`` ("bfloat16" or "float16") -> ``ap.MixedPrecision``;
+    for float16 the loss is scaled (``ap.GradScaler``): ``init_loss_scaling`` (Paddle's default
+    32768), ``use_dynamic_loss_scaling`` (grow and back off the scale; False: a fixed scale)."""
 
-    __slots__ = ("enable", "dtype")
+    __slots__ = ("enable", "dtype", "init_loss_scaling", "use_dynamic_loss_scaling")
     _label = "Strategy.amp"
-    _defaults = {"enable": False, "dtype": "bfloat16"}
+    _defaults = {"enable": False, "dtype": "bfloat16", "init_loss_scaling": 32768.0, "use_dynamic_loss_scaling": True}
 
     def _check(self, name: str, value: Any) -> Any:
         where = f"Strategy.amp.{name}"
-        return _bool(where, value) if name == "enable" else _one_of(where, value, AMP_DTYPES)
+        if name in ("enable", "use_dynamic_loss_scaling"):
+            return _bool(where, value)
+        if name == "init_loss_scaling":
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{where} must be a number > 0, got {value!r}")
+            return float(value)
+        return _one_of(where, value, AMP_DTYPES)
 
 
 class Recompute(_Group):
@@ -180,7 +188,7 @@ class Strategy(_Slotted):
 
     For ``ap.Engine`` (Paddle's groups, each an object with fixed settings):
     ``sharding`` (enable, stage, degree), ``pipeline`` (enable, micro_batch_size,
-    accumulate_steps, schedule_mode), ``amp`` (enable, dtype), ``recompute`` (enable),
+    accumulate_steps, schedule_mode), ``amp`` (enable, dtype, init_loss_scaling, use_dynamic_loss_scaling), ``recompute`` (enable),
     ``gradient_merge`` (enable, k_steps) and ``auto_mode`` ("semi"; "full" is not built yet).
     ``config``: Paddle's dict form, ``{"sharding": {"enable": True, "stage": 2}, "auto_mode": "semi"}``.
     """
