@@ -75,12 +75,36 @@ def _float(value: Any) -> float:
     return float(t.detach().reshape(()).item()) if isinstance(t, torch.Tensor) else float(t)
 
 
+class _Relaid:
+    """Batches split over a 1-d world mesh, relabelled (no data moves) onto the 2-d hybrid
+    sharding mesh ``["dp", "sharding"]`` as ``[Shard(0), Shard(0)]``: rank ``r`` holds chunk
+    ``r`` of the batch under both layouts (the 2-d mesh numbers its ranks row-major)."""
+
+    def __init__(self, loader: ShardDataloader, mesh: ProcessMesh) -> None:
+        self.loader, self.mesh = loader, mesh
+
+    def _relaid(self, value: Any) -> Any:
+        if isinstance(value, DistTensor):
+            return dtensor_from_local(value.to_local(), self.mesh, [Shard(0), Shard(0)], tuple(value.shape))
+        if isinstance(value, (list, tuple)):
+            return type(value)(self._relaid(v) for v in value)
+        if isinstance(value, Mapping):
+            return {k: self._relaid(v) for k, v in value.items()}
+        return value
+
+    def __iter__(self) -> Iterator[Any]:
+        return (self._relaid(batch) for batch in self.loader)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+
 class EngineLoader:
     """What ``Engine.dataloader`` returns: call it (or iterate it) for one pass over the data.
 
     Each pass resets the Engine's metrics, so ``run`` reports them over the pass so far."""
 
-    def __init__(self, loader: ShardDataloader, epochs: int, on_pass: Callable[[], None]) -> None:
+    def __init__(self, loader: ShardDataloader | _Relaid, epochs: int, on_pass: Callable[[], None]) -> None:
         self.loader, self.epochs, self._on_pass = loader, epochs, on_pass
 
     def __call__(self) -> Iterator[Any]:
@@ -192,7 +216,7 @@ class Engine:
             raise NotImplementedError(
                 f"ap.Engine: the model's parameters live on {len(meshes)} meshes; pipelines are not built "
                 "by the Engine yet: use ap.pipeline.Pipeline (docs/pipeline.md)")
-        mesh = meshes.pop() if meshes else ProcessMesh(list(range(runtime.get_world_size())), dim_names=["dp"])
+        mesh = meshes.pop() if meshes else self._default_mesh()
         if any(not isinstance(p, DistTensor) for p in model.parameters()):
             shard_layer(model, mesh)  # plain parameters: Replicate on every axis
         self.data_axis = "dp" if "dp" in mesh.dim_names else None
@@ -254,6 +278,21 @@ class Engine:
         finally:
             self.model.train(was)
 
+    def _default_mesh(self) -> ProcessMesh:
+        """Data parallel over the world: a 1-d mesh ``"dp"``; with ``Strategy.sharding.degree``
+        below the world, a 2-d mesh ``["dp", "sharding"]`` (groups of ``degree`` consecutive
+        ranks share the sharded states, the groups replicate them: hybrid sharding)."""
+        world = runtime.get_world_size()
+        s = self.strategy.sharding
+        if s.enable and s.degree is not None and s.degree < world:
+            return ProcessMesh(torch.arange(world).reshape(world // s.degree, s.degree).tolist(),
+                               dim_names=["dp", "sharding"])
+        return ProcessMesh(list(range(world)), dim_names=["dp"])
+
+    @property
+    def _hybrid(self) -> bool:
+        return self.mesh is not None and self.mesh.dim_names == ["dp", "sharding"] and self._stages is None
+
     def _sharding(self, mesh: ProcessMesh) -> Any:
         s = self.strategy.sharding
         if not s.enable:
@@ -261,11 +300,14 @@ class Engine:
         if self.data_axis is None:
             raise ValueError(f"ap.Engine: Strategy.sharding shards along the data-parallel axis 'dp', and the "
                              f"model's mesh {mesh!r} has none")
+        if mesh.dim_names == ["dp", "sharding"]:  # hybrid (``_default_mesh``)
+            return _STAGES[s.stage](mesh, "sharding")
         size = mesh.get_dim_size("dp")
         if s.degree is not None and s.degree != size:
             raise ValueError(f"ap.Engine: Strategy.sharding.degree {s.degree} differs from the data-parallel "
                              f"degree {size} (the 'dp' axis of {mesh!r}); sharding a part of the data-parallel "
-                             "ranks is not built: set degree to None or to the 'dp' size")
+                             "ranks (hybrid sharding) is built for the Engine's own data-parallel layout only (a "
+                             "model without annotations): set degree to None or to the 'dp' size")
         return _STAGES[s.stage](mesh, "dp")
 
     # ---- batches ----------------------------------------------------------------------------
@@ -274,8 +316,9 @@ class Engine:
         return self.mesh
 
     def _placements(self, mesh: ProcessMesh | None = None) -> list[Placement]:
+        """The batch's layout: split on ``"dp"`` (and on ``"sharding"`` under hybrid sharding)."""
         mesh = mesh or self._laid_mesh()
-        return [Shard(0) if n == "dp" and self.data_axis else Replicate() for n in mesh.dim_names]
+        return [Shard(0) if n in ("dp", "sharding") and self.data_axis else Replicate() for n in mesh.dim_names]
 
     def _label_mesh(self) -> ProcessMesh:
         """Where labels go: the last stage's mesh under a pipeline (the loss runs there), else the model's."""
@@ -325,6 +368,10 @@ class Engine:
         generator = torch.Generator().manual_seed(seed) if shuffle else None
         loader = DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, drop_last=True, collate_fn=collate,
                             num_workers=num_workers, generator=generator)
+        if self._hybrid:  # each rank loads its rows of the whole world's split, laid out on the 2-d mesh
+            world = ProcessMesh(list(range(runtime.get_world_size())), dim_names=["dp"])
+            return EngineLoader(_Relaid(shard_dataloader(loader, world, shard_dims="dp"), self._laid_mesh()), epochs,
+                                self._reset_metrics)
         if self._stages is None:
             return EngineLoader(shard_dataloader(loader, self._laid_mesh(), shard_dims=self.data_axis), epochs,
                                 self._reset_metrics)

@@ -82,10 +82,10 @@ def _reference(batch: int = BATCH, steps: int = STEPS) -> dict[str, Any]:
 
 def _strategy(kind: str) -> ap.Strategy:
     s = ap.Strategy()
-    if kind.startswith("zero"):
+    if kind.startswith(("zero", "hybrid")):
         s.sharding.enable = True
         s.sharding.stage = int(kind[-1])
-        s.sharding.degree = 4
+        s.sharding.degree = 4 if kind.startswith("zero") else 2  # hybrid: 2 groups of 2 share the states
     if kind == "recompute":
         s.recompute.enable = True
     if kind == "merge":
@@ -112,6 +112,8 @@ def _engine_program(rank: int, kind: str) -> dict[str, Any]:
         "params": {n: _full(p) for n, p in model.named_parameters()},
         "placements": {n: list(p.placements) for n, p in model.named_parameters()},
         "optimizer": type(engine.optimizer).__name__,
+        "state": sorted({str(list(v.placements)) for st in engine.optimizer.state.values() for v in st.values()
+                         if isinstance(v, ap.DistTensor) and v.dim() > 0}),
     }
 
 
@@ -125,7 +127,7 @@ def _check_params(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -
         assert rel <= 1e-5, (n, rel)
 
 
-@pytest.mark.parametrize("kind", ["dp", "zero1", "zero2", "zero3", "recompute"])
+@pytest.mark.parametrize("kind", ["dp", "zero1", "zero2", "zero3", "hybrid1", "hybrid3", "recompute"])
 def test_programs_train_like_one_process(world4: Any, kind: str) -> None:
     ref = _reference()
     for o in world4.run(_engine_program, kind):
@@ -136,6 +138,8 @@ def test_programs_train_like_one_process(world4: Any, kind: str) -> None:
         assert accs == pytest.approx(ref["accs"], abs=1e-9)  # the global batch, counted once
         _check_params(o["params"], ref["params"])
         assert o["optimizer"] == "ShardedOptimizer"
+        if kind.startswith("hybrid"):  # momentum split within each group of 2, replicated across groups
+            assert o["state"] == ["[Replicate(), Shard(0)]"], o["state"]
 
 
 def test_model_parallel_program_keeps_its_layout(world2: Any) -> None:
@@ -249,6 +253,8 @@ def _engine_with(rank: int, setting: str) -> None:
     elif setting == "full":
         s.auto_mode = "full"
     model = SimpleNet()
+    if setting == "degree_not_dp":  # laid out by the user on a "dp" mesh: hybrid sharding is the Engine's own layout's
+        ap.shard_layer(model, ap.ProcessMesh([0, 1, 2, 3], dim_names=["dp"]))
     engine = ap.Engine(model, F.cross_entropy, _optimizer(model), strategy=s)
     engine.prepare(ap.InputSpec([None, IN]), ap.InputSpec([None], torch.int64))
     engine.run((torch.zeros(BATCH, IN), torch.zeros(BATCH, 1, dtype=torch.int64)))
@@ -256,7 +262,7 @@ def _engine_with(rank: int, setting: str) -> None:
 
 @pytest.mark.parametrize("setting,exc,text", [
     ("degree", ValueError, "degree 3 does not divide the world of 4 processes"),
-    ("degree_not_dp", ValueError, "degree 2 differs from the data-parallel degree 4"),
+    ("degree_not_dp", ValueError, "degree 2 differs from the data-parallel degree 4"),  # (hybrid: the Engine's layout only)
     ("pipeline", ValueError, "the forward assigns nothing to a stage mesh"),
     ("full", NotImplementedError, "auto_mode='full'"),
     ("bad_label", ValueError, "shape (8, 1) does not fit InputSpec([None], torch.int64)"),
