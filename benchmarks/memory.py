@@ -31,7 +31,12 @@ selective and full recompute. The table with the term-by-term explanation is in 
 ZeRO-1/2/3 with AdamW, fp32 and ``ap.MixedPrecision(torch.bfloat16)``. Per rank, after a step:
 parameter, gradient and optimizer-state bytes (local storages), and the bytes of the compute
 copies a block's forward sees that are not the parameters themselves (ZeRO-3's gathered
-parameters, mixed precision's casts), largest block. ``--recompute-time``: one process, plain
+parameters, mixed precision's casts), largest block; and the step's peak: those bytes plus the
+highest rise of live tensor bytes during one profiled step after a warm-up step (activations,
+gradients, communication buffers; torch.profiler's memory events, as ``benchmarks/train_step.py``
+reads them). The same columns for torch's FSDP2 (``fully_shard`` per block and the root, fp32 and
+``MixedPrecisionPolicy(param_dtype=bfloat16)``): ZeRO-3's peak against FSDP2's, same run.
+``--recompute-time``: one process, plain
 tensors (no communication, so the compute alone), forward + backward with no, selective and
 full recompute of every block, median of ``--repeat``.
 """
@@ -197,7 +202,10 @@ def _zero_worker(rank: int, world: int, path: str, opts: dict[str, Any], out: st
                 "grads": sum(_bytes(p.grad) for p in model.parameters() if p.grad is not None),
                 "states": sum(_bytes(v) for v in states),
                 "copies": max(copies.values(), default=0),
+                "peak": _peak(model, opt, lambda model=model, xs=xs: lm_loss(model(xs), xs)),
             }
+    for bf16 in (False, True):  # torch's FSDP2 on the same model and batch
+        result[f"FSDP2|{'bf16' if bf16 else 'fp32'}"] = _fsdp2(opts, x, rank, world, bf16)
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, result)
     if rank == 0:
@@ -205,6 +213,47 @@ def _zero_worker(rank: int, world: int, path: str, opts: dict[str, Any], out: st
         with open(out, "w") as f:
             json.dump({"zero": merged}, f)
     dist.destroy_process_group()
+
+
+def _peak(model: torch.nn.Module, opt: Any, loss_of: Any) -> int:
+    """Parameter + optimizer-state bytes and the highest rise of live tensor bytes during one
+    more step (``train_step.peak_rise``); ``.grad`` set to None first, as a training loop does."""
+    from benchmarks.train_step import peak_rise
+
+    opt.zero_grad(set_to_none=True)
+    states = [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor) and v.dim()]
+    held = sum(_bytes(p) for p in model.parameters()) + sum(_bytes(v) for v in states)
+
+    def step() -> None:
+        loss_of().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return held + peak_rise(step)
+
+
+def _fsdp2(opts: dict[str, Any], x: torch.Tensor, rank: int, world: int, bf16: bool) -> dict[str, int]:
+    """The ``--zero-bytes`` columns for torch's FSDP2 (``fully_shard`` per block and the root)."""
+    from gpt_model import lm_loss
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    model = _model(opts, "none", "none", None)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    for block in model.blocks:  # type: ignore[union-attr]
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    per = x.shape[0] // world
+    xs = x[rank * per:(rank + 1) * per]
+    lm_loss(model(xs), xs).backward()
+    opt.step()
+    states = [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor) and v.dim()]
+    out = {"params": sum(_bytes(p) for p in model.parameters()),
+           "grads": sum(_bytes(p.grad) for p in model.parameters() if p.grad is not None),
+           "states": sum(_bytes(v) for v in states), "copies": 0}
+    out["peak"] = _peak(model, opt, lambda: lm_loss(model(xs), xs))
+    return out
 
 
 def _bytes(t: torch.Tensor) -> int:
@@ -234,14 +283,18 @@ def _time_worker(rank: int, world: int, path: str, opts: dict[str, Any], out: st
 def report_zero(res: dict[str, Any], o: dict[str, Any]) -> str:
     rows = [f"bytes per rank after an AdamW step, 4 ranks, GPT h={o['hidden']} layers={o['layers']} vocab={o['vocab']} "
             "(max over ranks; copies: compute copies of the largest block, during its forward)",
-            "| strategy | precision | params | grads | optimizer states | params + grads + states | compute copies |",
-            "|---|---|---:|---:|---:|---:|---:|"]
+            "| strategy | precision | params | grads | optimizer states | params + grads + states | compute copies "
+            "| step peak | peak / FSDP2's |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for key, r in res["zero"].items():
         name, prec = key.split("|")
         total = r["params"] + r["grads"] + r["states"]
+        fsdp = res["zero"].get(f"FSDP2|{prec}", {}).get("peak")
         prec = "fp32" if prec == "fp32" else "MixedPrecision(bf16)"
+        ratio = f"{r['peak'] / fsdp:.2f}" if fsdp else "-"
         rows.append(f"| {name} | {prec} | {r['params'] / 2**20:.2f} MiB | {r['grads'] / 2**20:.2f} MiB | "
-                    f"{r['states'] / 2**20:.2f} MiB | {total / 2**20:.2f} MiB | {r['copies'] / 2**20:.2f} MiB |")
+                    f"{r['states'] / 2**20:.2f} MiB | {total / 2**20:.2f} MiB | {r['copies'] / 2**20:.2f} MiB | "
+                    f"{r['peak'] / 2**20:.2f} MiB | {ratio} |")
     return "\n".join(rows)
 
 
