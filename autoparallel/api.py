@@ -50,18 +50,12 @@ def _check_placements(placements: Any, where: str, mesh: Any) -> tuple[Placement
     return out
 
 
-def _axis_index(e: Any) -> bool:
-    return isinstance(e, int) and not isinstance(e, bool)
-
-
 def is_dims_mapping(layout: Any) -> bool:
     """Whether ``layout`` is a dims mapping (Paddle's static form) rather than placements: a
-    list holding a str (a mesh-axis name) or ``None`` anywhere, or a non-empty list of ints
-    (Paddle's older integer form: a mesh-axis index, ``-1`` for none). An all-``None`` list is a
-    dims mapping too (fully replicated)."""
-    if not isinstance(layout, Sequence) or isinstance(layout, (str, bytes)):
-        return False
-    return any(e is None or isinstance(e, str) for e in layout) or (len(layout) > 0 and all(_axis_index(e) for e in layout))
+    list holding a str (a mesh-axis name) or ``None`` anywhere. An all-``None`` list is a dims
+    mapping too (fully replicated)."""
+    return (isinstance(layout, Sequence) and not isinstance(layout, (str, bytes))
+            and any(e is None or isinstance(e, str) for e in layout))
 
 
 def dims_mapping_to_placements(mapping: Sequence[str | None], mesh: ProcessMesh, shape: Sequence[int],
@@ -74,13 +68,7 @@ def dims_mapping_to_placements(mapping: Sequence[str | None], mesh: ProcessMesh,
     Raises ``ValueError`` naming the values for a mapping mixed with placements, of the wrong
     length, naming an axis the mesh lacks, or using one mesh axis for two tensor dims.
     """
-    items: list[Any] = list(mapping)
-    if items and all(_axis_index(e) for e in items):  # Paddle's integer form: axis index, -1 for none
-        bad = [e for e in items if not -1 <= e < mesh.ndim]
-        if bad:
-            raise ValueError(f"{where}: dims mapping {items} holds {bad[0]}: each entry is a mesh-axis index in "
-                             f"[0, {mesh.ndim}) of mesh {mesh!r}, or -1 for a dim no axis shards")
-        items = [None if e == -1 else mesh.dim_names[e] for e in items]
+    items = list(mapping)
     others = [e for e in items if e is not None and not isinstance(e, str)]
     if others and all(isinstance(e, Placement) for e in others):
         raise ValueError(f"{where}: {items} mixes placements {others} with mesh-axis names/None: give either "
