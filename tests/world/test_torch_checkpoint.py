@@ -6,8 +6,9 @@ hooks inside: ZeRO-3's gather is redone by the recompute) and transformers'
 and the recomputation in the backward included (a local region does not prove a new signature
 under a checkpoint, and refuses one whose forward checkpoints inside it). Non-reentrant: the
 losses and every parameter after 3 SGD steps are bitwise those without checkpointing under DP,
-TP, TP + SP, DP x TP and ZeRO-3 (4 gloo ranks, the example GPT with dropout). Reentrant: equal
-within float rounding. ``ap.recompute`` of the last Linear of a ``shard_layer``'d network trains
+TP, TP + SP, DP x TP and ZeRO-3 (4 gloo ranks, the example GPT with dropout), and for an
+unmodified transformers Llama under TP, DP x TP, DP x TP + SP (``ap.plans.llama(sp=True)``) and
+ZeRO-3. Reentrant (transformers' default): equal within float rounding. ``ap.recompute`` of the last Linear of a ``shard_layer``'d network trains
 bitwise as without.
 """
 
@@ -113,13 +114,22 @@ def _llama(rank: int, layout: str, checkpointing: dict[str, Any] | None | bool) 
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing)
     model.train()
     ids = torch.randint(0, 128, (STEPS, 4, 16))
+    stage = None
     if layout == "tp":
         mesh, batch = ap.ProcessMesh([0, 1, 2, 3], dim_names=["tp"]), [ap.Replicate()]
+    elif layout == "zero3":
+        mesh, batch = ap.ProcessMesh([0, 1, 2, 3], dim_names=["dp"]), [ap.Shard(0)]
+        stage = ap.ShardingStage3(mesh)
     else:
         mesh, batch = ap.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "tp"]), [ap.Shard(0), ap.Replicate()]
-    styles = {"col": ap.ColWiseParallel, "row": ap.RowWiseParallel}
-    ap.parallelize(model, mesh, {k: styles[v]() for k, v in PLAN_NAMES.items()})
-    opt = ap.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    if layout == "zero3":
+        ap.shard_layer(model, mesh)
+    elif layout == "dp_tp_sp":  # transformers' Llama with Megatron's sequence parallelism
+        ap.parallelize(model, mesh, ap.plans.llama(model, sp=True))
+    else:
+        styles = {"col": ap.ColWiseParallel, "row": ap.RowWiseParallel}
+        ap.parallelize(model, mesh, {k: styles[v]() for k, v in PLAN_NAMES.items()})
+    opt = ap.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), stage)
     losses = []
     for step in range(STEPS):
         x = ap.shard_tensor(ids[step], mesh, batch)
@@ -132,7 +142,7 @@ def _llama(rank: int, layout: str, checkpointing: dict[str, Any] | None | bool) 
             "rng": torch.get_rng_state()}
 
 
-@pytest.mark.parametrize("layout", ["tp", "dp_tp"])
+@pytest.mark.parametrize("layout", ["tp", "dp_tp", "dp_tp_sp", "zero3"])
 def test_transformers_gradient_checkpointing(world4, layout: str) -> None:  # type: ignore[no-untyped-def]
     pytest.importorskip("transformers")
     base = world4.run(_llama, layout, False)
