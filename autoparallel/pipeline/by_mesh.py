@@ -12,8 +12,8 @@ laid out ``Replicate`` on their stage's mesh (``ap.shard_layer``, in place).
 What a split needs, checked on metadata before anything runs (the same error on every rank):
 
 - at least one ``shard_op`` call on a mesh in ``forward``;
-- the meshes visited in one order, each once (stage ``k + 1`` never feeds back into stage ``k``),
-  on disjoint ranks;
+- the meshes visited in one order, each once, on disjoint ranks; or round robin (``A, B, A, B``:
+  two chunks per mesh, for ``schedule="Interleaved1F1B"``);
 - one tensor crossing each stage boundary, and one model input (the Pipeline's micro-batches).
 
 ``Pipeline(split_by_meshes(model), loss_fn, num_microbatches=..., schedule=...)`` is what
@@ -46,37 +46,40 @@ def _trace(model: nn.Module) -> torch.fx.GraphModule:
 
 
 def _stages_of(gm: torch.fx.GraphModule) -> tuple[dict[torch.fx.Node, int], list[ProcessMesh]]:
-    """Stage index of every node, and the stage meshes in forward order."""
+    """Chunk index of every node, and each chunk's mesh, in forward order.
+
+    A chunk is a run of nodes on one mesh: a node ``shard_op`` marked with another mesh than the
+    current chunk's starts the next chunk; every other node joins the current one. The chunks'
+    meshes must go round robin over the distinct meshes (``p`` of them): one chunk per mesh, or
+    ``v`` per mesh for an interleaved schedule (mesh ``c % p`` for chunk ``c``)."""
     nodes = list(gm.graph.nodes)
-    meshes = list(dict.fromkeys(n.meta[MESH_META] for n in nodes if MESH_META in n.meta))
-    if not meshes:
+    marked = [n for n in nodes if MESH_META in n.meta]
+    if not marked:
         raise ValueError(f"{_WHAT}: the forward assigns nothing to a stage mesh; call ap.shard_op(layer, "
                          "sub_mesh)(x) in forward for the layers of each stage (sub_mesh = world_mesh[k])")
-    check_meshes(meshes)
-    index = {m: i for i, m in enumerate(meshes)}
+    chunks: list[ProcessMesh] = [marked[0].meta[MESH_META]]
     stage: dict[torch.fx.Node, int] = {}
-    reached, where = 0, "the model's input"
     for n in nodes:
         if n.op in ("get_attr", "output"):
             continue
-        if n.op == "placeholder":
-            stage[n] = 0
-            continue
-        k = index[n.meta[MESH_META]] if MESH_META in n.meta else max(
-            (stage[a] for a in n.all_input_nodes if a in stage), default=reached)
-        if k < reached:
-            raise ValueError(
-                f"{_WHAT}: sub-mesh stages must cover the model in order: {n.format_node()} runs on mesh "
-                f"{meshes[k]!r} (stage {k}) after {where} ran on stage {reached}; each stage's mesh is "
-                "visited once, in forward order")
-        if k > reached:
-            reached, where = k, n.format_node()
-        stage[n] = k
+        mesh = n.meta.get(MESH_META)
+        if mesh is not None and mesh != chunks[-1]:
+            chunks.append(mesh)
+        stage[n] = len(chunks) - 1
     for n in nodes:
         if n.op == "get_attr":
             users = [stage[u] for u in n.users if u in stage]
             stage[n] = min(users) if users else 0
-    return stage, meshes
+    distinct = list(dict.fromkeys(chunks))
+    check_meshes(distinct)
+    p = len(distinct)
+    if len(chunks) % p or any(m != distinct[c % p] for c, m in enumerate(chunks)):
+        order = [distinct.index(m) for m in chunks]
+        raise ValueError(
+            f"{_WHAT}: sub-mesh stages must cover the model in order: the forward visits the stage meshes in the "
+            f"order {order}; each mesh once ({list(range(p))}), or round robin for an interleaved schedule "
+            f"({list(range(p)) * 2}, ...)")
+    return stage, chunks
 
 
 def _check_boundaries(split: torch.fx.GraphModule, count: int) -> list[nn.Module]:

@@ -429,3 +429,52 @@ def test_float16_scales_the_loss_as_the_dynamic_api_does(world4: Any) -> None:
         assert torch.equal(p, dynamic["params"][n]), n
     ref = _reference()
     assert all(abs(g - w) <= 2e-2 * abs(w) for g, w in zip(engine["losses"], ref["losses"], strict=True))
+
+
+class _FourNet(nn.Module):
+    """Four Linears visiting two stage meshes round robin: two chunks per mesh (interleaved)."""
+
+    def __init__(self, mesh: ap.ProcessMesh | None = None) -> None:
+        super().__init__()
+        self.mesh = mesh
+        self.layers = nn.ModuleList([nn.Linear(IN, INNER), nn.Linear(INNER, IN), nn.Linear(IN, INNER), nn.Linear(INNER, OUT)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for k, layer in enumerate(self.layers):
+            x = torch.tanh(layer(x) if self.mesh is None else ap.shard_op(layer, self.mesh[k % 2])(x))
+        return x
+
+
+def _interleaved(rank: int, distributed: bool) -> dict[str, Any]:
+    torch.manual_seed(0)
+    mesh = ap.ProcessMesh([0, 1], dim_names=["pp"])
+    model = _FourNet(mesh if distributed else None)
+    data = _dataset(BATCH * STEPS)
+    if not distributed:
+        opt = _optimizer(model)
+        losses = []
+        for i in range(STEPS):
+            loss = nn.CrossEntropyLoss()(model(data.tensors[0][i * BATCH:(i + 1) * BATCH]),
+                                         data.tensors[1][i * BATCH:(i + 1) * BATCH])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(float(loss.detach()))
+        return {"losses": losses, "params": {n: p.detach() for n, p in model.named_parameters()}}
+    s = ap.Strategy()
+    s.pipeline.enable, s.pipeline.micro_batch_size, s.pipeline.accumulate_steps = True, BATCH // 2, 2
+    s.pipeline.schedule_mode = "Interleaved1F1B"
+    engine = ap.Engine(model, nn.CrossEntropyLoss(), _optimizer(model), strategy=s)
+    loader = engine.dataloader(data, batch_size=BATCH, mode="train")
+    losses = [engine.run(batch, mode="train")["loss"] for batch in loader()]
+    chunks = [list(st.mesh.process_ids) for st in engine._stages or []]
+    return {"losses": losses, "chunks": chunks,
+            "params": {n: _full(p) for n, p in model.named_parameters() if rank in p.process_mesh}}
+
+
+def test_interleaved_pipeline_by_meshes_visited_round_robin(world2: Any) -> None:
+    ref = world2.run(_interleaved, False)[0]
+    for r, got in enumerate(world2.run(_interleaved, True)):
+        assert got["chunks"] == [[0], [1], [0], [1]]  # two chunks per stage mesh
+        assert all(_close(g, w) for g, w in zip(got["losses"], ref["losses"], strict=True)), (r, got["losses"], ref["losses"])
+        _check_params(got["params"], {n: p for n, p in ref["params"].items() if n in got["params"]})
