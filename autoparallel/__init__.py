@@ -95,7 +95,7 @@ _EXPORTS: dict[str, str] = {
     "LayerMeter": "autoparallel.memory",
     "recompute": "autoparallel.memory",
     "DistModel": "autoparallel.static",
-    "Engine": "autoparallel.static.engine",
+    "Engine": "autoparallel.static_engine",
     "InputSpec": "autoparallel.static",
     "metrics": "autoparallel.static",
     "Strategy": "autoparallel.static",
@@ -215,5 +215,5 @@ if TYPE_CHECKING:  # for type checkers and IDEs; nothing is imported at run time
     from autoparallel.sharded_call import shard_op
     from autoparallel.spec import DistSpec
     from autoparallel.static import DistModel, InputSpec, Strategy, metrics, to_static
-    from autoparallel.static.engine import Engine
+    from autoparallel.static_engine import Engine
     from spmd_rules.registry import register_axis_rule, register_local_impl, register_rule

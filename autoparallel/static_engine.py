@@ -405,11 +405,8 @@ class Engine:
             self.model.eval()
             with torch.no_grad():
                 return {"outputs": whole(self.model(*inputs))}
-        if self.loss is None:
-            raise ValueError(f"ap.Engine.run(mode={mode!r}) needs a loss; the Engine was given none")
+        self._check_can_run(mode)
         if mode == "train":
-            if self.optimizer is None:
-                raise ValueError("ap.Engine.run(mode='train') needs an optimizer; the Engine was given none")
             self.model.train()
             out = self.model(*inputs)
             loss = self.loss(out, *labels)
@@ -426,6 +423,13 @@ class Engine:
         logs.update(self._measure(out.detach(), labels))
         return logs
 
+    def _check_can_run(self, mode: str) -> None:
+        """Train and eval need a loss; train an optimizer too."""
+        if self.loss is None:
+            raise ValueError(f"ap.Engine.run(mode={mode!r}) needs a loss; the Engine was given none")
+        if mode == "train" and self.optimizer is None:
+            raise ValueError("ap.Engine.run(mode='train') needs an optimizer; the Engine was given none")
+
     def _run_pipeline(self, inputs: list[Any], labels: list[Any], mode: str) -> dict[str, Any]:
         """``run`` under ``Strategy.pipeline``: train through the Pipeline's schedule; eval and
         predict through the stages one after another. The loss and metrics reach every rank."""
@@ -439,11 +443,8 @@ class Engine:
             with torch.no_grad():
                 out = run_stages(self._stages, x)
             return {"outputs": whole(self._everywhere(out))}
-        if self.loss is None:
-            raise ValueError(f"ap.Engine.run(mode={mode!r}) needs a loss; the Engine was given none")
+        self._check_can_run(mode)
         if mode == "train":
-            if self.optimizer is None:
-                raise ValueError("ap.Engine.run(mode='train') needs an optimizer; the Engine was given none")
             self._check_micro_batches(x.shape[0])
             self.model.train()
             loss = self._pipe.step(x, labels[0] if labels else None)
