@@ -405,11 +405,11 @@ class Engine:
             self.model.eval()
             with torch.no_grad():
                 return {"outputs": whole(self.model(*inputs))}
-        self._check_can_run(mode)
+        loss_fn = self._loss_for(mode)
         if mode == "train":
             self.model.train()
             out = self.model(*inputs)
-            loss = self.loss(out, *labels)
+            loss = loss_fn(out, *labels)
             (loss if self.scaler is None else self.scaler.scale(loss)).backward()
             self._micro += 1
             if self._micro == self.merge_steps:
@@ -418,17 +418,18 @@ class Engine:
             self.model.eval()
             with torch.no_grad():
                 out = self.model(*inputs)
-                loss = self.loss(out, *labels)
+                loss = loss_fn(out, *labels)
         logs = {"loss": _float(loss.detach())}
         logs.update(self._measure(out.detach(), labels))
         return logs
 
-    def _check_can_run(self, mode: str) -> None:
-        """Train and eval need a loss; train an optimizer too."""
+    def _loss_for(self, mode: str) -> Callable[..., Any]:
+        """The loss (train and eval need one; train an optimizer too)."""
         if self.loss is None:
             raise ValueError(f"ap.Engine.run(mode={mode!r}) needs a loss; the Engine was given none")
         if mode == "train" and self.optimizer is None:
             raise ValueError("ap.Engine.run(mode='train') needs an optimizer; the Engine was given none")
+        return self.loss
 
     def _run_pipeline(self, inputs: list[Any], labels: list[Any], mode: str) -> dict[str, Any]:
         """``run`` under ``Strategy.pipeline``: train through the Pipeline's schedule; eval and
@@ -443,7 +444,7 @@ class Engine:
             with torch.no_grad():
                 out = run_stages(self._stages, x)
             return {"outputs": whole(self._everywhere(out))}
-        self._check_can_run(mode)
+        loss_fn = self._loss_for(mode)
         if mode == "train":
             self._check_micro_batches(x.shape[0])
             self.model.train()
@@ -455,7 +456,7 @@ class Engine:
             self.model.eval()
             with torch.no_grad():
                 out = run_stages(self._stages, x)
-                loss = self.loss(out, *labels)
+                loss = loss_fn(out, *labels)
             if runtime.get_rank() in self._stages[-1].mesh:  # (the output lives there)
                 self._update_metrics(out.detach(), labels)
         last = self._stages[-1].mesh
