@@ -8,6 +8,7 @@ world of one, and nothing is initialised.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 
@@ -75,12 +76,25 @@ def ensure_world() -> None:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend=backend, timeout=collective_timeout())
         _initialised_here[:] = [dist.group.WORLD]
+        atexit.register(_destroy_at_exit)
         logger.debug("world: initialised a %s world of %d ranks from torchrun's environment",
                      backend, dist.get_world_size())
 
 
 # The default group this module initialised (empty: none, or the user's own)
 _initialised_here: list[object] = []
+
+
+def _destroy_at_exit() -> None:
+    """Destroy the default group this module made, if it is still the default one, as the
+    interpreter exits: left to the interpreter's teardown, gloo's worker threads can be torn
+    down mid-flight and abort the process ("terminate called without an active exception")."""
+    if initialised_here():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001  (exiting anyway: nothing to report it to)
+            pass
+        forget()
 
 
 def initialised_here() -> bool:
