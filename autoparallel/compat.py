@@ -205,6 +205,12 @@ def foreign_dispatch_modes() -> bool:
         return True
 
 
+def observed() -> bool:
+    """Whether saved-tensor hooks or dispatch modes other than the library's own watch what runs
+    now (a module run twice here would be seen twice)."""
+    return foreign_saved_hooks() or foreign_dispatch_modes()
+
+
 def mark_own_observer(obj: Any) -> Any:
     """Mark a saved-tensor pack function or a dispatch mode class as the library's own."""
     setattr(getattr(obj, "__func__", obj), OWN_OBSERVER, True)
@@ -433,7 +439,7 @@ except ImportError:  # pragma: no cover - the same in Python
 
 
 __all__ = [
-    "LIBRARY_PACKAGES", "run_as_is_under_dynamo", "when_dynamo_imported", "on_dynamo_compile", "in_compiled_call", "profiler_enabled", "SymbolicTools", "global_module_hooks", "in_backward", "tensor_use_count", "OBSERVER_HOOK", "modes_active", "OWN_OBSERVER", "foreign_saved_hooks", "foreign_dispatch_modes", "mark_own_observer",
+    "LIBRARY_PACKAGES", "run_as_is_under_dynamo", "when_dynamo_imported", "on_dynamo_compile", "in_compiled_call", "profiler_enabled", "SymbolicTools", "global_module_hooks", "in_backward", "tensor_use_count", "OBSERVER_HOOK", "modes_active", "OWN_OBSERVER", "foreign_saved_hooks", "foreign_dispatch_modes", "observed", "mark_own_observer",
     "symbolic_tools",
     "GRAD_SCALER_UNSCALE", "HAS_GRAD_SCALER_UNSCALE", "amp_check_and_unscale_",
     "WRAPPER_POSITIONAL", "TorchDispatchMode", "all_op_schemas", "disable_torch_function_subclass", "disabled_torch_function_impl", "flatten_dense_tensors",

@@ -411,9 +411,7 @@ class Engine:
             out = self.model(*inputs)
             loss = loss_fn(out, *labels)
             (loss if self.scaler is None else self.scaler.scale(loss)).backward()
-            self._micro += 1
-            if self._micro == self.merge_steps:
-                self._step()
+            self._trained()
         else:
             self.model.eval()
             with torch.no_grad():
@@ -449,9 +447,7 @@ class Engine:
             self._check_micro_batches(x.shape[0])
             self.model.train()
             loss = self._pipe.step(x, labels[0] if labels else None)
-            self._micro += 1
-            if self._micro == self.merge_steps:
-                self._step()
+            self._trained()
         else:
             self.model.eval()
             with torch.no_grad():
@@ -471,6 +467,12 @@ class Engine:
         """``t`` (on the last stage's mesh) replicated on every rank of the world."""
         world = ProcessMesh(list(range(runtime.get_world_size())), dim_names=["world"])
         return reshard(t, world, [Replicate()])
+
+    def _trained(self) -> None:
+        """One more run's gradients are in: the optimizer steps every ``merge_steps`` runs."""
+        self._micro += 1
+        if self._micro == self.merge_steps:
+            self._step()
 
     def _step(self) -> None:
         assert self.optimizer is not None

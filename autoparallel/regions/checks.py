@@ -243,7 +243,7 @@ class _Trace:
         summands, which its local run does once, before the module runs)."""
         if not self.quiet:
             self.reads.update(id(t) for t in _dist_args(args, kwargs))
-        if compat.foreign_saved_hooks() or compat.foreign_dispatch_modes():
+        if compat.observed():
             # (a region proves a signature only where nothing watches: this one came from inside)
             self.refuse("it runs torch's checkpoint inside (the recompute in the backward would run "
                         "outside the local run)")

@@ -44,11 +44,6 @@ MAX_FAMILIES = 8               # per module: signatures up to sizes (``regions.g
 _MISSING = object()
 
 
-def _observed() -> bool:
-    """Whether saved-tensor hooks or dispatch modes other than the library's own watch this call."""
-    return compat.foreign_saved_hooks() or compat.foreign_dispatch_modes()
-
-
 def _enabled() -> bool:
     return os.environ.get("AUTOPARALLEL_LOCAL_REGIONS", "1") not in ("0", "false", "off")
 
@@ -186,7 +181,7 @@ class _Region:
             # checkpoint (its forward, and its recompute in the backward), selective
             # checkpoint's modes, offloading hooks or make_fx, the call takes the DistTensor
             # path, as its recompute will (checkpoint compares what both save).
-            if _observed():
+            if compat.observed():
                 return None
             family = self.families.get(_family_of(key))
             if family is not None and family.model is not None:
