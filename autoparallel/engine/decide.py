@@ -24,12 +24,12 @@ from autoparallel.engine.decision import Decision, InplaceViewDecision, LocalSte
 from autoparallel.engine.kernels import DEFERRING, Collectives, kernel_for
 from autoparallel.engine.keys import mesh_coord
 from autoparallel.engine.slots import dist_slots, flatten_out, map_args
-from autoparallel.placement import Replicate, Shard
-from autoparallel.spec import DistSpec, _itemsize
+from autoparallel.placement import Replicate
+from autoparallel.spec import DistSpec
 from autoparallel.strides import dense_strides
+from reshard.choice import as_is, cheapest, cost, plan_price, plan_to
 from reshard.crossmesh import CrossMeshPlan, plan_best
-from reshard.plan import ALL_GATHER, FILL, RELABEL, SLICE, Plan, Step, step_bytes
-from reshard.planner import LATENCY_BYTES
+from reshard.plan import RELABEL, SLICE, Plan
 from spmd_rules.base import LocalContext, OpCall, ScalarMeta, Strategy, TensorMeta
 from spmd_rules.registry import get_out_shapes, get_rule
 
@@ -160,7 +160,7 @@ def _from_template(t: LocalStep, specs: list[DistSpec], outs: generic.Layouts, c
     moves: dict[str, Any] = {}
     if any(p is not None for p in t.plans):
         # the stored choice's moves, planned for these inputs (``_plan`` as ``_local_step`` does)
-        plans = tuple(None if p is None else _plan(s, p.dst.placements) for s, p in zip(specs, t.plans))
+        plans = tuple(None if p is None else plan_to(s, p.dst.placements) for s, p in zip(specs, t.plans))
         in_specs = _in_specs(specs, plans)
         wrapper = [d._stride for d in dts]
         moves = dict(plans=plans, in_conform=tuple(
@@ -286,7 +286,7 @@ def _decide(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], 
         why = "it has no SPMD rule" if rule is None else "its rule offered no strategy"
         return replace(_fallback_decision(func, specs, mesh, outs, mutated, reason=why, kind=out_kind), out_alias=alias,
                        meta_value=fake_out if out_kind is OutKind.VALUE else None)
-    best = _cheapest(strategies, specs, mesh, out_metas)
+    best = cheapest(strategies, specs, tuple(mesh.shape), out_metas)
     if key is not None and _generic_best(strategies, specs, mesh, out_metas) is best:
         generic.store_choice(key, best)
         stored.append(True)
@@ -297,7 +297,7 @@ def _local_step(func: Any, mesh: Any, specs: list[DistSpec], best: Strategy, cal
                 out_metas: tuple[TensorMeta | None, ...], outs: list[Any], out_kind: OutKind,
                 alias: tuple[int | None, ...], mutated: tuple[int, ...], fake_out: Any) -> LocalStep:
     """The ``LocalStep`` running ``best`` on these inputs (plans, output specs and strides)."""
-    plans = tuple(_plan(spec, req) for spec, req in zip(specs, best.inputs))
+    plans = tuple(plan_to(spec, req) for spec, req in zip(specs, best.inputs))
     out_specs = tuple(
         DistSpec(mesh, pl, m.shape, m.dtype) if m is not None else None for m, pl in zip(out_metas, best.outputs)
     )
@@ -307,34 +307,6 @@ def _local_step(func: Any, mesh: Any, specs: list[DistSpec], best: Strategy, cal
         local_fn=kernel_for(func), call=call, out_kind=out_kind, out_specs=out_specs, out_strides=strides,
         out_alias=alias, mutated=mutated, meta_value=fake_out if out_kind is OutKind.VALUE else None,
     )
-
-
-def _plan(spec: DistSpec, req: tuple[Any, ...]) -> Plan | CrossMeshPlan | None:
-    """The plan taking ``spec`` to placements ``req`` (default shard order); None if none needed.
-    Not cached here: the planner caches what it searched, and builds one-step plans directly."""
-    dst = spec.with_placements(req) if tuple(req) != spec.placements or spec.shard_order else spec
-    return None if dst == spec else plan_best(spec, dst)
-
-
-@lru_cache(maxsize=8192)
-def _plan_price(spec: DistSpec, req: tuple[Any, ...]) -> int | None:
-    plan = _plan(spec, req)
-    if plan is None:
-        return None
-    return plan.max_bytes() + _deferred_price(plan) + (LATENCY_BYTES if plan.collectives() else 0)
-
-
-def _deferred_price(plan: Plan | CrossMeshPlan) -> int:
-    """What a plan's fills (``S -> P``, local) leave to pay: a Partial some later step must reduce,
-    n x the piece in memory and compute. Priced as the all-gather a fill replaces (with its latency
-    term), so an op is not steered into a partial layout by a move that is free only now
-    (``ap.reshard`` to a Partial target still runs the fill)."""
-    steps = plan.pre.steps + plan.post.steps if isinstance(plan, CrossMeshPlan) else plan.steps
-    price = 0
-    for s in steps:
-        if s.kind == FILL:  # an all-gather's bytes depend on its source only
-            price += int(step_bytes(Step(ALL_GATHER, s.axis, s.src, s.dst))[1].max()) + LATENCY_BYTES
-    return price
 
 
 def _generic_best(strategies: Sequence[Strategy], specs: Sequence[DistSpec], mesh: Any,
@@ -349,14 +321,14 @@ def _generic_best(strategies: Sequence[Strategy], specs: Sequence[DistSpec], mes
     input as it is, the one strategy that moves nothing (every input as it is or reached by local
     steps: slices, relabels, ``R -> P``; priced 0 at any size, while every other plan has a
     collective or a fill, priced above 0 at any size). None where sizes decide."""
-    free = [s for s in strategies if all(_as_is(spec, req) for spec, req in zip(specs, s.inputs))]
+    free = [s for s in strategies if all(as_is(spec, req) for spec, req in zip(specs, s.inputs))]
     if len(free) == 1:
         return free[0]
     if free:
         if sum(m is not None for m in out_metas) != 1 or _uneven_sizes(mesh, out_metas):
             return None
-        return min(free, key=lambda s: _cost(s, list(specs), mesh, out_metas))
-    still = [s for s in strategies if all(not _plan_price(spec, tuple(req)) for spec, req in zip(specs, s.inputs))]
+        return min(free, key=lambda s: cost(s, list(specs), tuple(mesh.shape), out_metas))
+    still = [s for s in strategies if all(not plan_price(spec, tuple(req)) for spec, req in zip(specs, s.inputs))]
     return still[0] if len(still) == 1 else None
 
 
@@ -366,48 +338,6 @@ def _uneven_sizes(mesh: Any, out_metas: tuple[TensorMeta | None, ...]) -> bool:
     the inputs' sizes (an odd sequence length reduced away) do not matter."""
     n = mesh.size
     return any(size % n and generic.is_generic(size, n) for m in out_metas if m is not None for size in m.shape)
-
-
-def _cheapest(strategies: Sequence[Strategy], specs: list[DistSpec], mesh: Any, out_metas: tuple[TensorMeta | None, ...]) -> Strategy:
-    """The first strategy of least ``_cost``, planning as few reshards as possible.
-
-    The cost is lexicographic with bytes moved and inputs changed first, so when some strategy
-    takes every input as it is, only such strategies can win: they are compared without running
-    the planner for the others (the same choice, at a fraction of a cache miss's time).
-    """
-    free = [s for s in strategies if all(_as_is(spec, req) for spec, req in zip(specs, s.inputs))]
-    return min(free or strategies, key=lambda s: _cost(s, specs, mesh, out_metas))
-
-
-def _as_is(spec: DistSpec, req: tuple[Any, ...]) -> bool:
-    return not spec.shard_order and tuple(req) == tuple(spec.placements)
-
-
-def _cost(s: Strategy, specs: list[DistSpec], mesh: Any, out_metas: tuple[TensorMeta | None, ...]) -> tuple[int, int, int]:
-    """(bytes moved, inputs changed, largest local output bytes): lexicographic."""
-    moved = changed = 0
-    for spec, req in zip(specs, s.inputs):
-        price = _plan_price(spec, req)
-        if price is not None:
-            changed += 1
-            moved += price
-    compute = 0
-    for m, pl in zip(out_metas, s.outputs):
-        if m is not None:
-            compute += _largest_local_numel(m.shape, pl, tuple(mesh.shape)) * _itemsize(m.dtype)
-    return moved, changed, compute
-
-
-@lru_cache(maxsize=8192)
-def _largest_local_numel(shape: tuple[int, ...], placements: tuple[Any, ...], mesh_shape: tuple[int, ...]) -> int:
-    """Elements of the shard at mesh coordinate 0 (torch.chunk gives it the largest piece)."""
-    n = 1
-    for dim, size in enumerate(shape):
-        for a, p in enumerate(placements):
-            if isinstance(p, Shard) and p.dim % len(shape) == dim:
-                size = -(-size // mesh_shape[a])
-        n *= size
-    return n
 
 
 def _fallback_decision(
@@ -426,7 +356,7 @@ def _fallback_decision(
             stacklevel=4,
         )
     rep = tuple(Replicate() for _ in range(mesh.ndim))
-    plans = tuple(_plan(s, rep) for s in specs)
+    plans = tuple(plan_to(s, rep) for s in specs)
     where = dict(mesh=mesh, coord=mesh_coord(mesh), plans=plans, in_specs=_in_specs(specs, plans), mutated=mutated)
     if outs is None:
         return LocalStep(**where, out_kind=OutKind.UNKNOWN, fallback=True)

@@ -20,11 +20,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from autoparallel.engine import generic
-from autoparallel.engine.decide import _cheapest, _generic_best
+from autoparallel.engine.decide import _generic_best
 from autoparallel.engine.generic import choice_key
 from autoparallel.mesh import ProcessMesh
 from autoparallel.placement import Partial, Replicate, Shard
 from autoparallel.spec import DistSpec
+from reshard.choice import cheapest
 from spmd_rules.base import OpCall, TensorMeta
 from spmd_rules.registry import get_rule
 
@@ -120,10 +121,10 @@ def test_a_stored_choice_is_the_fresh_choice_at_another_shape(pair: tuple[Any, .
     strategies_a, strategies_b = rule(call_a), rule(call_b)
     if not strategies_a:
         return
-    best_a = _cheapest(strategies_a, specs_a, mesh, call_a.out)
+    best_a = cheapest(strategies_a, specs_a, tuple(mesh.shape), call_a.out)
     if _generic_best(strategies_a, specs_a, mesh, call_a.out) is not best_a:
         return  # not stored: decided afresh at every shape
-    assert strategies_b and _cheapest(strategies_b, specs_b, mesh, call_b.out) == best_a
+    assert strategies_b and cheapest(strategies_b, specs_b, tuple(mesh.shape), call_b.out) == best_a
 
 
 OUT_OPS: list[tuple[Any, tuple[str, ...], tuple[Any, ...]]] = [
@@ -483,8 +484,8 @@ def test_a_stored_view_choice_is_the_fresh_choice_at_another_shape(kind: str, me
     strategies_a = rule(call_a)
     if not strategies_a:
         return
-    best_a = _cheapest(strategies_a, specs_a, mesh, call_a.out)
+    best_a = cheapest(strategies_a, specs_a, tuple(mesh.shape), call_a.out)
     if _generic_best(strategies_a, specs_a, mesh, call_a.out) is not best_a:
         return  # not stored
     strategies_b = rule(call_b)
-    assert strategies_b and _cheapest(strategies_b, specs_b, mesh, call_b.out) == best_a, (call_a, call_b)
+    assert strategies_b and cheapest(strategies_b, specs_b, tuple(mesh.shape), call_b.out) == best_a, (call_a, call_b)
