@@ -77,7 +77,9 @@ _EXPORTS: dict[str, str] = {
     "RowWiseParallel": "autoparallel.nn",
     "SequenceParallel": "autoparallel.nn",
     "VocabParallelEmbedding": "autoparallel.nn",
-    "parallelize": "autoparallel.nn",
+    "parallelize": "autoparallel.auto",
+    "auto_parallel": "autoparallel.auto",
+    "Plan": "autoparallel.auto",
     "shard_layer": "autoparallel.nn",
     "ShardingStage1": "autoparallel.optim",
     "ShardingStage2": "autoparallel.optim",
@@ -103,7 +105,7 @@ _EXPORTS: dict[str, str] = {
 }
 # sub-packages reachable as attributes (``ap.pipeline.Pipeline``, ``ap.checkpoint``, ...)
 _SUBMODULES = frozenset({
-    "api", "checkpoint", "compat", "cost", "data", "engine", "factory", "local_map", "memory", "mesh", "nn",
+    "api", "auto", "checkpoint", "compat", "cost", "data", "engine", "factory", "local_map", "memory", "mesh", "nn",
     "optim", "pipeline", "placement", "plans", "regions", "runtime", "spec", "static",
 })
 
@@ -122,6 +124,7 @@ __all__ = [
     "MixedPrecision",
     "Partial",
     "Placement",
+    "Plan",
     "PrepareLayerInput",
     "PrepareLayerOutput",
     "ProcessMesh",
@@ -134,6 +137,7 @@ __all__ = [
     "ShardingStage3",
     "Strategy",
     "VocabParallelEmbedding",
+    "auto_parallel",
     "clip_grad_norm_",
     "disable_local_regions",
     "dtensor_from_local",

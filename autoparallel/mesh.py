@@ -106,6 +106,25 @@ class ProcessMesh:
         self._coords: dict[int, tuple[int, ...] | None] = {}  # rank -> coordinate (a mesh never changes)
         self._lines: dict[tuple[int, int], tuple[int, ...] | None] = {}  # (axis, rank) -> axis line
 
+    @classmethod
+    def simulated(cls, shape: Sequence[int], dim_names: Sequence[str] | None = None) -> ProcessMesh:
+        """A mesh of ``prod(shape)`` ranks for planning only (``ap.auto_parallel`` pricing a world
+        of 512 from one process): no world is started or checked. Metadata of layouts on it is
+        exact; communicating on it is not possible."""
+        arr = np.arange(int(np.prod(shape)), dtype=np.int64).reshape(tuple(int(s) for s in shape))
+        mesh = cls.__new__(cls)
+        names = tuple(dim_names) if dim_names is not None else tuple(f"d{i}" for i in range(arr.ndim))
+        if len(names) != arr.ndim or len(set(names)) != len(names):
+            raise ValueError(f"ProcessMesh.simulated: dim_names {list(names)} for a mesh of shape {list(arr.shape)}")
+        mesh._shape = Dims(int(s) for s in arr.shape)
+        mesh._ids = Dims(int(r) for r in arr.flatten())
+        mesh._dim_names = names
+        mesh._hash = hash((mesh._shape, mesh._ids, mesh._dim_names))
+        mesh._family = None
+        mesh._coords = {}
+        mesh._lines = {}
+        return mesh
+
     # ---- values -------------------------------------------------------------------------
     @property
     def shape(self) -> Dims:

@@ -32,7 +32,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("engine", ("autoparallel.engine",)),
     ("model", ("autoparallel.api", "autoparallel.sharded_call", "autoparallel.static_engine", "autoparallel.factory", "autoparallel.local_map", "autoparallel.data",
                "autoparallel.nn", "autoparallel.optim", "autoparallel.pipeline", "autoparallel.checkpoint",
-               "autoparallel.plans", "autoparallel.regions", "autoparallel.static", "autoparallel.memory")),
+               "autoparallel.plans", "autoparallel.regions", "autoparallel.static", "autoparallel.memory", "autoparallel.auto")),
 )
 PURE = ("spmd_rules", "reshard.plan", "reshard.planner", "reshard.crossmesh")
 # What model-level code may take from the engine: the door module whole, and these names of

@@ -205,6 +205,8 @@ def parallelize(layer: nn.Module, mesh: ProcessMesh, plan: dict[str, Any], *, ax
         raise TypeError(f"parallelize: layer must be an nn.Module, got {type(layer).__name__}")
     if not isinstance(mesh, ProcessMesh):
         raise TypeError(f"parallelize: mesh must be an ap.ProcessMesh, got {type(mesh).__name__}")
+    if recompute is None and isinstance(plan, ModelPlan):
+        recompute = getattr(plan, "recompute", None) or None  # a plan that also says what to recompute (ap.Plan)
     tp = resolve_axis(mesh, axis)
     if isinstance(plan, ModelPlan):
         plan.check_degree(mesh, tp)

@@ -133,6 +133,11 @@ class ParallelStyle:
         """Placement on the tp axis of each parameter this style lays out (pure)."""
         return {}
 
+    def io_layouts(self, module: nn.Module, seq_dim: int | None) -> tuple[Layout, Layout]:
+        """(first input's layout, output's layout) this style brings ``module`` to, ``None``
+        where it leaves the value (pure: ``seq_dim`` is the plan's SP sequence dim or None)."""
+        return None, None
+
     def apply(self, name: str, module: nn.Module, ctx: PlanContext) -> None:
         raise NotImplementedError
 
@@ -187,13 +192,18 @@ def _seq_check(ctx: PlanContext, seq_dim: int, where: str) -> Any:
     return check
 
 
-def _reduced_output(layout: Layout, ctx: PlanContext, where: str) -> tuple[Layout, Any]:
+def _reduced_layout(layout: Layout, seq_dim: int | None) -> Layout:
     """Where a Partial output goes: ``layout``, or by default S(seq) under SP, else R."""
     if layout is not None:
-        return layout, None
-    if ctx.seq_dim is not None:
+        return layout
+    return Shard(seq_dim) if seq_dim is not None else Replicate()
+
+
+def _reduced_output(layout: Layout, ctx: PlanContext, where: str) -> tuple[Layout, Any]:
+    """``_reduced_layout`` and the sequence check it needs (S(seq) by default under SP)."""
+    if layout is None and ctx.seq_dim is not None:
         return Shard(ctx.seq_dim), _seq_check(ctx, ctx.seq_dim, where)
-    return Replicate(), None
+    return _reduced_layout(layout, ctx.seq_dim), None
 
 
 class ColWiseParallel(_LinearLike, ParallelStyle):
@@ -227,11 +237,15 @@ class ColWiseParallel(_LinearLike, ParallelStyle):
             return {"weight": Shard(1), "bias": Shard(0)}
         return {"weight": Shard(0), "bias": Shard(0)}
 
+    def io_layouts(self, module: nn.Module, seq_dim: int | None) -> tuple[Layout, Layout]:
+        return Replicate(), Replicate() if self.gather_output else None
+
     def apply(self, name: str, module: nn.Module, ctx: PlanContext) -> None:
         self.shard_params(name, module, ctx)
-        _input_hook(module, Replicate(), ctx, f"ColWiseParallel({name!r}) input")
-        if self.gather_output:
-            _output_hook(module, Replicate(), ctx, f"ColWiseParallel({name!r}) output")
+        into, out = self.io_layouts(module, ctx.seq_dim)
+        _input_hook(module, into, ctx, f"ColWiseParallel({name!r}) input")
+        if out is not None:
+            _output_hook(module, out, ctx, f"ColWiseParallel({name!r}) output")
 
 
 class RowWiseParallel(_LinearLike, ParallelStyle):
@@ -275,13 +289,15 @@ class RowWiseParallel(_LinearLike, ParallelStyle):
             return {"weight": Shard(0), "bias": Replicate()}
         return {"weight": Shard(1), "bias": Replicate()}
 
+    def io_layouts(self, module: nn.Module, seq_dim: int | None) -> tuple[Layout, Layout]:
+        out = _reduced_layout(self.output_layout, seq_dim)
+        # token ids whole on tp for an embedding; a Linear's input split on its features
+        return (Replicate() if isinstance(module, nn.Embedding) else Shard(-1)), (None if isinstance(out, Partial) else out)
+
     def apply(self, name: str, module: nn.Module, ctx: PlanContext) -> None:
         where = f"{type(self).__name__}({name!r})"
         self.shard_params(name, module, ctx)
-        if isinstance(module, nn.Embedding):
-            _input_hook(module, Replicate(), ctx, f"{where} input")  # token ids whole on tp
-        else:
-            _input_hook(module, Shard(-1), ctx, f"{where} input")
+        _input_hook(module, self.io_layouts(module, ctx.seq_dim)[0], ctx, f"{where} input")
         layout, check = _reduced_output(self.output_layout, ctx, f"{where} output")
         if not isinstance(layout, Partial):
             _output_hook(module, layout, ctx, f"{where} output", check)
@@ -342,6 +358,9 @@ class SequenceParallel(ParallelStyle):
             raise TypeError(f"SequenceParallel: seq_dim must be an int tensor dim, got {seq_dim!r}")
         self.seq_dim = seq_dim
 
+    def io_layouts(self, module: nn.Module, seq_dim: int | None) -> tuple[Layout, Layout]:
+        return Shard(self.seq_dim), Shard(self.seq_dim)
+
     def apply(self, name: str, module: nn.Module, ctx: PlanContext) -> None:
         where = f"SequenceParallel({name!r})"
         self.shard_params(name, module, ctx)
@@ -377,6 +396,9 @@ class PrepareLayerInput(ParallelStyle):
 
     def check(self, name: str, module: nn.Module, mesh: ProcessMesh, axis: int) -> None:
         self._layouts(name, mesh)
+
+    def io_layouts(self, module: nn.Module, seq_dim: int | None) -> tuple[Layout, Layout]:
+        return (self.input_layouts[0] if self.input_layouts else None), None
 
     def apply(self, name: str, module: nn.Module, ctx: PlanContext) -> None:
         where = f"PrepareLayerInput({name!r})"
@@ -420,6 +442,9 @@ class PrepareLayerOutput(ParallelStyle):
     def check(self, name: str, module: nn.Module, mesh: ProcessMesh, axis: int) -> None:
         for x in self.output_layouts:
             check_layout(x, mesh, f"PrepareLayerOutput({name!r})")
+
+    def io_layouts(self, module: nn.Module, seq_dim: int | None) -> tuple[Layout, Layout]:
+        return None, (self.output_layouts[0] if self.output_layouts else None)
 
     def apply(self, name: str, module: nn.Module, ctx: PlanContext) -> None:
         where = f"PrepareLayerOutput({name!r})"

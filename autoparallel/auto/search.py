@@ -1,0 +1,424 @@
+"""``ap.auto_parallel``: price every plan of a small, complete family on the recorded step; keep the best.
+
+The step is recorded once on fake tensors (``autoparallel.auto.trace``). The candidates are every
+factorisation of the world into data x tensor parallel (tensor-parallel degrees up to 8 that
+divide the world), for each: the tensor-parallel plan (``ap.plans``' for a model family it
+recognises, else Megatron pairs found on the step itself — a Linear whose split output reaches
+another Linear's input split on its features with no collective in between — plus a tied or
+vocabulary-sized embedding vocab-parallel and its head column-parallel), with and without
+sequence parallelism, ZeRO stage 0-3 on the data axis and recompute of the repeated blocks on or
+off. Each (mesh, tensor-parallel plan) is replayed once on layouts (``autoparallel.auto.simulate``:
+the eager engine's own rules, choices and reshard plans); ZeRO and recompute change known terms.
+Predicted time = compute (FLOPs / throughput + other bytes / bandwidth) + communication (per
+collective: latency + bytes / bandwidth, no overlap assumed); memory = parameters + gradients +
+optimizer states after ZeRO + the activations autograd saves (recompute: the blocks' inputs plus
+one block's). Every decision reads global metadata only: every rank gets the same plan.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from autoparallel.auto.plan import Candidate, Plan, Prediction, parse_bytes
+from autoparallel.auto.simulate import Simulation, simulate
+from autoparallel.auto.trace import Step, trace_step
+from autoparallel.mesh import ProcessMesh
+from autoparallel.nn.parallelize import ModelPlan, match_plan
+from autoparallel.nn.styles import ColWiseParallel, RowWiseParallel, SequenceParallel, VocabParallelEmbedding
+from autoparallel.placement import Partial, Placement, Replicate, Shard
+
+BUCKET_BYTES = 25 * 2**20  # gradients are reduced in buckets of about this size
+
+
+@dataclass(frozen=True)
+class Profile:
+    """The machine the plan is for: per-rank compute and memory throughput, and the network's
+    latency per collective (``alpha_s``) and bandwidth (``beta_bytes_per_s``)."""
+
+    name: str
+    flops_per_s: float
+    bytes_per_s: float
+    alpha_s: float
+    beta_bytes_per_s: float
+
+
+# A node of H100-class GPUs (bf16 dense peak ~989 TFLOPS at ~50 % achieved; NCCL over NVLink).
+H100 = Profile("h100", 0.5 * 989e12, 2.0e12, 15e-6, 150e9)
+
+
+@functools.cache
+def _local_throughput() -> tuple[float, float]:
+    """(FLOP/s, bytes/s) of this process, measured once (~0.1 s): a 256 x 256 matmul and a copy."""
+    a = torch.randn(256, 256)
+    b = torch.randn(256, 256)
+    x = torch.empty(1 << 20)
+    for _ in range(3):
+        a @ b
+    t = time.perf_counter()
+    n = 0
+    while time.perf_counter() - t < 0.05:
+        a @ b
+        n += 1
+    flops = n * 2 * 256**3 / (time.perf_counter() - t)
+    t = time.perf_counter()
+    m = 0
+    while time.perf_counter() - t < 0.03:
+        x.mul_(1.0)
+        m += 1
+    bw = m * 2 * x.numel() * 4 / (time.perf_counter() - t)
+    return flops, bw
+
+
+def local_profile(world: int) -> Profile:
+    """This machine, ``world`` ranks sharing its cores (gloo over loopback: ~0.2 ms per
+    collective, ~1 GB/s). Inside a started world rank 0's measurement is used on every rank
+    (one broadcast), so every rank prices, and chooses, alike."""
+    flops, bw = _local_throughput()
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        measured = [(flops, bw)]
+        dist.broadcast_object_list(measured, src=0)
+        flops, bw = measured[0]
+    share = min(1.0, (os.cpu_count() or 1) / max(1, world)) / max(1, torch.get_num_threads())
+    return Profile("local", flops * share, bw * share, 2e-4, 1e9)
+
+
+def _profile(profile: Any, world: int) -> Profile:
+    if isinstance(profile, Profile):
+        return profile
+    if profile in (None, "local"):
+        return local_profile(world)
+    if profile == "h100":
+        return H100
+    raise ValueError(f"ap.auto_parallel: profile must be 'local', 'h100' or an ap.auto.Profile, got {profile!r}")
+
+
+def _state_factor(optimizer: Any) -> float:
+    """Optimizer state per parameter byte (AdamW: 2, SGD with momentum: 1, plain SGD: 0)."""
+    if optimizer is None:
+        return 2.0
+    if isinstance(optimizer, str):
+        name, momentum = optimizer.lower(), None
+    else:
+        cls = optimizer if isinstance(optimizer, type) else type(optimizer)
+        name = cls.__name__.lower()
+        defaults = getattr(optimizer, "defaults", {}) if not isinstance(optimizer, type) else {}
+        momentum = defaults.get("momentum")
+    if name.startswith("adam") or name in ("lamb", "nadam", "radam"):
+        return 2.0
+    if name == "sgd":
+        return 1.0 if momentum else (0.0 if momentum is not None else 1.0)
+    if name in ("adagrad", "rmsprop", "adadelta", "lion"):
+        return 1.0
+    raise ValueError(f"ap.auto_parallel: optimizer {optimizer!r} is unknown; pass 'adamw', 'sgd', or the optimizer")
+
+
+# ---- tensor-parallel plans ---------------------------------------------------------------------
+def _pattern(name: str) -> str:
+    return re.sub(r"(^|\.)\d+(?=\.|$)", r"\1*", name)
+
+
+def family_plans(model: nn.Module) -> list[tuple[str, ModelPlan, bool]]:
+    """``ap.plans``' plans for a model family it recognises: ``[(label, plan, sp)]``."""
+    from autoparallel import plans
+    out: list[tuple[str, ModelPlan, bool]] = []
+    for fn in (plans.llama, plans.mixtral, plans.gpt2, plans.bert, plans.vit):
+        try:
+            out.append((fn.__name__, fn(model), False))
+        except (TypeError, ValueError, AttributeError):
+            continue
+        try:
+            out.append((f"{fn.__name__}+sp", fn(model, sp=True), True))  # type: ignore[call-arg]
+        except (TypeError, ValueError, AttributeError):
+            pass
+        break
+    return out
+
+
+def found_plans(model: nn.Module, step: Step, inputs: list[tuple[Placement, ...]] | None = None) -> list[tuple[str, ModelPlan, bool]]:
+    """Megatron pairs found on the step (see the module docstring): ``[(label, plan, sp)]``."""
+    modules = dict(model.named_modules())
+    linears = [n for n, c in step.modules.items() if isinstance(modules.get(n), nn.Linear)]
+    mesh = ProcessMesh.simulated((2,), ["mp"])
+    r = (Replicate(),)
+    styles: dict[str, Any] = {}
+    divisible: dict[str, int] = {}
+    seen_patterns: set[str] = set()
+    paired: set[str] = set()
+    for i, a in enumerate(linears):
+        pa = _pattern(a)
+        if a in paired or pa in seen_patterns:
+            continue
+        seen_patterns.add(pa)
+        col = {f"{a}.weight": (Shard(0),), f"{a}.bias": (Shard(0),)}
+        sim = simulate(step, mesh, col, r, {a: (Replicate(), None)})
+        b = next((n for n in linears[i + 1:] if n not in paired and _split_features(sim.edges.get(("in", n)))), None)
+        if b is None:
+            continue
+        row = {**col, f"{b}.weight": (Shard(1),)}
+        sim = simulate(step, mesh, row, r, {a: (Replicate(), None), b: (Shard(-1), Replicate())})
+        if any(not c.backward and c.module != b for c in sim.collectives):
+            continue  # something between needs the whole value: no pair
+        paired |= {a, b}
+        seen_patterns.add(_pattern(b))
+        styles[pa] = ColWiseParallel()
+        styles[_pattern(b)] = RowWiseParallel()
+        la, lb = modules[a], modules[b]
+        assert isinstance(la, nn.Linear) and isinstance(lb, nn.Linear)
+        divisible[f"{pa} out_features"] = la.out_features
+        divisible[f"{_pattern(b)} in_features"] = lb.in_features
+    if not styles:
+        return []
+    # the embedding tied to a head (or the largest embedding) vocab-parallel, its head column-parallel
+    owners = {id(p): n for n, m in modules.items() for p in m.parameters(recurse=False)}
+    for name, m in modules.items():
+        if isinstance(m, nn.Embedding) and name in step.modules and m.max_norm is None and not m.sparse:
+            head = next((n for n in linears if modules[n].weight is m.weight and n not in paired), None)  # type: ignore[union-attr]
+            if head is not None:
+                styles[name] = VocabParallelEmbedding()
+                styles[head] = ColWiseParallel()
+                divisible[f"{name} num_embeddings"] = m.num_embeddings
+    del owners
+    plan = ModelPlan(styles, divisible, "found")
+    out = [("megatron", plan, False)]
+    norms = [n for n, c in step.modules.items() if isinstance(modules.get(n), (nn.LayerNorm, nn.RMSNorm))]
+    if norms:
+        sp_styles = dict(styles)
+        for n in norms:
+            sp_styles[_pattern(n)] = SequenceParallel()
+        out.append(("megatron+sp", ModelPlan(sp_styles, divisible, "found"), True))
+    return out
+
+
+def _split_features(spec: Any) -> bool:
+    return spec is not None and len(spec.shape) >= 1 and any(
+        isinstance(p, Shard) and p.dim == len(spec.shape) - 1 for p in spec.placements)
+
+
+# ---- pricing ------------------------------------------------------------------------------------
+def _placements(model: nn.Module, plan: ModelPlan | None, mesh: ProcessMesh, tp: int | None) -> tuple[dict[str, tuple[Placement, ...]], dict[str, Any]]:
+    """Each parameter's placements and each module's io layouts under ``plan`` on ``mesh``."""
+    params: dict[str, tuple[Placement, ...]] = {}
+    io: dict[str, Any] = {}
+    if plan is None or tp is None:
+        return params, io
+    seq = next((s.seq_dim for s in plan.values() if isinstance(s, SequenceParallel)), None)
+    for _, name, module, style in match_plan(model, plan):
+        for attr, p in style.param_placements(module).items():
+            if getattr(module, attr, None) is not None:
+                pl: list[Placement] = [Replicate()] * mesh.ndim
+                pl[tp] = p
+                params[f"{name}.{attr}" if name else attr] = tuple(pl)
+        into, out = style.io_layouts(module, seq)
+        old = io.get(name, (None, None))
+        io[name] = (into if into is not None else old[0], out if out is not None else old[1])
+    # a parameter tied to another (an LM head's weight) is recorded under its first name
+    return params, io
+
+
+def _local_bytes(shape: tuple[int, ...], itemsize: int, pl: tuple[Placement, ...], mesh_shape: tuple[int, ...]) -> int:
+    n = itemsize
+    sizes = list(shape)
+    for p, k in zip(pl, mesh_shape):
+        if isinstance(p, Shard) and sizes:
+            d = p.dim % len(sizes)
+            sizes[d] = -(-sizes[d] // k)
+    for s in sizes:
+        n *= s
+    return n
+
+
+def _blocks(step: Step) -> list[str]:
+    """The repeated blocks (the most frequent module pattern with a digit, outermost first)."""
+    counts: dict[str, list[str]] = {}
+    for n in step.modules:
+        if re.search(r"(^|\.)\d+$", n):
+            counts.setdefault(_pattern(n), []).append(n)
+    if not counts:
+        return []
+    best = max(counts.values(), key=lambda v: (len(v), -v[0].count(".")))
+    return best if len(best) >= 2 else []
+
+
+def _price(step: Step, sim: Simulation, mesh_shape: tuple[int, ...], dp_axis: int | None, tp_axis: int | None,
+           params: dict[str, tuple[Placement, ...]], zero: int, recompute: bool, state_factor: float,
+           prof: Profile) -> Prediction:
+    dp = mesh_shape[dp_axis] if dp_axis is not None else 1
+    rep = tuple(Replicate() for _ in mesh_shape)
+    p_bytes = 0
+    tp_grad_bytes = 0
+    for name, ref in step.params.items():
+        m = step.metas[ref.id]
+        pl = params.get(name, rep)
+        b = _local_bytes(m.shape, torch.empty((), dtype=m.dtype).element_size(), pl, mesh_shape)
+        p_bytes += b
+        grads = step.grads.get(name, [])
+        g = sim.specs.get(grads[-1].id) if grads else None
+        if tp_axis is not None and g is not None and isinstance(g.placements[tp_axis], Partial):
+            tp_grad_bytes += b
+    comm = [(c.nbytes, 1) for c in sim.collectives]
+    n_blocks = max(1, len(_blocks(step)))
+    if dp > 1:
+        f = (dp - 1) / dp
+        buckets = max(1, -(-p_bytes // BUCKET_BYTES))
+        if zero == 0:
+            comm.append((int(2 * f * p_bytes), buckets))                     # all-reduce of the gradients
+        else:
+            comm.append((int(f * p_bytes), buckets))                         # reduce-scatter of the gradients
+            gathers = 2 if zero == 3 else 1                                  # ZeRO-3: forward and backward
+            comm.append((int(gathers * f * p_bytes), gathers * (n_blocks + 1) if zero == 3 else buckets))
+    if tp_grad_bytes and tp_axis is not None:
+        k = mesh_shape[tp_axis]
+        comm.append((int(2 * (k - 1) / k * tp_grad_bytes), 1))
+    comm_s = sum(n * prof.alpha_s + b / prof.beta_bytes_per_s for b, n in comm)
+    flops = sim.flops + (sim.forward_flops if recompute else 0.0)
+    compute_s = flops / prof.flops_per_s + sim.touched_bytes * (1.5 if recompute else 1.0) / prof.bytes_per_s
+    g_bytes, s_bytes = p_bytes, int(state_factor * p_bytes)
+    if zero >= 1:
+        s_bytes //= dp
+    if zero >= 2:
+        g_bytes //= dp
+    if zero >= 3:
+        p_bytes = p_bytes // dp + p_bytes // n_blocks
+    act = sim.saved_bytes
+    if recompute:
+        blocks = _blocks(step)
+        kept = sum(step.nbytes(r) for b in blocks for r in step.module_inputs.get(b, [])[:1])
+        act = int(kept / max(1, int(_prod(mesh_shape)) // (dp * (mesh_shape[tp_axis] if tp_axis is not None else 1)) or 1))
+        act = kept // max(1, dp) + sim.saved_bytes // max(1, len(blocks))
+    return Prediction(compute_s + comm_s, compute_s, comm_s, p_bytes + g_bytes + s_bytes + act,
+                      sum(n for _, n in comm), sum(b for b, _ in comm))
+
+
+def _prod(xs: Any) -> int:
+    n = 1
+    for x in xs:
+        n *= int(x)
+    return n
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+# ---- the search ---------------------------------------------------------------------------------
+def auto_parallel(model: nn.Module, world: int | None = None, example: Any = None, loss: Callable[..., Any] | None = None,
+                  optimizer: Any = "adamw", memory_budget: Any = None, mesh: ProcessMesh | None = None,
+                  profile: Any = None, max_tp: int = 8, verbose: bool = False) -> Plan:
+    """Find a parallel plan for ``model`` on ``world`` ranks (see the module docstring).
+
+    ``example``: one global batch as the model takes it (``(x, y)`` with ``loss=fn`` called as
+    ``fn(model(x), y)``; a dict of keyword arguments for ``transformers`` models with labels; fake
+    or meta tensors work). ``optimizer``: ``"adamw"``, ``"sgd"`` or the optimizer (its state size).
+    ``memory_budget``: per rank (``"70GiB"``, bytes). ``mesh``: fix the mesh (its shape and axis
+    names ``dp`` / ``mp``) instead of choosing one. ``profile``: ``"local"`` (this machine,
+    measured), ``"h100"``, or an ``ap.auto.Profile``. Returns an ``ap.Plan``; raises ``ValueError``
+    (the same on every rank, before any collective) when the model cannot be traced, no mesh fits
+    the world, or no plan fits the budget (naming the smallest that would).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"ap.auto_parallel: model must be an nn.Module, got {type(model).__name__}")
+    if example is None:
+        raise ValueError("ap.auto_parallel: pass example= (one global batch as the model takes it)")
+    if mesh is not None and not isinstance(mesh, ProcessMesh):
+        raise TypeError(f"ap.auto_parallel: mesh must be None or an ap.ProcessMesh, got {type(mesh).__name__}")
+    if world is None:
+        world = mesh.size if mesh is not None else None
+    if world is None:
+        from autoparallel.runtime.world import get_world_size
+        world = get_world_size()
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise ValueError(f"ap.auto_parallel: world must be a positive number of ranks, got {world!r}")
+    if mesh is not None and mesh.size != world:
+        raise ValueError(f"ap.auto_parallel: mesh {mesh} has {mesh.size} ranks for a world of {world}")
+    budget = parse_bytes(memory_budget)
+    state_factor = _state_factor(optimizer)
+    prof = _profile(profile, world)
+    started = time.perf_counter()
+    step = trace_step(model, example, loss)
+    tp_plans = family_plans(model) or found_plans(model, step)
+    meshes: list[tuple[int, int]] = []
+    if mesh is not None:
+        names = mesh.dim_names
+        if mesh.ndim == 1:
+            meshes = [(1, world)] if names[0] in ("mp", "tp") else [(world, 1)]
+        elif mesh.ndim == 2 and "dp" in names and any(n in names for n in ("mp", "tp")):
+            meshes = [(mesh.shape[names.index("dp")], world // mesh.shape[names.index("dp")])]
+        else:
+            raise ValueError(f"ap.auto_parallel: mesh axes {names} are not ['dp'], ['mp'] or ['dp', 'mp']")
+    else:
+        meshes = [(world // t, t) for t in _divisors(world) if t <= max_tp]
+    seq_len = _seq_len(step)
+    priced: list[tuple[float, int, Candidate, Plan]] = []
+    for dp, tp in meshes:
+        options: list[tuple[str, ModelPlan | None, bool]] = [("replicated", None, False)] if tp == 1 else list(tp_plans)
+        for label, tp_plan, sp in options:
+            if tp_plan is not None and any(n % tp for n in tp_plan.divisible.values()):
+                continue
+            if sp and (seq_len is None or seq_len % tp):
+                continue
+            shape, names = _mesh_of(dp, tp)
+            dp_axis = names.index("dp") if "dp" in names else None
+            tp_axis = names.index("mp") if "mp" in names else None
+            sim_mesh = ProcessMesh.simulated(shape, names)
+            params, io = _placements(model, tp_plan, sim_mesh, tp_axis)
+            inputs = tuple(Shard(0) if a == dp_axis else Replicate() for a in range(len(shape)))
+            sim = simulate(step, sim_mesh, params, inputs, io, tp_axis if tp_axis is not None else 0)
+            for zero in ((0, 1, 2, 3) if dp > 1 else (0,)):
+                for rec in ((False, True) if _blocks(step) else (False,)):
+                    pred = _price(step, sim, shape, dp_axis, tp_axis, params, zero, rec, state_factor, prof)
+                    name = f"dp{dp} x tp{tp}" + (f" {label}" if tp > 1 else "") + (f" zero{zero}" if zero else "") + (" recompute" if rec else "")
+                    feasible = budget is None or pred.memory_bytes <= budget
+                    blocks = _blocks(step)
+                    recompute = {_pattern(blocks[0]): "full"} if rec and blocks else {}
+                    styles = dict(tp_plan) if tp_plan is not None else {}
+                    plan = Plan(styles, shape, names, zero, recompute, tp_plan.divisible if tp_plan is not None else {},
+                                pred, None, "", "auto")
+                    # ties: fewer mesh axes, lower ZeRO stage, no recompute (simpler plans first)
+                    simplicity = (tp > 1) + zero + rec
+                    priced.append((pred.time_s, simplicity, Candidate(name, pred, feasible), plan))
+    if not priced:
+        raise ValueError(f"ap.auto_parallel: no mesh of {world} ranks fits the model (tensor-parallel sizes must divide)")
+    priced.sort(key=lambda x: (not x[2].feasible, x[0], x[1]))
+    best = priced[0]
+    if not best[2].feasible:
+        smallest = min(priced, key=lambda x: x[2].prediction.memory_bytes)
+        raise ValueError(
+            f"ap.auto_parallel: no plan fits memory_budget={memory_budget!r} per rank; the smallest predicted "
+            f"peak is {smallest[2].prediction.memory_bytes / 2**20:.1f} MiB ({smallest[2].name}); raise the budget "
+            "or use more ranks")
+    plan = best[3]
+    plan.candidates = [c for _, _, c, _ in priced]
+    seconds = time.perf_counter() - started
+    plan.why = (f"{best[2].name}: the least predicted step time of {len(priced)} candidates"
+                + (f" within {memory_budget} per rank" if budget is not None else "")
+                + f" (profile {prof.name}; searched in {seconds:.1f} s)")
+    if verbose:
+        print(plan)
+    return plan
+
+
+def _mesh_of(dp: int, tp: int) -> tuple[tuple[int, ...], list[str]]:
+    if tp == 1:
+        return (dp,), ["dp"]
+    if dp == 1:
+        return (tp,), ["mp"]
+    return (dp, tp), ["dp", "mp"]
+
+
+def _seq_len(step: Step) -> int | None:
+    """The example's sequence length (dim 1 of its first input of two or more dims)."""
+    for r in step.inputs:
+        shape = step.metas[r.id].shape
+        if len(shape) >= 2:
+            return shape[1]
+    return None

@@ -1,0 +1,266 @@
+"""A recorded step replayed on layouts alone: the collectives, FLOPs and memory one rank would see.
+
+``simulate(step, mesh, param_placements, input_placements)`` walks the recorded ops in order as
+the eager engine would run them on DistTensors — the op's rule (``spmd_rules``) offers
+strategies, ``reshard.choice.cheapest`` picks one as eager does, the planner (``reshard``) plans
+each input's move — but on metadata only: no tensor, no process group, any mesh size
+(``ProcessMesh.simulated``). Every decision depends on the global metadata alone, so the result is
+the same on every rank. An op without a rule, or whose rule offers nothing, runs replicated (its
+inputs gathered), as in eager.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+
+from autoparallel.auto.trace import OpRecord, Ref, Step
+from autoparallel.mesh import ProcessMesh
+from autoparallel.placement import Partial, Placement, Replicate, Shard
+from autoparallel.spec import DistSpec
+from reshard.choice import cheapest, largest_local_numel, plan_to
+from reshard.crossmesh import CrossMeshPlan
+from reshard.plan import step_bytes
+from spmd_rules.base import OpCall, Strategy, TensorMeta
+from spmd_rules.registry import get_rule
+
+
+@dataclass(frozen=True, slots=True)
+class Collective:
+    """One collective of the simulated step: its kind, mesh axis and the bytes the busiest rank receives."""
+
+    kind: str
+    axis: int
+    nbytes: int
+    backward: bool
+    module: str
+
+
+@dataclass
+class Simulation:
+    """What one rank does in the simulated step (the busiest rank where ranks differ)."""
+
+    mesh: ProcessMesh
+    collectives: list[Collective] = field(default_factory=list)
+    flops: float = 0.0             # local floating-point operations (matmuls, attention, convolutions)
+    touched_bytes: float = 0.0     # local bytes read and written by the other ops
+    saved_bytes: int = 0           # local bytes of forward tensors autograd keeps for the backward
+    saved_by_module: dict[str, int] = field(default_factory=dict)
+    specs: dict[int, DistSpec] = field(default_factory=dict)  # ref id -> layout at the end
+    replicated_ops: list[str] = field(default_factory=list)    # ops with no rule: run gathered
+    edges: dict[tuple[str, str], DistSpec] = field(default_factory=dict)  # ("in"/"out", module) -> layout arriving
+    forward_flops: float = 0.0
+
+
+def _meta_args(x: Any, metas: list[TensorMeta]) -> Any:
+    return tree_map(lambda v: metas[v.id] if isinstance(v, Ref) else v, x)
+
+
+def _tensor_refs(op: OpRecord) -> list[Ref]:
+    refs = [a for a in tree_flatten(op.args)[0] if isinstance(a, Ref)]
+    for v in op.kwargs.values():
+        refs += [a for a in tree_flatten(v)[0] if isinstance(a, Ref)]
+    return refs
+
+
+def _local_fraction(placements: tuple[Placement, ...], mesh_shape: tuple[int, ...]) -> float:
+    f = 1.0
+    for p, n in zip(placements, mesh_shape):
+        if isinstance(p, (Shard, Partial)):
+            f /= n
+    return f
+
+
+def simulate(step: Step, mesh: ProcessMesh, param_placements: Mapping[str, tuple[Placement, ...]],
+             input_placements: tuple[Placement, ...] | list[tuple[Placement, ...]],
+             io: Mapping[str, tuple[Any, Any]] | None = None, axis: int = 0) -> Simulation:
+    """Replay ``step`` with parameters and inputs laid out as given (see the module docstring).
+    ``input_placements``: one placement tuple for every input, or one per input. ``io`` maps a
+    module name to the (first input, output) layouts its parallel style brings it to (a layout as
+    in ``ap.parallelize``: None, one placement for mesh axis ``axis``, or one per mesh axis)."""
+    shape = tuple(mesh.shape)
+    rep = tuple(Replicate() for _ in shape)
+    sim = Simulation(mesh)
+    specs = sim.specs
+    metas = step.metas
+    for name, ref in step.params.items():
+        m = metas[ref.id]
+        specs[ref.id] = DistSpec(mesh, tuple(param_placements.get(name, rep)), m.shape, m.dtype)
+    per_input = (input_placements if isinstance(input_placements, list)
+                 else [input_placements] * len(step.inputs))
+    for ref, pl in zip(step.inputs, per_input):
+        m = metas[ref.id]
+        specs[ref.id] = DistSpec(mesh, tuple(_fit(pl, m.shape)), m.shape, m.dtype)
+    io = io or {}
+
+    def move(spec: DistSpec, layout: Any, module: str) -> DistSpec:
+        if isinstance(layout, (Replicate, Shard, Partial)):
+            pl = list(spec.placements)
+            pl[axis] = Shard(layout.dim % len(spec.shape)) if isinstance(layout, Shard) else layout
+            target = tuple(pl)
+        else:
+            target = tuple(layout)
+        _count(sim, spec, target, False, module)
+        return spec.with_placements(target) if target != spec.placements else spec
+
+    for op in step.ops:
+        if getattr(op.func, "namespace", None) == "prim" or not any(o is not None for o in op.outs):
+            continue
+        refs = _tensor_refs(op)
+        out_metas = tuple(metas[o.id] if o is not None else None for o in op.outs)
+        if op.backward and op.func in _UNINITIALIZED:  # autograd's own buffers (a gradient's accumulator)
+            continue                                    # take the layout of what is copied in
+        if not refs:  # a factory: the same values on every rank
+            for o in op.outs:
+                if o is not None:
+                    specs[o.id] = DistSpec(mesh, rep, metas[o.id].shape, metas[o.id].dtype)
+            continue
+        if op.func is _COPY and refs[0].id not in specs:  # a gradient copied into its accumulator
+            specs[refs[0].id] = specs.get(refs[1].id) or DistSpec(mesh, rep, metas[refs[1].id].shape, metas[refs[1].id].dtype)
+            continue
+        in_specs = []
+        for r in refs:
+            s = specs.get(r.id)
+            if s is None:
+                m = metas[r.id]
+                s = specs[r.id] = DistSpec(mesh, rep, m.shape, m.dtype)
+            in_specs.append(s)
+        edge = step.boundaries.get(op.outs[0].id) if len(op.outs) == 1 and op.outs[0] is not None else None
+        if edge is not None and not op.backward:  # a module's input / output: its style's layout
+            layout = io.get(edge[1], (None, None))[0 if edge[0] == "in" else 1]
+            sim.edges.setdefault(edge, in_specs[0])
+            out = op.outs[0]
+            assert out is not None
+            specs[out.id] = in_specs[0] if layout is None else move(in_specs[0], layout, edge[1])
+            continue
+        best = _choose(op, in_specs, out_metas, shape)
+        if best is None:
+            sim.replicated_ops.append(str(op.func))
+            best = Strategy(tuple(rep for _ in refs), tuple(rep for _ in out_metas))
+        for spec, req in zip(in_specs, best.inputs):
+            _count(sim, spec, tuple(req), op.backward, op.module)
+        for a, nbytes in _kernel_collectives(op, in_specs, best, metas, shape):
+            sim.collectives.append(Collective("all_reduce", a, nbytes, op.backward, op.module))
+        frac = 1.0
+        for o, pl in zip(op.outs, best.outputs):
+            if o is None:
+                continue
+            m = metas[o.id]
+            specs[o.id] = DistSpec(mesh, tuple(pl), m.shape, m.dtype)
+            frac = min(frac, _local_fraction(tuple(pl), shape))
+        if op.flops:
+            sim.flops += op.flops * frac
+            if not op.backward:
+                sim.forward_flops += op.flops * frac
+        else:
+            sim.touched_bytes += sum(largest_local_numel(s.shape, tuple(p), shape) * s.itemsize
+                                     for s, p in zip(in_specs, best.inputs))
+    for rid in step.saved:
+        s = specs.get(rid)
+        if s is not None:
+            b = largest_local_numel(s.shape, s.placements, shape) * s.itemsize
+            sim.saved_bytes += b
+    return sim
+
+
+def _count(sim: Simulation, spec: DistSpec, req: tuple[Placement, ...], backward: bool, module: str) -> None:
+    """Add the collectives of moving ``spec`` to ``req`` (none if it is there)."""
+    plan = plan_to(spec, req)
+    if plan is None or isinstance(plan, CrossMeshPlan):
+        return
+    for s in plan.steps:
+        if not s.is_local:
+            sim.collectives.append(Collective(s.kind, s.axis, int(step_bytes(s)[1].max()), backward, module))
+
+
+_aten = torch.ops.aten
+_COPY = _aten.copy_.default
+_UNINITIALIZED = {_aten.new_empty_strided.default, _aten.new_empty.default, _aten.empty_like.default,
+                  _aten.empty_strided.default, _aten.empty.memory_format}
+_ROW_STATS = {_aten._softmax.default: 2, _aten._log_softmax.default: 2,
+              _aten._softmax_backward_data.default: 1, _aten._log_softmax_backward_data.default: 1}
+_NLL = {_aten.nll_loss_forward.default, _aten.nll_loss2d_forward.default}
+
+
+def _kernel_collectives(op: OpRecord, in_specs: list[DistSpec], best: Strategy, metas: list[TensorMeta],
+                        mesh_shape: tuple[int, ...]) -> list[tuple[int, int]]:
+    """(mesh axis, bytes) of the all-reduces an op's own local kernel issues under ``best``
+    (the eager engine's kernels: softmax over a sharded dim reduces row statistics, a mean loss
+    over a split batch its sum and weight, batch norm its per-channel sums)."""
+    out = []
+    if op.func in _ROW_STATS:
+        fwd = op.func in (_aten._softmax.default, _aten._log_softmax.default)
+        x = in_specs[0] if fwd else in_specs[1]
+        dim = int(op.args[1 if fwd else 2]) % max(len(x.shape), 1)
+        pl = best.inputs[0] if fwd else best.inputs[1]
+        axes = [a for a, p in enumerate(pl) if isinstance(p, Shard) and p.dim % max(len(x.shape), 1) == dim]
+        if axes:
+            rows = largest_local_numel(x.shape, tuple(pl), mesh_shape) // max(1, -(-x.shape[dim] // _prod(mesh_shape, axes)))
+            for a in axes:
+                out += [(a, 2 * rows * 4 * (mesh_shape[a] - 1) // mesh_shape[a])] * _ROW_STATS[op.func]
+    elif op.func in _NLL:
+        reduction = op.args[3] if len(op.args) > 3 else op.kwargs.get("reduction", 1)
+        pl = best.inputs[1] if len(best.inputs) > 1 else best.inputs[0]
+        if reduction == 1:
+            out += [(a, 8) for a, p in enumerate(pl) if isinstance(p, Shard)]
+    return out
+
+
+def _prod(shape: tuple[int, ...], axes: list[int]) -> int:
+    n = 1
+    for a in axes:
+        n *= shape[a]
+    return n
+
+
+def _fit(pl: tuple[Placement, ...], shape: tuple[int, ...]) -> tuple[Placement, ...]:
+    """An input placement made valid for an input of ``shape`` (a batch split of a 0-d tensor,
+    or of a dim too short to split, stays Replicate)."""
+    out: list[Placement] = []
+    for p in pl:
+        if isinstance(p, Shard) and (not shape or p.dim >= len(shape) or shape[p.dim] <= 1):
+            out.append(Replicate())
+        else:
+            out.append(p)
+    return tuple(out)
+
+
+def _choose(op: OpRecord, in_specs: list[DistSpec], out_metas: tuple[TensorMeta | None, ...],
+            mesh_shape: tuple[int, ...]) -> Strategy | None:
+    rule = get_rule(op.func)
+    if rule is None:
+        return None
+    metas = [TensorMeta(s.shape, s.dtype) for s in in_specs]
+    call = OpCall(op.func, _meta_args(op.args, _metas_by_id(op, metas)), _meta_args(op.kwargs, _metas_by_id(op, metas)),
+                  tuple(metas), out_metas, tuple(s.placements for s in in_specs), mesh_shape)
+    try:
+        strategies = rule(call)
+    except Exception:  # a rule that cannot speak for this call: eager would fall back too
+        return None
+    if not strategies:
+        return None
+    return cheapest(strategies, in_specs, mesh_shape, out_metas)
+
+
+def _metas_by_id(op: OpRecord, metas: list[TensorMeta]) -> list[TensorMeta]:
+    """Metas indexable by ref id for this op's arguments (``_meta_args`` looks each ``Ref`` up)."""
+    table: dict[int, TensorMeta] = {}
+    for r, m in zip(_tensor_refs(op), metas):
+        table[r.id] = m
+    return _Lookup(table)  # type: ignore[return-value]
+
+
+class _Lookup:
+    def __init__(self, table: dict[int, TensorMeta]) -> None:
+        self.table = table
+
+    def __getitem__(self, i: int) -> TensorMeta:
+        return self.table[i]
+
+
+def itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()

@@ -1,0 +1,268 @@
+"""One training step of a single-device model, recorded on fake tensors: what the plan search reads.
+
+``trace_step(model, example, loss)`` runs forward, loss and backward under ``FakeTensorMode``
+(no real compute, no memory for activations, any parameter size) with ``torch.func.functional_call``
+(the model itself is not touched), and records every aten op the step runs, in order: the op,
+its arguments with each tensor replaced by a ``Ref`` (an index into ``Step.metas``), its outputs,
+whether it ran in the forward or the backward, and the innermost module that ran it. It also
+records which tensors are parameters (by name, tied parameters once), which are the inputs, the
+gradients reaching each parameter, and which forward tensors autograd saved for the backward
+(the activations a step keeps alive).
+
+A model that cannot run on fake tensors (it reads a value out of a tensor to steer Python, or
+calls an op without a meta kernel) raises ``ValueError`` naming the op or the reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+from spmd_rules.base import TensorMeta
+
+
+@dataclass(frozen=True, slots=True)
+class Ref:
+    """A tensor of the recorded step: an index into ``Step.metas``."""
+
+    id: int
+
+
+@dataclass(slots=True)
+class OpRecord:
+    """One aten op of the step: ``func(*args, **kwargs)`` with tensors as ``Ref``s."""
+
+    func: Any
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    outs: tuple[Ref | None, ...]   # one per output (None: not a tensor)
+    out_value: Any                 # the op's output structure with Refs (for a rule's out metas)
+    backward: bool                 # ran during loss.backward()
+    module: str                    # the innermost module running it ("" = the model itself)
+    flops: int                     # floating-point operations of the whole (global) op
+
+
+@dataclass
+class Step:
+    """The recorded step (see the module docstring)."""
+
+    ops: list[OpRecord] = field(default_factory=list)
+    metas: list[TensorMeta] = field(default_factory=list)
+    params: dict[str, Ref] = field(default_factory=dict)           # qualified name -> its tensor
+    param_modules: dict[str, str] = field(default_factory=dict)    # qualified name -> owning module name
+    inputs: list[Ref] = field(default_factory=list)                # the example's tensors, in order
+    grads: dict[str, list[Ref]] = field(default_factory=dict)      # parameter -> gradients reaching it
+    saved: set[int] = field(default_factory=set)                   # ref ids autograd saved for backward
+    loss: Ref | None = None
+    modules: dict[str, str] = field(default_factory=dict)          # module name -> class name, call order
+    module_inputs: dict[str, list[Ref]] = field(default_factory=dict)  # first call's tensor inputs
+    # ref id -> ("in"/"out", module name): a view standing for a module's first floating input
+    # (output) as the module sees (returns) it, where a parallel style brings the value to its layout
+    boundaries: dict[int, tuple[str, str]] = field(default_factory=dict)
+
+    def nbytes(self, ref: Ref) -> int:
+        m = self.metas[ref.id]
+        n = 1
+        for s in m.shape:
+            n *= s
+        return n * torch.empty((), dtype=m.dtype).element_size()
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, step: Step, ids: dict[int, Ref], keep: list[Any], where: list[str]) -> None:
+        super().__init__()
+        self.step, self.ids, self.keep, self.where = step, ids, keep, where
+        self.backward = False
+
+    def ref(self, t: torch.Tensor) -> Ref:
+        r = self.ids.get(id(t))
+        if r is None:
+            r = Ref(len(self.step.metas))
+            self.step.metas.append(TensorMeta(tuple(int(s) for s in t.shape), t.dtype))
+            self.ids[id(t)] = r
+            self.keep.append(t)  # ids stay unique while the step is recorded
+        return r
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        conv: Callable[[Any], Any] = lambda x: self.ref(x) if isinstance(x, torch.Tensor) else x  # noqa: E731
+        rargs = tree_map(conv, tuple(args))
+        rkwargs = tree_map(conv, dict(kwargs))
+        out_value = tree_map(conv, out)
+        flat, _ = tree_flatten(out_value)
+        outs = tuple(x if isinstance(x, Ref) else None for x in flat)
+        self.step.ops.append(OpRecord(func, rargs, rkwargs, outs, out_value, self.backward,
+                                      self.where[-1], _flops(func, args, kwargs, out)))
+        return out
+
+
+def _flops(func: Any, args: Any, kwargs: Any, out: Any) -> int:
+    from torch.utils.flop_counter import flop_registry
+    fn = flop_registry.get(getattr(func, "overloadpacket", None))
+    if fn is None:
+        return 0
+    try:
+        return int(fn(*args, **kwargs, out_val=out))
+    except Exception:  # a formula that does not take this overload's arguments: no matmul FLOPs known
+        return 0
+
+
+def split_example(example: Any, loss: Callable[..., Any] | None) -> tuple[tuple[Any, ...], dict[str, Any], tuple[Any, ...]]:
+    """``(model args, model kwargs, loss targets)`` from ``example``: a dict is the model's
+    keyword arguments; a tuple is the model's arguments, its last item the loss's target when a
+    ``loss`` is given; a tensor is the model's one argument."""
+    if isinstance(example, Mapping):
+        return (), dict(example), ()
+    if isinstance(example, torch.Tensor):
+        return (example,), {}, ()
+    if isinstance(example, (tuple, list)):
+        items = tuple(example)
+        if loss is not None:
+            if len(items) < 2:
+                raise ValueError("ap.auto_parallel: with loss=, example must be (inputs..., target)")
+            return items[:-1], {}, items[-1:]
+        return items, {}, ()
+    raise TypeError(f"ap.auto_parallel: example must be a tuple, a dict or a tensor, got {type(example).__name__}")
+
+
+def loss_of(out: Any, targets: tuple[Any, ...], loss: Callable[..., Any] | None) -> torch.Tensor:
+    """The step's scalar loss: ``loss(out, *targets)``, else the output's ``.loss``
+    (``transformers`` models given labels), else the output itself when it is a scalar."""
+    if loss is not None:
+        value = loss(out, *targets)
+    elif isinstance(out, torch.Tensor):
+        value = out
+    else:
+        value = getattr(out, "loss", None)
+        if value is None and isinstance(out, Mapping):
+            value = out.get("loss")
+    if not isinstance(value, torch.Tensor) or value.numel() != 1:
+        raise ValueError(
+            "ap.auto_parallel: the step has no scalar loss; pass loss=fn (called as fn(model(*inputs), target)) "
+            "or an example whose model output is a scalar or has .loss")
+    return value
+
+
+def trace_step(model: nn.Module, example: Any, loss: Callable[..., Any] | None = None) -> Step:
+    """Record one training step of ``model`` on ``example`` (see the module docstring)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    args, kwargs, targets = split_example(example, loss)
+    step = Step()
+    ids: dict[int, Ref] = {}
+    keep: list[Any] = []
+    where = [""]
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
+    recorder = _Recorder(step, ids, keep, where)
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+
+    def fake(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        f = fake_mode.from_tensor(t.to(device) if device.type == "meta" else t)
+        return f
+
+    seen: dict[int, str] = {}
+    state: dict[str, torch.Tensor] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            state[name] = state[seen[id(p)]]
+            continue
+        seen[id(p)] = name
+        state[name] = fake(p.detach()).requires_grad_(p.requires_grad)
+    for name, b in model.named_buffers(remove_duplicate=False):
+        state[name] = fake(b)
+    owner = {}
+    for mname, mod in model.named_modules():
+        for pname, _ in mod.named_parameters(recurse=False, prefix=mname):
+            owner[pname] = mname
+    hooks = []
+    names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+
+    def pre(mod: nn.Module, margs: Any, mkwargs: Any) -> Any:
+        name = names.get(id(mod), "")
+        where.append(name)
+        flat, _ = tree_flatten((margs, mkwargs))
+        tensors = [recorder.ref(t) for t in flat if isinstance(t, torch.Tensor)]
+        if name not in step.modules:
+            step.modules[name] = type(mod).__name__
+            step.module_inputs[name] = tensors
+        # the module's first tensor input becomes a view of its own (a style's hook would give a
+        # new tensor in that layout): the module's ops, and the backward, read that view
+        done = [False]
+
+        def first(x: Any) -> Any:
+            if isinstance(x, torch.Tensor) and not done[0] and x.is_floating_point():
+                done[0] = True
+                y = x.view_as(x)
+                step.boundaries[recorder.ref(y).id] = ("in", name)
+                return y
+            return x
+
+        return tree_map(first, (tuple(margs), dict(mkwargs)))
+
+    def post(mod: nn.Module, margs: Any, out: Any) -> Any:
+        name = where.pop()
+        done = [False]
+
+        def first(x: Any) -> Any:
+            if isinstance(x, torch.Tensor) and not done[0] and x.is_floating_point():
+                done[0] = True
+                y = x.view_as(x)
+                step.boundaries[recorder.ref(y).id] = ("out", name)
+                return y
+            return x
+
+        return tree_map(first, out)
+
+    for m in model.modules():
+        hooks.append(m.register_forward_pre_hook(pre, with_kwargs=True))
+        hooks.append(m.register_forward_hook(post))
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        step.saved.add(recorder.ref(t).id)
+        return t
+
+    try:
+        with fake_mode:
+            fargs = tree_map(fake, args)
+            fkwargs = tree_map(fake, kwargs)
+            ftargets = tree_map(fake, targets)
+            with recorder:
+                for name, t in state.items():
+                    if name in dict(model.named_parameters()):
+                        step.params[name] = recorder.ref(t)
+                        step.param_modules[name] = owner.get(name, "")
+                for t in tree_flatten((fargs, fkwargs))[0]:
+                    if isinstance(t, torch.Tensor):
+                        step.inputs.append(recorder.ref(t))
+                for name in step.params:
+                    t = state[name]
+                    if t.requires_grad:
+                        t.register_hook(lambda g, n=name: step.grads.setdefault(n, []).append(recorder.ref(g)))
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    out = torch.func.functional_call(model, state, fargs, fkwargs, tie_weights=True, strict=False)
+                    value = loss_of(out, ftargets, loss)
+                step.loss = recorder.ref(value)
+                recorder.backward = True
+                if value.requires_grad:
+                    value.backward()
+    except (ValueError, TypeError):
+        raise
+    except Exception as e:  # data-dependent Python, an op without a meta kernel, ...
+        raise ValueError(
+            f"ap.auto_parallel: the model's step cannot be traced on fake tensors ({type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''}); a step whose Python depends on tensor values "
+            "has no plan that holds for every batch — lay it out by hand (ap.parallelize)") from e
+    finally:
+        for h in hooks:
+            h.remove()
+    step.saved -= {r.id for r in step.params.values()}
+    return step

@@ -1,0 +1,121 @@
+"""``ap.auto_parallel`` in one process: the step recorded on fake tensors, plans priced on simulated
+meshes of any size (no world), the plan readable, savable and editable, bad input refused."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+
+from gpt_model import GPT, GPTConfig, lm_loss  # noqa: E402
+
+import autoparallel as ap  # noqa: E402
+from autoparallel.auto.simulate import simulate  # noqa: E402
+from autoparallel.auto.trace import trace_step  # noqa: E402
+
+CFG = GPTConfig(vocab=128, width=64, heads=4, layers=2, seq=64)
+
+
+def _example() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(0, 128, (8, 64), generator=g), torch.randint(0, 128, (8, 64), generator=g)
+
+
+def test_trace_records_forward_backward_and_leaves_the_model_alone() -> None:
+    model = GPT(CFG)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    step = trace_step(model, _example(), lm_loss)
+    assert any(o.backward for o in step.ops) and any(not o.backward for o in step.ops)
+    assert set(step.params) == {n for n, _ in model.named_parameters()}
+    assert all(step.grads.get(n) for n, p in model.named_parameters())
+    assert step.saved and step.loss is not None
+    assert sum(o.flops for o in step.ops) > 0
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n]) and p.grad is None
+
+
+def test_simulation_counts_megatron_collectives() -> None:
+    """Tensor parallel on a simulated mesh of 4: one all-reduce per row-parallel Linear and the
+    embedding in the forward; data parallel: no forward collective but the mean loss's."""
+    model = GPT(CFG)
+    step = trace_step(model, _example(), lm_loss)
+    dp = simulate(step, ap.ProcessMesh.simulated((4,), ["dp"]), {}, (ap.Shard(0),))
+    assert [c.kind for c in dp.collectives if not c.backward] == ["all_reduce"]
+    plan = ap.auto_parallel(model, example=_example(), loss=lm_loss, mesh=ap.ProcessMesh.simulated((4,), ["mp"]))
+    assert {"blocks.*.attn.qkv", "blocks.*.attn.proj", "blocks.*.mlp.fc", "blocks.*.mlp.proj"} <= set(plan)
+    assert type(plan["blocks.*.attn.qkv"]).__name__ == "ColWiseParallel"
+    assert type(plan["blocks.*.mlp.proj"]).__name__ == "RowWiseParallel"
+    assert type(plan["tok"]).__name__ == "VocabParallelEmbedding"  # tied to the head
+    assert type(plan["head"]).__name__ == "ColWiseParallel"
+
+
+@pytest.mark.parametrize("world", [4, 8, 64])
+def test_search_on_simulated_worlds(world: int) -> None:
+    plan = ap.auto_parallel(GPT(CFG), world=world, example=_example(), loss=lm_loss)
+    assert int(torch.tensor(plan.mesh_shape).prod()) == world
+    assert plan.prediction is not None and plan.prediction.time_s > 0
+    assert plan.candidates and plan.candidates[0].prediction.time_s <= plan.candidates[-1].prediction.time_s
+    text = str(plan)
+    assert "mesh" in text and "candidates" in text and "predicted" in text
+
+
+def test_plan_saves_loads_and_applies_its_parts(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    plan = ap.auto_parallel(GPT(CFG), example=_example(), loss=lm_loss, mesh=ap.ProcessMesh.simulated((2, 2), ["dp", "mp"]))
+    path = str(tmp_path / "plan.json")
+    plan.save(path)
+    back = ap.Plan.load(path)
+    assert back.mesh_shape == plan.mesh_shape and back.dim_names == plan.dim_names and back.zero == plan.zero
+    assert {k: repr(v) for k, v in back.items()} == {k: repr(v) for k, v in plan.items()}
+    assert back.recompute == plan.recompute
+
+
+def test_memory_budget_is_kept_or_refused_with_the_smallest() -> None:
+    model, ex = GPT(CFG), _example()
+    free = ap.auto_parallel(model, world=4, example=ex, loss=lm_loss)
+    assert free.prediction is not None
+    tight = ap.auto_parallel(model, world=4, example=ex, loss=lm_loss, memory_budget=int(free.prediction.memory_bytes * 0.8))
+    assert tight.prediction is not None and tight.prediction.memory_bytes <= free.prediction.memory_bytes * 0.8
+    with pytest.raises(ValueError, match="smallest predicted peak"):
+        ap.auto_parallel(model, world=4, example=ex, loss=lm_loss, memory_budget="1KiB")
+
+
+def test_transformers_family_plan_is_used() -> None:
+    pytest.importorskip("transformers")
+    from tests.models.test_hf_llama import tiny_llama
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (4, 16))
+    plan = ap.auto_parallel(model, world=4, example={"input_ids": ids, "labels": ids},
+                            mesh=ap.ProcessMesh.simulated((4,), ["mp"]))
+    assert type(plan["*.self_attn.q_proj"]).__name__ == "ColWiseParallel"
+    assert type(plan["*.mlp.down_proj"]).__name__ == "RowWiseParallel"
+
+
+class _DataDependent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        return y.sum() if y.sum() > 0 else -y.sum()  # Python reads a tensor's value
+
+
+def test_bad_input_is_one_clear_error() -> None:
+    with pytest.raises(ValueError, match="cannot be traced"):
+        ap.auto_parallel(_DataDependent(), world=2, example=(torch.randn(2, 4),))
+    with pytest.raises(ValueError, match="no scalar loss"):
+        ap.auto_parallel(nn.Linear(4, 4), world=2, example=(torch.randn(2, 4),))
+    with pytest.raises(ValueError, match="memory_budget"):
+        ap.auto_parallel(GPT(CFG), world=2, example=_example(), loss=lm_loss, memory_budget="lots")
+    with pytest.raises(ValueError, match="world"):
+        ap.auto_parallel(GPT(CFG), world=0, example=_example(), loss=lm_loss)
+    with pytest.raises(TypeError, match="nn.Module"):
+        ap.auto_parallel(lambda x: x, world=2, example=_example())  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="optimizer"):
+        ap.auto_parallel(GPT(CFG), world=2, example=_example(), loss=lm_loss, optimizer="mystery")

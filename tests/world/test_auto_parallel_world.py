@@ -1,0 +1,79 @@
+"""The plan ``ap.auto_parallel`` returns trains like one process (4 gloo ranks, the example GPT,
+3 SGD steps): the chosen plan, and the best plan on a fixed data x tensor mesh, each applied with
+``plan.apply(model, optimizer)``; losses and parameters within 1e-5 of the single-process run."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+EXAMPLES = os.path.join(ROOT, "examples")
+if EXAMPLES not in sys.path:
+    sys.path.insert(0, EXAMPLES)
+
+from gpt_model import GPT, GPTConfig, lm_loss  # noqa: E402
+
+CFG = GPTConfig(vocab=32, seq=8, layers=2, width=32, heads=4, dropout=0.0, attention="math")
+STEPS = 3
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randint(0, CFG.vocab, (8, CFG.seq), generator=g), torch.randint(0, CFG.vocab, (8, CFG.seq), generator=g))
+            for _ in range(STEPS)]
+
+
+def _reference() -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for x, y in _batches():
+        loss = lm_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def _auto(rank: int, fixed: list[int] | None) -> dict[str, Any]:
+    import train_gpt
+
+    import autoparallel as ap
+
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    mesh = None if fixed is None else ap.ProcessMesh(torch.arange(4).reshape(fixed).tolist(), dim_names=["dp", "mp"])
+    x0, y0 = _batches()[0]
+    plan = ap.auto_parallel(model, world=4, example=(x0, y0), loss=lm_loss, optimizer="sgd", mesh=mesh)
+    mesh = plan.mesh
+    model, opt = plan.apply(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    batch = [ap.Shard(0) if n == "dp" else ap.Replicate() for n in mesh.dim_names]
+    losses = []
+    for x, y in _batches():
+        loss = lm_loss(model(ap.shard_tensor(x, mesh, batch)), ap.shard_tensor(y, mesh, batch))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(train_gpt.scalar(loss))
+    return {"losses": losses, "params": train_gpt.full_params(model), "plan": str(plan), "zero": plan.zero,
+            "shape": plan.mesh_shape}
+
+
+@pytest.mark.parametrize("fixed", [None, [2, 2]], ids=["chosen", "dp2_tp2"])
+def test_auto_plan_trains_like_one_process(world4, fixed: list[int] | None) -> None:  # type: ignore[no-untyped-def]
+    ref = _reference()
+    got = world4.run(_auto, fixed)
+    assert len({r["plan"].split("why")[0] for r in got}) == 1, "every rank must choose the same plan"
+    for r in got:
+        torch.testing.assert_close(r["losses"], ref["losses"], rtol=1e-5, atol=0, msg=r["plan"])
+        for name, p in ref["params"].items():
+            torch.testing.assert_close(r["params"][name], p, rtol=1e-5, atol=1e-6, msg=f"{name}\n{r['plan']}")
+    if fixed is not None:
+        assert got[0]["shape"] == (2, 2)
