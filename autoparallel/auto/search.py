@@ -144,7 +144,7 @@ def family_plans(model: nn.Module) -> list[tuple[str, ModelPlan, bool]]:
     return out
 
 
-def found_plans(model: nn.Module, step: Step, inputs: list[tuple[Placement, ...]] | None = None) -> list[tuple[str, ModelPlan, bool]]:
+def found_plans(model: nn.Module, step: Step) -> list[tuple[str, ModelPlan, bool]]:
     """Megatron pairs found on the step (see the module docstring): ``[(label, plan, sp)]``."""
     modules = dict(model.named_modules())
     linears = [n for n, c in step.modules.items() if isinstance(modules.get(n), nn.Linear)]
@@ -179,7 +179,6 @@ def found_plans(model: nn.Module, step: Step, inputs: list[tuple[Placement, ...]
     if not styles:
         return []
     # the embedding tied to a head (or the largest embedding) vocab-parallel, its head column-parallel
-    owners = {id(p): n for n, m in modules.items() for p in m.parameters(recurse=False)}
     for name, m in modules.items():
         if isinstance(m, nn.Embedding) and name in step.modules and m.max_norm is None and not m.sparse:
             head = next((n for n in linears if modules[n].weight is m.weight and n not in paired), None)  # type: ignore[union-attr]
@@ -187,7 +186,6 @@ def found_plans(model: nn.Module, step: Step, inputs: list[tuple[Placement, ...]
                 styles[name] = VocabParallelEmbedding()
                 styles[head] = ColWiseParallel()
                 divisible[f"{name} num_embeddings"] = m.num_embeddings
-    del owners
     plan = ModelPlan(styles, divisible, "found")
     out = [("megatron", plan, False)]
     norms = [n for n, c in step.modules.items() if isinstance(modules.get(n), (nn.LayerNorm, nn.RMSNorm))]
@@ -293,17 +291,9 @@ def _price(step: Step, sim: Simulation, mesh_shape: tuple[int, ...], dp_axis: in
     if recompute:
         blocks = _blocks(step)
         kept = sum(step.nbytes(r) for b in blocks for r in step.module_inputs.get(b, [])[:1])
-        act = int(kept / max(1, int(_prod(mesh_shape)) // (dp * (mesh_shape[tp_axis] if tp_axis is not None else 1)) or 1))
         act = kept // max(1, dp) + sim.saved_bytes // max(1, len(blocks))
     return Prediction(compute_s + comm_s, compute_s, comm_s, p_bytes + g_bytes + s_bytes + act,
                       sum(n for _, n in comm), sum(b for b, _ in comm))
-
-
-def _prod(xs: Any) -> int:
-    n = 1
-    for x in xs:
-        n *= int(x)
-    return n
 
 
 def _divisors(n: int) -> list[int]:

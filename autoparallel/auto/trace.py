@@ -194,33 +194,25 @@ def trace_step(model: nn.Module, example: Any, loss: Callable[..., Any] | None =
         if name not in step.modules:
             step.modules[name] = type(mod).__name__
             step.module_inputs[name] = tensors
-        # the module's first tensor input becomes a view of its own (a style's hook would give a
-        # new tensor in that layout): the module's ops, and the backward, read that view
-        done = [False]
-
-        def first(x: Any) -> Any:
-            if isinstance(x, torch.Tensor) and not done[0] and x.is_floating_point():
-                done[0] = True
-                y = x.view_as(x)
-                step.boundaries[recorder.ref(y).id] = ("in", name)
-                return y
-            return x
-
-        return tree_map(first, (tuple(margs), dict(mkwargs)))
+        # the module's first floating input becomes a view of its own (a style's hook would give
+        # a new tensor in that layout): the module's ops, and the backward, read that view
+        return mark_first((tuple(margs), dict(mkwargs)), "in", name)
 
     def post(mod: nn.Module, margs: Any, out: Any) -> Any:
-        name = where.pop()
+        return mark_first(out, "out", where.pop())
+
+    def mark_first(value: Any, kind: str, name: str) -> Any:
         done = [False]
 
         def first(x: Any) -> Any:
             if isinstance(x, torch.Tensor) and not done[0] and x.is_floating_point():
                 done[0] = True
                 y = x.view_as(x)
-                step.boundaries[recorder.ref(y).id] = ("out", name)
+                step.boundaries[recorder.ref(y).id] = (kind, name)
                 return y
             return x
 
-        return tree_map(first, out)
+        return tree_map(first, value)
 
     for m in model.modules():
         hooks.append(m.register_forward_pre_hook(pre, with_kwargs=True))
