@@ -14,7 +14,7 @@ from typing import Any
 
 from autoparallel.placement import Shard
 from autoparallel.spec import DistSpec, _itemsize
-from reshard.crossmesh import CrossMeshPlan, plan_best
+from reshard.crossmesh import CrossMeshPlan, best_price, plan_best
 from reshard.plan import ALL_GATHER, FILL, Plan, Step, step_bytes
 from reshard.planner import LATENCY_BYTES
 from spmd_rules.base import Strategy, TensorMeta
@@ -29,19 +29,20 @@ def plan_to(spec: DistSpec, req: tuple[Any, ...]) -> Plan | CrossMeshPlan | None
 
 @lru_cache(maxsize=8192)
 def plan_price(spec: DistSpec, req: tuple[Any, ...]) -> int | None:
-    """Bytes (plus latency terms) of moving ``spec`` to ``req``; None if nothing moves."""
-    plan = plan_to(spec, req)
-    if plan is None:
+    """Bytes (plus latency terms) of moving ``spec`` to ``req`` by the plan ``plan_to`` would
+    make (priced without building it); None if nothing moves."""
+    dst = spec.with_placements(req) if tuple(req) != spec.placements or spec.shard_order else spec
+    if dst == spec:
         return None
-    return plan.max_bytes() + _deferred_price(plan) + (LATENCY_BYTES if plan.collectives() else 0)
+    nbytes, steps, communicates = best_price(spec, dst)
+    return nbytes + _deferred_price(steps) + (LATENCY_BYTES if communicates else 0)
 
 
-def _deferred_price(plan: Plan | CrossMeshPlan) -> int:
+def _deferred_price(steps: tuple[Step, ...]) -> int:
     """What a plan's fills (``S -> P``, local) leave to pay: a Partial some later step must reduce,
     n x the piece in memory and compute. Priced as the all-gather a fill replaces (with its latency
     term), so an op is not steered into a partial layout by a move that is free only now
     (``ap.reshard`` to a Partial target still runs the fill)."""
-    steps = plan.pre.steps + plan.post.steps if isinstance(plan, CrossMeshPlan) else plan.steps
     price = 0
     for s in steps:
         if s.kind == FILL:  # an all-gather's bytes depend on its source only

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from autoparallel.spec import Box, DistSpec, intersect_boxes
-from reshard.plan import Plan
+from reshard.plan import Plan, Step
 from reshard.planner import ReshardError, plan_reshard
 
 
@@ -58,8 +58,14 @@ class CrossMeshPlan:
 
     def max_bytes(self) -> int:
         """The largest number of bytes any rank receives."""
-        ranks = set(self.src.mesh.process_ids) | set(self.dst.mesh.process_ids)
-        return max(self.bytes_per_rank(r)[1] for r in ranks)
+        received = dict.fromkeys(set(self.src.mesh.process_ids) | set(self.dst.mesh.process_ids), 0)
+        if self.pre.steps:
+            for r in self.src.mesh.process_ids:
+                received[r] += self.pre.bytes_per_rank(r)[1]
+        item = self.src.itemsize
+        for t in self.transfers:  # one pass over the transfers, not one per rank
+            received[t.dst_rank] += t.nbytes(item)
+        return max(received.values())
 
     def collectives(self) -> list[str]:
         return self.pre.collectives() + (["send_recv"] if self.transfers else []) + self.post.collectives()
@@ -96,12 +102,54 @@ def plan_best(src: DistSpec, dst: DistSpec) -> Plan | CrossMeshPlan:
 
 
 @lru_cache(maxsize=8192)
+def best_price(src: DistSpec, dst: DistSpec) -> tuple[int, tuple[Step, ...], bool]:
+    """What ``plan_best(src, dst)`` costs, without building a point-to-point plan on one mesh:
+    (bytes the busiest rank receives, its steps, whether it communicates). The steps are the
+    planner's, or for point-to-point the local steps around the transfers."""
+    if src.mesh != dst.mesh:
+        cm = plan_cross_mesh(src, dst)
+        return cm.max_bytes(), cm.pre.steps + cm.post.steps, bool(cm.collectives())
+    plan = plan_reshard(src, dst)
+    if src.partial_axes() or not plan.collectives() or len(plan.steps) < 2:
+        return plan.max_bytes(), plan.steps, bool(plan.collectives())
+    mine, p2p = plan.max_bytes(), _p2p_max_received(src, dst)
+    if p2p >= mine:
+        return mine, plan.steps, True
+    return p2p, plan_reshard(dst.without_partial(), dst).steps, p2p > 0
+
+
+@lru_cache(maxsize=8192)
 def _plan_best_same_mesh(src: DistSpec, dst: DistSpec) -> Plan | CrossMeshPlan:
     """The planner's plan (several collectives, no Partial source) or point-to-point, whichever
     is cheaper."""
     plan = plan_reshard(src, dst)
+    if _p2p_max_received(src, dst) >= plan.max_bytes():
+        return plan  # the point-to-point plan would not move less: no need to build it
     p2p = plan_cross_mesh(src, dst)
     return p2p if p2p.max_bytes() < plan.max_bytes() else plan
+
+
+def _p2p_max_received(src: DistSpec, dst: DistSpec) -> int:
+    """What the busiest rank receives under the point-to-point plan between two layouts of one
+    mesh, the source without Partial: the distinct source pieces partition the tensor, so each
+    rank receives exactly the part of its destination piece it does not hold (one pass over the
+    ranks, not over rank x piece pairs)."""
+    dst_full = dst.without_partial()
+    worst = 0
+    for r in src.mesh.process_ids:
+        coord = src.mesh.coordinate_of(r)
+        need = dst_full.local_box(coord)  # type: ignore[arg-type]
+        have = intersect_boxes(need, src.local_box(coord))  # type: ignore[arg-type]
+        missing = _volume(need) - (_volume(have) if have is not None else 0)
+        worst = max(worst, missing)
+    return worst * src.itemsize
+
+
+def _volume(box: Box) -> int:
+    n = 1
+    for _, length in box:
+        n *= length
+    return n
 
 
 @lru_cache(maxsize=4096)

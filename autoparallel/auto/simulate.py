@@ -22,8 +22,8 @@ from autoparallel.auto.trace import OpRecord, Ref, Step
 from autoparallel.mesh import ProcessMesh
 from autoparallel.placement import Partial, Placement, Replicate, Shard
 from autoparallel.spec import DistSpec
-from reshard.choice import cheapest, largest_local_numel, plan_to
-from reshard.crossmesh import CrossMeshPlan
+from reshard.choice import cheapest, largest_local_numel
+from reshard.crossmesh import best_price
 from reshard.plan import step_bytes
 from spmd_rules.base import OpCall, Strategy, TensorMeta
 from spmd_rules.registry import get_rule
@@ -168,13 +168,16 @@ def simulate(step: Step, mesh: ProcessMesh, param_placements: Mapping[str, tuple
 
 
 def _count(sim: Simulation, spec: DistSpec, req: tuple[Placement, ...], backward: bool, module: str) -> None:
-    """Add the collectives of moving ``spec`` to ``req`` (none if it is there)."""
-    plan = plan_to(spec, req)
-    if plan is None or isinstance(plan, CrossMeshPlan):
+    """Add the collectives of moving ``spec`` to ``req`` as eager would (none if it is there)."""
+    dst = spec.with_placements(req) if tuple(req) != spec.placements or spec.shard_order else spec
+    if dst == spec:
         return
-    for s in plan.steps:
-        if not s.is_local:
-            sim.collectives.append(Collective(s.kind, s.axis, int(step_bytes(s)[1].max()), backward, module))
+    nbytes, steps, communicates = best_price(spec, dst)
+    moves = [s for s in steps if not s.is_local]
+    for s in moves:
+        sim.collectives.append(Collective(s.kind, s.axis, int(step_bytes(s)[1].max()), backward, module))
+    if communicates and not moves:  # shipped point to point: the pieces each rank lacks
+        sim.collectives.append(Collective("send_recv", -1, nbytes, backward, module))
 
 
 _aten = torch.ops.aten

@@ -55,7 +55,7 @@ def test_simulation_counts_megatron_collectives() -> None:
     assert type(plan["head"]).__name__ == "ColWiseParallel"
 
 
-@pytest.mark.parametrize("world", [4, 8, 64])
+@pytest.mark.parametrize("world", [4, 8, 64, 512])
 def test_search_on_simulated_worlds(world: int) -> None:
     plan = ap.auto_parallel(GPT(CFG), world=world, example=_example(), loss=lm_loss)
     assert int(torch.tensor(plan.mesh_shape).prod()) == world
@@ -90,8 +90,8 @@ def test_transformers_family_plan_is_used() -> None:
     from tests.models.test_hf_llama import tiny_llama
     model = tiny_llama()
     ids = torch.randint(0, 128, (4, 16))
-    plan = ap.auto_parallel(model, world=4, example={"input_ids": ids, "labels": ids},
-                            mesh=ap.ProcessMesh.simulated((4,), ["mp"]))
+    plan = ap.auto_parallel(model, world=2, example={"input_ids": ids, "labels": ids},
+                            mesh=ap.ProcessMesh.simulated((2,), ["mp"]))
     assert type(plan["*.self_attn.q_proj"]).__name__ == "ColWiseParallel"
     assert type(plan["*.mlp.down_proj"]).__name__ == "RowWiseParallel"
 
