@@ -96,6 +96,7 @@ def simulate(step: Step, mesh: ProcessMesh, param_placements: Mapping[str, tuple
         m = metas[ref.id]
         specs[ref.id] = DistSpec(mesh, tuple(_fit(pl, m.shape)), m.shape, m.dtype)
     io = io or {}
+    memo: dict[Any, Strategy | None] = {}
 
     def move(spec: DistSpec, layout: Any, module: str) -> DistSpec:
         if isinstance(layout, (Replicate, Shard, Partial)):
@@ -137,7 +138,16 @@ def simulate(step: Step, mesh: ProcessMesh, param_placements: Mapping[str, tuple
             assert out is not None
             specs[out.id] = in_specs[0] if layout is None else move(in_specs[0], layout, edge[1])
             continue
-        best = _choose(op, in_specs, out_metas, shape)
+        # the same call on the same layouts decides alike (repeated blocks): decide it once
+        key = _frozen((op.func, _meta_args(op.args, _metas_by_id(op, [TensorMeta(x.shape, x.dtype) for x in in_specs])),
+                       _meta_args(op.kwargs, _metas_by_id(op, [TensorMeta(x.shape, x.dtype) for x in in_specs])),
+                       tuple(in_specs), out_metas))
+        if key is not None and key in memo:
+            best = memo[key]
+        else:
+            best = _choose(op, in_specs, out_metas, shape)
+            if key is not None:
+                memo[key] = best
         if best is None:
             sim.replicated_ops.append(str(op.func))
             best = Strategy(tuple(rep for _ in refs), tuple(rep for _ in out_metas))
@@ -218,6 +228,22 @@ def _prod(shape: tuple[int, ...], axes: list[int]) -> int:
     for a in axes:
         n *= shape[a]
     return n
+
+
+def _frozen(x: Any) -> Any:
+    """``x`` made hashable (lists and dicts as tuples), or None where it cannot be."""
+    def freeze(v: Any) -> Any:
+        if isinstance(v, (list, tuple)):
+            return tuple(freeze(i) for i in v)
+        if isinstance(v, dict):
+            return tuple((k, freeze(i)) for k, i in v.items())
+        return v
+    try:
+        out = freeze(x)
+        hash(out)
+        return out
+    except TypeError:
+        return None
 
 
 def _fit(pl: tuple[Placement, ...], shape: tuple[int, ...]) -> tuple[Placement, ...]:

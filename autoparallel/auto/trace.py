@@ -92,6 +92,8 @@ class _Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if getattr(func, "namespace", None) == "prim":  # metadata queries (prim.device): nothing to lay out
+            return out
         conv: Callable[[Any], Any] = lambda x: self.ref(x) if isinstance(x, torch.Tensor) else x  # noqa: E731
         rargs = tree_map(conv, tuple(args))
         rkwargs = tree_map(conv, dict(kwargs))
@@ -161,13 +163,14 @@ def trace_step(model: nn.Module, example: Any, loss: Callable[..., Any] | None =
     where = [""]
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
     recorder = _Recorder(step, ids, keep, where)
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
 
     def fake(t: Any) -> Any:
         if not isinstance(t, torch.Tensor):
             return t
-        f = fake_mode.from_tensor(t.to(device) if device.type == "meta" else t)
-        return f
+        if t.device.type == "meta":  # a model built on the meta device (any size): a CPU fake of its shape
+            with fake_mode:
+                return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+        return fake_mode.from_tensor(t)
 
     seen: dict[int, str] = {}
     state: dict[str, torch.Tensor] = {}
@@ -223,10 +226,10 @@ def trace_step(model: nn.Module, example: Any, loss: Callable[..., Any] | None =
         return t
 
     try:
+        fargs = tree_map(fake, args)
+        fkwargs = tree_map(fake, kwargs)
+        ftargets = tree_map(fake, targets)
         with fake_mode:
-            fargs = tree_map(fake, args)
-            fkwargs = tree_map(fake, kwargs)
-            ftargets = tree_map(fake, targets)
             with recorder:
                 for name, t in state.items():
                     if name in dict(model.named_parameters()):
