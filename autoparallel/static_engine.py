@@ -36,6 +36,7 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 
 from autoparallel import runtime
 from autoparallel.api import dtensor_from_local, reshard, shard_tensor
+from autoparallel.auto import Plan, auto_parallel, parallelize
 from autoparallel.checkpoint import init_optimizer_state, load_state_dict, save_state_dict
 from autoparallel.data import ShardDataloader, shard_dataloader
 from autoparallel.engine.dtensor import DistTensor
@@ -147,6 +148,7 @@ class Engine:
         self._stages: list[Stage] | None = None    # Strategy.pipeline: the stages, in forward order
         self._pipe: Pipeline | None = None
         self.scaler: GradScaler | None = None      # Strategy.amp with float16: the loss scaler
+        self.plan: Plan | None = None              # Strategy.auto_mode="full": the plan ap.auto_parallel chose
         self._check_strategy()
 
     # ---- configuration -------------------------------------------------------------------------
@@ -163,9 +165,11 @@ class Engine:
     def _check_strategy(self) -> None:
         s = self.strategy
         if s.auto_mode == "full":
-            raise NotImplementedError(
-                "ap.Engine: Strategy.auto_mode='full' (full-auto parallel) is not available yet; keep "
-                "auto_mode='semi' and lay the model out with ap.shard_tensor / ap.parallelize (docs/guide.md)")
+            if s.pipeline.enable:
+                raise NotImplementedError("ap.Engine: Strategy.auto_mode='full' does not search pipeline splits; "
+                                          "switch Strategy.pipeline off, or lay the stages out with ap.shard_op")
+            if self.loss is None:
+                raise ValueError("ap.Engine: Strategy.auto_mode='full' prices the training step: give the Engine a loss")
         if s.pipeline.enable:
             if s.sharding.enable:
                 raise NotImplementedError("ap.Engine: Strategy.pipeline with Strategy.sharding is not built; "
@@ -207,6 +211,8 @@ class Engine:
             self._setup_pipeline()
             return
         model = self.model
+        if self.strategy.auto_mode == "full" and not any(isinstance(p, DistTensor) for p in model.parameters()):
+            self._auto_layout()
         if not any(isinstance(p, DistTensor) for p in model.parameters()):
             inputs = sample()
             if inputs is not None:
@@ -221,6 +227,8 @@ class Engine:
             shard_layer(model, mesh)  # plain parameters: Replicate on every axis
         self.data_axis = "dp" if "dp" in mesh.dim_names else None
         stage = self._sharding(mesh)
+        if stage is None and self.plan is not None:
+            stage = self.plan.optimizer_stage_for(mesh)
         if self.strategy.recompute.enable:
             recompute(model)
         amp = self.strategy.amp
@@ -234,6 +242,28 @@ class Engine:
             device = "cuda" if any(p.is_cuda for p in model.parameters()) else "cpu"
             self.scaler = GradScaler(device, init_scale=amp.init_loss_scaling)
         self.mesh = mesh
+
+    def _auto_layout(self) -> None:
+        """``Strategy.auto_mode="full"``: ``ap.auto_parallel`` searches the plan on one batch of the
+        prepared specs (a dim of any size: 2 x world rows, else 16) and lays the model out by it."""
+        inputs, labels = self._specs
+        if not inputs or not labels:
+            raise ValueError("ap.Engine: Strategy.auto_mode='full' searches the plan on the prepared shapes: call "
+                             "engine.prepare(inputs_spec=..., labels_spec=...) first")
+        if len(labels) != 1:
+            raise NotImplementedError("ap.Engine: Strategy.auto_mode='full' supports one label tensor")
+        world = runtime.get_world_size()
+
+        def example(spec: InputSpec) -> torch.Tensor:
+            shape = [(2 * world if i == 0 else 16) if d is None else d for i, d in enumerate(spec.shape)]
+            return torch.zeros(shape, dtype=spec.dtype)
+
+        plan = auto_parallel(self.model, world=world, example=(*[example(s) for s in inputs], example(labels[0])),
+                             loss=self.loss, optimizer=self.optimizer if self.optimizer is not None else "adamw")
+        parallelize(self.model, plan.mesh, plan)
+        self.plan = plan
+        if runtime.get_rank() == 0:
+            print(plan)
 
     def _setup_pipeline(self) -> None:
         """Stages from the forward's meshes, the Pipeline, the optimizer (``Strategy.pipeline``)."""

@@ -82,6 +82,9 @@ def local_profile(world: int) -> Profile:
     """This machine, ``world`` ranks sharing its cores (gloo over loopback: ~0.2 ms per
     collective, ~1 GB/s). Inside a started world rank 0's measurement is used on every rank
     (one broadcast), so every rank prices, and chooses, alike."""
+    from autoparallel.runtime.world import ensure_world
+
+    ensure_world()  # under torchrun: the world, so every rank takes rank 0's figures
     flops, bw = _local_throughput()
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:

@@ -189,7 +189,7 @@ class Strategy(_Slotted):
     For ``ap.Engine`` (Paddle's groups, each an object with fixed settings):
     ``sharding`` (enable, stage, degree), ``pipeline`` (enable, micro_batch_size,
     accumulate_steps, schedule_mode), ``amp`` (enable, dtype, init_loss_scaling, use_dynamic_loss_scaling), ``recompute`` (enable),
-    ``gradient_merge`` (enable, k_steps) and ``auto_mode`` ("semi"; "full" is not built yet).
+    ``gradient_merge`` (enable, k_steps) and ``auto_mode`` ("semi"; "full": ``ap.auto_parallel`` chooses the layout).
     ``config``: Paddle's dict form, ``{"sharding": {"enable": True, "stage": 2}, "auto_mode": "semi"}``.
     """
 

@@ -91,6 +91,8 @@ def _strategy(kind: str) -> ap.Strategy:
     if kind == "merge":
         s.gradient_merge.enable = True
         s.gradient_merge.k_steps = 2
+    if kind == "full":  # ap.auto_parallel chooses the layout
+        s.auto_mode = "full"
     return s
 
 
@@ -127,7 +129,7 @@ def _check_params(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -
         assert rel <= 1e-5, (n, rel)
 
 
-@pytest.mark.parametrize("kind", ["dp", "zero1", "zero2", "zero3", "hybrid1", "hybrid3", "recompute"])
+@pytest.mark.parametrize("kind", ["dp", "zero1", "zero2", "zero3", "hybrid1", "hybrid3", "recompute", "full"])
 def test_programs_train_like_one_process(world4: Any, kind: str) -> None:
     ref = _reference()
     for o in world4.run(_engine_program, kind):
@@ -252,6 +254,7 @@ def _engine_with(rank: int, setting: str) -> None:
         s.pipeline.enable = True
     elif setting == "full":
         s.auto_mode = "full"
+        s.pipeline.enable = True
     model = SimpleNet()
     if setting == "degree_not_dp":  # laid out by the user on a "dp" mesh: hybrid sharding is the Engine's own layout's
         ap.shard_layer(model, ap.ProcessMesh([0, 1, 2, 3], dim_names=["dp"]))
@@ -264,7 +267,7 @@ def _engine_with(rank: int, setting: str) -> None:
     ("degree", ValueError, "degree 3 does not divide the world of 4 processes"),
     ("degree_not_dp", ValueError, "degree 2 differs from the data-parallel degree 4"),  # (hybrid: the Engine's layout only)
     ("pipeline", ValueError, "the forward assigns nothing to a stage mesh"),
-    ("full", NotImplementedError, "auto_mode='full'"),
+    ("full", NotImplementedError, "auto_mode='full' does not search pipeline splits"),
     ("bad_label", ValueError, "shape (8, 1) does not fit InputSpec([None], torch.int64)"),
 ])
 def test_bad_configurations_raise_on_every_rank(world4: Any, setting: str, exc: type, text: str) -> None:

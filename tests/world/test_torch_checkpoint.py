@@ -9,7 +9,7 @@ losses and every parameter after 3 SGD steps are bitwise those without checkpoin
 TP, TP + SP, DP x TP and ZeRO-3 (4 gloo ranks, the example GPT with dropout), and for an
 unmodified transformers Llama under TP, DP x TP, DP x TP + SP (``ap.plans.llama(sp=True)``) and
 ZeRO-3. Reentrant (transformers' default): equal within float rounding. ``ap.recompute`` of the last Linear of a ``shard_layer``'d network trains
-bitwise as without.
+as without (losses bitwise; the region it refuses runs op by op instead, parameters within rounding).
 """
 
 from __future__ import annotations
@@ -186,5 +186,11 @@ def _simple(rank: int, recompute: bool) -> list[float]:
 
 def test_recompute_inside_a_local_region(world2) -> None:  # type: ignore[no-untyped-def]
     # the whole network is a local region; its last Linear is recomputed: the region is refused
-    # (its recompute would run outside the local run) and the network trains as without recompute
-    assert world2.run(_simple, True) == world2.run(_simple, False)
+    # (its recompute would run outside the local run) and the network trains as without recompute.
+    # The two runs take different paths by design (op by op on DistTensors, or one local run on the
+    # shards), whose kernels may round differently on some CPUs (AMD EPYC: 1 ulp in a parameter
+    # sum): the losses are compared bitwise, the parameter sums within float32 rounding.
+    got, want = world2.run(_simple, True), world2.run(_simple, False)
+    for g, w in zip(got, want, strict=True):
+        assert g[:STEPS] == w[:STEPS]
+        torch.testing.assert_close(g[STEPS:], w[STEPS:], rtol=1e-6, atol=1e-7)

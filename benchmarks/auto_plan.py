@@ -1,0 +1,216 @@
+"""``ap.auto_parallel``: search time, and the chosen plan's measured step against the hand plans.
+
+    python benchmarks/auto_plan.py                       # search times + 4-rank plan quality
+    python benchmarks/auto_plan.py --sizes 64x64 --rounds 2 --skip-search
+
+1. Search time (one process, no world): the example GPT and an unmodified transformers Llama
+   (a tiny config, and Llama-3 8B's shapes built on the meta device) on simulated worlds.
+2. Plan quality (one spawned gloo world of 4 ranks, ``OMP_NUM_THREADS=1``): for each GPT size
+   (width x sequence; 2 blocks, batch 8, vocabulary 128, AdamW), the hand plans DP, ZeRO-1/2/3,
+   TP (Megatron over 4) and DP2 x TP2 + SP, and the plan ``ap.auto_parallel`` returns, each
+   trained from the same weights on the same batches; step time = median over rounds of the mean
+   step of the slowest rank. Printed: every plan's measured and predicted time, auto / best hand,
+   the largest loss difference of the auto plan from DP's, and the Spearman rank correlation
+   between predicted and measured step times over all hand plans and sizes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+for p in (ROOT, os.path.join(ROOT, "examples")):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+HAND = {  # hand plan -> (mesh shape, dims, tp plan sp or None, zero stage, the search's name of it)
+    "dp": ((4,), ["dp"], None, 0, "dp4 x tp1"),
+    "zero1": ((4,), ["dp"], None, 1, "dp4 x tp1 zero1"),
+    "zero2": ((4,), ["dp"], None, 2, "dp4 x tp1 zero2"),
+    "zero3": ((4,), ["dp"], None, 3, "dp4 x tp1 zero3"),
+    "tp": ((4,), ["mp"], False, 0, "dp1 x tp4 megatron"),
+    "dp2xtp2+sp": ((2, 2), ["dp", "mp"], True, 0, "dp2 x tp2 megatron+sp"),
+}
+
+
+def search_times(worlds: list[int]) -> list[tuple[str, int, float, str]]:
+    from gpt_model import GPT, GPTConfig, lm_loss
+
+    import autoparallel as ap
+
+    rows = []
+    gpt = GPT(GPTConfig(vocab=128, width=64, heads=4, layers=2, seq=64))
+    x = torch.randint(0, 128, (8, 64))
+    cases: list[tuple[str, Any, dict[str, Any]]] = [("example GPT", gpt, {"example": (x, x), "loss": lm_loss})]
+    try:
+        from transformers import LlamaConfig, LlamaForCausalLM
+        tiny = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2, vocab_size=128))
+        ids = torch.randint(0, 128, (8, 64))
+        cases.append(("Llama tiny", tiny, {"example": {"input_ids": ids, "labels": ids}}))
+        with torch.device("meta"):
+            big = LlamaForCausalLM(LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                               num_attention_heads=32, num_key_value_heads=8, vocab_size=128256))
+        ids = torch.randint(0, 128256, (512, 2048))
+        cases.append(("Llama-3 8B shapes", big, {"example": {"input_ids": ids, "labels": ids}, "profile": "h100"}))
+    except ImportError:
+        print("transformers is not installed: Llama cases skipped", file=sys.stderr)
+    for label, model, kw in cases:
+        for w in worlds:
+            t = time.perf_counter()
+            plan = ap.auto_parallel(model, world=w, **kw)
+            rows.append((label, w, time.perf_counter() - t, plan.candidates[0].name))
+            print(f"  search {label}, {w} ranks: {rows[-1][2]:.1f} s -> {rows[-1][3]}", file=sys.stderr, flush=True)
+    return rows
+
+
+def _run(rank: int, mesh_shape: tuple[int, ...], dims: list[str], sp: bool | None, zero: int,
+         width: int, seq: int, steps: int, rounds: int, plan: Any = None) -> tuple[float, list[float]]:
+    import train_gpt
+    from gpt_model import GPT, GPTConfig, lm_loss
+
+    import autoparallel as ap
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab=128, width=width, heads=4, layers=2, seq=seq, dropout=0.0))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if plan is not None:
+        mesh = plan.mesh
+        model, opt = plan.apply(model, opt)
+    else:
+        mesh = ap.ProcessMesh(torch.arange(4).reshape(mesh_shape).tolist(), dim_names=dims)
+        ap.parallelize(model, mesh, {} if sp is None else train_gpt.gpt_plan(sp))
+        stages = {1: ap.ShardingStage1, 2: ap.ShardingStage2, 3: ap.ShardingStage3}
+        opt = ap.shard_optimizer(opt, stages[zero](mesh, "dp") if zero else None)
+    layout = [ap.Shard(0) if n == "dp" else ap.Replicate() for n in mesh.dim_names]
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randint(0, 128, (8, seq), generator=g), torch.randint(0, 128, (8, seq), generator=g))
+               for _ in range(2 + steps * rounds)]
+
+    def step(i: int) -> float:
+        x, y = batches[i]
+        loss = lm_loss(model(ap.shard_tensor(x, mesh, layout)), ap.shard_tensor(y, mesh, layout))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return train_gpt.scalar(loss)
+
+    losses = [step(0), step(1)]
+    times = []
+    for r in range(rounds):
+        dist.barrier()
+        t0 = time.perf_counter()
+        losses += [step(2 + r * steps + k) for k in range(steps)]
+        dt = torch.tensor([(time.perf_counter() - t0) / steps])
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+        times.append(float(dt))
+    return statistics.median(times), losses
+
+
+def _worker(rank: int, world: int, store: str, opts: dict[str, Any], out_path: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
+    from gpt_model import GPT, GPTConfig, lm_loss
+
+    import autoparallel as ap
+
+    results: dict[str, Any] = {}
+    for size in opts["sizes"]:
+        width, seq = (int(v) for v in size.split("x"))
+        model = GPT(GPTConfig(vocab=128, width=width, heads=4, layers=2, seq=seq))
+        x = torch.randint(0, 128, (8, seq))
+        t = time.perf_counter()
+        plan = ap.auto_parallel(model, world=world, example=(x, x), loss=lm_loss, optimizer="adamw")
+        search_s = time.perf_counter() - t
+        predicted = {c.name: c.prediction.time_s for c in plan.candidates}
+        row: dict[str, Any] = {"auto_name": plan.candidates[0].name, "search_s": search_s, "plans": {}}
+        for name, (shape, dims, sp, zero, search_name) in HAND.items():
+            s, losses = _run(rank, shape, dims, sp, zero, width, seq, opts["steps"], opts["rounds"])
+            row["plans"][name] = {"step_s": s, "predicted_s": predicted.get(search_name), "losses": losses}
+        s, losses = _run(rank, (), [], None, 0, width, seq, opts["steps"], opts["rounds"], plan=plan)
+        row["plans"]["auto"] = {"step_s": s, "predicted_s": plan.candidates[0].prediction.time_s, "losses": losses}
+        results[size] = row
+        if rank == 0:
+            print(f"  {size}: " + ", ".join(f"{n} {v['step_s'] * 1e3:.1f} ms" for n, v in row["plans"].items())
+                  + f" (auto = {row['auto_name']})", file=sys.stderr, flush=True)
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(results, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    def ranks(v: list[float]) -> list[float]:
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        r = [0.0] * len(v)
+        for k, i in enumerate(order):
+            r[i] = float(k)
+        return r
+    ra, rb = ranks(a), ranks(b)
+    n = len(a)
+    d2 = sum((x - y) ** 2 for x, y in zip(ra, rb))
+    return 1 - 6 * d2 / (n * (n * n - 1)) if n > 1 else float("nan")
+
+
+def report(search: list[tuple[str, int, float, str]], quality: dict[str, Any]) -> None:
+    if search:
+        print("\n| model | simulated ranks | search s | chosen |\n|---|---|---|---|")
+        for label, w, s, name in search:
+            print(f"| {label} | {w} | {s:.1f} | {name} |")
+    if not quality:
+        return
+    print("\n| size (width x seq) | " + " | ".join(list(HAND) + ["auto"]) + " | auto / best hand | auto's plan | auto loss vs DP |")
+    print("|---" * (len(HAND) + 5) + "|")
+    pred, meas = [], []
+    wins = 0
+    for size, row in quality.items():
+        plans = row["plans"]
+        cells = []
+        for name in list(HAND) + ["auto"]:
+            v = plans[name]
+            p = v["predicted_s"]
+            cells.append(f"{v['step_s'] * 1e3:.1f} ({p * 1e3:.1f})" if p is not None else f"{v['step_s'] * 1e3:.1f}")
+            if name != "auto" and p is not None:
+                pred.append(p)
+                meas.append(v["step_s"])
+        best = min(plans[n]["step_s"] for n in HAND)
+        ratio = plans["auto"]["step_s"] / best
+        wins += ratio < 1.0
+        ref = plans["dp"]["losses"]
+        diff = max(abs(a - b) / abs(b) for a, b in zip(plans["auto"]["losses"], ref))
+        print(f"| {size} | " + " | ".join(cells) + f" | {ratio:.2f} | {row['auto_name']} | {diff:.1e} |")
+    print(f"\nmeasured ms (predicted ms); Spearman(predicted, measured) over the hand plans: {spearman(pred, meas):.2f}")
+    print(f"auto strictly faster than every hand plan on {wins} of {len(quality)} sizes")
+
+
+def main() -> int:
+    ap_ = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap_.add_argument("--sizes", default="64x64,256x64,256x256", help="width x sequence, comma separated")
+    ap_.add_argument("--worlds", default="4,8,64,512", help="simulated worlds for the search times")
+    ap_.add_argument("--steps", type=int, default=3)
+    ap_.add_argument("--rounds", type=int, default=3)
+    ap_.add_argument("--skip-search", action="store_true")
+    ap_.add_argument("--skip-quality", action="store_true")
+    args = ap_.parse_args()
+    search = [] if args.skip_search else search_times([int(w) for w in args.worlds.split(",")])
+    quality: dict[str, Any] = {}
+    if not args.skip_quality:
+        from benchmarks._spawn import run_spawned
+        opts = {"sizes": args.sizes.split(","), "steps": args.steps, "rounds": args.rounds}
+        quality = run_spawned(_worker, 4, opts, timeout=3600, prefix="autoplan_")
+    report(search, quality)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
