@@ -196,6 +196,10 @@ def lay_out(model_name: str, strategy: str, model: Any, opt: Any) -> tuple[Any, 
     """Lay ``model`` out by ``strategy``; return (mesh, optimizer, batch placements)."""
     import autoparallel as ap
 
+    if strategy == "auto":  # ap.auto_parallel's plan, searched on the first batch
+        plan = ap.auto_parallel(model, world=4, example=batches(model_name, 1)[0], optimizer=opt)
+        model, opt = plan.apply(model, opt)
+        return plan.mesh, opt, [ap.Shard(0) if n == "dp" else ap.Replicate() for n in plan.mesh.dim_names]
     mesh = mesh_of(strategy)
     if strategy.startswith(("tp", "dp_tp")):
         ap.parallelize(model, mesh, plan_of(model_name, model, strategy))
