@@ -15,6 +15,8 @@ calls an op without a meta kernel) raises ``ValueError`` naming the op or the re
 
 from __future__ import annotations
 
+import contextlib
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -153,7 +155,30 @@ def loss_of(out: Any, targets: tuple[Any, ...], loss: Callable[..., Any] | None)
 
 
 def trace_step(model: nn.Module, example: Any, loss: Callable[..., Any] | None = None) -> Step:
-    """Record one training step of ``model`` on ``example`` (see the module docstring)."""
+    """Record one training step of ``model`` on ``example`` (see the module docstring).
+
+    An op whose output's shape depends on the values (``nonzero`` in a mixture of experts' routing)
+    cannot run on fake tensors; such a step is recorded once on real tensors instead (one step's
+    compute on this process, with a warning; the model, its buffers and the random state are left
+    as they were), which needs real parameters (not the meta device)."""
+    from torch._subclasses.fake_tensor import DynamicOutputShapeException
+
+    try:
+        return _record(model, example, loss, real=False)
+    except ValueError as e:
+        if not isinstance(e.__cause__, DynamicOutputShapeException):
+            raise
+        if any(p.device.type == "meta" for p in model.parameters()):
+            raise ValueError(f"{e}; with real parameters (not the meta device) the step is recorded on real "
+                             "tensors instead") from e.__cause__
+        op = str(e.__cause__).splitlines()[0] if str(e.__cause__) else "an op"
+        warnings.warn(f"ap.auto_parallel: {op} has an output shaped by the values: the step is recorded on "
+                      "real tensors (one step's compute here)", stacklevel=3)
+        with torch.random.fork_rng():
+            return _record(model, example, loss, real=True)
+
+
+def _record(model: nn.Module, example: Any, loss: Callable[..., Any] | None, real: bool) -> Step:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     args, kwargs, targets = split_example(example, loss)
@@ -161,12 +186,14 @@ def trace_step(model: nn.Module, example: Any, loss: Callable[..., Any] | None =
     ids: dict[int, Ref] = {}
     keep: list[Any] = []
     where = [""]
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
+    fake_mode: Any = contextlib.nullcontext() if real else FakeTensorMode(allow_non_fake_inputs=False)
     recorder = _Recorder(step, ids, keep, where)
 
     def fake(t: Any) -> Any:
         if not isinstance(t, torch.Tensor):
             return t
+        if real:
+            return t.detach().clone()
         if t.device.type == "meta":  # a model built on the meta device (any size): a CPU fake of its shape
             with fake_mode:
                 return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")

@@ -196,8 +196,9 @@ def lay_out(model_name: str, strategy: str, model: Any, opt: Any) -> tuple[Any, 
     """Lay ``model`` out by ``strategy``; return (mesh, optimizer, batch placements)."""
     import autoparallel as ap
 
-    if strategy == "auto":  # ap.auto_parallel's plan, searched on the first batch
-        plan = ap.auto_parallel(model, world=4, example=batches(model_name, 1)[0], optimizer=opt)
+    if strategy.startswith("auto"):  # ap.auto_parallel's plan, searched on the first batch (auto_dp_tp: on dp2 x tp2)
+        fixed = ap.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"]) if strategy == "auto_dp_tp" else None
+        plan = ap.auto_parallel(model, world=4, example=batches(model_name, 1)[0], optimizer=opt, mesh=fixed)
         model, opt = plan.apply(model, opt)
         return plan.mesh, opt, [ap.Shard(0) if n == "dp" else ap.Replicate() for n in plan.mesh.dim_names]
     mesh = mesh_of(strategy)
