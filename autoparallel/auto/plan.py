@@ -36,9 +36,11 @@ class Prediction:
     memory_bytes: int
     collectives: int
     comm_bytes: int
+    overhead_s: float = 0.0  # the framework's per-op host time
 
     def row(self) -> str:
-        return (f"{self.time_s * 1e3:9.2f} ms  (compute {self.compute_s * 1e3:.2f}, comm {self.comm_s * 1e3:.2f}; "
+        return (f"{self.time_s * 1e3:9.2f} ms  (compute {self.compute_s * 1e3:.2f}, comm {self.comm_s * 1e3:.2f}, "
+                f"per-op {self.overhead_s * 1e3:.2f}; "
                 f"{self.collectives} collectives, {_size(self.comm_bytes)})  memory {_size(self.memory_bytes)}")
 
 

@@ -49,10 +49,15 @@ class Profile:
     bytes_per_s: float
     alpha_s: float
     beta_bytes_per_s: float
+    op_s: float = 0.0  # the framework's own time per op of the step (eager dispatch on the host)
 
 
-# A node of H100-class GPUs (bf16 dense peak ~989 TFLOPS at ~50 % achieved; NCCL over NVLink).
-H100 = Profile("h100", 0.5 * 989e12, 2.0e12, 15e-6, 150e9)
+# A node of H100-class GPUs (bf16 dense peak ~989 TFLOPS at ~50 % achieved; NCCL over NVLink);
+# ~20 us of host time per eager op.
+H100 = Profile("h100", 0.5 * 989e12, 2.0e12, 15e-6, 150e9, 20e-6)
+# The eager engine's host time per op on this kind of machine (dispatch, rule lookup, wrapping),
+# on one core of its own.
+LOCAL_OP_S = 40e-6
 
 
 @functools.cache
@@ -92,7 +97,7 @@ def local_profile(world: int) -> Profile:
         dist.broadcast_object_list(measured, src=0)
         flops, bw = measured[0]
     share = min(1.0, (os.cpu_count() or 1) / max(1, world)) / max(1, torch.get_num_threads())
-    return Profile("local", flops * share, bw * share, 2e-4, 1e9)
+    return Profile("local", flops * share, bw * share, 2e-4, 1e9, LOCAL_OP_S / max(share, 1e-3))
 
 
 def _profile(profile: Any, world: int) -> Profile:
@@ -283,6 +288,7 @@ def _price(step: Step, sim: Simulation, mesh_shape: tuple[int, ...], dp_axis: in
     comm_s = sum(n * prof.alpha_s + b / prof.beta_bytes_per_s for b, n in comm)
     flops = sim.flops + (sim.forward_flops if recompute else 0.0)
     compute_s = flops / prof.flops_per_s + sim.touched_bytes * (1.5 if recompute else 1.0) / prof.bytes_per_s
+    overhead_s = sim.ops * (1.5 if recompute else 1.0) * prof.op_s
     g_bytes, s_bytes = p_bytes, int(state_factor * p_bytes)
     if zero >= 1:
         s_bytes //= dp
@@ -295,8 +301,8 @@ def _price(step: Step, sim: Simulation, mesh_shape: tuple[int, ...], dp_axis: in
         blocks = _blocks(step)
         kept = sum(step.nbytes(r) for b in blocks for r in step.module_inputs.get(b, [])[:1])
         act = kept // max(1, dp) + sim.saved_bytes // max(1, len(blocks))
-    return Prediction(compute_s + comm_s, compute_s, comm_s, p_bytes + g_bytes + s_bytes + act,
-                      sum(n for _, n in comm), sum(b for b, _ in comm))
+    return Prediction(compute_s + comm_s + overhead_s, compute_s, comm_s, p_bytes + g_bytes + s_bytes + act,
+                      sum(n for _, n in comm), sum(b for b, _ in comm), overhead_s)
 
 
 def _divisors(n: int) -> list[int]:

@@ -54,6 +54,7 @@ class Simulation:
     replicated_ops: list[str] = field(default_factory=list)    # ops with no rule: run gathered
     edges: dict[tuple[str, str], DistSpec] = field(default_factory=dict)  # ("in"/"out", module) -> layout arriving
     forward_flops: float = 0.0
+    ops: int = 0                   # ops the step runs (each costs the framework's per-op time)
 
 
 def _meta_args(x: Any, metas: list[TensorMeta]) -> Any:
@@ -111,6 +112,7 @@ def simulate(step: Step, mesh: ProcessMesh, param_placements: Mapping[str, tuple
     for op in step.ops:
         if getattr(op.func, "namespace", None) == "prim" or not any(o is not None for o in op.outs):
             continue
+        sim.ops += 1
         refs = _tensor_refs(op)
         out_metas = tuple(metas[o.id] if o is not None else None for o in op.outs)
         if op.backward and op.func in _UNINITIALIZED:  # autograd's own buffers (a gradient's accumulator)
