@@ -22,6 +22,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -50,26 +51,35 @@ def search_times(worlds: list[int]) -> list[tuple[str, int, float, str]]:
     rows = []
     gpt = GPT(GPTConfig(vocab=128, width=64, heads=4, layers=2, seq=64))
     x = torch.randint(0, 128, (8, 64))
-    cases: list[tuple[str, Any, dict[str, Any]]] = [("example GPT", gpt, {"example": (x, x), "loss": lm_loss})]
+    # (label, model, the example for a world, other arguments)
+    cases: list[tuple[str, Any, Callable[[int], Any], dict[str, Any]]] = [
+        ("example GPT", gpt, lambda w: (x, x), {"loss": lm_loss})]
     try:
         from transformers import LlamaConfig, LlamaForCausalLM
         tiny = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                             num_attention_heads=4, num_key_value_heads=2, vocab_size=128))
         ids = torch.randint(0, 128, (8, 64))
-        cases.append(("Llama tiny", tiny, {"example": {"input_ids": ids, "labels": ids}}))
+        cases.append(("Llama tiny", tiny, lambda w: {"input_ids": ids, "labels": ids}, {}))
         with torch.device("meta"):
             big = LlamaForCausalLM(LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                                                num_attention_heads=32, num_key_value_heads=8, vocab_size=128256))
-        ids = torch.randint(0, 128256, (512, 2048))
-        cases.append(("Llama-3 8B shapes", big, {"example": {"input_ids": ids, "labels": ids}, "profile": "h100"}))
+
+        def tokens(w: int) -> dict[str, Any]:  # one 2048-token sequence per rank (fake tensors: no memory)
+            big_ids = torch.randint(0, 128256, (w, 2048))
+            return {"input_ids": big_ids, "labels": big_ids}
+
+        cases.append(("Llama-3 8B shapes, H100 profile, 80 GiB", big, tokens, {"profile": "h100", "memory_budget": "80GiB"}))
     except ImportError:
         print("transformers is not installed: Llama cases skipped", file=sys.stderr)
-    for label, model, kw in cases:
+    for label, model, example, kw in cases:
         for w in worlds:
             t = time.perf_counter()
-            plan = ap.auto_parallel(model, world=w, **kw)
-            rows.append((label, w, time.perf_counter() - t, plan.candidates[0].name))
-            print(f"  search {label}, {w} ranks: {rows[-1][2]:.1f} s -> {rows[-1][3]}", file=sys.stderr, flush=True)
+            try:
+                chosen = ap.auto_parallel(model, world=w, example=example(w), **kw).candidates[0].name
+            except ValueError as e:  # no plan fits the budget: the message names the smallest
+                chosen = str(e).split("; ")[-1]
+            rows.append((label, w, time.perf_counter() - t, chosen))
+            print(f"  search {label}, {w} ranks: {rows[-1][2]:.1f} s -> {chosen}", file=sys.stderr, flush=True)
     return rows
 
 

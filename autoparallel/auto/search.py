@@ -328,6 +328,12 @@ def auto_parallel(model: nn.Module, world: int | None = None, example: Any = Non
         raise TypeError(f"ap.auto_parallel: model must be an nn.Module, got {type(model).__name__}")
     if example is None:
         raise ValueError("ap.auto_parallel: pass example= (one global batch as the model takes it)")
+    from autoparallel.engine.dtensor import DistTensor
+    laid = [n for n, p in model.named_parameters() if isinstance(p, DistTensor)]
+    if laid:
+        raise ValueError(f"ap.auto_parallel: the model is already laid out ({laid[0]} is a DistTensor); the search "
+                         "starts from the single-device model: call it before ap.shard_tensor / ap.parallelize, "
+                         "or edit the plan it returns")
     if mesh is not None and not isinstance(mesh, ProcessMesh):
         raise TypeError(f"ap.auto_parallel: mesh must be None or an ap.ProcessMesh, got {type(mesh).__name__}")
     if world is None:

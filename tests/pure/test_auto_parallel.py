@@ -117,5 +117,9 @@ def test_bad_input_is_one_clear_error() -> None:
         ap.auto_parallel(GPT(CFG), world=0, example=_example(), loss=lm_loss)
     with pytest.raises(TypeError, match="nn.Module"):
         ap.auto_parallel(lambda x: x, world=2, example=_example())  # type: ignore[arg-type]
+    laid = nn.Linear(4, 4)
+    laid.weight = ap.shard_tensor(laid.weight, ap.ProcessMesh([0]), [ap.Replicate()])  # type: ignore[assignment]
+    with pytest.raises(ValueError, match="already laid out"):
+        ap.auto_parallel(laid, world=2, example=(torch.randn(2, 4),))
     with pytest.raises(ValueError, match="optimizer"):
         ap.auto_parallel(GPT(CFG), world=2, example=_example(), loss=lm_loss, optimizer="mystery")
