@@ -8,8 +8,8 @@
 2. Plan quality (one spawned gloo world of 4 ranks, ``OMP_NUM_THREADS=1``): for each GPT size
    (width x sequence; 2 blocks, batch 8, vocabulary 128, AdamW), the hand plans DP, ZeRO-1/2/3,
    TP (Megatron over 4) and DP2 x TP2 + SP, and the plan ``ap.auto_parallel`` returns, each
-   trained from the same weights on the same batches; step time = median over rounds of the mean
-   step of the slowest rank. Printed: every plan's measured and predicted time, auto / best hand,
+   trained from the same weights on the same batches, taking turns round by round; step time =
+   median over rounds of the mean step of the slowest rank. Printed: every plan's measured and predicted time, auto / best hand,
    the largest loss difference of the auto plan from DP's, and the Spearman rank correlation
    between predicted and measured step times over all hand plans and sizes.
 """
@@ -83,8 +83,9 @@ def search_times(worlds: list[int]) -> list[tuple[str, int, float, str]]:
     return rows
 
 
-def _run(rank: int, mesh_shape: tuple[int, ...], dims: list[str], sp: bool | None, zero: int,
-         width: int, seq: int, steps: int, rounds: int, plan: Any = None) -> tuple[float, list[float]]:
+def _side(mesh_shape: tuple[int, ...], dims: list[str], sp: bool | None, zero: int, width: int, seq: int,
+          n_batches: int, plan: Any = None) -> Callable[[int], float]:
+    """One plan's training step on batch ``i`` (the same weights and batches for every plan)."""
     import train_gpt
     from gpt_model import GPT, GPTConfig, lm_loss
 
@@ -104,7 +105,7 @@ def _run(rank: int, mesh_shape: tuple[int, ...], dims: list[str], sp: bool | Non
     layout = [ap.Shard(0) if n == "dp" else ap.Replicate() for n in mesh.dim_names]
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randint(0, 128, (8, seq), generator=g), torch.randint(0, 128, (8, seq), generator=g))
-               for _ in range(2 + steps * rounds)]
+               for _ in range(n_batches)]
 
     def step(i: int) -> float:
         x, y = batches[i]
@@ -114,16 +115,16 @@ def _run(rank: int, mesh_shape: tuple[int, ...], dims: list[str], sp: bool | Non
         opt.zero_grad()
         return train_gpt.scalar(loss)
 
-    losses = [step(0), step(1)]
-    times = []
-    for r in range(rounds):
-        dist.barrier()
-        t0 = time.perf_counter()
-        losses += [step(2 + r * steps + k) for k in range(steps)]
-        dt = torch.tensor([(time.perf_counter() - t0) / steps])
-        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-        times.append(float(dt))
-    return statistics.median(times), losses
+    return step
+
+
+def _timed(step: Callable[[int], float], start: int, steps: int) -> tuple[float, list[float]]:
+    dist.barrier()
+    t0 = time.perf_counter()
+    losses = [step(start + k) for k in range(steps)]
+    dt = torch.tensor([(time.perf_counter() - t0) / steps])
+    dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+    return float(dt), losses
 
 
 def _worker(rank: int, world: int, store: str, opts: dict[str, Any], out_path: str) -> None:
@@ -134,6 +135,8 @@ def _worker(rank: int, world: int, store: str, opts: dict[str, Any], out_path: s
     import autoparallel as ap
 
     results: dict[str, Any] = {}
+    steps, rounds = opts["steps"], opts["rounds"]
+    n_batches = 2 + steps * rounds
     for size in opts["sizes"]:
         width, seq = (int(v) for v in size.split("x"))
         model = GPT(GPTConfig(vocab=128, width=width, heads=4, layers=2, seq=seq))
@@ -142,13 +145,21 @@ def _worker(rank: int, world: int, store: str, opts: dict[str, Any], out_path: s
         plan = ap.auto_parallel(model, world=world, example=(x, x), loss=lm_loss, optimizer="adamw")
         search_s = time.perf_counter() - t
         predicted = {c.name: c.prediction.time_s for c in plan.candidates}
+        sides = {name: _side(shape, dims, sp, zero, width, seq, n_batches) for name, (shape, dims, sp, zero, _) in HAND.items()}
+        sides["auto"] = _side((), [], None, 0, width, seq, n_batches, plan=plan)
+        losses = {name: [step(0), step(1)] for name, step in sides.items()}
+        times: dict[str, list[float]] = {name: [] for name in sides}
+        for r in range(rounds):  # the plans take turns: a slow moment of the machine hits each alike
+            for name, step in sides.items():
+                dt, more = _timed(step, 2 + r * steps, steps)
+                times[name].append(dt)
+                losses[name] += more
         row: dict[str, Any] = {"auto_name": plan.candidates[0].name, "search_s": search_s, "plans": {}}
-        for name, (shape, dims, sp, zero, search_name) in HAND.items():
-            s, losses = _run(rank, shape, dims, sp, zero, width, seq, opts["steps"], opts["rounds"])
-            row["plans"][name] = {"step_s": s, "predicted_s": predicted.get(search_name), "losses": losses}
-        s, losses = _run(rank, (), [], None, 0, width, seq, opts["steps"], opts["rounds"], plan=plan)
-        row["plans"]["auto"] = {"step_s": s, "predicted_s": plan.candidates[0].prediction.time_s, "losses": losses}
+        for name in sides:
+            pred = plan.candidates[0].prediction.time_s if name == "auto" else predicted.get(HAND[name][4])
+            row["plans"][name] = {"step_s": statistics.median(times[name]), "predicted_s": pred, "losses": losses[name]}
         results[size] = row
+        del sides
         if rank == 0:
             print(f"  {size}: " + ", ".join(f"{n} {v['step_s'] * 1e3:.1f} ms" for n, v in row["plans"].items())
                   + f" (auto = {row['auto_name']})", file=sys.stderr, flush=True)

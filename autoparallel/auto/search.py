@@ -42,7 +42,9 @@ BUCKET_BYTES = 25 * 2**20  # gradients are reduced in buckets of about this size
 @dataclass(frozen=True)
 class Profile:
     """The machine the plan is for: per-rank compute and memory throughput, and the network's
-    latency per collective (``alpha_s``) and bandwidth (``beta_bytes_per_s``)."""
+    latency per collective (``alpha_s``) and bandwidth (``beta_bytes_per_s``: bytes a rank receives
+    per second; ``kind_beta`` overrides it per collective kind, e.g. a backend whose
+    reduce-scatter runs as an all-reduce)."""
 
     name: str
     flops_per_s: float
@@ -50,6 +52,12 @@ class Profile:
     alpha_s: float
     beta_bytes_per_s: float
     op_s: float = 0.0  # the framework's own time per op of the step (eager dispatch on the host)
+    kind_beta: tuple[tuple[str, float], ...] = ()
+
+    def seconds(self, kind: str, nbytes: float, count: int = 1) -> float:
+        """Time of ``count`` collectives of ``kind`` moving ``nbytes`` (received per rank) in all."""
+        beta = dict(self.kind_beta).get(kind, self.beta_bytes_per_s)
+        return count * self.alpha_s + nbytes / beta
 
 
 # A node of H100-class GPUs (bf16 dense peak ~989 TFLOPS at ~50 % achieved; NCCL over NVLink);
@@ -83,21 +91,69 @@ def _local_throughput() -> tuple[float, float]:
     return flops, bw
 
 
+@functools.cache
+def _network() -> tuple[float, dict[str, float]] | None:
+    """(seconds per collective, {kind: bytes received per second}) of the started world's
+    backend, measured once per process (~0.2-1 s): all-reduces of 4 bytes, and an all-reduce,
+    all-gather and reduce-scatter of 1 MiB over the whole world; None without a world of two or
+    more ranks."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return None
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    small, big = torch.zeros(1, device=device), torch.zeros(1 << 18, device=device)
+    for _ in range(2):
+        dist.all_reduce(small)
+        dist.all_reduce(big)
+
+    def timed(run: Callable[[], Any], n: int) -> float:
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(n):
+            run()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return (time.perf_counter() - start) / n
+
+    n = dist.get_world_size()
+    alpha = timed(lambda: dist.all_reduce(small), 10)
+    piece = torch.zeros(big.numel() // n, device=device)
+    whole = torch.zeros(piece.numel() * n, device=device)
+    size = whole.numel() * 4
+    runs = {  # kind -> (one collective, bytes a rank receives as the planner counts them)
+        "all_reduce": (lambda: dist.all_reduce(whole), 2 * (n - 1) / n * size),
+        "all_gather": (lambda: dist.all_gather_into_tensor(whole, piece), (n - 1) / n * size),
+        "reduce_scatter": (lambda: dist.reduce_scatter_tensor(piece, whole), (n - 1) / n * size),
+    }
+    betas = {}
+    for kind, (run, received) in runs.items():
+        try:
+            run()
+        except (RuntimeError, NotImplementedError):  # not offered by this backend: priced as the default
+            continue
+        betas[kind] = received / max(timed(run, 5) - alpha, 1e-9)
+    return alpha, betas
+
+
 def local_profile(world: int) -> Profile:
-    """This machine, ``world`` ranks sharing its cores (gloo over loopback: ~0.2 ms per
-    collective, ~1 GB/s). Inside a started world rank 0's measurement is used on every rank
-    (one broadcast), so every rank prices, and chooses, alike."""
+    """This machine, ``world`` ranks sharing its cores. Inside a started world of two or more
+    ranks the network is measured too (``_network``); otherwise gloo over loopback is assumed
+    (0.2 ms per collective, 1 GB/s). Rank 0's figures are used on every rank (one broadcast), so
+    every rank prices, and chooses, alike."""
     from autoparallel.runtime.world import ensure_world
 
     ensure_world()  # under torchrun: the world, so every rank takes rank 0's figures
     flops, bw = _local_throughput()
+    alpha, betas = _network() or (2e-4, {})
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        measured = [(flops, bw)]
+        measured = [(flops, bw, alpha, betas)]
         dist.broadcast_object_list(measured, src=0)
-        flops, bw = measured[0]
+        flops, bw, alpha, betas = measured[0]
     share = min(1.0, (os.cpu_count() or 1) / max(1, world)) / max(1, torch.get_num_threads())
-    return Profile("local", flops * share, bw * share, 2e-4, 1e9, LOCAL_OP_S / max(share, 1e-3))
+    return Profile("local", flops * share, bw * share, alpha, betas.get("all_reduce", 1e9), LOCAL_OP_S / max(share, 1e-3),
+                   tuple(sorted(betas.items())))
 
 
 def _profile(profile: Any, world: int) -> Profile:
@@ -271,21 +327,21 @@ def _price(step: Step, sim: Simulation, mesh_shape: tuple[int, ...], dp_axis: in
         g = sim.specs.get(grads[-1].id) if grads else None
         if tp_axis is not None and g is not None and isinstance(g.placements[tp_axis], Partial):
             tp_grad_bytes += b
-    comm = [(c.nbytes, 1) for c in sim.collectives]
+    comm = [(c.kind, c.nbytes, 1) for c in sim.collectives]
     n_blocks = max(1, len(_blocks(step)))
     if dp > 1:
         f = (dp - 1) / dp
         buckets = max(1, -(-p_bytes // BUCKET_BYTES))
         if zero == 0:
-            comm.append((int(2 * f * p_bytes), buckets))                     # all-reduce of the gradients
+            comm.append(("all_reduce", int(2 * f * p_bytes), buckets))       # all-reduce of the gradients
         else:
-            comm.append((int(f * p_bytes), buckets))                         # reduce-scatter of the gradients
+            comm.append(("reduce_scatter", int(f * p_bytes), buckets))       # reduce-scatter of the gradients
             gathers = 2 if zero == 3 else 1                                  # ZeRO-3: forward and backward
-            comm.append((int(gathers * f * p_bytes), gathers * (n_blocks + 1) if zero == 3 else buckets))
+            comm.append(("all_gather", int(gathers * f * p_bytes), gathers * (n_blocks + 1) if zero == 3 else buckets))
     if tp_grad_bytes and tp_axis is not None:
         k = mesh_shape[tp_axis]
-        comm.append((int(2 * (k - 1) / k * tp_grad_bytes), 1))
-    comm_s = sum(n * prof.alpha_s + b / prof.beta_bytes_per_s for b, n in comm)
+        comm.append(("all_reduce", int(2 * (k - 1) / k * tp_grad_bytes), 1))
+    comm_s = sum(prof.seconds(kind, b, n) for kind, b, n in comm)
     flops = sim.flops + (sim.forward_flops if recompute else 0.0)
     compute_s = flops / prof.flops_per_s + sim.touched_bytes * (1.5 if recompute else 1.0) / prof.bytes_per_s
     overhead_s = sim.ops * (1.5 if recompute else 1.0) * prof.op_s
@@ -302,7 +358,7 @@ def _price(step: Step, sim: Simulation, mesh_shape: tuple[int, ...], dp_axis: in
         kept = sum(step.nbytes(r) for b in blocks for r in step.module_inputs.get(b, [])[:1])
         act = kept // max(1, dp) + sim.saved_bytes // max(1, len(blocks))
     return Prediction(compute_s + comm_s + overhead_s, compute_s, comm_s, p_bytes + g_bytes + s_bytes + act,
-                      sum(n for _, n in comm), sum(b for b, _ in comm), overhead_s)
+                      sum(n for _, _, n in comm), sum(b for _, b, _ in comm), overhead_s)
 
 
 def _divisors(n: int) -> list[int]:
