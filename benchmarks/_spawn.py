@@ -25,6 +25,20 @@ from tests.world_harness import environment
 Worker = Callable[[int, int, str, dict[str, Any], str], None]
 
 
+def timed_steps(step: Callable[[int], Any], start: int, steps: int) -> tuple[float, list[Any]]:
+    """Run ``step(start) .. step(start + steps - 1)`` after a barrier; (the slowest rank's mean
+    seconds per step, the steps' results). Call on every rank of the started world."""
+    import torch
+    import torch.distributed as dist
+
+    dist.barrier()
+    t0 = time.perf_counter()
+    results = [step(start + k) for k in range(steps)]
+    dt = torch.tensor([(time.perf_counter() - t0) / steps])
+    dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+    return float(dt), results
+
+
 def run_spawned(worker: Worker, world: int, opts: dict[str, Any], timeout: float, prefix: str) -> Any:
     """Run ``worker`` on ``world`` spawned ranks; return the JSON it wrote (see the module doc)."""
     ctx = mp.get_context("spawn")

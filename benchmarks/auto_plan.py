@@ -118,16 +118,9 @@ def _side(mesh_shape: tuple[int, ...], dims: list[str], sp: bool | None, zero: i
     return step
 
 
-def _timed(step: Callable[[int], float], start: int, steps: int) -> tuple[float, list[float]]:
-    dist.barrier()
-    t0 = time.perf_counter()
-    losses = [step(start + k) for k in range(steps)]
-    dt = torch.tensor([(time.perf_counter() - t0) / steps])
-    dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-    return float(dt), losses
-
-
 def _worker(rank: int, world: int, store: str, opts: dict[str, Any], out_path: str) -> None:
+    from benchmarks._spawn import timed_steps
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
     from gpt_model import GPT, GPTConfig, lm_loss
@@ -151,7 +144,7 @@ def _worker(rank: int, world: int, store: str, opts: dict[str, Any], out_path: s
         times: dict[str, list[float]] = {name: [] for name in sides}
         for r in range(rounds):  # the plans take turns: a slow moment of the machine hits each alike
             for name, step in sides.items():
-                dt, more = _timed(step, 2 + r * steps, steps)
+                dt, more = timed_steps(step, 2 + r * steps, steps)
                 times[name].append(dt)
                 losses[name] += more
         row: dict[str, Any] = {"auto_name": plan.candidates[0].name, "search_s": search_s, "plans": {}}

@@ -26,7 +26,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from collections import Counter
 from typing import Any
 
@@ -215,16 +214,9 @@ def _collectives(name: str, step: Any, i: int) -> list[tuple[str, int]]:
     return [(r.kind, int(r.recv_bytes)) for r in comm.records]
 
 
-def _timed(step: Any, start: int, steps: int) -> tuple[float, list[float]]:
-    dist.barrier()
-    t0 = time.perf_counter()
-    losses = [step(start + k) for k in range(steps)]
-    dt = torch.tensor([(time.perf_counter() - t0) / steps])
-    dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-    return float(dt), losses
-
-
 def _worker(rank: int, world: int, store: str, opts: dict[str, Any], out_path: str) -> None:
+    from benchmarks._spawn import timed_steps
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
     args = argparse.Namespace(**opts)
@@ -239,7 +231,7 @@ def _worker(rank: int, world: int, store: str, opts: dict[str, Any], out_path: s
         i = 5
         for _ in range(args.rounds):
             for name, step in sides.items():
-                dt, _ = _timed(step, i, args.steps)
+                dt, _ = timed_steps(step, i, args.steps)
                 times[name].append(dt)
             i += args.steps
         ref = losses["hand"]
