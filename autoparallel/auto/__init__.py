@@ -2,13 +2,19 @@
 a complete family of plans on it with the eager engine's own rules and reshard planner, and
 returns the best as an ``ap.Plan`` in the semi-auto vocabulary (docs/auto.md)."""
 
+from typing import Any
+
+from torch import nn
+
 from autoparallel.auto.plan import Candidate, Plan, Prediction
 from autoparallel.auto.search import H100, Profile, auto_parallel, local_profile
+from autoparallel.mesh import ProcessMesh
 
 __all__ = ["H100", "Candidate", "Plan", "Prediction", "Profile", "auto_parallel", "local_profile"]
 
 
-def parallelize(layer, mesh, plan, *, axis=None, recompute=None, **auto):  # type: ignore[no-untyped-def]
+def parallelize(layer: nn.Module, mesh: ProcessMesh, plan: dict[str, Any] | str, *, axis: int | str | None = None,
+                recompute: dict[str, Any] | None = None, **auto: Any) -> nn.Module:
     """``ap.parallelize``: lay ``layer`` out on ``mesh`` by ``plan`` (``autoparallel.nn.parallelize``).
 
     ``plan="auto"`` searches one first (``ap.auto_parallel(layer, mesh=mesh, example=..., loss=...)``,
@@ -19,8 +25,10 @@ def parallelize(layer, mesh, plan, *, axis=None, recompute=None, **auto):  # typ
     if isinstance(plan, str) and plan == "auto":
         found = auto_parallel(layer, mesh=mesh, **auto)
         _parallelize(layer, mesh, found, axis=axis, recompute=recompute)
-        layer.auto_plan = found
+        layer.auto_plan = found  # type: ignore[assignment]
         return layer
     if auto:
         raise TypeError(f"parallelize: unexpected keyword arguments {sorted(auto)} (they go with plan='auto')")
+    if isinstance(plan, str):
+        raise ValueError(f"parallelize: plan must be a dict of styles, an ap.Plan or 'auto', got {plan!r}")
     return _parallelize(layer, mesh, plan, axis=axis, recompute=recompute)

@@ -1,6 +1,6 @@
 """The plan ``ap.auto_parallel`` returns trains like one process (4 gloo ranks, the example GPT,
 3 SGD steps): the chosen plan, and the best plan on a fixed data x tensor mesh, each applied with
-``plan.apply(model, optimizer)``; losses and parameters within 1e-5 of the single-process run."""
+``plan.apply(model, optimizer)``, and ``ap.parallelize(model, mesh, "auto", ...)``; losses and parameters within 1e-5 of the single-process run."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def _reference() -> dict[str, Any]:
     return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
-def _auto(rank: int, fixed: list[int] | None) -> dict[str, Any]:
+def _auto(rank: int, fixed: list[int] | None, shorthand: bool = False) -> dict[str, Any]:
     import train_gpt
 
     import autoparallel as ap
@@ -51,9 +51,15 @@ def _auto(rank: int, fixed: list[int] | None) -> dict[str, Any]:
     model = GPT(CFG)
     mesh = None if fixed is None else ap.ProcessMesh(torch.arange(4).reshape(fixed).tolist(), dim_names=["dp", "mp"])
     x0, y0 = _batches()[0]
-    plan = ap.auto_parallel(model, world=4, example=(x0, y0), loss=lm_loss, optimizer="sgd", mesh=mesh)
-    mesh = plan.mesh
-    model, opt = plan.apply(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    if shorthand:  # ap.parallelize(model, mesh, "auto", ...): the plan kept on the model
+        assert mesh is not None
+        ap.parallelize(model, mesh, "auto", example=(x0, y0), loss=lm_loss, optimizer="sgd")
+        plan = model.auto_plan
+        opt = ap.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), plan.optimizer_stage_for(mesh))
+    else:
+        plan = ap.auto_parallel(model, world=4, example=(x0, y0), loss=lm_loss, optimizer="sgd", mesh=mesh)
+        mesh = plan.mesh
+        model, opt = plan.apply(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
     batch = [ap.Shard(0) if n == "dp" else ap.Replicate() for n in mesh.dim_names]
     losses = []
     for x, y in _batches():
@@ -66,10 +72,11 @@ def _auto(rank: int, fixed: list[int] | None) -> dict[str, Any]:
             "shape": plan.mesh_shape}
 
 
-@pytest.mark.parametrize("fixed", [None, [2, 2]], ids=["chosen", "dp2_tp2"])
-def test_auto_plan_trains_like_one_process(world4, fixed: list[int] | None) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("fixed,shorthand", [(None, False), ([2, 2], False), ([2, 2], True)],
+                         ids=["chosen", "dp2_tp2", "parallelize_auto"])
+def test_auto_plan_trains_like_one_process(world4, fixed: list[int] | None, shorthand: bool) -> None:  # type: ignore[no-untyped-def]
     ref = _reference()
-    got = world4.run(_auto, fixed)
+    got = world4.run(_auto, fixed, shorthand)
     assert len({r["plan"].split("why")[0] for r in got}) == 1, "every rank must choose the same plan"
     for r in got:
         torch.testing.assert_close(r["losses"], ref["losses"], rtol=1e-5, atol=0, msg=r["plan"])
