@@ -419,6 +419,7 @@ def auto_parallel(model: nn.Module, world: int | None = None, example: Any = Non
     else:
         meshes = [(world // t, t) for t in _divisors(world) if t <= max_tp]
     seq_len = _seq_len(step)
+    memo: dict[Any, Any] = {}  # decisions shared by the replays (same mesh, same layouts: same choice)
     priced: list[tuple[float, int, Candidate, Plan]] = []
     for dp, tp in meshes:
         options: list[tuple[str, ModelPlan | None, bool]] = [("replicated", None, False)] if tp == 1 else list(tp_plans)
@@ -433,7 +434,7 @@ def auto_parallel(model: nn.Module, world: int | None = None, example: Any = Non
             sim_mesh = ProcessMesh.simulated(shape, names)
             params, io = _placements(model, tp_plan, sim_mesh, tp_axis)
             inputs = tuple(Shard(0) if a == dp_axis else Replicate() for a in range(len(shape)))
-            sim = simulate(step, sim_mesh, params, inputs, io, tp_axis if tp_axis is not None else 0)
+            sim = simulate(step, sim_mesh, params, inputs, io, tp_axis if tp_axis is not None else 0, memo)
             for zero in ((0, 1, 2, 3) if dp > 1 else (0,)):
                 for rec in ((False, True) if _blocks(step) else (False,)):
                     pred = _price(step, sim, shape, dp_axis, tp_axis, params, zero, rec, state_factor, prof)

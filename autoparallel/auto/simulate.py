@@ -78,11 +78,13 @@ def _local_fraction(placements: tuple[Placement, ...], mesh_shape: tuple[int, ..
 
 def simulate(step: Step, mesh: ProcessMesh, param_placements: Mapping[str, tuple[Placement, ...]],
              input_placements: tuple[Placement, ...] | list[tuple[Placement, ...]],
-             io: Mapping[str, tuple[Any, Any]] | None = None, axis: int = 0) -> Simulation:
+             io: Mapping[str, tuple[Any, Any]] | None = None, axis: int = 0,
+             memo: dict[Any, Strategy | None] | None = None) -> Simulation:
     """Replay ``step`` with parameters and inputs laid out as given (see the module docstring).
     ``input_placements``: one placement tuple for every input, or one per input. ``io`` maps a
     module name to the (first input, output) layouts its parallel style brings it to (a layout as
-    in ``ap.parallelize``: None, one placement for mesh axis ``axis``, or one per mesh axis)."""
+    in ``ap.parallelize``: None, one placement for mesh axis ``axis``, or one per mesh axis).
+    ``memo``: decisions to share between replays (a call on the same layouts decides alike)."""
     shape = tuple(mesh.shape)
     rep = tuple(Replicate() for _ in shape)
     sim = Simulation(mesh)
@@ -97,7 +99,7 @@ def simulate(step: Step, mesh: ProcessMesh, param_placements: Mapping[str, tuple
         m = metas[ref.id]
         specs[ref.id] = DistSpec(mesh, tuple(_fit(pl, m.shape)), m.shape, m.dtype)
     io = io or {}
-    memo: dict[Any, Strategy | None] = {}
+    memo = {} if memo is None else memo
 
     def move(spec: DistSpec, layout: Any, module: str) -> DistSpec:
         if isinstance(layout, (Replicate, Shard, Partial)):
@@ -141,9 +143,7 @@ def simulate(step: Step, mesh: ProcessMesh, param_placements: Mapping[str, tuple
             specs[out.id] = in_specs[0] if layout is None else move(in_specs[0], layout, edge[1])
             continue
         # the same call on the same layouts decides alike (repeated blocks): decide it once
-        key = _frozen((op.func, _meta_args(op.args, _metas_by_id(op, [TensorMeta(x.shape, x.dtype) for x in in_specs])),
-                       _meta_args(op.kwargs, _metas_by_id(op, [TensorMeta(x.shape, x.dtype) for x in in_specs])),
-                       tuple(in_specs), out_metas))
+        key = _frozen((op.func, _without_refs(op.args), _without_refs(op.kwargs), tuple(in_specs), out_metas))
         if key is not None and key in memo:
             best = memo[key]
         else:
@@ -230,6 +230,11 @@ def _prod(shape: tuple[int, ...], axes: list[int]) -> int:
     for a in axes:
         n *= shape[a]
     return n
+
+
+def _without_refs(x: Any) -> Any:
+    """``x`` with each tensor left as a placeholder (the tensors' layouts are keyed apart)."""
+    return tree_map(lambda v: Ref if isinstance(v, Ref) else v, x)
 
 
 def _frozen(x: Any) -> Any:
