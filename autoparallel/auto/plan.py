@@ -20,7 +20,7 @@ from torch import nn
 from autoparallel.mesh import ProcessMesh
 from autoparallel.nn import styles as _styles
 from autoparallel.nn.parallelize import ModelPlan, parallelize
-from autoparallel.placement import Partial, Placement, Replicate, Shard
+from autoparallel.placement import Partial, Replicate, Shard
 
 _STYLES = {c.__name__: c for c in (_styles.ColWiseParallel, _styles.RowWiseParallel, _styles.VocabParallelEmbedding,
                                     _styles.SequenceParallel, _styles.PrepareLayerInput, _styles.PrepareLayerOutput)}
@@ -237,5 +237,4 @@ def parse_bytes(budget: Any) -> int | None:
     raise ValueError(f"ap.auto_parallel: memory_budget {budget!r} is not a size like '70GiB', '512MB' or a number of bytes")
 
 
-Placements = tuple[Placement, ...]
 __all__ = ["Candidate", "Plan", "Prediction", "parse_bytes"]

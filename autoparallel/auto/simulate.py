@@ -49,7 +49,6 @@ class Simulation:
     flops: float = 0.0             # local floating-point operations (matmuls, attention, convolutions)
     touched_bytes: float = 0.0     # local bytes read and written by the other ops
     saved_bytes: int = 0           # local bytes of forward tensors autograd keeps for the backward
-    saved_by_module: dict[str, int] = field(default_factory=dict)
     specs: dict[int, DistSpec] = field(default_factory=dict)  # ref id -> layout at the end
     replicated_ops: list[str] = field(default_factory=list)    # ops with no rule: run gathered
     edges: dict[tuple[str, str], DistSpec] = field(default_factory=dict)  # ("in"/"out", module) -> layout arriving
@@ -296,7 +295,3 @@ class _Lookup:
 
     def __getitem__(self, i: int) -> TensorMeta:
         return self.table[i]
-
-
-def itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()

@@ -57,7 +57,6 @@ class Step:
     ops: list[OpRecord] = field(default_factory=list)
     metas: list[TensorMeta] = field(default_factory=list)
     params: dict[str, Ref] = field(default_factory=dict)           # qualified name -> its tensor
-    param_modules: dict[str, str] = field(default_factory=dict)    # qualified name -> owning module name
     inputs: list[Ref] = field(default_factory=list)                # the example's tensors, in order
     grads: dict[str, list[Ref]] = field(default_factory=dict)      # parameter -> gradients reaching it
     saved: set[int] = field(default_factory=set)                   # ref ids autograd saved for backward
@@ -209,10 +208,6 @@ def _record(model: nn.Module, example: Any, loss: Callable[..., Any] | None, rea
         state[name] = fake(p.detach()).requires_grad_(p.requires_grad)
     for name, b in model.named_buffers(remove_duplicate=False):
         state[name] = fake(b)
-    owner = {}
-    for mname, mod in model.named_modules():
-        for pname, _ in mod.named_parameters(recurse=False, prefix=mname):
-            owner[pname] = mname
     hooks = []
     names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
 
@@ -261,7 +256,6 @@ def _record(model: nn.Module, example: Any, loss: Callable[..., Any] | None, rea
                 for name, t in state.items():
                     if name in dict(model.named_parameters()):
                         step.params[name] = recorder.ref(t)
-                        step.param_modules[name] = owner.get(name, "")
                 for t in tree_flatten((fargs, fkwargs))[0]:
                     if isinstance(t, torch.Tensor):
                         step.inputs.append(recorder.ref(t))
