@@ -403,9 +403,9 @@ def auto_parallel(model: nn.Module, world: int | None = None, example: Any = Non
         raise ValueError(f"ap.auto_parallel: mesh {mesh} has {mesh.size} ranks for a world of {world}")
     budget = parse_bytes(memory_budget)
     state_factor = _state_factor(optimizer)
-    prof = _profile(profile, world)
     started = time.perf_counter()
-    step = trace_step(model, example, loss)
+    step = trace_step(model, example, loss)  # (before the profile's collectives: an untraceable step raises first)
+    prof = _profile(profile, world)
     tp_plans = family_plans(model) or found_plans(model, step)
     meshes: list[tuple[int, int]] = []
     if mesh is not None:
