@@ -43,6 +43,51 @@ HAND = {  # hand plan -> (mesh shape, dims, tp plan sp or None, zero stage, the 
 }
 
 
+LLAMA3 = {  # transformers' LlamaConfig of Llama-3 8B and 70B
+    "8B": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=128256),
+    "70B": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                num_key_value_heads=8, vocab_size=128256),
+}
+# torchtitan's published runs (docs/performance.md, H100 96 GB, 2024-12): (size, GPUs, sequences per
+# step, their plan as the search names it, their tokens/s per GPU, what they ran)
+TORCHTITAN = [
+    ("8B", 8, 16, "dp8 x tp1 zero3", 5762, "FSDP, selective AC"),
+    ("8B", 128, 256, "dp128 x tp1 zero3", 5605, "FSDP, selective AC"),
+    ("70B", 256, 512, "dp32 x tp8 llama+sp zero3", 829, "FSDP 32 x TP 8, full AC, torch.compile + Float8"),
+]
+SEQ = 8192  # torchtitan's sequence length for Llama-3
+
+
+def _llama(size: str, dtype: torch.dtype) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    with torch.device("meta"):
+        return LlamaForCausalLM(LlamaConfig(**LLAMA3[size])).to(dtype)
+
+
+def at_scale() -> list[tuple[str, int, str, float, float, str, float, float, int, str]]:
+    """Llama-3 8B / 70B on torchtitan's GPU counts and batches, bf16, the H100 profile, 89 GiB per
+    GPU: the chosen plan and torchtitan's plan, both priced by the search (tokens/s per GPU)."""
+    import autoparallel as ap
+
+    rows = []
+    for size, n, seqs, theirs, published, how in TORCHTITAN:
+        ids = torch.randint(0, 128256, (seqs, SEQ))
+        t = time.perf_counter()
+        plan = ap.auto_parallel(_llama(size, torch.bfloat16), world=n, example={"input_ids": ids, "labels": ids},
+                                profile="h100", memory_budget="89GiB")
+        seconds = time.perf_counter() - t
+        best = plan.candidates[0]
+        same = [c for c in plan.candidates if c.name in (theirs, theirs + " recompute")]
+        them = min(same, key=lambda c: (not c.feasible, c.prediction.time_s))
+        per_gpu = seqs * SEQ / n
+        rows.append((size, n, best.name, per_gpu / best.prediction.time_s, best.prediction.memory_bytes / 2**30,
+                     them.name, per_gpu / them.prediction.time_s, them.prediction.memory_bytes / 2**30, published, how))
+        print(f"  at scale: Llama-3 {size} on {n}: {best.name} ({seconds:.1f} s)", file=sys.stderr, flush=True)
+    return rows
+
+
 def search_times(worlds: list[int]) -> list[tuple[str, int, float, str]]:
     from gpt_model import GPT, GPTConfig, lm_loss
 
@@ -60,15 +105,14 @@ def search_times(worlds: list[int]) -> list[tuple[str, int, float, str]]:
                                             num_attention_heads=4, num_key_value_heads=2, vocab_size=128))
         ids = torch.randint(0, 128, (8, 64))
         cases.append(("Llama tiny", tiny, lambda w: {"input_ids": ids, "labels": ids}, {}))
-        with torch.device("meta"):
-            big = LlamaForCausalLM(LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                                               num_attention_heads=32, num_key_value_heads=8, vocab_size=128256))
-
         def tokens(w: int) -> dict[str, Any]:  # one 2048-token sequence per rank (fake tensors: no memory)
             big_ids = torch.randint(0, 128256, (w, 2048))
             return {"input_ids": big_ids, "labels": big_ids}
 
-        cases.append(("Llama-3 8B shapes, H100 profile, 80 GiB", big, tokens, {"profile": "h100", "memory_budget": "80GiB"}))
+        for size in ("8B", "70B"):
+            big = _llama(size, torch.float32)
+            cases.append((f"Llama-3 {size} shapes, H100 profile, 80 GiB", big, tokens,
+                          {"profile": "h100", "memory_budget": "80GiB"}))
     except ImportError:
         print("transformers is not installed: Llama cases skipped", file=sys.stderr)
     for label, model, example, kw in cases:
@@ -176,7 +220,13 @@ def spearman(a: list[float], b: list[float]) -> float:
     return 1 - 6 * d2 / (n * (n * n - 1)) if n > 1 else float("nan")
 
 
-def report(search: list[tuple[str, int, float, str]], quality: dict[str, Any]) -> None:
+def report(search: list[tuple[str, int, float, str]], quality: dict[str, Any], scale: list[Any] | None = None) -> None:
+    if scale:
+        print("\n| model | GPUs | chosen | predicted tokens/s/GPU | memory GiB | torchtitan's plan | predicted tokens/s/GPU "
+              "| memory GiB | torchtitan measured tokens/s/GPU |\n|---|---|---|---|---|---|---|---|---|")
+        for size, n, name, tps, mem, theirs, their_tps, their_mem, published, how in scale:
+            print(f"| Llama-3 {size} | {n} | {name} | {tps:,.0f} | {mem:.1f} | {theirs} | {their_tps:,.0f} | {their_mem:.1f} "
+                  f"| {published:,} ({how}) |")
     if search:
         print("\n| model | simulated ranks | search s | chosen |\n|---|---|---|---|")
         for label, w, s, name in search:
@@ -215,14 +265,16 @@ def main() -> int:
     ap_.add_argument("--rounds", type=int, default=3)
     ap_.add_argument("--skip-search", action="store_true")
     ap_.add_argument("--skip-quality", action="store_true")
+    ap_.add_argument("--skip-scale", action="store_true", help="skip the Llama-3 8B / 70B plans vs torchtitan's")
     args = ap_.parse_args()
     search = [] if args.skip_search else search_times([int(w) for w in args.worlds.split(",")])
+    scale = [] if args.skip_scale else at_scale()
     quality: dict[str, Any] = {}
     if not args.skip_quality:
         from benchmarks._spawn import run_spawned
         opts = {"sizes": args.sizes.split(","), "steps": args.steps, "rounds": args.rounds}
         quality = run_spawned(_worker, 4, opts, timeout=3600, prefix="autoplan_")
-    report(search, quality)
+    report(search, quality, scale)
     return 0
 
 

@@ -29,8 +29,9 @@ import torch
 from torch import nn
 
 from autoparallel.auto.plan import Candidate, Plan, Prediction, parse_bytes
+from autoparallel.auto.repeat import record
 from autoparallel.auto.simulate import Simulation, simulate
-from autoparallel.auto.trace import Step, trace_step
+from autoparallel.auto.trace import Step
 from autoparallel.mesh import ProcessMesh
 from autoparallel.nn.parallelize import ModelPlan, match_plan
 from autoparallel.nn.styles import ColWiseParallel, RowWiseParallel, SequenceParallel, VocabParallelEmbedding
@@ -368,7 +369,7 @@ def _divisors(n: int) -> list[int]:
 # ---- the search ---------------------------------------------------------------------------------
 def auto_parallel(model: nn.Module, world: int | None = None, example: Any = None, loss: Callable[..., Any] | None = None,
                   optimizer: Any = "adamw", memory_budget: Any = None, mesh: ProcessMesh | None = None,
-                  profile: Any = None, max_tp: int = 8, verbose: bool = False) -> Plan:
+                  profile: Any = None, max_tp: int = 8, verbose: bool = False, extrapolate: bool = True) -> Plan:
     """Find a parallel plan for ``model`` on ``world`` ranks (see the module docstring).
 
     ``example``: one global batch as the model takes it (``(x, y)`` with ``loss=fn`` called as
@@ -376,7 +377,9 @@ def auto_parallel(model: nn.Module, world: int | None = None, example: Any = Non
     or meta tensors work). ``optimizer``: ``"adamw"``, ``"sgd"`` or the optimizer (its state size).
     ``memory_budget``: per rank (``"70GiB"``, bytes). ``mesh``: fix the mesh (its shape and axis
     names ``dp`` / ``mp``) instead of choosing one. ``profile``: ``"local"`` (this machine,
-    measured), ``"h100"``, or an ``ap.auto.Profile``. Returns an ``ap.Plan``; raises ``ValueError``
+    measured), ``"h100"``, or an ``ap.auto.Profile``. ``extrapolate``: a model with N >= 4 identical
+    blocks is recorded with two and three of them and priced for N (exact for identical blocks;
+    ``autoparallel.auto.repeat``); False records every block. Returns an ``ap.Plan``; raises ``ValueError``
     (the same on every rank, before any collective) when the model cannot be traced, no mesh fits
     the world, or no plan fits the budget (naming the smallest that would).
     """
@@ -404,9 +407,10 @@ def auto_parallel(model: nn.Module, world: int | None = None, example: Any = Non
     budget = parse_bytes(memory_budget)
     state_factor = _state_factor(optimizer)
     started = time.perf_counter()
-    step = trace_step(model, example, loss)  # (before the profile's collectives: an untraceable step raises first)
+    recording = record(model, example, loss, extrapolate)  # (before the profile's collectives: an untraceable step raises first)
+    step = recording.step
     prof = _profile(profile, world)
-    tp_plans = family_plans(model) or found_plans(model, step)
+    tp_plans = family_plans(model) or found_plans(model, recording.short)
     meshes: list[tuple[int, int]] = []
     if mesh is not None:
         names = mesh.dim_names
@@ -434,7 +438,7 @@ def auto_parallel(model: nn.Module, world: int | None = None, example: Any = Non
             sim_mesh = ProcessMesh.simulated(shape, names)
             params, io = _placements(model, tp_plan, sim_mesh, tp_axis)
             inputs = tuple(Shard(0) if a == dp_axis else Replicate() for a in range(len(shape)))
-            sim = simulate(step, sim_mesh, params, inputs, io, tp_axis if tp_axis is not None else 0, memo)
+            sim = recording.simulate(sim_mesh, params, inputs, io, tp_axis if tp_axis is not None else 0, memo)
             for zero in ((0, 1, 2, 3) if dp > 1 else (0,)):
                 for rec in ((False, True) if _blocks(step) else (False,)):
                     pred = _price(step, sim, shape, dp_axis, tp_axis, params, zero, rec, state_factor, prof)

@@ -56,7 +56,7 @@ class Simulation:
     ops: int = 0                   # ops the step runs (each costs the framework's per-op time)
 
 
-def _meta_args(x: Any, metas: list[TensorMeta]) -> Any:
+def _meta_args(x: Any, metas: Mapping[int, TensorMeta]) -> Any:
     return tree_map(lambda v: metas[v.id] if isinstance(v, Ref) else v, x)
 
 
@@ -270,7 +270,8 @@ def _choose(op: OpRecord, in_specs: list[DistSpec], out_metas: tuple[TensorMeta 
     if rule is None:
         return None
     metas = [TensorMeta(s.shape, s.dtype) for s in in_specs]
-    call = OpCall(op.func, _meta_args(op.args, _metas_by_id(op, metas)), _meta_args(op.kwargs, _metas_by_id(op, metas)),
+    by_id = _metas_by_id(op, metas)
+    call = OpCall(op.func, _meta_args(op.args, by_id), _meta_args(op.kwargs, by_id),
                   tuple(metas), out_metas, tuple(s.placements for s in in_specs), mesh_shape)
     try:
         strategies = rule(call)
@@ -281,17 +282,6 @@ def _choose(op: OpRecord, in_specs: list[DistSpec], out_metas: tuple[TensorMeta 
     return cheapest(strategies, in_specs, mesh_shape, out_metas)
 
 
-def _metas_by_id(op: OpRecord, metas: list[TensorMeta]) -> list[TensorMeta]:
-    """Metas indexable by ref id for this op's arguments (``_meta_args`` looks each ``Ref`` up)."""
-    table: dict[int, TensorMeta] = {}
-    for r, m in zip(_tensor_refs(op), metas):
-        table[r.id] = m
-    return _Lookup(table)  # type: ignore[return-value]
-
-
-class _Lookup:
-    def __init__(self, table: dict[int, TensorMeta]) -> None:
-        self.table = table
-
-    def __getitem__(self, i: int) -> TensorMeta:
-        return self.table[i]
+def _metas_by_id(op: OpRecord, metas: list[TensorMeta]) -> dict[int, TensorMeta]:
+    """This op's argument metas by ref id (``_meta_args`` looks each ``Ref`` up)."""
+    return {r.id: m for r, m in zip(_tensor_refs(op), metas)}

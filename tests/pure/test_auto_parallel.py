@@ -123,3 +123,36 @@ def test_bad_input_is_one_clear_error() -> None:
         ap.auto_parallel(laid, world=2, example=(torch.randn(2, 4),))
     with pytest.raises(ValueError, match="optimizer"):
         ap.auto_parallel(GPT(CFG), world=2, example=_example(), loss=lm_loss, optimizer="mystery")
+
+
+@pytest.mark.parametrize("world", [8, 64])
+def test_repeated_blocks_recorded_twice_price_like_all(world: int) -> None:
+    """A stack of identical blocks recorded with two and three of them prices every candidate as
+    recording all of them does (time, memory, collectives), and leaves the model whole."""
+    from autoparallel.auto.repeat import record, repeated_blocks
+
+    model = GPT(GPTConfig(vocab=128, width=64, heads=4, layers=5, seq=64))
+    assert repeated_blocks(model) == ("blocks", 5)
+    recording = record(model, _example(), lm_loss)
+    assert recording.two is not None and len(model.blocks) == 5
+    assert set(recording.step.params) == {n for n, _ in model.named_parameters()}
+    plans = {ex: ap.auto_parallel(model, world=world, example=_example(), loss=lm_loss, profile="h100",
+                                  extrapolate=ex) for ex in (False, True)}
+    whole = {c.name: c.prediction for c in plans[False].candidates}
+    cut = {c.name: c.prediction for c in plans[True].candidates}
+    assert whole.keys() == cut.keys()
+    for name, p in whole.items():
+        q = cut[name]
+        assert (p.collectives, p.comm_bytes, p.memory_bytes) == (q.collectives, q.comm_bytes, q.memory_bytes), name
+        assert p.time_s == pytest.approx(q.time_s, rel=1e-9), name
+    assert plans[True].recompute == plans[False].recompute
+
+
+def test_blocks_sharing_a_parameter_are_recorded_whole() -> None:
+    from autoparallel.auto.repeat import record, repeated_blocks
+
+    model = GPT(GPTConfig(vocab=128, width=64, heads=4, layers=4, seq=64))
+    for b in model.blocks[1:]:
+        b.mlp.fc.weight = model.blocks[0].mlp.fc.weight  # one weight used by every block
+    assert repeated_blocks(model) is None
+    assert record(model, _example(), lm_loss).two is None
