@@ -1,10 +1,13 @@
 """``ap.auto_parallel``: search time, and the chosen plan's measured step against the hand plans.
 
     python benchmarks/auto_plan.py                       # search times + 4-rank plan quality
-    python benchmarks/auto_plan.py --sizes 64x64 --rounds 2 --skip-search
+    python benchmarks/auto_plan.py --sizes 64x64 --rounds 2 --skip-search --skip-scale
 
 1. Search time (one process, no world): the example GPT and an unmodified transformers Llama
-   (a tiny config, and Llama-3 8B's shapes built on the meta device) on simulated worlds.
+   (a tiny config, and Llama-3 8B's and 70B's shapes built on the meta device) on simulated worlds.
+   At scale (``--skip-scale`` to leave out): Llama-3 8B / 70B in bf16 on torchtitan's GPU counts
+   and batches with the H100 profile, the chosen plan beside torchtitan's plan (both priced by
+   the search, tokens/s per GPU) and torchtitan's published measurement.
 2. Plan quality (one spawned gloo world of 4 ranks, ``OMP_NUM_THREADS=1``): for each GPT size
    (width x sequence; 2 blocks, batch 8, vocabulary 128, AdamW), the hand plans DP, ZeRO-1/2/3,
    TP (Megatron over 4) and DP2 x TP2 + SP, and the plan ``ap.auto_parallel`` returns, each
