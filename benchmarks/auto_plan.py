@@ -258,6 +258,43 @@ def report(search: list[tuple[str, int, float, str]], quality: dict[str, Any], s
         print(f"| {size} | " + " | ".join(cells) + f" | {ratio:.2f} | {row['auto_name']} | {diff:.1e} |")
     print(f"\nmeasured ms (predicted ms); Spearman(predicted, measured) over the hand plans: {spearman(pred, meas):.2f}")
     print(f"auto strictly faster than every hand plan on {wins} of {len(quality)} sizes")
+    picture(quality)
+
+
+def picture(quality: dict[str, Any], path: str = os.path.join(ROOT, "benchmarks", "auto_plan.png")) -> None:
+    """Predicted vs measured step time of every plan at every size (log-log), the auto plan
+    marked; written when matplotlib is installed (``pip install -e '.[plot]'``)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no picture (pip install -e '.[plot]')", file=sys.stderr)
+        return
+    fig, ax = plt.subplots(figsize=(6, 5))
+    lo, hi = float("inf"), 0.0
+    for k, (size, row) in enumerate(quality.items()):
+        color = f"C{k}"
+        for name, v in row["plans"].items():
+            if v["predicted_s"] is None:
+                continue
+            x, y = v["predicted_s"] * 1e3, v["step_s"] * 1e3
+            lo, hi = min(lo, x, y), max(hi, x, y)
+            auto = name == "auto"
+            ax.scatter([x], [y], color=color, marker="*" if auto else "o", s=160 if auto else 30,
+                       label=f"{size}" if name == "dp" else None, zorder=3 if auto else 2)
+            if not auto:
+                ax.annotate(name, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    ax.plot([lo, hi], [lo, hi], color="gray", lw=0.8, ls="--", label="measured = predicted")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("predicted step (ms)")
+    ax.set_ylabel("measured step (ms), 4 gloo ranks")
+    ax.set_title("ap.auto_parallel: each plan predicted vs measured (star: chosen)", fontsize=10)
+    ax.legend(fontsize=8, title="width x seq")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"picture: {path}", file=sys.stderr)
 
 
 def main() -> int:
