@@ -14,7 +14,10 @@
    trained from the same weights on the same batches, taking turns round by round; step time =
    median over rounds of the mean step of the slowest rank. Printed: every plan's measured and predicted time, auto / best hand,
    the largest loss difference of the auto plan from DP's, and the Spearman rank correlation
-   between predicted and measured step times over all hand plans and sizes.
+   between predicted and measured step times over all hand plans and sizes. Then, per size, the
+   plan for a memory budget 10 % below plain DP's predicted peak: its predicted and measured
+   peak per rank. With matplotlib installed, ``benchmarks/auto_plan.png``: every plan's
+   predicted vs measured step.
 """
 
 from __future__ import annotations
@@ -165,6 +168,43 @@ def _side(mesh_shape: tuple[int, ...], dims: list[str], sp: bool | None, zero: i
     return step
 
 
+def _memory_check(model: Any, x: torch.Tensor, free: Any, world: int) -> dict[str, Any]:
+    """The plan for a budget 10 % under plain DP's predicted peak: its predicted peak per rank and
+    the measured one (parameters and optimizer states held, plus the highest rise of live tensor
+    bytes during one step after three warm-up steps), the largest over the ranks."""
+    import copy
+
+    from gpt_model import lm_loss
+
+    import autoparallel as ap
+    from benchmarks.train_step import peak_rise
+
+    dp = next(c for c in free.candidates if c.name == f"dp{world} x tp1")
+    budget = int(0.9 * dp.prediction.memory_bytes)
+    torch.manual_seed(0)
+    fresh = copy.deepcopy(model)
+    plan = ap.auto_parallel(fresh, world=world, example=(x, x), loss=lm_loss, optimizer="adamw", memory_budget=budget)
+    fresh, opt = plan.apply(fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-3))
+    layout = [ap.Shard(0) if n == "dp" else ap.Replicate() for n in plan.mesh.dim_names]
+    xs = ap.shard_tensor(x, plan.mesh, layout)
+
+    def step() -> None:
+        lm_loss(fresh(xs), xs).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(3):
+        step()
+    local = [p.to_local() if isinstance(p, ap.DistTensor) else p for p in fresh.parameters()]
+    local += [v.to_local() if isinstance(v, ap.DistTensor) else v
+              for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor) and v.dim()]
+    measured = [sum(t.numel() * t.element_size() for t in local) + peak_rise(step)]
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, measured[0])
+    return {"budget": budget, "dp_predicted": dp.prediction.memory_bytes, "name": plan.candidates[0].name,
+            "predicted": plan.candidates[0].prediction.memory_bytes, "measured": max(everyone)}
+
+
 def _worker(rank: int, world: int, store: str, opts: dict[str, Any], out_path: str) -> None:
     from benchmarks._spawn import timed_steps
 
@@ -198,6 +238,7 @@ def _worker(rank: int, world: int, store: str, opts: dict[str, Any], out_path: s
         for name in sides:
             pred = plan.candidates[0].prediction.time_s if name == "auto" else predicted.get(HAND[name][4])
             row["plans"][name] = {"step_s": statistics.median(times[name]), "predicted_s": pred, "losses": losses[name]}
+        row["memory"] = _memory_check(model, x, plan, world)
         results[size] = row
         del sides
         if rank == 0:
@@ -258,6 +299,13 @@ def report(search: list[tuple[str, int, float, str]], quality: dict[str, Any], s
         print(f"| {size} | " + " | ".join(cells) + f" | {ratio:.2f} | {row['auto_name']} | {diff:.1e} |")
     print(f"\nmeasured ms (predicted ms); Spearman(predicted, measured) over the hand plans: {spearman(pred, meas):.2f}")
     print(f"auto strictly faster than every hand plan on {wins} of {len(quality)} sizes")
+    print("\nPeak memory per rank under a budget 10 % below plain DP's predicted peak (measured: the largest "
+          "over the ranks)\n\n| size | budget MiB | chosen | predicted MiB | measured MiB | measured / predicted |\n"
+          "|---|---|---|---|---|---|")
+    for size, row in quality.items():
+        m = row["memory"]
+        print(f"| {size} | {m['budget'] / 2**20:.2f} | {m['name']} | {m['predicted'] / 2**20:.2f} | "
+              f"{m['measured'] / 2**20:.2f} | {m['measured'] / m['predicted']:.2f} |")
     picture(quality)
 
 

@@ -5,7 +5,9 @@ Recording all N costs time in proportion to N (Llama-3 70B: 80 blocks), although
 after the first asks the same questions. ``record(model, example, loss)`` records the step with
 the stack cut to its first two blocks and to its first three; their difference is one middle
 block, so the N-block step's totals are ``two + (N - 2) x (three - two)``: FLOPs, bytes, saved
-activations, ops and collectives (``Recording.simulate``), and the parameters, gradients and
+activations, ops and collectives (``Recording.simulate``), and the peak of live bytes (which a
+stack of blocks reaches where the forward turns into the backward, holding every block's saved
+tensors), and the parameters, gradients and
 block inputs of the blocks not recorded stand in for those of the middle block
 (``Recording.step``). This is exact when the blocks are identical (same class, same parameters'
 names, shapes and types, no parameter shared with another block), which is checked; otherwise,
@@ -98,7 +100,9 @@ class Recording:
                        forward_flops=b.forward_flops + k * (b.forward_flops - a.forward_flops),
                        touched_bytes=b.touched_bytes + k * (b.touched_bytes - a.touched_bytes),
                        saved_bytes=b.saved_bytes + k * (b.saved_bytes - a.saved_bytes),
-                       ops=b.ops + k * (b.ops - a.ops))
+                       ops=b.ops + k * (b.ops - a.ops),
+                       live_peak=b.live_peak + k * (b.live_peak - a.live_peak),
+                       live_peak_recompute=b.live_peak_recompute + k * (b.live_peak_recompute - a.live_peak_recompute))
 
     def _kind(self, c: Collective) -> Collective:
         """``c`` with its block's index made ``*`` (block 1 of two and block 2 of three are alike)."""

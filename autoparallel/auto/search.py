@@ -10,16 +10,17 @@ sequence parallelism, ZeRO stage 0-3 on the data axis and recompute of the repea
 off. Each (mesh, tensor-parallel plan) is replayed once on layouts (``autoparallel.auto.simulate``:
 the eager engine's own rules, choices and reshard plans); ZeRO and recompute change known terms.
 Predicted time = compute (FLOPs / throughput + other bytes / bandwidth) + communication (per
-collective: latency + bytes / bandwidth, no overlap assumed); memory = parameters + gradients +
-optimizer states after ZeRO + the activations autograd saves (recompute: the blocks' inputs plus
-one block's). Every decision reads global metadata only: every rank gets the same plan.
+collective: latency + bytes / bandwidth, no overlap assumed); peak memory = parameters and
+optimizer states after ZeRO + the most bytes alive at once in the replayed step (activations,
+what autograd saves, gradients, moved copies; recompute drops a block's saved tensors until its
+backward) or at the optimizer's step (gradients and its buckets), whichever is more. Every
+decision reads global metadata only: every rank gets the same plan.
 """
 
 from __future__ import annotations
 
 import functools
 import os
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ from torch import nn
 from autoparallel.auto.plan import Candidate, Plan, Prediction, parse_bytes
 from autoparallel.auto.repeat import record
 from autoparallel.auto.simulate import Simulation, simulate
-from autoparallel.auto.trace import Step
+from autoparallel.auto.trace import Step, pattern
 from autoparallel.mesh import ProcessMesh
 from autoparallel.nn.parallelize import ModelPlan, match_plan
 from autoparallel.nn.styles import ColWiseParallel, RowWiseParallel, SequenceParallel, VocabParallelEmbedding
@@ -188,10 +189,6 @@ def _state_factor(optimizer: Any) -> float:
 
 
 # ---- tensor-parallel plans ---------------------------------------------------------------------
-def _pattern(name: str) -> str:
-    return re.sub(r"(^|\.)\d+(?=\.|$)", r"\1*", name)
-
-
 def family_plans(model: nn.Module) -> list[tuple[str, ModelPlan, bool]]:
     """``ap.plans``' plans for a model family it recognises: ``[(label, plan, sp)]``."""
     from autoparallel import plans
@@ -220,7 +217,7 @@ def found_plans(model: nn.Module, step: Step) -> list[tuple[str, ModelPlan, bool
     seen_patterns: set[str] = set()
     paired: set[str] = set()
     for i, a in enumerate(linears):
-        pa = _pattern(a)
+        pa = pattern(a)
         if a in paired or pa in seen_patterns:
             continue
         seen_patterns.add(pa)
@@ -234,13 +231,13 @@ def found_plans(model: nn.Module, step: Step) -> list[tuple[str, ModelPlan, bool
         if any(not c.backward and c.module != b for c in sim.collectives):
             continue  # something between needs the whole value: no pair
         paired |= {a, b}
-        seen_patterns.add(_pattern(b))
+        seen_patterns.add(pattern(b))
         styles[pa] = ColWiseParallel()
-        styles[_pattern(b)] = RowWiseParallel()
+        styles[pattern(b)] = RowWiseParallel()
         la, lb = modules[a], modules[b]
         assert isinstance(la, nn.Linear) and isinstance(lb, nn.Linear)
         divisible[f"{pa} out_features"] = la.out_features
-        divisible[f"{_pattern(b)} in_features"] = lb.in_features
+        divisible[f"{pattern(b)} in_features"] = lb.in_features
     if not styles:
         return []
     # the embedding tied to a head (or the largest embedding) vocab-parallel, its head column-parallel
@@ -257,7 +254,7 @@ def found_plans(model: nn.Module, step: Step) -> list[tuple[str, ModelPlan, bool
     if norms:
         sp_styles = dict(styles)
         for n in norms:
-            sp_styles[_pattern(n)] = SequenceParallel()
+            sp_styles[pattern(n)] = SequenceParallel()
         out.append(("megatron+sp", ModelPlan(sp_styles, divisible, "found"), True))
     return out
 
@@ -300,18 +297,6 @@ def _local_bytes(shape: tuple[int, ...], itemsize: int, pl: tuple[Placement, ...
     return n
 
 
-def _blocks(step: Step) -> list[str]:
-    """The repeated blocks (the most frequent module pattern with a digit, outermost first)."""
-    counts: dict[str, list[str]] = {}
-    for n in step.modules:
-        if re.search(r"(^|\.)\d+$", n):
-            counts.setdefault(_pattern(n), []).append(n)
-    if not counts:
-        return []
-    best = max(counts.values(), key=lambda v: (len(v), -v[0].count(".")))
-    return best if len(best) >= 2 else []
-
-
 def _price(step: Step, sim: Simulation, mesh_shape: tuple[int, ...], dp_axis: int | None, tp_axis: int | None,
            params: dict[str, tuple[Placement, ...]], zero: int, recompute: bool, state_factor: float,
            prof: Profile) -> Prediction:
@@ -329,7 +314,7 @@ def _price(step: Step, sim: Simulation, mesh_shape: tuple[int, ...], dp_axis: in
         if tp_axis is not None and g is not None and isinstance(g.placements[tp_axis], Partial):
             tp_grad_bytes += b
     comm = [(c.kind, c.nbytes, 1) for c in sim.collectives]
-    n_blocks = max(1, len(_blocks(step)))
+    n_blocks = max(1, len(step.blocks()))
     if dp > 1:
         f = (dp - 1) / dp
         buckets = max(1, -(-p_bytes // BUCKET_BYTES))
@@ -346,19 +331,23 @@ def _price(step: Step, sim: Simulation, mesh_shape: tuple[int, ...], dp_axis: in
     flops = sim.flops + (sim.forward_flops if recompute else 0.0)
     compute_s = flops / prof.flops_per_s + sim.touched_bytes * (1.5 if recompute else 1.0) / prof.bytes_per_s
     overhead_s = sim.ops * (1.5 if recompute else 1.0) * prof.op_s
-    g_bytes, s_bytes = p_bytes, int(state_factor * p_bytes)
-    if zero >= 1:
-        s_bytes //= dp
-    if zero >= 2:
-        g_bytes //= dp
-    if zero >= 3:
-        p_bytes = p_bytes // dp + p_bytes // n_blocks
-    act = sim.saved_bytes
-    if recompute:
-        blocks = _blocks(step)
-        kept = sum(step.nbytes(r) for b in blocks for r in step.module_inputs.get(b, [])[:1])
-        act = kept // max(1, dp) + sim.saved_bytes // max(1, len(blocks))
-    return Prediction(compute_s + comm_s + overhead_s, compute_s, comm_s, p_bytes + g_bytes + s_bytes + act,
+    s_bytes = int(state_factor * p_bytes) // (dp if zero >= 1 else 1)
+    # activations and gradients: the replay's peak of live bytes (gradients whole: ZeRO-2 reduces
+    # them after the backward, so at the peak they are whole too)
+    live = sim.live_peak_recompute if recompute else sim.live_peak
+    # the optimizer's step, with every gradient alive: DP flattens a bucket of them to all-reduce;
+    # ZeRO-1/2 hold the gradients' shards, and gather the updated shards (a bucket's rows and the
+    # parameters cut from them, besides this rank's piece)
+    bucket = min(p_bytes, BUCKET_BYTES)
+    if dp > 1 and zero == 0:
+        live = max(live, p_bytes + bucket)
+    elif dp > 1 and zero in (1, 2):
+        live = max(live, p_bytes + 2 * bucket + bucket // dp + p_bytes // dp)
+    if zero >= 3:  # a unit's gathered parameters live while autograd keeps them for its backward
+        # (every unit's at the forward's end), and a unit is gathered again for its backward;
+        # with recompute, one unit's at a time
+        p_bytes = p_bytes // dp + p_bytes // n_blocks + (0 if recompute else p_bytes - p_bytes // dp)
+    return Prediction(compute_s + comm_s + overhead_s, compute_s, comm_s, p_bytes + s_bytes + live,
                       sum(n for _, _, n in comm), sum(b for _, b, _ in comm), overhead_s)
 
 
@@ -440,12 +429,12 @@ def auto_parallel(model: nn.Module, world: int | None = None, example: Any = Non
             inputs = tuple(Shard(0) if a == dp_axis else Replicate() for a in range(len(shape)))
             sim = recording.simulate(sim_mesh, params, inputs, io, tp_axis if tp_axis is not None else 0, memo)
             for zero in ((0, 1, 2, 3) if dp > 1 else (0,)):
-                for rec in ((False, True) if _blocks(step) else (False,)):
+                for rec in ((False, True) if step.blocks() else (False,)):
                     pred = _price(step, sim, shape, dp_axis, tp_axis, params, zero, rec, state_factor, prof)
                     name = f"dp{dp} x tp{tp}" + (f" {label}" if tp > 1 else "") + (f" zero{zero}" if zero else "") + (" recompute" if rec else "")
                     feasible = budget is None or pred.memory_bytes <= budget
-                    blocks = _blocks(step)
-                    recompute = {_pattern(blocks[0]): "full"} if rec and blocks else {}
+                    blocks = step.blocks()
+                    recompute = {pattern(blocks[0]): "full"} if rec and blocks else {}
                     styles = dict(tp_plan) if tp_plan is not None else {}
                     plan = Plan(styles, shape, names, zero, recompute, tp_plan.divisible if tp_plan is not None else {},
                                 pred, None, "", "auto")

@@ -54,6 +54,8 @@ class Simulation:
     edges: dict[tuple[str, str], DistSpec] = field(default_factory=dict)  # ("in"/"out", module) -> layout arriving
     forward_flops: float = 0.0
     ops: int = 0                   # ops the step runs (each costs the framework's per-op time)
+    live_peak: int = 0             # most local bytes alive at once, parameters aside (activations, gradients, moved copies)
+    live_peak_recompute: int = 0   # the same with the repeated blocks recomputed in the backward
 
 
 def _meta_args(x: Any, metas: Mapping[int, TensorMeta]) -> Any:
@@ -110,7 +112,8 @@ def simulate(step: Step, mesh: ProcessMesh, param_placements: Mapping[str, tuple
         _count(sim, spec, target, False, module)
         return spec.with_placements(target) if target != spec.placements else spec
 
-    for op in step.ops:
+    moved: dict[int, int] = {}  # op index -> local bytes of its inputs' moved copies (alive while it runs)
+    for index, op in enumerate(step.ops):
         if getattr(op.func, "namespace", None) == "prim" or not any(o is not None for o in op.outs):
             continue
         sim.ops += 1
@@ -153,7 +156,8 @@ def simulate(step: Step, mesh: ProcessMesh, param_placements: Mapping[str, tuple
             sim.replicated_ops.append(str(op.func))
             best = Strategy(tuple(rep for _ in refs), tuple(rep for _ in out_metas))
         for spec, req in zip(in_specs, best.inputs):
-            _count(sim, spec, tuple(req), op.backward, op.module)
+            if _count(sim, spec, tuple(req), op.backward, op.module):
+                moved[index] = moved.get(index, 0) + largest_local_numel(spec.shape, tuple(req), shape) * spec.itemsize
         for a, nbytes in _kernel_collectives(op, in_specs, best, metas, shape):
             sim.collectives.append(Collective("all_reduce", a, nbytes, op.backward, op.module))
         frac = 1.0
@@ -170,25 +174,127 @@ def simulate(step: Step, mesh: ProcessMesh, param_placements: Mapping[str, tuple
         else:
             sim.touched_bytes += sum(largest_local_numel(s.shape, tuple(p), shape) * s.itemsize
                                      for s, p in zip(in_specs, best.inputs))
+    saved: dict[int, int] = {}  # storage -> local bytes (views autograd saves of one storage count once)
     for rid in step.saved:
         s = specs.get(rid)
         if s is not None:
-            b = largest_local_numel(s.shape, s.placements, shape) * s.itemsize
-            sim.saved_bytes += b
+            st = step.storages.get(rid, -1 - rid)
+            saved[st] = max(saved.get(st, 0), largest_local_numel(s.shape, s.placements, shape) * s.itemsize)
+    sim.saved_bytes = sum(saved.values())
+    sim.live_peak = _live_peak(step, specs, shape, moved, recompute=False)
+    sim.live_peak_recompute = _live_peak(step, specs, shape, moved, recompute=True)
     return sim
 
 
-def _count(sim: Simulation, spec: DistSpec, req: tuple[Placement, ...], backward: bool, module: str) -> None:
-    """Add the collectives of moving ``spec`` to ``req`` as eager would (none if it is there)."""
+def _live_peak(step: Step, specs: dict[int, DistSpec], mesh_shape: tuple[int, ...], moved: dict[int, int],
+               recompute: bool) -> int:
+    """The most local bytes alive at once during the step, parameters aside: each storage (views
+    share their base's) lives from the op that makes it (inputs: from the start) to the last op
+    that reads it (what autograd saved: its backward use); gradients reaching parameters, and the
+    buffers autograd accumulates them in, to the end (they become ``.grad``); an op's moved input
+    copies while it runs. ``recompute``: what a repeated block saves lives until the block's
+    forward ends, and again from the first backward use of any of them (the block's recompute)
+    to its own last use."""
+    params = {step.storages.get(r.id) for r in step.params.values()}
+    size: dict[int, int] = {}
+    birth: dict[int, int] = {}
+    death: dict[int, int] = {}
+    end = len(step.ops)
+
+    def touch(ref: Ref, i: int) -> int | None:
+        st = step.storages.get(ref.id)
+        if st is None or st in params:
+            return None
+        spec = specs.get(ref.id)
+        m = step.metas[ref.id]
+        pl = spec.placements if spec is not None else tuple(Replicate() for _ in mesh_shape)
+        nbytes = largest_local_numel(m.shape, tuple(pl), mesh_shape) * torch.empty((), dtype=m.dtype).element_size()
+        size[st] = max(size.get(st, 0), nbytes)
+        birth.setdefault(st, i)
+        death[st] = max(death.get(st, i), i)
+        return st
+
+    for ref in step.inputs:
+        touch(ref, 0)
+    copied: set[int] = set()  # gradients copied into an accumulator (which becomes ``.grad``)
+    for i, op in enumerate(step.ops):
+        refs = _tensor_refs(op)
+        for ref in refs:
+            touch(ref, i)
+        for o in op.outs:
+            if o is not None:
+                st = touch(o, i)
+                if st is not None and op.backward and op.func is _COPY:  # a gradient's accumulator: kept
+                    death[st] = end
+                    copied.update(step.storages.get(r.id, -1) for r in refs[1:])
+    for grads in step.grads.values():  # a gradient autograd keeps as it is becomes ``.grad``
+        st = step.storages.get(grads[-1].id) if grads else None
+        if st in death and st not in copied:
+            death[st] = end
+    if step.loss is not None and step.storages.get(step.loss.id) in death:
+        death[step.storages[step.loss.id]] = end
+    gaps = _recompute_gaps(step, birth) if recompute else {}
+    delta = [0] * (end + 2)
+    for st, nbytes in size.items():
+        delta[birth[st]] += nbytes
+        delta[death[st] + 1] -= nbytes
+        gap = gaps.get(st)
+        if gap is not None and gap[0] < gap[1] <= death[st]:  # dropped after the forward, recomputed later
+            delta[gap[0] + 1] -= nbytes
+            delta[gap[1]] += nbytes
+    live = peak = 0
+    for i in range(end + 1):
+        live += delta[i]
+        peak = max(peak, live + moved.get(i, 0))
+    return peak
+
+
+def _recompute_gaps(step: Step, birth: dict[int, int]) -> dict[int, tuple[int, int]]:
+    """Per storage a repeated block saves, other than a block's input (kept for the recompute):
+    (the block's last forward op, its recompute: the first backward op reading any of them)."""
+    blocks = step.blocks()
+    if not blocks:
+        return {}
+    owner: dict[int, str] = {}   # storage -> the block whose forward made it
+    last_forward: dict[str, int] = {}
+    first_use: dict[int, int] = {}  # storage -> first backward op reading it
+    for i, op in enumerate(step.ops):
+        block = next((b for b in blocks if op.module == b or op.module.startswith(b + ".")), None)
+        if not op.backward:
+            if block is not None:
+                last_forward[block] = i
+                for o in op.outs:
+                    st = step.storages.get(o.id) if o is not None else None
+                    if st is not None and birth.get(st) == i:
+                        owner.setdefault(st, block)
+            continue
+        for ref in _tensor_refs(op):
+            st = step.storages.get(ref.id)
+            if st is not None:
+                first_use.setdefault(st, i)
+    kept = {step.storages.get(r.id) for b in blocks for r in step.module_inputs.get(b, [])}  # each block's input
+    saved = {step.storages.get(rid) for rid in step.saved} - kept
+    start: dict[str, int] = {}
+    for st, block in owner.items():
+        if st in saved and st in first_use:
+            start[block] = min(start.get(block, first_use[st]), first_use[st])
+    return {st: (last_forward[block], start[block]) for st, block in owner.items()
+            if st in saved and block in start}
+
+
+def _count(sim: Simulation, spec: DistSpec, req: tuple[Placement, ...], backward: bool, module: str) -> bool:
+    """Add the collectives of moving ``spec`` to ``req`` as eager would (none if it is there);
+    whether anything moves."""
     dst = spec.with_placements(req) if tuple(req) != spec.placements or spec.shard_order else spec
     if dst == spec:
-        return
+        return False
     nbytes, steps, communicates = best_price(spec, dst)
     moves = [s for s in steps if not s.is_local]
     for s in moves:
         sim.collectives.append(Collective(s.kind, s.axis, int(step_bytes(s)[1].max()), backward, module))
     if communicates and not moves:  # shipped point to point: the pieces each rank lacks
         sim.collectives.append(Collective("send_recv", -1, nbytes, backward, module))
+    return True
 
 
 _aten = torch.ops.aten

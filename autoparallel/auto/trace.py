@@ -16,6 +16,7 @@ calls an op without a meta kernel) raises ``ValueError`` naming the op or the re
 from __future__ import annotations
 
 import contextlib
+import re
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -66,6 +67,19 @@ class Step:
     # ref id -> ("in"/"out", module name): a view standing for a module's first floating input
     # (output) as the module sees (returns) it, where a parallel style brings the value to its layout
     boundaries: dict[int, tuple[str, str]] = field(default_factory=dict)
+    storages: dict[int, int] = field(default_factory=dict)         # ref id -> its storage (views share one)
+
+    def blocks(self) -> list[str]:
+        """The repeated blocks: the most frequent module pattern ending in an index (outermost
+        first), two or more of them."""
+        counts: dict[str, list[str]] = {}
+        for n in self.modules:
+            if re.search(r"(^|\.)\d+$", n):
+                counts.setdefault(pattern(n), []).append(n)
+        if not counts:
+            return []
+        best = max(counts.values(), key=lambda v: (len(v), -v[0].count(".")))
+        return best if len(best) >= 2 else []
 
     def nbytes(self, ref: Ref) -> int:
         m = self.metas[ref.id]
@@ -73,6 +87,11 @@ class Step:
         for s in m.shape:
             n *= s
         return n * torch.empty((), dtype=m.dtype).element_size()
+
+
+def pattern(name: str) -> str:
+    """A module name with its indices made ``*`` (``blocks.3.mlp`` -> ``blocks.*.mlp``)."""
+    return re.sub(r"(^|\.)\d+(?=\.|$)", r"\1*", name)
 
 
 class _Recorder(TorchDispatchMode):
@@ -87,6 +106,10 @@ class _Recorder(TorchDispatchMode):
             r = Ref(len(self.step.metas))
             self.step.metas.append(TensorMeta(tuple(int(s) for s in t.shape), t.dtype))
             self.ids[id(t)] = r
+            try:
+                self.step.storages[r.id] = t.untyped_storage()._cdata
+            except (RuntimeError, NotImplementedError):  # no storage (sparse, nested): a storage of its own
+                self.step.storages[r.id] = -1 - r.id
             self.keep.append(t)  # ids stay unique while the step is recorded
         return r
 
