@@ -6,8 +6,8 @@ divide the world), for each: the tensor-parallel plan (``ap.plans``' for a model
 recognises, else Megatron pairs found on the step itself — a Linear whose split output reaches
 another Linear's input split on its features with no collective in between — plus a tied or
 vocabulary-sized embedding vocab-parallel and its head column-parallel), with and without
-sequence parallelism, ZeRO stage 0-3 on the data axis and recompute of the repeated blocks on or
-off. Each (mesh, tensor-parallel plan) is replayed once on layouts (``autoparallel.auto.simulate``:
+sequence parallelism, ZeRO stage 0-3 on the data axis and recompute of the repeated blocks (none,
+all, or under a budget the fewest blocks that fit it). Each (mesh, tensor-parallel plan) is replayed once on layouts (``autoparallel.auto.simulate``:
 the eager engine's own rules, choices and reshard plans); ZeRO and recompute change known terms.
 Predicted time = compute (FLOPs / throughput + other bytes / bandwidth) + communication (per
 collective: latency + bytes / bandwidth, no overlap assumed); peak memory = parameters and
@@ -298,8 +298,9 @@ def _local_bytes(shape: tuple[int, ...], itemsize: int, pl: tuple[Placement, ...
 
 
 def _price(step: Step, sim: Simulation, mesh_shape: tuple[int, ...], dp_axis: int | None, tp_axis: int | None,
-           params: dict[str, tuple[Placement, ...]], zero: int, recompute: bool, state_factor: float,
+           params: dict[str, tuple[Placement, ...]], zero: int, recompute: float, state_factor: float,
            prof: Profile) -> Prediction:
+    """One candidate's predicted step; ``recompute``: the fraction of the repeated blocks recomputed."""
     dp = mesh_shape[dp_axis] if dp_axis is not None else 1
     rep = tuple(Replicate() for _ in mesh_shape)
     p_bytes = 0
@@ -328,13 +329,13 @@ def _price(step: Step, sim: Simulation, mesh_shape: tuple[int, ...], dp_axis: in
         k = mesh_shape[tp_axis]
         comm.append(("all_reduce", int(2 * (k - 1) / k * tp_grad_bytes), 1))
     comm_s = sum(prof.seconds(kind, b, n) for kind, b, n in comm)
-    flops = sim.flops + (sim.forward_flops if recompute else 0.0)
-    compute_s = flops / prof.flops_per_s + sim.touched_bytes * (1.5 if recompute else 1.0) / prof.bytes_per_s
-    overhead_s = sim.ops * (1.5 if recompute else 1.0) * prof.op_s
+    flops = sim.flops + recompute * sim.forward_flops
+    compute_s = flops / prof.flops_per_s + sim.touched_bytes * (1 + 0.5 * recompute) / prof.bytes_per_s
+    overhead_s = sim.ops * (1 + 0.5 * recompute) * prof.op_s
     s_bytes = int(state_factor * p_bytes) // (dp if zero >= 1 else 1)
     # activations and gradients: the replay's peak of live bytes (gradients whole: ZeRO-2 reduces
     # them after the backward, so at the peak they are whole too)
-    live = sim.live_peak_recompute if recompute else sim.live_peak
+    live = int(sim.live_peak - recompute * (sim.live_peak - sim.live_peak_recompute))
     # the optimizer's step, with every gradient alive: DP flattens a bucket of them to all-reduce;
     # ZeRO-1/2 hold the gradients' shards, and gather the updated shards (a bucket's rows and the
     # parameters cut from them, besides this rank's piece)
@@ -345,8 +346,8 @@ def _price(step: Step, sim: Simulation, mesh_shape: tuple[int, ...], dp_axis: in
         live = max(live, p_bytes + 2 * bucket + bucket // dp + p_bytes // dp)
     if zero >= 3:  # a unit's gathered parameters live while autograd keeps them for its backward
         # (every unit's at the forward's end), and a unit is gathered again for its backward;
-        # with recompute, one unit's at a time
-        p_bytes = p_bytes // dp + p_bytes // n_blocks + (0 if recompute else p_bytes - p_bytes // dp)
+        # a recomputed unit's, one at a time
+        p_bytes = p_bytes // dp + p_bytes // n_blocks + int((1 - recompute) * (p_bytes - p_bytes // dp))
     return Prediction(compute_s + comm_s + overhead_s, compute_s, comm_s, p_bytes + s_bytes + live,
                       sum(n for _, _, n in comm), sum(b for _, b, _ in comm), overhead_s)
 
@@ -413,7 +414,7 @@ def auto_parallel(model: nn.Module, world: int | None = None, example: Any = Non
         meshes = [(world // t, t) for t in _divisors(world) if t <= max_tp]
     seq_len = _seq_len(step)
     memo: dict[Any, Any] = {}  # decisions shared by the replays (same mesh, same layouts: same choice)
-    priced: list[tuple[float, int, Candidate, Plan]] = []
+    priced: list[tuple[float, float, Candidate, Plan]] = []
     for dp, tp in meshes:
         options: list[tuple[str, ModelPlan | None, bool]] = [("replicated", None, False)] if tp == 1 else list(tp_plans)
         for label, tp_plan, sp in options:
@@ -428,18 +429,27 @@ def auto_parallel(model: nn.Module, world: int | None = None, example: Any = Non
             params, io = _placements(model, tp_plan, sim_mesh, tp_axis)
             inputs = tuple(Shard(0) if a == dp_axis else Replicate() for a in range(len(shape)))
             sim = recording.simulate(sim_mesh, params, inputs, io, tp_axis if tp_axis is not None else 0, memo)
+            blocks = step.blocks()
             for zero in ((0, 1, 2, 3) if dp > 1 else (0,)):
-                for rec in ((False, True) if step.blocks() else (False,)):
-                    pred = _price(step, sim, shape, dp_axis, tp_axis, params, zero, rec, state_factor, prof)
-                    name = f"dp{dp} x tp{tp}" + (f" {label}" if tp > 1 else "") + (f" zero{zero}" if zero else "") + (" recompute" if rec else "")
+                def price(k: int, zero: int = zero) -> Prediction:  # k of the blocks recomputed
+                    return _price(step, sim, shape, dp_axis, tp_axis, params, zero, k / max(1, len(blocks)),
+                                  state_factor, prof)
+                counts = [0, len(blocks)] if blocks else [0]
+                if budget is not None and len(counts) == 2 and price(0).memory_bytes > budget >= price(counts[1]).memory_bytes:
+                    # recompute as a per-block choice: the fewest blocks that bring the peak within the budget
+                    counts.insert(1, next(k for k in range(1, len(blocks) + 1) if price(k).memory_bytes <= budget))
+                for k in dict.fromkeys(counts):
+                    pred = price(k)
+                    rec = "" if k == 0 else " recompute" if k == len(blocks) else f" recompute {k}/{len(blocks)}"
+                    name = f"dp{dp} x tp{tp}" + (f" {label}" if tp > 1 else "") + (f" zero{zero}" if zero else "") + rec
                     feasible = budget is None or pred.memory_bytes <= budget
-                    blocks = step.blocks()
-                    recompute = {pattern(blocks[0]): "full"} if rec and blocks else {}
+                    recompute = ({pattern(blocks[0]): "full"} if k == len(blocks)
+                                 else {b: "full" for b in sorted(blocks, key=_index)[:k]})
                     styles = dict(tp_plan) if tp_plan is not None else {}
                     plan = Plan(styles, shape, names, zero, recompute, tp_plan.divisible if tp_plan is not None else {},
                                 pred, None, "", "auto")
-                    # ties: fewer mesh axes, lower ZeRO stage, no recompute (simpler plans first)
-                    simplicity = (tp > 1) + zero + rec
+                    # ties: fewer mesh axes, lower ZeRO stage, less recompute (simpler plans first)
+                    simplicity = (tp > 1) + zero + k / max(1, len(blocks))
                     priced.append((pred.time_s, simplicity, Candidate(name, pred, feasible), plan))
     if not priced:
         raise ValueError(f"ap.auto_parallel: no mesh of {world} ranks fits the model (tensor-parallel sizes must divide)")
@@ -460,6 +470,11 @@ def auto_parallel(model: nn.Module, world: int | None = None, example: Any = Non
     if verbose:
         print(plan)
     return plan
+
+
+def _index(block: str) -> int:
+    """A block's index in its stack (``blocks.3`` -> 3)."""
+    return int(block.rsplit(".", 1)[-1])
 
 
 def _mesh_of(dp: int, tp: int) -> tuple[tuple[int, ...], list[str]]:

@@ -162,3 +162,22 @@ def test_blocks_sharing_a_parameter_are_recorded_whole() -> None:
         b.mlp.fc.weight = model.blocks[0].mlp.fc.weight  # one weight used by every block
     assert repeated_blocks(model) is None
     assert record(model, _example(), lm_loss).two is None
+
+
+def test_recompute_is_chosen_per_block_to_fit_the_budget() -> None:
+    """A budget between recomputing no block and every block: the fewest blocks recomputed that
+    fit, named in the plan one by one; the prediction falls with each block recomputed."""
+    model = GPT(GPTConfig(vocab=128, width=64, heads=4, layers=4, seq=64))
+    mesh = ap.ProcessMesh.simulated((4,), ["dp"])
+    free = ap.auto_parallel(model, example=_example(), loss=lm_loss, mesh=mesh, profile="h100")
+    by_name = {c.name: c.prediction for c in free.candidates}
+    none, full = by_name["dp4 x tp1"].memory_bytes, by_name["dp4 x tp1 recompute"].memory_bytes
+    assert full < none
+    budget = (none + full) // 2
+    plan = ap.auto_parallel(model, example=_example(), loss=lm_loss, mesh=mesh, profile="h100", memory_budget=budget)
+    partial = [c for c in plan.candidates if c.name.startswith("dp4 x tp1 recompute ")]
+    assert partial and partial[0].feasible and partial[0].prediction.memory_bytes <= budget
+    k = int(partial[0].name.rsplit(" ", 1)[-1].split("/")[0])
+    assert 0 < k < 4
+    if plan.candidates[0].name == partial[0].name:
+        assert plan.recompute == {f"blocks.{i}": "full" for i in range(k)}

@@ -142,3 +142,52 @@ def test_memory_prediction_matches_the_measured_peak(world4) -> None:  # type: i
     assert got[0]["name"] != "dp4 x tp1" and got[0]["predicted"] <= got[0]["budget"]
     for r in got:
         assert abs(r["measured"] - r["predicted"]) <= 0.10 * r["predicted"], r
+
+
+def _partial_recompute(rank: int) -> dict[str, Any]:
+    """The plan for a budget between recomputing no block and every block (some blocks
+    recomputed), trained 3 SGD steps, beside the same model trained in this process alone."""
+    import train_gpt
+
+    import autoparallel as ap
+
+    cfg = GPTConfig(vocab=32, seq=64, layers=4, width=32, heads=4, dropout=0.0, attention="math")
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randint(0, 32, (8, 64), generator=g), torch.randint(0, 32, (8, 64), generator=g)) for _ in range(STEPS)]
+    mesh = ap.ProcessMesh([0, 1, 2, 3], dim_names=["dp"])
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    ref = GPT(cfg)
+    ref.load_state_dict(model.state_dict())
+    free = ap.auto_parallel(model, example=data[0], loss=lm_loss, mesh=mesh, profile="h100", optimizer="sgd")
+    by = {c.name: c.prediction.memory_bytes for c in free.candidates}
+    budget = (by["dp4 x tp1"] + by["dp4 x tp1 recompute"]) // 2
+    plan = ap.auto_parallel(model, example=data[0], loss=lm_loss, mesh=mesh, profile="h100", optimizer="sgd",
+                            memory_budget=budget)
+    model, opt = plan.apply(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    losses, ref_losses = [], []
+    for x, y in data:
+        loss = lm_loss(model(ap.shard_tensor(x, mesh, [ap.Shard(0)])), ap.shard_tensor(y, mesh, [ap.Shard(0)]))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(train_gpt.scalar(loss))
+        r = lm_loss(ref(x), y)
+        r.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_losses.append(float(r.detach()))
+    return {"name": plan.candidates[0].name, "recompute": plan.recompute, "losses": losses, "ref_losses": ref_losses,
+            "params": train_gpt.full_params(model), "ref_params": {n: p.detach() for n, p in ref.named_parameters()}}
+
+
+def test_per_block_recompute_plan_trains_like_one_process(world4) -> None:  # type: ignore[no-untyped-def]
+    got = world4.run(_partial_recompute)
+    r = got[0]
+    k, n = (int(v) for v in r["name"].rsplit(" ", 1)[-1].split("/"))
+    assert 0 < k < n == 4 and r["recompute"] == {f"blocks.{i}": "full" for i in range(k)}, r["name"]
+    for r in got:
+        torch.testing.assert_close(r["losses"], r["ref_losses"], rtol=1e-5, atol=0)
+        for name, p in r["ref_params"].items():
+            torch.testing.assert_close(r["params"][name], p, rtol=1e-5, atol=1e-6, msg=name)
