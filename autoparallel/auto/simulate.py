@@ -113,6 +113,7 @@ def simulate(step: Step, mesh: ProcessMesh, param_placements: Mapping[str, tuple
         return spec.with_placements(target) if target != spec.placements else spec
 
     moved: dict[int, int] = {}  # op index -> local bytes of its inputs' moved copies (alive while it runs)
+    reverse: dict[int, tuple[tuple[Placement, ...], str]] = {}  # gradient ref id -> (layout it moves back to, module)
     for index, op in enumerate(step.ops):
         if getattr(op.func, "namespace", None) == "prim" or not any(o is not None for o in op.outs):
             continue
@@ -135,6 +136,10 @@ def simulate(step: Step, mesh: ProcessMesh, param_placements: Mapping[str, tuple
             if s is None:
                 m = metas[r.id]
                 s = specs[r.id] = DistSpec(mesh, rep, m.shape, m.dtype)
+            back = reverse.pop(r.id, None) if op.backward else None
+            if back is not None:  # the gradient crossing a style's boundary: the move reversed
+                if _count(sim, s, back[0], True, back[1]):
+                    s = specs[r.id] = s.with_placements(back[0])
             in_specs.append(s)
         edge = step.boundaries.get(op.outs[0].id) if len(op.outs) == 1 and op.outs[0] is not None else None
         if edge is not None and not op.backward:  # a module's input / output: its style's layout
@@ -143,6 +148,9 @@ def simulate(step: Step, mesh: ProcessMesh, param_placements: Mapping[str, tuple
             out = op.outs[0]
             assert out is not None
             specs[out.id] = in_specs[0] if layout is None else move(in_specs[0], layout, edge[1])
+            grad = step.boundary_grads.get(out.id)
+            if layout is not None and grad is not None:  # its gradient goes back to the source's layout, P as R
+                reverse[grad.id] = (in_specs[0].without_partial().placements, edge[1])
             continue
         # the same call on the same layouts decides alike (repeated blocks): decide it once
         key = _frozen((op.func, _without_refs(op.args), _without_refs(op.kwargs), tuple(in_specs), out_metas))

@@ -68,6 +68,7 @@ class Step:
     # (output) as the module sees (returns) it, where a parallel style brings the value to its layout
     boundaries: dict[int, tuple[str, str]] = field(default_factory=dict)
     storages: dict[int, int] = field(default_factory=dict)         # ref id -> its storage (views share one)
+    boundary_grads: dict[int, Ref] = field(default_factory=dict)   # boundary view's ref id -> its gradient
 
     def blocks(self) -> list[str]:
         """The repeated blocks: the most frequent module pattern ending in an index (outermost
@@ -256,7 +257,10 @@ def _record(model: nn.Module, example: Any, loss: Callable[..., Any] | None, rea
             if isinstance(x, torch.Tensor) and not done[0] and x.is_floating_point():
                 done[0] = True
                 y = x.view_as(x)
-                step.boundaries[recorder.ref(y).id] = (kind, name)
+                rid = recorder.ref(y).id
+                step.boundaries[rid] = (kind, name)
+                if y.requires_grad:  # where the backward crosses the boundary (a style's move reversed)
+                    y.register_hook(lambda g, rid=rid: step.boundary_grads.setdefault(rid, recorder.ref(g)) and None)
                 return y
             return x
 

@@ -181,3 +181,23 @@ def test_recompute_is_chosen_per_block_to_fit_the_budget() -> None:
     assert 0 < k < 4
     if plan.candidates[0].name == partial[0].name:
         assert plan.recompute == {f"blocks.{i}": "full" for i in range(k)}
+
+
+def test_simulated_backward_reverses_the_styles_moves() -> None:
+    """Tensor parallel (Megatron pairs, vocabulary-parallel embedding) on a simulated mesh of 4:
+    the backward crosses each column-parallel Linear's input boundary with the reverse of its
+    style's move (the gradient, Partial, all-reduced to the input's layout) as eager does: only
+    all-reduces, one per pair, one for the embedding and one for the loss's row sums."""
+    from autoparallel.auto import search
+
+    model = GPT(CFG)
+    step = trace_step(model, _example(), lm_loss)
+    label, plan, _ = search.found_plans(model, step)[0]
+    assert label == "megatron"
+    mesh = ap.ProcessMesh.simulated((4,), ["mp"])
+    params, io = search._placements(model, plan, mesh, 0)
+    sim = simulate(step, mesh, params, (ap.Replicate(),), io, 0)
+    backward = [c for c in sim.collectives if c.backward]
+    assert {c.kind for c in backward} == {"all_reduce"}
+    assert len(backward) == 2 * CFG.layers + 2
+    assert len([c for c in sim.collectives if not c.backward]) == 2 * CFG.layers + 3  # pairs, embedding, loss
