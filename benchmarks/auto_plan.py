@@ -216,7 +216,8 @@ def _worker(rank: int, world: int, store: str, opts: dict[str, Any], out_path: s
 
     results: dict[str, Any] = {}
     steps, rounds = opts["steps"], opts["rounds"]
-    n_batches = 2 + steps * rounds
+    warm = 4  # warm-up steps (local regions prove their signatures in the first calls)
+    n_batches = warm + steps * rounds
     for size in opts["sizes"]:
         width, seq = (int(v) for v in size.split("x"))
         model = GPT(GPTConfig(vocab=128, width=width, heads=4, layers=2, seq=seq))
@@ -227,11 +228,13 @@ def _worker(rank: int, world: int, store: str, opts: dict[str, Any], out_path: s
         predicted = {c.name: c.prediction.time_s for c in plan.candidates}
         sides = {name: _side(shape, dims, sp, zero, width, seq, n_batches) for name, (shape, dims, sp, zero, _) in HAND.items()}
         sides["auto"] = _side((), [], None, 0, width, seq, n_batches, plan=plan)
-        losses = {name: [step(0), step(1)] for name, step in sides.items()}
+        losses = {name: [step(i) for i in range(warm)] for name, step in sides.items()}
         times: dict[str, list[float]] = {name: [] for name in sides}
-        for r in range(rounds):  # the plans take turns: a slow moment of the machine hits each alike
-            for name, step in sides.items():
-                dt, more = timed_steps(step, 2 + r * steps, steps)
+        names = list(sides)
+        for r in range(rounds):  # the plans take turns, in reversed order every other round: a slow
+            for name in (names if r % 2 == 0 else names[::-1]):  # moment of the machine hits each alike
+                step = sides[name]
+                dt, more = timed_steps(step, warm + r * steps, steps)
                 times[name].append(dt)
                 losses[name] += more
         row: dict[str, Any] = {"auto_name": plan.candidates[0].name, "search_s": search_s, "plans": {}}
