@@ -46,7 +46,9 @@ class Profile:
     """The machine the plan is for: per-rank compute and memory throughput, and the network's
     latency per collective (``alpha_s``) and bandwidth (``beta_bytes_per_s``: bytes a rank receives
     per second; ``kind_beta`` overrides it per collective kind, e.g. a backend whose
-    reduce-scatter runs as an all-reduce)."""
+    reduce-scatter runs as an all-reduce). With ``node_size`` ranks to a node, a mesh axis whose
+    groups stay inside a node (ranks laid out row-major: the innermost axes) moves bytes at
+    ``node_beta_bytes_per_s`` after ``node_alpha_s`` instead (NVLink against the network)."""
 
     name: str
     flops_per_s: float
@@ -55,16 +57,32 @@ class Profile:
     beta_bytes_per_s: float
     op_s: float = 0.0  # the framework's own time per op of the step (eager dispatch on the host)
     kind_beta: tuple[tuple[str, float], ...] = ()
+    node_size: int = 0  # 0: one network for every axis
+    node_alpha_s: float = 0.0
+    node_beta_bytes_per_s: float = 0.0
 
-    def seconds(self, kind: str, nbytes: float, count: int = 1) -> float:
-        """Time of ``count`` collectives of ``kind`` moving ``nbytes`` (received per rank) in all."""
+    def seconds(self, kind: str, nbytes: float, count: int = 1, inside_node: bool = False) -> float:
+        """Time of ``count`` collectives of ``kind`` moving ``nbytes`` (received per rank) in all,
+        over a mesh axis inside a node or not."""
+        if inside_node and self.node_size:
+            return count * self.node_alpha_s + nbytes / self.node_beta_bytes_per_s
         beta = dict(self.kind_beta).get(kind, self.beta_bytes_per_s)
         return count * self.alpha_s + nbytes / beta
 
+    def inside_node(self, mesh_shape: tuple[int, ...], axis: int) -> bool:
+        """Whether each group of ``axis`` of a row-major mesh of ``mesh_shape`` stays in one node."""
+        if not self.node_size or axis < 0:
+            return False
+        span = 1
+        for n in mesh_shape[axis:]:
+            span *= n
+        return span <= self.node_size and self.node_size % span == 0
 
-# A node of H100-class GPUs (bf16 dense peak ~989 TFLOPS at ~50 % achieved; NCCL over NVLink);
-# ~20 us of host time per eager op.
-H100 = Profile("h100", 0.5 * 989e12, 2.0e12, 15e-6, 150e9, 20e-6)
+
+# Nodes of 8 H100-class GPUs (bf16 dense peak ~989 TFLOPS at ~50 % achieved): NVLink inside a
+# node (~360 GB/s of all-reduce bus bandwidth, ~15 us), 400 Gb/s per GPU between nodes (~45 GB/s,
+# ~30 us); ~20 us of host time per eager op.
+H100 = Profile("h100", 0.5 * 989e12, 2.0e12, 30e-6, 45e9, 20e-6, (), 8, 15e-6, 360e9)
 # The eager engine's host time per op on this kind of machine (dispatch, rule lookup, wrapping),
 # on one core of its own.
 LOCAL_OP_S = 40e-6
@@ -314,21 +332,22 @@ def _price(step: Step, sim: Simulation, mesh_shape: tuple[int, ...], dp_axis: in
         g = sim.specs.get(grads[-1].id) if grads else None
         if tp_axis is not None and g is not None and isinstance(g.placements[tp_axis], Partial):
             tp_grad_bytes += b
-    comm = [(c.kind, c.nbytes, 1) for c in sim.collectives]
+    comm = [(c.kind, c.nbytes, 1, c.axis) for c in sim.collectives]
     n_blocks = max(1, len(step.blocks()))
     if dp > 1:
         f = (dp - 1) / dp
         buckets = max(1, -(-p_bytes // BUCKET_BYTES))
+        a = dp_axis if dp_axis is not None else -1
         if zero == 0:
-            comm.append(("all_reduce", int(2 * f * p_bytes), buckets))       # all-reduce of the gradients
+            comm.append(("all_reduce", int(2 * f * p_bytes), buckets, a))       # all-reduce of the gradients
         else:
-            comm.append(("reduce_scatter", int(f * p_bytes), buckets))       # reduce-scatter of the gradients
-            gathers = 2 if zero == 3 else 1                                  # ZeRO-3: forward and backward
-            comm.append(("all_gather", int(gathers * f * p_bytes), gathers * (n_blocks + 1) if zero == 3 else buckets))
+            comm.append(("reduce_scatter", int(f * p_bytes), buckets, a))       # reduce-scatter of the gradients
+            gathers = 2 if zero == 3 else 1                                     # ZeRO-3: forward and backward
+            comm.append(("all_gather", int(gathers * f * p_bytes), gathers * (n_blocks + 1) if zero == 3 else buckets, a))
     if tp_grad_bytes and tp_axis is not None:
         k = mesh_shape[tp_axis]
-        comm.append(("all_reduce", int(2 * (k - 1) / k * tp_grad_bytes), 1))
-    comm_s = sum(prof.seconds(kind, b, n) for kind, b, n in comm)
+        comm.append(("all_reduce", int(2 * (k - 1) / k * tp_grad_bytes), 1, tp_axis))
+    comm_s = sum(prof.seconds(kind, b, n, prof.inside_node(mesh_shape, axis)) for kind, b, n, axis in comm)
     flops = sim.flops + recompute * sim.forward_flops
     compute_s = flops / prof.flops_per_s + sim.touched_bytes * (1 + 0.5 * recompute) / prof.bytes_per_s
     overhead_s = sim.ops * (1 + 0.5 * recompute) * prof.op_s
@@ -349,7 +368,7 @@ def _price(step: Step, sim: Simulation, mesh_shape: tuple[int, ...], dp_axis: in
         # a recomputed unit's, one at a time
         p_bytes = p_bytes // dp + p_bytes // n_blocks + int((1 - recompute) * (p_bytes - p_bytes // dp))
     return Prediction(compute_s + comm_s + overhead_s, compute_s, comm_s, p_bytes + s_bytes + live,
-                      sum(n for _, _, n in comm), sum(b for _, b, _ in comm), overhead_s)
+                      sum(n for _, _, n, _ in comm), sum(b for _, b, _, _ in comm), overhead_s)
 
 
 def _divisors(n: int) -> list[int]:

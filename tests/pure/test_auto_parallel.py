@@ -201,3 +201,15 @@ def test_simulated_backward_reverses_the_styles_moves() -> None:
     assert {c.kind for c in backward} == {"all_reduce"}
     assert len(backward) == 2 * CFG.layers + 2
     assert len([c for c in sim.collectives if not c.backward]) == 2 * CFG.layers + 3  # pairs, embedding, loss
+
+
+def test_profile_prices_axes_inside_a_node_apart() -> None:
+    """Nodes of 8 ranks, row-major meshes: an inner axis of up to 8 ranks stays inside a node
+    (NVLink), an outer axis crosses nodes; the same bytes cost less inside a node."""
+    h = ap.auto.H100
+    assert h.inside_node((32, 8), 1) and not h.inside_node((32, 8), 0)
+    assert h.inside_node((64, 4), 1) and not h.inside_node((64, 4), 0)
+    assert h.inside_node((8,), 0) and not h.inside_node((16,), 0) and not h.inside_node((4, 2), -1)
+    assert h.seconds("all_reduce", 2**30, 1, True) < h.seconds("all_reduce", 2**30, 1, False)
+    local = ap.auto.Profile("one network", 1e12, 1e11, 1e-4, 1e9)
+    assert not local.inside_node((2, 2), 1)
