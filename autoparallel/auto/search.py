@@ -363,9 +363,9 @@ def _price(step: Step, sim: Simulation, mesh_shape: tuple[int, ...], dp_axis: in
         live = max(live, p_bytes + bucket)
     elif dp > 1 and zero in (1, 2):
         live = max(live, p_bytes + 2 * bucket + bucket // dp + p_bytes // dp)
-    if zero >= 3:  # a unit's gathered parameters live while autograd keeps them for its backward
-        # (every unit's at the forward's end), and a unit is gathered again for its backward;
-        # a recomputed unit's, one at a time
+    if zero >= 3:  # the shard, a gathered unit, and without recompute about the parameters' whole size
+        # more at the peak (measured on 4 ranks, not broken down yet: gathered units and their
+        # gradients' full-size reduce-scatter buffers around the turn to the backward)
         p_bytes = p_bytes // dp + p_bytes // n_blocks + int((1 - recompute) * (p_bytes - p_bytes // dp))
     return Prediction(compute_s + comm_s + overhead_s, compute_s, comm_s, p_bytes + s_bytes + live,
                       sum(n for _, _, n, _ in comm), sum(b for _, b, _, _ in comm), overhead_s)
