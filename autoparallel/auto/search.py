@@ -283,6 +283,44 @@ def _split_features(spec: Any) -> bool:
 
 
 # ---- pricing ------------------------------------------------------------------------------------
+def _annotations(model: nn.Module, mesh: ProcessMesh | None) -> tuple[dict[str, tuple[Placement, ...]], ProcessMesh | None]:
+    """The parameters the user laid out already (``ap.shard_tensor``): their placements, kept
+    fixed, and the mesh they share, which the search then keeps (``ValueError`` on several meshes,
+    a mesh over ranks out of order, or a ``mesh=`` other than theirs)."""
+    from autoparallel.engine import layout
+    from autoparallel.engine.dtensor import DistTensor
+
+    fixed: dict[str, tuple[Placement, ...]] = {}
+    theirs: ProcessMesh | None = None
+    for name, p in model.named_parameters():
+        if not isinstance(p, DistTensor):
+            continue
+        spec = layout.spec_of(p)
+        if theirs is not None and spec.mesh != theirs:
+            raise ValueError(f"ap.auto_parallel: parameters laid out by hand sit on two meshes ({theirs} and "
+                             f"{spec.mesh}, {name}); the search keeps one mesh: lay them out on one")
+        theirs = spec.mesh
+        fixed[name] = tuple(spec.placements)
+    if theirs is None:
+        return fixed, mesh
+    if mesh is not None and mesh != theirs:
+        raise ValueError(f"ap.auto_parallel: mesh={mesh} differs from the mesh {theirs} the model's parameters are "
+                         "laid out on; pass that mesh (or none)")
+    if list(theirs.process_ids) != list(range(theirs.size)):
+        raise ValueError(f"ap.auto_parallel: the parameters laid out by hand sit on {theirs}, whose ranks are not "
+                         "0 .. n-1 in order; the plan's mesh is: lay them out on ProcessMesh(arange(n).reshape(shape))")
+    return fixed, theirs
+
+
+def _without(plan: ModelPlan, model: nn.Module, fixed: dict[str, Any]) -> ModelPlan:
+    """``plan`` less the patterns matching a module that holds a parameter laid out by hand."""
+    if not fixed:
+        return plan
+    touched = {pattern for pattern, name, module, _ in match_plan(model, plan)
+               if any(f"{name}.{n}" in fixed or (not name and n in fixed) for n, _ in module.named_parameters())}
+    return ModelPlan({k: v for k, v in plan.items() if k not in touched}, plan.divisible, plan.model)
+
+
 def _placements(model: nn.Module, plan: ModelPlan | None, mesh: ProcessMesh, tp: int | None) -> tuple[dict[str, tuple[Placement, ...]], dict[str, Any]]:
     """Each parameter's placements and each module's io layouts under ``plan`` on ``mesh``."""
     params: dict[str, tuple[Placement, ...]] = {}
@@ -396,14 +434,9 @@ def auto_parallel(model: nn.Module, world: int | None = None, example: Any = Non
         raise TypeError(f"ap.auto_parallel: model must be an nn.Module, got {type(model).__name__}")
     if example is None:
         raise ValueError("ap.auto_parallel: pass example= (one global batch as the model takes it)")
-    from autoparallel.engine.dtensor import DistTensor
-    laid = [n for n, p in model.named_parameters() if isinstance(p, DistTensor)]
-    if laid:
-        raise ValueError(f"ap.auto_parallel: the model is already laid out ({laid[0]} is a DistTensor); the search "
-                         "starts from the single-device model: call it before ap.shard_tensor / ap.parallelize, "
-                         "or edit the plan it returns")
     if mesh is not None and not isinstance(mesh, ProcessMesh):
         raise TypeError(f"ap.auto_parallel: mesh must be None or an ap.ProcessMesh, got {type(mesh).__name__}")
+    fixed, mesh = _annotations(model, mesh)
     if world is None:
         world = mesh.size if mesh is not None else None
     if world is None:
@@ -419,7 +452,8 @@ def auto_parallel(model: nn.Module, world: int | None = None, example: Any = Non
     recording = record(model, example, loss, extrapolate)  # (before the profile's collectives: an untraceable step raises first)
     step = recording.step
     prof = _profile(profile, world)
-    tp_plans = family_plans(model) or found_plans(model, recording.short)
+    tp_plans = [(label, _without(tp_plan, model, fixed), sp)
+                for label, tp_plan, sp in family_plans(model) or found_plans(model, recording.short)]
     meshes: list[tuple[int, int]] = []
     if mesh is not None:
         names = mesh.dim_names
@@ -446,6 +480,7 @@ def auto_parallel(model: nn.Module, world: int | None = None, example: Any = Non
             tp_axis = names.index("mp") if "mp" in names else None
             sim_mesh = ProcessMesh.simulated(shape, names)
             params, io = _placements(model, tp_plan, sim_mesh, tp_axis)
+            params.update(fixed)  # the user's own layouts stay as they are
             inputs = tuple(Shard(0) if a == dp_axis else Replicate() for a in range(len(shape)))
             sim = recording.simulate(sim_mesh, params, inputs, io, tp_axis if tp_axis is not None else 0, memo)
             blocks = step.blocks()
@@ -484,6 +519,8 @@ def auto_parallel(model: nn.Module, world: int | None = None, example: Any = Non
     plan.candidates = [c for _, _, c, _ in priced]
     seconds = time.perf_counter() - started
     plan.why = (f"{best[2].name}: the least predicted step time of {len(priced)} candidates"
+                + (f", {len(fixed)} parameters laid out by hand kept" if fixed else "")
+                + ""
                 + (f" within {memory_budget} per rank" if budget is not None else "")
                 + f" (profile {prof.name}; searched in {seconds:.1f} s)")
     if verbose:

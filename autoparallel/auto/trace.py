@@ -27,6 +27,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from autoparallel.engine.dtensor import DistTensor
 from spmd_rules.base import TensorMeta
 
 
@@ -215,6 +216,11 @@ def _record(model: nn.Module, example: Any, loss: Callable[..., Any] | None, rea
     def fake(t: Any) -> Any:
         if not isinstance(t, torch.Tensor):
             return t
+        if isinstance(t, DistTensor):  # laid out by hand: recorded as the whole tensor it stands for
+            if real:
+                return t.full_tensor().detach().clone()
+            with fake_mode:
+                return torch.empty(tuple(t.shape), dtype=t.dtype, device="cpu")
         if real:
             return t.detach().clone()
         if t.device.type == "meta":  # a model built on the meta device (any size): a CPU fake of its shape

@@ -119,7 +119,7 @@ def test_bad_input_is_one_clear_error() -> None:
         ap.auto_parallel(lambda x: x, world=2, example=_example())  # type: ignore[arg-type]
     laid = nn.Linear(4, 4)
     laid.weight = ap.shard_tensor(laid.weight, ap.ProcessMesh([0]), [ap.Replicate()])  # type: ignore[assignment]
-    with pytest.raises(ValueError, match="already laid out"):
+    with pytest.raises(ValueError, match="mesh"):  # laid out on 1 rank, a world of 2
         ap.auto_parallel(laid, world=2, example=(torch.randn(2, 4),))
     with pytest.raises(ValueError, match="optimizer"):
         ap.auto_parallel(GPT(CFG), world=2, example=_example(), loss=lm_loss, optimizer="mystery")
@@ -213,3 +213,15 @@ def test_profile_prices_axes_inside_a_node_apart() -> None:
     assert h.seconds("all_reduce", 2**30, 1, True) < h.seconds("all_reduce", 2**30, 1, False)
     local = ap.auto.Profile("one network", 1e12, 1e11, 1e-4, 1e9)
     assert not local.inside_node((2, 2), 1)
+
+
+def test_layouts_by_hand_on_two_meshes_or_another_mesh_are_refused() -> None:
+    model = GPT(CFG)
+    one = ap.ProcessMesh([0], dim_names=["dp"])
+    model.blocks[0].mlp.fc.weight = ap.shard_tensor(model.blocks[0].mlp.fc.weight, one, [ap.Replicate()])  # type: ignore[assignment]
+    with pytest.raises(ValueError, match="differs from the mesh"):
+        ap.auto_parallel(model, example=_example(), loss=lm_loss, mesh=ap.ProcessMesh.simulated((2,), ["dp"]))
+    other = ap.ProcessMesh([0], dim_names=["mp"])
+    model.blocks[1].mlp.fc.weight = ap.shard_tensor(model.blocks[1].mlp.fc.weight, other, [ap.Replicate()])  # type: ignore[assignment]
+    with pytest.raises(ValueError, match="two meshes"):
+        ap.auto_parallel(model, example=_example(), loss=lm_loss)

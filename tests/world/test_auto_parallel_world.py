@@ -191,3 +191,46 @@ def test_per_block_recompute_plan_trains_like_one_process(world4) -> None:  # ty
         torch.testing.assert_close(r["losses"], r["ref_losses"], rtol=1e-5, atol=0)
         for name, p in r["ref_params"].items():
             torch.testing.assert_close(r["params"][name], p, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _partly_laid_out(rank: int) -> dict[str, Any]:
+    """One Linear laid out by hand (``ap.shard_tensor`` of its weight and bias, column-split on a
+    2 x 2 mesh); ``ap.auto_parallel`` keeps it and plans the rest; 3 SGD steps."""
+    import train_gpt
+
+    import autoparallel as ap
+
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    mesh = ap.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"])
+    fc = model.blocks[0].mlp.fc
+    fc.weight = ap.shard_tensor(fc.weight, mesh, [ap.Replicate(), ap.Shard(0)])  # type: ignore[assignment]
+    fc.bias = ap.shard_tensor(fc.bias, mesh, [ap.Replicate(), ap.Shard(0)])  # type: ignore[assignment]
+    x0, y0 = _batches()[0]
+    plan = ap.auto_parallel(model, example=(x0, y0), loss=lm_loss, optimizer="sgd")
+    model, opt = plan.apply(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    batch = [ap.Shard(0) if n == "dp" else ap.Replicate() for n in plan.mesh.dim_names]
+    losses = []
+    for x, y in _batches():
+        loss = lm_loss(model(ap.shard_tensor(x, plan.mesh, batch)), ap.shard_tensor(y, plan.mesh, batch))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(train_gpt.scalar(loss))
+    return {"losses": losses, "params": train_gpt.full_params(model), "plan": str(plan),
+            "fc": tuple(model.blocks[0].mlp.fc.weight.placements), "shape": plan.mesh_shape, "styles": set(plan)}
+
+
+def test_parameters_laid_out_by_hand_are_kept(world4) -> None:  # type: ignore[no-untyped-def]
+    """The search keeps the user's mesh and layouts, fills in the rest, and trains like one process."""
+    import autoparallel as ap
+
+    ref = _reference()
+    got = world4.run(_partly_laid_out)
+    for r in got:
+        assert r["shape"] == (2, 2) and r["fc"] == (ap.Replicate(), ap.Shard(0)), r["plan"]
+        assert "blocks.*.mlp.fc" not in r["styles"]
+        torch.testing.assert_close(r["losses"], ref["losses"], rtol=1e-5, atol=0, msg=r["plan"])
+        for name, p in ref["params"].items():
+            torch.testing.assert_close(r["params"][name], p, rtol=1e-5, atol=1e-6, msg=f"{name}\n{r['plan']}")
+
