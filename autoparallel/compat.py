@@ -242,6 +242,104 @@ def in_backward() -> bool:
     return _graph_task_id is not None and _graph_task_id() != -1
 
 
+# ---- nn.Module internals -----------------------------------------------------------------------
+# ``Module._parameters`` / ``_buffers`` / ``_modules`` (the dicts behind attribute access) and the
+# hook tables ``_forward_pre_hooks``, ``_forward_hooks``, ``_backward_hooks``,
+# ``_backward_pre_hooks``: laying a parameter out in place replaces the entry without
+# ``nn.Module.__setattr__``'s checks (a DistTensor is not a Parameter), a region or a static
+# program keys its signature on the hooks a module has, a cut stack of blocks swaps its children.
+# No fallback: these have been nn.Module's storage since its first release; a torch without them
+# fails on first use, naming the attribute.
+def own_parameters(module: torch.nn.Module) -> dict[str, Any]:
+    """``module``'s own parameter slots (name -> tensor or None), not its children's."""
+    return module._parameters  # type: ignore[return-value]
+
+
+def set_own_parameters(module: torch.nn.Module, params: dict[str, Any]) -> None:
+    """Give ``module`` the parameter slots ``params`` (a dict of its own: a shallow copy of a
+    module then stops sharing its original's)."""
+    module._parameters = params  # type: ignore[assignment]
+
+
+def own_buffers(module: torch.nn.Module) -> dict[str, Any]:
+    """``module``'s own buffer slots (name -> tensor or None)."""
+    return module._buffers  # type: ignore[return-value]
+
+
+def own_tensor(module: torch.nn.Module, attr: str) -> tuple[Any, bool]:
+    """(the parameter or buffer ``attr`` of ``module`` itself, whether it is a parameter slot);
+    ``KeyError`` when it has neither."""
+    if attr in module._parameters:
+        return module._parameters[attr], True
+    return module._buffers[attr], False
+
+
+def put_tensor(module: torch.nn.Module, attr: str, t: Any) -> None:
+    """Put ``t`` in ``module``'s parameter slot ``attr`` if it has one, else in its buffer slot
+    (no Parameter check: a laid-out DistTensor goes where the tensor was)."""
+    if attr in module._parameters:
+        module._parameters[attr] = t
+    else:
+        module._buffers[attr] = t
+
+
+def child_modules(module: torch.nn.Module) -> dict[str, Any]:
+    """``module``'s children by name (the dict itself)."""
+    return module._modules  # type: ignore[return-value]
+
+
+def set_child_modules(module: torch.nn.Module, children: dict[str, Any]) -> None:
+    """Give ``module`` the children ``children`` (a dict of its own; the old one is left as it was)."""
+    module._modules = children  # type: ignore[assignment]
+
+
+def module_hooks(module: torch.nn.Module) -> tuple[tuple[Any, ...], ...]:
+    """The handles of ``module``'s forward pre-, forward, backward and backward pre-hooks (a
+    signature of what runs around its forward)."""
+    return (tuple(module._forward_pre_hooks), tuple(module._forward_hooks),
+            tuple(module._backward_hooks), tuple(module._backward_pre_hooks))
+
+
+def forward_hook_fns(module: torch.nn.Module) -> list[Any]:
+    """``module``'s forward pre-hooks then forward hooks (the callables)."""
+    return [*module._forward_pre_hooks.values(), *module._forward_hooks.values()]
+
+
+def has_tensor_hooks(t: torch.Tensor) -> bool:
+    """Whether ``t`` has gradient hooks (``register_hook``) or post-accumulate-grad hooks."""
+    return bool(getattr(t, "_backward_hooks", None) or getattr(t, "_post_accumulate_grad_hooks", None))
+
+
+# ---- the generator's resets -------------------------------------------------------------------
+# torch's checkpoint restores the default generator (``torch.set_rng_state``) before it recomputes
+# a forward, so dropout draws the same masks. Nothing announces the call, so while a step is
+# captured the function is wrapped to count it (restored on exit). Fallback: none needed (a
+# public function).
+class RngResets:
+    """Counts ``torch.set_rng_state`` calls while a step is captured. Activation recompute
+    (torch's checkpoint) restores the generator before re-running a forward so dropout draws the
+    same masks; the program records the draws but not the restore, so a replay would draw new
+    masks in the recompute. A capture that saw a reset and draws is refused."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._real: Any = None
+
+    def __enter__(self) -> RngResets:
+        self._real = torch.set_rng_state
+
+        def counted(state: torch.Tensor) -> None:
+            self.count += 1
+            self._real(state)
+
+        torch.set_rng_state = counted  # type: ignore[assignment]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        torch.set_rng_state = self._real
+
+
+
 # ---- tensor holders ----------------------------------------------------------------------------
 # ``Tensor._use_count()``: how many references hold a tensor's TensorImpl (its Python object, a view,
 # a saved tensor of a pending backward). A parameter laid out in place (``torch.utils.swap_tensors``)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 
@@ -230,6 +231,25 @@ def engine_internals(root: str) -> list[tuple[str, str]]:
     return out
 
 
+# nn.Module's private storage and hook tables, tensors' hook tables, and the generator's reset:
+# read only through ``autoparallel.compat`` (which states why and the fallback)
+PRIVATE_TORCH = re.compile(r"\._(parameters|buffers|modules|forward_hooks|forward_pre_hooks|backward_hooks|"
+                           r"backward_pre_hooks|post_accumulate_grad_hooks)\b|torch\.set_rng_state\s*=")
+
+
+def private_torch_uses(root: str) -> list[tuple[str, int, str]]:
+    """(module, line, text) for every use of ``PRIVATE_TORCH`` outside ``autoparallel.compat``."""
+    out = []
+    for mod, path in sorted(_module_names(root).items()):
+        if mod == "autoparallel.compat":
+            continue
+        with open(path, encoding="utf-8") as fh:
+            for i, line in enumerate(fh, 1):
+                if PRIVATE_TORCH.search(line.split("#", 1)[0]):
+                    out.append((mod, i, line.strip()))
+    return out
+
+
 def report(root: str) -> str:
     g = build(root)
     cyc = cycles(g)
@@ -245,6 +265,9 @@ def report(root: str) -> str:
     inner = engine_internals(root)
     lines.append(f"engine internals taken by model-level modules: {len(inner)}")
     lines += [f"  {a} -> {b}" for a, b in inner]
+    private = private_torch_uses(root)
+    lines.append(f"private torch names outside compat: {len(private)}")
+    lines += [f"  {m}:{i}: {t}" for m, i, t in private]
     return "\n".join(lines)
 
 

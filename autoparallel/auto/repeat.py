@@ -25,6 +25,7 @@ from typing import Any
 
 from torch import nn
 
+from autoparallel import compat
 from autoparallel.auto.simulate import Collective, Simulation, simulate
 from autoparallel.auto.trace import Step, trace_step
 from autoparallel.mesh import ProcessMesh
@@ -66,12 +67,12 @@ def _signature(block: nn.Module) -> tuple[Any, ...]:
 def cut(model: nn.Module, name: str, keep: int) -> Iterator[None]:
     """``model`` with its block list ``name`` holding its first ``keep`` blocks (put back after)."""
     blocks = model.get_submodule(name)
-    whole = blocks._modules
-    blocks._modules = dict(list(whole.items())[:keep])  # type: ignore[assignment]
+    whole = compat.child_modules(blocks)
+    compat.set_child_modules(blocks, dict(list(whole.items())[:keep]))
     try:
         yield
     finally:
-        blocks._modules = whole
+        compat.set_child_modules(blocks, whole)
 
 
 @dataclass

@@ -15,6 +15,7 @@ from typing import Any
 
 from torch import nn
 
+from autoparallel import compat
 from autoparallel.memory.meter import outermost_matches
 from autoparallel.memory.recomputation import POLICIES
 from autoparallel.memory.recomputation import recompute as recompute_module
@@ -119,7 +120,7 @@ def check_ties(matches: list[tuple[str, str, nn.Module, ParallelStyle]], axis_na
     seen: dict[int, tuple[str, Any]] = {}
     for _, name, module, style in matches:
         for attr, p in style.param_placements(module).items():
-            t = module._parameters.get(attr)
+            t = compat.own_parameters(module).get(attr)
             if t is None:
                 continue
             where = f"{name}.{attr}" if name else attr

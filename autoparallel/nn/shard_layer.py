@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoparallel import runtime
+from autoparallel import compat, runtime
 from autoparallel.api import shard_tensor
 from autoparallel.engine.dtensor import DistTensor
 from autoparallel.mesh import ProcessMesh
@@ -55,7 +55,7 @@ class ParamSharder:
         """Raise ``ValueError`` before anything is laid out if some plain parameter of ``root``
         cannot become its DistTensor in place (the same verdict on every rank: metadata only)."""
         for name, module in root.named_modules(remove_duplicate=False):
-            for attr, t in module._parameters.items():
+            for attr, t in compat.own_parameters(module).items():
                 if t is not None and not isinstance(t, DistTensor):
                     self._check_swap(t, _qual(name, attr))
 
@@ -96,8 +96,7 @@ class ParamSharder:
 
     def place(self, module: nn.Module, attr: str, placements: Sequence[Placement], where: str) -> None:
         """Set ``module.<attr>`` (a parameter or buffer) to its DistTensor in ``placements``."""
-        is_param = attr in module._parameters
-        t = module._parameters[attr] if is_param else module._buffers[attr]
+        t, is_param = compat.own_tensor(module, attr)
         if t is None:
             return
         placements = tuple(placements)
@@ -125,10 +124,7 @@ class ParamSharder:
                 f"{where}: {attr} is tied to {self._where.get(id(t), '?')}, which lays it out as "
                 f"{list(new.placements)}; it cannot also be {list(placements)}"  # type: ignore[attr-defined]
             )
-        if is_param:
-            module._parameters[attr] = new  # type: ignore[assignment]
-        else:
-            module._buffers[attr] = new
+        compat.put_tensor(module, attr, new)
 
     def record(self, old: torch.Tensor, new: torch.Tensor, where: str) -> None:
         self.converted[id(old)] = new
@@ -138,23 +134,16 @@ class ParamSharder:
     def replicate_rest(self, root: nn.Module) -> None:
         """Every parameter/buffer not converted yet becomes Replicate on every mesh axis."""
         for name, module in root.named_modules(remove_duplicate=False):
-            for attr, t in [*module._parameters.items(), *module._buffers.items()]:
+            for attr, t in [*compat.own_parameters(module).items(), *compat.own_buffers(module).items()]:
                 if t is None:
                     continue
                 done = self.converted.get(id(t))
                 if done is not None:
-                    self._put(module, attr, done)
+                    compat.put_tensor(module, attr, done)
                 elif isinstance(t, DistTensor):  # laid out by the caller (any mesh): keep it
                     self.record(t, t, _qual(name, attr))
                 else:
                     self.place(module, attr, [Replicate()] * self.mesh.ndim, _qual(name, attr))
-
-    @staticmethod
-    def _put(module: nn.Module, attr: str, new: torch.Tensor) -> None:
-        if attr in module._parameters:
-            module._parameters[attr] = new  # type: ignore[assignment]
-        else:
-            module._buffers[attr] = new
 
 
 def _record_replacement(sharder: ParamSharder, module: nn.Module, attr: str, old: torch.Tensor, new: torch.Tensor, where: str) -> None:
@@ -164,7 +153,7 @@ def _record_replacement(sharder: ParamSharder, module: nn.Module, attr: str, old
     if first is None:
         if isinstance(new, DistTensor) and isinstance(new, nn.Parameter):
             new = sharder.swap_in(old, new, where)
-            ParamSharder._put(module, attr, new)
+            compat.put_tensor(module, attr, new)
         sharder.record(old, new, where)
         return
     if _layout(first) != _layout(new):
@@ -172,7 +161,7 @@ def _record_replacement(sharder: ParamSharder, module: nn.Module, attr: str, old
             f"shard_layer: {where} is tied to {sharder._where[id(old)]}, which shard_fn laid out as "
             f"{_layout(first)}; it cannot also be {_layout(new)}"
         )
-    ParamSharder._put(module, attr, first)  # same layout: keep the tie (one Parameter)
+    compat.put_tensor(module, attr, first)  # same layout: keep the tie (one Parameter)
 
 
 def _optimizer_state_ids() -> set[int]:
@@ -230,10 +219,11 @@ def shard_layer(
     sharder.check_swappable(layer)
     if shard_fn is not None:
         for name, sub in layer.named_modules():
-            before = {a: t for a, t in [*sub._parameters.items(), *sub._buffers.items()] if t is not None}
+            before = {a: t for a, t in [*compat.own_parameters(sub).items(), *compat.own_buffers(sub).items()]
+                      if t is not None}
             shard_fn(name, sub, mesh)
             for a, old in before.items():
-                new = sub._parameters.get(a, sub._buffers.get(a))
+                new = compat.own_parameters(sub).get(a, compat.own_buffers(sub).get(a))
                 if new is not None and new is not old:
                     _record_replacement(sharder, sub, a, old, new, _qual(name, a))
     sharder.replicate_rest(layer)

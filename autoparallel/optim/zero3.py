@@ -264,7 +264,7 @@ class Zero3Params:
     def _assign(self, module: nn.Module, unit: _Unit) -> None:
         seat = self._seat(module)
         seat.generation, seat.unit = self.generation, unit
-        unit.slots += [(module, a) for a, p in module._parameters.items() if p is not None and self.owns(p)]
+        unit.slots += [(module, a) for a, p in compat.own_parameters(module).items() if p is not None and self.owns(p)]
         for child in module.children():
             self._assign(child, _Unit(self, child) if isinstance(module, (nn.ModuleList, nn.ModuleDict)) else unit)
 
@@ -325,7 +325,7 @@ class _Unit:
         index: dict[int, int] = {}
         where: list[int | None] = []
         for m, a in self.slots:
-            p = m._parameters[a]
+            p = compat.own_parameters(m)[a]
             if p is None or not owner.owns(p):
                 where.append(None)
                 continue

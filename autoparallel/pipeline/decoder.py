@@ -47,7 +47,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoparallel import runtime
+from autoparallel import compat, runtime
 from autoparallel.api import reshard, shard_tensor
 from autoparallel.engine import layout
 from autoparallel.engine.dtensor import DistTensor
@@ -61,9 +61,9 @@ from autoparallel.placement import Partial, Replicate
 def _shallow(module: nn.Module, **children: nn.Module | None) -> nn.Module:
     """A copy of ``module`` sharing its parameters and children, with ``children`` replaced."""
     out = copy.copy(module)
-    out._modules = dict(module._modules)  # copy.copy shares the dict: the original keeps its children
+    compat.set_child_modules(out, dict(compat.child_modules(module)))  # copy.copy shares the dict: the original keeps its children
     for name, child in children.items():
-        out._modules[name] = child
+        compat.child_modules(out)[name] = child
     return out
 
 
@@ -299,7 +299,8 @@ def decoder_stages(
         head = model.lm_head if last else None
         if last and not first and model.lm_head.weight is embed.weight:  # tied across stages: a copy
             head = copy.copy(model.lm_head)
-            head._parameters = {**model.lm_head._parameters, "weight": nn.Parameter(embed.weight.detach().clone())}
+            compat.set_own_parameters(head, {**compat.own_parameters(model.lm_head),
+                                             "weight": nn.Parameter(embed.weight.detach().clone())})
             tied.append(((embed, "weight"), (head, "weight")))
         if family == "llama":
             modules.append(LlamaStage(model, bounds[c], bounds[c + 1], first, last, head))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from autoparallel import compat
 from autoparallel.api import dtensor_from_local
 from autoparallel.engine import layout
 from autoparallel.engine.dtensor import DistTensor
@@ -25,9 +26,9 @@ def runs_locally(st: Stage) -> bool:
     """Whether ``st`` can run on local tensors (one-rank mesh, no hooks)."""
     if st.mesh.size != 1:
         return False
-    if any(m._forward_hooks or m._forward_pre_hooks for m in st.module.modules()):
+    if any(compat.forward_hook_fns(m) for m in st.module.modules()):
         return False
-    return not any(p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None) for p in st.module.parameters())
+    return not any(compat.has_tensor_hooks(p) for p in st.module.parameters())
 
 
 class LocalStage:

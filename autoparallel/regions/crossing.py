@@ -104,8 +104,7 @@ def _accumulate(ctx: Any, grads: list[DistTensor | None]) -> None:
     """
     for k, ((node, _), g) in enumerate(zip(ctx.next_functions, grads)):
         leaf = getattr(node, "variable", None)  # set on accumulation nodes only: a parameter's
-        if (g is None or leaf is None or leaf.grad is not None or leaf._backward_hooks
-                or leaf._post_accumulate_grad_hooks):
+        if g is None or leaf is None or leaf.grad is not None or compat.has_tensor_hooks(leaf):
             continue
         try:
             if not _will_run(node):

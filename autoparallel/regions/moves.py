@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from autoparallel import compat
 from autoparallel.engine import layout
 from autoparallel.engine.dtensor import DistTensor
 from autoparallel.spec import DistSpec
@@ -49,7 +50,7 @@ def style_hook(hook: Any) -> Any:
 def foreign_hooks(module: torch.nn.Module) -> bool:
     """Whether ``module`` has a forward (pre-)hook that is not a style's."""
     return any(not getattr(h, _STYLE, False)
-               for h in (*module._forward_pre_hooks.values(), *module._forward_hooks.values()))
+               for h in compat.forward_hook_fns(module))
 
 
 def current() -> Any:

@@ -100,24 +100,25 @@ def _slots(module: nn.Module) -> list[tuple[nn.Module, str]]:
     """Every (submodule, attribute) holding a parameter or buffer, ties included."""
     out = []
     for m in module.modules():
-        out += [(m, a) for a, t in m._parameters.items() if t is not None]
-        out += [(m, a) for a, t in m._buffers.items() if t is not None]
+        out += [(m, a) for a, t in compat.own_parameters(m).items() if t is not None]
+        out += [(m, a) for a, t in compat.own_buffers(m).items() if t is not None]
     return out
 
 
 def _structure(modules: list[nn.Module]) -> tuple[tuple[Any, ...], ...]:
     """Per module of the tree as last seen: how many parameters and buffers it holds and which
     children (a flat walk: a change anywhere in the tree shows in some module's entry)."""
-    return tuple((len(m._parameters), len(m._buffers), *m._modules.values()) for m in modules)
+    return tuple((len(compat.own_parameters(m)), len(compat.own_buffers(m)), *compat.child_modules(m).values())
+                 for m in modules)
 
 
 def _current(m: nn.Module, attr: str) -> torch.Tensor:
     """What ``m.<attr>`` resolves to now (a ZeRO-3 gathered tensor shadows the parameter)."""
     t = m.__dict__.get(attr)
     if t is None:
-        t = m._parameters.get(attr)
+        t = compat.own_parameters(m).get(attr)
     if t is None:
-        t = m._buffers[attr]
+        t = compat.own_buffers(m)[attr]
     assert t is not None, (type(m).__name__, attr)
     return t
 

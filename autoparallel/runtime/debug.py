@@ -232,7 +232,7 @@ class _Modules:
             self.backward = None
             self.hooked.clear()
         token = None
-        if m._forward_hooks:  # its own hooks run after ours: the entry closes after them
+        if compat.module_hooks(m)[1]:  # its own hooks run after ours: the entry closes after them
             self.tokens += 1
             token = self.tokens
             self.late[token] = m.register_forward_hook(functools.partial(self._late, token))

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from autoparallel import compat
 from autoparallel.engine import dispatch, layout
 from autoparallel.runtime import comm
 from autoparallel.runtime.debug import CommDebugMode, CommRecord
@@ -86,7 +87,7 @@ def capture(fn: Callable[..., Any], inputs: Sequence[torch.Tensor]) -> Capture:
 
     watch = Watch()
     # (no module hooks of its own: a capture runs the same modules' code as an uncaptured step)
-    with CommDebugMode(modules=False) as seen, comm.functional_collectives(), dispatch.observed_by(watch), _RngResets() as resets:
+    with CommDebugMode(modules=False) as seen, comm.functional_collectives(), dispatch.observed_by(watch), compat.RngResets() as resets:
         try:
             gm = make_fx(traced, tracing_mode="real")(*inputs)
         except comm.CaptureError as e:
@@ -107,30 +108,6 @@ def capture(fn: Callable[..., Any], inputs: Sequence[torch.Tensor]) -> Capture:
     gm.recompile()
     # a replay records these again, with no time of their own (the program runs as a whole)
     return Capture(gm, "", results[0], tuple(replace(r, seconds=0.0) for r in seen.records))
-
-
-class _RngResets:
-    """Counts ``torch.set_rng_state`` calls while a step is captured. Activation recompute
-    (torch's checkpoint) restores the generator before re-running a forward so dropout draws the
-    same masks; the program records the draws but not the restore, so a replay would draw new
-    masks in the recompute. A capture that saw a reset and draws is refused."""
-
-    def __init__(self) -> None:
-        self.count = 0
-        self._real: Any = None
-
-    def __enter__(self) -> _RngResets:
-        self._real = torch.set_rng_state
-
-        def counted(state: torch.Tensor) -> None:
-            self.count += 1
-            self._real(state)
-
-        torch.set_rng_state = counted  # type: ignore[assignment]
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        torch.set_rng_state = self._real
 
 
 def _graph_reason(gm: torch.fx.GraphModule) -> str:

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from autoparallel import compat
 from autoparallel.engine import dispatch, layout
 from autoparallel.log import logger
 from autoparallel.runtime.debug import CommRecord, replay
@@ -86,8 +87,7 @@ class StaticChunk:
     def _key(self, x: Any, t: Any, out_spec: DistSpec, in_grad_spec: DistSpec | None) -> Any:
         def one(a: Any) -> Any:
             return None if a is None else (layout.spec_of(a), layout.stride_of(a)) if layout.is_dist(a) else (tuple(a.shape), a.dtype)
-        hooks = tuple((m.training, tuple(m._forward_pre_hooks), tuple(m._forward_hooks), tuple(m._backward_hooks),
-                       tuple(m._backward_pre_hooks)) for m in self.module.modules())
+        hooks = tuple((m.training, *compat.module_hooks(m)) for m in self.module.modules())
         params = tuple((layout.spec_or_none(p), p.requires_grad) for p in self.module.parameters())
         return (one(x), one(t), out_spec, in_grad_spec, params, hooks, torch.is_grad_enabled())
 

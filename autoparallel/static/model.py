@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from autoparallel import compat
 from autoparallel.compat import tree_flatten, tree_unflatten
 from autoparallel.engine import dispatch, layout
 from autoparallel.log import logger
@@ -174,8 +175,7 @@ class DistModel:
         switched between train and eval, is a new signature (a program would not run it)."""
         out: list[Any] = []
         for m in self.network.modules():
-            out.append((m.training, tuple(m._forward_pre_hooks), tuple(m._forward_hooks),
-                        tuple(m._backward_hooks), tuple(m._backward_pre_hooks)))
+            out.append((m.training, *compat.module_hooks(m)))
         return tuple(out)
 
     # ---- eager ---------------------------------------------------------------------------------

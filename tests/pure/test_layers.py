@@ -48,6 +48,17 @@ def test_model_level_code_takes_the_engine_through_its_doors() -> None:
     assert importgraph.engine_internals(ROOT) == []
 
 
+def test_private_torch_names_go_through_compat(tmp_path: object) -> None:
+    # nn.Module's slots and hook tables, tensors' hook tables, torch.set_rng_state patching
+    assert importgraph.private_torch_uses(ROOT) == []
+    root = str(tmp_path)
+    path = os.path.join(root, "autoparallel", "x.py")
+    os.makedirs(os.path.dirname(path))
+    with open(path, "w", encoding="utf-8") as fh:
+        fh.write("a = m._parameters\nb = m._parameters_seen  # m._modules in a comment\ntorch.set_rng_state = f\n")
+    assert [(m, i) for m, i, _ in importgraph.private_torch_uses(root)] == [("autoparallel.x", 1), ("autoparallel.x", 3)]
+
+
 def test_the_door_check_sees_engine_internals(tmp_path: object) -> None:
     root = str(tmp_path)
     files = {
