@@ -544,4 +544,6 @@ __all__ = [
     "enable_torch_function", "torch_function_enabled",
     "make_wrapper_subclass", "meta_in_tls", "no_dispatch", "optimizer_global_hooks", "tree_flatten", "tree_unflatten",
     "unflatten_dense_tensors", "will_engine_execute_node",
+    "own_parameters", "set_own_parameters", "own_buffers", "own_tensor", "put_tensor", "child_modules",
+    "set_child_modules", "module_hooks", "forward_hook_fns", "has_tensor_hooks", "RngResets",
 ]
