@@ -195,10 +195,7 @@ def _memory_check(model: Any, x: torch.Tensor, free: Any, world: int) -> dict[st
 
     for _ in range(3):
         step()
-    local = [p.to_local() if isinstance(p, ap.DistTensor) else p for p in fresh.parameters()]
-    local += [v.to_local() if isinstance(v, ap.DistTensor) else v
-              for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor) and v.dim()]
-    measured = [sum(t.numel() * t.element_size() for t in local) + peak_rise(step)]
+    measured = [ap.memory.held_bytes(fresh, opt) + peak_rise(step)]
     everyone: list[Any] = [None] * world
     dist.all_gather_object(everyone, measured[0])
     return {"budget": budget, "dp_predicted": dp.prediction.memory_bytes, "name": plan.candidates[0].name,

@@ -113,17 +113,12 @@ def quiet_profiler() -> Iterator[None]:
 
 
 def peak_rise(fn: Callable[[], Any]) -> int:
-    """Highest rise of live CPU tensor bytes while ``fn`` runs (torch.profiler memory events)."""
-    from torch.profiler import ProfilerActivity, profile
+    """Highest rise of live CPU tensor bytes while ``fn`` runs (``ap.memory.peak_rise``, the
+    profiler's own log lines silenced)."""
+    from autoparallel.memory import peak_rise as rise
 
-    with quiet_profiler(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    live = peak = 0
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]  # type: ignore[union-attr]
-    for e in sorted(events, key=lambda e: e.start_ns()):
-        live += e.nbytes()
-        peak = max(peak, live)
-    return peak
+    with quiet_profiler():
+        return rise(fn)
 
 
 # ---- ours ------------------------------------------------------------------------------------

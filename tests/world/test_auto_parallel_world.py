@@ -86,20 +86,6 @@ def test_auto_plan_trains_like_one_process(world4, fixed: list[int] | None, shor
         assert got[0]["shape"] == (2, 2)
 
 
-def _peak_of(step: Any) -> int:
-    """Highest rise of live CPU tensor bytes while ``step`` runs (the profiler's memory events)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    live = peak = 0
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]  # type: ignore[union-attr]
-    for e in sorted(events, key=lambda e: e.start_ns()):
-        live += e.nbytes()
-        peak = max(peak, live)
-    return peak
-
-
 def _measured_peak(rank: int) -> dict[str, Any]:
     """The plan for a budget 10 % under plain DP's predicted peak (data-parallel mesh, AdamW, the
     H100 profile so the choice does not depend on this machine's speed; activations dominate):
@@ -127,12 +113,8 @@ def _measured_peak(rank: int) -> dict[str, Any]:
 
     for _ in range(3):
         step()
-    local = [p.to_local() if isinstance(p, ap.DistTensor) else p for p in model.parameters()]
-    local += [v.to_local() if isinstance(v, ap.DistTensor) else v
-              for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor) and v.dim()]
-    held = sum(t.numel() * t.element_size() for t in local)
     return {"name": plan.candidates[0].name, "budget": budget, "predicted": plan.candidates[0].prediction.memory_bytes,
-            "measured": held + _peak_of(step)}
+            "measured": ap.memory.held_bytes(model, opt) + ap.memory.peak_rise(step)}
 
 
 def test_memory_prediction_matches_the_measured_peak(world4) -> None:  # type: ignore[no-untyped-def]
