@@ -497,7 +497,7 @@ def auto_parallel(model: nn.Module, world: int | None = None, example: Any = Non
                     rec = "" if k == 0 else " recompute" if k == len(blocks) else f" recompute {k}/{len(blocks)}"
                     name = f"dp{dp} x tp{tp}" + (f" {label}" if tp > 1 else "") + (f" zero{zero}" if zero else "") + rec
                     feasible = budget is None or pred.memory_bytes <= budget
-                    recompute = ({pattern(blocks[0]): "full"} if k == len(blocks)
+                    recompute = ({} if k == 0 else {pattern(blocks[0]): "full"} if k == len(blocks)
                                  else {b: "full" for b in sorted(blocks, key=_index)[:k]})
                     styles = dict(tp_plan) if tp_plan is not None else {}
                     plan = Plan(styles, shape, names, zero, recompute, tp_plan.divisible if tp_plan is not None else {},

@@ -225,3 +225,19 @@ def test_layouts_by_hand_on_two_meshes_or_another_mesh_are_refused() -> None:
     model.blocks[1].mlp.fc.weight = ap.shard_tensor(model.blocks[1].mlp.fc.weight, other, [ap.Replicate()])  # type: ignore[assignment]
     with pytest.raises(ValueError, match="two meshes"):
         ap.auto_parallel(model, example=_example(), loss=lm_loss)
+
+
+def test_a_model_without_repeated_blocks_gets_a_plan() -> None:
+    """No stack of blocks: no recompute candidates, a plan all the same."""
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(16, 32)
+            self.out = nn.Linear(32, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.out(torch.relu(self.fc(x)))
+
+    plan = ap.auto_parallel(Net(), world=4, example=(torch.randn(8, 16), torch.randint(0, 4, (8,))),
+                            loss=nn.functional.cross_entropy, profile="h100")
+    assert plan.recompute == {} and not any("recompute" in c.name for c in plan.candidates)
