@@ -360,12 +360,16 @@ def _price(step: Step, sim: Simulation, mesh_shape: tuple[int, ...], dp_axis: in
     dp = mesh_shape[dp_axis] if dp_axis is not None else 1
     rep = tuple(Replicate() for _ in mesh_shape)
     p_bytes = 0
+    block_bytes = 0  # the parameters of the repeated blocks (ZeRO-3's units beside the root)
     tp_grad_bytes = 0
+    blocks = tuple(b + "." for b in step.blocks())
     for name, ref in step.params.items():
         m = step.metas[ref.id]
         pl = params.get(name, rep)
         b = _local_bytes(m.shape, torch.empty((), dtype=m.dtype).element_size(), pl, mesh_shape)
         p_bytes += b
+        if name.startswith(blocks):
+            block_bytes += b
         grads = step.grads.get(name, [])
         g = sim.specs.get(grads[-1].id) if grads else None
         if tp_axis is not None and g is not None and isinstance(g.placements[tp_axis], Partial):
@@ -401,10 +405,11 @@ def _price(step: Step, sim: Simulation, mesh_shape: tuple[int, ...], dp_axis: in
         live = max(live, p_bytes + bucket)
     elif dp > 1 and zero in (1, 2):
         live = max(live, p_bytes + 2 * bucket + bucket // dp + p_bytes // dp)
-    if zero >= 3:  # the shard, a gathered unit, and without recompute about the parameters' whole size
-        # more at the peak (measured on 4 ranks, not broken down yet: gathered units and their
-        # gradients' full-size reduce-scatter buffers around the turn to the backward)
-        p_bytes = p_bytes // dp + p_bytes // n_blocks + int((1 - recompute) * (p_bytes - p_bytes // dp))
+    if zero >= 3:  # the shard, and gathered at the peak the root unit (what no block holds: the
+        # embedding, the head) and two blocks (the first re-gathered for its backward while the
+        # last's gathers are freed), one with recompute (benchmarks/zero3_peak.py's breakdown)
+        unit = block_bytes // n_blocks
+        p_bytes = p_bytes // dp + (p_bytes - block_bytes) + unit * (2 - int(recompute >= 1))
     return Prediction(compute_s + comm_s + overhead_s, compute_s, comm_s, p_bytes + s_bytes + live,
                       sum(n for _, _, n, _ in comm), sum(b for _, b, _, _ in comm), overhead_s)
 
