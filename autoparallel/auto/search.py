@@ -232,6 +232,7 @@ def found_plans(model: nn.Module, step: Step) -> list[tuple[str, ModelPlan, bool
     r = (Replicate(),)
     styles: dict[str, Any] = {}
     divisible: dict[str, int] = {}
+    memo: dict[Any, Any] = {}  # the replays' shared decisions (the same call on the same layouts)
     seen_patterns: set[str] = set()
     paired: set[str] = set()
     for i, a in enumerate(linears):
@@ -240,12 +241,12 @@ def found_plans(model: nn.Module, step: Step) -> list[tuple[str, ModelPlan, bool
             continue
         seen_patterns.add(pa)
         col = {f"{a}.weight": (Shard(0),), f"{a}.bias": (Shard(0),)}
-        sim = simulate(step, mesh, col, r, {a: (Replicate(), None)})
+        sim = simulate(step, mesh, col, r, {a: (Replicate(), None)}, memo=memo)
         b = next((n for n in linears[i + 1:] if n not in paired and _split_features(sim.edges.get(("in", n)))), None)
         if b is None:
             continue
         row = {**col, f"{b}.weight": (Shard(1),)}
-        sim = simulate(step, mesh, row, r, {a: (Replicate(), None), b: (Shard(-1), Replicate())})
+        sim = simulate(step, mesh, row, r, {a: (Replicate(), None), b: (Shard(-1), Replicate())}, memo=memo)
         if any(not c.backward and c.module != b for c in sim.collectives):
             continue  # something between needs the whole value: no pair
         paired |= {a, b}
