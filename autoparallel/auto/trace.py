@@ -131,6 +131,20 @@ class _Recorder(TorchDispatchMode):
         return out
 
 
+def _where(e: BaseException) -> str:
+    """`` at FILE:LINE (`code`)`` of the innermost frame of ``e``'s traceback outside torch and this
+    library (the model's line that asked for a value), or ''."""
+    import os
+    import traceback
+
+    skip = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if not f.filename.startswith(skip)]
+    if not frames:
+        return ""
+    f = frames[-1]
+    return f" at {f.filename}:{f.lineno} (`{(f.line or '').strip()}`)"
+
+
 def _flops(func: Any, args: Any, kwargs: Any, out: Any) -> int:
     from torch.utils.flop_counter import flop_registry
     fn = flop_registry.get(getattr(func, "overloadpacket", None))
@@ -308,8 +322,8 @@ def _record(model: nn.Module, example: Any, loss: Callable[..., Any] | None, rea
     except Exception as e:  # data-dependent Python, an op without a meta kernel, ...
         raise ValueError(
             f"ap.auto_parallel: the model's step cannot be traced on fake tensors ({type(e).__name__}: "
-            f"{str(e).splitlines()[0] if str(e) else ''}); a step whose Python depends on tensor values "
-            "has no plan that holds for every batch — lay it out by hand (ap.parallelize)") from e
+            f"{str(e).splitlines()[0] if str(e) else ''}){_where(e)}; a step whose Python depends on tensor "
+            "values has no plan that holds for every batch — lay it out by hand (ap.parallelize)") from e
     finally:
         for h in hooks:
             h.remove()
