@@ -314,12 +314,25 @@ def _annotations(model: nn.Module, mesh: ProcessMesh | None) -> tuple[dict[str, 
 
 
 def _without(plan: ModelPlan, model: nn.Module, fixed: dict[str, Any]) -> ModelPlan:
-    """``plan`` less the patterns matching a module that holds a parameter laid out by hand."""
+    """``plan`` less the modules that hold a parameter laid out by hand: a pattern matching one of
+    them is replaced by the names of the other modules it matches (they keep their style)."""
     if not fixed:
         return plan
-    touched = {pattern for pattern, name, module, _ in match_plan(model, plan)
-               if any(f"{name}.{n}" in fixed or (not name and n in fixed) for n, _ in module.named_parameters())}
-    return ModelPlan({k: v for k, v in plan.items() if k not in touched}, plan.divisible, plan.model)
+
+    def holds_fixed(name: str, module: nn.Module) -> bool:
+        return any((f"{name}.{n}" if name else n) in fixed for n, _ in module.named_parameters())
+
+    matches = match_plan(model, plan)
+    touched = {pat for pat, name, module, _ in matches if holds_fixed(name, module)}
+    styles: dict[str, Any] = {}
+    for pat, style in plan.items():
+        if pat not in touched:
+            styles[pat] = style
+            continue
+        for p, name, module, _ in matches:
+            if p == pat and not holds_fixed(name, module):
+                styles[name] = style
+    return ModelPlan(styles, plan.divisible, plan.model)
 
 
 def _placements(model: nn.Module, plan: ModelPlan | None, mesh: ProcessMesh, tp: int | None) -> tuple[dict[str, tuple[Placement, ...]], dict[str, Any]]:

@@ -211,7 +211,8 @@ def test_parameters_laid_out_by_hand_are_kept(world4) -> None:  # type: ignore[n
     got = world4.run(_partly_laid_out)
     for r in got:
         assert r["shape"] == (2, 2) and r["fc"] == (ap.Replicate(), ap.Shard(0)), r["plan"]
-        assert "blocks.*.mlp.fc" not in r["styles"]
+        assert "blocks.*.mlp.fc" not in r["styles"] and "blocks.0.mlp.fc" not in r["styles"]
+        assert "blocks.1.mlp.fc" in r["styles"]  # its sibling keeps the style
         torch.testing.assert_close(r["losses"], ref["losses"], rtol=1e-5, atol=0, msg=r["plan"])
         for name, p in ref["params"].items():
             torch.testing.assert_close(r["params"][name], p, rtol=1e-5, atol=1e-6, msg=f"{name}\n{r['plan']}")
