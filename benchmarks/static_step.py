@@ -36,13 +36,13 @@ WORLD = ts.WORLD
 
 
 def measure(layout: str, cfg: Any, x: torch.Tensor, y: torch.Tensor, args: argparse.Namespace) -> dict[str, Any]:
-    sides: dict[str, Any] = {"eager": ts.build_ours(layout, cfg, x, y)[2]}
-    sides["static"] = ts.build_ours(layout, cfg, x, y, static="plain")[2]
+    built = {"eager": ts.build_ours(layout, cfg, x, y), "static": ts.build_ours(layout, cfg, x, y, static="plain")}
     if args.inductor:
-        sides["inductor"] = ts.build_ours(layout, cfg, x, y, static="inductor")[2]
-    sides["torch"] = ts.build_torch(layout, cfg, x, y)[2]
+        built["inductor"] = ts.build_ours(layout, cfg, x, y, static="inductor")
+    built["torch"] = ts.build_torch(layout, cfg, x, y)
     if args.torch_compile:
-        sides["torch.compile"] = ts.build_torch(layout, cfg, x, y, compiled=True)[2]
+        built["torch.compile"] = ts.build_torch(layout, cfg, x, y, compiled=True)
+    sides: dict[str, Any] = {name: b[2] for name, b in built.items()}
     out: dict[str, Any] = {name: {"losses": [], "times": []} for name in sides}
     for name, step in list(sides.items()):  # warm-up: a static side captures in its second (ZeRO-3: third) call
         calls = []
@@ -69,6 +69,9 @@ def measure(layout: str, cfg: Any, x: torch.Tensor, y: torch.Tensor, args: argpa
         out[name]["step_s"] = statistics.median(out[name]["times"])
     for name, step in sides.items():
         out[name]["cpu_s"] = cpu_per_step(step, args.steps)
+        model, opt, _ = built[name]
+        dist.barrier()  # the step's peak: what the rank holds + the highest rise while one step runs
+        out[name]["peak_bytes"] = ts._max_over_ranks(ts.param_opt_bytes(model, opt) + ts.peak_rise(step))
     if args.comm_share:
         for name, step in sides.items():
             out[name]["comm_share"] = comm_share(step)
@@ -185,6 +188,11 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> bool:
     for layout, r in results.items():
         print(f"{layout}: CPU per rank per step: " + ", ".join(f"{n} {r[n]['cpu_s'] * 1e3:.1f} ms" for n in r if "cpu_s" in r[n])
               + f" (eager/static CPU {r['eager']['cpu_s'] / r['static']['cpu_s']:.2f}x)")
+    for layout, r in results.items():
+        print(f"{layout}: peak per rank: " + ", ".join(f"{n} {r[n]['peak_bytes'] / 1024:,.0f} KiB" for n in r if "peak_bytes" in r[n]))
+        ratio = r["static"]["peak_bytes"] / r["eager"]["peak_bytes"]
+        ok &= ratio <= 1.0
+        print(f"static {layout}: peak static / eager = {ratio:.2f} (target <= 1.0): {'PASS' if ratio <= 1.0 else 'FAIL'}")
     if args.comm_share:
         for layout, r in results.items():
             print(f"{layout}: blocked in communication (share of the step): "

@@ -148,7 +148,8 @@ def build_ours(layout: str, cfg: Any, x: torch.Tensor, y: torch.Tensor,
         mesh = ap.ProcessMesh(list(range(WORLD)), dim_names=["dp"])
         ap.shard_layer(model, mesh)
         xs, ys = (ap.shard_tensor(t, mesh, [S(0)]) for t in (x, y))
-        opt = ap.shard_optimizer(_adamw(model), ap.ShardingStage3(mesh, "dp") if layout == "ZeRO-3" else None)
+        stage = ap.ShardingStage3(mesh, "dp", overlap=layout == "ZeRO-3/overlap") if layout.startswith("ZeRO-3") else None
+        opt = ap.shard_optimizer(_adamw(model), stage)
 
     def step() -> float:
         loss = lm_loss(model(xs), ys)
@@ -384,7 +385,8 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> bool:
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """The model, batch and timing options both step benchmarks take."""
-    p.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS))
+    p.add_argument("--layouts", nargs="+", choices=LAYOUTS + ("ZeRO-3/overlap",), default=list(LAYOUTS),
+                   help="ZeRO-3/overlap: ZeRO-3 with overlap=True (prefetch one unit ahead, reductions not waited for)")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)

@@ -59,7 +59,7 @@ import train_step  # noqa: E402  (the benchmarks folder, put on the path above)
 CATEGORIES = ("gathered parameters", "full-size gradients", "reduce-scatter buffers", "sharded gradients",
               "saved activations", "other backward", "optimizer", "unseen frees", "before the step")
 PHASES = ("forward", "backward", "step")
-GATHER = ("autoparallel::zero3_gather", "autoparallel::zero3_regather", "FSDP::all_gather", "FSDP::pre_forward",
+GATHER = ("autoparallel::zero3_gather", "autoparallel::zero3_regather", "autoparallel::zero3_prefetch", "FSDP::all_gather", "FSDP::pre_forward",
           "FSDP::pre_backward", "FSDP::root_pre_forward")
 REDUCE = ("autoparallel::zero3_reduce_scatter", "FSDP::post_backward")
 TOP = 12  # the largest allocations alive at the peak, listed with --top
@@ -214,8 +214,10 @@ def _profile_step(step: Any) -> Any:
 def measure(cfg: Any, x: torch.Tensor, y: torch.Tensor, warmup: int) -> dict[str, Any]:
     """Both sides at one width: this rank's breakdowns, then the rank with the highest peak's."""
     mine: dict[str, Any] = {}
-    for side, build in (("ours", train_step.build_ours), ("torch", train_step.build_torch)):
-        model, opt, step = build("ZeRO-3", cfg, x, y)
+    sides = (("ours", "ZeRO-3", train_step.build_ours), ("ours/overlap", "ZeRO-3/overlap", train_step.build_ours),
+             ("torch", "ZeRO-3", train_step.build_torch))
+    for side, layout, build in sides:
+        model, opt, step = build(layout, cfg, x, y)
         for _ in range(warmup):
             step()
         dist.barrier()
@@ -243,25 +245,27 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
           "ZeRO-3 (ours: shard_optimizer(ShardingStage3)) vs FSDP2 (fully_shard per block and the root)")
     print("KiB per rank, the rank with the highest peak; categories: live at that side's peak")
     for width, r in results.items():
-        o, t = r["ours"], r["torch"]
+        o, q, t = r["ours"], r["ours/overlap"], r["torch"]
         print(f"\nwidth {width}: peak ours {o['peak'] / 1024:,.0f} KiB ({o['peak_phase']}), "
               f"FSDP2 {t['peak'] / 1024:,.0f} KiB ({t['peak_phase']}): ratio {o['peak'] / t['peak']:.2f} "
-              f"(as the profiler counts: {o['seen_peak'] / t['seen_peak']:.2f})")
-        print(f"{'':<32} | {'ours':>9} | {'FSDP2':>9} | {'ours-FSDP2':>10}")
-        rows = [("parameters + optimizer states", o["param_opt"], t["param_opt"])]
-        rows += [(c, o["by"][c], t["by"][c]) for c in CATEGORIES]
-        rows += [("peak", o["peak"], t["peak"])]
-        rows += [("peak as the profiler counts it", o["seen_peak"], t["seen_peak"])]
-        rows += [(f"{ph} phase: highest rise", o["phase_peak"][ph], t["phase_peak"][ph]) for ph in PHASES]
-        for name, a, b in rows:
-            print(f"{name:<32} | {a / 1024:>9,.0f} | {b / 1024:>9,.0f} | {(a - b) / 1024:>+10,.0f}")
+              f"(as the profiler counts: {o['seen_peak'] / t['seen_peak']:.2f}); "
+              f"overlap=True {q['peak'] / 1024:,.0f} KiB: ratio {q['peak'] / t['peak']:.2f} "
+              f"(as counted: {q['seen_peak'] / t['seen_peak']:.2f})")
+        print(f"{'':<32} | {'ours':>9} | {'overlap':>9} | {'FSDP2':>9} | {'ours-FSDP2':>10}")
+        rows = [("parameters + optimizer states", o["param_opt"], q["param_opt"], t["param_opt"])]
+        rows += [(c, o["by"][c], q["by"][c], t["by"][c]) for c in CATEGORIES]
+        rows += [("peak", o["peak"], q["peak"], t["peak"])]
+        rows += [("peak as the profiler counts it", o["seen_peak"], q["seen_peak"], t["seen_peak"])]
+        rows += [(f"{ph} phase: highest rise", o["phase_peak"][ph], q["phase_peak"][ph], t["phase_peak"][ph]) for ph in PHASES]
+        for name, a, m, b in rows:
+            print(f"{name:<32} | {a / 1024:>9,.0f} | {m / 1024:>9,.0f} | {b / 1024:>9,.0f} | {(a - b) / 1024:>+10,.0f}")
         if args.phases:
             for ph in PHASES:
                 print(f"at the {ph} phase's own peak (ours | FSDP2): " + ", ".join(
                     f"{c} {o['phase_by'][ph][c] / 1024:,.0f} | {t['phase_by'][ph][c] / 1024:,.0f}"
                     for c in CATEGORIES if o['phase_by'][ph][c] or t['phase_by'][ph][c]))
         if args.top:
-            for side, res in (("ours", o), ("FSDP2", t)):
+            for side, res in (("ours", o), ("ours, overlap=True", q), ("FSDP2", t)):
                 print(f"{side}: made in the step and not seen freed: "
                       + "; ".join(f"{size / 1024:,.0f} {made}" for size, made in res["kept"]))
                 print(f"largest allocations alive at the peak, {side} (KiB, category, made in < ..., freed in < ...):")

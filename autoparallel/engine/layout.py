@@ -17,8 +17,9 @@ Three kinds of operation:
 - **make**: ``wrap`` (a DistTensor around a shard, not differentiable: for values autograd
   does not track, e.g. gradients handed over by hand), ``adopt`` (the Replicate DistTensor an
   op takes a plain tensor as), the differentiable ``from_local`` (a
-  shard) and ``shard_full`` (the full value), and ``pending_gradient`` (a scaled gradient kept
-  unscaled until read); ``keep_grad_layout`` (a leaf's ``.grad`` comes back in its own layout);
+  shard) and ``shard_full`` (the full value), ``pending_gradient`` (a scaled gradient kept
+  unscaled until read) and ``awaited`` (the result of an asynchronous collective, waited for
+  when first read); ``keep_grad_layout`` (a leaf's ``.grad`` comes back in its own layout);
 - **move**: ``move`` (a shard from one layout to another: the planner's plan, run),
   ``run_plan`` (a plan already made), the differentiable ``reshard`` (a DistTensor
   into another layout or mesh), ``grad_spec`` (the layout a gradient comes back in),
@@ -30,6 +31,7 @@ Three kinds of operation:
 
 from __future__ import annotations
 
+import functools
 from typing import Any, TypeGuard
 
 import torch
@@ -129,6 +131,18 @@ def pending_gradient(raw: torch.Tensor, spec: DistSpec, stat: Stat) -> DistTenso
     return PendingTensor.make(raw, spec, None, stat)
 
 
+def awaited(raw: torch.Tensor, spec: DistSpec, work: Any) -> DistTensor:
+    """A DistTensor whose shard is ``raw`` (cast to ``spec``'s dtype) once ``work`` (an
+    asynchronous collective writing ``raw``) is done: any op reading the value waits first; ops on
+    metadata alone (``zeros_like``) and autograd's detach do not."""
+    return PendingTensor.make(raw, spec, None, Stat(raw, work), functools.partial(_after_work, spec.dtype))
+
+
+def _after_work(dtype: torch.dtype, raw: torch.Tensor, stat: Stat) -> torch.Tensor:
+    stat.result()
+    return raw if raw.dtype == dtype else raw.to(dtype)
+
+
 # ---- move ------------------------------------------------------------------------------------
 def move(local: torch.Tensor, src: DistSpec, dst: DistSpec) -> torch.Tensor:
     """This rank's shard of a value of layout ``src``, moved to layout ``dst`` (collectives on
@@ -162,7 +176,7 @@ def set_local_(t: DistTensor, local: torch.Tensor) -> DistTensor:
 
 
 __all__ = [
-    "VALUE_OPS", "Stat", "adopt", "dist_args", "from_local", "grad_spec", "is_dist", "keep_grad_layout", "local_of", "local_or_plain", "move", "pending_gradient",
+    "VALUE_OPS", "Stat", "adopt", "awaited", "dist_args", "from_local", "grad_spec", "is_dist", "keep_grad_layout", "local_of", "local_or_plain", "move", "pending_gradient",
     "raw_of", "relayout_", "reshard", "run_plan", "scaled_raw", "set_local_",
     "shard_full", "spec_of", "spec_or_none", "stride_of", "wrap", "written_args",
 ]

@@ -17,7 +17,7 @@ an all-to-all of n pieces plus a local reduction.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -105,6 +105,34 @@ def reduce_scatter(
     if n == 1:
         out = [t if s is None else t * s for t, s in zip(locals_, pre)]
         return out if scale is None else [t * scale for t in out]
+    buf, shapes = _pack_scatter(locals_, dims, n, pre)
+    mine = comm.reduce_scatter(buf, mesh, axis, 0, reduce_type)  # [width]
+    if scale is not None:
+        mine.mul_(scale)
+    return _pieces(mine, shapes[me])
+
+
+def reduce_scatter_start(
+    locals_: Sequence[torch.Tensor], dims: Sequence[int], mesh: ProcessMesh, axis: int, reduce_type: str,
+    prescales: Sequence[torch.Tensor | None] | None = None,
+) -> tuple[list[torch.Tensor], object]:
+    """``reduce_scatter`` started, not waited for: (the pieces, work). The pieces are views of the
+    collective's result buffer: read them only after ``work.wait()``. The packed buffer is the
+    backend's until then."""
+    n, me = _line(mesh, axis)
+    pre = list(prescales) if prescales is not None else [None] * len(locals_)
+    if n == 1:
+        return reduce_scatter(locals_, dims, mesh, axis, reduce_type, prescales=pre), comm.DONE
+    buf, shapes = _pack_scatter(locals_, dims, n, pre)
+    mine, work = comm.reduce_scatter_start(buf, mesh, axis, reduce_type)
+    return _pieces(mine, shapes[me]), work
+
+
+def _pack_scatter(
+    locals_: Sequence[torch.Tensor], dims: Sequence[int], n: int, pre: Sequence[torch.Tensor | None],
+) -> tuple[torch.Tensor, list[list[tuple[int, ...]]]]:
+    """The reduce-scatter's one buffer ``[n * width]`` (segment ``r``: member ``r``'s pieces, then
+    zeros up to the widest segment) and each member's piece shapes."""
     shapes = [[_chunk_shape(t.shape, d, n, r) for t, d in zip(locals_, dims)] for r in range(n)]
     width = max(sum(_numel(s) for s in row) for row in shapes)  # member 0 has the largest pieces
     buf = locals_[0].new_empty(n * width)  # [n * width]
@@ -119,12 +147,13 @@ def reduce_scatter(
                 torch.mul(_chunk(t, d, n, r), s, out=seat)
             at += k
         buf[at: (r + 1) * width].zero_()  # padding of a member with smaller pieces
-    mine = comm.reduce_scatter(buf, mesh, axis, 0, reduce_type)  # [width]
-    if scale is not None:
-        mine.mul_(scale)
-    sizes = [_numel(s) for s in shapes[me]]
-    pieces = mine[: sum(sizes)].split(sizes)
-    return [p.view(s) for p, s in zip(pieces, shapes[me])]
+    return buf, shapes
+
+
+def _pieces(flat: torch.Tensor, shapes: Sequence[tuple[int, ...]]) -> list[torch.Tensor]:
+    """Views of ``flat``'s leading elements in ``shapes``."""
+    sizes = [_numel(s) for s in shapes]
+    return [p.view(s) for p, s in zip(flat[: sum(sizes)].split(sizes), shapes)]
 
 
 def all_gather(
@@ -137,11 +166,43 @@ def all_gather(
     n, _ = _line(mesh, axis)
     if n == 1:
         return list(pieces)
+    mine, shapes, width = _pack_gather(pieces, dims, full_shapes, n)
+    buf = comm.all_gather(mine, mesh, axis, 0, [width] * n)  # [n * width]
+    return _unpack_gather(buf, dims, shapes, width)
+
+
+def all_gather_start(
+    pieces: Sequence[torch.Tensor], dims: Sequence[int], full_shapes: Sequence[Sequence[int]], mesh: ProcessMesh, axis: int
+) -> Callable[[], list[torch.Tensor]]:
+    """``all_gather`` started, not waited for: calling the result waits and returns the whole
+    tensors (once; the pieces may change after this returns, the gathered values do not)."""
+    n, _ = _line(mesh, axis)
+    if n == 1:
+        fulls = list(pieces)
+        return lambda: fulls
+    mine, shapes, width = _pack_gather(pieces, dims, full_shapes, n)
+    buf, work = comm.all_gather_start(mine, mesh, axis)
+
+    def finish() -> list[torch.Tensor]:
+        work.wait()  # type: ignore[attr-defined]
+        return _unpack_gather(buf, dims, shapes, width)
+
+    return finish
+
+
+def _pack_gather(
+    pieces: Sequence[torch.Tensor], dims: Sequence[int], full_shapes: Sequence[Sequence[int]], n: int
+) -> tuple[torch.Tensor, list[list[tuple[int, ...]]], int]:
+    """This member's pieces in one flat buffer padded to member 0's width; every member's shapes."""
     shapes = [[_chunk_shape(f, d, n, r) for f, d in zip(full_shapes, dims)] for r in range(n)]
+    width = sum(_numel(s) for s in shapes[0])
+    return _pad(torch.cat([p.reshape(-1) for p in pieces]), width), shapes, width
+
+
+def _unpack_gather(buf: torch.Tensor, dims: Sequence[int], shapes: list[list[tuple[int, ...]]], width: int) -> list[torch.Tensor]:
+    """The gathered buffer ``[n * width]`` -> the whole tensors, each concatenated along its dim."""
+    n = len(shapes)
     sizes = [[_numel(s) for s in row] for row in shapes]
-    width = sum(sizes[0])
-    mine = torch.cat([p.reshape(-1) for p in pieces])
-    buf = comm.all_gather(_pad(mine, width), mesh, axis, 0, [width] * n)  # [n * width]
     rows = [buf[r * width: r * width + sum(sizes[r])].split(sizes[r]) for r in range(n)]
     return [
         torch.cat([rows[r][k].view(shapes[r][k]) for r in range(n)], dim=d)

@@ -97,6 +97,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         plans = [self._plan_group(g, k) for k, g in enumerate(optimizer.param_groups)]  # all checks first
         self._slots: list[_Slot] = []
         self._zero3 = Zero3Params()  # stage 3 / mixed precision: the parameters' units and their hooks
+        self._zero3.overlap = bool(getattr(self.stage, "overlap", False))
         if self.precision is not None and self.precision.cast_inputs:
             self._zero3.cast_inputs = self.precision.param_dtype
         self._sharded = False

@@ -80,11 +80,32 @@ class ShardingStage2(ShardingStage):
         super().__init__(mesh, axis, 2)  # type: ignore[arg-type]  # Paddle's order is swapped in __post_init__
 
 
+@dataclass(frozen=True, repr=False)
 class ShardingStage3(ShardingStage):
-    """ZeRO-3: parameters too, gathered before each module's forward and freed after it."""
+    """ZeRO-3: parameters too, gathered before each module's forward and freed after it.
 
-    def __init__(self, mesh: ProcessMesh | int | str, axis: int | str | ProcessMesh | None = None) -> None:
+    ``overlap=True``: communication overlaps compute, as torch's FSDP2 does. From the second
+    step on, each unit's all-gather starts as soon as the unit before it (in the previous step's
+    order) has gathered, in forward and in backward, at most one unit ahead; each unit's
+    gradients are reduce-scattered without waiting (a gradient waits for its reduction when it
+    is first read, at the latest when the next unit's reduction starts). It holds one more
+    unit's gathered parameters, and an in-flight reduction's buffers, while the current unit
+    computes. ``overlap=False`` (the default): every collective completes where it is issued:
+    the least memory, and on gloo (CPU) about the same step time (docs/memory.md).
+    """
+
+    overlap: bool = False
+
+    def __init__(self, mesh: ProcessMesh | int | str, axis: int | str | ProcessMesh | None = None,
+                 *, overlap: bool = False) -> None:
+        if not isinstance(overlap, bool):
+            raise TypeError(f"ShardingStage3: overlap must be True or False, got {overlap!r}")
+        object.__setattr__(self, "overlap", overlap)  # (a frozen value, set once here)
         super().__init__(mesh, axis, 3)  # type: ignore[arg-type]  # Paddle's order is swapped in __post_init__
+
+    def __repr__(self) -> str:
+        extra = ", overlap=True" if self.overlap else ""
+        return f"{type(self).__name__}(mesh={self.mesh!r}, axis={self.axis_name!r}{extra})"
 
 
 def param_axis(stage: ShardingStage, spec: DistSpec, where: str) -> int:

@@ -69,7 +69,7 @@ from autoparallel.engine import layout
 from autoparallel.engine.dtensor import DistTensor
 from autoparallel.optim import buckets
 from autoparallel.placement import Partial, chunk_bounds
-from autoparallel.runtime.comm import profiled
+from autoparallel.runtime.comm import capturing, profiled
 from autoparallel.spec import DistSpec
 
 _ATTR = "_ap_zero3"         # per parameter: its Zero3Layout
@@ -134,6 +134,7 @@ class _Live(dict[int, tuple["_UnitGather", int]]):
         if found is None:
             return t
         spec, stride = (layout.spec_of(t), layout.stride_of(t)) if layout.is_dist(t) else (None, None)
+        found[0].saved = True
         return _Saved(found[0], found[1], spec, stride, tuple(loc.shape), tuple(loc.stride()), int(loc.storage_offset()))
 
 
@@ -151,6 +152,12 @@ class Zero3Params:
         # modules the finder saw holding none of the parameters: id -> (module, generation then)
         self._plain: dict[int, tuple[weakref.ref[nn.Module], int]] = {}
         self.cast_inputs: torch.dtype | None = None  # mixed precision: a unit's floating inputs -> this
+        self.overlap = False  # prefetch one unit ahead; reduce-scatter without waiting
+        self._running = 0  # unit calls whose forward runs (0: between forwards)
+        self._chain: _Unit | None = None  # the unit this forward gathered last (learns the order)
+        self._ahead: _Unit | None = None  # the unit whose forward gather was started early
+        self._regathered: weakref.ref[_Unit] | None = None  # the unit the backward regathered last
+        self._reduction: Any = None  # the reduce-scatter in flight (at most one)
 
     # ---- parameters -----------------------------------------------------------------------
     def shard_(self, p: DistTensor, axis: int, shard: DistSpec,
@@ -306,6 +313,110 @@ class Zero3Params:
                 call.close()
 
 
+    # ---- overlap: one unit ahead -----------------------------------------------------------
+    # The order units gather in is learned from the previous forward (and backward): the same
+    # on every rank, like the module calls themselves. A unit's gather is started (async) when
+    # the unit before it in that order has gathered, and waited for when its own turn comes; a
+    # wrong guess (the model took another path) waits for the started gather and drops it.
+    def _overlapping(self) -> bool:
+        return self.overlap and not capturing()
+
+    def starting(self) -> None:
+        """A unit call begins; the first of a forward starts a new chain."""
+        if not self._running and not compat.in_backward():  # (a recomputation's forward is not)
+            self._chain = None
+            self._regathered = None
+        self._running += 1
+
+    def stopping(self) -> None:
+        """A unit call ends; with the last one the forward is over and nothing stays prefetched."""
+        self._running -= 1
+        if not self._running:
+            self._chain = None
+            self._drop_ahead()
+
+    def _drop_ahead(self) -> None:
+        unit, self._ahead = self._ahead, None
+        if unit is not None and unit.ahead is not None:
+            unit.ahead.finish()  # every member started it: wait, then let it go
+            unit.ahead = None
+
+    def gathered(self, unit: _Unit, source: _UnitGather) -> None:
+        """``unit``'s forward gathered its parameters: learn the order, start the next one."""
+        if compat.in_backward():
+            return  # a recomputation's gather: not the forward's order
+        unit.source = weakref.ref(source)
+        last = self._chain
+        if last is not None and last is not unit:
+            last.next = weakref.ref(unit)
+        self._chain = unit
+        if self._ahead is unit:
+            self._ahead = None
+        nxt = unit.next() if unit.next is not None else None
+        if (nxt is None or nxt is unit or nxt.active or nxt.ahead is not None or nxt.recomputed
+                or nxt.generation != self.generation or not self._overlapping()):
+            return
+        self._drop_ahead()
+        nxt.ahead = _Ahead.start(*nxt.members()[:2], self.generation, "autoparallel::zero3_prefetch")
+        self._ahead = nxt
+
+    def regathered(self, source: _UnitGather) -> None:
+        """``source``'s unit regathered its parameters in backward: learn the order, start the
+        next one's regather (a unit whose forward saved gathered tensors, not regathered yet)."""
+        unit = source.unit()
+        if unit is None:
+            return
+        last = self._regathered() if self._regathered is not None else None
+        if last is not None and last is not unit:
+            last.bnext = weakref.ref(unit)
+        self._regathered = weakref.ref(unit)
+        nxt = unit.bnext() if unit.bnext is not None else None
+        src = nxt.source() if nxt is not None and nxt.source is not None else None
+        if (src is None or src is source or not src.saved or src.done or src.cached is not None
+                or src.ahead is not None or not self._overlapping()):
+            return
+        params = [ref() for ref in src.params]
+        if any(p is None for p in params):
+            return
+        src.ahead = _Ahead.start(params, src.layouts, self.generation, "autoparallel::zero3_prefetch")  # type: ignore[arg-type]
+
+    def reduction(self, work: Any) -> None:
+        """A reduce-scatter was started: the one before it is waited for (one in flight)."""
+        self.settle()
+        self._reduction = work
+
+    def settle(self) -> None:
+        """Wait for the reduce-scatter in flight, if any."""
+        work, self._reduction = self._reduction, None
+        if work is not None:
+            work.wait()
+
+
+class _Ahead:
+    """A gather started before its turn: the parameters it read (and their shards' versions),
+    the owner's generation then, and the pending result."""
+
+    def __init__(self, params: list[DistTensor], generation: int, finish: Any) -> None:
+        self.params = [weakref.ref(p) for p in params]
+        self.versions = [layout.local_of(p)._version for p in params]
+        self.generation = generation
+        self.finish = finish
+
+    @classmethod
+    def start(cls, params: list[DistTensor], layouts: tuple[Zero3Layout, ...], generation: int, name: str) -> _Ahead:
+        with profiled(name):
+            return cls(params, generation, _gather_locals(params, layouts, wait=False))
+
+    def take(self, params: list[DistTensor], generation: int) -> list[torch.Tensor] | None:
+        """The gathered tensors if they are still those of ``params`` (else None: gather again)."""
+        fulls = self.finish()  # waited for either way: every member started it
+        if generation != self.generation or len(params) != len(self.params):
+            return None
+        if any(ref() is not p or layout.local_of(p)._version != v for ref, p, v in zip(self.params, params, self.versions)):
+            return None
+        return fulls  # type: ignore[no-any-return]
+
+
 class _Unit:
     """The ZeRO-3 parameters one module gathers in one collective: its own and those of every
     submodule that is not a unit itself. The module a forward first reaches is a unit, and so is
@@ -317,9 +428,15 @@ class _Unit:
         self.root = root
         self.slots: list[tuple[nn.Module, str]] = []
         self.active = 0
+        self.generation = owner.generation
+        self.next: weakref.ref[_Unit] | None = None  # the unit gathered after it in the last forward
+        self.bnext: weakref.ref[_Unit] | None = None  # ... regathered after it in the last backward
+        self.ahead: _Ahead | None = None  # its forward gather, started early
+        self.source: weakref.ref[_UnitGather] | None = None  # its last forward's gather
+        self.recomputed = False  # its last forward ran inside a recomputed region
 
-    def gather(self) -> _UnitCall:
-        """All-gather the unit's parameters; their modules' attributes resolve to the result."""
+    def members(self) -> tuple[list[DistTensor], tuple[Zero3Layout, ...], list[int | None]]:
+        """(the owned parameters, each once; their layouts; per slot its index, None: not owned)."""
         owner = self.owner
         params: list[DistTensor] = []
         index: dict[int, int] = {}
@@ -332,9 +449,24 @@ class _Unit:
             where.append(index.setdefault(id(p), len(params)))
             if where[-1] == len(params):
                 params.append(p)  # type: ignore[arg-type]  # a DistTensor (owned)
-        layouts = tuple(getattr(p, _ATTR) for p in params)
-        source = _UnitGather(params, layouts)
-        fulls = _GatherParams.apply(layouts, source, *params)
+        return params, tuple(getattr(p, _ATTR) for p in params), where
+
+    def gather(self) -> _UnitCall:
+        """All-gather the unit's parameters; their modules' attributes resolve to the result."""
+        owner = self.owner
+        owner.starting()
+        params, layouts, where = self.members()
+        ahead, self.ahead = self.ahead, None
+        ready = ahead.take(params, owner.generation) if ahead is not None else None
+        del ahead  # (its buffers go before the next unit's gather starts)
+        # A recomputed region (torch's checkpoint) replays this forward in backward, where its
+        # gather runs whole; its first run must run the same ops: no gather ahead of its turn.
+        self.recomputed = compat.foreign_saved_hooks()
+        if self.recomputed:
+            ready = None
+        source = _UnitGather(self, params, layouts)
+        fulls = _GatherParams.apply(layouts, source, ready, *params)
+        owner.gathered(self, source)
         for (m, a), k in zip(self.slots, where):
             if k is not None:
                 m.__dict__[a] = fulls[k]  # found before Module.__getattr__ looks in _parameters
@@ -370,27 +502,46 @@ class _UnitCall:
         if not self.unit.active:
             for m, a in self.unit.slots:
                 m.__dict__.pop(a, None)
+        self.unit.owner.stopping()
 
 
 class _UnitGather:
     """Gathers a unit's parameters again for backward, all in one collective, and keeps them
     until the unit's gather node runs its backward (every use of them is done by then)."""
 
-    def __init__(self, params: list[DistTensor], layouts: tuple[Zero3Layout, ...]) -> None:
+    def __init__(self, unit: _Unit, params: list[DistTensor], layouts: tuple[Zero3Layout, ...]) -> None:
+        # (weak: autograd keeps this object as long as any tensor made from the gathered
+        # parameters lives, and it must not keep the model's modules alive through the unit)
+        self.unit = weakref.ref(unit)
+        self.owner = weakref.ref(unit.owner)
         self.params = [weakref.ref(p) for p in params]
         self.layouts = layouts
         self.cached: list[torch.Tensor] | None = None
+        self.saved = False  # the forward saved a tensor viewing a gathered parameter
+        self.done = False  # the unit's backward is over
+        self.ahead: _Ahead | None = None  # the regather, started early
 
     def local(self, k: int) -> torch.Tensor:
         if self.cached is None:
             params = [ref() for ref in self.params]
             assert all(p is not None for p in params), "a ZeRO-3 parameter was freed before its backward"
-            with profiled("autoparallel::zero3_regather"):
-                self.cached = _gather_locals(params, self.layouts)  # type: ignore[arg-type]
+            owner = self.owner()
+            ahead, self.ahead = self.ahead, None
+            self.cached = ahead.take(params, owner.generation) if ahead is not None and owner is not None else None  # type: ignore[arg-type]
+            del ahead  # (its buffers go before the next unit's regather starts)
+            if self.cached is None:
+                with profiled("autoparallel::zero3_regather"):
+                    self.cached = _gather_locals(params, self.layouts)  # type: ignore[arg-type]
+            if owner is not None:
+                owner.regathered(self)
         return self.cached[k]
 
     def release(self) -> None:
         self.cached = None
+        self.done = True
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None:
+            ahead.finish()  # started on every member: waited for, then dropped
 
 
 @dataclass(frozen=True)
@@ -413,24 +564,42 @@ def _unpack(saved: Any) -> Any:
     return local if saved.spec is None else layout.wrap(local, saved.spec, saved.stride)
 
 
-def _gather_locals(params: list[DistTensor], layouts: tuple[Zero3Layout, ...]) -> list[torch.Tensor]:
+def _gather_locals(params: list[DistTensor], layouts: tuple[Zero3Layout, ...], wait: bool = True) -> Any:
     """The full local tensors of ``params`` in their compute dtypes (one all-gather per mesh,
-    axis and dtype; a parameter owned for its compute copy only is cast, not gathered)."""
+    axis and dtype; a parameter owned for its compute copy only is cast, not gathered).
+    ``wait=False``: the all-gathers are started and a function returned that waits for them
+    and returns the tensors."""
     rank = runtime.get_rank()
-    outs: list[torch.Tensor | None] = [None] * len(params)
+    parts: list[tuple[list[int], Any]] = []
     dtypes = [lay.compute or p.dtype for p, lay in zip(params, layouts)]
     for (mesh, axis, dtype), idx in _groups(layouts, dtypes).items():
         locs = [layout.local_of(params[k]).to(dtype) for k in idx]  # a cast before the gather
         coord = mesh.coordinate_of(rank)
         if axis is None or coord is None:
-            fulls = locs
-        else:
-            fulls = buckets.all_gather(
-                locs, [layouts[k].dim for k in idx], [layouts[k].full.local_shape(coord) for k in idx], mesh, axis,
-            )
-        for k, full in zip(idx, fulls):
-            outs[k] = full
-    return outs  # type: ignore[return-value]
+            parts.append((idx, locs))
+            continue
+        args = (locs, [layouts[k].dim for k in idx], [layouts[k].full.local_shape(coord) for k in idx], mesh, axis)
+        parts.append((idx, buckets.all_gather(*args) if wait else buckets.all_gather_start(*args)))
+    n = len(params)
+
+    def collect() -> list[torch.Tensor]:
+        outs: list[Any] = [None] * n
+        for idx, fulls in parts:
+            for k, full in zip(idx, fulls if isinstance(fulls, list) else fulls()):
+                outs[k] = full
+        return outs
+
+    if wait:
+        return collect()
+    done: list[list[torch.Tensor]] = []
+
+    def once() -> list[torch.Tensor]:
+        if not done:
+            done.append(collect())
+            parts.clear()  # the gathered buffers, unpacked: freed now
+        return done[0]
+
+    return once
 
 
 def _groups(layouts: tuple[Zero3Layout, ...], dtypes: list[torch.dtype]) -> dict[tuple[Any, ...], list[int]]:
@@ -455,16 +624,19 @@ class _GatherParams(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, layouts: tuple[Zero3Layout, ...], source: _UnitGather, *params: DistTensor) -> tuple[DistTensor, ...]:  # type: ignore[override]
+    def forward(ctx: Any, layouts: tuple[Zero3Layout, ...], source: _UnitGather, ready: list[torch.Tensor] | None,  # type: ignore[override]
+                *params: DistTensor) -> tuple[DistTensor, ...]:
         ctx.layouts = layouts
         ctx.source = source
-        with profiled("autoparallel::zero3_gather"):
-            fulls = _gather_locals(list(params), layouts)
-        return tuple(layout.wrap(full, lay.used) for full, lay in zip(fulls, layouts))
+        if ready is None:  # (else: gathered ahead of its turn, waited for)
+            with profiled("autoparallel::zero3_gather"):
+                ready = _gather_locals(list(params), layouts)
+        return tuple(layout.wrap(full, lay.used) for full, lay in zip(ready, layouts))
 
     @staticmethod
     def backward(ctx: Any, *grads: DistTensor | None) -> tuple[Any, ...]:  # type: ignore[override]
         ctx.source.release()  # every use of the gathered parameters is behind us
+        owner: Zero3Params | None = ctx.source.owner()
         layouts: tuple[Zero3Layout, ...] = ctx.layouts
         rank = runtime.get_rank()
         out: list[DistTensor | None] = [None] * len(grads)
@@ -481,14 +653,21 @@ class _GatherParams(torch.autograd.Function):
                     continue
                 if mesh.coordinate_of(rank) is None:
                     pieces = [_summand(grads[k], layouts[k]).to(dtype) for k in ks]  # type: ignore[arg-type]
+                    work = None
                 else:
                     summands, scales = zip(*(_summand_scaled(grads[k], layouts[k], dtype) for k in ks))  # type: ignore[arg-type]
-                    pieces = buckets.reduce_scatter(summands, [layouts[k].dim for k in ks], mesh, axis, "sum",
-                                                    prescales=scales)
+                    dims = [layouts[k].dim for k in ks]
+                    if owner is not None and owner._overlapping():  # the next unit's backward computes while this one reduces
+                        pieces, work = buckets.reduce_scatter_start(summands, dims, mesh, axis, "sum", prescales=scales)
+                        owner.reduction(work)
+                    else:
+                        pieces, work = buckets.reduce_scatter(summands, dims, mesh, axis, "sum", prescales=scales), None
                     del summands  # (the full-size gradients themselves are autograd's until we return)
                 for k, piece in zip(ks, pieces):
-                    out[k] = layout.wrap(piece.to(layouts[k].shard.dtype), layouts[k].shard)
-        return (None, None, *out)
+                    shard = layouts[k].shard
+                    out[k] = (layout.wrap(piece.to(shard.dtype), shard) if work is None
+                              else layout.awaited(piece, shard, work))
+        return (None, None, None, *out)
 
 
 def _partial(lay: Zero3Layout, dtype: torch.dtype) -> DistSpec:

@@ -241,17 +241,24 @@ class _Done:
         return True
 
 
+DONE = _Done()  # the work of a collective that is already complete
+
+
 class _Finish:
     """A collective's work followed by a local step (narrowing a carried result) on ``wait``."""
 
-    def __init__(self, work: object, then: Callable[[], None]) -> None:
-        self.work, self.then, self.done = work, then, False
+    def __init__(self, work: object, then: Callable[[], None] | None = None) -> None:
+        self.work: Any = work
+        self.then = then
+        self.done = False
 
     def wait(self) -> bool:
         if not self.done:
-            self.work.wait()  # type: ignore[attr-defined]
-            self.then()
+            self.work.wait()
+            if self.then is not None:
+                self.then()
             self.done = True
+            self.work = self.then = None  # the backend's hold on the operands ends here
         return True
 
 
@@ -359,6 +366,64 @@ def all_gather(local: torch.Tensor, mesh: ProcessMesh, axis: int, dim: int, size
         pieces = [flat[g].reshape((sizes[c],) + tuple(rest)) for c, g in enumerate(grank)]
     record("all_gather", mesh, axis, line, *cost.all_gather_bytes([s * row * item for s in sizes], me))
     return torch.cat(pieces, dim=0).movedim(0, dim).contiguous()
+
+
+@_timed
+def all_gather_start(flat: torch.Tensor, mesh: ProcessMesh, axis: int) -> tuple[torch.Tensor, object]:
+    """Start concatenating the members' 1-d pieces ``flat`` (the same length on every member)
+    in coordinate order, without waiting: (the result ``[n * len]``, work to wait on before
+    reading it). Every member must start the same collectives in the same order; while captured,
+    the collective is functional and done on return."""
+    group, line, grank = _group(mesh, axis)
+    n = len(line)
+    x = flat.reshape(-1).contiguous()
+    if _FUNCTIONAL[0] or not x.numel():
+        return all_gather(x, mesh, axis, 0, [x.numel()] * n), _Done()
+    me = line.index(runtime.get_rank())
+    out = x.new_empty(n * x.numel())
+    work = _all_gather_flat(_wire(out), _wire(x), group=group, async_op=True)  # type: ignore[arg-type]
+    record("all_gather", mesh, axis, line, *cost.all_gather_bytes([_nbytes(x)] * n, me))
+    if list(grank) == list(range(n)):
+        return out, _Finish(work)  # group-rank order is coordinate order
+    ordered = torch.empty_like(out)
+
+    def finish() -> None:  # group-rank order -> coordinate order
+        pieces = out.split(x.numel())
+        torch.cat([pieces[g] for g in grank], out=ordered)
+
+    return ordered, _Finish(work, finish)
+
+
+@_timed
+def reduce_scatter_start(flat: torch.Tensor, mesh: ProcessMesh, axis: int, reduce_type: str = "sum") -> tuple[torch.Tensor, object]:
+    """Start reducing the 1-d ``flat`` over the axis — ``n`` equal segments, segment ``c`` for
+    the member at coordinate ``c`` — without waiting: (this member's reduced segment, work to
+    wait on before reading it). While captured, the collective is functional and done on return."""
+    group, line, grank = _group(mesh, axis)
+    n = len(line)
+    if _FUNCTIONAL[0] or not flat.numel():
+        return reduce_scatter(flat, mesh, axis, 0, reduce_type), _Done()
+    carry = reduction_carry(flat.dtype, reduce_type)
+    me = line.index(runtime.get_rank())
+    width = flat.numel() // n
+    record("reduce_scatter", mesh, axis, line,
+           *cost.pieces_reduce_scatter_bytes([width * flat.element_size()] * n, me))
+    if list(grank) == list(range(n)):
+        ordered = flat.contiguous()
+    else:
+        segments = flat.split(width)
+        ordered = torch.cat([segments[c] for c in sorted(range(n), key=lambda c: grank[c])])
+    inp = carry.to_wire(ordered)
+    w = inp.new_empty(width)
+    work = _reduce_scatter_flat(w, inp, op=_reduce_op(carry.op), group=group, async_op=True)  # type: ignore[arg-type]
+    if carry.how == "native" and reduce_type != "avg":
+        return w, _Finish(work)
+    out = flat.new_empty(width)
+
+    def finish() -> None:
+        out.copy_(carry.result(w, n, reduce_type))
+
+    return out, _Finish(work, finish)
 
 
 @_ranged
