@@ -44,6 +44,7 @@ and freed.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 from dataclasses import dataclass
@@ -80,6 +81,12 @@ class _Alloc:
     def unseen(self) -> bool:
         """Never seen freed, yet a collective's buffer: freed on gloo's worker thread."""
         return self.freed is None and (_has(self.chain, GATHER) or any(c.startswith("c10d::") for c in self.chain))
+
+
+def _backend(a: _Alloc) -> bool:
+    """An allocation the communication backend makes for itself (gloo's copy of a collective's
+    input or output, inside a ``c10d::`` op or on gloo's worker thread): NCCL makes none."""
+    return any(c.startswith("c10d::") for c in a.chain) or (bool(a.chain) and a.chain[-1].startswith("gloo:"))
 
 
 def _has(chain: tuple[str, ...] | None, names: tuple[str, ...]) -> bool:
@@ -198,6 +205,8 @@ def breakdown(prof: Any) -> dict[str, Any]:
     seen = _sweep(allocs, before, phase, place_unseen=False)
     out = _sweep(allocs, before, phase, place_unseen=True)
     out["seen_peak_rise"] = seen["peak_rise"]
+    ours = [a for a in allocs if not _backend(a)]
+    out["own_peak_rise"] = _sweep(ours, before, phase, place_unseen=True)["peak_rise"]
     out["unseen"] = sum(a.size for a in allocs if a.unseen)
     out["kept"] = sorted(((a.size, " < ".join(a.chain[:4])) for a in allocs if a.freed is None), reverse=True)[:TOP]
     return out
@@ -214,17 +223,19 @@ def _profile_step(step: Any) -> Any:
 def measure(cfg: Any, x: torch.Tensor, y: torch.Tensor, warmup: int) -> dict[str, Any]:
     """Both sides at one width: this rank's breakdowns, then the rank with the highest peak's."""
     mine: dict[str, Any] = {}
+    static = functools.partial(train_step.build_ours, static="plain")
     sides = (("ours", "ZeRO-3", train_step.build_ours), ("ours/overlap", "ZeRO-3/overlap", train_step.build_ours),
-             ("torch", "ZeRO-3", train_step.build_torch))
+             ("ours static", "ZeRO-3", static), ("torch", "ZeRO-3", train_step.build_torch))
     for side, layout, build in sides:
         model, opt, step = build(layout, cfg, x, y)
-        for _ in range(warmup):
+        for _ in range(max(warmup, 4) if side == "ours static" else warmup):  # (it captures in its third call)
             step()
         dist.barrier()
         r = breakdown(_profile_step(step))
         r["param_opt"] = train_step.param_opt_bytes(model, opt)
         r["peak"] = r["param_opt"] + r["peak_rise"]
         r["seen_peak"] = r["param_opt"] + r["seen_peak_rise"]
+        r["own_peak"] = r["param_opt"] + r["own_peak_rise"]
         mine[side] = r
         del model, opt, step
     every: list[Any] = [None] * dist.get_world_size()
@@ -245,27 +256,33 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
           "ZeRO-3 (ours: shard_optimizer(ShardingStage3)) vs FSDP2 (fully_shard per block and the root)")
     print("KiB per rank, the rank with the highest peak; categories: live at that side's peak")
     for width, r in results.items():
-        o, q, t = r["ours"], r["ours/overlap"], r["torch"]
+        o, q, t, st = r["ours"], r["ours/overlap"], r["torch"], r["ours static"]
         print(f"\nwidth {width}: peak ours {o['peak'] / 1024:,.0f} KiB ({o['peak_phase']}), "
               f"FSDP2 {t['peak'] / 1024:,.0f} KiB ({t['peak_phase']}): ratio {o['peak'] / t['peak']:.2f} "
               f"(as the profiler counts: {o['seen_peak'] / t['seen_peak']:.2f}); "
               f"overlap=True {q['peak'] / 1024:,.0f} KiB: ratio {q['peak'] / t['peak']:.2f} "
               f"(as counted: {q['seen_peak'] / t['seen_peak']:.2f})")
-        print(f"{'':<32} | {'ours':>9} | {'overlap':>9} | {'FSDP2':>9} | {'ours-FSDP2':>10}")
-        rows = [("parameters + optimizer states", o["param_opt"], q["param_opt"], t["param_opt"])]
-        rows += [(c, o["by"][c], q["by"][c], t["by"][c]) for c in CATEGORIES]
-        rows += [("peak", o["peak"], q["peak"], t["peak"])]
-        rows += [("peak as the profiler counts it", o["seen_peak"], q["seen_peak"], t["seen_peak"])]
-        rows += [(f"{ph} phase: highest rise", o["phase_peak"][ph], q["phase_peak"][ph], t["phase_peak"][ph]) for ph in PHASES]
-        for name, a, m, b in rows:
-            print(f"{name:<32} | {a / 1024:>9,.0f} | {m / 1024:>9,.0f} | {b / 1024:>9,.0f} | {(a - b) / 1024:>+10,.0f}")
+        print(f"static (ap.to_static) {st['peak'] / 1024:,.0f} KiB: static / eager {st['peak'] / o['peak']:.2f} "
+              f"(as counted: {st['seen_peak'] / o['seen_peak']:.2f}; without gloo's own copies: "
+              f"{st['own_peak'] / o['own_peak']:.2f}); without gloo's own copies, ours / FSDP2 "
+              f"{o['own_peak'] / t['own_peak']:.2f}, overlap=True / FSDP2 {q['own_peak'] / t['own_peak']:.2f}")
+        print(f"{'':<32} | {'ours':>9} | {'overlap':>9} | {'static':>9} | {'FSDP2':>9} | {'ours-FSDP2':>10}")
+        cols = (o, q, st, t)
+        rows = [("parameters + optimizer states", *(c["param_opt"] for c in cols))]
+        rows += [(cat, *(c["by"][cat] for c in cols)) for cat in CATEGORIES]
+        rows += [("peak", *(c["peak"] for c in cols))]
+        rows += [("peak as the profiler counts it", *(c["seen_peak"] for c in cols))]
+        rows += [("peak without gloo's own copies", *(c["own_peak"] for c in cols))]
+        rows += [(f"{ph} phase: highest rise", *(c["phase_peak"][ph] for c in cols)) for ph in PHASES]
+        for name, a, m, z, b in rows:
+            print(f"{name:<32} | {a / 1024:>9,.0f} | {m / 1024:>9,.0f} | {z / 1024:>9,.0f} | {b / 1024:>9,.0f} | {(a - b) / 1024:>+10,.0f}")
         if args.phases:
             for ph in PHASES:
                 print(f"at the {ph} phase's own peak (ours | FSDP2): " + ", ".join(
                     f"{c} {o['phase_by'][ph][c] / 1024:,.0f} | {t['phase_by'][ph][c] / 1024:,.0f}"
                     for c in CATEGORIES if o['phase_by'][ph][c] or t['phase_by'][ph][c]))
         if args.top:
-            for side, res in (("ours", o), ("ours, overlap=True", q), ("FSDP2", t)):
+            for side, res in (("ours", o), ("ours, overlap=True", q), ("ours static", st), ("FSDP2", t)):
                 print(f"{side}: made in the step and not seen freed: "
                       + "; ".join(f"{size / 1024:,.0f} {made}" for size, made in res["kept"]))
                 print(f"largest allocations alive at the peak, {side} (KiB, category, made in < ..., freed in < ...):")
