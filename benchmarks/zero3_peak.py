@@ -247,6 +247,7 @@ def _worker(rank: int, path: str, args: argparse.Namespace, result_path: str) ->
     import dataclasses
 
     cfg, x, y = train_step.start_worker(rank, path, args)
+    cfg = dataclasses.replace(cfg, attention=args.attention)
     results = {str(w): measure(dataclasses.replace(cfg, width=w), x, y, args.warmup) for w in args.widths}
     train_step.finish_worker(rank, results, result_path)
 
@@ -298,6 +299,8 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--attention", choices=("sdpa", "math"), default="sdpa",
+                   help="math: QK^T, softmax and AV as separate ops (activation-heavy at long sequences)")
     p.add_argument("--phases", action="store_true", help="the categories at each phase's own peak too")
     p.add_argument("--top", action="store_true", help=f"list the {TOP} largest allocations alive at each peak")
     p.add_argument("--json", help="write the raw results here")

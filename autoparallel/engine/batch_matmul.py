@@ -9,12 +9,15 @@ matmul (found by the model zoo). Moving the sharded batch dims to the front firs
 numbers (one ``bmm`` per batch element either way) and the result is permuted back and made
 contiguous, as ``matmul`` returns it.
 
-Two batch dims sharded on two mesh axes (DP x TP: the batch on ``dp``, the heads on ``tp``)
-merge into no placement whatever their order. There, where both operands are laid out alike
-(each mesh axis shards the same batch dim of both, or neither), every rank's batch elements are
-its own: ``matmul`` runs on the shards and its result is laid out as they are (``per_shard``;
-differentiable through ``to_local`` and the engine's ``from_local``, each operand's gradient
-coming back in its own layout).
+Where both operands are laid out alike on their batch dims only (each mesh axis shards the same
+batch dim of both, or neither), every rank's batch elements are its own: ``matmul`` runs on the
+shards and its result is laid out as they are (``per_shard``; differentiable through ``to_local``
+and the engine's ``from_local``, each operand's gradient coming back in its own layout). That is
+tried first: it moves nothing, where the permutation's contiguous result and the copy the
+permuted operands' flatten makes (saved for the backward) each cost an activation (data
+parallel attention as ``[h, b, s, s]``, the batch sharded). Two batch dims sharded on two mesh
+axes (DP x TP: the batch on ``dp``, the heads on ``tp``) merge into no placement whatever their
+order: there only ``per_shard`` applies.
 """
 
 from __future__ import annotations
@@ -59,12 +62,13 @@ def batch_first_matmul(cls: Any, func: Any, args: tuple[Any, ...], kwargs: Any,
     if tuple(a.shape[:batch]) != tuple(b.shape[:batch]):
         return NotImplemented
     sharded = sorted(_sharded_dims(a, batch) | _sharded_dims(b, batch))
-    if len(sharded) > 1:
-        out = per_shard(a, b, batch, from_local)
-        if out is not NotImplemented:
-            return out
-    if not sharded or sharded == list(range(len(sharded))):
-        return NotImplemented  # already outermost: the flatten keeps it
+    if not sharded or sharded == [0]:
+        return NotImplemented  # the outermost dim alone: the flatten keeps it
+    out = per_shard(a, b, batch, from_local)
+    if out is not NotImplemented:
+        return out
+    if sharded == list(range(len(sharded))):
+        return NotImplemented  # already outermost
     perm = sharded + [d for d in range(a.dim()) if d not in sharded]
     inverse = [perm.index(d) for d in range(a.dim())]
     out = torch.matmul(a.permute(perm), b.permute(perm))  # [sharded..., other batch..., m, n]

@@ -41,6 +41,17 @@ one buffer (``buckets.reduce_scatter``), and a pending gradient of a deferred ba
 multiplied by its ``1 / count`` as it is copied: beside the unit's gradients, which autograd
 holds until this backward returns, the reduction makes one full-size buffer, no more.
 
+With ``ShardingStage3(..., overlap=True)`` (``Zero3Params.overlap``) communication runs beside
+compute, one unit ahead at most. The order units gather in (forward) and regather in (backward)
+is learned from the previous step, as the module calls come, so it is the same on every rank.
+When a unit has gathered, the next unit's all-gather is started (``_Ahead``) and its unit waits
+for it on its turn; when a unit has regathered in backward, the next one to regather (a unit whose
+forward saved gathered tensors) is started likewise. A guess that turns out wrong is waited for
+and dropped (every member started it), and nothing started in a forward outlives it. A unit's
+reduce-scatter is started and its gradients returned as pending values
+(``layout.awaited``: any read waits), the reduction before it waited for first, so one is in
+flight. Inside a recomputed region, or while a program is captured, nothing runs ahead.
+
 Mixed precision (``ap.MixedPrecision``, ``optim.precision``) rides on the same units. A ZeRO-3
 parameter's layout then names a compute dtype: the shard is cast before the all-gather (half the
 bytes for bf16) and the reduce-scatter runs in the policy's reduce dtype, the result cast to the
@@ -312,7 +323,6 @@ class Zero3Params:
             if call is not None:
                 call.close()
 
-
     # ---- overlap: one unit ahead -----------------------------------------------------------
     # The order units gather in is learned from the previous forward (and backward): the same
     # on every rank, like the module calls themselves. A unit's gather is started (async) when
@@ -454,7 +464,6 @@ class _Unit:
     def gather(self) -> _UnitCall:
         """All-gather the unit's parameters; their modules' attributes resolve to the result."""
         owner = self.owner
-        owner.starting()
         params, layouts, where = self.members()
         ahead, self.ahead = self.ahead, None
         ready = ahead.take(params, owner.generation) if ahead is not None else None
@@ -466,6 +475,7 @@ class _Unit:
             ready = None
         source = _UnitGather(self, params, layouts)
         fulls = _GatherParams.apply(layouts, source, ready, *params)
+        owner.starting()  # (after the gather: one that raised leaves no call running)
         owner.gathered(self, source)
         for (m, a), k in zip(self.slots, where):
             if k is not None:
