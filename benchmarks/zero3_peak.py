@@ -247,7 +247,7 @@ def _worker(rank: int, path: str, args: argparse.Namespace, result_path: str) ->
     import dataclasses
 
     cfg, x, y = train_step.start_worker(rank, path, args)
-    cfg = dataclasses.replace(cfg, attention=args.attention)
+    cfg = dataclasses.replace(cfg, attention=args.attention, dropout=args.dropout)
     results = {str(w): measure(dataclasses.replace(cfg, width=w), x, y, args.warmup) for w in args.widths}
     train_step.finish_worker(rank, results, result_path)
 
@@ -299,6 +299,7 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--dropout", type=float, default=0.0, help="the GPT's three dropouts (Megatron's layer)")
     p.add_argument("--attention", choices=("sdpa", "math"), default="sdpa",
                    help="math: QK^T, softmax and AV as separate ops (activation-heavy at long sequences)")
     p.add_argument("--phases", action="store_true", help="the categories at each phase's own peak too")
