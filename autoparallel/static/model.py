@@ -267,7 +267,7 @@ class DistModel:
             return value
         grad_index = tuple(i for i, g in enumerate(got.get("grads", ())) if g is not None)
         specs = tuple((layout.spec_of(o), layout.stride_of(o)) if layout.is_dist(o) else None for o in outs)
-        if self.strategy.overlap:
+        if self.strategy.overlap and self._may_overlap():
             sink_waits(result.program)
             hoist_starts(result.program)
         run: Callable[..., Any] = result.program
@@ -280,6 +280,14 @@ class DistModel:
         logger.info("static: captured the %s step in %.2f s (a program of %d nodes, %d collectives; %d signatures kept)",
                     self._mode, took, len(result.program.graph.nodes), len(result.records), len(self._programs))
         return value
+
+    def _may_overlap(self) -> bool:
+        """Whether the program's collectives may move (``Strategy.overlap``): not under a ZeRO-3
+        optimizer without ``overlap``, whose eager step completes each collective where it is
+        issued. A unit gathered ahead of its turn, or a reduction waited for a unit later, holds
+        a unit's buffers longer: the program keeps eager's order, and so its peak."""
+        stage = getattr(self.optimizer, "stage", None)
+        return getattr(stage, "stage", None) != 3 or bool(getattr(stage, "overlap", True))
 
     def _reduces_in_program(self, trained: list[torch.Tensor]) -> bool:
         """Whether the optimizer's gradient reductions go into the program: a ``shard_optimizer``

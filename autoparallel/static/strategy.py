@@ -184,7 +184,9 @@ class Strategy(_Slotted):
       (``passes.hoist_starts``: gradient buckets during the backward, ZeRO-3 all-gathers one
       unit ahead) and is waited for only where its result is first needed
       (``passes.sink_waits``), so compute overlaps the communication. The values are the same
-      either way.
+      either way. Under a ZeRO-3 optimizer the stage's own ``overlap`` decides
+      (``ShardingStage3(mesh, overlap=True)``): without it the program keeps eager's order, and so
+      eager's peak memory.
 
     For ``ap.Engine`` (Paddle's groups, each an object with fixed settings):
     ``sharding`` (enable, stage, degree), ``pipeline`` (enable, micro_batch_size,
