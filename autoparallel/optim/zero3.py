@@ -168,6 +168,7 @@ class Zero3Params:
         self._chain: _Unit | None = None  # the unit this forward gathered last (learns the order)
         self._ahead: _Unit | None = None  # the unit whose forward gather was started early
         self._regathered: weakref.ref[_Unit] | None = None  # the unit the backward regathered last
+        self._back_ahead: weakref.ref[_UnitGather] | None = None  # the regather started early last
         self._reduction: Any = None  # the reduce-scatter in flight (at most one)
 
     # ---- parameters -----------------------------------------------------------------------
@@ -385,10 +386,14 @@ class Zero3Params:
         if (src is None or src is source or not src.saved or src.done or src.cached is not None
                 or src.ahead is not None or not self._overlapping()):
             return
+        before = self._back_ahead() if self._back_ahead is not None else None
+        if before is not None and before.ahead is not None:
+            return  # the last one started is not taken yet (a wrong guess): one at a time
         params = [ref() for ref in src.params]
         if any(p is None for p in params):
             return
         src.ahead = _Ahead.start(params, src.layouts, self.generation, "autoparallel::zero3_prefetch")  # type: ignore[arg-type]
+        self._back_ahead = weakref.ref(src)
 
     def reduction(self, work: Any) -> None:
         """A reduce-scatter was started: the one before it is waited for (one in flight)."""

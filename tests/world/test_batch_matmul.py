@@ -9,7 +9,9 @@ forward, the same values and gradients as one process, a contiguous result.
 Two batch dims sharded on two mesh axes (DP x TP: batch on ``dp``, heads on ``tp``) merge into
 no placement: the flatten gathered both operands there (the zoo's ``dp_tp`` counts showed it).
 Laid out alike, each rank's batch elements are its own: ``matmul`` runs on the shards
-(``batch_matmul.per_shard``), uneven batch shards included.
+(``batch_matmul.per_shard``), uneven batch shards included. So it does for one sharded inner
+batch dim (data-parallel attention as ``[h, b, s, *]``): autograd saves the operands themselves,
+no permuted copy of them.
 """
 
 from __future__ import annotations
@@ -81,3 +83,37 @@ def test_batch_and_head_sharded_matmul_runs_on_the_shards(world4, batch: int) ->
         assert max(err, gq, gk) < 1e-5, (err, gq, gk)
         assert comm == {}, comm  # forward: nothing moves
         assert placements == ["S(0)", "S(1)"], placements
+
+
+def _saved_copies(rank: int) -> tuple[bool, int, float]:
+    """``probs @ v`` of ``[h, b, s, *]`` attention with the batch (dim 1) sharded, as the example
+    GPT's math attention runs under data parallelism: whether autograd saves the operands' own
+    storages (no copy of them), how many tensors it saves, the error against one process."""
+    import torch
+
+    import autoparallel as ap
+
+    torch.manual_seed(0)
+    probs, v = torch.randn(4, 6, 8, 8), torch.randn(4, 6, 8, 5)
+    mesh = ap.ProcessMesh([0, 1], dim_names=["dp"])
+    pd = ap.shard_tensor(probs, mesh, [ap.Shard(1)]).requires_grad_()
+    vd = ap.shard_tensor(v, mesh, [ap.Shard(1)]).requires_grad_()
+    saved: list[int] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        local = t.to_local() if isinstance(t, ap.DistTensor) else t
+        saved.append(local.untyped_storage().data_ptr())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = pd @ vd
+    own = {x.to_local().untyped_storage().data_ptr() for x in (pd, vd)}
+    return set(saved) <= own, len(saved), (out.full_tensor() - probs @ v).abs().max().item()
+
+
+def test_batch_sharded_attention_matmul_saves_no_copy(world2) -> None:  # type: ignore[no-untyped-def]
+    # one inner batch dim sharded and both operands alike: the matmul runs on the shards, so
+    # autograd keeps the operands themselves, not permuted contiguous copies of them
+    for own, count, err in world2.run(_saved_copies):
+        assert err < 1e-6, err
+        assert own and count >= 2, (own, count)

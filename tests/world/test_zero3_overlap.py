@@ -125,7 +125,7 @@ def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
 def _overlap(rank: int) -> dict[str, Any]:
     ref = _reference()
     out: dict[str, Any] = {}
-    for name, kw in (("plain", {}), ("recompute", {"recompute": True, "steps": 3}), ("bf16", {"bf16": True, "steps": 3})):
+    for name, kw in (("plain", {}), ("recompute", {"recompute": True, "steps": 2}), ("bf16", {"bf16": True, "steps": 2})):
         off, on = _run(False, **kw), _run(True, **kw)
         out[name] = {"bitwise": _same(off, on), "comms": (off["comms"], on["comms"]),
                      "prefetches": (off["prefetches"], on["prefetches"])}
