@@ -104,7 +104,7 @@ class DistSpec:
 
     @property
     def itemsize(self) -> int:
-        return _itemsize(self.dtype)
+        return itemsize(self.dtype)
 
     def axes_of_dim(self, dim: int) -> tuple[int, ...]:
         """Mesh axes sharding tensor ``dim``, outermost first."""
@@ -240,5 +240,6 @@ def _local_box(
 
 
 @cache
-def _itemsize(dtype: torch.dtype) -> int:
+def itemsize(dtype: torch.dtype) -> int:
+    """Bytes per element of ``dtype`` (cached: the price of a layout reads it per tensor)."""
     return torch.empty((), dtype=dtype).element_size()

@@ -13,7 +13,7 @@ from functools import lru_cache
 from typing import Any
 
 from autoparallel.placement import Shard
-from autoparallel.spec import DistSpec, _itemsize
+from autoparallel.spec import DistSpec, itemsize
 from reshard.crossmesh import CrossMeshPlan, best_price, plan_best
 from reshard.plan import ALL_GATHER, FILL, Plan, Step, step_bytes
 from reshard.planner import LATENCY_BYTES
@@ -67,7 +67,7 @@ def cost(s: Strategy, specs: Sequence[DistSpec], mesh_shape: tuple[int, ...],
     compute = 0
     for m, pl in zip(out_metas, s.outputs):
         if m is not None:
-            compute += largest_local_numel(m.shape, pl, mesh_shape) * _itemsize(m.dtype)
+            compute += largest_local_numel(m.shape, pl, mesh_shape) * itemsize(m.dtype)
     return moved, changed, compute
 
 

@@ -37,6 +37,7 @@ from autoparallel.mesh import ProcessMesh
 from autoparallel.nn.parallelize import ModelPlan, match_plan
 from autoparallel.nn.styles import ColWiseParallel, RowWiseParallel, SequenceParallel, VocabParallelEmbedding
 from autoparallel.placement import Partial, Placement, Replicate, Shard
+from autoparallel.spec import itemsize
 
 BUCKET_BYTES = 25 * 2**20  # gradients are reduced in buckets of about this size
 
@@ -380,7 +381,7 @@ def _price(step: Step, sim: Simulation, mesh_shape: tuple[int, ...], dp_axis: in
     for name, ref in step.params.items():
         m = step.metas[ref.id]
         pl = params.get(name, rep)
-        b = _local_bytes(m.shape, torch.empty((), dtype=m.dtype).element_size(), pl, mesh_shape)
+        b = _local_bytes(m.shape, itemsize(m.dtype), pl, mesh_shape)
         p_bytes += b
         if name.startswith(blocks):
             block_bytes += b

@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from autoparallel.auto.trace import OpRecord, Ref, Step
 from autoparallel.mesh import ProcessMesh
 from autoparallel.placement import Partial, Placement, Replicate, Shard
-from autoparallel.spec import DistSpec
+from autoparallel.spec import DistSpec, itemsize
 from reshard.choice import cheapest, largest_local_numel
 from reshard.crossmesh import best_price
 from reshard.plan import step_bytes
@@ -216,7 +216,7 @@ def _live_peak(step: Step, specs: dict[int, DistSpec], mesh_shape: tuple[int, ..
         spec = specs.get(ref.id)
         m = step.metas[ref.id]
         pl = spec.placements if spec is not None else tuple(Replicate() for _ in mesh_shape)
-        nbytes = largest_local_numel(m.shape, tuple(pl), mesh_shape) * torch.empty((), dtype=m.dtype).element_size()
+        nbytes = largest_local_numel(m.shape, tuple(pl), mesh_shape) * itemsize(m.dtype)
         size[st] = max(size.get(st, 0), nbytes)
         birth.setdefault(st, i)
         death[st] = max(death.get(st, i), i)

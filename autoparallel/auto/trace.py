@@ -28,6 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from autoparallel.engine.dtensor import DistTensor
+from autoparallel.spec import itemsize
 from spmd_rules.base import TensorMeta
 
 
@@ -88,7 +89,7 @@ class Step:
         n = 1
         for s in m.shape:
             n *= s
-        return n * torch.empty((), dtype=m.dtype).element_size()
+        return n * itemsize(m.dtype)
 
 
 def pattern(name: str) -> str:

@@ -199,8 +199,19 @@ def _partly_laid_out(rank: int) -> dict[str, Any]:
         opt.step()
         opt.zero_grad()
         losses.append(train_gpt.scalar(loss))
+    # a mesh whose ranks are not 0 .. n-1 in order: refused on every rank, before any collective
+    other = GPT(CFG)
+    shuffled = ap.ProcessMesh([[1, 0], [3, 2]], dim_names=["dp", "mp"])
+    other.blocks[0].mlp.fc.weight = ap.shard_tensor(other.blocks[0].mlp.fc.weight, shuffled,  # type: ignore[assignment]
+                                                    [ap.Replicate(), ap.Shard(0)])
+    try:
+        ap.auto_parallel(other, example=(x0, y0), loss=lm_loss, optimizer="sgd")
+        refused = ""
+    except ValueError as e:
+        refused = str(e)
     return {"losses": losses, "params": train_gpt.full_params(model), "plan": str(plan),
-            "fc": tuple(model.blocks[0].mlp.fc.weight.placements), "shape": plan.mesh_shape, "styles": set(plan)}
+            "fc": tuple(model.blocks[0].mlp.fc.weight.placements), "shape": plan.mesh_shape, "styles": set(plan),
+            "refused": refused}
 
 
 def test_parameters_laid_out_by_hand_are_kept(world4) -> None:  # type: ignore[no-untyped-def]
@@ -213,6 +224,7 @@ def test_parameters_laid_out_by_hand_are_kept(world4) -> None:  # type: ignore[n
         assert r["shape"] == (2, 2) and r["fc"] == (ap.Replicate(), ap.Shard(0)), r["plan"]
         assert "blocks.*.mlp.fc" not in r["styles"] and "blocks.0.mlp.fc" not in r["styles"]
         assert "blocks.1.mlp.fc" in r["styles"]  # its sibling keeps the style
+        assert "not 0 .. n-1 in order" in r["refused"], r["refused"]
         torch.testing.assert_close(r["losses"], ref["losses"], rtol=1e-5, atol=0, msg=r["plan"])
         for name, p in ref["params"].items():
             torch.testing.assert_close(r["params"][name], p, rtol=1e-5, atol=1e-6, msg=f"{name}\n{r['plan']}")
