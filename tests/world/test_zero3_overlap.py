@@ -68,7 +68,7 @@ def _loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 # steps: (block skipped, micro-batches)
-PLAN = [(None, 1), (None, 1), (1, 1), (None, 2), (None, 1), (None, 1)]
+PLAN = [(None, 1), (None, 1), (1, 1), (None, 2), (None, 1)]
 
 
 def _run(overlap: bool, recompute: bool = False, bf16: bool = False, steps: int = len(PLAN)) -> dict[str, Any]:
