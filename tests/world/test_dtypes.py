@@ -4,6 +4,8 @@ The expectation of each (dtype, collective) is the cell of docs/dtypes.md (``tes
 checked against the file by tests/pure/test_dtype_table.py): an exact cell must equal the
 single-device reference bit for bit (compared as bytes); a refused cell must raise the same
 ``ValueError`` on every rank, naming the dtype and the reduce type, before any collective.
+The collectives started without waiting (``all_gather_start``, ``reduce_scatter_start``: ZeRO-3's
+overlap) give the same bits as the waited ones, on meshes whose ranks are out of group order too.
 
 Single-device references (``reduce_ref``), the semantics docs/dtypes.md states:
 integers ``sum`` wraps modulo 2^bits (numpy's add in the dtype); bool ``sum``/``max`` is ``or``,
@@ -125,6 +127,9 @@ def _check(rank: int, dtype_name: str, shape: tuple[int, int], seed: int, order:
     buf = torch.empty(shape, dtype=dtype)
     comm.send_recv([(pieces[me], order[(me + 1) % n])], [(buf, order[(me - 1) % n])])
     assert same_bits(buf, pieces[(me - 1) % n]), "send_recv"
+    flat = comm.all_gather_start(pieces[me].reshape(-1), mesh, 0)  # started, waited for below
+    flat[1].wait()  # type: ignore[attr-defined]
+    assert same_bits(flat[0], torch.cat([p.reshape(-1) for p in pieces])), "all_gather_start"
     got.update({m: "exact" for m in MOVES})
 
     # reductions: all_reduce, reduce_scatter on both dims (uneven pieces), one table column each
@@ -139,6 +144,9 @@ def _check(rank: int, dtype_name: str, shape: tuple[int, int], seed: int, order:
         assert same_bits(comm.all_reduce(pieces[me], mesh, 0, t), want), f"all_reduce {t}"
         for dim in (0, 1):
             assert same_bits(comm.reduce_scatter(pieces[me], mesh, 0, dim, t), mine(want, dim)), f"reduce_scatter {t} dim {dim}"
+        out, work = comm.reduce_scatter_start(torch.cat([pieces[me].reshape(-1)] * n), mesh, 0, t)  # segment c for c
+        work.wait()  # type: ignore[attr-defined]
+        assert same_bits(out, want.reshape(-1)), f"reduce_scatter_start {t}"
         got[t] = "exact"
 
     # reshards through ap.reshard: the value, the local shard's dtype, the bytes the plan promised
