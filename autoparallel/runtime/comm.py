@@ -378,7 +378,7 @@ def all_gather_start(flat: torch.Tensor, mesh: ProcessMesh, axis: int) -> tuple[
     n = len(line)
     x = flat.reshape(-1).contiguous()
     if _FUNCTIONAL[0] or not x.numel():
-        return all_gather(x, mesh, axis, 0, [x.numel()] * n), _Done()
+        return all_gather(x, mesh, axis, 0, [x.numel()] * n), DONE
     me = line.index(runtime.get_rank())
     out = x.new_empty(n * x.numel())
     work = _all_gather_flat(_wire(out), _wire(x), group=group, async_op=True)  # type: ignore[arg-type]
@@ -402,7 +402,7 @@ def reduce_scatter_start(flat: torch.Tensor, mesh: ProcessMesh, axis: int, reduc
     group, line, grank = _group(mesh, axis)
     n = len(line)
     if _FUNCTIONAL[0] or not flat.numel():
-        return reduce_scatter(flat, mesh, axis, 0, reduce_type), _Done()
+        return reduce_scatter(flat, mesh, axis, 0, reduce_type), DONE
     carry = reduction_carry(flat.dtype, reduce_type)
     me = line.index(runtime.get_rank())
     width = flat.numel() // n
