@@ -90,8 +90,8 @@ class ShardingStage3(ShardingStage):
     gradients are reduce-scattered without waiting (a gradient waits for its reduction when it
     is first read, at the latest when the next unit's reduction starts). It holds one more
     unit's gathered parameters, and an in-flight reduction's buffers, while the current unit
-    computes. ``overlap=False`` (the default): every collective completes where it is issued:
-    the least memory, and on gloo (CPU) about the same step time (docs/memory.md).
+    computes. ``overlap=False`` (the default): every collective completes where it is issued,
+    the least memory. What each costs and gains on gloo and on NCCL: docs/memory.md.
     """
 
     overlap: bool = False

@@ -397,14 +397,9 @@ class Zero3Params:
 
     def reduction(self, work: Any) -> None:
         """A reduce-scatter was started: the one before it is waited for (one in flight)."""
-        self.settle()
-        self._reduction = work
-
-    def settle(self) -> None:
-        """Wait for the reduce-scatter in flight, if any."""
-        work, self._reduction = self._reduction, None
-        if work is not None:
-            work.wait()
+        before, self._reduction = self._reduction, work
+        if before is not None:
+            before.wait()
 
 
 class _Ahead:
