@@ -70,13 +70,9 @@ def measure(layout: str, cfg: Any, x: torch.Tensor, y: torch.Tensor, args: argpa
     for name, step in sides.items():
         out[name]["cpu_s"] = cpu_per_step(step, args.steps)
         model, opt, _ = built[name]
-        # the step's peak: what the rank holds + the highest rise while one step runs (the least of
-        # three steps: a gloo buffer freed on its worker thread is missed by the profiler, inflating one)
-        rises = []
-        for _ in range(3):
-            dist.barrier()
-            rises.append(ts.peak_rise(step))
-        out[name]["peak_bytes"] = ts._max_over_ranks(ts.param_opt_bytes(model, opt) + min(rises))
+        # the step's peak: what the rank holds when a step starts + the highest rise while it runs
+        # (eager keeps the last step's gradients until its zero_grad; the static step clears them)
+        out[name]["peak_bytes"] = ts._max_over_ranks(ts.step_peak(step, model, opt))
     if args.comm_share:
         for name, step in sides.items():
             out[name]["comm_share"] = comm_share(step)

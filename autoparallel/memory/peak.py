@@ -7,6 +7,15 @@
 and, when CUDA is there, the device), so it works where no allocator statistics exist (the CPU);
 it costs the profiler's overhead for the step it watches. Run a few steps first: the first calls
 of a laid-out model do one-time work (plans, local regions proving their signatures).
+
+The profiler reports the free of a tensor only if it saw the tensor made. A loop that keeps the
+last step's gradients until its ``zero_grad`` frees them inside the watched step: when the step
+before ran unwatched, that free is not seen, and ``held + rise`` is the peak of a step whose
+peak comes after its ``zero_grad`` (the backward's); when the step before was watched too, the
+free is counted, and the gradients held when the step starts belong in ``held``. A buffer a
+communication backend frees on its own thread (gloo's, after a collective) is not seen freed
+either: it counts as live to the end of the step, so the least of a few watched steps is the
+figure to keep.
 """
 
 from __future__ import annotations
