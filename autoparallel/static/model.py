@@ -5,6 +5,8 @@
     dist_model.eval();    loss = dist_model(x, y)   # forward + loss
     dist_model.predict(); out = dist_model(x)       # forward only
 
+    ap.to_static(model, loss=loss_fn, optimizer=opt, outputs=True)(x, y)  # (loss, the model's outputs)
+
 Per input signature (mode, autograd on/off, each input's layout or plain shape and dtype, the
 parameters' layouts and ``requires_grad``, the modules' hooks and train/eval flags) the first call runs eagerly (it warms the engine's decisions), the
 second is captured (``autoparallel.static.capture``: it runs for real and is recorded), and
@@ -54,7 +56,8 @@ class _Program:
     out_specs: tuple[tuple[DistSpec, tuple[int, ...]] | None, ...]  # per output: layout (None: plain)
     grad_index: tuple[int, ...]                                     # parameters that get a gradient, in order
     records: tuple[CommRecord, ...]
-    tree: Any = None                                                 # predict: how outputs nest
+    tree: Any = None                                                 # how the model's outputs nest
+    n_out: int = 0                                                   # train/eval with outputs: their leaves
 
 
 class DistModel:
@@ -62,18 +65,23 @@ class DistModel:
 
     Build it with ``ap.to_static``. ``train()``, ``eval()`` and ``predict()`` choose what a call
     does; ``loader`` is the loader given to ``to_static``. Parameters and optimizer states are
-    the model's and the optimizer's own objects, updated in place.
+    the model's and the optimizer's own objects, updated in place. With ``outputs=True`` a train
+    or eval call returns ``(loss, outputs)``: the model's outputs too (detached), for metrics;
+    the program then keeps them alive to its end.
     """
 
     def __init__(self, model: torch.nn.Module, loader: Any, loss: Callable[..., Any] | None,
-                 optimizer: Any, strategy: Strategy | None) -> None:
+                 optimizer: Any, strategy: Strategy | None, *, outputs: bool = False) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"to_static: model must be a torch.nn.Module, got {type(model).__name__}")
         if loss is not None and not callable(loss):
             raise TypeError(f"to_static: loss must be callable, got {type(loss).__name__}")
         if strategy is not None and not isinstance(strategy, Strategy):
             raise TypeError(f"to_static: strategy must be an ap.Strategy, got {type(strategy).__name__}")
+        if not isinstance(outputs, bool):
+            raise TypeError(f"to_static: outputs must be a bool, got {outputs!r}")
         self.network = model
+        self.outputs = outputs
         self.loss = loss
         self.optimizer = optimizer
         self.strategy = strategy or Strategy()
@@ -188,6 +196,9 @@ class DistModel:
             grads = torch.autograd.grad(loss, [p for p in params if p.requires_grad], allow_unused=True)
             self._accumulate([p for p in params if p.requires_grad], list(grads))
             loss = loss.detach()
+        if self.outputs:
+            leaves, tree = tree_flatten(out)
+            return loss, tree_unflatten([t.detach() if isinstance(t, torch.Tensor) else t for t in leaves], tree)
         return loss
 
     # ---- capture -------------------------------------------------------------------------------
@@ -236,17 +247,24 @@ class DistModel:
                 leaves, got["tree"] = tree_flatten(out)
                 got["outs"] = leaves
                 return [layout.local_of(t) if layout.is_dist(t) else t for t in leaves]
-            loss = self.loss(self.network(*inputs[:-1]), inputs[-1])  # type: ignore[misc]
-            got["outs"] = [loss]
+            out = self.network(*inputs[:-1])
+            loss = self.loss(out, inputs[-1])  # type: ignore[misc]
+            shown: list[Any] = []
+            if self.outputs:  # the model's outputs, detached, after the loss
+                leaves, got["tree"] = tree_flatten(out)
+                shown = [t.detach() if isinstance(t, torch.Tensor) else t for t in leaves]
+                if not all(isinstance(t, torch.Tensor) for t in shown):
+                    raise TypeError("to_static(outputs=True): the model's outputs must be tensors (a nest of them)")
+            got["outs"], got["n_out"] = [loss, *shown], len(shown)
             if self._mode != TRAIN:
-                return [layout.local_of(loss) if layout.is_dist(loss) else loss]
+                return [layout.local_of(t) if layout.is_dist(t) else t for t in [loss, *shown]]
             grads: Any = torch.autograd.grad(loss, trained, allow_unused=True)
             if reduce_here:  # the optimizer's bucketed reductions, as part of the program
                 grads = self._reduced(trained, grads)
             got["grads"] = grads
             present = [g for g in grads if g is not None]
-            got["outs"] = [loss] + present
-            return [layout.local_of(t) if layout.is_dist(t) else t for t in [loss.detach()] + present]
+            got["outs"] = [loss, *shown] + present
+            return [layout.local_of(t) if layout.is_dist(t) else t for t in [loss.detach(), *shown] + present]
 
         rng = torch.get_rng_state()
         start = time.perf_counter()
@@ -260,8 +278,11 @@ class DistModel:
             grads = list(got.get("grads", ()))
             self._accumulate(trained, grads)
         outs = got["outs"]
+        n_out = got.get("n_out", 0)
         first = outs[0].detach() if self._mode != PREDICT and isinstance(outs[0], torch.Tensor) else None
         value = first if self._mode != PREDICT else tree_unflatten(outs, got["tree"])
+        if self.outputs and self._mode != PREDICT:
+            value = (first, tree_unflatten(outs[1:1 + n_out], got["tree"]))
         if result.program is None:
             self._refuse(key, result.refused)
             return value
@@ -276,7 +297,7 @@ class DistModel:
             if draws(result.program):
                 self._warn("compile='inductor': the step draws random numbers (dropout); inductor draws them with its "
                            "own generator, so masks differ from eager's for the same seed (compile=None keeps them)")
-        self._keep(key, _Program(run, specs, grad_index, result.records, got.get("tree")))
+        self._keep(key, _Program(run, specs, grad_index, result.records, got.get("tree"), n_out))
         logger.info("static: captured the %s step in %.2f s (a program of %d nodes, %d collectives; %d signatures kept)",
                     self._mode, took, len(result.program.graph.nodes), len(result.records), len(self._programs))
         return value
@@ -367,9 +388,11 @@ class DistModel:
         if self._mode == TRAIN:
             trained = [p for p in params if p.requires_grad]
             grads: list[Any] = [None] * len(trained)
-            for i, g in zip(prog.grad_index, wrapped[1:]):
+            for i, g in zip(prog.grad_index, wrapped[1 + prog.n_out:]):
                 grads[i] = g
             self._accumulate(trained, grads)
+        if self.outputs:
+            return wrapped[0], tree_unflatten(wrapped[1:1 + prog.n_out], prog.tree)
         return wrapped[0]
 
     # ---- gradients and the optimizer step --------------------------------------------------------
@@ -396,8 +419,9 @@ class DistModel:
 
 
 def to_static(model: torch.nn.Module, loader: Any = None, loss: Callable[..., Any] | None = None,
-              optimizer: Any = None, strategy: Strategy | None = None) -> DistModel:
+              optimizer: Any = None, strategy: Strategy | None = None, *, outputs: bool = False) -> DistModel:
     """Wrap ``model`` (laid out with the eager API), ``loss`` and ``optimizer`` so that each call
     runs one captured step (see ``DistModel``). The mode starts as ``train`` when a loss and an
-    optimizer are given, ``eval`` with a loss only, else ``predict``."""
-    return DistModel(model, loader, loss, optimizer, strategy)
+    optimizer are given, ``eval`` with a loss only, else ``predict``. ``outputs=True``: train and
+    eval calls return ``(loss, the model's outputs)``."""
+    return DistModel(model, loader, loss, optimizer, strategy, outputs=outputs)

@@ -236,6 +236,48 @@ def test_static_eval_and_predict(world4: Any) -> None:  # type: ignore[no-untype
             assert torch.equal(got, p)
 
 
+def _with_outputs(rank: int) -> dict[str, Any]:
+    """The same training twice, one DistModel returning the model's outputs too: the outputs of
+    each call equal the forward before it, and the training is the same bits."""
+    data = _data(STEPS)
+    runs: dict[str, Any] = {}
+    for outputs in (False, True):
+        model, opt, _, lay = _build("dp_tp")
+        dm = ap.to_static(model, loss=F.cross_entropy, optimizer=opt, outputs=outputs)
+        losses, seen, want, kinds = [], [], [], []
+        for x, y in data:
+            xd, yd = lay(x, y)
+            with torch.no_grad():
+                want.append(model(xd).full_tensor())
+            got = dm(xd, yd)
+            loss = got[0] if outputs else got
+            if outputs:
+                seen.append((got[1].full_tensor(), got[1].requires_grad))
+            losses.append(float(loss.full_tensor()))
+            kinds.append(sorted(type(v).__name__ for v in dm._programs.values()))
+        dm.eval()
+        evals = [dm(*lay(*data[0])) for _ in range(3)]  # eager, capture, replay
+        runs[str(outputs)] = {"losses": losses, "params": _full(model), "seen": seen, "want": want, "kinds": kinds,
+                              "evals": [(float(e[0].full_tensor()), e[1].full_tensor()) if outputs
+                                        else float(e.full_tensor()) for e in evals]}
+    return runs
+
+
+def test_outputs_come_back_with_the_loss(world4: Any) -> None:  # type: ignore[no-untyped-def]
+    for res in world4.run(_with_outputs):
+        plain, shown = res["False"], res["True"]
+        assert shown["losses"] == plain["losses"]  # bitwise: the program computes the same step
+        for a, b in zip(shown["params"], plain["params"]):
+            assert torch.equal(a, b)
+        assert shown["kinds"][-1] == ["_Program"]  # the later calls replay a program
+        for (out, grad), want in zip(shown["seen"], shown["want"]):
+            torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-7)
+            assert not grad
+        for (loss, out), ref in zip(shown["evals"], plain["evals"]):
+            assert loss == ref
+            torch.testing.assert_close(out, shown["evals"][0][1], rtol=0, atol=0)
+
+
 @pytest.mark.pure
 def test_strategy_is_validated() -> None:
     with pytest.raises(ValueError, match="accumulate_steps"):
@@ -466,3 +508,9 @@ def test_static_with_recompute_equals_eager_or_says_why(world4: Any, dropout: fl
             assert st["kinds"][-1] == ["str"]
         else:
             assert st["warnings"] == [] and st["kinds"][-1] == ["_Program"]
+
+
+@pytest.mark.pure
+def test_outputs_must_be_a_bool() -> None:
+    with pytest.raises(TypeError, match="outputs must be a bool"):
+        ap.to_static(nn.Linear(2, 2), loss=F.mse_loss, outputs=1)  # type: ignore[arg-type]
