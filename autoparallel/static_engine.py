@@ -21,9 +21,15 @@ Everything the Engine does is a dynamic-API call a script could make itself (doc
   eval and predict run the stages one after another on the whole batch;
 - ``save``/``load``: ``ap.save_state_dict``/``ap.load_state_dict`` of the model and optimizer.
 
+- the step: ``ap.to_static(model, loss=loss, optimizer=optimizer, strategy=strategy,
+  outputs=True)`` (the model's outputs come back for the metrics), with ``accumulate_steps`` the
+  merge's ``k_steps``: each input signature's first run is eager, the second captured, later
+  ones replay the program. Two cases run eagerly, op by op on DistTensors: pipelines (the
+  ``Pipeline`` runs its schedule) and float16 (``ap.GradScaler`` steps outside a program); so do
+  batches with more than one label tensor (a captured step takes one).
+
 Every decision reads metadata every rank sees alike, so a bad configuration raises the same
-error on every rank. The steps run eagerly (each op on DistTensors); ``ap.to_static`` is the
-dynamic API's captured step.
+error on every rank.
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ from autoparallel.pipeline.stage import Stage
 from autoparallel.placement import Placement, Replicate, Shard
 from autoparallel.static.inputs import InputSpec, as_specs
 from autoparallel.static.metrics import whole
+from autoparallel.static.model import DistModel, to_static
 from autoparallel.static.progress import Summary, progress
 from autoparallel.static.strategy import Strategy
 
@@ -149,6 +156,7 @@ class Engine:
         self._pipe: Pipeline | None = None
         self.scaler: GradScaler | None = None      # Strategy.amp with float16: the loss scaler
         self.plan: Plan | None = None              # Strategy.auto_mode="full": the plan ap.auto_parallel chose
+        self._program: DistModel | None = None     # the captured step (outside pipelines and float16)
         self._check_strategy()
 
     # ---- configuration -------------------------------------------------------------------------
@@ -431,12 +439,18 @@ class Engine:
         inputs, labels = self._batch(data, mode)
         if self._pipe is not None:
             return self._run_pipeline(inputs, labels, mode)
+        program = self._captured()
         if mode == "predict":
             self.model.eval()
+            if program is not None:
+                return {"outputs": whole(program.predict()(*inputs))}
             with torch.no_grad():
                 return {"outputs": whole(self.model(*inputs))}
         loss_fn = self._loss_for(mode)
-        if mode == "train":
+        if program is not None and len(labels) == 1:
+            program = program.train() if mode == "train" else program.eval()
+            loss, out = program(*inputs, labels[0])
+        elif mode == "train":
             self.model.train()
             out = self.model(*inputs)
             loss = loss_fn(out, *labels)
@@ -450,6 +464,18 @@ class Engine:
         logs = {"loss": _float(loss.detach())}
         logs.update(self._measure(out.detach(), labels))
         return logs
+
+    def _captured(self) -> DistModel | None:
+        """The step as ``ap.to_static`` captures it (built at the first run); None where the
+        Engine runs eagerly: under a pipeline and with float16's loss scaler."""
+        if self._pipe is not None or self.scaler is not None:
+            return None
+        if self._program is None:
+            strategy = Strategy(self.strategy.to_dict())
+            strategy.accumulate_steps = self.merge_steps  # the program's gradient merge
+            self._program = to_static(self.model, loss=self.loss, optimizer=self.optimizer, strategy=strategy,
+                                      outputs=True)
+        return self._program
 
     def _loss_for(self, mode: str) -> Callable[..., Any]:
         """The loss (train and eval need one; train an optimizer too)."""
