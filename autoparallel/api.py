@@ -175,6 +175,29 @@ def _describe(spec: DistSpec) -> str:
     return f"shape {list(spec.shape)}, {spec.dtype}, placements {list(spec.placements)}{order}"
 
 
+class LayOut:
+    """A layout recorded inside a traced forward (``torch.fx``: a pipeline split by mesh, where
+    ``shard_tensor`` meets a proxy, not a tensor). Called on a tensor, it lays it out as
+    ``shard_tensor`` would (a plain tensor; a Parameter in place, for a dims mapping) or as
+    ``reshard`` would (a DistTensor). ``ap.pipeline.split_by_meshes`` applies the ones on
+    parameters once, before it splits, and keeps the others as steps of their stage."""
+
+    __module__ = __name__
+
+    def __init__(self, mesh: ProcessMesh, placements: Layout, shard_order: ShardOrder = None) -> None:
+        self.mesh, self.placements, self.shard_order = _check_mesh(mesh, "shard_tensor"), placements, shard_order
+        self.__name__ = "ap_lay_out"  # how the traced program's code names this step
+
+    def __call__(self, t: torch.Tensor) -> Any:
+        if isinstance(t, DistTensor) and not (is_dims_mapping(self.placements) and isinstance(t, torch.nn.Parameter)):
+            placements = to_placements(self.placements, "shard_tensor", self.mesh, tuple(t.shape))
+            return reshard(t, self.mesh, placements, shard_order=self.shard_order)
+        return shard_tensor(t, self.mesh, self.placements, shard_order=self.shard_order)
+
+    def __repr__(self) -> str:
+        return f"ap_lay_out({self.mesh!r}, {list(self.placements)})"
+
+
 def shard_tensor(
     data: Any,
     mesh: ProcessMesh,
@@ -201,6 +224,8 @@ def shard_tensor(
     layout is its own and raises ``ValueError`` naming both layouts when it is not. With
     placements, a DistTensor (a Parameter too) is resharded: ``ap.reshard``.
     """
+    if isinstance(data, torch.fx.Proxy):  # inside a traced forward: recorded, applied by the split
+        return data.tracer.create_proxy("call_function", LayOut(mesh, placements, shard_order), (data,), {})  # type: ignore[return-value]
     static = is_dims_mapping(placements)
     if not isinstance(data, torch.Tensor):
         data = torch.as_tensor(data)

@@ -11,8 +11,9 @@ Pipeline stages by mesh: ``ap.shard_op(self.linear3, world_mesh[1])(x)`` with a 
 assigns that call to the stage on that mesh. ``ap.Engine`` with ``Strategy.pipeline.enable``
 traces the forward (``torch.fx``), where each call marks the nodes it made with its mesh
 (``MESH_META``), and splits the program into stages at the mesh changes
-(``ap.pipeline.split_by_meshes``). Run eagerly, a call on another mesh is an ordinary call whose
-inputs the engine moves where its parameters live.
+(``ap.pipeline.split_by_meshes``); its dims mappings become layout steps of that stage
+(``api.LayOut``; one output mapping). Run eagerly, a call on another mesh is an ordinary call
+whose inputs the engine moves where its parameters live.
 """
 
 from __future__ import annotations
@@ -121,15 +122,28 @@ def _tracer_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 
 def _traced(tracer: Any, op: Callable[..., Any], mesh: ProcessMesh, ins: Any, outs: Any,
             args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """A call inside a symbolic trace: record ``op`` and mark every node it made with ``mesh``."""
-    if ins is not None or outs is not None:
-        raise NotImplementedError(
-            f"shard_op: dims mappings on a call inside a traced forward (a pipeline split by mesh) are not "
-            f"supported; give {getattr(op, '__name__', type(op).__name__)} a mesh only, and lay its "
-            "parameters out with ap.shard_tensor")
+    """A call inside a symbolic trace: record ``op``, its inputs' and output's layouts
+    (``shard_tensor`` on a proxy records an ``api.LayOut`` step), and mark every node it made with
+    ``mesh``. An output mapping needs one output: the trace cannot look inside a returned tuple."""
     graph = tracer.graph
     last = next(iter(reversed(graph.nodes)), None)
-    result = op(*args, **kwargs)
+    values = list(args)
+    if ins is not None:
+        positions = [i for i, a in enumerate(values) if isinstance(a, (torch.Tensor, torch.fx.Proxy))]
+        if len(ins) != len(positions):
+            raise ValueError(f"shard_op: {len(ins)} in_dims_mappings {list(ins)} for {len(positions)} tensor inputs: "
+                             "give one per tensor (None: leave it)")
+        for p, m in zip(positions, ins, strict=True):
+            if m is not None:
+                values[p] = shard_tensor(values[p], mesh, m)
+    result = op(*values, **kwargs)
+    if outs is not None:
+        if len(outs) != 1:
+            raise NotImplementedError(
+                f"shard_op: {len(outs)} out_dims_mappings on a call inside a traced forward (a pipeline split by mesh): "
+                "a traced call's outputs are one value; give one mapping, or lay the outputs out after the call")
+        if outs[0] is not None:
+            result = shard_tensor(result, mesh, outs[0])
     seen = last is None
     for node in graph.nodes:
         if seen and node.op != "placeholder":

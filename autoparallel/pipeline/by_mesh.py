@@ -9,6 +9,12 @@ belongs to the stage of its first use). The program is cut where the mesh change
 original submodules and parameters (the optimizer's references stay valid); plain parameters are
 laid out ``Replicate`` on their stage's mesh (``ap.shard_layer``, in place).
 
+Layouts written in the forward are kept: ``ap.shard_tensor(self.fc.weight, sub_mesh, ["mp",
+None])`` (a dims mapping: an annotation) lays that parameter out once, before the split (tensor
+parallelism inside a stage), and ``shard_tensor`` on an activation, or ``shard_op``'s dims
+mappings, stay steps of the stage on their mesh. A parameter laid out on another mesh than its
+stage's raises ``ValueError``.
+
 What a split needs, checked on metadata before anything runs (the same error on every rank):
 
 - at least one ``shard_op`` call on a mesh in ``forward``;
@@ -27,6 +33,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from autoparallel.api import LayOut
+from autoparallel.engine.dtensor import DistTensor
 from autoparallel.mesh import ProcessMesh
 from autoparallel.nn.shard_layer import shard_layer
 from autoparallel.pipeline.stage import Stage, check_meshes
@@ -109,14 +117,42 @@ def split_by_meshes(model: nn.Module) -> list[Stage]:
     from torch.fx.passes.split_module import split_module
 
     gm = _trace(model)
+    _annotations(gm)
     stage, meshes = _stages_of(gm)
     split = split_module(gm, model, lambda n: stage[n])
     modules = _check_boundaries(split, len(meshes))
     stages = []
     for k, (module, mesh) in enumerate(zip(modules, meshes, strict=True)):
+        for name, p in module.named_parameters():
+            if isinstance(p, DistTensor) and p.process_mesh != mesh:
+                raise ValueError(f"{_WHAT}: parameter {name!r} is laid out on {p.process_mesh!r} but used by stage {k}, "
+                                 f"on {mesh!r}: annotate it on its stage's mesh")
         shard_layer(module, mesh)  # plain parameters: Replicate on the stage mesh, in place
         stages.append(Stage(module, mesh, name=f"stage {k}"))
     return stages
+
+
+def _annotations(gm: torch.fx.GraphModule) -> None:
+    """The layouts the forward recorded (``ap.shard_tensor`` / ``shard_op`` mappings on a proxy):
+    a parameter's is applied now, in place, once (a dims mapping: the parameter object becomes
+    the DistTensor) and leaves the program; an activation's stays a step, on its mesh's stage."""
+    for n in list(gm.graph.nodes):
+        if n.op != "call_function" or not isinstance(n.target, LayOut):
+            continue
+        src = n.args[0]
+        if isinstance(src, torch.fx.Node) and src.op == "get_attr":
+            param = gm.get_parameter(str(src.target))
+            if n.target(param) is not param:
+                raise ValueError(f"{_WHAT}: parameter {src.target!r} is laid out with placements in the forward; in a "
+                                 "forward split into stages annotate parameters with a dims mapping (in place: "
+                                 "ap.shard_tensor(self.fc.weight, mesh, ['mp', None]))")
+            n.replace_all_uses_with(src)
+            gm.graph.erase_node(n)
+            if not src.users:  # read only to be annotated
+                gm.graph.erase_node(src)
+        else:
+            n.meta[MESH_META] = n.target.mesh
+    gm.recompile()
 
 
 def run_stages(stages: list[Stage], x: Any) -> Any:

@@ -374,6 +374,57 @@ def test_bad_pipeline_strategies_raise_on_every_rank(world2: Any, what: str, tex
     assert text in str(info.value)
 
 
+class PipeTPNet(SimpleNet):
+    """Tensor parallelism inside a pipeline stage, written in forward: on ``grid[0]`` linear1 is
+    column-parallel and linear2 row-parallel by dims mappings; linear3 runs on ``grid[1]`` through
+    ``shard_op`` with mappings (its input and output replicated). ``wrong``: linear2's weight
+    annotated on the other stage's mesh."""
+
+    def __init__(self, grid: ap.ProcessMesh, wrong: bool = False) -> None:
+        super().__init__()
+        self.grid, self.wrong = grid, wrong
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        m0, m1 = self.grid[0], self.grid[1]
+        ap.shard_tensor(self.linear1.weight, m0, ["mp", None])
+        ap.shard_tensor(self.linear1.bias, m0, ["mp"])
+        ap.shard_tensor(self.linear2.weight, m1 if self.wrong else m0, [None, "mp"])
+        x = ap.shard_op(self.linear1, m0)(x)
+        x = self.linear2(x)
+        x = ap.shard_op(self.linear3, m1, [[None, None]], [[None, None]])(x)
+        return self.relu(x)
+
+
+def _pipeline_tp(rank: int, wrong: bool = False) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = PipeTPNet(ap.ProcessMesh([[0, 1], [2, 3]], dim_names=["pp", "mp"]), wrong)
+    s = ap.Strategy()
+    s.pipeline.enable = True
+    s.pipeline.micro_batch_size = BATCH // 2
+    s.pipeline.accumulate_steps = 2
+    engine = ap.Engine(model, nn.CrossEntropyLoss(), _optimizer(model), strategy=s)
+    loader = engine.dataloader(_dataset(BATCH * STEPS), batch_size=BATCH, mode="train")
+    losses = [engine.run(data, mode="train")["loss"] for data in loader()]
+    return {"losses": losses, "params": {n: _full(p) for n, p in model.named_parameters() if rank in p.process_mesh},
+            "layout": {n: (p.process_mesh.process_ids, list(p.placements)) for n, p in model.named_parameters()}}
+
+
+def test_dims_mappings_inside_a_pipelined_forward_train_like_one_process(world4: Any) -> None:
+    ref = _reference()
+    S0, S1, R = ap.Shard(0), ap.Shard(1), ap.Replicate()
+    for r, o in enumerate(world4.run(_pipeline_tp)):
+        assert o["layout"] == {"linear1.weight": ((0, 1), [S0]), "linear1.bias": ((0, 1), [S0]),
+                               "linear2.weight": ((0, 1), [S1]), "linear2.bias": ((0, 1), [R]),
+                               "linear3.weight": ((2, 3), [R]), "linear3.bias": ((2, 3), [R])}
+        assert all(_close(g, w) for g, w in zip(o["losses"], ref["losses"], strict=True)), (r, o["losses"])
+        _check_params(o["params"], {n: p for n, p in ref["params"].items() if n in o["params"]})
+
+
+def test_a_parameter_annotated_on_another_stage_mesh_raises_on_every_rank(world4: Any) -> None:
+    with pytest.raises(ValueError, match="'linear2.weight' is laid out on .* but used by stage 0"):
+        world4.run(_pipeline_tp, True, timeout=60)
+
+
 def _pipeline_dynamic(rank: int) -> dict[str, Any]:
     """The Engine's pipeline program written with the dynamic API."""
     from torch.utils.data import DataLoader
