@@ -35,11 +35,11 @@ from typing import Any
 
 import torch
 
-from autoparallel import compat
 from autoparallel.engine import dispatch, layout
 from autoparallel.log import logger
 from autoparallel.runtime.debug import CommRecord, replay
 from autoparallel.spec import DistSpec
+from autoparallel.static import signature
 from autoparallel.static.capture import Watch, capture
 from autoparallel.static.passes import hoist_starts, sink_waits
 from autoparallel.static.split import SplitError, split_joint
@@ -85,11 +85,8 @@ class StaticChunk:
 
     # ---- signature -------------------------------------------------------------------------
     def _key(self, x: Any, t: Any, out_spec: DistSpec, in_grad_spec: DistSpec | None) -> Any:
-        def one(a: Any) -> Any:
-            return None if a is None else (layout.spec_of(a), layout.stride_of(a)) if layout.is_dist(a) else (tuple(a.shape), a.dtype)
-        hooks = tuple((m.training, *compat.module_hooks(m)) for m in self.module.modules())
-        params = tuple((layout.spec_or_none(p), p.requires_grad) for p in self.module.parameters())
-        return (one(x), one(t), out_spec, in_grad_spec, params, hooks, torch.is_grad_enabled())
+        return (signature.value(x), signature.value(t), out_spec, in_grad_spec, signature.parameters(self.module),
+                signature.modules(self.module), torch.is_grad_enabled())
 
     # ---- forward -----------------------------------------------------------------------------
     def forward(self, x: Any, t: Any, loss_fn: Any, divide: int, out_spec: DistSpec,

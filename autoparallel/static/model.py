@@ -34,12 +34,12 @@ from typing import Any
 
 import torch
 
-from autoparallel import compat
 from autoparallel.compat import tree_flatten, tree_unflatten
 from autoparallel.engine import dispatch, layout
 from autoparallel.log import logger
 from autoparallel.runtime.debug import CommRecord, replay
 from autoparallel.spec import DistSpec
+from autoparallel.static import signature
 from autoparallel.static.capture import Capture, Watch, capture, draws
 from autoparallel.static.passes import hoist_starts, sink_waits
 from autoparallel.static.strategy import Strategy
@@ -149,7 +149,7 @@ class DistModel:
     def _call(self, args: tuple[Any, ...]) -> Any:
         params: list[torch.Tensor] = list(self.network.parameters())
         buffers: list[torch.Tensor] = list(self.network.buffers())
-        key = self._signature(args, params)
+        key = self._signature(args)
         entry = self._programs.get(key)
         if isinstance(entry, _Program):
             self._programs.move_to_end(key)
@@ -168,23 +168,10 @@ class DistModel:
             self._refuse(key, watch.reason)
         return value
 
-    def _signature(self, args: tuple[Any, ...], params: list[torch.Tensor]) -> Any:
-        def one(a: Any) -> Any:
-            if layout.is_dist(a):
-                return ("dist", layout.spec_of(a), layout.stride_of(a))
-            if isinstance(a, torch.Tensor):
-                return ("plain", tuple(a.shape), a.dtype, tuple(a.stride()))
-            return ("value", a)
-        return (self._mode, torch.is_grad_enabled(), tuple(one(a) for a in args),
-                tuple((layout.spec_or_none(p), p.requires_grad) for p in params), self._hooks())
-
-    def _hooks(self) -> tuple[Any, ...]:
-        """The model's module hooks and training flags: a hook added or removed, or a submodule
-        switched between train and eval, is a new signature (a program would not run it)."""
-        out: list[Any] = []
-        for m in self.network.modules():
-            out.append((m.training, *compat.module_hooks(m)))
-        return tuple(out)
+    def _signature(self, args: tuple[Any, ...]) -> Any:
+        """The mode, autograd on/off, each argument, the parameters and the modules (``signature``)."""
+        return (self._mode, torch.is_grad_enabled(), tuple(signature.value(a) for a in args),
+                signature.parameters(self.network), signature.modules(self.network))
 
     # ---- eager ---------------------------------------------------------------------------------
     def _eager(self, args: tuple[Any, ...], params: list[torch.Tensor]) -> Any:
