@@ -187,6 +187,13 @@ class LayOut:
     def __init__(self, mesh: ProcessMesh, placements: Layout, shard_order: ShardOrder = None) -> None:
         self.mesh, self.placements, self.shard_order = _check_mesh(mesh, "shard_tensor"), placements, shard_order
         self.__name__ = "ap_lay_out"  # how the traced program's code names this step
+        # checked now, when the forward is traced (on every rank alike), as far as a layout can be
+        # without the tensor: a mapping's names and their uses; its length meets the tensor later
+        if is_dims_mapping(placements):
+            mapping: Any = placements
+            dims_mapping_to_placements(mapping, self.mesh, [1] * len(list(mapping)), "shard_tensor")
+        else:
+            _check_placements(placements, "shard_tensor", self.mesh)
 
     def __call__(self, t: torch.Tensor) -> Any:
         if isinstance(t, DistTensor) and not (is_dims_mapping(self.placements) and isinstance(t, torch.nn.Parameter)):

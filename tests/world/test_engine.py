@@ -377,10 +377,11 @@ def test_bad_pipeline_strategies_raise_on_every_rank(world2: Any, what: str, tex
 class PipeTPNet(SimpleNet):
     """Tensor parallelism inside a pipeline stage, written in forward: on ``grid[0]`` linear1 is
     column-parallel and linear2 row-parallel by dims mappings; linear3 runs on ``grid[1]`` through
-    ``shard_op`` with mappings (its input and output replicated). ``wrong``: linear2's weight
-    annotated on the other stage's mesh."""
+    ``shard_op`` with mappings (its input and output replicated). ``wrong``: ``"mesh"``, linear2's
+    weight annotated on the other stage's mesh; ``"axis"``, linear3's input mapping names an axis
+    the mesh lacks."""
 
-    def __init__(self, grid: ap.ProcessMesh, wrong: bool = False) -> None:
+    def __init__(self, grid: ap.ProcessMesh, wrong: str | None = None) -> None:
         super().__init__()
         self.grid, self.wrong = grid, wrong
 
@@ -388,14 +389,14 @@ class PipeTPNet(SimpleNet):
         m0, m1 = self.grid[0], self.grid[1]
         ap.shard_tensor(self.linear1.weight, m0, ["mp", None])
         ap.shard_tensor(self.linear1.bias, m0, ["mp"])
-        ap.shard_tensor(self.linear2.weight, m1 if self.wrong else m0, [None, "mp"])
+        ap.shard_tensor(self.linear2.weight, m1 if self.wrong == "mesh" else m0, [None, "mp"])
         x = ap.shard_op(self.linear1, m0)(x)
         x = self.linear2(x)
-        x = ap.shard_op(self.linear3, m1, [[None, None]], [[None, None]])(x)
+        x = ap.shard_op(self.linear3, m1, [[None, "tp" if self.wrong == "axis" else None]], [[None, None]])(x)
         return self.relu(x)
 
 
-def _pipeline_tp(rank: int, wrong: bool = False) -> dict[str, Any]:
+def _pipeline_tp(rank: int, wrong: str | None = None) -> dict[str, Any]:
     torch.manual_seed(0)
     model = PipeTPNet(ap.ProcessMesh([[0, 1], [2, 3]], dim_names=["pp", "mp"]), wrong)
     s = ap.Strategy()
@@ -420,9 +421,13 @@ def test_dims_mappings_inside_a_pipelined_forward_train_like_one_process(world4:
         _check_params(o["params"], {n: p for n, p in ref["params"].items() if n in o["params"]})
 
 
-def test_a_parameter_annotated_on_another_stage_mesh_raises_on_every_rank(world4: Any) -> None:
-    with pytest.raises(ValueError, match="'linear2.weight' is laid out on .* but used by stage 0"):
-        world4.run(_pipeline_tp, True, timeout=60)
+@pytest.mark.parametrize("wrong,text", [
+    ("mesh", "'linear2.weight' is laid out on .* but used by stage 0"),
+    ("axis", "names mesh axis 'tp', which mesh .* lacks"),
+])
+def test_bad_layouts_in_a_pipelined_forward_raise_on_every_rank(world4: Any, wrong: str, text: str) -> None:
+    with pytest.raises(ValueError, match=text):
+        world4.run(_pipeline_tp, wrong, timeout=60)
 
 
 def _pipeline_dynamic(rank: int) -> dict[str, Any]:
