@@ -44,6 +44,7 @@ from autoparallel import runtime
 from autoparallel.api import dtensor_from_local, reshard, shard_tensor
 from autoparallel.auto import Plan, auto_parallel, parallelize
 from autoparallel.checkpoint import init_optimizer_state, load_state_dict, save_state_dict
+from autoparallel.compat import tree_flatten, tree_unflatten
 from autoparallel.data import ShardDataloader, shard_dataloader
 from autoparallel.engine.dtensor import DistTensor
 from autoparallel.memory import recompute
@@ -81,6 +82,13 @@ def _mode(mode: Any) -> str:
 def _float(value: Any) -> float:
     t = whole(value)
     return float(t.detach().reshape(()).item()) if isinstance(t, torch.Tensor) else float(t)
+
+
+def _detached(out: Any) -> Any:
+    """The model's outputs with every tensor detached (a tensor, or a nest of them such as a
+    ``transformers`` ``ModelOutput``), as the metrics see them."""
+    leaves, tree = tree_flatten(out)
+    return tree_unflatten([t.detach() if isinstance(t, torch.Tensor) else t for t in leaves], tree)
 
 
 class _Relaid:
@@ -295,7 +303,7 @@ class Engine:
         assert self.loss is not None
         loss = self.loss(out, *labels)
         if torch.is_grad_enabled():  # (not the pipeline's no-grad pass finding its layouts)
-            self._update_metrics(out.detach(), list(labels))
+            self._update_metrics(_detached(out), list(labels))
         return loss
 
     def _check_micro_batches(self, rows: int) -> None:
@@ -462,7 +470,7 @@ class Engine:
                 out = self.model(*inputs)
                 loss = loss_fn(out, *labels)
         logs = {"loss": _float(loss.detach())}
-        logs.update(self._measure(out.detach(), labels))
+        logs.update(self._measure(_detached(out), labels))
         return logs
 
     def _captured(self) -> DistModel | None:
@@ -510,7 +518,7 @@ class Engine:
                 out = run_stages(self._stages, x)
                 loss = loss_fn(out, *labels)
             if runtime.get_rank() in self._stages[-1].mesh:  # (the output lives there)
-                self._update_metrics(out.detach(), labels)
+                self._update_metrics(_detached(out), labels)
         last = self._stages[-1].mesh
         names, values = self._metric_values() if runtime.get_rank() in last else (self._metric_names(), None)
         here = [_float(loss.detach()), *values] if values is not None else [0.0] * (1 + len(names))

@@ -37,6 +37,7 @@ import torch
 from autoparallel.compat import tree_flatten, tree_unflatten
 from autoparallel.engine import dispatch, layout
 from autoparallel.log import logger
+from autoparallel.runtime import comm
 from autoparallel.runtime.debug import CommRecord, replay
 from autoparallel.spec import DistSpec
 from autoparallel.static import signature
@@ -240,8 +241,11 @@ class DistModel:
             if self.outputs:  # the model's outputs, detached, after the loss
                 leaves, got["tree"] = tree_flatten(out)
                 shown = [t.detach() if isinstance(t, torch.Tensor) else t for t in leaves]
-                if not all(isinstance(t, torch.Tensor) for t in shown):
-                    raise TypeError("to_static(outputs=True): the model's outputs must be tensors (a nest of them)")
+                odd = [t for t in shown if not isinstance(t, torch.Tensor)]
+                if odd:  # refused: this signature runs eagerly (which returns them as they are)
+                    raise comm.CaptureError(
+                        f"to_static(outputs=True): the model's outputs hold a {type(odd[0]).__name__}, not only tensors, "
+                        "and a program returns tensors (transformers models: config.use_cache = False)")
             got["outs"], got["n_out"] = [loss, *shown], len(shown)
             if self._mode != TRAIN:
                 return [layout.local_of(t) if layout.is_dist(t) else t for t in [loss, *shown]]

@@ -551,3 +551,40 @@ def test_interleaved_pipeline_by_meshes_visited_round_robin(world2: Any) -> None
         assert got["chunks"] == [[0], [1], [0], [1]]  # two chunks per stage mesh
         assert all(_close(g, w) for g, w in zip(got["losses"], ref["losses"], strict=True)), (r, got["losses"], ref["losses"])
         _check_params(got["params"], {n: p for n, p in ref["params"].items() if n in got["params"]})
+
+
+# ---- a transformers model: its outputs are a ModelOutput -----------------------------------------
+def _hf_engine(rank: int, use_cache: bool) -> dict[str, Any]:
+    import warnings
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=2, vocab_size=64, use_cache=use_cache))
+
+    def loss_fn(out: Any, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(out.logits.reshape(-1, out.logits.shape[-1]), y.reshape(-1))
+
+    engine = ap.Engine(model, loss_fn, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randint(0, 64, (4, 16), generator=g), torch.randint(0, 64, (4, 16), generator=g)) for _ in range(4)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        losses = [engine.run(d)["loss"] for d in data]
+    kinds = [type(v).__name__ for v in engine._program._programs.values()] if engine._program else []
+    return {"losses": losses, "kinds": kinds,
+            "warnings": [str(w.message) for w in caught if "autoparallel" in str(w.message)]}
+
+
+def test_a_transformers_model_runs_captured_or_says_why(world2: Any) -> None:
+    """A ModelOutput reaches the loss and the metrics; with ``use_cache`` its DynamicCache keeps the
+    step eager (one warning naming it), without it the step is captured; both train alike."""
+    pytest.importorskip("transformers")
+    cached = world2.run(_hf_engine, True)
+    plain = world2.run(_hf_engine, False)
+    for c, p in zip(cached, plain):
+        assert c["losses"] == pytest.approx(p["losses"], rel=1e-6)
+        assert len(c["warnings"]) == 1 and "DynamicCache" in c["warnings"][0] and "use_cache" in c["warnings"][0]
+        assert c["kinds"] == ["str"]  # the signature runs eagerly, and says why once
+        assert p["warnings"] == [] and p["kinds"] == ["_Program"]
