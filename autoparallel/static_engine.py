@@ -34,6 +34,7 @@ error on every rank.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -165,6 +166,7 @@ class Engine:
         self.scaler: GradScaler | None = None      # Strategy.amp with float16: the loss scaler
         self.plan: Plan | None = None              # Strategy.auto_mode="full": the plan ap.auto_parallel chose
         self._program: DistModel | None = None     # the captured step (outside pipelines and float16)
+        self._said_eager = False                   # warned once that a batch's labels keep it eager
         self._check_strategy()
 
     # ---- configuration -------------------------------------------------------------------------
@@ -455,6 +457,10 @@ class Engine:
             with torch.no_grad():
                 return {"outputs": whole(self.model(*inputs))}
         loss_fn = self._loss_for(mode)
+        if program is not None and len(labels) != 1 and not self._said_eager:
+            self._said_eager = True
+            warnings.warn(f"autoparallel: ap.Engine: a batch with {len(labels)} label tensors runs eagerly (op by op): "
+                          "a captured step takes one label", stacklevel=2)
         if program is not None and len(labels) == 1:
             program = program.train() if mode == "train" else program.eval()
             loss, out = program(*inputs, labels[0])

@@ -588,3 +588,28 @@ def test_a_transformers_model_runs_captured_or_says_why(world2: Any) -> None:
         assert len(c["warnings"]) == 1 and "DynamicCache" in c["warnings"][0] and "use_cache" in c["warnings"][0]
         assert c["kinds"] == ["str"]  # the signature runs eagerly, and says why once
         assert p["warnings"] == [] and p["kinds"] == ["_Program"]
+
+
+def _two_labels(rank: int) -> dict[str, Any]:
+    import warnings
+
+    torch.manual_seed(0)
+    model = SimpleNet()
+
+    def loss_fn(out: torch.Tensor, y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return (F.cross_entropy(out, y, reduction="none") * weight).mean()
+
+    engine = ap.Engine(model, loss_fn, _optimizer(model))
+    engine.prepare(ap.InputSpec([None, IN]), [ap.InputSpec([None], torch.int64), ap.InputSpec([None])])
+    ds = _dataset(BATCH * STEPS)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        losses = [engine.run((*ds[i * BATCH:(i + 1) * BATCH], torch.ones(BATCH)))["loss"] for i in range(STEPS)]
+    return {"losses": losses, "warnings": [str(w.message) for w in caught if "autoparallel" in str(w.message)]}
+
+
+def test_a_batch_with_two_labels_runs_eagerly_and_says_so_once(world4: Any) -> None:
+    ref = _reference()
+    for o in world4.run(_two_labels):
+        assert all(_close(g, w) for g, w in zip(o["losses"], ref["losses"], strict=True)), o["losses"]
+        assert len(o["warnings"]) == 1 and "2 label tensors runs eagerly" in o["warnings"][0]
