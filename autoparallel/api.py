@@ -196,9 +196,6 @@ class LayOut:
             _check_placements(placements, "shard_tensor", self.mesh)
 
     def __call__(self, t: torch.Tensor) -> Any:
-        if isinstance(t, DistTensor) and not (is_dims_mapping(self.placements) and isinstance(t, torch.nn.Parameter)):
-            placements = to_placements(self.placements, "shard_tensor", self.mesh, tuple(t.shape))
-            return reshard(t, self.mesh, placements, shard_order=self.shard_order)
         return shard_tensor(t, self.mesh, self.placements, shard_order=self.shard_order)
 
     def __repr__(self) -> str:

@@ -45,13 +45,18 @@ def _check_mappings(mappings: Any, what: str) -> tuple[Layout | None, ...] | Non
     return tuple(mappings)
 
 
+def _check_count(mappings: tuple[Layout | None, ...], positions: list[int], what: str) -> None:
+    """One mapping (or None) per tensor, else ``ValueError`` naming both counts."""
+    if len(mappings) != len(positions):
+        raise ValueError(f"shard_op: {len(mappings)} {what} {list(mappings)} for {len(positions)} tensor "
+                         f"{'inputs' if what.startswith('in') else 'outputs'}: give one per tensor (None: leave it)")
+
+
 def _lay_out(values: list[Any], positions: list[int], mappings: tuple[Layout | None, ...],
              mesh: ProcessMesh, what: str) -> list[Any]:
     """``values`` with ``values[positions[i]]`` laid out by ``mappings[i]`` (checked first, on
     metadata only, so a bad mapping raises on every rank before any tensor moves)."""
-    if len(mappings) != len(positions):
-        raise ValueError(f"shard_op: {len(mappings)} {what} {list(mappings)} for {len(positions)} tensor "
-                         f"{'inputs' if what.startswith('in') else 'outputs'}: give one per tensor (None: leave it)")
+    _check_count(mappings, positions, what)
     for p, m in zip(positions, mappings, strict=True):
         if m is not None:
             to_placements(m, f"shard_op ({what}[{positions.index(p)}])", mesh, tuple(values[p].shape))
@@ -130,9 +135,7 @@ def _traced(tracer: Any, op: Callable[..., Any], mesh: ProcessMesh, ins: Any, ou
     values = list(args)
     if ins is not None:
         positions = [i for i, a in enumerate(values) if isinstance(a, (torch.Tensor, torch.fx.Proxy))]
-        if len(ins) != len(positions):
-            raise ValueError(f"shard_op: {len(ins)} in_dims_mappings {list(ins)} for {len(positions)} tensor inputs: "
-                             "give one per tensor (None: leave it)")
+        _check_count(ins, positions, "in_dims_mappings")
         for p, m in zip(positions, ins, strict=True):
             if m is not None:
                 values[p] = shard_tensor(values[p], mesh, m)

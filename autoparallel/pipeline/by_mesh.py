@@ -46,14 +46,9 @@ _WHAT = "split_by_meshes"
 def _trace(model: nn.Module) -> torch.fx.GraphModule:
     try:
         return torch.fx.symbolic_trace(model)
-    except ValueError as e:
-        if not isinstance(e, torch.fx.proxy.TraceError):
-            raise  # a layout the forward wrote is wrong: its own message says which
-        raise ValueError(
-            f"{_WHAT}: splitting the model into stages traces its forward with torch.fx, which failed "
-            f"({type(e).__name__}: {str(e).splitlines()[0][:200]}). Keep the forward free of data-dependent "
-            "Python control flow, or build the stages yourself: Pipeline(split_sequential(...), ...)") from e
     except Exception as e:  # noqa: BLE001  (any trace failure: say what to do)
+        if isinstance(e, ValueError) and not isinstance(e, torch.fx.proxy.TraceError):
+            raise  # a layout the forward wrote is wrong: its own message says which
         raise ValueError(
             f"{_WHAT}: splitting the model into stages traces its forward with torch.fx, which failed "
             f"({type(e).__name__}: {str(e).splitlines()[0][:200]}). Keep the forward free of data-dependent "
