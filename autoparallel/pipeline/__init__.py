@@ -2,7 +2,8 @@
 
 * :mod:`.stage` — :class:`Stage`, :func:`split_sequential`, :func:`stages_from_annotations`
 * :mod:`.by_mesh` — :func:`split_by_meshes`: stages from the meshes a forward's ``ap.shard_op`` calls name
-* :mod:`.schedule` — :func:`build_schedule` (FThenB, 1F1B, Interleaved1F1B) as per-mesh action lists
+* :mod:`.schedule` — :func:`build_schedule` (FThenB, 1F1B, Interleaved1F1B, ZBH1) as per-mesh action lists
+* :mod:`.split_backward` — a stage's backward as ``B`` (input gradient) and ``W`` (weight gradients)
 * :mod:`.simulate` — :func:`simulate`: send/recv matching, deadlock check, ideal timeline, bubble
 * :mod:`.runner` — :class:`Pipeline`: runs a schedule on real ranks, gradients accumulate
 * :mod:`.timeline` — SVG timelines of executed or simulated schedules

@@ -23,12 +23,12 @@ from typing import Any
 
 import torch
 
-from autoparallel import runtime
+from autoparallel import compat, runtime
 from autoparallel.api import shard_tensor
 from autoparallel.engine import layout
 from autoparallel.engine.dtensor import DistTensor
 from autoparallel.mesh import ProcessMesh
-from autoparallel.pipeline import p2p
+from autoparallel.pipeline import p2p, split_backward
 from autoparallel.pipeline.local import LocalStage, runs_locally
 from autoparallel.pipeline.memory import ActivationMeter
 from autoparallel.pipeline.schedule import COMPUTE, RECV_B, RECV_F, Action, Schedule, build_schedule
@@ -96,7 +96,9 @@ def _shape_pass(modules: Sequence[torch.nn.Module]) -> Iterator[None]:
 class Pipeline:
     """Stages (chunks, in forward order) run over ``num_microbatches`` by ``schedule``.
 
-    ``schedule``: "FThenB" (GPipe), "1F1B" or "Interleaved1F1B" (several chunks per mesh).
+    ``schedule``: "FThenB" (GPipe), "1F1B", "Interleaved1F1B" (several chunks per mesh) or
+    "ZBH1" (zero bubble: each backward split into the input's gradient, ``B``, and the weights',
+    ``W``, run later where the stage would wait; ``autoparallel.pipeline.split_backward``).
     ``loss_fn(output, target)`` (or ``loss_fn(output)`` when ``step`` gets no target) runs on
     the last stage for each micro-batch. ``static=True``: each chunk's forward and backward are
     captured once per input layout and replayed per micro-batch under the same schedule
@@ -118,6 +120,8 @@ class Pipeline:
         p = len(self.meshes)
         self.schedule: Schedule = build_schedule(schedule, p, num_microbatches, len(self.stages) // p)
         simulate(self.schedule)  # deadlock, order and matching checks before anything runs
+        if self.schedule.split_backward:
+            self._check_split_backward()
         self.loss_fn = loss_fn
         rank = runtime.get_rank()
         self.rank = rank
@@ -129,7 +133,8 @@ class Pipeline:
         self.static = static
         # static: this rank's chunks (on its stage mesh, not one-rank local ones) as captured programs
         self.programs: dict[int, StaticChunk] = {
-            c: StaticChunk(st.module, f"{c} ({st.name})", _as_layout) for c, st in enumerate(self.stages)
+            c: StaticChunk(st.module, f"{c} ({st.name})", _as_layout, split_backward=self.schedule.split_backward)
+            for c, st in enumerate(self.stages)
             if static and not self.local[c] and self.stage_index == self.schedule.stage_of(c)}
 
     # ---- checks (metadata only) -----------------------------------------------------------
@@ -158,6 +163,25 @@ class Pipeline:
                         f"Pipeline: parameter {name!r} of stage {c} lives on {prm.process_mesh!r}, not on the "
                         f"stage mesh {st.mesh!r}"
                     )
+
+    def _check_split_backward(self) -> None:
+        """A zero-bubble schedule computes weight gradients apart from the input's (``W``): every
+        chunk needs parameters that train, and none may carry gradient hooks (they would not see
+        ``W``'s gradients, which are added into ``.grad`` directly)."""
+        name = self.schedule.name
+        for c, st in enumerate(self.stages):
+            params = [(n, p) for n, p in st.module.named_parameters() if p.requires_grad]
+            if not params:
+                raise ValueError(
+                    f"Pipeline: {name} splits each backward into input and weight gradients, but stage {c} "
+                    f"({st.name}) has no parameters that train; use 1F1B, or give every stage parameters"
+                )
+            hooked = [n for n, p in params if compat.has_tensor_hooks(p)]
+            if hooked:
+                raise ValueError(
+                    f"Pipeline: {name} adds weight gradients into .grad outside autograd's accumulation, so "
+                    f"gradient hooks on stage {c}'s parameters {hooked[:3]} would not run; use 1F1B here"
+                )
 
     @property
     def num_microbatches(self) -> int:
@@ -261,6 +285,8 @@ class Pipeline:
         Parameter gradients are accumulated into ``.grad`` (call ``optimizer.zero_grad()``
         between steps as usual). With ``record``, ``self.events`` holds this rank's timeline.
         """
+        if self.schedule.split_backward:  # (hooks may have come since: a ZeRO-3 optimizer built later)
+            self._check_split_backward()
         xs = self.split(inputs, self.meshes[0], "inputs")
         ts = self.split(self._rows_as_inputs(target, xs[0]), self.stages[-1].mesh, "targets")
         lay = self.layouts(layout.spec_of(xs[0]), None if ts[0] is None else layout.spec_of(ts[0]))
@@ -289,6 +315,7 @@ class _Run:
         self.grads_out: dict[tuple[int, int], DistTensor] = {}
         self.grads_in: dict[tuple[int, int], torch.Tensor] = {}
         self.losses: dict[int, torch.Tensor] = {}
+        self.weight_work: dict[tuple[int, int], Callable[[], Any] | None] = {}  # zero-bubble: W, kept by B
         self.pending = p2p.PendingSends()
         self.posted: dict[tuple[str, int, int], p2p.PendingRecv] = {}
         self.local = {c: LocalStage(st) for c, st in enumerate(pipe.stages)
@@ -363,10 +390,16 @@ class _Run:
         y = self.outputs.pop((mb, c))
         if isinstance(y, Replayed):  # the forward ran as a program: its backward program runs
             g_out = None if c == self.v - 1 else layout.local_of(self.grads_out.pop((mb, c)))
-            g_in = self.pipe.programs[c].backward(y, g_out)
+            if self.pipe.schedule.split_backward:
+                g_in, self.weight_work[(mb, c)] = self.pipe.programs[c].backward_input(y, g_out)
+            else:
+                g_in = self.pipe.programs[c].backward(y, g_out)
             if c > 0:
                 self.inputs.pop((mb, c))
                 self.grads_in[(mb, c)] = g_in  # type: ignore[assignment]
+            return
+        if self.pipe.schedule.split_backward:
+            self._b_input(mb, c, y)
             return
         if c == self.v - 1:
             if y.requires_grad:
@@ -380,6 +413,24 @@ class _Run:
             spec = layout.grad_spec(self.lay.inputs[c])
             g = x.grad if x.grad is not None else _zeros(spec)
             self.grads_in[(mb, c)] = _as_layout(g, spec)
+
+    def _b_input(self, mb: int, c: int, y: Any) -> None:
+        """Zero-bubble ``B``: the input's gradient now; what the weights need is kept for ``W``."""
+        last = c == self.v - 1
+        g_out = None if last else self.grads_out.pop((mb, c))
+        x = self.inputs.pop((mb, c)) if c > 0 else None
+        out = y / self.m if last else y
+        params = list(self.local[c].leaves.values()) if c in self.local else list(self.pipe.stages[c].module.parameters())
+        gx, work = split_backward.input_grad(out, g_out, x, params) if y.requires_grad else (None, None)
+        self.weight_work[(mb, c)] = None if work is None else (lambda: split_backward.weight_grads(work))
+        if c > 0:
+            spec = layout.grad_spec(self.lay.inputs[c])
+            self.grads_in[(mb, c)] = _as_layout(gx if gx is not None else _zeros(spec), spec)
+
+    def _w(self, mb: int, c: int, tag: int) -> None:
+        work = self.weight_work.pop((mb, c))
+        if work is not None:
+            work()
 
     def _send_b(self, mb: int, c: int, tag: int) -> None:
         p2p.send(self.grads_in.pop((mb, c)), self._plan(c, True), tag, self.pending)

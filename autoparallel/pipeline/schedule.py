@@ -4,7 +4,8 @@ A model is cut into ``V = p * v`` chunks (virtual stages); chunk ``c`` lives on 
 ``c % p`` (``v`` chunks per mesh, round robin as in interleaved 1F1B). Each mesh runs its list
 in order; every rank of that mesh runs the same list, so collectives inside a stage line up.
 
-Actions: ``F``/``B`` (forward/backward of micro-batch ``m`` on chunk ``c``), ``SEND_F``/
+Actions: ``F``/``B`` (forward/backward of micro-batch ``m`` on chunk ``c``), ``W`` (the weight
+gradients of a zero-bubble schedule, whose ``B`` then computes the input's gradient only), ``SEND_F``/
 ``RECV_F`` (the activation crossing into chunk ``c + 1`` / into chunk ``c``), ``SEND_B``/
 ``RECV_B`` (the input gradient of chunk ``c`` going back / the output gradient of chunk ``c``
 coming in). Sends do not block; a receive blocks until its send has been posted. Message keys
@@ -12,17 +13,26 @@ coming in). Sends do not block; a receive blocks until its send has been posted.
 
 Schedules are pure functions of ``(p, M, v)``; :mod:`autoparallel.pipeline.simulate` checks
 them (deadlock freedom, forward before backward, counts) without processes.
+
+Zero-bubble (``ZBH1``): each backward is split in two, ``B`` (the gradient of the chunk's input,
+which the previous stage waits for) and ``W`` (the gradients of the chunk's weights, which nobody
+waits for). ``B`` runs as soon as its output gradient arrives; a stage keeps 1F1B's limit of
+``p - s`` micro-batches between ``F`` and ``B`` and puts each ``W`` off (at most ``p - 1`` pending)
+into a time it would otherwise wait. With equal ``F``/``B``/``W`` costs the idle fraction is
+``(p - 1) / (3M + p - 1)``, a third of 1F1B's; the price is memory: a micro-batch's activations
+are held until its ``W`` (up to ``2p - 1`` micro-batches on the first stage, 1F1B's ``p``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import lru_cache
 
-F, B = "F", "B"
+F, B, W = "F", "B", "W"
 SEND_F, RECV_F, SEND_B, RECV_B = "SEND_F", "RECV_F", "SEND_B", "RECV_B"
-COMPUTE = (F, B)
-KINDS = (F, B, SEND_F, RECV_F, SEND_B, RECV_B)
+COMPUTE = (F, B, W)
+KINDS = (F, B, W, SEND_F, RECV_F, SEND_B, RECV_B)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +89,12 @@ class Schedule:
     def compute_order(self, stage: int) -> list[Action]:
         return [a for a in self.actions[stage] if a.kind in COMPUTE]
 
+    @property
+    def split_backward(self) -> bool:
+        """Whether backwards are split into ``B`` (input gradient) and ``W`` (weight gradients)."""
+        return SCHEDULES[self.name].split
+
+
     def __str__(self) -> str:
         head = f"{self.name}: {self.num_stages} stage meshes x {self.num_chunks} chunks, {self.num_microbatches} micro-batches"
         rows = [f"  stage {s}: " + " ".join(str(a) for a in acts) for s, acts in enumerate(self.actions)]
@@ -121,6 +137,62 @@ def _interleaved(p: int, m: int, v: int, s: int) -> list[tuple[str, int, int]]:
     return order
 
 
+def _zero_bubble_h1(p: int, m: int, v: int, s: int) -> list[tuple[str, int, int]]:
+    return list(_zero_bubble_h1_orders(p, m)[s])
+
+
+@lru_cache(maxsize=64)
+def _zero_bubble_h1_orders(p: int, m: int) -> tuple[tuple[tuple[str, int, int], ...], ...]:
+    """Every stage's ZB-H1 order, found by running the stages on paper with unit costs.
+
+    The stage that can start an action earliest goes next (ties: the lower stage). A stage runs,
+    in this preference: ``B`` of its oldest waiting micro-batch once the output gradient is there;
+    else ``F`` of the next micro-batch once its input is there, while fewer than ``p - s``
+    micro-batches wait for ``B`` and at most ``p - 1`` for ``W``; else the oldest ``W``. A ``W``
+    also fills any wait before the ``B``/``F`` it would run. Deterministic: a function of
+    ``(p, m)``.
+    """
+    clock = [0] * p
+    f_end: dict[tuple[int, int], int] = {}
+    b_end: dict[tuple[int, int], int] = {}
+    n_f, n_b, n_w = [0] * p, [0] * p, [0] * p
+    orders: list[list[tuple[str, int, int]]] = [[] for _ in range(p)]
+    for _ in range(3 * p * m):
+        best: tuple[int, int, str, int] | None = None
+        for s in range(p):
+            options: list[tuple[int, int, str, int]] = []
+            if n_b[s] < n_f[s]:
+                ready = f_end[(s, n_b[s])] if s == p - 1 else b_end.get((s + 1, n_b[s]))
+                if ready is not None:
+                    options.append((max(clock[s], ready), 0, B, n_b[s]))
+            if n_f[s] < m and n_f[s] - n_b[s] < p - s and n_b[s] - n_w[s] < p:
+                ready = 0 if s == 0 else f_end.get((s - 1, n_f[s]))
+                if ready is not None:
+                    options.append((max(clock[s], ready), 1, F, n_f[s]))
+            if n_w[s] < n_b[s]:
+                options.append((clock[s], 2, W, n_w[s]))
+            if not options:
+                continue
+            start, rank, kind, mb = min(options)
+            if kind != W and n_w[s] < n_b[s] and start > clock[s]:
+                start, kind, mb = clock[s], W, n_w[s]  # a weight gradient fills the wait
+            if best is None or start < best[0]:
+                best = (start, s, kind, mb)
+        assert best is not None  # (every stage waiting on another cannot happen: B and F chain)
+        start, s, kind, mb = best
+        clock[s] = start + 1
+        orders[s].append((kind, mb, s))
+        if kind == F:
+            f_end[(s, mb)] = clock[s]
+            n_f[s] += 1
+        elif kind == B:
+            b_end[(s, mb)] = clock[s]
+            n_b[s] += 1
+        else:
+            n_w[s] += 1
+    return tuple(tuple(o) for o in orders)
+
+
 def _with_comm(order: list[tuple[str, int, int]], p: int, v: int) -> tuple[Action, ...]:
     """Insert the receive before and the send after each compute that crosses a mesh."""
     last = p * v - 1
@@ -132,6 +204,8 @@ def _with_comm(order: list[tuple[str, int, int]], p: int, v: int) -> tuple[Actio
             out.append(Action(F, mb, c))
             if c < last:
                 out.append(Action(SEND_F, mb, c, (c + 1) % p))
+        elif kind == W:
+            out.append(Action(W, mb, c))
         else:
             if c < last:
                 out.append(Action(RECV_B, mb, c, (c + 1) % p))
@@ -145,15 +219,17 @@ def _with_comm(order: list[tuple[str, int, int]], p: int, v: int) -> tuple[Actio
 class _Kind:
     order: Callable[[int, int, int, int], list[tuple[str, int, int]]]
     chunked: bool  # accepts v > 1
+    split: bool = False  # backward split into B (input gradient) and W (weight gradients)
 
 
 SCHEDULES = {
     "FThenB": _Kind(_fthenb, True),
     "1F1B": _Kind(_one_f_one_b, False),
     "Interleaved1F1B": _Kind(_interleaved, True),
+    "ZBH1": _Kind(_zero_bubble_h1, False, split=True),
 }
 _ALIASES = {"gpipe": "FThenB", "fthenb": "FThenB", "1f1b": "1F1B", "interleaved1f1b": "Interleaved1F1B",
-            "interleaved": "Interleaved1F1B", "vpp": "Interleaved1F1B"}
+            "interleaved": "Interleaved1F1B", "vpp": "Interleaved1F1B", "zbh1": "ZBH1", "zerobubble": "ZBH1"}
 
 
 class ScheduleError(ValueError):
@@ -199,9 +275,13 @@ def theoretical_bubble(name: str, num_stages: int, num_microbatches: int, num_ch
     FThenB and 1F1B: ``(p - 1) / (m + p - 1)``; with ``v`` chunks per mesh (interleaved, or
     looping FThenB): ``(p - 1) / (v * m + p - 1)`` (each chunk costs ``1 / v`` of a stage),
     which assumes ``m >= p`` (with fewer micro-batches every loop over the chunks idles again).
+    ZBH1 with equal ``F``, ``B`` and ``W`` costs: ``(p - 1) / (3m + p - 1)`` (each stage waits
+    ``p - 1`` units of one pass in all, against 1F1B's ``p - 1`` of three), for ``m >= p``.
     """
-    schedule_name(name)
+    canon = schedule_name(name)
     p, m, v = num_stages, num_microbatches, num_chunks
+    if SCHEDULES[canon].split:
+        return (p - 1) / (3 * v * m + p - 1)
     return (p - 1) / (v * m + p - 1)
 
 
@@ -214,6 +294,7 @@ __all__ = [
     "SCHEDULES",
     "SEND_B",
     "SEND_F",
+    "W",
     "Schedule",
     "ScheduleError",
     "build_schedule",

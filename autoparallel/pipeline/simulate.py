@@ -1,8 +1,9 @@
 """Run a schedule on paper: send/recv matching, deadlock detection, timeline and bubble.
 
 Model: each stage mesh executes its list in order; a send posts its message and goes on; a
-receive waits until the message with its key has been posted by the expected peer; ``F`` and
-``B`` take ``f_cost`` / ``b_cost`` time units. A state where no mesh can move while actions
+receive waits until the message with its key has been posted by the expected peer; ``F`` takes
+``f_cost`` time units, a whole backward ``b_cost + w_cost`` (its input-gradient and weight-gradient
+parts), and in a zero-bubble schedule ``B`` takes ``b_cost`` and ``W`` takes ``w_cost``. A state where no mesh can move while actions
 remain is a deadlock. Because every action starts as soon as its dependencies allow, the
 resulting timeline is the ideal one (no contention, free communication unless ``comm_cost``).
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autoparallel.pipeline.schedule import COMPUTE, RECV_B, RECV_F, SEND_B, SEND_F, Action, B, F, Schedule, ScheduleError
+from autoparallel.pipeline.schedule import COMPUTE, RECV_B, RECV_F, SEND_B, SEND_F, Action, B, F, Schedule, ScheduleError, W
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,7 +33,8 @@ class SimResult:
     events: tuple[TimedAction, ...]  # compute actions only
     makespan: float
     busy: tuple[float, ...]  # compute time per stage mesh
-    peak_inflight: tuple[int, ...]  # most (micro-batch, chunk) forwards awaiting backward
+    peak_inflight: tuple[int, ...]  # most (micro-batch, chunk) forwards awaiting backward (B)
+    peak_held: tuple[int, ...]  # most (micro-batch, chunk) forwards whose activations are held (until W, else B)
 
     @property
     def bubble(self) -> float:
@@ -41,9 +43,10 @@ class SimResult:
 
 
 class _State:
-    def __init__(self, sched: Schedule, f_cost: float, b_cost: float, comm_cost: float) -> None:
+    def __init__(self, sched: Schedule, f_cost: float, b_cost: float, comm_cost: float, w_cost: float) -> None:
         self.s = sched
-        self.costs = {F: f_cost, B: b_cost}
+        split = sched.split_backward
+        self.costs = {F: f_cost, B: b_cost if split else b_cost + w_cost, W: w_cost}
         self.comm = comm_cost
         p = sched.num_stages
         self.ptr = [0] * p
@@ -56,6 +59,8 @@ class _State:
         self.busy = [0.0] * p
         self.inflight = [0] * p
         self.peak = [0] * p
+        self.held = [0] * p
+        self.peak_held = [0] * p
 
     def fail(self, stage: int, a: Action, why: str) -> ScheduleError:
         return ScheduleError(f"{self.s.name} schedule, stage {stage}, action {a}: {why}")
@@ -93,6 +98,11 @@ class _State:
             raise self.fail(st, a, "runs twice")
         if a.kind == F and a.chunk > 0 and (F, a.microbatch, a.chunk) not in self.received:
             raise self.fail(st, a, "runs before its input was received (no RECV_F before it)")
+        if a.kind == W:
+            if not self.s.split_backward:
+                raise self.fail(st, a, f"{self.s.name} does not split its backward: no W actions")
+            if (B, a.microbatch, a.chunk) not in self.done:
+                raise self.fail(st, a, f"weight gradients before B{a.microbatch}c{a.chunk}")
         if a.kind == B:
             if (F, a.microbatch, a.chunk) not in self.done:
                 raise self.fail(st, a, f"backward before the forward F{a.microbatch}c{a.chunk}")
@@ -103,14 +113,23 @@ class _State:
         self.busy[st] += end - start
         self.done[me] = end
         self.events.append(TimedAction(st, a, start, end))
-        self.inflight[st] += 1 if a.kind == F else -1
+        if a.kind != W:
+            self.inflight[st] += 1 if a.kind == F else -1
+        last_use = W if self.s.split_backward else B
+        if a.kind in (F, last_use):
+            self.held[st] += 1 if a.kind == F else -1
         self.peak[st] = max(self.peak[st], self.inflight[st])
+        self.peak_held[st] = max(self.peak_held[st], self.held[st])
         return True
 
 
-def simulate(sched: Schedule, f_cost: float = 1.0, b_cost: float = 1.0, comm_cost: float = 0.0) -> SimResult:
-    """Execute ``sched`` on paper; raise ``ScheduleError`` on deadlock, misorder or mismatch."""
-    st = _State(sched, f_cost, b_cost, comm_cost)
+def simulate(sched: Schedule, f_cost: float = 1.0, b_cost: float = 1.0, comm_cost: float = 0.0,
+             w_cost: float = 0.0) -> SimResult:
+    """Execute ``sched`` on paper; raise ``ScheduleError`` on deadlock, misorder or mismatch.
+
+    ``b_cost``/``w_cost``: the input-gradient and weight-gradient parts of a backward (a schedule
+    that does not split its backward runs both in ``B``)."""
+    st = _State(sched, f_cost, b_cost, comm_cost, w_cost)
     lists = sched.actions
     progress = True
     while progress:
@@ -125,11 +144,11 @@ def simulate(sched: Schedule, f_cost: float = 1.0, b_cost: float = 1.0, comm_cos
     if st.mail:
         raise ScheduleError(f"{sched.name} schedule: messages sent but never received: {sorted(st.mail)}")
     m, v = sched.num_microbatches, sched.num_virtual
-    for kind in (F, B):
+    for kind in (F, B, W) if sched.split_backward else (F, B):
         missing = [(mb, c) for mb in range(m) for c in range(v) if (kind, mb, c) not in st.done]
         if missing:
             raise ScheduleError(f"{sched.name} schedule never runs {kind} for (micro-batch, chunk) {missing}")
-    return SimResult(sched, tuple(st.events), max(st.clock), tuple(st.busy), tuple(st.peak))
+    return SimResult(sched, tuple(st.events), max(st.clock), tuple(st.busy), tuple(st.peak), tuple(st.peak_held))
 
 
 __all__ = ["SimResult", "TimedAction", "simulate"]

@@ -12,11 +12,12 @@ from collections.abc import Sequence
 from xml.sax.saxutils import escape
 
 from autoparallel.pipeline.runner import Event
-from autoparallel.pipeline.schedule import B, F
+from autoparallel.pipeline.schedule import COMPUTE, B, F, W
 from autoparallel.pipeline.simulate import SimResult
 
 _F_COLORS = ("#4c78a8", "#72b7b2", "#9ecae9", "#5f8dd3")  # forward, by chunk index on the mesh
 _B_COLORS = ("#f58518", "#e45756", "#ffbf79", "#d67195")  # backward, by chunk index on the mesh
+_W_COLORS = ("#54a24b", "#88d27a", "#b5e3a8", "#3f7f3a")  # weight gradients (zero-bubble W), by chunk index
 _IDLE = "#e6e6e6"
 
 
@@ -38,7 +39,7 @@ def busy_fraction(events: Sequence[Event]) -> dict[int, float]:
     out: dict[int, float] = {}
     for e in events:
         out.setdefault(e.rank, 0.0)
-        if e.kind in (F, B):
+        if e.kind in COMPUTE:
             out[e.rank] += (e.end - e.start) / total
     return out
 
@@ -67,7 +68,10 @@ def timeline_svg(events: Sequence[Event], title: str = "", width: int = 1000, ro
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" font-size="11">',
            f'<rect width="{width}" height="{height}" fill="white"/>',
            f'<text x="10" y="18" font-size="14">{escape(title)}</text>']
-    legend = [("forward", _F_COLORS[0]), ("backward", _B_COLORS[0]), ("idle (bubble)", _IDLE)]
+    split = any(e.kind == W for e in events)
+    legend = [("forward", _F_COLORS[0]), ("input grad (B)" if split else "backward", _B_COLORS[0])]
+    legend += [("weight grads (W)", _W_COLORS[0])] if split else []
+    legend += [("idle (bubble)", _IDLE)]
     for i, (label, color) in enumerate(legend):
         lx = 10 + i * 130
         out.append(f'<rect x="{lx}" y="28" width="14" height="12" fill="{color}"/><text x="{lx + 18}" y="38">{label}</text>')
@@ -77,11 +81,11 @@ def timeline_svg(events: Sequence[Event], title: str = "", width: int = 1000, ro
         out.append(f'<text x="10" y="{y + row * 0.65:.1f}">rank {r} (stage {stage_of[r]})</text>')
         out.append(f'<rect x="120" y="{y + 2}" width="{(t1 - t0) * scale:.2f}" height="{row - 4}" fill="{_IDLE}"/>')
         for e in events:
-            if e.rank != r or e.kind not in (F, B):
+            if e.rank != r or e.kind not in COMPUTE:
                 continue
             x = 120 + (e.start - t0) * scale
             w = max((e.end - e.start) * scale, 0.5)
-            colors = _F_COLORS if e.kind == F else _B_COLORS
+            colors = _F_COLORS if e.kind == F else _B_COLORS if e.kind == B else _W_COLORS
             color = colors[(e.chunk // num_stages) % len(colors)]
             dur = f"{1000 * (e.end - e.start):.3g} ms" if unit == "s" else f"{e.end - e.start:g} {unit}"
             tip = f"{e.kind}{e.microbatch} chunk {e.chunk}: {dur}"

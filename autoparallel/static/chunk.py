@@ -16,6 +16,9 @@ layouts and ``requires_grad``, the chunk's hooks and train/eval flags):
    gradient, adds the parameters' gradients into ``.grad`` and returns the input's gradient.
    Both programs get the overlap passes (``static.passes``: collectives inside the stage start
    early and are waited for late).
+4. under a zero-bubble schedule (``split_backward``) the backward program of a chunk with an input
+   gradient is cut once more (``static.split.split_input_weight``): ``B`` runs the ops the input's
+   gradient needs and keeps what the rest reads; ``W`` runs the rest, the weights' gradients.
 
 ``Pipeline(..., static=True)`` builds one ``StaticChunk`` per chunk of this rank's stage mesh
 (one-rank stages already run on plain tensors, ``pipeline.local``, and stay as they are); with
@@ -42,7 +45,7 @@ from autoparallel.spec import DistSpec
 from autoparallel.static import signature
 from autoparallel.static.capture import Watch, capture
 from autoparallel.static.passes import hoist_starts, sink_waits
-from autoparallel.static.split import SplitError, split_joint
+from autoparallel.static.split import SplitError, split_input_weight, split_joint
 
 
 @dataclass
@@ -53,6 +56,9 @@ class _Programs:
     grad_specs: tuple[DistSpec | None, ...]   # per trained parameter: its gradient's layout (None: no gradient)
     records: tuple[CommRecord, ...]
     out: tuple[DistSpec, tuple[int, ...]] | None  # the output's layout and strides (None: a plain loss)
+    # zero-bubble: the backward cut into the input gradient's ops and the weights' (None: not cut)
+    input_grad: torch.fx.GraphModule | None = None
+    weight_grads: torch.fx.GraphModule | None = None
 
 
 @dataclass
@@ -75,8 +81,9 @@ class StaticChunk:
     """
 
     def __init__(self, module: torch.nn.Module, name: str, as_layout: Callable[[torch.Tensor, DistSpec], torch.Tensor],
-                 warn: Callable[[str], None] | None = None) -> None:
+                 warn: Callable[[str], None] | None = None, split_backward: bool = False) -> None:
         self.module = module
+        self.split_backward = split_backward
         self.name = name
         self._as_layout = as_layout
         self._programs: dict[Any, _Programs | str] = {}
@@ -179,14 +186,17 @@ class StaticChunk:
             return result.refused
         try:
             parts = split_joint(result.program, n_primals, 1)
-            for gm in (parts.forward, parts.backward):  # collectives inside the stage: start early, wait late
+            cut = split_input_weight(parts.backward) if self.split_backward and in_grad_spec is not None else None
+            programs = [parts.forward, parts.backward] + ([cut.input_grad, cut.weight_grads] if cut else [])
+            for gm in programs:  # collectives inside the stage: start early, wait late
                 sink_waits(gm)
                 hoist_starts(gm)
         except SplitError as e:
             return str(e)
         except Exception as e:  # noqa: BLE001  (a program the passes cannot handle: the same on every rank of the stage)
             return f"the captured program could not be split ({type(e).__name__}: {e})"
-        return _Programs(parts.forward, parts.backward, parts.num_saved, got["specs"], result.records, got["out"])
+        return _Programs(parts.forward, parts.backward, parts.num_saved, got["specs"], result.records, got["out"],
+                         cut.input_grad if cut else None, cut.weight_grads if cut else None)
 
     @staticmethod
     def _rank() -> int:
@@ -205,8 +215,29 @@ class StaticChunk:
     def backward(self, done: Replayed, grad_out: torch.Tensor | None) -> torch.Tensor | None:
         """The backward of a replayed forward: parameters' gradients added into ``.grad``; returns
         the input's gradient (this rank's shard in the layout the runner sends; None: first chunk)."""
+        grads = done.programs.backward(*done.saved, *([] if grad_out is None else [grad_out]))
+        k = self._add_grads(done.programs, grads)
+        return grads[k] if k < len(grads) else None
+
+    def backward_input(self, done: Replayed, grad_out: torch.Tensor | None) -> tuple[torch.Tensor | None, Callable[[], None]]:
+        """Zero-bubble ``B``: the input's gradient now, and ``W``, a call adding the parameters'
+        gradients later (a first chunk, with no input gradient, runs its whole backward in ``W``)."""
         progs = done.programs
-        grads = progs.backward(*done.saved, *([] if grad_out is None else [grad_out]))
+        args = (*done.saved, *([] if grad_out is None else [grad_out]))
+        if progs.input_grad is None or progs.weight_grads is None:
+            program, g_in, later = progs.backward, None, args
+        else:
+            program, (g_in, *carry) = progs.weight_grads, progs.input_grad(*args)
+            later = tuple(carry)
+
+        def weights() -> None:
+            self._add_grads(progs, program(*later))
+
+        return g_in, weights
+
+    def _add_grads(self, progs: _Programs, grads: Any) -> int:
+        """Add the parameters' gradients (the first outputs of ``grads``) into ``.grad``; returns
+        how many there were."""
         params, _ = self._state()
         trained = [p for p in params if p.requires_grad]
         k = 0
@@ -222,4 +253,4 @@ class StaticChunk:
                     layout.set_local_(p.grad, layout.local_of(p.grad) + g)  # type: ignore[arg-type]  # a DistTensor grad
                 else:
                     p.grad = p.grad + layout.wrap(g, spec)
-        return grads[k] if k < len(grads) else None
+        return k

@@ -85,3 +85,69 @@ def _value(g: torch.fx.Graph, env: dict[torch.fx.Node, torch.fx.Node], a: torch.
     if a not in env and a.op == "get_attr":
         env[a] = g.get_attr(str(a.target))
     return env[a]
+
+
+@dataclass(frozen=True)
+class InputWeightSplit:
+    """A backward program cut for a zero-bubble schedule: ``input_grad(*args) -> (g_in, *carry)``
+    and ``weight_grads(*carry) -> weight grads``."""
+
+    input_grad: torch.fx.GraphModule
+    weight_grads: torch.fx.GraphModule
+    num_carry: int
+
+
+def split_input_weight(gm: torch.fx.GraphModule) -> InputWeightSplit:
+    """Cut a backward program whose last output is the input's gradient (the others: the
+    weights' gradients) into the part that computes the input's gradient and the rest.
+
+    The input-gradient part is every op the last output depends on; the weight part is every
+    other op, run later on the values it reads from the first part (the *carry*: computed
+    values and program inputs). Each op runs once, on one side, in its original order there.
+    Refused (``SplitError``) where moving the weight part after the input part could change a
+    value: an op writing a tensor in place, or a random draw."""
+    from spmd_rules.random_ops import draws_random
+
+    graph = gm.graph
+    places = [n for n in graph.nodes if n.op == "placeholder"]
+    out_node = next(n for n in graph.nodes if n.op == "output")
+    outs = list(out_node.args[0])
+    if not outs or not isinstance(outs[-1], torch.fx.Node):
+        raise SplitError("the backward program returns no input gradient to split on")
+    calls = [n for n in graph.nodes if n.op == "call_function"]
+    for n in calls:
+        schema = getattr(n.target, "_schema", None)
+        if schema is not None and any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
+            raise SplitError(f"the backward writes a tensor in place ({n.target}): its ops keep their order")
+        if draws_random(n.target, n.args, n.kwargs):
+            raise SplitError(f"the backward draws random numbers ({n.target}): its ops keep their order")
+    first: set[torch.fx.Node] = set()
+    todo = [outs[-1]]
+    while todo:
+        n = todo.pop()
+        if n in first or n.op != "call_function":
+            continue
+        first.add(n)
+        todo.extend(n.all_input_nodes)
+    later = [n for n in calls if n not in first]
+    needed = {i for n in later for i in n.all_input_nodes} | {o for o in outs[:-1] if isinstance(o, torch.fx.Node)}
+    carry = [n for n in graph.nodes if n in needed and (n in first or n in places or n.op == "get_attr")]
+    carry = [n for n in carry if n.op != "get_attr"]  # constants are read where used
+
+    ig = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    for p in places:
+        env[p] = ig.placeholder(p.name)
+    for n in calls:
+        if n in first:
+            env[n] = ig.node_copy(n, lambda a: _value(ig, env, a))
+    ig.output((_value(ig, env, outs[-1]),) + tuple(_value(ig, env, c) for c in carry))
+
+    wg = torch.fx.Graph()
+    wenv: dict[torch.fx.Node, torch.fx.Node] = {}
+    for c in carry:
+        wenv[c] = wg.placeholder("carry_" + c.name)
+    for n in later:
+        wenv[n] = wg.node_copy(n, lambda a: _value(wg, wenv, a))
+    wg.output(tuple(_value(wg, wenv, o) if isinstance(o, torch.fx.Node) else o for o in outs[:-1]))
+    return InputWeightSplit(torch.fx.GraphModule(gm, ig), torch.fx.GraphModule(gm, wg), len(carry))

@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 COMPILERS = (None, "inductor")
 AUTO_MODES = ("semi", "full")
 AMP_DTYPES = ("bfloat16", "float16")
-SCHEDULES = ("FThenB", "1F1B", "Interleaved1F1B")
+SCHEDULES = ("FThenB", "1F1B", "Interleaved1F1B", "ZBH1")
 
 
 def _int_at_least(where: str, value: Any, low: int) -> int:

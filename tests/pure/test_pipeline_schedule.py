@@ -1,6 +1,6 @@
 """Pipeline schedules as data, checked without processes.
 
-Every schedule (FThenB, 1F1B, Interleaved1F1B) for 2-4 stage meshes and several micro-batch
+Every schedule (FThenB, 1F1B, Interleaved1F1B; ZBH1 with its split backward) for 2-4 stage meshes and several micro-batch
 and chunk counts: deadlock-free under "sends post, receives wait" (simulated matching), each
 micro-batch's forward before its backward on every stage, the right counts, the ideal bubble
 equal to the formula, and the activation footprint 1F1B is meant to save.
@@ -26,7 +26,7 @@ from autoparallel.pipeline import (
     theoretical_bubble,
     timeline_svg,
 )
-from autoparallel.pipeline.schedule import RECV_B, RECV_F, SEND_B, SEND_F, B, F
+from autoparallel.pipeline.schedule import RECV_B, RECV_F, SEND_B, SEND_F, B, F, W
 
 CASES = [
     (name, p, m, v)
@@ -162,3 +162,38 @@ def test_split_errors_before_any_placement() -> None:
         split_sequential(model, meshes, num_chunks=3)
     with pytest.raises(ValueError, match=r"overlap on ranks \[0\]"):
         split_sequential(model, [meshes[0], ap.ProcessMesh([0, 1], ["dp"])])
+
+
+# ---- zero bubble: B (input gradient) and W (weight gradients) ------------------------------
+@pytest.mark.parametrize("p, m", [(1, 3), (2, 1), (2, 2), (2, 4), (3, 3), (3, 7), (4, 4), (4, 8), (4, 16), (8, 16)])
+def test_zbh1_is_complete_ordered_and_reaches_its_bubble(p: int, m: int) -> None:
+    sched = build_schedule("zero-bubble", p, m)
+    assert sched.name == "ZBH1" and sched.split_backward and not build_schedule("1F1B", p, m).split_backward
+    result = simulate(sched, 1, 1, 0, 1)  # F, B and W each one unit
+    for acts in sched.actions:
+        pos = {(a.kind, a.microbatch): i for i, a in enumerate(acts) if a.kind in (F, B, W)}
+        assert sorted(pos) == sorted((k, mb) for k in (F, B, W) for mb in range(m))
+        assert all(pos[(F, mb)] < pos[(B, mb)] < pos[(W, mb)] for mb in range(m))
+        assert [mb for k, mb in sorted(pos, key=pos.__getitem__) if k == W] == list(range(m))  # W in order
+    one = simulate(build_schedule("1F1B", p, m), 1, 1, 0, 1)  # the same work, B and W together
+    assert result.peak_inflight == one.peak_inflight  # 1F1B's limit between F and B
+    assert all(h <= min(2 * p - 1, m) for h in result.peak_held)  # held until W: the price
+    if m >= p:
+        assert result.bubble == pytest.approx(theoretical_bubble("ZBH1", p, m), abs=1e-12)
+        if p > 1:  # (m + p - 1) / (3m + p - 1) of 1F1B's: under 0.45 from m = 2p on
+            assert result.bubble == pytest.approx(one.bubble * (m + p - 1) / (3 * m + p - 1))
+            assert result.bubble <= 0.45 * one.bubble or m < 2 * p
+
+
+def test_zbh1_timeline_and_misordered_weight_gradients() -> None:
+    sched = build_schedule("ZBH1", 2, 4)
+    events = events_from_simulation(simulate(sched, 1, 1, 0, 1))
+    assert {e.kind for e in events} == {F, B, W}
+    assert "weight grads (W)" in timeline_svg(events, "zb", unit="step")
+    acts = list(sched.actions[1])
+    w0, b0 = next(i for i, a in enumerate(acts) if a.kind == W), next(i for i, a in enumerate(acts) if a.kind == B)
+    acts.insert(b0, acts.pop(w0))  # W0 before B0
+    with pytest.raises(ScheduleError, match=r"weight gradients before B0c1"):
+        simulate(_edit(sched, 1, acts))
+    with pytest.raises(ScheduleError, match=r"1F1B does not split its backward"):
+        simulate(_edit(build_schedule("1F1B", 2, 4), 1, list(build_schedule("1F1B", 2, 4).actions[1]) + [Action(W, 0, 1)]))

@@ -1,8 +1,8 @@
 """Pipelines on an 8-rank gloo world: every schedule trains like one process; bad input fails clean.
 
 Configurations (stage meshes are disjoint slices of the 8 ranks, data parallel inside each):
-naive (annotations + reshard only) on 2 and 4 stages; FThenB, 1F1B, Interleaved1F1B on 2 and 4
-stage meshes; and the 3-D hybrid dp=2 x tp=2 x pp=2 fed by ``shard_dataloader``. Each trains
+naive (annotations + reshard only) on 2 and 4 stages; FThenB, 1F1B, Interleaved1F1B, ZBH1 on 2
+and 4 stage meshes; and the 3-D hybrid dp=2 x tp=2 x pp=2 fed by ``shard_dataloader``. Each trains
 a few SGD-momentum steps and compares the loss of every step and every parameter with the
 same training on one process (fp32, rtol 1e-5).
 """
@@ -216,7 +216,10 @@ def test_naive_pipeline_matches_single_process(world8, groups):  # type: ignore[
     (TWO, "Interleaved1F1B", 4, 2),
     (FOUR, "Interleaved1F1B", 4, 2),
     (ONES, "Interleaved1F1B", 8, 2),
-], ids=["fthenb-2", "fthenb-4", "1f1b-2", "1f1b-4", "interleaved-2x2", "interleaved-4x2", "interleaved-4x2-one-rank-stages"])
+    (FOUR, "ZBH1", 8, 1),
+    (ONES, "ZBH1", 8, 1),
+], ids=["fthenb-2", "fthenb-4", "1f1b-2", "1f1b-4", "interleaved-2x2", "interleaved-4x2", "interleaved-4x2-one-rank-stages",
+        "zbh1-4", "zbh1-4-one-rank-stages"])
 def test_scheduled_pipeline_matches_single_process(world8, groups, schedule, m, chunks):  # type: ignore[no-untyped-def]
     _check(world8.run(_scheduled, groups, schedule, m, chunks), groups[-1])
 
@@ -252,8 +255,8 @@ def _hybrid(rank: int, schedule: str, chunks: int, zero: int = 0) -> dict[str, A
     return _compare(rank, model, ref, losses, ref_losses)
 
 
-@pytest.mark.parametrize("schedule, chunks, zero", [("1F1B", 1, 0), ("Interleaved1F1B", 2, 2)],
-                         ids=["1f1b", "interleaved-zero2"])
+@pytest.mark.parametrize("schedule, chunks, zero", [("1F1B", 1, 0), ("Interleaved1F1B", 2, 2), ("ZBH1", 1, 1)],
+                         ids=["1f1b", "interleaved-zero2", "zbh1-zero1"])
 def test_3d_hybrid_dp_tp_pp_matches_single_process(world8, schedule, chunks, zero):  # type: ignore[no-untyped-def]
     _check(world8.run(_hybrid, schedule, chunks, zero), [4, 5, 6, 7])
 
@@ -294,6 +297,13 @@ def _bad_schedule(rank: int) -> None:
     Pipeline(_stages(FOUR, chunks=2), _mse, num_microbatches=2, schedule="Interleaved1F1B")
 
 
+def _bad_zero_bubble_stage(rank: int) -> None:
+    stages = _stages(TWO)
+    for prm in stages[1].module.parameters():
+        prm.requires_grad_(False)  # a frozen stage: no weight gradients for W
+    Pipeline(stages, _mse, num_microbatches=2, schedule="ZBH1")
+
+
 def _no_reduction(y: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     return (y - t).square()  # forgot .mean()
 
@@ -316,7 +326,10 @@ def _healthy(rank: int) -> bool:
     (_bad_unassigned_stage, ValueError, r"parameter 'extra.weight' of stage 1 \(4..7\) is a plain tensor"),
     (_bad_schedule, ScheduleError, r"Interleaved1F1B needs the micro-batch count to be a multiple of the 4 stage meshes.*got 2"),
     (_bad_loss, TypeError, r"loss_fn must return a one-element DistTensor, got DistTensor \(8, 8\)"),
-], ids=["microbatches", "overlap", "unassigned-annotation", "unassigned-stage", "schedule-needs-more", "loss-not-scalar"])
+    (_bad_zero_bubble_stage, ValueError, r"ZBH1 splits each backward into input and weight gradients, but stage 1 \(4..7\) has no "
+                                         r"parameters that train"),
+], ids=["microbatches", "overlap", "unassigned-annotation", "unassigned-stage", "schedule-needs-more", "loss-not-scalar",
+        "zero-bubble-frozen-stage"])
 def test_bad_input_same_error_on_every_rank(world8, fn, error, match):  # type: ignore[no-untyped-def]
     with pytest.raises(error, match=match) as info:
         world8.run(fn, timeout=60)

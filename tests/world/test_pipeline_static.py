@@ -1,7 +1,7 @@
 """Static pipelines (``Pipeline(..., static=True)``): each chunk's forward and backward captured
 once and replayed per micro-batch train exactly as the eager pipeline (4 gloo ranks, 2 stage
-meshes of 2 ranks; data parallel or tensor parallel inside a stage; FThenB, 1F1B and
-Interleaved1F1B; dropout draws eager's masks) and like one process."""
+meshes of 2 ranks; data parallel or tensor parallel inside a stage; FThenB, 1F1B,
+Interleaved1F1B and ZBH1; dropout draws eager's masks) and like one process."""
 
 from __future__ import annotations
 
@@ -66,7 +66,9 @@ def _train(rank: int, static: bool, schedule: str, chunks: int, tp: bool, p: flo
     params = {n: q.full_tensor().detach().clone() for n, q in model.named_parameters() if rank in q.process_mesh}
     return {"losses": losses, "params": params, "kinds": kinds,
             "warnings": [str(w.message) for w in caught if "autoparallel" in str(w.message)],
-            "programs": sum(isinstance(v, _Programs) for c in pipe.programs.values() for v in c._programs.values())}
+            "programs": sum(isinstance(v, _Programs) for c in pipe.programs.values() for v in c._programs.values()),
+            "cut": sum(isinstance(v, _Programs) and v.input_grad is not None
+                       for c in pipe.programs.values() for v in c._programs.values())}
 
 
 def _reference(schedule: str, chunks: int, p: float) -> list[float]:
@@ -85,8 +87,8 @@ def _reference(schedule: str, chunks: int, p: float) -> list[float]:
 
 
 @pytest.mark.parametrize("schedule, chunks, tp", [
-    ("FThenB", 1, False), ("1F1B", 1, False), ("Interleaved1F1B", 2, False), ("1F1B", 1, True),
-], ids=["fthenb-dp", "1f1b-dp", "interleaved-dp", "1f1b-tp"])
+    ("FThenB", 1, False), ("1F1B", 1, False), ("Interleaved1F1B", 2, False), ("1F1B", 1, True), ("ZBH1", 1, False),
+], ids=["fthenb-dp", "1f1b-dp", "interleaved-dp", "1f1b-tp", "zbh1-dp"])
 def test_static_pipeline_equals_eager_and_one_process(world4: Any, schedule: str, chunks: int, tp: bool) -> None:
     eager = world4.run(_train, False, schedule, chunks, tp, 0.0)
     static = world4.run(_train, True, schedule, chunks, tp, 0.0)
@@ -100,6 +102,20 @@ def test_static_pipeline_equals_eager_and_one_process(world4: Any, schedule: str
             torch.testing.assert_close(torch.tensor(s["losses"]), torch.tensor(ref), rtol=1e-5, atol=1e-7)
         # micro-batch 1 eager, micro-batch 2 captures, then replays: every chunk of this rank has a program
         assert s["programs"] == chunks and s["kinds"][-1] == ["_Programs"] * chunks
+
+
+def test_zero_bubble_trains_bitwise_like_1f1b_eager_and_static_with_tp(world4: Any) -> None:
+    """ZBH1 runs each backward as B then W (eager: two autograd calls; static: the captured
+    backward cut in two): the same ops on the same values as 1F1B's one backward, and the
+    weight gradients added in the same micro-batch order, so training is bitwise 1F1B's."""
+    one = world4.run(_train, False, "1F1B", 1, True, 0.0)
+    eager = world4.run(_train, False, "ZBH1", 1, True, 0.0)
+    static = world4.run(_train, True, "ZBH1", 1, True, 0.0)
+    for rank, (o, e, s) in enumerate(zip(one, eager, static)):
+        assert s["warnings"] == [] and e["losses"] == o["losses"] == s["losses"]
+        for name, v in o["params"].items():
+            assert torch.equal(e["params"][name], v) and torch.equal(s["params"][name], v), name
+        assert s["cut"] == (1 if rank >= 2 else 0)  # the second stage's backward is cut into B and W
 
 
 def test_static_pipeline_draws_the_eager_dropout_masks(world4: Any) -> None:
