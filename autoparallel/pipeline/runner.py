@@ -31,7 +31,7 @@ from autoparallel.mesh import ProcessMesh
 from autoparallel.pipeline import p2p, split_backward
 from autoparallel.pipeline.local import LocalStage, runs_locally
 from autoparallel.pipeline.memory import ActivationMeter
-from autoparallel.pipeline.schedule import COMPUTE, RECV_B, RECV_F, Action, Schedule, build_schedule
+from autoparallel.pipeline.schedule import COMPUTE, RECV_B, RECV_F, Action, B, F, Schedule, build_schedule
 from autoparallel.pipeline.simulate import simulate
 from autoparallel.pipeline.stage import Stage, check_meshes
 from autoparallel.placement import Partial, Replicate
@@ -115,10 +115,14 @@ class Pipeline:
         if not callable(loss_fn):
             raise TypeError(f"Pipeline: loss_fn must be callable, got {type(loss_fn).__name__}")
         self.stages = list(stages)
-        self.meshes = self._meshes()
-        self._check_params()
+        self.meshes = list(dict.fromkeys(s.mesh for s in self.stages))
+        check_meshes(self.meshes)
         p = len(self.meshes)
+        if len(self.stages) % p:
+            raise ValueError(f"Pipeline: {len(self.stages)} stages do not visit the {p} stage meshes equally often")
         self.schedule: Schedule = build_schedule(schedule, p, num_microbatches, len(self.stages) // p)
+        self._check_order()
+        self._check_params()
         simulate(self.schedule)  # deadlock, order and matching checks before anything runs
         if self.schedule.split_backward:
             self._check_split_backward()
@@ -138,17 +142,15 @@ class Pipeline:
             if static and not self.local[c] and self.stage_index == self.schedule.stage_of(c)}
 
     # ---- checks (metadata only) -----------------------------------------------------------
-    def _meshes(self) -> list[ProcessMesh]:
-        distinct = list(dict.fromkeys(s.mesh for s in self.stages))
-        check_meshes(distinct)
-        p = len(distinct)
-        order = [distinct.index(s.mesh) for s in self.stages]
-        if len(self.stages) % p or order != [c % p for c in range(len(self.stages))]:
-            raise ValueError(
-                f"Pipeline: stages must visit the {p} stage meshes round robin (chunk c on mesh c % {p}); "
-                f"got mesh order {order}"
-            )
-        return distinct
+    def _check_order(self) -> None:
+        order = [self.meshes.index(s.mesh) for s in self.stages]
+        want = [self.schedule.stage_of(c) for c in range(len(self.stages))]
+        if order != want:
+            p = len(self.meshes)
+            how = ("in a V (chunk c on mesh c, then on mesh 2p - 1 - c: split_sequential(..., num_chunks=2, "
+                   "placement='v'))" if self.schedule.name == "ZBV" else f"round robin (chunk c on mesh c % {p})")
+            raise ValueError(f"Pipeline: {self.schedule.name} needs the stages to visit the {p} stage meshes {how}; "
+                             f"got mesh order {order}, expected {want}")
 
     def _check_params(self) -> None:
         for c, st in enumerate(self.stages):
@@ -316,6 +318,7 @@ class _Run:
         self.grads_in: dict[tuple[int, int], torch.Tensor] = {}
         self.losses: dict[int, torch.Tensor] = {}
         self.weight_work: dict[tuple[int, int], Callable[[], Any] | None] = {}  # zero-bubble: W, kept by B
+        self.handoff: dict[tuple[str, int, int], torch.Tensor] = {}  # messages between two chunks of this mesh (a V)
         self.pending = p2p.PendingSends()
         self.posted: dict[tuple[str, int, int], p2p.PendingRecv] = {}
         self.local = {c: LocalStage(st) for c, st in enumerate(pipe.stages)
@@ -331,7 +334,9 @@ class _Run:
         for i, a in enumerate(actions):
             t0 = time.perf_counter()
             while recvs and recvs[0] < i + RECV_AHEAD_ACTIONS:  # post receives early: data flows during compute
-                self._post(actions[recvs.pop(0)])
+                ahead = actions[recvs.pop(0)]
+                if ahead.peer != stage:  # (a message from this mesh's other chunk is handed over, not posted)
+                    self._post(ahead)
             tag = a.tag(self.v, self.m) if a.kind not in COMPUTE else -1
             getattr(self, "_" + a.kind.lower())(a.microbatch, a.chunk, tag)
             if self.record:
@@ -350,8 +355,12 @@ class _Run:
         plan = self._plan(a.chunk, False) if a.kind == RECV_F else self._plan(a.chunk + 1, True)
         self.posted[(a.kind, a.microbatch, a.chunk)] = p2p.post_recv(plan, a.tag(self.v, self.m), self.device)
 
+    def _here(self, c: int) -> bool:
+        """Whether chunk ``c`` lives on this rank's stage mesh (the other side of a V's turn)."""
+        return self.pipe.schedule.stage_of(c) == self.pipe.stage_index
+
     def _recv_f(self, mb: int, c: int, tag: int) -> None:
-        local = self.posted.pop((RECV_F, mb, c)).wait()
+        local = self.handoff.pop((F, mb, c)) if self._here(c - 1) else self.posted.pop((RECV_F, mb, c)).wait()
         self.inputs[(mb, c)] = layout.wrap(local, self.lay.inputs[c], requires_grad=True)
 
     def _f(self, mb: int, c: int, tag: int) -> None:
@@ -380,11 +389,15 @@ class _Run:
     def _send_f(self, mb: int, c: int, tag: int) -> None:
         y = self.outputs[(mb, c)]
         local = _as_layout(y.value if isinstance(y, Replayed) else y, self.lay.outputs[c])
-        p2p.send(local, self._plan(c + 1, False), tag, self.pending)
+        if self._here(c + 1):
+            self.handoff[(F, mb, c + 1)] = _moved(local, self.lay.outputs[c], self.lay.inputs[c + 1])
+        else:
+            p2p.send(local, self._plan(c + 1, False), tag, self.pending)
 
     def _recv_b(self, mb: int, c: int, tag: int) -> None:
         spec = layout.grad_spec(self.lay.outputs[c])
-        self.grads_out[(mb, c)] = layout.wrap(self.posted.pop((RECV_B, mb, c)).wait(), spec)
+        local = self.handoff.pop((B, mb, c + 1)) if self._here(c + 1) else self.posted.pop((RECV_B, mb, c)).wait()
+        self.grads_out[(mb, c)] = layout.wrap(local, spec)
 
     def _b(self, mb: int, c: int, tag: int) -> None:
         y = self.outputs.pop((mb, c))
@@ -433,7 +446,16 @@ class _Run:
             work()
 
     def _send_b(self, mb: int, c: int, tag: int) -> None:
-        p2p.send(self.grads_in.pop((mb, c)), self._plan(c, True), tag, self.pending)
+        g = self.grads_in.pop((mb, c))
+        if self._here(c - 1):
+            self.handoff[(B, mb, c)] = _moved(g, layout.grad_spec(self.lay.inputs[c]), layout.grad_spec(self.lay.outputs[c - 1]))
+        else:
+            p2p.send(g, self._plan(c, True), tag, self.pending)
+
+
+def _moved(local: torch.Tensor, src: DistSpec, dst: DistSpec) -> torch.Tensor:
+    """This rank's shard in layout ``dst`` of a value it holds in ``src`` (same mesh)."""
+    return local if src == dst else layout.move(local, src, dst)
 
 
 def _shards(spec: DistSpec) -> int:

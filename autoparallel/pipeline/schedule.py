@@ -83,8 +83,8 @@ class Schedule:
         return self.num_stages * self.num_chunks
 
     def stage_of(self, chunk: int) -> int:
-        """Stage mesh index that holds ``chunk``."""
-        return chunk % self.num_stages
+        """Stage mesh index that holds ``chunk`` (round robin; a V for ZBV)."""
+        return v_stage(chunk, self.num_stages) if SCHEDULES[self.name].v_shape else chunk % self.num_stages
 
     def compute_order(self, stage: int) -> list[Action]:
         return [a for a in self.actions[stage] if a.kind in COMPUTE]
@@ -137,81 +137,104 @@ def _interleaved(p: int, m: int, v: int, s: int) -> list[tuple[str, int, int]]:
     return order
 
 
+def v_stage(chunk: int, num_stages: int) -> int:
+    """The stage mesh of ``chunk`` in a V (ZBV): down the meshes, then back up."""
+    return chunk if chunk < num_stages else 2 * num_stages - 1 - chunk
+
+
 def _zero_bubble_h1(p: int, m: int, v: int, s: int) -> list[tuple[str, int, int]]:
-    return list(_zero_bubble_h1_orders(p, m)[s])
+    return list(_zero_bubble_orders(p, m, False)[s])
+
+
+def _zero_bubble_v(p: int, m: int, v: int, s: int) -> list[tuple[str, int, int]]:
+    return list(_zero_bubble_orders(p, m, True)[s])
 
 
 @lru_cache(maxsize=64)
-def _zero_bubble_h1_orders(p: int, m: int) -> tuple[tuple[tuple[str, int, int], ...], ...]:
-    """Every stage's ZB-H1 order, found by running the stages on paper with unit costs.
+def _zero_bubble_orders(p: int, m: int, v_shape: bool) -> tuple[tuple[tuple[str, int, int], ...], ...]:
+    """Every stage's zero-bubble order, found by running the stages on paper with unit costs.
 
     The stage that can start an action earliest goes next (ties: the lower stage). A stage runs,
-    in this preference: ``B`` of its oldest waiting micro-batch once the output gradient is there;
-    else ``F`` of the next micro-batch once its input is there, while fewer than ``p - s``
-    micro-batches wait for ``B`` and at most ``p - 1`` for ``W``; else the oldest ``W``. A ``W``
-    also fills any wait before the ``B``/``F`` it would run. Deterministic: a function of
-    ``(p, m)``.
+    in this preference: a ``B`` whose output gradient is there (the later chunk first); else an
+    ``F`` whose input is there (the later chunk first), within the memory rule; else the oldest
+    ``W``. A ``W`` also fills any wait before the ``B``/``F`` it would run.
+
+    Memory rule. ZBH1 (one chunk per mesh): 1F1B's limit of ``p - s`` micro-batches between ``F``
+    and ``B`` on stage ``s``, and at most ``p - 1`` waiting for ``W``. ZBV (chunks ``s`` and
+    ``2p - 1 - s`` on mesh ``s``): at most ``2p`` chunk activations held (until ``W``) on any
+    mesh — 1F1B's ``p`` micro-batches of a whole stage on its first mesh — and an ``F`` only when
+    no ``W`` waits. Deterministic: a function of ``(p, m)``.
     """
+    chunks_of = [[s, 2 * p - 1 - s] if v_shape else [s] for s in range(p)]
+    last = 2 * p - 1 if v_shape else p - 1
     clock = [0] * p
     f_end: dict[tuple[int, int], int] = {}
     b_end: dict[tuple[int, int], int] = {}
-    n_f, n_b, n_w = [0] * p, [0] * p, [0] * p
+    n_f, n_b, n_w = [0] * (last + 1), [0] * (last + 1), [0] * (last + 1)
     orders: list[list[tuple[str, int, int]]] = [[] for _ in range(p)]
-    for _ in range(3 * p * m):
-        best: tuple[int, int, str, int] | None = None
+    for _ in range(3 * m * (last + 1)):
+        best: tuple[int, int, str, int, int] | None = None
         for s in range(p):
-            options: list[tuple[int, int, str, int]] = []
-            if n_b[s] < n_f[s]:
-                ready = f_end[(s, n_b[s])] if s == p - 1 else b_end.get((s + 1, n_b[s]))
-                if ready is not None:
-                    options.append((max(clock[s], ready), 0, B, n_b[s]))
-            if n_f[s] < m and n_f[s] - n_b[s] < p - s and n_b[s] - n_w[s] < p:
-                ready = 0 if s == 0 else f_end.get((s - 1, n_f[s]))
-                if ready is not None:
-                    options.append((max(clock[s], ready), 1, F, n_f[s]))
-            if n_w[s] < n_b[s]:
-                options.append((clock[s], 2, W, n_w[s]))
+            mine = chunks_of[s]
+            waiting_w = sum(n_b[c] - n_w[c] for c in mine)
+            held = sum(n_f[c] - n_w[c] for c in mine)
+            options: list[tuple[int, int, int, str, int, int]] = []
+            for c in mine:
+                if n_b[c] < n_f[c]:
+                    ready = f_end[(c, n_b[c])] if c == last else b_end.get((c + 1, n_b[c]))
+                    if ready is not None:
+                        options.append((max(clock[s], ready), 0, -c, B, c, n_b[c]))
+                room = (held < 2 * p and waiting_w == 0) if v_shape else (n_f[c] - n_b[c] < p - s and waiting_w < p)
+                if n_f[c] < m and room:
+                    ready = 0 if c == 0 else f_end.get((c - 1, n_f[c]))
+                    if ready is not None:
+                        options.append((max(clock[s], ready), 1, -c, F, c, n_f[c]))
+                if n_w[c] < n_b[c]:
+                    options.append((clock[s], 2, n_w[c], W, c, n_w[c]))
             if not options:
                 continue
-            start, rank, kind, mb = min(options)
-            if kind != W and n_w[s] < n_b[s] and start > clock[s]:
-                start, kind, mb = clock[s], W, n_w[s]  # a weight gradient fills the wait
+            start, _, _, kind, c, mb = min(options)
+            fill = [o for o in options if o[3] == W]
+            if kind != W and fill and start > clock[s]:  # a weight gradient fills the wait
+                start, _, _, kind, c, mb = min(fill)
             if best is None or start < best[0]:
-                best = (start, s, kind, mb)
-        assert best is not None  # (every stage waiting on another cannot happen: B and F chain)
-        start, s, kind, mb = best
+                best = (start, s, kind, c, mb)
+        if best is None:  # (cannot happen for these rules: checked by the schedule tests)
+            raise ScheduleError(f"zero-bubble order for {p} stages and {m} micro-batches found no next action")
+        start, s, kind, c, mb = best
         clock[s] = start + 1
-        orders[s].append((kind, mb, s))
+        orders[s].append((kind, mb, c))
         if kind == F:
-            f_end[(s, mb)] = clock[s]
-            n_f[s] += 1
+            f_end[(c, mb)] = clock[s]
+            n_f[c] += 1
         elif kind == B:
-            b_end[(s, mb)] = clock[s]
-            n_b[s] += 1
+            b_end[(c, mb)] = clock[s]
+            n_b[c] += 1
         else:
-            n_w[s] += 1
+            n_w[c] += 1
     return tuple(tuple(o) for o in orders)
 
 
-def _with_comm(order: list[tuple[str, int, int]], p: int, v: int) -> tuple[Action, ...]:
-    """Insert the receive before and the send after each compute that crosses a mesh."""
+def _with_comm(order: list[tuple[str, int, int]], p: int, v: int, stage_of: Callable[[int], int]) -> tuple[Action, ...]:
+    """Insert the receive before and the send after each compute that crosses a chunk boundary
+    (``peer``: the other side's stage mesh, this one's own where both chunks live on it)."""
     last = p * v - 1
     out: list[Action] = []
     for kind, mb, c in order:
         if kind == F:
             if c > 0:
-                out.append(Action(RECV_F, mb, c, (c - 1) % p))
+                out.append(Action(RECV_F, mb, c, stage_of(c - 1)))
             out.append(Action(F, mb, c))
             if c < last:
-                out.append(Action(SEND_F, mb, c, (c + 1) % p))
+                out.append(Action(SEND_F, mb, c, stage_of(c + 1)))
         elif kind == W:
             out.append(Action(W, mb, c))
         else:
             if c < last:
-                out.append(Action(RECV_B, mb, c, (c + 1) % p))
+                out.append(Action(RECV_B, mb, c, stage_of(c + 1)))
             out.append(Action(B, mb, c))
             if c > 0:
-                out.append(Action(SEND_B, mb, c, (c - 1) % p))
+                out.append(Action(SEND_B, mb, c, stage_of(c - 1)))
     return tuple(out)
 
 
@@ -220,6 +243,7 @@ class _Kind:
     order: Callable[[int, int, int, int], list[tuple[str, int, int]]]
     chunked: bool  # accepts v > 1
     split: bool = False  # backward split into B (input gradient) and W (weight gradients)
+    v_shape: bool = False  # two chunks per mesh in a V: chunk s and chunk 2p - 1 - s on mesh s
 
 
 SCHEDULES = {
@@ -227,9 +251,11 @@ SCHEDULES = {
     "1F1B": _Kind(_one_f_one_b, False),
     "Interleaved1F1B": _Kind(_interleaved, True),
     "ZBH1": _Kind(_zero_bubble_h1, False, split=True),
+    "ZBV": _Kind(_zero_bubble_v, True, split=True, v_shape=True),
 }
 _ALIASES = {"gpipe": "FThenB", "fthenb": "FThenB", "1f1b": "1F1B", "interleaved1f1b": "Interleaved1F1B",
-            "interleaved": "Interleaved1F1B", "vpp": "Interleaved1F1B", "zbh1": "ZBH1", "zerobubble": "ZBH1"}
+            "interleaved": "Interleaved1F1B", "vpp": "Interleaved1F1B", "zbh1": "ZBH1", "zerobubble": "ZBH1",
+            "zbv": "ZBV", "zerobubblev": "ZBV"}
 
 
 class ScheduleError(ValueError):
@@ -257,13 +283,19 @@ def build_schedule(name: str, num_stages: int, num_microbatches: int, num_chunks
         raise ScheduleError(
             f"{canon} runs one chunk per stage mesh, got {num_chunks} chunks per mesh; use Interleaved1F1B"
         )
+    if kind.v_shape and num_chunks != 2:
+        raise ScheduleError(
+            f"{canon} runs two chunks per stage mesh, in a V (chunk s and chunk 2p - 1 - s on mesh s); got "
+            f"{num_chunks} chunks per mesh"
+        )
     if canon == "Interleaved1F1B" and num_microbatches % num_stages:
         raise ScheduleError(
             f"Interleaved1F1B needs the micro-batch count to be a multiple of the {num_stages} stage "
             f"meshes (at least {num_stages}); got {num_microbatches} micro-batches"
         )
+    where = (lambda c: v_stage(c, num_stages)) if kind.v_shape else (lambda c: c % num_stages)
     actions = tuple(
-        _with_comm(kind.order(num_stages, num_microbatches, num_chunks, s), num_stages, num_chunks)
+        _with_comm(kind.order(num_stages, num_microbatches, num_chunks, s), num_stages, num_chunks, where)
         for s in range(num_stages)
     )
     return Schedule(canon, num_stages, num_microbatches, num_chunks, actions)

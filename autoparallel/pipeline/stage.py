@@ -25,6 +25,7 @@ from torch import nn
 
 from autoparallel.engine.dtensor import DistTensor
 from autoparallel.mesh import ProcessMesh
+from autoparallel.pipeline.schedule import v_stage
 from autoparallel.placement import Placement, check_placement
 
 
@@ -126,10 +127,14 @@ def split_sequential(
     shard_fn: Callable[[str, nn.Module, ProcessMesh], None] | None = None,
     plan: dict[str, Any] | None = None,
     input_placements: Sequence[Sequence[Placement] | None] | None = None,
+    placement: str = "loop",
 ) -> list[Stage]:
     """Cut ``model`` before each child named in ``split_points`` and place the pieces on meshes.
 
-    There are ``len(meshes) * num_chunks`` pieces; piece ``c`` goes to ``meshes[c % len(meshes)]``.
+    There are ``len(meshes) * num_chunks`` pieces; piece ``c`` goes to ``meshes[c % len(meshes)]``
+    (``placement="loop"``, for FThenB, 1F1B, Interleaved1F1B, ZBH1), or with ``placement="v"`` and
+    two chunks to ``meshes[c]`` and then back up, ``meshes[2p - 1 - c]`` (the V of ZBV: each mesh
+    holds a piece of the first half and its mirror in the second, the first mesh the loss).
     Without ``split_points`` the children are divided as evenly as possible. Each piece's
     parameters become DistTensors on its mesh: by ``ap.parallelize(piece, mesh, plan)`` when
     ``plan`` is given, else ``ap.shard_layer(piece, mesh, shard_fn)`` (Replicate by default).
@@ -142,6 +147,10 @@ def split_sequential(
     names = [n for n, _ in blocks]
     if isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks < 1:
         raise ValueError(f"split_sequential: num_chunks must be a positive int, got {num_chunks!r}")
+    if placement not in ("loop", "v"):
+        raise ValueError(f"split_sequential: placement must be 'loop' or 'v', got {placement!r}")
+    if placement == "v" and num_chunks != 2:
+        raise ValueError(f"split_sequential: placement='v' places two chunks per mesh (a V), got num_chunks={num_chunks}")
     count = len(meshes) * num_chunks
     starts = _starts(names, split_points, count)
     if input_placements is not None and len(input_placements) != count:
@@ -152,7 +161,7 @@ def split_sequential(
     stages = []
     for c, piece in enumerate(pieces):
         parts = list(piece.named_children())
-        mesh = meshes[c % len(meshes)]
+        mesh = meshes[v_stage(c, len(meshes)) if placement == "v" else c % len(meshes)]
         for pname, p in piece.named_parameters():
             if isinstance(p, DistTensor) and p.process_mesh != mesh:
                 raise ValueError(

@@ -197,3 +197,26 @@ def test_zbh1_timeline_and_misordered_weight_gradients() -> None:
         simulate(_edit(sched, 1, acts))
     with pytest.raises(ScheduleError, match=r"1F1B does not split its backward"):
         simulate(_edit(build_schedule("1F1B", 2, 4), 1, list(build_schedule("1F1B", 2, 4).actions[1]) + [Action(W, 0, 1)]))
+
+
+@pytest.mark.parametrize("p, m", [(2, 2), (2, 4), (3, 6), (4, 4), (4, 8), (4, 16), (8, 16)])
+def test_zbv_runs_a_v_within_1f1b_memory(p: int, m: int) -> None:
+    sched = build_schedule("ZBV", p, m, 2)
+    assert [sched.stage_of(c) for c in range(2 * p)] == list(range(p)) + list(reversed(range(p)))
+    result = simulate(sched, 1, 1, 0, 1)  # each chunk half a stage: F, B, W one unit each
+    for s, acts in enumerate(sched.actions):
+        mine = {a.chunk for a in acts if a.kind in (F, B, W)}
+        assert mine == {s, 2 * p - 1 - s}
+        turn = [a for a in acts if a.kind in (SEND_F, RECV_F) and {a.chunk, a.chunk + (1 if a.kind == SEND_F else -1)} == {p - 1, p}]
+        assert all(a.peer == p - 1 for a in turn) and (s == p - 1) == bool(turn)  # the V's turn stays on the last mesh
+    one = simulate(build_schedule("1F1B", p, m), 2, 2, 0, 2)  # a whole stage: two chunks' work
+    assert max(result.peak_held) <= 2 * max(one.peak_held)  # chunk activations: 1F1B's peak, in halves
+    assert result.bubble <= {(4, 16): 0.2, (4, 8): 0.22, (8, 16): 0.23}.get((p, m), 0.45) * one.bubble
+
+
+def test_zbv_needs_two_chunks_in_a_v() -> None:
+    with pytest.raises(ScheduleError, match=r"ZBV runs two chunks per stage mesh, in a V .* got 1 chunks per mesh"):
+        build_schedule("zbv", 2, 4)
+    with pytest.raises(ValueError, match=r"placement='v' places two chunks per mesh \(a V\), got num_chunks=3"):
+        split_sequential(nn.Sequential(*[nn.Linear(2, 2) for _ in range(6)]), [ap.ProcessMesh([0])], num_chunks=3,
+                         placement="v")

@@ -1,8 +1,8 @@
 """Pipelines on an 8-rank gloo world: every schedule trains like one process; bad input fails clean.
 
 Configurations (stage meshes are disjoint slices of the 8 ranks, data parallel inside each):
-naive (annotations + reshard only) on 2 and 4 stages; FThenB, 1F1B, Interleaved1F1B, ZBH1 on 2
-and 4 stage meshes; and the 3-D hybrid dp=2 x tp=2 x pp=2 fed by ``shard_dataloader``. Each trains
+naive (annotations + reshard only) on 2 and 4 stages; FThenB, 1F1B, Interleaved1F1B, ZBH1, ZBV on
+2 and 4 stage meshes; and the 3-D hybrid dp=2 x tp=2 x pp=2 fed by ``shard_dataloader``. Each trains
 a few SGD-momentum steps and compares the loss of every step and every parameter with the
 same training on one process (fp32, rtol 1e-5).
 """
@@ -110,12 +110,12 @@ def _scheduled(rank: int, groups: list[list[int]], schedule: str, m: int, chunks
     model = copy.deepcopy(ref)
     ref_losses = _reference(ref, x, t)
     meshes = _meshes(groups)
-    stages = split_sequential(model, meshes, num_chunks=chunks)
+    stages = split_sequential(model, meshes, num_chunks=chunks, placement="v" if schedule == "ZBV" else "loop")
     pipe = Pipeline(stages, _mse, num_microbatches=m, schedule=schedule)
     opt, losses = _sgd(model), []
     for _ in range(STEPS):
         opt.zero_grad()
-        loss = pipe.step(ap.shard_tensor(x, meshes[0], [Shard(0)]), ap.shard_tensor(t, meshes[-1], [Shard(0)]))
+        loss = pipe.step(ap.shard_tensor(x, meshes[0], [Shard(0)]), ap.shard_tensor(t, stages[-1].mesh, [Shard(0)]))
         opt.step()
         losses.append(loss)
     return _compare(rank, model, ref, losses, ref_losses)
@@ -218,10 +218,13 @@ def test_naive_pipeline_matches_single_process(world8, groups):  # type: ignore[
     (ONES, "Interleaved1F1B", 8, 2),
     (FOUR, "ZBH1", 8, 1),
     (ONES, "ZBH1", 8, 1),
+    (FOUR, "ZBV", 8, 2),
+    (ONES, "ZBV", 4, 2),
 ], ids=["fthenb-2", "fthenb-4", "1f1b-2", "1f1b-4", "interleaved-2x2", "interleaved-4x2", "interleaved-4x2-one-rank-stages",
-        "zbh1-4", "zbh1-4-one-rank-stages"])
+        "zbh1-4", "zbh1-4-one-rank-stages", "zbv-4x2", "zbv-4x2-one-rank-stages"])
 def test_scheduled_pipeline_matches_single_process(world8, groups, schedule, m, chunks):  # type: ignore[no-untyped-def]
-    _check(world8.run(_scheduled, groups, schedule, m, chunks), groups[-1])
+    # (a V's last chunk, and so the loss, is on the first mesh)
+    _check(world8.run(_scheduled, groups, schedule, m, chunks), groups[0] if schedule == "ZBV" else groups[-1])
 
 
 # ---- 3-D hybrid: dp=2 x tp=2 inside each stage mesh, pp=2 across them ----------------------
@@ -304,6 +307,10 @@ def _bad_zero_bubble_stage(rank: int) -> None:
     Pipeline(stages, _mse, num_microbatches=2, schedule="ZBH1")
 
 
+def _bad_zbv_order(rank: int) -> None:
+    Pipeline(_stages(TWO, chunks=2), _mse, num_microbatches=4, schedule="ZBV")  # round robin, not a V
+
+
 def _no_reduction(y: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     return (y - t).square()  # forgot .mean()
 
@@ -328,8 +335,10 @@ def _healthy(rank: int) -> bool:
     (_bad_loss, TypeError, r"loss_fn must return a one-element DistTensor, got DistTensor \(8, 8\)"),
     (_bad_zero_bubble_stage, ValueError, r"ZBH1 splits each backward into input and weight gradients, but stage 1 \(4..7\) has no "
                                          r"parameters that train"),
+    (_bad_zbv_order, ValueError, r"ZBV needs the stages to visit the 2 stage meshes in a V .*placement='v'.*got mesh "
+                                 r"order \[0, 1, 0, 1\], expected \[0, 1, 1, 0\]"),
 ], ids=["microbatches", "overlap", "unassigned-annotation", "unassigned-stage", "schedule-needs-more", "loss-not-scalar",
-        "zero-bubble-frozen-stage"])
+        "zero-bubble-frozen-stage", "zbv-not-a-v"])
 def test_bad_input_same_error_on_every_rank(world8, fn, error, match):  # type: ignore[no-untyped-def]
     with pytest.raises(error, match=match) as info:
         world8.run(fn, timeout=60)
