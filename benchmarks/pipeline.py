@@ -10,9 +10,10 @@ one chunk per rank each stage holds 2 blocks, interleaved runs 2 chunks of 1 blo
 Every schedule runs the same weights and micro-batches through
 
 * ours: ``ap.pipeline.split_sequential`` + ``ap.pipeline.Pipeline`` (DistTensor parameters on
-  1-rank stage meshes), schedules FThenB, 1F1B, Interleaved1F1B, ZBH1 (zero bubble);
-* torch: ``PipelineStage`` + ``ScheduleGPipe`` / ``Schedule1F1B`` / ``ScheduleInterleaved1F1B``
-  (ZBH1 is timed against torch's 1F1B).
+  1-rank stage meshes), schedules FThenB, 1F1B, Interleaved1F1B, ZBH1 and ZBV (zero bubble);
+* torch: ``PipelineStage`` + ``ScheduleGPipe`` / ``Schedule1F1B`` / ``ScheduleInterleaved1F1B`` /
+  ``ScheduleZBVZeroBubble`` (ZBH1, which torch has not for one chunk per rank, is timed against
+  torch's 1F1B).
 
 It also prints the schedules on paper (``ap.pipeline.simulate`` with equal F, B and W costs, the
 compute-bound case the zero-bubble schedule is built for): idle fraction and the most micro-batches
@@ -27,7 +28,7 @@ It also checks that both libraries compute the same loss.
 
 Targets: 1F1B peak activation memory on the first stage <= 0.65 x FThenB's; measured bubble
 <= 1.2 x the ideal; step time <= 1.1 x torch's (GPipe and 1F1B); on paper, ZBH1's bubble <= 0.45 x
-1F1B's. On a machine with fewer
+1F1B's, ZBV's <= 0.2 x. On a machine with fewer
 cores than ranks the stages do not run in parallel and the timing figures say so.
 """
 
@@ -53,7 +54,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # (ours, torch's schedule it is timed against, chunks per rank); torch has no one-chunk zero-bubble
 # schedule, so ZBH1 is timed against its 1F1B (the schedule it improves on)
 SCHEDULES = [("FThenB", "ScheduleGPipe", 1), ("1F1B", "Schedule1F1B", 1), ("Interleaved1F1B", "ScheduleInterleaved1F1B", 2),
-             ("ZBH1", "Schedule1F1B", 1)]
+             ("ZBH1", "Schedule1F1B", 1), ("ZBV", "ScheduleZBVZeroBubble", 2)]
 
 
 class Block(nn.Module):
@@ -94,9 +95,10 @@ def make_ours(rank: int, blocks: list[Block], x: torch.Tensor, t: torch.Tensor, 
     world = dist.get_world_size()
     meshes = [ap.ProcessMesh([r], ["dp"]) for r in range(world)]
     model = nn.Sequential(*copy.deepcopy(blocks))
-    pipe = Pipeline(split_sequential(model, meshes, num_chunks=chunks), mse, num_microbatches=opts["microbatches"], schedule=name)
+    stages = split_sequential(model, meshes, num_chunks=chunks, placement="v" if name == "ZBV" else "loop")
+    pipe = Pipeline(stages, mse, num_microbatches=opts["microbatches"], schedule=name)
     xd = ap.shard_tensor(x, meshes[0], [ap.Replicate()])
-    td = ap.shard_tensor(t, meshes[-1], [ap.Replicate()])
+    td = ap.shard_tensor(t, stages[-1].mesh, [ap.Replicate()])
     pipe.meter = ActivationMeter(exclude=[*model.parameters(), xd, td])
     out: dict[str, Any] = {}
 
@@ -104,7 +106,7 @@ def make_ours(rank: int, blocks: list[Block], x: torch.Tensor, t: torch.Tensor, 
         model.zero_grad()
         pipe.meter.reset_peak()  # type: ignore[union-attr]
         loss = pipe.step(xd, td, record=last)
-        if rank == world - 1:
+        if rank in stages[-1].mesh:
             out["loss"] = float(loss.to_local())
 
     def finish() -> dict[str, Any]:
@@ -119,14 +121,14 @@ class _Mark(torch.autograd.Function):
     """Identity whose backward calls ``hook`` (marks when a stage's backward starts)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, hook: Any) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, hook: Any, copy: bool) -> torch.Tensor:  # type: ignore[override]
         ctx.hook = hook
-        return x.view_as(x)
+        return x.clone() if copy else x.view_as(x)  # (torch's zero-bubble stages detach outputs in place: no view)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
         ctx.hook()
-        return grad, None
+        return grad, None, None
 
 
 class Timed(nn.Module):
@@ -136,9 +138,9 @@ class Timed(nn.Module):
     last parameter gradient accumulated (``register_post_accumulate_grad_hook``).
     """
 
-    def __init__(self, inner: nn.Module, rank: int, stage: int, log: list[tuple]) -> None:
+    def __init__(self, inner: nn.Module, rank: int, stage: int, log: list[tuple], copy: bool = False) -> None:
         super().__init__()
-        self.inner, self.rank, self.stage, self.log = inner, rank, stage, log
+        self.inner, self.rank, self.stage, self.log, self.copy = inner, rank, stage, log, copy
         self.open: list[float] = []
         for prm in inner.parameters():
             prm.register_post_accumulate_grad_hook(self._grad_done)
@@ -156,7 +158,7 @@ class Timed(nn.Module):
         t0 = time.perf_counter()
         y = self.inner(x)
         self.log.append((self.rank, self.rank, "F", 0, self.stage, t0, time.perf_counter()))
-        return _Mark.apply(y, self._b_start)
+        return _Mark.apply(y, self._b_start, self.copy)
 
 
 def make_torch(rank: int, blocks: list[Block], x: torch.Tensor, t: torch.Tensor, cls_name: str, chunks: int, opts: dict[str, Any]) -> tuple[Any, Any]:
@@ -167,9 +169,10 @@ def make_torch(rank: int, blocks: list[Block], x: torch.Tensor, t: torch.Tensor,
     world = dist.get_world_size()
     n = world * chunks
     log: list[tuple] = []
-    pieces = [Timed(nn.Sequential(*copy.deepcopy(blocks[c * len(blocks) // n:(c + 1) * len(blocks) // n])), rank, c, log)
-              for c in range(n)]
-    mine = [c for c in range(n) if c % world == rank]
+    v_shape = cls_name == "ScheduleZBVZeroBubble"  # chunk c on rank c, then back up: 2 * world - 1 - c
+    pieces = [Timed(nn.Sequential(*copy.deepcopy(blocks[c * len(blocks) // n:(c + 1) * len(blocks) // n])), rank, c, log,
+                    copy=v_shape) for c in range(n)]
+    mine = [c for c in range(n) if (c if c < world or not v_shape else n - 1 - c) % world == rank]
     stages = [pipelining.PipelineStage(pieces[c], c, n, torch.device("cpu")) for c in mine]
     cls = getattr(pipelining, cls_name)
     sched = cls(stages if chunks > 1 else stages[0], n_microbatches=opts["microbatches"], loss_fn=mse)
@@ -183,14 +186,17 @@ def make_torch(rank: int, blocks: list[Block], x: torch.Tensor, t: torch.Tensor,
             pieces[c].zero_grad()
         meter.reset_peak()
         with meter.track():
-            if rank == 0:
+            losses: list[torch.Tensor] = []
+            if 0 in mine and n - 1 in mine:  # a V: the first and the last chunk on rank 0
+                sched.step(x, target=t, losses=losses)
+            elif 0 in mine:
                 sched.step(x)
-            elif rank == world - 1:
-                losses: list[torch.Tensor] = []
+            elif n - 1 in mine:
                 sched.step(target=t, losses=losses)
-                out["loss"] = float(torch.stack(losses).mean())
             else:
                 sched.step()
+            if losses:
+                out["loss"] = float(torch.stack(losses).detach().mean())
 
     def finish() -> dict[str, Any]:
         out["peak"] = meter.peak
@@ -255,7 +261,9 @@ def report(gathered: list[list[dict[str, Any]]], opts: dict[str, Any]) -> tuple[
         events = [Event(*e) for g in gathered for e in g[i]["ours"]["events"]]
         bubble, ideal = bubble_fraction(events), theoretical_bubble(name, p, m, chunks)
         torch_bubble = bubble_fraction([Event(*e) for g in gathered for e in g[i]["theirs"]["events"]])
-        loss_ours, loss_torch = gathered[-1][i]["ours"]["loss"], gathered[-1][i]["theirs"]["loss"]
+        # (the rank of the last chunk: the last rank, or the first for a V)
+        loss_ours = next(g[i]["ours"]["loss"] for g in gathered if "loss" in g[i]["ours"])
+        loss_torch = next(g[i]["theirs"]["loss"] for g in gathered if "loss" in g[i]["theirs"])
         tevents = [Event(*e) for g in gathered for e in g[i]["theirs"]["events"]]
         summary[name] = {"ours_ms": ours_ms, "torch_ms": torch_ms, "ratio": ratio, "cpu_ratio": cpu, "peaks": peaks, "torch_peaks": tpeaks, "tevents": tevents,
                          "bubble": bubble, "ideal": ideal, "loss": (loss_ours, loss_torch), "events": events}
@@ -280,12 +288,15 @@ def report(gathered: list[list[dict[str, Any]]], opts: dict[str, Any]) -> tuple[
         checks.append((f"1F1B / FThenB peak activation memory on stage 0: {mem_ratio:.3f} (target <= 0.65)", mem_ratio <= 0.65))
     for name, s in summary.items():
         r = s["bubble"] / s["ideal"]
-        zb = name == "ZBH1"  # its ideal assumes equal F, B and W costs, which these stages do not have
+        zb = name in ("ZBH1", "ZBV")  # the ideal assumes equal F, B and W costs, which these stages do not have
         checks.append((f"{name} bubble measured / ideal: {s['bubble']:.3f} / {s['ideal']:.3f} = {r:.2f}"
                        + (" (ideal for equal F/B/W costs)" if zb else " (target <= 1.2)"), None if zb else r <= 1.2))
     if "ZBH1" in summary and "1F1B" in summary:
         held = summary["ZBH1"]["peaks"][0] / summary["1F1B"]["peaks"][0]
         checks.append((f"ZBH1 / 1F1B peak activation memory on stage 0: {held:.2f} (activations held until W)", None))
+    if "ZBV" in summary and "1F1B" in summary:  # (the first stage's input is the excluded batch: 1F1B's peak there
+        held = max(summary["ZBV"]["peaks"]) / max(summary["1F1B"]["peaks"])  # lacks it, a V's middle ranks do not)
+        checks.append((f"ZBV / 1F1B peak activation memory, the highest rank: {held:.2f}", None))
     for name in summary:
         s = summary[name]
         r = s["ratio"]
@@ -308,12 +319,31 @@ def on_paper(lines: list[str], p: int = 4) -> list[tuple[str, bool | None]]:
 
     checks: list[tuple[str, bool | None]] = []
     for m in (8, 16):
-        sims = {name: simulate(build_schedule(name, p, m, v), 1, 1, 0, 1)
-                for name, v in (("1F1B", 1), ("Interleaved1F1B", 2), ("ZBH1", 1))}
+        # a chunk of a two-chunk schedule is half a stage: its passes cost half
+        sims = {name: simulate(build_schedule(name, p, m, v), 2 / v, 2 / v, 0, 2 / v)
+                for name, v in (("1F1B", 1), ("Interleaved1F1B", 2), ("ZBH1", 1), ("ZBV", 2))}
         lines.append(f"  p={p} m={m}: " + "; ".join(f"{n} {r.bubble:.3f} held {list(r.peak_held)}" for n, r in sims.items()))
-        r = sims["ZBH1"].bubble / sims["1F1B"].bubble
-        checks.append((f"on paper p={p} m={m}: ZBH1 / 1F1B bubble {r:.2f} (target <= 0.45)", r <= 0.45))
+        for name, target in (("ZBH1", 0.45), ("ZBV", 0.2)):
+            r = sims[name].bubble / sims["1F1B"].bubble
+            checks.append((f"on paper p={p} m={m}: {name} / 1F1B bubble {r:.3f} (target <= {target})", r <= target))
+        # activations held, in whole stages (a ZBV chunk is half a stage)
+        held = max(sims["ZBV"].peak_held) / 2 / max(sims["1F1B"].peak_held)
+        checks.append((f"on paper p={p} m={m}: ZBV / 1F1B most activations held on a rank {held:.2f} (target <= 1)", held <= 1))
     return checks
+
+
+def write_paper_timelines(folder: str, p: int = 4, m: int = 8) -> None:
+    """The ideal timelines of 1F1B, ZBH1 and ZBV side by side in cost (a stage pass = 2 units)."""
+    from autoparallel.pipeline import build_schedule, events_from_simulation, simulate, timeline_svg
+
+    os.makedirs(folder, exist_ok=True)
+    for name, v in (("1F1B", 1), ("ZBH1", 1), ("ZBV", 2)):
+        sim = simulate(build_schedule(name, p, m, v), 2 / v, 2 / v, 0, 2 / v)
+        title = f"{name} on paper: {p} stages, {m} micro-batches, F = B = W (idle {sim.bubble:.1%})"
+        path = os.path.join(folder, f"schedule_{name.lower()}.svg")
+        with open(path, "w") as f:
+            f.write(timeline_svg(events_from_simulation(sim), title, unit="step"))
+        print("wrote", path)
 
 
 def main() -> int:
@@ -326,6 +356,8 @@ def main() -> int:
     parser.add_argument("--only", default="", help="comma-separated schedules to run (default: all three)")
     parser.add_argument("--json", default=None, help="write the figures here")
     parser.add_argument("--timeline", default=None, help="write our executed 1F1B step as an SVG timeline")
+    parser.add_argument("--paper-timelines", default=None, metavar="DIR",
+                        help="write the simulated 1F1B, ZBH1 and ZBV timelines (p=4, m=8, equal F/B/W costs) as SVGs into DIR")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     opts = {"microbatches": args.microbatches, "batch": args.batch, "hidden": args.hidden, "repeat": args.repeat,
@@ -343,6 +375,8 @@ def main() -> int:
         s = summary.get("1F1B") or next(iter(summary.values()))
         write_timeline(args.timeline, s["events"], f"ours, 1F1B, {args.nprocs} stages, {args.microbatches} micro-batches: "
                        f"idle {s['bubble']:.1%} (ideal {s['ideal']:.1%})")
+    if args.paper_timelines:
+        write_paper_timelines(args.paper_timelines)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({k: {kk: vv for kk, vv in v.items() if kk not in ("events", "tevents")} for k, v in summary.items()}, f, indent=1)
