@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -135,6 +136,7 @@ class Pipeline:
         self.events: list[Event] = []
         self.meter: ActivationMeter | None = None
         self.static = static
+        self._whole_said: set[int] = set()  # chunks warned that B runs their whole backward
         # static: this rank's chunks (on its stage mesh, not one-rank local ones) as captured programs
         self.programs: dict[int, StaticChunk] = {
             c: StaticChunk(st.module, f"{c} ({st.name})", _as_layout, split_backward=self.schedule.split_backward)
@@ -165,6 +167,13 @@ class Pipeline:
                         f"Pipeline: parameter {name!r} of stage {c} lives on {prm.process_mesh!r}, not on the "
                         f"stage mesh {st.mesh!r}"
                     )
+
+    def _say_whole(self, c: int, why: str) -> None:
+        """One warning per chunk whose ``B`` must compute the weights' gradients too."""
+        if c not in self._whole_said:
+            self._whole_said.add(c)
+            warnings.warn(f"autoparallel: {self.schedule.name}: stage {c} ({self.stages[c].name}) computes its weight "
+                          f"gradients in B, not in a later W, because {why}; the values are the same", stacklevel=4)
 
     def _check_split_backward(self) -> None:
         """A zero-bubble schedule computes weight gradients apart from the input's (``W``): every
@@ -435,6 +444,8 @@ class _Run:
         out = y / self.m if last else y
         params = list(self.local[c].leaves.values()) if c in self.local else list(self.pipe.stages[c].module.parameters())
         gx, work = split_backward.input_grad(out, g_out, x, params) if y.requires_grad else (None, None)
+        if work is not None and work.whole is not None:
+            self.pipe._say_whole(c, work.whole)
         self.weight_work[(mb, c)] = None if work is None else (lambda: split_backward.weight_grads(work))
         if c > 0:
             spec = layout.grad_spec(self.lay.inputs[c])

@@ -44,6 +44,7 @@ class WeightWork:
 
     groups: list[_Group]
     keep: Any  # the output (and so the autograd graph) until W has run
+    whole: str | None = None  # why B already ran the whole backward (W has nothing left to do)
 
 
 def _children(root: Any) -> dict[Any, list[Any]]:
@@ -80,8 +81,14 @@ def _above(starts: Sequence[Any], parents: dict[Any, list[Any]]) -> set[Any]:
     return seen
 
 
-def _groups(root: Any, x_node: Any | None, params: Sequence[torch.Tensor]) -> list[_Group]:
-    children = _children(root)
+# A reentrant checkpoint (``torch.utils.checkpoint(..., use_reentrant=True)``, transformers'
+# default) runs its own backward inside its node and refuses ``autograd.grad``: such a graph is
+# differentiated whole in B.
+_REENTRANT = "CheckpointFunctionBackward"
+
+
+def _groups(root: Any, x_node: Any | None, params: Sequence[torch.Tensor],
+            children: dict[Any, list[Any]]) -> list[_Group]:
     parents = _parents(children)
     rank = {n: i for i, n in enumerate(children)}  # the walk's order: the same graph gives it on every rank
     on_path = _above([x_node], parents) if x_node is not None else set()
@@ -129,11 +136,16 @@ def input_grad(out: torch.Tensor, grad_out: torch.Tensor | None, x: torch.Tensor
     root = out.grad_fn
     if root is None:
         return None, WeightWork([], None)
+    g = torch.ones_like(out) if grad_out is None else grad_out
+    children = _children(root)
+    if any(n.name() == _REENTRANT for n in children):
+        torch.autograd.backward(out, g)
+        why = "it runs a reentrant torch.utils.checkpoint (use_reentrant=True), which computes all its gradients at once"
+        return (x.grad if x is not None else None), WeightWork([], None, why)
     x_node = get_gradient_edge(x).node if x is not None and x.requires_grad else None
     trained = [p for p in params if p.requires_grad]
-    groups = _groups(root, x_node, trained)
+    groups = _groups(root, x_node, trained, children)
     out_edge = get_gradient_edge(out)
-    g = torch.ones_like(out) if grad_out is None else grad_out
     handles = []
     try:
         for group in groups:

@@ -290,7 +290,7 @@ class _Region:
         why, before, out_moves = door.epilogue(outs)
         if len(comm.records) > door.comm:
             why = why or f"it communicates ({comm.records[0].kind})"
-        why = trace.reason or why or _summands_refusal(trace, leaves, tensors)
+        why = trace.reason or why or _summands_refusal(trace, leaves, tensors) or _reentrant_checkpoint(outs, leaves)
         why = why or ("" if writer is None else writer.refusal(trace.reads))
         if not why and trace.arg_moves:
             why = f"an op takes an argument sliced ({next(iter(trace.arg_moves.values()))})"
@@ -686,6 +686,26 @@ def _put_written(verdict: _Verdict, leaves: list[Any], wrapped: Any) -> Any:
     out, written = wrapped
     objects.put(leaves, verdict.writes, written)
     return out
+
+
+def _reentrant_checkpoint(outs: list[Any], leaves: list[Any]) -> str:
+    """Why a region whose forward ran a reentrant ``torch.utils.checkpoint`` is refused: its
+    recompute runs in the backward, outside the local run, on the shards the local run saved
+    (non-reentrant checkpoints are seen while tracing, ``checks``). Found in the outputs' autograd
+    graph, walked down to the inputs' own history."""
+    stop = {t.grad_fn for t in leaves if isinstance(t, torch.Tensor) and t.grad_fn is not None}
+    todo = [t.grad_fn for t in outs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    seen: set[Any] = set()
+    while todo:
+        node = todo.pop()
+        if node in seen or node in stop:
+            continue
+        seen.add(node)
+        if node.name() == "CheckpointFunctionBackward":
+            return ("it runs torch's reentrant checkpoint inside (the recompute in the backward would run "
+                    "outside the local run)")
+        todo.extend(f for f, _ in node.next_functions if f is not None)
+    return ""
 
 
 def _summands_refusal(trace: _Trace, leaves: list[Any], tensors: list[torch.Tensor]) -> str:

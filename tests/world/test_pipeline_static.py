@@ -94,7 +94,7 @@ def test_static_pipeline_equals_eager_and_one_process(world4: Any, schedule: str
     eager = world4.run(_train, False, schedule, chunks, tp, 0.0)
     static = world4.run(_train, True, schedule, chunks, tp, 0.0)
     ref = _reference(schedule, chunks, 0.0)
-    for rank, (e, s) in enumerate(zip(eager, static)):
+    for e, s in zip(eager, static):
         assert s["warnings"] == [], s["warnings"]
         assert s["losses"] == e["losses"]  # the same local ops: bitwise
         for name, v in e["params"].items():

@@ -10,6 +10,7 @@ TP, TP + SP, DP x TP and ZeRO-3 (4 gloo ranks, the example GPT with dropout), an
 unmodified transformers Llama under TP, DP x TP, DP x TP + SP (``ap.plans.llama(sp=True)``) and
 ZeRO-3. Reentrant (transformers' default): equal within float rounding. ``ap.recompute`` of the last Linear of a ``shard_layer``'d network trains
 as without (losses bitwise; the region it refuses runs op by op instead, parameters within rounding).
+Inside pipeline stages (1F1B and the zero-bubble ZBH1): both kinds train as without, and ZBH1 as 1F1B.
 """
 
 from __future__ import annotations
@@ -194,3 +195,67 @@ def test_recompute_inside_a_local_region(world2) -> None:  # type: ignore[no-unt
     for g, w in zip(got, want, strict=True):
         assert g[:STEPS] == w[:STEPS]
         torch.testing.assert_close(g[STEPS:], w[STEPS:], rtol=1e-6, atol=1e-7)
+
+
+# ---- pipelines: torch's checkpoint inside a stage, 1F1B and the zero-bubble split --------------
+class _Blk(nn.Module):
+    def __init__(self, reentrant: bool | None) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 8)
+        self.reentrant = reentrant
+
+    def inner(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.tanh(self.fc1(x)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.reentrant is None:
+            return self.inner(x)
+        import torch.utils.checkpoint as tuc
+        return tuc.checkpoint(self.inner, x, use_reentrant=self.reentrant)
+
+
+def _pipelined(rank: int, schedule: str, reentrant: bool | None) -> dict[str, Any]:
+    import warnings
+
+    import autoparallel as ap
+    from autoparallel.pipeline import Pipeline, split_sequential
+
+    torch.manual_seed(0)
+    x, t = torch.randn(16, 8), torch.randn(16, 8)
+    model = nn.Sequential(nn.Linear(8, 8), *[_Blk(reentrant) for _ in range(3)])  # (stage 1's input needs a gradient)
+    meshes = [ap.ProcessMesh([0, 1], ["dp"]), ap.ProcessMesh([2, 3], ["dp"])]
+    pipe = Pipeline(split_sequential(model, meshes), lambda y, z: (y - z).square().mean(), num_microbatches=4,
+                    schedule=schedule)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(STEPS):
+            opt.zero_grad()
+            loss = pipe.step(ap.shard_tensor(x, meshes[0], [ap.Shard(0)]), ap.shard_tensor(t, meshes[1], [ap.Shard(0)]))
+            opt.step()
+            losses.append(float(loss.full_tensor()) if rank in meshes[1] else None)
+    return {"losses": losses, "params": [p.full_tensor() for p in model.parameters() if rank in p.process_mesh],
+            "warnings": [str(w.message) for w in caught if "autoparallel" in str(w.message)]}
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["nonreentrant", "reentrant"])
+def test_checkpoint_inside_pipeline_stages_1f1b_and_zero_bubble(world4, reentrant: bool) -> None:  # type: ignore[no-untyped-def]
+    """A stage whose blocks run torch's checkpoint trains as without it under 1F1B (reentrant: a
+    local region refuses a forward holding one, whose recompute would meet the shards it saved), and
+    ZBH1 trains bitwise as 1F1B: a non-reentrant checkpoint splits into B and W like any graph; a
+    reentrant one cannot compute the input's gradient alone, so its B computes all (one warning)."""
+    base = world4.run(_pipelined, "1F1B", None)
+    one = world4.run(_pipelined, "1F1B", reentrant)
+    zero = world4.run(_pipelined, "ZBH1", reentrant)
+    for b, o, z in zip(base, one, zero):
+        for p, q in zip(b["params"], o["params"]):
+            torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-7)
+        assert z["losses"] == o["losses"] and all(torch.equal(p, q) for p, q in zip(o["params"], z["params"]))
+        assert o["warnings"] == []
+    said = [w for r in zero for w in r["warnings"]]
+    if reentrant:  # once on every rank: both stages run checkpointed blocks
+        assert len(said) == 4 and all("reentrant torch.utils.checkpoint" in w and "computes its weight gradients in B" in w
+                                      for w in said), said
+    else:
+        assert said == []
