@@ -103,7 +103,8 @@ class Sharding(_Group):
 
 class Pipeline(_Group):
     """Paddle's pipeline settings: ``enable``, ``micro_batch_size``, ``accumulate_steps``,
-    ``schedule_mode`` (the Engine does not build pipelines yet: use ``ap.pipeline``)."""
+    ``schedule_mode`` (one of ``SCHEDULES``; the Engine cuts the stages where the forward's
+    ``ap.shard_op`` meshes change and runs them with ``ap.pipeline.Pipeline``)."""
 
     __slots__ = ("enable", "micro_batch_size", "accumulate_steps", "schedule_mode")
     _label = "Strategy.pipeline"

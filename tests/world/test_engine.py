@@ -333,7 +333,7 @@ def _pipeline_program(rank: int, schedule: str, micro: int = BATCH // 2) -> dict
             "meshes": {n: p.process_mesh.process_ids for n, p in model.named_parameters()}}
 
 
-@pytest.mark.parametrize("schedule", ["FThenB", "1F1B"])
+@pytest.mark.parametrize("schedule", ["FThenB", "1F1B", "ZBH1"])
 def test_pipeline_by_shard_op_meshes_trains_like_one_process(world2: Any, schedule: str) -> None:
     ref = _reference()
     got = world2.run(_pipeline_program, schedule)
