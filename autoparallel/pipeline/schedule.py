@@ -260,7 +260,7 @@ SCHEDULES = {
 }
 _ALIASES = {"gpipe": "FThenB", "fthenb": "FThenB", "1f1b": "1F1B", "interleaved1f1b": "Interleaved1F1B",
             "interleaved": "Interleaved1F1B", "vpp": "Interleaved1F1B", "zbh1": "ZBH1", "zerobubble": "ZBH1",
-            "zbv": "ZBV", "zerobubblev": "ZBV"}
+            "zbv": "ZBV", "zerobubblev": "ZBV", "zbvpp": "ZBV"}
 
 
 class ScheduleError(ValueError):

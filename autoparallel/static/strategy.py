@@ -115,8 +115,25 @@ class Pipeline(_Group):
         if name == "enable":
             return _bool(where, value)
         if name == "schedule_mode":
-            return _one_of(where, value, SCHEDULES)
+            return _schedule(where, value)
         return _int_at_least(where, value, 1)
+
+
+def _schedule(where: str, value: Any) -> str:
+    """The canonical name of a schedule the Engine runs (Paddle's names too: ``VPP``, ``ZBH1``)."""
+    from autoparallel.pipeline.schedule import ScheduleError, schedule_name  # (the pipeline package imports static)
+
+    if not isinstance(value, str):
+        raise TypeError(f"{where} must be a schedule name, one of {SCHEDULES}, got {value!r}")
+    try:
+        canon = schedule_name(value)
+    except ScheduleError:
+        raise ValueError(f"{where} must be one of {SCHEDULES}, got {value!r}") from None
+    if canon not in SCHEDULES:
+        raise ValueError(f"{where}: {canon} places two chunks per stage mesh in a V, which the meshes a forward's "
+                         "shard_op calls visit cannot express; run it with ap.pipeline.Pipeline and "
+                         f"split_sequential(..., num_chunks=2, placement='v'), or choose one of {SCHEDULES}")
+    return canon
 
 
 class Amp(_Group):

@@ -256,6 +256,14 @@ def test_strategy_refuses_unknown_names_and_bad_values() -> None:
         s.amp.init_loss_scaling = 0
     assert s.amp.init_loss_scaling == 32768.0 and s.amp.use_dynamic_loss_scaling is True  # Paddle's defaults
     assert ap.Strategy({"sharding": {"enable": True, "stage": 2}}).sharding.stage == 2
+    s.pipeline.schedule_mode = "VPP"  # Paddle's names are taken, and kept canonical
+    assert s.pipeline.schedule_mode == "Interleaved1F1B"
+    s.pipeline.schedule_mode = "zbh1"
+    assert s.pipeline.schedule_mode == "ZBH1"
+    with pytest.raises(ValueError, match=r"ZBV places two chunks per stage mesh in a V.*placement='v'"):
+        s.pipeline.schedule_mode = "ZBVPP"
+    with pytest.raises(ValueError, match=r"schedule_mode must be one of .*got 'GPipe2'"):
+        s.pipeline.schedule_mode = "GPipe2"
 
 
 def _engine_with(rank: int, setting: str) -> None:
