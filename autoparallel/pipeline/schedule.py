@@ -29,6 +29,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 
+from autoparallel.schedule_names import ScheduleError, schedule_name
+
 F, B, W = "F", "B", "W"
 SEND_F, RECV_F, SEND_B, RECV_B = "SEND_F", "RECV_F", "SEND_B", "RECV_B"
 COMPUTE = (F, B, W)
@@ -258,23 +260,6 @@ SCHEDULES = {
     "ZBH1": _Kind(_zero_bubble_h1, False, split=True),
     "ZBV": _Kind(_zero_bubble_v, True, split=True, v_shape=True),
 }
-_ALIASES = {"gpipe": "FThenB", "fthenb": "FThenB", "1f1b": "1F1B", "interleaved1f1b": "Interleaved1F1B",
-            "interleaved": "Interleaved1F1B", "vpp": "Interleaved1F1B", "zbh1": "ZBH1", "zerobubble": "ZBH1",
-            "zbv": "ZBV", "zerobubblev": "ZBV", "zbvpp": "ZBV"}
-
-
-class ScheduleError(ValueError):
-    """A schedule that cannot run: bad sizes, deadlock, or misordered actions."""
-
-
-def schedule_name(name: str) -> str:
-    """Canonical schedule name for ``name`` (case-insensitive; gpipe, interleaved, vpp accepted)."""
-    canon = _ALIASES.get(str(name).lower().replace("-", "").replace("_", ""))
-    if canon is None:
-        raise ScheduleError(f"unknown pipeline schedule {name!r}; choose one of {list(SCHEDULES)}")
-    return canon
-
-
 def build_schedule(name: str, num_stages: int, num_microbatches: int, num_chunks: int = 1) -> Schedule:
     """The action lists of schedule ``name`` for ``num_stages`` meshes, micro-batches and chunks."""
     canon = schedule_name(name)

@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
+from autoparallel.schedule_names import ScheduleError, schedule_name
+
 COMPILERS = (None, "inductor")
 AUTO_MODES = ("semi", "full")
 AMP_DTYPES = ("bfloat16", "float16")
@@ -121,8 +123,6 @@ class Pipeline(_Group):
 
 def _schedule(where: str, value: Any) -> str:
     """The canonical name of a schedule the Engine runs (Paddle's names too: ``VPP``, ``ZBH1``)."""
-    from autoparallel.pipeline.schedule import ScheduleError, schedule_name  # (the pipeline package imports static)
-
     if not isinstance(value, str):
         raise TypeError(f"{where} must be a schedule name, one of {SCHEDULES}, got {value!r}")
     try:

@@ -220,3 +220,14 @@ def test_zbv_needs_two_chunks_in_a_v() -> None:
     with pytest.raises(ValueError, match=r"placement='v' places two chunks per mesh \(a V\), got num_chunks=3"):
         split_sequential(nn.Sequential(*[nn.Linear(2, 2) for _ in range(6)]), [ap.ProcessMesh([0])], num_chunks=3,
                          placement="v")
+
+
+def test_schedule_names_table_matches_the_schedules() -> None:
+    from autoparallel.pipeline import SCHEDULES
+    from autoparallel.schedule_names import NAMES, schedule_name
+
+    assert tuple(SCHEDULES) == NAMES
+    assert [schedule_name(n) for n in ("gpipe", "VPP", "zb-h1", "ZBVPP", "zero_bubble_v")] == [
+        "FThenB", "Interleaved1F1B", "ZBH1", "ZBV", "ZBV"]
+    with pytest.raises(ScheduleError, match=r"unknown pipeline schedule 'Eager1F1B'; choose one of"):
+        schedule_name("Eager1F1B")
