@@ -142,7 +142,7 @@ def test_llama_decodes_through_its_cache_equal_to_one_process(world4, layout: st
         assert res["report"]["model.layers.0.mlp"][0] == "local", res["report"]
 
 
-def _clipped_pipeline(rank: int, steps: int = 3) -> dict[str, object]:
+def _clipped_pipeline(rank: int, schedule: str, steps: int = 3) -> dict[str, object]:
     import torch
 
     import autoparallel as ap
@@ -154,7 +154,7 @@ def _clipped_pipeline(rank: int, steps: int = 3) -> dict[str, object]:
     data = zoo.batches("llama_tied", steps)
     meshes = [ap.ProcessMesh([0, 1], dim_names=["dp"]), ap.ProcessMesh([2, 3], dim_names=["dp"])]
     split = ap.pipeline.decoder_stages(model, meshes)
-    pipe = ap.pipeline.Pipeline(split.stages, split.loss_fn, num_microbatches=2, schedule="1F1B")
+    pipe = ap.pipeline.Pipeline(split.stages, split.loss_fn, num_microbatches=2, schedule=schedule)
     opt = ap.shard_optimizer(torch.optim.SGD(split.parameters(), lr=0.1, momentum=0.9))
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     norms = []
@@ -179,8 +179,10 @@ def _clipped_pipeline(rank: int, steps: int = 3) -> dict[str, object]:
     return {"norms": norms, "bad": bad}
 
 
-def test_a_tied_llama_pipeline_clips_by_the_global_norm_as_one_process(world4) -> None:  # type: ignore[no-untyped-def]
-    for res in world4.run(_clipped_pipeline, timeout=300):
+@pytest.mark.parametrize("schedule", ["1F1B", "ZBH1"])
+def test_a_tied_llama_pipeline_clips_by_the_global_norm_as_one_process(world4, schedule: str) -> None:  # type: ignore[no-untyped-def]
+    # (ZBH1: each stage's backward split into the input's gradient and the weights', run apart)
+    for res in world4.run(_clipped_pipeline, schedule, timeout=300):
         for got, want in res["norms"]:
             assert want > 0.5 and got == pytest.approx(want, rel=RTOL), res["norms"]
         assert not res["bad"], res["bad"]
