@@ -97,9 +97,10 @@ def _shape_pass(modules: Sequence[torch.nn.Module]) -> Iterator[None]:
 class Pipeline:
     """Stages (chunks, in forward order) run over ``num_microbatches`` by ``schedule``.
 
-    ``schedule``: "FThenB" (GPipe), "1F1B", "Interleaved1F1B" (several chunks per mesh) or
-    "ZBH1" (zero bubble: each backward split into the input's gradient, ``B``, and the weights',
-    ``W``, run later where the stage would wait; ``autoparallel.pipeline.split_backward``).
+    ``schedule``: "FThenB" (GPipe), "1F1B", "Interleaved1F1B" (several chunks per mesh), or the
+    zero-bubble "ZBH1" and "ZBV" (two chunks per mesh in a V: ``split_sequential(...,
+    placement="v")``), which split each backward into the input's gradient, ``B``, and the
+    weights', ``W``, run later where the stage would wait (``autoparallel.pipeline.split_backward``).
     ``loss_fn(output, target)`` (or ``loss_fn(output)`` when ``step`` gets no target) runs on
     the last stage for each micro-batch. ``static=True``: each chunk's forward and backward are
     captured once per input layout and replayed per micro-batch under the same schedule
