@@ -297,7 +297,7 @@ class Pipeline:
         Parameter gradients are accumulated into ``.grad`` (call ``optimizer.zero_grad()``
         between steps as usual). With ``record``, ``self.events`` holds this rank's timeline.
         """
-        if self.schedule.split_backward:  # (hooks may have come since: a ZeRO-3 optimizer built later)
+        if self.schedule.split_backward:  # (a hook may have been registered since the pipeline was built)
             self._check_split_backward()
         xs = self.split(inputs, self.meshes[0], "inputs")
         ts = self.split(self._rows_as_inputs(target, xs[0]), self.stages[-1].mesh, "targets")

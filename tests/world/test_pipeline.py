@@ -243,9 +243,9 @@ def _hybrid(rank: int, schedule: str, chunks: int, zero: int = 0) -> dict[str, A
     pipe = Pipeline(stages, _mse, num_microbatches=2, schedule=schedule)
     loader = ap.shard_dataloader(DataLoader(TensorDataset(xs, ts), batch_size=BATCH), [mesh0, mesh1], shard_dims="dp")
     opt, ref_opt, losses, ref_losses = _sgd(model), _sgd(ref), [], []
-    if zero:  # ZeRO inside every stage: states (and grads for 2) sharded along each stage's dp axis
+    if zero:  # ZeRO inside every stage: states (grads for 2, parameters for 3) sharded along each stage's dp axis
         world = ap.ProcessMesh([[[0, 1], [2, 3]], [[4, 5], [6, 7]]], dim_names=["pp", "dp", "tp"])
-        opt = ap.shard_optimizer(opt, {1: ap.ShardingStage1, 2: ap.ShardingStage2}[zero](world, "dp"))
+        opt = ap.shard_optimizer(opt, {1: ap.ShardingStage1, 2: ap.ShardingStage2, 3: ap.ShardingStage3}[zero](world, "dp"))
     for (xb, tb), k in zip(loader, range(STEPS)):
         opt.zero_grad()
         losses.append(pipe.step(xb, tb))
@@ -258,8 +258,8 @@ def _hybrid(rank: int, schedule: str, chunks: int, zero: int = 0) -> dict[str, A
     return _compare(rank, model, ref, losses, ref_losses)
 
 
-@pytest.mark.parametrize("schedule, chunks, zero", [("1F1B", 1, 0), ("Interleaved1F1B", 2, 2), ("ZBH1", 1, 1)],
-                         ids=["1f1b", "interleaved-zero2", "zbh1-zero1"])
+@pytest.mark.parametrize("schedule, chunks, zero", [("1F1B", 1, 0), ("Interleaved1F1B", 2, 2), ("ZBH1", 1, 3)],
+                         ids=["1f1b", "interleaved-zero2", "zbh1-zero3"])
 def test_3d_hybrid_dp_tp_pp_matches_single_process(world8, schedule, chunks, zero):  # type: ignore[no-untyped-def]
     _check(world8.run(_hybrid, schedule, chunks, zero), [4, 5, 6, 7])
 
@@ -307,6 +307,14 @@ def _bad_zero_bubble_stage(rank: int) -> None:
     Pipeline(stages, _mse, num_microbatches=2, schedule="ZBH1")
 
 
+def _bad_zero_bubble_hook(rank: int) -> None:
+    stages = _stages(TWO)
+    pipe = Pipeline(stages, _mse, num_microbatches=2, schedule="ZBH1")
+    stages[0].module[0].fc1.weight.register_post_accumulate_grad_hook(lambda p: None)  # after the pipeline
+    x, t, _ = _data()
+    pipe.step(ap.shard_tensor(x, pipe.meshes[0], [Shard(0)]), ap.shard_tensor(t, pipe.meshes[-1], [Shard(0)]))
+
+
 def _bad_zbv_order(rank: int) -> None:
     Pipeline(_stages(TWO, chunks=2), _mse, num_microbatches=4, schedule="ZBV")  # round robin, not a V
 
@@ -335,10 +343,12 @@ def _healthy(rank: int) -> bool:
     (_bad_loss, TypeError, r"loss_fn must return a one-element DistTensor, got DistTensor \(8, 8\)"),
     (_bad_zero_bubble_stage, ValueError, r"ZBH1 splits each backward into input and weight gradients, but stage 1 \(4..7\) has no "
                                          r"parameters that train"),
+    (_bad_zero_bubble_hook, ValueError, r"ZBH1 adds weight gradients into .grad outside autograd's accumulation, so gradient "
+                                        r"hooks on stage 0's parameters \['0.fc1.weight'\] would not run"),
     (_bad_zbv_order, ValueError, r"ZBV needs the stages to visit the 2 stage meshes in a V .*placement='v'.*got mesh "
                                  r"order \[0, 1, 0, 1\], expected \[0, 1, 1, 0\]"),
 ], ids=["microbatches", "overlap", "unassigned-annotation", "unassigned-stage", "schedule-needs-more", "loss-not-scalar",
-        "zero-bubble-frozen-stage", "zbv-not-a-v"])
+        "zero-bubble-frozen-stage", "zero-bubble-hook", "zbv-not-a-v"])
 def test_bad_input_same_error_on_every_rank(world8, fn, error, match):  # type: ignore[no-untyped-def]
     with pytest.raises(error, match=match) as info:
         world8.run(fn, timeout=60)
