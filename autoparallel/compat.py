@@ -171,6 +171,10 @@ def modes_active() -> bool:
 # carry ``OWN_OBSERVER`` (they follow what runs, as the code around them expects). Fallback:
 # "observed" -- local regions then prove new signatures only where nothing watches (slower).
 OWN_OBSERVER = "_ap_own_observer"
+# The autograd node a reentrant ``torch.utils.checkpoint`` (``use_reentrant=True``) leaves in the
+# graph (its ``CheckpointFunction``): it runs its own backward inside the node and refuses
+# ``autograd.grad``. Read by name (``Node.name()``); without it, no node is recognised as one.
+REENTRANT_CHECKPOINT_NODE = "CheckpointFunctionBackward"
 _top_saved_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 
 
@@ -537,7 +541,7 @@ except ImportError:  # pragma: no cover - the same in Python
 
 
 __all__ = [
-    "LIBRARY_PACKAGES", "run_as_is_under_dynamo", "when_dynamo_imported", "on_dynamo_compile", "in_compiled_call", "profiler_enabled", "SymbolicTools", "global_module_hooks", "in_backward", "tensor_use_count", "OBSERVER_HOOK", "modes_active", "OWN_OBSERVER", "foreign_saved_hooks", "foreign_dispatch_modes", "observed", "mark_own_observer",
+    "LIBRARY_PACKAGES", "REENTRANT_CHECKPOINT_NODE", "run_as_is_under_dynamo", "when_dynamo_imported", "on_dynamo_compile", "in_compiled_call", "profiler_enabled", "SymbolicTools", "global_module_hooks", "in_backward", "tensor_use_count", "OBSERVER_HOOK", "modes_active", "OWN_OBSERVER", "foreign_saved_hooks", "foreign_dispatch_modes", "observed", "mark_own_observer",
     "symbolic_tools",
     "GRAD_SCALER_UNSCALE", "HAS_GRAD_SCALER_UNSCALE", "amp_check_and_unscale_",
     "WRAPPER_POSITIONAL", "TorchDispatchMode", "all_op_schemas", "disable_torch_function_subclass", "disabled_torch_function_impl", "flatten_dense_tensors",

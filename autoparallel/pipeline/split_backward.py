@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from autoparallel import compat
+
 GradientEdge = torch.autograd.graph.GradientEdge
 get_gradient_edge = torch.autograd.graph.get_gradient_edge
 
@@ -81,12 +83,6 @@ def _above(starts: Sequence[Any], parents: dict[Any, list[Any]]) -> set[Any]:
     return seen
 
 
-# A reentrant checkpoint (``torch.utils.checkpoint(..., use_reentrant=True)``, transformers'
-# default) runs its own backward inside its node and refuses ``autograd.grad``: such a graph is
-# differentiated whole in B.
-_REENTRANT = "CheckpointFunctionBackward"
-
-
 def _groups(root: Any, x_node: Any | None, params: Sequence[torch.Tensor],
             children: dict[Any, list[Any]]) -> list[_Group]:
     parents = _parents(children)
@@ -138,7 +134,7 @@ def input_grad(out: torch.Tensor, grad_out: torch.Tensor | None, x: torch.Tensor
         return None, WeightWork([], None)
     g = torch.ones_like(out) if grad_out is None else grad_out
     children = _children(root)
-    if any(n.name() == _REENTRANT for n in children):
+    if any(n.name() == compat.REENTRANT_CHECKPOINT_NODE for n in children):  # (refuses autograd.grad: whole in B)
         torch.autograd.backward(out, g)
         why = "it runs a reentrant torch.utils.checkpoint (use_reentrant=True), which computes all its gradients at once"
         return (x.grad if x is not None else None), WeightWork([], None, why)

@@ -495,3 +495,37 @@ class _Spy(TorchDispatchMode):
         out = func(*args, **kwargs)
         self.trace.record(func, args, kwargs, out)
         return out
+
+
+# ---- refusals read from a finished trace -------------------------------------------------
+def reentrant_checkpoint_refusal(outs: list[Any], leaves: list[Any]) -> str:
+    """Why a region whose forward ran a reentrant ``torch.utils.checkpoint`` is refused: its
+    recompute runs in the backward, outside the local run, on the shards the local run saved
+    (non-reentrant checkpoints are seen while tracing, ``_Trace.observe``). Found in the outputs' autograd
+    graph, walked down to the inputs' own history."""
+    stop = {t.grad_fn for t in leaves if isinstance(t, torch.Tensor) and t.grad_fn is not None}
+    todo = [t.grad_fn for t in outs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    seen: set[Any] = set()
+    while todo:
+        node = todo.pop()
+        if node in seen or node in stop:
+            continue
+        seen.add(node)
+        if node.name() == compat.REENTRANT_CHECKPOINT_NODE:
+            return ("it runs torch's reentrant checkpoint inside (the recompute in the backward would run "
+                    "outside the local run)")
+        todo.extend(f for f, _ in node.next_functions if f is not None)
+    return ""
+
+
+def summands_refusal(trace: _Trace, leaves: list[Any], tensors: list[torch.Tensor]) -> str:
+    """Why the parameters the trace's ops took as summands cannot be made summands once, before
+    the local run ('' when they can): another op takes one as it is, or it is also an argument."""
+    if not trace.summands:
+        return ""
+    if trace.summands.keys() & trace.as_is:
+        return "a parameter is taken as it is by one op and as a summand (moved) by another"
+    args = {id(x) for x in leaves if isinstance(x, DistTensor)}
+    if any(id(tensors[k]) in args for k in trace.summands):
+        return "a parameter taken as a summand is also an argument"
+    return ""

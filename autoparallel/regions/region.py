@@ -27,6 +27,8 @@ from autoparallel.regions.checks import (
     _uneven,
     _Verdict,
     as_summand,
+    reentrant_checkpoint_refusal,
+    summands_refusal,
 )
 from autoparallel.regions.crossing import _Call, _localize, _wrap_out, needs_grad, with_partial
 from autoparallel.regions.generic import Family, Model, Proof, Record, Recorder, Stop, point_of, sizes_at
@@ -290,7 +292,7 @@ class _Region:
         why, before, out_moves = door.epilogue(outs)
         if len(comm.records) > door.comm:
             why = why or f"it communicates ({comm.records[0].kind})"
-        why = trace.reason or why or _summands_refusal(trace, leaves, tensors) or _reentrant_checkpoint(outs, leaves)
+        why = trace.reason or why or summands_refusal(trace, leaves, tensors) or reentrant_checkpoint_refusal(outs, leaves)
         why = why or ("" if writer is None else writer.refusal(trace.reads))
         if not why and trace.arg_moves:
             why = f"an op takes an argument sliced ({next(iter(trace.arg_moves.values()))})"
@@ -686,39 +688,6 @@ def _put_written(verdict: _Verdict, leaves: list[Any], wrapped: Any) -> Any:
     out, written = wrapped
     objects.put(leaves, verdict.writes, written)
     return out
-
-
-def _reentrant_checkpoint(outs: list[Any], leaves: list[Any]) -> str:
-    """Why a region whose forward ran a reentrant ``torch.utils.checkpoint`` is refused: its
-    recompute runs in the backward, outside the local run, on the shards the local run saved
-    (non-reentrant checkpoints are seen while tracing, ``checks``). Found in the outputs' autograd
-    graph, walked down to the inputs' own history."""
-    stop = {t.grad_fn for t in leaves if isinstance(t, torch.Tensor) and t.grad_fn is not None}
-    todo = [t.grad_fn for t in outs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-    seen: set[Any] = set()
-    while todo:
-        node = todo.pop()
-        if node in seen or node in stop:
-            continue
-        seen.add(node)
-        if node.name() == "CheckpointFunctionBackward":
-            return ("it runs torch's reentrant checkpoint inside (the recompute in the backward would run "
-                    "outside the local run)")
-        todo.extend(f for f, _ in node.next_functions if f is not None)
-    return ""
-
-
-def _summands_refusal(trace: _Trace, leaves: list[Any], tensors: list[torch.Tensor]) -> str:
-    """Why the parameters the trace's ops took as summands cannot be made summands once, before
-    the local run ('' when they can): another op takes one as it is, or it is also an argument."""
-    if not trace.summands:
-        return ""
-    if trace.summands.keys() & trace.as_is:
-        return "a parameter is taken as it is by one op and as a summand (moved) by another"
-    args = {id(x) for x in leaves if isinstance(x, DistTensor)}
-    if any(id(tensors[k]) in args for k in trace.summands):
-        return "a parameter taken as a summand is also an argument"
-    return ""
 
 
 def _rng_states() -> tuple[torch.Tensor, list[torch.Tensor] | None]:
