@@ -239,13 +239,18 @@ def _pipelined(rank: int, schedule: str, reentrant: bool | None) -> dict[str, An
             "warnings": [str(w.message) for w in caught if "autoparallel" in str(w.message)]}
 
 
+_PIPELINED: dict[str, list[dict[str, Any]]] = {}
+
+
 @pytest.mark.parametrize("reentrant", [False, True], ids=["nonreentrant", "reentrant"])
 def test_checkpoint_inside_pipeline_stages_1f1b_and_zero_bubble(world4, reentrant: bool) -> None:  # type: ignore[no-untyped-def]
     """A stage whose blocks run torch's checkpoint trains as without it under 1F1B (reentrant: a
     local region refuses a forward holding one, whose recompute would meet the shards it saved), and
     ZBH1 trains bitwise as 1F1B: a non-reentrant checkpoint splits into B and W like any graph; a
     reentrant one cannot compute the input's gradient alone, so its B computes all (one warning)."""
-    base = world4.run(_pipelined, "1F1B", None)
+    if "base" not in _PIPELINED:  # (without a checkpoint: run once for both cases)
+        _PIPELINED["base"] = world4.run(_pipelined, "1F1B", None)
+    base = _PIPELINED["base"]
     one = world4.run(_pipelined, "1F1B", reentrant)
     zero = world4.run(_pipelined, "ZBH1", reentrant)
     for b, o, z in zip(base, one, zero):
