@@ -72,6 +72,7 @@ _EXPORTS: dict[str, str] = {
     "randn": "autoparallel.factory",
     "zeros": "autoparallel.factory",
     "ColWiseParallel": "autoparallel.nn",
+    "ContextParallel": "autoparallel.nn",
     "PrepareLayerInput": "autoparallel.nn",
     "PrepareLayerOutput": "autoparallel.nn",
     "RowWiseParallel": "autoparallel.nn",
@@ -111,6 +112,7 @@ _SUBMODULES = frozenset({
 
 __all__ = [
     "ColWiseParallel",
+    "ContextParallel",
     "CommDebugMode",
     "CommRecord",
     "DistSpec",
@@ -203,6 +205,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; nothing is imported at run time
     from autoparallel.mesh import ProcessMesh
     from autoparallel.nn import (
         ColWiseParallel,
+        ContextParallel,
         PrepareLayerInput,
         PrepareLayerOutput,
         RowWiseParallel,

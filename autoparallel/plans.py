@@ -24,6 +24,7 @@ from typing import Any
 
 from torch import nn
 
+from autoparallel.nn.context_parallel import COMMS, ContextParallel
 from autoparallel.nn.parallelize import ModelPlan
 from autoparallel.nn.styles import (
     ColWiseParallel,
@@ -81,16 +82,27 @@ def _heads(model: nn.Module, plan: dict[str, ParallelStyle], embed: str | None, 
         plan[head] = ColWiseParallel()
 
 
-def llama(model: nn.Module, sp: bool = False) -> ModelPlan:
+def llama(model: nn.Module, sp: bool = False, cp: str | None = None) -> ModelPlan:
     """The Llama-family plan (Llama, Mistral, Qwen2: ``*.self_attn.{q,k,v,o}_proj``, ``*.mlp.{gate,up,down}_proj``).
 
     q/k/v/gate/up column-parallel, o/down row-parallel, ``embed_tokens`` vocab-parallel,
     ``lm_head`` column-parallel. ``sp=True``: the RMSNorms sequence-parallel. Needs the query
     heads, key/value heads, MLP width and vocabulary to divide by the tp degree.
+    ``cp="ring"`` or ``"all_to_all"``: besides, context parallelism on the mesh axis ``"cp"``
+    (``ContextParallel`` on every ``self_attn``); with ``"all_to_all"`` the heads must divide by
+    tp x cp. Not with ``sp=True`` (one sequence split at a time).
     """
     cfg = _config(model, "llama")
     _require(model, "llama", ["self_attn.q_proj", "mlp.gate_proj"])
+    if cp is not None and cp not in COMMS:
+        raise ValueError(f"plans.llama: cp must be None or one of {COMMS}, got {cp!r}")
+    if cp is not None and sp:
+        raise ValueError("plans.llama: sp=True and cp= together are not supported: sequence parallelism splits "
+                         "the sequence on the tp axis around the norms, context parallelism on the cp axis "
+                         "everywhere; use cp= alone")
     plan: dict[str, ParallelStyle] = {}
+    if cp is not None:
+        plan["*.self_attn"] = ContextParallel(comm=cp)
     if sp:
         plan["*.self_attn"] = _gather_input()
         plan["*.mlp"] = _gather_input()

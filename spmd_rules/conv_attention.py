@@ -7,8 +7,11 @@ shards. Always offered: everything Replicate.
   grad_out in the backward) sharded alike on the batch dim 0 or the heads dim 1; an
   ``attn_mask`` follows where it has that dim (not broadcast), else stays Replicate. Attention
   is linear in ``value``: a Partial value with q/k replicated gives a Partial output (logsumexp
-  replicated). The backward is linear in ``grad_out``. With ``dropout_p > 0`` (random) no
-  strategy is offered (fallback).
+  replicated). The backward is linear in ``grad_out``. Self-attention without a mask tensor
+  may also be sharded on the sequence dim 2 in equal pieces (every operand and output alike):
+  context parallelism, whose local step is the engine's ring kernel
+  (``autoparallel.engine.ring_attention``), not the op on the shards. With ``dropout_p > 0``
+  (random) no strategy is offered (fallback).
 - ``convolution`` (+ ``convolution_backward``): batch-sharded input with replicated weight ->
   output ``S(0)`` (grad_weight/grad_bias ``P(sum)``). For ``groups == 1`` and not transposed:
   weight/bias ``S(0)`` -> output ``S(1)`` (out-channel parallel; grad_input ``P(sum)``), and
@@ -75,19 +78,34 @@ SDPA = aten._scaled_dot_product_flash_attention_for_cpu.default
 SDPA_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 
 
-def _gqa_heads_split(q: TensorMeta, k: TensorMeta, v: TensorMeta, call: OpCall) -> bool:
+def _gqa_heads_split(q: TensorMeta, k: TensorMeta, v: TensorMeta, call: OpCall, axis: int) -> bool:
     """Grouped-query attention (q heads a multiple of k/v heads) may be split on the heads dim.
 
     Query head ``j`` reads key/value head ``j // g`` (``g = Hq / Hkv``). When ``Hkv`` divides
-    by the product of the mesh axes, every even split of the heads over any of the axes (or
-    several, nested) gives each rank query heads ``[r Hq/n, (r+1) Hq/n)`` and key/value heads
-    ``[r Hkv/n, (r+1) Hkv/n)``: exactly the ones they read, and the local kernel does GQA alike.
+    by the product of the mesh axes that may split the heads together, every even split of the
+    heads over them (nested) gives each rank query heads ``[r Hq/n, (r+1) Hq/n)`` and key/value
+    heads ``[r Hkv/n, (r+1) Hkv/n)``: exactly the ones they read, and the local kernel does GQA
+    alike. Those axes: every axis, except that an axis sharding the sequence now (context
+    parallelism) is left out when asking for another axis that does not (the sequence axis asks
+    with every axis counted, so any set of axes the strategies pick together is covered).
     """
     hq, hkv = q.shape[1], k.shape[1]
+    q_now = call.placements[_slots(call)["query"]]
+    on_seq = {b for b, p in enumerate(q_now) if isinstance(p, Shard) and p.dim % 4 == 2}
     ranks = 1
-    for n in call.mesh_shape:
-        ranks *= n
+    for b, n in enumerate(call.mesh_shape):
+        if b == axis or axis in on_seq or b not in on_seq:
+            ranks *= n
     return v.shape[1] == hkv and hkv > 0 and hq % hkv == 0 and hkv % ranks == 0
+
+
+def _sequence_split(call: OpCall, q: TensorMeta, k: TensorMeta, v: TensorMeta, size: int, slots: dict[str, int]) -> bool:
+    """Self-attention (one sequence length) in equal pieces on the axis, no mask tensor, grouped
+    heads dividing: the sequence may be sharded (every operand alike; the local step is the
+    engine's ring kernel, which moves key/value pieces around the axis)."""
+    length = q.shape[2]
+    return ("attn_mask" not in slots and length == k.shape[2] == v.shape[2] and length % size == 0
+            and k.shape[1] == v.shape[1] and k.shape[1] > 0 and q.shape[1] % k.shape[1] == 0)
 
 
 @register_axis_rule([SDPA, SDPA_BACKWARD])
@@ -99,7 +117,7 @@ def sdpa_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
     q, k, v = (call.inputs[slots[n]] for n in ("query", "key", "value"))
     scores = q.shape[:3] + k.shape[2:3]  # [B, H, L, S], the shape the mask broadcasts to
     strategies = [_replicate(call)]
-    alike = [d for d in (0, 1) if q.shape[d] == k.shape[d] == v.shape[d] or (d == 1 and _gqa_heads_split(q, k, v, call))]
+    alike = [d for d in (0, 1) if q.shape[d] == k.shape[d] == v.shape[d] or (d == 1 and _gqa_heads_split(q, k, v, call, axis))]
     for d in _worth(call, "query", axis, alike):
         placed: dict[str, Placement] = {n: Shard(d) for n in slots if n != "attn_mask"}
         if "attn_mask" in slots:
@@ -107,6 +125,9 @@ def sdpa_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
             md = broadcast_dim(4, mask.shape, scores, d)
             placed["attn_mask"] = R if md is None else Shard(md)
         strategies.append(_make(call, placed, [Shard(d)] * len(call.out)))
+    if _sequence_split(call, q, k, v, size, slots):
+        for _ in _worth(call, "query", axis, (2,)):  # context parallelism: the engine's ring kernel
+            strategies.append(_make(call, {n: Shard(2) for n in slots}, [Shard(2)] * len(call.out)))
     for t in LINEAR:
         if call.op is SDPA:  # out = softmax(q k^T) v: linear in v; logsumexp depends on q, k only
             strategies.append(_make(call, {"value": Partial(t)}, [Partial(t), R]))
@@ -115,9 +136,10 @@ def sdpa_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
     return strategies
 
 
-@register_local_impl([SDPA, SDPA_BACKWARD])
 def sdpa_local(ctx: LocalContext, *args: Any, **kwargs: Any) -> Any:
-    """An empty batch/heads shard gives empty outputs (the CPU kernel divides by zero on one)."""
+    """The op on batch/heads shards (the engine's kernel, ``autoparallel.engine.ring_attention``,
+    calls it where the sequence is not sharded); an empty shard gives empty outputs (the CPU
+    kernel divides by zero on one)."""
     q = args[1 if ctx.call.op is SDPA_BACKWARD else 0]
     if q.shape[0] and q.shape[1]:
         return ctx.call.op(*args, **kwargs)

@@ -203,9 +203,14 @@ def _joined_strategies(call: OpCall, axis: int, in_to_out: Callable[[int], int |
 
 @register_axis_rule(aten.cat)
 def cat_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
-    """``cat(xs, dim)``: every input sharded alike on a non-cat dim, or all the same Partial."""
+    """``cat(xs, dim)``: every input sharded alike on a non-cat dim, or all the same Partial. Where
+    one input alone has length along ``dim`` (a key/value cache's first ``cat`` onto an empty
+    one), the cat dim too: the result is that input."""
     out = _out(call)
     dim = _norm(_arg(call, 1, "dim", 0), out.ndim)
+    filled = [m for m in call.inputs if m.ndim == out.ndim and m.shape[dim] > 0]
+    if len(filled) == 1:
+        return _joined_strategies(call, axis, lambda d: d)
     return _joined_strategies(call, axis, lambda d: None if d == dim else d)
 
 

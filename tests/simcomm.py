@@ -42,6 +42,25 @@ class SimComm:
         self.barrier.wait()
         return out
 
+    def exchange(self, axis: int, sends: Any, recv_shapes: Any) -> list[list[torch.Tensor]]:
+        """Point-to-point along ``axis``: ``sends[c]`` go to the member at coordinate ``c``."""
+        if not self.threaded:
+            raise _Collective
+        me, k = self.tls.coord, self.tls.step
+        self.tls.step += 1
+        for c, ts in enumerate(sends):
+            dst = tuple(c if b == axis else me[b] for b in range(len(me)))
+            self.slots[(k, (me, dst))] = [t.clone() for t in ts]  # type: ignore[index]
+        self.barrier.wait()
+        got = []
+        for c, shapes in enumerate(recv_shapes):
+            src = tuple(c if b == axis else me[b] for b in range(len(me)))
+            ts = self.slots[(k, (src, me))]  # type: ignore[index]
+            assert [tuple(t.shape) for t in ts] == [tuple(s) for s in shapes], (ts, shapes)
+            got.append(ts)
+        self.barrier.wait()
+        return got
+
     def run(self, fn: Callable[[tuple[int, ...]], Any]) -> dict[tuple[int, ...], Any]:
         """``fn`` at every coordinate: in turn, or in threads once a collective shows up."""
         self.threaded = False

@@ -28,10 +28,11 @@ from typing import Any
 import torch
 
 from autoparallel import runtime
-from autoparallel.placement import Replicate, Shard
+from autoparallel.placement import Partial, Replicate, Shard
 from autoparallel.spec import DistSpec
 
 MATMULS = frozenset({torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__})
+LINEARS = frozenset({torch.nn.functional.linear})
 
 
 def _sharded_dims(t: Any, batch: int) -> set[int]:
@@ -53,6 +54,8 @@ def batch_first_matmul(cls: Any, func: Any, args: tuple[Any, ...], kwargs: Any,
     some batch dim other than the first is sharded. ``from_local``: the engine's differentiable
     shard -> DistTensor.
     """
+    if func in LINEARS:
+        return linear_on_shards(cls, args, kwargs or {}, from_local)
     if func not in MATMULS or kwargs or len(args) != 2:
         return NotImplemented
     a, b = args
@@ -92,4 +95,56 @@ def per_shard(a: Any, b: Any, batch: int, from_local: Callable[[torch.Tensor, Di
     return from_local(torch.matmul(a.to_local(), b.to_local()), spec)
 
 
-__all__ = ["batch_first_matmul", "per_shard"]
+def _linear_axis(px: Any, pw: Any, last: int, ndim: int) -> tuple[Any, Any, Any] | None:
+    """On one mesh axis, (output, input gradient, weight gradient) placements of ``F.linear`` run
+    on the shards, for input placement ``px`` and weight placement ``pw``; None: not on shards."""
+    if isinstance(px, Shard) and px.dim % ndim < last and isinstance(pw, Replicate):
+        return Shard(px.dim % ndim), Shard(px.dim % ndim), Partial()  # rows: the weight's gradient sums
+    if isinstance(px, Replicate) and isinstance(pw, Replicate):
+        return Replicate(), Replicate(), Replicate()
+    if isinstance(px, Replicate) and pw == Shard(0):
+        return Shard(last), Partial(), Shard(0)  # out-features: the input's gradient sums
+    if isinstance(px, Shard) and px.dim % ndim == last and pw == Shard(1):
+        return Partial(), Shard(last), Shard(1)  # in-features: the output sums
+    return None
+
+
+def linear_on_shards(cls: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+                     from_local: Callable[[torch.Tensor, DistSpec], Any]) -> Any:
+    """``F.linear(x, w, bias)`` on the shards where ``x`` is sharded on a token dim that is not
+    its first (a sequence-sharded ``[B, S, W]`` activation: context or sequence parallelism).
+
+    ``F.linear`` flattens ``x`` to ``[B*S, W]`` below Python: ``S`` sharded is the inner factor of
+    that dim, which no placement expresses, so the engine would gather ``x``. Each token's output
+    depends on that token alone, so the linear runs on the shards instead, per mesh axis as
+    ``_linear_axis`` says (tokens sharded with the weight replicated: the weight's gradient is
+    Partial there, reduced as data parallelism reduces it; Megatron's column/row layouts on
+    another axis). The bias is added on DistTensors (once, whatever the layout).
+    ``NotImplemented`` elsewhere: the engine's op path."""
+    x, w = args[0], args[1] if len(args) > 1 else kwargs.get("weight")
+    bias = args[2] if len(args) > 2 else kwargs.get("bias")
+    if not (isinstance(x, cls) and isinstance(w, cls)) or x.dim() < 3 or w.dim() != 2:
+        return NotImplemented
+    if bias is not None and not isinstance(bias, cls):
+        return NotImplemented
+    sx, sw = x._spec, w._spec
+    last = x.dim() - 1
+    if not any(isinstance(p, Shard) and 0 < p.dim % x.dim() < last for p in sx.placements):
+        return NotImplemented  # the flatten keeps the layout: the op path
+    if sx.mesh != sw.mesh or sx.dtype != sw.dtype or sx.shard_order or sw.shard_order:
+        return NotImplemented
+    if sx.mesh.coordinate_of(runtime.get_rank()) is None:
+        return NotImplemented
+    per_axis = [_linear_axis(px, pw, last, x.dim()) for px, pw in zip(sx.placements, sw.placements)]
+    if any(a is None for a in per_axis):
+        return NotImplemented
+    out_p, x_grad, w_grad = (tuple(a[k] for a in per_axis if a is not None) for k in range(3))
+    if sum(p == Shard(last) for p in out_p) > 1:
+        return NotImplemented  # out-features split by two axes: the op path orders them
+    spec = DistSpec(sx.mesh, out_p, (*sx.shape[:-1], sw.shape[0]), sx.dtype)
+    local = torch.nn.functional.linear(x.to_local(grad_placements=x_grad), w.to_local(grad_placements=w_grad))
+    out = from_local(local, spec)
+    return out if bias is None else out + bias
+
+
+__all__ = ["LINEARS", "batch_first_matmul", "linear_on_shards", "per_shard"]

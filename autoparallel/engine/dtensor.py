@@ -14,7 +14,7 @@ import torch
 
 from autoparallel import compat, runtime
 from autoparallel.engine import pending
-from autoparallel.engine.batch_matmul import MATMULS, batch_first_matmul
+from autoparallel.engine.batch_matmul import LINEARS, MATMULS, batch_first_matmul
 from autoparallel.engine.compile_notice import NOTICE as _COMPILE
 from autoparallel.engine.deferred import Deferred, Finish, Stat
 from autoparallel.engine.dispatch import dispatch
@@ -50,7 +50,7 @@ _SPLIT_POINTS = {torch.tensor_split: ("tensor_indices_or_sections", "indices_or_
 
 def _tf_kind(func: Any) -> int:
     """What ``DistTensor.__torch_function__`` looks at for ``func`` (cached per function)."""
-    if func in MATMULS:
+    if func in MATMULS or func in LINEARS:
         return _MATMUL
     if any(func == f for f in _GRAD_FLAGS):
         return _GRAD_FLAG

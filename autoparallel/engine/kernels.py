@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from autoparallel.engine.deferred import Deferred, Stat
+from autoparallel.engine.ring_attention import KERNELS as ATTENTION_KERNELS
 from autoparallel.mesh import ProcessMesh
 from autoparallel.placement import Shard
 from autoparallel.runtime import agree, comm
@@ -64,6 +65,20 @@ class Collectives:
         """Start summing ``t`` over ``axis``; the ``Stat`` waits when its result is read."""
         agree.check_collective(self.mesh, axis, lambda: _describe("all_reduce_start", "sum", t))
         return Stat(*comm.all_reduce_start(t, self.mesh, axis))
+
+    def exchange(self, axis: int, sends: Sequence[Sequence[torch.Tensor]],
+                 recv_shapes: Sequence[Sequence[Sequence[int]]]) -> list[list[torch.Tensor]]:
+        """Point-to-point along ``axis`` (``comm.exchange``: one all-to-all; ``sends[c]`` go to
+        coordinate ``c``, ``recv_shapes[c]`` come from it)."""
+        agree.check_collective(self.mesh, axis, lambda: _describe_exchange(sends, recv_shapes))
+        return comm.exchange(sends, recv_shapes, self.mesh, axis)
+
+
+def _describe_exchange(sends: Sequence[Sequence[torch.Tensor]], recv_shapes: Sequence[Sequence[Sequence[int]]]) -> str:
+    """An exchange as every member issues it: the number of members and the dtype (the pairs
+    themselves differ by member)."""
+    dtype = next((t.dtype for ts in sends for t in ts), None)
+    return f"exchange of a kernel over {len(sends)} members {dtype}"
 
 
 def _describe(kind: str, reduce_type: str, t: torch.Tensor) -> str:
@@ -239,6 +254,7 @@ KERNELS: dict[Any, Callable[..., Any]] = {
     **{op: nll_forward_local for op in NLL_FORWARD},
     **{op: batch_norm_local for op in BATCH_NORM_OPS},
     aten.native_batch_norm_backward.default: batch_norm_backward_local,
+    **ATTENTION_KERNELS,  # SDPA on a sequence-sharded layout: the ring (context parallelism)
 }
 # kernels that may return ``Deferred`` values (when ``ctx.may_defer``)
 DEFERRING = frozenset(NLL_FORWARD)

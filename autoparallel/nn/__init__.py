@@ -1,7 +1,8 @@
-"""Model-level tensor/sequence parallelism: ``shard_layer``, ``parallelize`` and parallel styles."""
+"""Model-level tensor/sequence/context parallelism: ``shard_layer``, ``parallelize`` and parallel styles."""
 
 from __future__ import annotations
 
+from autoparallel.nn.context_parallel import ContextParallel
 from autoparallel.nn.parallelize import parallelize
 from autoparallel.nn.shard_layer import shard_layer
 from autoparallel.nn.styles import (
@@ -16,6 +17,7 @@ from autoparallel.nn.styles import (
 
 __all__ = [
     "ColWiseParallel",
+    "ContextParallel",
     "ParallelStyle",
     "PrepareLayerInput",
     "PrepareLayerOutput",

@@ -208,7 +208,10 @@ def parallelize(layer: nn.Module, mesh: ProcessMesh, plan: dict[str, Any], *, ax
         raise TypeError(f"parallelize: mesh must be an ap.ProcessMesh, got {type(mesh).__name__}")
     if recompute is None and isinstance(plan, ModelPlan):
         recompute = getattr(plan, "recompute", None) or None  # a plan that also says what to recompute (ap.Plan)
-    tp = resolve_axis(mesh, axis)
+    if axis is None and plan and not any(getattr(s, "uses_tp_axis", True) for s in plan.values()):
+        tp = 0  # (only styles with axes of their own, e.g. ContextParallel: no tensor-parallel axis to find)
+    else:
+        tp = resolve_axis(mesh, axis)
     if isinstance(plan, ModelPlan):
         plan.check_degree(mesh, tp)
     matches = match_plan(layer, plan)

@@ -120,6 +120,7 @@ class ParallelStyle:
 
     module_types: tuple[type[nn.Module], ...] = (nn.Module,)
     shards_parameters = True  # at most one parameter-sharding style per module
+    uses_tp_axis = True  # False: works on an axis of its own (``parallelize`` needs no tp axis for it)
 
     def check(self, name: str, module: nn.Module, mesh: ProcessMesh, axis: int) -> None:
         """Raise ``TypeError``/``ValueError`` if this style cannot apply to ``module``."""
@@ -404,7 +405,7 @@ class PrepareLayerInput(ParallelStyle):
         where = f"PrepareLayerInput({name!r})"
         layouts, kw_layouts = self._layouts(name, ctx.mesh)
 
-        names = _positional_names(module)
+        names = positional_names(module)
 
         def hook(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
             # input i passed by keyword (``self_attn(hidden_states=h)``) gets layouts[i] all the same
@@ -416,7 +417,7 @@ class PrepareLayerInput(ParallelStyle):
         module.register_forward_pre_hook(moves.style_hook(hook), with_kwargs=True)
 
 
-def _positional_names(module: nn.Module) -> list[str]:
+def positional_names(module: nn.Module) -> list[str]:
     """The names of ``module.forward``'s parameters that may be passed by position, in order."""
     try:
         params = inspect.signature(module.forward).parameters.values()

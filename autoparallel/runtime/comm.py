@@ -534,6 +534,47 @@ def all_to_all(
     return torch.cat(parts, dim=gather_dim)
 
 
+@_ranged
+def exchange(
+    sends: Sequence[Sequence[torch.Tensor]], recv_shapes: Sequence[Sequence[Sequence[int]]],
+    mesh: ProcessMesh, axis: int,
+) -> list[list[torch.Tensor]]:
+    """Point-to-point along one axis line as one all-to-all (so a captured program holds it).
+
+    ``sends[c]``: the tensors for the member at axis coordinate ``c``, in order; ``recv_shapes[c]``:
+    the shapes of those the member at ``c`` sends here, in its order. Every tensor has one dtype.
+    Returns the received tensors, ``[c][i]``. A ring rotation is the special case of one
+    neighbour each way. Members must agree on the pairs (each member's sends to ``c`` are ``c``'s
+    receives from it): the callers derive both from global metadata.
+    """
+    group, line, grank = _group(mesh, axis)
+    n = len(line)
+    me = line.index(runtime.get_rank())
+    like = next((t for ts in sends for t in ts), None)
+    if like is None:
+        raise ValueError("exchange: nothing to send")
+    in_splits, out_splits = [0] * n, [0] * n
+    send_by_group: list[torch.Tensor] = [like.new_empty(0)] * n
+    for c, g in enumerate(grank):
+        flat = [t.reshape(-1) for t in sends[c]]
+        in_splits[g] = sum(f.numel() for f in flat)
+        out_splits[g] = sum(_numel(s) for s in recv_shapes[c])
+        if flat:
+            send_by_group[g] = torch.cat(flat) if len(flat) > 1 else flat[0]
+    recv = _all_to_all_flat(torch.cat(send_by_group), out_splits, in_splits, group)
+    flat_recv = list(recv.split(out_splits))
+    out: list[list[torch.Tensor]] = []
+    for c, g in enumerate(grank):
+        shapes = [tuple(s) for s in recv_shapes[c]]
+        parts = flat_recv[g].split([_numel(s) for s in shapes]) if shapes else ()
+        out.append([p.reshape(s) for p, s in zip(parts, shapes)])
+    item = like.element_size()
+    record("all_to_all", mesh, axis, line,
+           *cost.all_to_all_bytes([in_splits[grank[c]] * item for c in range(n)],
+                                  [out_splits[grank[c]] * item for c in range(n)], me))
+    return out
+
+
 def _all_to_all_flat(send: torch.Tensor, out_splits: list[int], in_splits: list[int], group: object) -> torch.Tensor:
     """One flat all-to-all: ``in_splits[g]`` elements of ``send`` go to group rank ``g``."""
     if send.dtype not in NATIVE:  # move the raw bytes

@@ -105,6 +105,12 @@ CASES: list[tuple[Any, tuple, dict]] = [
     (SDPA, (GQA[0], GQA[1], GQA[2], 0.0, True), {}),
     (SDPA_BWD, _sdpa_bwd_args(*GQA, True), {}),
     (SDPA, (rnd(2, 4, 3, 4), rnd(2, 2, 3, 4), rnd(2, 2, 3, 4)), {}),  # 2 kv heads on 3 ranks: not by heads
+    # the sequence sharded (the ring kernel): 6 = 2 halves per rank, so causal runs balanced
+    (SDPA, (rnd(2, 2, 6, 4), rnd(2, 2, 6, 4), rnd(2, 2, 6, 4), 0.0, True), {}),
+    (SDPA, (rnd(1, 6, 6, 4), rnd(1, 3, 6, 4), rnd(1, 3, 6, 4)), {"scale": 0.3}),
+    (SDPA_BWD, _sdpa_bwd_args(rnd(2, 6, 6, 4), rnd(2, 3, 6, 4), rnd(2, 3, 6, 4), True), {}),
+    (SDPA_BWD, _sdpa_bwd_args(rnd(1, 2, 9, 4), rnd(1, 2, 9, 4), rnd(1, 2, 9, 4), True), {}),  # unbalanced
+    (SDPA_BWD, _sdpa_bwd_args(rnd(1, 2, 6, 4), rnd(1, 2, 6, 4), rnd(1, 2, 6, 4)), {}),
     (aten.max_pool2d_with_indices.default, (X4, [2, 2]), {}),
     (aten.max_pool2d_with_indices.default, (rnd(5, 7, 7), [3, 3], [2, 2], [1, 1]), {}),
     (aten.max_pool2d_with_indices_backward.default,

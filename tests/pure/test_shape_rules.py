@@ -229,6 +229,8 @@ BRUTE: list[tuple[str, Any, tuple, dict]] = [
     ("cat-1", aten.cat.default, ([rnd(5, 3), rnd(5, 2)], 1), {}),
     ("cat-0", aten.cat.default, ([rnd(2, 4), rnd(3, 4), rnd(1, 4)], 0), {}),
     ("cat-legacy-empty", aten.cat.default, ([rnd(4, 3), torch.empty(0), rnd(4, 2)], 1), {}),
+    ("cat-onto-empty", aten.cat.default, ([torch.empty(0), rnd(2, 5, 3)], 1), {}),  # a cache's first cat
+    ("cat-onto-empty-3d", aten.cat.default, ([rnd(2, 0, 3), rnd(2, 5, 3)], 1), {}),
     ("stack", aten.stack.default, ([rnd(5, 3), rnd(5, 3)], 1), {}),
     ("stack-last", aten.stack.default, ([rnd(5, 3), rnd(5, 3), rnd(5, 3)], -1), {}),
     ("slice", aten.slice.Tensor, (rnd(6, 5), 1, 1, 4), {}),

@@ -1,0 +1,265 @@
+"""Context parallelism (``ap.ContextParallel``): the sequence sharded through attention.
+
+4 gloo ranks. Our GPT (learned position table, causal SDPA) and an unmodified ``transformers``
+Llama (rotary positions, grouped-query attention, its own loss) train three AdamW steps with
+their sequence sharded along a ``cp`` mesh axis — ring attention (load-balanced: the sequence
+divides into ``2 * cp`` halves) and all-to-all (Ulysses) — alone, with data parallelism and with
+tensor parallelism, and equal one process: every step's loss (rtol 1e-5), the first step's
+gradients (rtol 1e-5) and the parameters after three steps. The collectives are the plan's:
+ring attention's rotations and balancing moves only, Ulysses' four all-to-alls per layer. A
+captured step (``ap.to_static``) equals the eager one bitwise. Bad input raises the same
+``ValueError`` on every rank before any collective.
+
+AdamW divides each gradient by its running RMS, so rounding-level differences of near-zero
+gradients become parameter differences up to ``lr`` sized: the gradients before any step are
+compared at rtol 1e-5, the parameters after three steps at ``atol = lr / 20`` (measured: up to
+1.4e-5 for lr 1e-3, on elements whose gradient is ~1e-8).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+
+RTOL = 1e-5
+LR = 1e-3
+
+
+def _gpt(seq: int = 16, heads: int = 4) -> Any:
+    from examples.gpt_model import GPT, GPTConfig
+
+    return GPT(GPTConfig(vocab=64, seq=seq, width=32, heads=heads, layers=2, dropout=0.0))
+
+
+def _compare(model: Any, ref: Any, grads: list[tuple[str, Any, Any]]) -> list[str]:
+    """Mismatches: first-step gradients (rtol 1e-5) and parameters now (atol lr / 20)."""
+    import torch
+
+    bad = []
+    for name, got, want in grads:
+        if not torch.allclose(got, want, rtol=RTOL, atol=RTOL * float(want.abs().max())):
+            bad.append(f"grad {name}: {float((got - want).abs().max()):.3g}")
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        full = p.detach().full_tensor()
+        if not torch.allclose(full, q.detach(), rtol=RTOL, atol=LR / 20):
+            bad.append(f"param {name}: {float((full - q.detach()).abs().max()):.3g}")
+    return bad
+
+
+def _train(model: Any, ref: Any, mesh: Any, batches: list[Any], step_fn: Any, ref_fn: Any,
+           placements: list[Any]) -> dict[str, Any]:
+    """Three AdamW steps of ``model`` (laid out) and ``ref`` (one process) on the same batches."""
+    import torch
+
+    import autoparallel as ap
+
+    opt = ap.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=LR))
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    losses, grads, counts = [], [], []
+    for i, (x, y) in enumerate(batches):
+        xd, yd = ap.shard_tensor(x, mesh, placements), ap.shard_tensor(y, mesh, placements)
+        with ap.CommDebugMode() as comm:
+            loss = step_fn(model, xd, yd)
+            loss.backward()
+        counts.append(comm.get_comm_counts())
+        ref_loss = ref_fn(ref, x, y)
+        ref_loss.backward()
+        if i == 0:
+            grads = [(n, p.grad.full_tensor(), q.grad) for (n, p), q in zip(model.named_parameters(), ref.parameters())]
+        opt.step()
+        opt.zero_grad()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        losses.append((float(loss.detach().full_tensor()), float(ref_loss.detach())))
+    return {"losses": losses, "bad": _compare(model, ref, grads), "counts": counts[0]}
+
+
+def _gpt_case(rank: int, comm: str, layout: str) -> dict[str, Any]:
+    import torch
+
+    import autoparallel as ap
+    from examples.gpt_model import lm_loss
+
+    torch.manual_seed(0)
+    ref = _gpt()
+    model = copy.deepcopy(ref)
+    if layout == "cp4":
+        mesh, placements, batch = ap.ProcessMesh([0, 1, 2, 3], dim_names=["cp"]), [ap.Shard(1)], 1
+    else:  # dp x cp, the batch split on dp; the sequence enters replicated on cp
+        mesh, placements, batch = ap.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "cp"]), [ap.Shard(0), ap.Replicate()], 4
+    ap.parallelize(model, mesh, {"blocks.*.attn": ap.ContextParallel(comm=comm)})
+    batches = [(torch.randint(0, 64, (batch, 16)), torch.randint(0, 64, (batch, 16))) for _ in range(3)]
+    return _train(model, ref, mesh, batches, lambda m, x, y: lm_loss(m(x), y), lambda m, x, y: lm_loss(m(x), y),
+                  placements)
+
+
+@pytest.mark.parametrize("comm", ["ring", "all_to_all"])
+def test_gpt_trains_equal_to_one_process(world4: Any, comm: str) -> None:
+    """CP 4 (the batch's sequence sharded from the start) and DP 2 x CP 2 (the hook slices it)."""
+    for layout in ("cp4", "dp_cp"):
+        for res in world4.run(_gpt_case, comm, layout):
+            for got, want in res["losses"]:
+                assert got == pytest.approx(want, rel=RTOL), (layout, res["losses"])
+            assert not res["bad"], (layout, res["bad"])
+            counts = res["counts"]
+            if layout == "cp4" and comm == "ring":
+                # per layer: forward 1 balancing move + 3 rotations + 1 move back; backward 1 move,
+                # 3 rotations, 1 rotation home, 1 move back — and nothing else (batch 1: no gather)
+                assert counts == {"all_to_all": 2 * (5 + 6), "all_reduce": 1}, counts
+            if layout == "cp4" and comm == "all_to_all":
+                assert counts == {"all_to_all": 2 * 4, "all_reduce": 1}, counts  # q, k, v in; out back; x2 backward
+
+
+def _llama_case(rank: int, comm: str) -> dict[str, Any]:
+    import torch
+
+    import autoparallel as ap
+    from tests.models.test_hf_llama import tiny_llama
+
+    torch.manual_seed(0)
+    ref = tiny_llama(kv_heads=2 if comm == "ring" else 4)
+    model = copy.deepcopy(ref)
+    mesh = ap.ProcessMesh([[0, 1], [2, 3]], dim_names=["tp", "cp"])
+    ap.parallelize(model, mesh, ap.plans.llama(model, cp=comm))
+    ids = torch.randint(0, 128, (3, 2, 16))
+
+    def step(m: Any, x: Any, y: Any) -> Any:
+        return m(input_ids=x, labels=y, use_cache=False).loss
+
+    return _train(model, ref, mesh, [(ids[i], ids[i]) for i in range(3)], step, step,
+                  [ap.Replicate(), ap.Replicate()])
+
+
+@pytest.mark.parametrize("comm", ["ring", "all_to_all"])
+def test_transformers_llama_tp_x_cp_trains_equal_to_one_process(world4: Any, comm: str) -> None:
+    """``ap.plans.llama(model, cp=...)`` on a tp 2 x cp 2 mesh: rotary positions, grouped-query
+    attention (ring: 2 key/value heads, one per tp rank; all-to-all: 4, one per tp x cp rank)."""
+    for res in world4.run(_llama_case, comm, timeout=300):
+        for got, want in res["losses"]:
+            assert got == pytest.approx(want, rel=RTOL), res["losses"]
+        assert not res["bad"], res["bad"]
+
+
+def _static_case(rank: int) -> dict[str, Any]:
+    import torch
+
+    import autoparallel as ap
+    from examples.gpt_model import lm_loss
+
+    torch.manual_seed(0)
+    base = _gpt()
+    mesh = ap.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "cp"])
+    batches = [(torch.randint(0, 64, (4, 16)), torch.randint(0, 64, (4, 16))) for _ in range(4)]
+    out: dict[str, Any] = {}
+    for mode in ("eager", "static"):
+        model = ap.parallelize(copy.deepcopy(base), mesh, {"blocks.*.attn": ap.ContextParallel()})
+        opt = ap.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=LR))
+        step = ap.to_static(model, loss=lm_loss, optimizer=opt) if mode == "static" else None
+        losses = []
+        for x, y in batches:
+            xd, yd = (ap.shard_tensor(t, mesh, [ap.Shard(0), ap.Replicate()]) for t in (x, y))
+            if step is None:
+                loss = lm_loss(model(xd), yd)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+            else:
+                loss = step(xd, yd)
+            losses.append(float(loss.detach().full_tensor()))
+        out[mode] = {"losses": losses, "params": [p.detach().full_tensor() for p in model.parameters()]}
+    return out
+
+
+def test_captured_ring_step_equals_eager_bitwise(world4: Any) -> None:
+    import torch
+
+    for res in world4.run(_static_case):
+        assert res["static"]["losses"] == res["eager"]["losses"]
+        for a, b in zip(res["static"]["params"], res["eager"]["params"]):
+            assert torch.equal(a, b)
+
+
+def _bad(rank: int, case: str) -> str:
+    import torch
+
+    import autoparallel as ap
+    from examples.gpt_model import lm_loss
+
+    torch.manual_seed(0)
+    if case == "no cp axis":
+        mesh = ap.ProcessMesh([0, 1, 2, 3], dim_names=["dp"])
+    else:
+        mesh = ap.ProcessMesh([0, 1, 2, 3], dim_names=["cp"])
+    try:
+        if case == "comm":
+            ap.ContextParallel(comm="ulysses")
+        model = _gpt(seq=18 if case == "length" else 16, heads=2 if case == "heads" else 4)
+        ap.parallelize(model, mesh, {"blocks.*.attn": ap.ContextParallel(comm="all_to_all" if case == "heads" else "ring")})
+        x = ap.shard_tensor(torch.randint(0, 64, (1, 18 if case == "length" else 16)), mesh, [ap.Replicate()])
+        with ap.CommDebugMode() as comm:
+            try:
+                lm_loss(model(x), x)
+            except ValueError as e:
+                return f"{e} | collectives before: {len(comm.records)}"
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("case, words", [
+    ("length", "sequence length 18 (dim 1 of shape (1, 18, 32)) does not divide by the context-parallel degree 4"),
+    ("heads", "2 heads, which do not divide by 4"),
+    ("comm", "comm must be one of ('ring', 'all_to_all'), got 'ulysses'"),
+    ("no cp axis", "context-parallel axis 'cp'"),
+])
+def test_bad_input_raises_the_same_error_on_every_rank(world4: Any, case: str, words: str) -> None:
+    msgs = world4.run(_bad, case)
+    assert len(set(msgs)) == 1, msgs
+    assert words in msgs[0], msgs[0]
+    if case in ("length", "heads"):
+        assert msgs[0].endswith("collectives before: 0"), msgs[0]
+
+
+def _masked(rank: int) -> dict[str, Any]:
+    import warnings
+
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    import autoparallel as ap
+
+    class Attention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.qkv = nn.Linear(16, 48)
+
+        def forward(self, x: Any, attn_mask: Any = None) -> Any:
+            b, t, _ = x.shape
+            q, k, v = (z.view(b, t, 2, 8).transpose(1, 2) for z in self.qkv(x).split(16, dim=-1))
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask).transpose(1, 2).reshape(b, t, 16)
+
+    torch.manual_seed(0)
+    ref = Attention()
+    model = ap.parallelize(copy.deepcopy(ref), ap.ProcessMesh([0, 1, 2, 3], dim_names=["cp"]),
+                           {"": ap.ContextParallel()})
+    x = torch.randn(2, 8, 16)
+    mask = torch.ones(8, 8, dtype=torch.bool).tril()
+    mesh = ap.ProcessMesh([0, 1, 2, 3], dim_names=["cp"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        outs = [model(ap.shard_tensor(x, mesh, [ap.Replicate()]), attn_mask=ap.shard_tensor(mask, mesh, [ap.Replicate()]))
+                for _ in range(2)]
+    with torch.no_grad():
+        want = ref(x, attn_mask=mask)
+    return {"warnings": [str(w.message) for w in caught if "ContextParallel" in str(w.message)],
+            "err": max(float((o.detach().full_tensor() - want).abs().max()) for o in outs)}
+
+
+def test_a_mask_tensor_warns_once_and_stays_correct(world4: Any) -> None:
+    for res in world4.run(_masked):
+        assert len(res["warnings"]) == 1, res["warnings"]
+        assert "mask tensor (attn_mask)" in res["warnings"][0]
+        assert res["err"] < 1e-6
