@@ -150,8 +150,12 @@ def main() -> int:
               f"({budget / 2**20:.2f} MiB per rank):\n")
         for cp in args.cps:
             for c in (("none",) if cp == 1 else ("ring", "all_to_all")):
-                fits = [seq for seq in args.seqs if max(e["act"] for e in runs[cp][f"{c}/{seq}"]) <= budget]
-                print(f"- cp {cp} {c}: {max(fits) if fits else '-'}")
+                acts = {seq: max(e["act"] for e in runs[cp][f"{c}/{seq}"]) for seq in args.seqs}
+                fits = [seq for seq in args.seqs if acts[seq] <= budget]
+                longest = max(args.seqs)
+                linear = int(budget / (acts[longest] / longest))  # bytes grow linearly with the length
+                print(f"- cp {cp} {c}: {max(fits) if fits else '-'} measured; {linear} from the measured bytes per "
+                      f"token at {longest} ({linear / args.budget_seq:.2f} x cp 1's)")
     return 0
 
 

@@ -72,6 +72,7 @@ class ContextParallel(ParallelStyle):
         self.seq_dim, self.comm, self.axis = seq_dim, comm, axis
         self.projections = None if projections is None else tuple(projections)
         self.output = output
+        self._warned = False
 
     def _axis(self, mesh: ProcessMesh, name: str) -> int:
         try:
@@ -127,12 +128,10 @@ class ContextParallel(ParallelStyle):
                     f"by the context-parallel degree {degree} (mesh axis {ctx.mesh.dim_names[cp]!r}); pad the "
                     "sequences to a multiple of it (twice it balances causal attention best)")
 
-        warned = [False]
-
         def enter(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
             masks = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and "mask" in k and self.comm == "ring"]
-            if masks and not warned[0]:
-                warned[0] = True  # (one warning: the same on every rank, from the call's arguments)
+            if masks and not self._warned:
+                self._warned = True  # (one warning per style: the same on every rank, from the call's arguments)
                 warnings.warn(
                     f"{where}: called with a mask tensor ({', '.join(masks)}); ring attention runs causal or "
                     "unmasked attention only, so attention given a mask gathers the sequence on the "

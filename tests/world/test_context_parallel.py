@@ -263,3 +263,62 @@ def test_a_mask_tensor_warns_once_and_stays_correct(world4: Any) -> None:
         assert len(res["warnings"]) == 1, res["warnings"]
         assert "mask tensor (attn_mask)" in res["warnings"][0]
         assert res["err"] < 1e-6
+
+
+def _pipelined(rank: int) -> dict[str, Any]:
+    import torch
+    from torch import nn
+
+    import autoparallel as ap
+    from autoparallel.pipeline import Pipeline, split_sequential
+    from examples.gpt_model import GPT, GPTConfig, lm_loss
+
+    class Embed(nn.Module):
+        def __init__(self, gpt: Any) -> None:
+            super().__init__()
+            self.tok, self.pos = gpt.tok, gpt.pos
+
+        def forward(self, idx: Any) -> Any:
+            return self.tok(idx) + self.pos.weight[: idx.shape[1]]
+
+    class Head(nn.Module):
+        def __init__(self, gpt: Any) -> None:
+            super().__init__()
+            self.ln, self.head = gpt.ln_f, gpt.head
+
+        def forward(self, x: Any) -> Any:
+            return self.head(self.ln(x))
+
+    torch.manual_seed(0)
+    gpt = GPT(GPTConfig(vocab=64, seq=16, width=32, heads=4, layers=4, tied=False))
+    model = nn.Sequential(Embed(gpt), *gpt.blocks, Head(gpt))
+    ref = copy.deepcopy(model)
+    meshes = [ap.ProcessMesh([0, 1], dim_names=["cp"]), ap.ProcessMesh([2, 3], dim_names=["cp"])]
+    pipe = Pipeline(split_sequential(model, meshes, plan={"*.attn": ap.ContextParallel()}), lm_loss,
+                    num_microbatches=2, schedule="1F1B")
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    losses = []
+    for _ in range(3):
+        x, y = torch.randint(0, 64, (4, 16)), torch.randint(0, 64, (4, 16))
+        loss = pipe.step(ap.shard_tensor(x, meshes[0], [ap.Shard(1)]), ap.shard_tensor(y, meshes[-1], [ap.Shard(1)]))
+        opt.step()
+        opt.zero_grad()
+        ref_loss = lm_loss(ref(x), y)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        losses.append((float(loss.detach().full_tensor()) if rank in meshes[-1] else None, float(ref_loss.detach())))
+    bad = []
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        if rank in p.process_mesh and not torch.allclose(p.detach().full_tensor(), q.detach(), rtol=RTOL, atol=1e-6):
+            bad.append(name)
+    return {"losses": losses, "bad": bad}
+
+
+def test_pipeline_stages_with_context_parallelism_train_equal_to_one_process(world4: Any) -> None:
+    """pp 2 x cp 2: each stage mesh's attention modules context-parallel (ring), 1F1B, SGD."""
+    for rank, res in enumerate(world4.run(_pipelined)):
+        for got, want in res["losses"]:
+            if rank >= 2:
+                assert got == pytest.approx(want, rel=RTOL), res["losses"]
+        assert not res["bad"], res["bad"]
