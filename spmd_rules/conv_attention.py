@@ -7,8 +7,8 @@ shards. Always offered: everything Replicate.
   grad_out in the backward) sharded alike on the batch dim 0 or the heads dim 1; an
   ``attn_mask`` follows where it has that dim (not broadcast), else stays Replicate. Attention
   is linear in ``value``: a Partial value with q/k replicated gives a Partial output (logsumexp
-  replicated). The backward is linear in ``grad_out``. Self-attention without a mask tensor
-  may also be sharded on the sequence dim 2 in equal pieces (every operand and output alike):
+  replicated). The backward is linear in ``grad_out``. Self-attention may also be sharded on
+  the sequence dim 2 in equal pieces (every operand and output alike, a mask by its rows):
   context parallelism, whose local step is the engine's ring kernel
   (``autoparallel.engine.ring_attention``), not the op on the shards. With ``dropout_p > 0``
   (random) no strategy is offered (fallback).
@@ -99,13 +99,25 @@ def _gqa_heads_split(q: TensorMeta, k: TensorMeta, v: TensorMeta, call: OpCall, 
     return v.shape[1] == hkv and hkv > 0 and hq % hkv == 0 and hkv % ranks == 0
 
 
-def _sequence_split(call: OpCall, q: TensorMeta, k: TensorMeta, v: TensorMeta, size: int, slots: dict[str, int]) -> bool:
-    """Self-attention (one sequence length) in equal pieces on the axis, no mask tensor, grouped
-    heads dividing: the sequence may be sharded (every operand alike; the local step is the
-    engine's ring kernel, which moves key/value pieces around the axis)."""
+def _sequence_split(call: OpCall, q: TensorMeta, k: TensorMeta, v: TensorMeta, size: int,
+                    slots: dict[str, int]) -> dict[str, Placement] | None:
+    """The sequence-sharded strategy's inputs, or None where it does not apply: self-attention
+    (one sequence length) in equal pieces on the axis, grouped heads dividing. Every operand is
+    sharded on the sequence; a mask tensor follows the queries' rows (``Shard`` of its query
+    dim, or Replicate where that dim is broadcast; its key dim is never split: the local step,
+    the engine's ring kernel, reads the columns of each key piece it meets)."""
     length = q.shape[2]
-    return ("attn_mask" not in slots and length == k.shape[2] == v.shape[2] and length % size == 0
-            and k.shape[1] == v.shape[1] and k.shape[1] > 0 and q.shape[1] % k.shape[1] == 0)
+    if not (length == k.shape[2] == v.shape[2] and length % size == 0 and k.shape[1] == v.shape[1]
+            and k.shape[1] > 0 and q.shape[1] % k.shape[1] == 0):
+        return None
+    placed: dict[str, Placement] = {n: Shard(2) for n in slots if n != "attn_mask"}
+    if "attn_mask" in slots:
+        mask = call.inputs[slots["attn_mask"]]
+        if mask.ndim < 2 or mask.ndim > 4 or mask.shape[-1] not in (1, length):
+            return None
+        md = broadcast_dim(4, mask.shape, q.shape[:3] + (length,), 2)
+        placed["attn_mask"] = R if md is None else Shard(md)
+    return placed
 
 
 @register_axis_rule([SDPA, SDPA_BACKWARD])
@@ -125,9 +137,10 @@ def sdpa_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
             md = broadcast_dim(4, mask.shape, scores, d)
             placed["attn_mask"] = R if md is None else Shard(md)
         strategies.append(_make(call, placed, [Shard(d)] * len(call.out)))
-    if _sequence_split(call, q, k, v, size, slots):
+    seq = _sequence_split(call, q, k, v, size, slots)
+    if seq is not None:
         for _ in _worth(call, "query", axis, (2,)):  # context parallelism: the engine's ring kernel
-            strategies.append(_make(call, {n: Shard(2) for n in slots}, [Shard(2)] * len(call.out)))
+            strategies.append(_make(call, seq, [Shard(2)] * len(call.out)))
     for t in LINEAR:
         if call.op is SDPA:  # out = softmax(q k^T) v: linear in v; logsumexp depends on q, k only
             strategies.append(_make(call, {"value": Partial(t)}, [Partial(t), R]))

@@ -80,19 +80,29 @@ def batch_first_matmul(cls: Any, func: Any, args: tuple[Any, ...], kwargs: Any,
 
 def per_shard(a: Any, b: Any, batch: int, from_local: Callable[[torch.Tensor, DistSpec], Any]) -> Any:
     """``matmul(a, b)`` on the shards where both are laid out alike on batch dims only (each
-    mesh axis shards one batch dim of both, or replicates both; one dtype; this rank on the
-    mesh): the result's batch dims keep that layout. Else ``NotImplemented``."""
+    mesh axis shards one batch dim of both, or replicates both; one dtype): the result's batch
+    dims keep that layout. Else ``NotImplemented``."""
     sa, sb = a._spec, b._spec
     if sa.mesh != sb.mesh or sa.placements != sb.placements or sa.shard_order != sb.shard_order or sa.dtype != sb.dtype:
         return NotImplemented
     for p in sa.placements:
         if not (isinstance(p, Replicate) or (isinstance(p, Shard) and p.dim % a.dim() < batch)):
             return NotImplemented  # Partial, or a matrix dim sharded: the products need more
-    if sa.mesh.coordinate_of(runtime.get_rank()) is None:
-        return NotImplemented
     placements = tuple(Shard(p.dim % a.dim()) if isinstance(p, Shard) else p for p in sa.placements)
     spec = DistSpec(sa.mesh, placements, (*sa.shape[:batch], sa.shape[-2], sb.shape[-1]), sa.dtype, sa.shard_order)
-    return from_local(torch.matmul(a.to_local(), b.to_local()), spec)
+    return from_local(_on_shards(torch.matmul, sa, a.to_local(), b.to_local()), spec)
+
+
+def _on_shards(fn: Callable[..., torch.Tensor], spec: DistSpec, *locals_: torch.Tensor) -> torch.Tensor:
+    """``fn`` of the shards; outside the mesh an empty shard that depends on them (ranks off the
+    mesh take the same path, so every rank derives the same layouts: a pipeline's shape pass
+    runs every stage on every rank)."""
+    if spec.mesh.coordinate_of(runtime.get_rank()) is None:
+        out = locals_[0][:0]
+        for t in locals_[1:]:
+            out = out + t[:0]
+        return out
+    return fn(*locals_)
 
 
 def _linear_axis(px: Any, pw: Any, last: int, ndim: int) -> tuple[Any, Any, Any] | None:
@@ -133,8 +143,6 @@ def linear_on_shards(cls: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
         return NotImplemented  # the flatten keeps the layout: the op path
     if sx.mesh != sw.mesh or sx.dtype != sw.dtype or sx.shard_order or sw.shard_order:
         return NotImplemented
-    if sx.mesh.coordinate_of(runtime.get_rank()) is None:
-        return NotImplemented
     per_axis = [_linear_axis(px, pw, last, x.dim()) for px, pw in zip(sx.placements, sw.placements)]
     if any(a is None for a in per_axis):
         return NotImplemented
@@ -142,7 +150,7 @@ def linear_on_shards(cls: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
     if sum(p == Shard(last) for p in out_p) > 1:
         return NotImplemented  # out-features split by two axes: the op path orders them
     spec = DistSpec(sx.mesh, out_p, (*sx.shape[:-1], sw.shape[0]), sx.dtype)
-    local = torch.nn.functional.linear(x.to_local(grad_placements=x_grad), w.to_local(grad_placements=w_grad))
+    local = _on_shards(torch.nn.functional.linear, sx, x.to_local(grad_placements=x_grad), w.to_local(grad_placements=w_grad))
     out = from_local(local, spec)
     return out if bias is None else out + bias
 

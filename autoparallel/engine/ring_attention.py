@@ -127,7 +127,7 @@ class Ring:
         return [x for x in out if x is not None]
 
     def mask(self, rows: torch.Tensor, member: int, causal: bool) -> torch.Tensor | None:
-        """Which keys of ``member``'s piece the ``rows`` read (None: all)."""
+        """Which keys of ``member``'s piece the ``rows`` read by position (None: all)."""
         if not causal:
             return None
         return self.positions(member, rows.device).unsqueeze(0) <= rows.unsqueeze(1)
@@ -150,9 +150,31 @@ def _per_kv_head(g: torch.Tensor, groups: int) -> torch.Tensor:
     return g.view(b, h // groups, groups, s, d).sum(2)
 
 
+def _masked_scores(ring: Ring, q: torch.Tensor, k: torch.Tensor, scale: float, rows: torch.Tensor, member: int,
+                   causal: bool, mask: torch.Tensor | None) -> torch.Tensor:
+    """``q k^T * scale`` of this member's rows against ``member``'s keys, masked: by position
+    under ``causal``; by the columns of ``mask`` (4-d, this member's rows) that ``member``'s keys
+    have (bool: False drops the pair; float: added)."""
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    allowed = ring.mask(rows, member, causal)
+    if mask is not None:
+        block = mask if mask.shape[-1] == 1 else mask.index_select(-1, ring.positions(member, mask.device))
+        if block.dtype == torch.bool:
+            allowed = block if allowed is None else allowed & block
+        else:
+            s = s + block.to(s.dtype)
+    return s if allowed is None else s.masked_fill(~allowed, float("-inf"))
+
+
+def _weights(lse: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """``exp(lse - new)`` per row, 0 where both are -inf (a row no key reached yet)."""
+    return torch.where(torch.isneginf(new), 0.0, torch.exp(lse - new)).unsqueeze(-1)
+
+
 def ring_forward(ring: Ring, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(output, log-sum-exp) of this member's queries, in its contiguous piece."""
+                 scale: float, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output, log-sum-exp) of this member's queries, in its contiguous piece. ``mask``: the
+    attention mask's rows of those queries (4-d, every key column; see ``sdpa_kernel``)."""
     if ring.balanced:
         q, k, v = ring.to_balanced([q, k, v])
     ct = _compute_dtype(q.dtype)
@@ -166,29 +188,24 @@ def ring_forward(ring: Ring, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         if t:
             kv = ring.rotate(kv)
         member = (ring.me - t) % ring.n
-        if not ring.reads(member, causal):
+        if mask is None and not ring.reads(member, causal):
             continue  # (every key of that piece comes later: nothing to compute)
-        mask = ring.mask(rows, member, causal)
-        s = torch.matmul(qf, _heads(kv[0], groups).to(ct).transpose(-1, -2)) * scale
-        if mask is not None:
-            s = s.masked_fill(~mask, float("-inf"))
+        s = _masked_scores(ring, qf, _heads(kv[0], groups).to(ct), scale, rows, member, causal, mask)
         block_lse = torch.logsumexp(s, dim=-1)
-        p = torch.exp(s - block_lse.unsqueeze(-1))
-        if mask is not None:
-            p = p.masked_fill(~mask, 0.0)  # (rows reading none of these keys: 0, not nan)
+        p = torch.nan_to_num(torch.exp(s - block_lse.unsqueeze(-1)), nan=0.0)  # (a row reading none of these keys: 0)
         block = torch.matmul(p, _heads(kv[1], groups).to(ct))
         new = torch.logaddexp(lse, block_lse)
-        out = out * torch.exp(lse - new).unsqueeze(-1) + block * torch.exp(block_lse - new).unsqueeze(-1)
+        out = out * _weights(lse, new) + block * _weights(block_lse, new)
         lse = new
-    out, lse = out.to(q.dtype), lse
+    out = out.to(q.dtype)
     if ring.balanced:
         out, lse = ring.to_contiguous([out, lse])
     return out, lse
 
 
 def ring_backward(ring: Ring, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  out: torch.Tensor, lse: torch.Tensor, causal: bool,
-                  scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  out: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float,
+                  mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad query, grad key, grad value) of this member's contiguous piece."""
     dtype = q.dtype
     if ring.balanced:
@@ -204,14 +221,11 @@ def ring_backward(ring: Ring, dout: torch.Tensor, q: torch.Tensor, k: torch.Tens
         if t:
             kv = ring.rotate(kv)
         member = (ring.me - t) % ring.n
-        if not ring.reads(member, causal):
+        if mask is None and not ring.reads(member, causal):
             continue
-        mask = ring.mask(rows, member, causal)
         kf, vf = _heads(kv[0], groups).to(ct), _heads(kv[1], groups).to(ct)
-        s = torch.matmul(qf, kf.transpose(-1, -2)) * scale
-        if mask is not None:
-            s = s.masked_fill(~mask, float("-inf"))
-        p = torch.exp(s - lf.unsqueeze(-1))
+        s = _masked_scores(ring, qf, kf, scale, rows, member, causal, mask)
+        p = torch.nan_to_num(torch.exp(s - lf.unsqueeze(-1)), nan=0.0)
         kv[3] = kv[3] + _per_kv_head(torch.matmul(p.transpose(-1, -2), df), groups)
         ds = p * (torch.matmul(df, vf.transpose(-1, -2)) - delta)
         dq = dq + torch.matmul(ds, kf) * scale
@@ -241,12 +255,17 @@ def sdpa_kernel(ctx: LocalContext, *args: Any, **kwargs: Any) -> Any:
     q = b["query"]
     n, length = spec.mesh.shape[axis], spec.shape[SEQ]
     causal = bool(b["is_causal"])
-    ring = Ring(ctx.comm, axis, n, ctx.coord[axis], length, causal and length % (2 * n) == 0)
+    mask = b.get("attn_mask")
+    if mask is not None:  # its rows of this member's queries (the rule shards them alike), as 4-d
+        mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+    # balanced only where the skipped blocks are known from positions alone (a mask's are not)
+    ring = Ring(ctx.comm, axis, n, ctx.coord[axis], length, causal and mask is None and length % (2 * n) == 0)
     scale = b.get("scale")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if backward:
-        return ring_backward(ring, b["grad_out"], q, b["key"], b["value"], b["out"], b["logsumexp"], causal, scale)
-    out, lse = ring_forward(ring, q, b["key"], b["value"], causal, scale)
+        return ring_backward(ring, b["grad_out"], q, b["key"], b["value"], b["out"], b["logsumexp"], causal, scale,
+                             mask)
+    out, lse = ring_forward(ring, q, b["key"], b["value"], causal, scale, mask)
     lse_meta = ctx.call.out[1]
     return out, lse if lse_meta is None else lse.to(lse_meta.dtype)
 

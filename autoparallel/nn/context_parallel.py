@@ -19,14 +19,13 @@ The style works through layouts, like every style: its hooks only move tensors (
 Positions need nothing: a DistTensor holds the global sequence, so position tables, rotary
 embeddings, ``position_ids`` and causal masks are the global ones, sliced where they meet the
 shards. The sequence length must divide by the cp degree (``ValueError`` at the forward
-pre-hook, from the global shape, on every rank before any collective of that step). Ring
-attention computes causal or unmasked attention; an attention module called with a mask tensor
-warns once (the engine then gathers the sequence for that attention: correct, not parallel).
+pre-hook, from the global shape, on every rank before any collective of that step). A mask
+tensor (transformers passes its causal mask as one) is sharded by its query rows and read
+column piece by column piece: every block is computed then, since a mask's zeros are data.
 """
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import torch
@@ -72,7 +71,6 @@ class ContextParallel(ParallelStyle):
         self.seq_dim, self.comm, self.axis = seq_dim, comm, axis
         self.projections = None if projections is None else tuple(projections)
         self.output = output
-        self._warned = False
 
     def _axis(self, mesh: ProcessMesh, name: str) -> int:
         try:
@@ -129,14 +127,6 @@ class ContextParallel(ParallelStyle):
                     "sequences to a multiple of it (twice it balances causal attention best)")
 
         def enter(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-            masks = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and "mask" in k and self.comm == "ring"]
-            if masks and not self._warned:
-                self._warned = True  # (one warning per style: the same on every rank, from the call's arguments)
-                warnings.warn(
-                    f"{where}: called with a mask tensor ({', '.join(masks)}); ring attention runs causal or "
-                    "unmasked attention only, so attention given a mask gathers the sequence on the "
-                    "context-parallel axis (no context parallelism there); leave the mask out where the "
-                    "sequences are not padded", stacklevel=2)
             if args:
                 check(args[0])
                 args = (to_layout(args[0], ctx.mesh, cp, seq, where), *args[1:])

@@ -68,6 +68,7 @@ def _conv_bwd_args(x: torch.Tensor, w: torch.Tensor, b: Any, stride: list, pad: 
 
 
 Q, K, V = rnd(3, 5, 4, 6), rnd(3, 5, 7, 6), rnd(3, 5, 7, 6)
+CAUSAL6 = torch.zeros(6, 6, dtype=torch.float64).masked_fill(~torch.ones(6, 6, dtype=torch.bool).tril(), float("-inf"))
 X4 = rnd(3, 5, 6, 6)
 W, B = rnd(4, 5, 3, 3), rnd(4)
 C5 = rnd(5)
@@ -111,6 +112,11 @@ CASES: list[tuple[Any, tuple, dict]] = [
     (SDPA_BWD, _sdpa_bwd_args(rnd(2, 6, 6, 4), rnd(2, 3, 6, 4), rnd(2, 3, 6, 4), True), {}),
     (SDPA_BWD, _sdpa_bwd_args(rnd(1, 2, 9, 4), rnd(1, 2, 9, 4), rnd(1, 2, 9, 4), True), {}),  # unbalanced
     (SDPA_BWD, _sdpa_bwd_args(rnd(1, 2, 6, 4), rnd(1, 2, 6, 4), rnd(1, 2, 6, 4)), {}),
+    # ... with a mask tensor (transformers passes its causal mask as one; the kernel takes it
+    # additive, in the query's dtype): its rows follow the queries
+    (SDPA, (rnd(2, 2, 6, 4), rnd(2, 2, 6, 4), rnd(2, 2, 6, 4)), {"attn_mask": CAUSAL6}),
+    (SDPA, (rnd(2, 2, 6, 4), rnd(2, 2, 6, 4), rnd(2, 2, 6, 4)), {"attn_mask": rnd(2, 1, 6, 6)}),
+    (SDPA_BWD, _sdpa_bwd_args(rnd(1, 2, 6, 4), rnd(1, 2, 6, 4), rnd(1, 2, 6, 4), False, CAUSAL6), {"attn_mask": CAUSAL6}),
     (aten.max_pool2d_with_indices.default, (X4, [2, 2]), {}),
     (aten.max_pool2d_with_indices.default, (rnd(5, 7, 7), [3, 3], [2, 2], [1, 1]), {}),
     (aten.max_pool2d_with_indices_backward.default,

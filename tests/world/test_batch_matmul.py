@@ -117,3 +117,25 @@ def test_batch_sharded_attention_matmul_saves_no_copy(world2) -> None:  # type: 
     for own, count, err in world2.run(_saved_copies):
         assert err < 1e-6, err
         assert own and count >= 2, (own, count)
+
+
+def _off_mesh_layouts(rank: int) -> list[str]:
+    import torch
+
+    import autoparallel as ap
+
+    mesh = ap.ProcessMesh([[0, 1]], dim_names=["dp", "cp"])  # ranks 2 and 3 are off the mesh
+    x = ap.shard_tensor(torch.randn(2, 6, 4), mesh, [ap.Replicate(), ap.Shard(1)]).requires_grad_()
+    w = ap.shard_tensor(torch.randn(3, 4), mesh, [ap.Replicate(), ap.Replicate()]).requires_grad_()
+    q = ap.shard_tensor(torch.randn(2, 4, 6, 8), mesh, [ap.Shard(0), ap.Shard(1)])
+    y = torch.nn.functional.linear(x, w)
+    s = torch.matmul(q, q.transpose(-1, -2))
+    y.sum().backward()
+    return [str(y.placements), str(s.placements), str(w.grad.placements), str(x.grad.placements)]
+
+
+def test_off_mesh_ranks_derive_the_same_layouts(world4) -> None:  # type: ignore[no-untyped-def]
+    """``F.linear`` and ``matmul`` on the shards: a rank outside the mesh takes the same path (an
+    empty shard) and so the same layouts — a pipeline's shape pass runs every stage everywhere."""
+    got = world4.run(_off_mesh_layouts)
+    assert all(g == got[0] for g in got), got
