@@ -26,11 +26,13 @@ column piece by column piece: every block is computed then, since a mask's zeros
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
 from torch import nn
 
+from autoparallel import runtime
 from autoparallel.mesh import ProcessMesh
 from autoparallel.nn.layout import to_layout
 from autoparallel.nn.styles import ParallelStyle, PlanContext, positional_names
@@ -169,4 +171,18 @@ class ContextParallel(ParallelStyle):
         children[out].register_forward_pre_hook(moves.style_hook(to_sequence))
 
 
-__all__ = ["COMMS", "ContextParallel"]
+def warn_idle_axis(mesh: ProcessMesh, styles: Any) -> None:
+    """Warn once (rank 0) when ``mesh`` has a ``"cp"`` axis of more than one rank but no
+    ``ContextParallel`` style lays anything out on it: every rank of that axis would compute the
+    whole sequence (no context parallelism). Metadata only."""
+    if "cp" not in mesh.dim_names or mesh.get_dim_size("cp") == 1:
+        return
+    if any(isinstance(st, ContextParallel) for st in styles) or runtime.get_rank() != 0:
+        return
+    warnings.warn(
+        f"parallelize: the mesh has a context-parallel axis 'cp' ({mesh.get_dim_size('cp')} ranks) but the plan "
+        "has no ContextParallel style: every rank of that axis computes the whole sequence. Add "
+        "ap.ContextParallel() for the attention modules (docs/context_parallel.md)", stacklevel=3)
+
+
+__all__ = ["COMMS", "ContextParallel", "warn_idle_axis"]

@@ -20,6 +20,7 @@ from autoparallel.memory.meter import outermost_matches
 from autoparallel.memory.recomputation import POLICIES
 from autoparallel.memory.recomputation import recompute as recompute_module
 from autoparallel.mesh import ProcessMesh
+from autoparallel.nn.context_parallel import warn_idle_axis
 from autoparallel.nn.shard_layer import ParamSharder, watch_batch_split
 from autoparallel.nn.styles import ParallelStyle, PlanContext, SequenceParallel
 from autoparallel.regions import enable_local_regions
@@ -225,6 +226,7 @@ def parallelize(layer: nn.Module, mesh: ProcessMesh, plan: dict[str, Any], *, ax
         style.apply(name, module, ctx)
     ctx.sharder.replicate_rest(layer)
     watch_batch_split(layer, mesh)
+    warn_idle_axis(mesh, plan.values())
     enable_local_regions(layer)
     for module, policy in recomputed:
         recompute_module(module, policy)

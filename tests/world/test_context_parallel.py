@@ -380,3 +380,23 @@ def test_transformers_decoder_stages_with_context_parallelism(world4: Any) -> No
             if rank >= 2:
                 assert got == pytest.approx(want, rel=RTOL), res["losses"]
         assert res["counts"]["all_to_all"] == 6, res["counts"]
+
+
+def _idle_axis(rank: int) -> list[str]:
+    import warnings
+
+    import autoparallel as ap
+
+    mesh = ap.ProcessMesh([[0, 1], [2, 3]], dim_names=["tp", "cp"])
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        ap.parallelize(_gpt(), mesh, {"blocks.*.mlp.fc": ap.ColWiseParallel(), "blocks.*.mlp.proj": ap.RowWiseParallel()})
+    return [str(w.message) for w in seen if "context-parallel" in str(w.message)]
+
+
+def test_a_cp_axis_without_the_style_warns_once(world4: Any) -> None:
+    """Never silent: a ``cp`` axis nothing is laid out on would have every rank of it compute the
+    whole sequence."""
+    got = world4.run(_idle_axis)
+    assert len(got[0]) == 1 and "no ContextParallel style" in got[0][0], got
+    assert got[1:] == [[]] * 3  # (rank 0 speaks for all)
