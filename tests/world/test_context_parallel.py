@@ -400,3 +400,44 @@ def test_a_cp_axis_without_the_style_warns_once(world4: Any) -> None:
     got = world4.run(_idle_axis)
     assert len(got[0]) == 1 and "no ContextParallel style" in got[0][0], got
     assert got[1:] == [[]] * 3  # (rank 0 speaks for all)
+
+
+def _recomputed(rank: int) -> dict[str, Any]:
+    import torch
+
+    import autoparallel as ap
+    from tests.models.test_hf_llama import tiny_llama
+
+    torch.manual_seed(0)
+    model = tiny_llama(kv_heads=2)
+    ref = copy.deepcopy(model)
+    mesh = ap.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "cp"])
+    ap.parallelize(model, mesh, {"model.layers.*.self_attn": ap.ContextParallel()})
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    opt = ap.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    losses = []
+    for _ in range(2):
+        ids = torch.randint(0, 128, (4, 16))
+        x = ap.shard_tensor(ids, mesh, [ap.Shard(0), ap.Replicate()])
+        loss = model(input_ids=x, labels=x, use_cache=False).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref_loss = ref(input_ids=ids, labels=ids, use_cache=False).loss
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        losses.append((float(loss.detach().full_tensor()), float(ref_loss.detach())))
+    bad = [n for (n, p), q in zip(model.named_parameters(), ref.parameters())
+           if not torch.allclose(p.detach().full_tensor(), q.detach(), rtol=RTOL, atol=1e-6)]
+    return {"losses": losses, "bad": bad}
+
+
+def test_transformers_gradient_checkpointing_recomputes_the_ring(world4: Any) -> None:
+    """dp 2 x cp 2 with ``model.gradient_checkpointing_enable()``: each layer's forward, ring
+    attention included, runs again in the backward (its rotations too, on every rank alike)."""
+    for res in world4.run(_recomputed):
+        for got, want in res["losses"]:
+            assert got == pytest.approx(want, rel=RTOL), res["losses"]
+        assert not res["bad"], res["bad"]
