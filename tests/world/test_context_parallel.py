@@ -3,8 +3,9 @@
 4 gloo ranks. Our GPT (learned position table, causal SDPA) and an unmodified ``transformers``
 Llama (rotary positions, grouped-query attention, its own loss) train three AdamW steps with
 their sequence sharded along a ``cp`` mesh axis — ring attention (load-balanced: the sequence
-divides into ``2 * cp`` halves) and all-to-all (Ulysses) — alone, with data parallelism and with
-tensor parallelism, and equal one process: every step's loss (rtol 1e-5), the first step's
+divides into ``2 * cp`` halves) and all-to-all (Ulysses) — alone, with data parallelism (ZeRO-3
+on it), with tensor parallelism, in pipeline stages and under gradient checkpointing, and equal
+one process: every step's loss (rtol 1e-5), the first step's
 gradients (rtol 1e-5) and the parameters after three steps. The collectives are the plan's:
 ring attention's rotations and balancing moves only, Ulysses' four all-to-alls per layer. A
 captured step (``ap.to_static``) equals the eager one bitwise. Bad input raises the same
@@ -49,13 +50,15 @@ def _compare(model: Any, ref: Any, grads: list[tuple[str, Any, Any]]) -> list[st
 
 
 def _train(model: Any, ref: Any, mesh: Any, batches: list[Any], step_fn: Any, ref_fn: Any,
-           placements: list[Any]) -> dict[str, Any]:
-    """Three AdamW steps of ``model`` (laid out) and ``ref`` (one process) on the same batches."""
+           placements: list[Any], zero3: bool = False) -> dict[str, Any]:
+    """Three AdamW steps of ``model`` (laid out; ``zero3``: ZeRO-3 on the ``dp`` axis) and ``ref``
+    (one process) on the same batches."""
     import torch
 
     import autoparallel as ap
 
-    opt = ap.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=LR))
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    opt = ap.shard_optimizer(opt, ap.ShardingStage3(mesh, "dp")) if zero3 else ap.shard_optimizer(opt)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
     losses, grads, counts = [], [], []
     for i, (x, y) in enumerate(batches):
@@ -87,17 +90,18 @@ def _gpt_case(rank: int, comm: str, layout: str) -> dict[str, Any]:
     model = copy.deepcopy(ref)
     if layout == "cp4":
         mesh, placements, batch = ap.ProcessMesh([0, 1, 2, 3], dim_names=["cp"]), [ap.Shard(1)], 1
-    else:  # dp x cp, the batch split on dp; the sequence enters replicated on cp
+    else:  # dp x cp, the batch split on dp (ZeRO-3 there); the sequence enters replicated on cp
         mesh, placements, batch = ap.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "cp"]), [ap.Shard(0), ap.Replicate()], 4
     ap.parallelize(model, mesh, {"blocks.*.attn": ap.ContextParallel(comm=comm)})
     batches = [(torch.randint(0, 64, (batch, 16)), torch.randint(0, 64, (batch, 16))) for _ in range(3)]
     return _train(model, ref, mesh, batches, lambda m, x, y: lm_loss(m(x), y), lambda m, x, y: lm_loss(m(x), y),
-                  placements)
+                  placements, zero3=layout == "dp_cp")
 
 
 @pytest.mark.parametrize("comm", ["ring", "all_to_all"])
 def test_gpt_trains_equal_to_one_process(world4: Any, comm: str) -> None:
-    """CP 4 (the batch's sequence sharded from the start) and DP 2 x CP 2 (the hook slices it)."""
+    """CP 4 (the batch's sequence sharded from the start) and DP 2 x CP 2 with ZeRO-3 on dp (the
+    hook slices the sequence)."""
     for layout in ("cp4", "dp_cp"):
         for res in world4.run(_gpt_case, comm, layout):
             for got, want in res["losses"]:
