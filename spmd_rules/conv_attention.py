@@ -42,10 +42,10 @@ from typing import Any
 import torch
 
 from autoparallel.placement import Partial, Placement, Shard
-from spmd_rules.base import P_SUM, AxisStrategy, LocalContext, OpCall, R, TensorMeta, broadcast_dim
+from spmd_rules.base import P_SUM, AxisStrategy, LocalContext, OpCall, R, Strategy, TensorMeta, broadcast_dim
 from spmd_rules.base import input_slots as _slots
 from spmd_rules.base import named_strategy as _make
-from spmd_rules.registry import register_axis_rule, register_local_impl, register_out_shapes
+from spmd_rules.registry import product_of_axes, register_axis_rule, register_local_impl, register_out_shapes, register_rule
 
 aten = torch.ops.aten
 
@@ -120,8 +120,16 @@ def _sequence_split(call: OpCall, q: TensorMeta, k: TensorMeta, v: TensorMeta, s
     return placed
 
 
-@register_axis_rule([SDPA, SDPA_BACKWARD])
-def sdpa_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
+@register_rule([SDPA, SDPA_BACKWARD])
+def sdpa_rule(call: OpCall) -> list[Strategy]:
+    """The product of ``sdpa_axis_rule`` over the mesh axes, with the sequence sharded on one axis
+    at most (the ring runs along one axis; nested sequence pieces are left to the other strategies)."""
+    q = _slots(call)["query"]
+    return [s for s in product_of_axes(call, sdpa_axis_rule)
+            if sum(p == Shard(2) for p in s.inputs[q]) <= 1]
+
+
+def sdpa_axis_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
     """[B, H, S, D] tensors sharded alike on dim 0 or 1 (mask follows unless broadcast); linear in v / grad_out."""
     if _arg(call, "dropout_p", 0.0):
         return []  # random: left to the fallback

@@ -240,3 +240,18 @@ def test_sdpa_gqa_offers_the_heads_split_only_where_the_groups_align() -> None:
     assert any(all(p == (Shard(1),) for p in s.inputs[:3]) for s in rule(aligned)), rule(aligned)
     off = (rnd(2, 4, 3, 4), rnd(2, 2, 3, 4), rnd(2, 2, 3, 4))  # 2 key/value heads cannot split over 3 ranks
     assert not any(s.inputs[1] == (Shard(1),) for s in rule(make_call(SDPA, off, {}, [Shard(1)] * 3, 3)))
+
+
+@pytest.mark.parametrize("current", [R, Shard(2)])
+def test_the_sequence_is_sharded_on_one_mesh_axis_at_most(current: Any) -> None:
+    """On a 2 x 2 mesh each axis may take the sequence, never both at once (the ring runs along
+    one axis): the combinations offered shard query dim 2 on at most one axis."""
+    q = rnd(2, 2, 8, 4)
+    args = (q, q.clone(), q.clone(), 0.0, True)
+    base = make_call(SDPA, args, {}, [R, R, R], 2)
+    call = OpCall(base.op, base.args, base.kwargs, base.inputs, base.out,
+                  ((current, current), (R, R), (R, R)), (2, 2))
+    strategies = get_rule(SDPA)(call)
+    seq = [s for s in strategies if Shard(2) in s.inputs[0]]
+    assert seq, strategies  # offered, on either axis
+    assert all(list(s.inputs[0]).count(Shard(2)) == 1 for s in seq)
