@@ -78,8 +78,9 @@ from torch.utils.hooks import RemovableHandle
 from autoparallel import compat, runtime
 from autoparallel.engine import layout
 from autoparallel.engine.dtensor import DistTensor
+from autoparallel.mesh import ProcessMesh
 from autoparallel.optim import buckets
-from autoparallel.placement import Partial, chunk_bounds
+from autoparallel.placement import Partial, Replicate, chunk_bounds
 from autoparallel.runtime.comm import capturing, profiled
 from autoparallel.spec import DistSpec
 
@@ -665,13 +666,19 @@ class _GatherParams(torch.autograd.Function):
                     pieces = [_summand(grads[k], layouts[k]).to(dtype) for k in ks]  # type: ignore[arg-type]
                     work = None
                 else:
-                    summands, scales = zip(*(_summand_scaled(grads[k], layouts[k], dtype) for k in ks))  # type: ignore[arg-type]
+                    overlapping = owner is not None and owner._overlapping()
+                    # other axes where a gradient is a Partial sum (context or tensor parallelism's
+                    # replicated weights): reduced after the reduce-scatter, on the shards, bucketed
+                    extra = [() if overlapping else _extra_partial_axes(grads[k], layouts[k]) for k in ks]  # type: ignore[arg-type]
+                    summands, scales = zip(*(_summand_scaled(grads[k], layouts[k], dtype, e)  # type: ignore[arg-type]
+                                             for k, e in zip(ks, extra)))
                     dims = [layouts[k].dim for k in ks]
-                    if owner is not None and owner._overlapping():  # the next unit's backward computes while this one reduces
+                    if overlapping:  # the next unit's backward computes while this one reduces
                         pieces, work = buckets.reduce_scatter_start(summands, dims, mesh, axis, "sum", prescales=scales)
-                        owner.reduction(work)
+                        owner.reduction(work)  # type: ignore[union-attr]
                     else:
                         pieces, work = buckets.reduce_scatter(summands, dims, mesh, axis, "sum", prescales=scales), None
+                        pieces = _reduce_extra(list(pieces), extra, mesh)
                     del summands  # (the full-size gradients themselves are autograd's until we return)
                 for k, piece in zip(ks, pieces):
                     shard = layouts[k].shard
@@ -680,25 +687,48 @@ class _GatherParams(torch.autograd.Function):
         return (None, None, None, *out)
 
 
-def _partial(lay: Zero3Layout, dtype: torch.dtype) -> DistSpec:
-    """A sharded parameter's full layout, Partial(sum) on its axis, in ``dtype``."""
+def _partial(lay: Zero3Layout, dtype: torch.dtype, extra: tuple[int, ...] = ()) -> DistSpec:
+    """A sharded parameter's full layout, Partial(sum) on its axis (and on ``extra`` axes), in ``dtype``."""
     placements = list(lay.full.placements)
-    placements[lay.axis] = Partial("sum")  # type: ignore[index]  # a sharded parameter's axis
+    for a in (lay.axis, *extra):
+        placements[a] = Partial("sum")  # type: ignore[index]  # a sharded parameter's axis
     return lay.full.with_placements(placements, lay.full.shard_order).with_dtype(dtype)
 
 
-def _summand(grad: DistTensor, lay: Zero3Layout) -> torch.Tensor:
-    """This rank's local summand of ``grad`` laid out as ``full`` but Partial(sum) on the axis."""
-    return layout.move(layout.local_of(grad), layout.spec_of(grad), _partial(lay, grad.dtype))
+def _extra_partial_axes(grad: DistTensor, lay: Zero3Layout) -> tuple[int, ...]:
+    """The axes besides the parameter's own where its gradient is a Partial sum and its full
+    layout replicated (a weight replicated on a context- or tensor-parallel axis whose gradient
+    sums over that axis's tokens or heads)."""
+    spec = layout.spec_of(grad)
+    return tuple(b for b, (p, f) in enumerate(zip(spec.placements, lay.full.placements))
+                 if b != lay.axis and p == Partial("sum") and isinstance(f, Replicate))
 
 
-def _summand_scaled(grad: DistTensor, lay: Zero3Layout, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _reduce_extra(pieces: list[torch.Tensor], extra: list[tuple[int, ...]], mesh: ProcessMesh) -> list[torch.Tensor]:
+    """Each reduce-scattered piece summed over its ``extra`` axes: one all-reduce per axis for the
+    pieces that share it (on the shards: ``1/n`` of the bytes of reducing the gradients first)."""
+    for axes in dict.fromkeys(e for e in extra if e):
+        idx = [i for i, e in enumerate(extra) if e == axes]
+        for b in axes:
+            for i, t in zip(idx, buckets.all_reduce([pieces[i] for i in idx], mesh, b, "sum")):
+                pieces[i] = t
+    return pieces
+
+
+def _summand(grad: DistTensor, lay: Zero3Layout, extra: tuple[int, ...] = ()) -> torch.Tensor:
+    """This rank's local summand of ``grad`` laid out as ``full`` but Partial(sum) on the axis
+    (and on ``extra`` axes, left to ``_reduce_extra``)."""
+    return layout.move(layout.local_of(grad), layout.spec_of(grad), _partial(lay, grad.dtype, extra))
+
+
+def _summand_scaled(grad: DistTensor, lay: Zero3Layout, dtype: torch.dtype,
+                    extra: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(tensor, scale): the summand is ``tensor * scale`` (scale None: ``tensor``) in ``dtype``.
 
     A pending scaled gradient already in the summand's layout and dtype gives its unscaled shard
     and ``1 / count``: the reduction's packing multiplies as it copies, the very product reading
     its value would compute, without a full-size scaled copy of every gradient of the unit."""
     pending = layout.scaled_raw(grad)
-    if pending is not None and pending[0].dtype == dtype and layout.spec_of(grad) == _partial(lay, dtype):
+    if pending is not None and pending[0].dtype == dtype and layout.spec_of(grad) == _partial(lay, dtype, extra):
         return pending[0], pending[1].inverse_count()
-    return _summand(grad, lay).to(dtype), None
+    return _summand(grad, lay, extra).to(dtype), None

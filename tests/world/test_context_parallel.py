@@ -112,6 +112,11 @@ def test_gpt_trains_equal_to_one_process(world4: Any, comm: str) -> None:
                 # per layer: forward 1 balancing move + 3 rotations + 1 move back; backward 1 move,
                 # 3 rotations, 1 rotation home, 1 move back — and nothing else (batch 1: no gather)
                 assert counts == {"all_to_all": 2 * (5 + 6), "all_reduce": 1}, counts
+            if layout == "dp_cp":
+                # ZeRO-3: the gradients' cp sums are reduced after the dp reduce-scatter, one bucket
+                # per unit (2 blocks and the root), not one all-reduce per parameter; besides, the
+                # loss's statistic (dp) and log_softmax's backward row sums (cp)
+                assert counts.get("all_reduce") == 5, counts
             if layout == "cp4" and comm == "all_to_all":
                 assert counts == {"all_to_all": 2 * 4, "all_reduce": 1}, counts  # q, k, v in; out back; x2 backward
 
