@@ -3,6 +3,7 @@
     torchrun --standalone --nproc-per-node 4 examples/train_gpt.py            # dp=2 x tp=2, SP on
     torchrun --standalone --nproc-per-node 4 examples/train_gpt.py --dp 4 --zero 3
     torchrun --standalone --nproc-per-node 4 examples/train_gpt.py --dp 1 --tp 4 --no-sp
+    torchrun --standalone --nproc-per-node 4 examples/train_gpt.py --dp 2 --cp 2 --tp 1 --no-sp
     python examples/train_gpt.py --dp 1 --tp 1                               # one process
     torchrun --standalone --nproc-per-node 4 examples/train_gpt.py --ckpt ckpt --save-every 10
     torchrun --standalone --nproc-per-node 4 examples/train_gpt.py --ckpt ckpt --resume
@@ -14,7 +15,10 @@ split over the vocabulary and the loss is computed without gathering them); with
 the LayerNorms and residual stream are split on the sequence dim between the blocks
 (Megatron sequence parallel: all-gather before qkv/fc, reduce-scatter after the projections).
 ``--zero`` shards the AdamW states (1), also the gradients (2), also the parameters (3) over
-``dp``. Each data-parallel rank loads only its part of every batch.
+``dp``. ``--cp N`` adds a context-parallel axis ``cp`` (mesh ``dp x cp x mp``): every attention
+module is ``ap.ContextParallel(comm=--cp-comm)``, so the sequence is split through attention
+(ring or all-to-all) and everything after it (not with ``--sp``). Each data-parallel rank loads
+only its part of every batch.
 
 With ``--check`` (default) rank 0 then trains the same model, same seed, same batches in one
 process and compares the loss at every step (relative difference <= 1e-5) and every final
@@ -90,6 +94,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dp", type=int, default=2, help="data-parallel degree (mesh axis 'dp')")
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel degree (mesh axis 'mp')")
     p.add_argument("--sp", action=argparse.BooleanOptionalAction, default=True, help="Megatron sequence parallel")
+    p.add_argument("--cp", type=int, default=1, help="context-parallel degree (mesh axis 'cp'; with --no-sp)")
+    p.add_argument("--cp-comm", choices=("ring", "all_to_all"), default="ring", help="context parallelism's attention")
     p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0, help="ZeRO stage over 'dp'")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--batch", type=int, default=16, help="global batch (sequences per step)")
@@ -124,9 +130,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def check_config(args: argparse.Namespace, world: int, vocab: int) -> None:
     """Raise ValueError (same on every rank, before any collective) for a bad configuration."""
-    if args.dp < 1 or args.tp < 1 or args.dp * args.tp != world:
-        raise ValueError(f"--dp {args.dp} x --tp {args.tp} = {args.dp * args.tp} ranks, but the world has {world} "
-                         f"(run with torchrun --nproc-per-node {args.dp * args.tp}, or change --dp/--tp)")
+    ranks = args.dp * args.cp * args.tp
+    if args.dp < 1 or args.tp < 1 or args.cp < 1 or ranks != world:
+        cp = f" x --cp {args.cp}" if args.cp != 1 else ""
+        raise ValueError(f"--dp {args.dp}{cp} x --tp {args.tp} = {ranks} ranks, but the world has {world} "
+                         f"(run with torchrun --nproc-per-node {ranks}, or change --dp/{'--cp/' if cp else ''}--tp)")
+    if args.cp > 1 and args.sp and args.tp > 1:
+        raise ValueError("--cp splits the sequence everywhere; use it with --no-sp (one sequence split at a time)")
+    if args.cp > 1 and args.seq % args.cp:
+        raise ValueError(f"--cp {args.cp} must divide --seq {args.seq}")
+    if args.cp > 1 and args.cp_comm == "all_to_all" and args.heads % (args.cp * args.tp):
+        raise ValueError(f"--cp-comm all_to_all splits the heads: --cp {args.cp} x --tp {args.tp} must divide --heads {args.heads}")
     if args.batch % args.dp:
         raise ValueError(f"--batch {args.batch} is not divisible by --dp {args.dp}")
     if args.heads % args.tp or (4 * args.width) % args.tp or vocab % args.tp:
@@ -194,8 +208,9 @@ class ProgressBar:
             sys.stderr.flush()
 
 
-def gpt_plan(sp: bool) -> dict[str, Any]:
-    """The tensor-parallel plan of ``GPT`` (module-name patterns -> styles), with or without SP."""
+def gpt_plan(sp: bool, cp: str | None = None) -> dict[str, Any]:
+    """The tensor-parallel plan of ``GPT`` (module-name patterns -> styles), with or without SP;
+    ``cp``: context parallelism ("ring" or "all_to_all") on every attention module."""
     plan: dict[str, Any] = {
         "tok": ap.VocabParallelEmbedding(),      # rows split; Partial out -> reduce-scatter (SP) / all-reduce
         "blocks.*.attn.qkv": ap.ColWiseParallel(),  # head-major qkv: whole heads per rank
@@ -207,13 +222,15 @@ def gpt_plan(sp: bool) -> dict[str, Any]:
     if sp:
         plan.update({"blocks.*.ln1": ap.SequenceParallel(), "blocks.*.ln2": ap.SequenceParallel(),
                      "ln_f": ap.SequenceParallel()})
+    if cp is not None:
+        plan["blocks.*.attn"] = ap.ContextParallel(comm=cp)
     return plan
 
 
-def parallelize_gpt(model: GPT, mesh: ap.ProcessMesh, sp: bool, recompute: str = "none") -> GPT:
-    """Lay ``model`` out on ``mesh``: TP (+ SP) on axis "mp", every parameter Replicate on "dp";
-    ``recompute`` ("none", "selective", "full") for every block."""
-    ap.parallelize(model, mesh, gpt_plan(sp), recompute=None if recompute == "none" else {"blocks.*": recompute})
+def parallelize_gpt(model: GPT, mesh: ap.ProcessMesh, sp: bool, recompute: str = "none", cp: str | None = None) -> GPT:
+    """Lay ``model`` out on ``mesh``: TP (+ SP) on axis "mp", every parameter Replicate on "dp"
+    (and "cp": context parallelism by ``cp``); ``recompute`` ("none", "selective", "full") for every block."""
+    ap.parallelize(model, mesh, gpt_plan(sp, cp), recompute=None if recompute == "none" else {"blocks.*": recompute})
     return model
 
 
@@ -475,8 +492,12 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     model = GPT(cfg)
     reference = copy.deepcopy(model) if args.check and rank == 0 else None
-    mesh = ap.ProcessMesh(torch.arange(world).reshape(args.dp, args.tp).tolist(), dim_names=["dp", "mp"])
-    model = parallelize_gpt(model, mesh, sp=args.sp, recompute=args.recompute)
+    if args.cp > 1:
+        mesh = ap.ProcessMesh(torch.arange(world).reshape(args.dp, args.cp, args.tp).tolist(), dim_names=["dp", "cp", "mp"])
+    else:
+        mesh = ap.ProcessMesh(torch.arange(world).reshape(args.dp, args.tp).tolist(), dim_names=["dp", "mp"])
+    model = parallelize_gpt(model, mesh, sp=args.sp, recompute=args.recompute,
+                            cp=args.cp_comm if args.cp > 1 else None)
     opt = wrap_optimizer(make_optimizer(model, args), mesh, args.zero)
     loader, sampler = make_loader(data, args.batch, args.seed)  # each rank loads its dp slice (below)
 
@@ -484,7 +505,8 @@ def main(argv: list[str] | None = None) -> int:
         n = sum(p.numel() for p in GPT(cfg).parameters())
         print(f"GPT {args.layers} layers x width {args.width}, {args.heads} heads, vocab {tok.vocab_size}, "
               f"{n:,} parameters; corpus {len(text):,} chars, {len(data)} windows of {args.seq}")
-        print(f"mesh dp={args.dp} x mp={args.tp}, sequence parallel {'on' if args.sp and args.tp > 1 else 'off'}, "
+        cp = f" x cp={args.cp} ({args.cp_comm})" if args.cp > 1 else ""
+        print(f"mesh dp={args.dp}{cp} x mp={args.tp}, sequence parallel {'on' if args.sp and args.tp > 1 else 'off'}, "
               f"ZeRO stage {args.zero}, {args.optim}, {'static' if args.static else 'eager'}, recompute {args.recompute}"
               f"{', bf16 autocast' if args.bf16 else ''}; {args.steps} steps of {args.batch} x {args.seq} tokens")
     torch.manual_seed(args.seed + 1)

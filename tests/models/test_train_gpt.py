@@ -86,24 +86,30 @@ def test_model_shapes_tied_head_and_causality() -> None:
 
 
 def _train_parallel(rank: int, cfg: GPTConfig, batches: list[tuple[torch.Tensor, torch.Tensor]], zero: int,
-                    sp: bool, optim: str, static: bool = False) -> tuple[list[float], dict[str, torch.Tensor], dict[tuple[str, Any], int]]:
+                    sp: bool, optim: str, static: bool = False,
+                    cp: bool = False) -> tuple[list[float], dict[str, torch.Tensor], dict[tuple[str, Any], int]]:
     """Train the example's plan on a 2 x 2 mesh: losses, full parameters, collectives per step by (kind, axis).
-    ``static``: through ``ap.to_static`` (step 1 eager, step 2 captured, step 3 replayed)."""
+    ``static``: through ``ap.to_static`` (step 1 eager, step 2 captured, step 3 replayed); ``cp``:
+    dp 2 x cp 2 (x mp 1), the example's ``--cp 2``."""
     import train_gpt
 
     import autoparallel as ap
 
     torch.manual_seed(0)
     model = GPT(cfg)
-    mesh = ap.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"])
-    train_gpt.parallelize_gpt(model, mesh, sp=sp)
+    if cp:
+        mesh = ap.ProcessMesh([[[0], [1]], [[2], [3]]], dim_names=["dp", "cp", "mp"])
+    else:
+        mesh = ap.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"])
+    train_gpt.parallelize_gpt(model, mesh, sp=sp, cp="ring" if cp else None)
     opt = train_gpt.wrap_optimizer(train_gpt.make_optimizer(model, train_gpt.parse_args(["--optim", optim])), mesh, zero)
     losses = []
     step = ap.to_static(model, loss=lm_loss, optimizer=opt) if static else train_gpt.eager_step(model, opt)
+    batch = [ap.Shard(0)] + [ap.Replicate()] * (mesh.ndim - 1)
     with ap.CommDebugMode() as comm:
         for x, y in batches:
-            xs = ap.shard_tensor(x, mesh, [ap.Shard(0), ap.Replicate()])
-            ys = ap.shard_tensor(y, mesh, [ap.Shard(0), ap.Replicate()])
+            xs = ap.shard_tensor(x, mesh, batch)
+            ys = ap.shard_tensor(y, mesh, batch)
             loss = step(xs, ys)
             losses.append(train_gpt.scalar(loss))
     counts = Counter((r.kind, r.axis) for r in comm.records)
@@ -111,11 +117,13 @@ def _train_parallel(rank: int, cfg: GPTConfig, batches: list[tuple[torch.Tensor,
     return losses, train_gpt.full_params(model), dict(counts)
 
 
-@pytest.mark.parametrize("zero,sp,optim,static", [
-    (3, True, "adamw", False), (0, False, "sgd", False), (3, True, "adamw", True), (0, False, "sgd", True),
+@pytest.mark.parametrize("zero,sp,optim,static,cp", [
+    (3, True, "adamw", False, False), (0, False, "sgd", False, False), (3, True, "adamw", True, False),
+    (0, False, "sgd", True, False), (0, False, "sgd", False, True),
 ])
-def test_plan_trains_like_one_process(world4, zero: int, sp: bool, optim: str, static: bool) -> None:  # type: ignore[no-untyped-def]
-    """DP x TP (+SP, ZeRO-3), eager and static: the loss at every step and every parameter equal one process.
+def test_plan_trains_like_one_process(world4, zero: int, sp: bool, optim: str, static: bool, cp: bool) -> None:  # type: ignore[no-untyped-def]
+    """DP x TP (+SP, ZeRO-3), eager and static, and DP x CP: the loss at every step and every
+    parameter equal one process.
 
     SGD parameters are compared elementwise; AdamW parameters per tensor in norm (the reason
     is measured in train_gpt.py's docstring, ELEMENTWISE), both at rtol 1e-5.
@@ -136,7 +144,7 @@ def test_plan_trains_like_one_process(world4, zero: int, sp: bool, optim: str, s
         opt.step()
         ref_losses.append(float(loss.detach()))
     ref_params = {n: p.detach() for n, p in reference.named_parameters()}
-    for losses, params, counts in world4.run(_train_parallel, cfg, batches, zero, sp, optim, static):
+    for losses, params, counts in world4.run(_train_parallel, cfg, batches, zero, sp, optim, static, cp):
         ok, rows = train_gpt.loss_table(losses, ref_losses)
         assert ok, "\n".join(rows)
         ok, rows = train_gpt.param_report(params, ref_params)
@@ -145,7 +153,9 @@ def test_plan_trains_like_one_process(world4, zero: int, sp: bool, optim: str, s
             for name, q in ref_params.items():
                 torch.testing.assert_close(params[name], q, rtol=1e-5, atol=1e-6, msg=name)
         per_step = {k: v // len(batches) for k, v in counts.items()}
-        if sp:  # Megatron SP on "mp" (axis 1): per block an all-gather before qkv and fc, a reduce-scatter after each projection
+        if cp:  # ring attention on "cp" (axis 1), balanced (seq 8 = 2 x 2 halves): 3 forward, 4 backward
+            assert per_step.get(("all_to_all", 1), 0) >= 7, sorted(per_step.items())
+        elif sp:  # Megatron SP on "mp" (axis 1): per block an all-gather before qkv and fc, a reduce-scatter after each projection
             assert per_step.get(("all_gather", 1), 0) >= 2 and per_step.get(("reduce_scatter", 1), 0) >= 2, per_step
         else:   # plain TP: the projections' outputs are all-reduced on "mp"
             assert per_step.get(("all_reduce", 1), 0) >= 2 and ("reduce_scatter", 1) not in per_step, per_step
@@ -158,6 +168,11 @@ def test_plan_trains_like_one_process(world4, zero: int, sp: bool, optim: str, s
     (["--heads", "3", "--width", "48", "--dp", "1", "--tp", "4"], 4, "--tp 4 must divide --heads 3"),
     (["--seq", "15"], 4, "--sp needs --seq 15 divisible by --tp 2"),
     (["--dp", "1", "--tp", "4", "--zero", "2"], 4, "--zero 2 shards over 'dp' and needs --dp > 1"),
+    (["--cp", "2"], 4, "--dp 2 x --cp 2 x --tp 2 = 8 ranks, but the world has 4"),
+    (["--dp", "1", "--cp", "2"], 4, "--cp splits the sequence everywhere; use it with --no-sp"),
+    (["--dp", "1", "--cp", "3", "--tp", "1", "--no-sp", "--seq", "64"], 3, "--cp 3 must divide --seq 64"),
+    (["--dp", "1", "--cp", "4", "--tp", "1", "--cp-comm", "all_to_all", "--heads", "2", "--width", "32"], 4,
+     "--cp-comm all_to_all splits the heads: --cp 4 x --tp 1 must divide --heads 2"),
 ])
 def test_bad_configuration_is_refused_before_any_collective(argv: list[str], world: int, message: str) -> None:
     """check_config runs on metadata only (same ValueError on every rank, before the mesh exists)."""
