@@ -35,6 +35,7 @@ import torch
 from autoparallel.placement import Shard
 from spmd_rules.base import LocalContext, bound_args
 from spmd_rules.conv_attention import SDPA, SDPA_BACKWARD, sdpa_local
+from spmd_rules.nn import compute_dtype
 
 SEQ = 2  # the sequence dim of SDPA's [B, H, S, D] (and of its [B, H, S] log-sum-exp)
 
@@ -90,15 +91,11 @@ class Ring:
     def _move(self, xs: Sequence[torch.Tensor], held: tuple[int, int], goes_to: Any,
               wanted: tuple[int, int], comes_from: Any) -> list[torch.Tensor]:
         """Send each half-piece ``held`` here to ``goes_to(half)``; receive the ``wanted`` ones
-        from ``comes_from(half)``. Both lists ascend, so pairs match in order; one exchange
-        per dtype."""
-        out: list[torch.Tensor | None] = [None] * len(xs)
-        for dtype in dict.fromkeys(x.dtype for x in xs):
-            idx = [i for i, x in enumerate(xs) if x.dtype == dtype]
+        from ``comes_from(half)``. Both lists ascend, so pairs match in order."""
+        def one_dtype(ts: list[torch.Tensor]) -> list[torch.Tensor]:
             sends: list[list[torch.Tensor]] = [[] for _ in range(self.n)]
             shapes: list[list[tuple[int, ...]]] = [[] for _ in range(self.n)]
-            for i in idx:
-                x = xs[i]
+            for x in ts:
                 h = x.shape[SEQ] // 2
                 for k, half in enumerate(held):
                     sends[goes_to(half)].append(x.narrow(SEQ, k * h, h))
@@ -107,24 +104,21 @@ class Ring:
                 for half in wanted:
                     shapes[comes_from(half)].append(tuple(shape))
             got = [iter(g) for g in self.comm.exchange(self.axis, sends, shapes)]
-            for i in idx:
-                out[i] = torch.cat([next(got[comes_from(half)]) for half in wanted], dim=SEQ)
-        return [x for x in out if x is not None]
+            return [torch.cat([next(got[comes_from(half)]) for half in wanted], dim=SEQ) for _ in ts]
+
+        return _per_dtype(xs, one_dtype)
 
     def rotate(self, xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Send ``xs`` to the next member, receive the previous member's (same shapes)."""
-        out: list[torch.Tensor | None] = [None] * len(xs)
         nxt, prev = (self.me + 1) % self.n, (self.me - 1) % self.n
-        for dtype in dict.fromkeys(x.dtype for x in xs):
-            idx = [i for i, x in enumerate(xs) if x.dtype == dtype]
+
+        def one_dtype(ts: list[torch.Tensor]) -> list[torch.Tensor]:
             sends: list[list[torch.Tensor]] = [[] for _ in range(self.n)]
             shapes: list[list[tuple[int, ...]]] = [[] for _ in range(self.n)]
-            sends[nxt] = [xs[i] for i in idx]
-            shapes[prev] = [tuple(xs[i].shape) for i in idx]
-            got = self.comm.exchange(self.axis, sends, shapes)[prev]
-            for i, g in zip(idx, got):
-                out[i] = g
-        return [x for x in out if x is not None]
+            sends[nxt], shapes[prev] = ts, [tuple(t.shape) for t in ts]
+            return self.comm.exchange(self.axis, sends, shapes)[prev]
+
+        return _per_dtype(xs, one_dtype)
 
     def mask(self, rows: torch.Tensor, member: int, causal: bool) -> torch.Tensor | None:
         """Which keys of ``member``'s piece the ``rows`` read by position (None: all)."""
@@ -133,8 +127,15 @@ class Ring:
         return self.positions(member, rows.device).unsqueeze(0) <= rows.unsqueeze(1)
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
+def _per_dtype(xs: Sequence[torch.Tensor], move: Any) -> list[torch.Tensor]:
+    """``move`` (one exchange of tensors of one dtype -> their counterparts, in order) applied
+    to each dtype's tensors of ``xs``; the results in ``xs``'s order."""
+    out: list[torch.Tensor] = list(xs)
+    for dtype in dict.fromkeys(x.dtype for x in xs):
+        idx = [i for i, x in enumerate(xs) if x.dtype == dtype]
+        for i, t in zip(idx, move([xs[i] for i in idx])):
+            out[i] = t
+    return out
 
 
 def _heads(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -177,7 +178,7 @@ def ring_forward(ring: Ring, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     attention mask's rows of those queries (4-d, every key column; see ``sdpa_kernel``)."""
     if ring.balanced:
         q, k, v = ring.to_balanced([q, k, v])
-    ct = _compute_dtype(q.dtype)
+    ct = compute_dtype(q.dtype)
     groups = q.shape[1] // k.shape[1]
     qf = q.to(ct)
     rows = ring.positions(ring.me, q.device)
@@ -210,7 +211,7 @@ def ring_backward(ring: Ring, dout: torch.Tensor, q: torch.Tensor, k: torch.Tens
     dtype = q.dtype
     if ring.balanced:
         dout, q, k, v, out, lse = ring.to_balanced([dout, q, k, v, out, lse])
-    ct = _compute_dtype(dtype)
+    ct = compute_dtype(dtype)
     groups = q.shape[1] // k.shape[1]
     qf, df, lf = q.to(ct), dout.to(ct), lse.to(ct)
     delta = (df * out.to(ct)).sum(-1, keepdim=True)  # rowsum(dO * O)
