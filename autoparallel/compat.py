@@ -246,6 +246,17 @@ def in_backward() -> bool:
     return _graph_task_id is not None and _graph_task_id() != -1
 
 
+# The autograd node running now (``torch._C._current_autograd_node``): which node reads a saved
+# tensor, so a zero-bubble ``B`` can drop what only the input's path reads. Fallback: None --
+# nothing is dropped after ``B`` (a micro-batch waiting for ``W`` holds all it saved).
+_current_node = getattr(torch._C, "_current_autograd_node", None)
+
+
+def current_autograd_node() -> Any:
+    """The autograd node whose backward runs now on this thread; None outside one (or unknown)."""
+    return _current_node() if _current_node is not None else None
+
+
 # ---- nn.Module internals -----------------------------------------------------------------------
 # ``Module._parameters`` / ``_buffers`` / ``_modules`` (the dicts behind attribute access) and the
 # hook tables ``_forward_pre_hooks``, ``_forward_hooks``, ``_backward_hooks``,
@@ -541,7 +552,7 @@ except ImportError:  # pragma: no cover - the same in Python
 
 
 __all__ = [
-    "LIBRARY_PACKAGES", "REENTRANT_CHECKPOINT_NODE", "run_as_is_under_dynamo", "when_dynamo_imported", "on_dynamo_compile", "in_compiled_call", "profiler_enabled", "SymbolicTools", "global_module_hooks", "in_backward", "tensor_use_count", "OBSERVER_HOOK", "modes_active", "OWN_OBSERVER", "foreign_saved_hooks", "foreign_dispatch_modes", "observed", "mark_own_observer",
+    "LIBRARY_PACKAGES", "REENTRANT_CHECKPOINT_NODE", "run_as_is_under_dynamo", "when_dynamo_imported", "on_dynamo_compile", "in_compiled_call", "profiler_enabled", "SymbolicTools", "global_module_hooks", "in_backward", "current_autograd_node", "tensor_use_count", "OBSERVER_HOOK", "modes_active", "OWN_OBSERVER", "foreign_saved_hooks", "foreign_dispatch_modes", "observed", "mark_own_observer",
     "symbolic_tools",
     "GRAD_SCALER_UNSCALE", "HAS_GRAD_SCALER_UNSCALE", "amp_check_and_unscale_",
     "WRAPPER_POSITIONAL", "TorchDispatchMode", "all_op_schemas", "disable_torch_function_subclass", "disabled_torch_function_impl", "flatten_dense_tensors",

@@ -74,20 +74,22 @@ class ActivationMeter:
         self.peak = self.current
 
     @compat.mark_own_observer
-    def _pack(self, t: torch.Tensor) -> Any:
+    def pack(self, t: torch.Tensor) -> Any:
+        """The saved-tensor pack hook: ``t`` in a holder that counts its storage."""
         info = _storage(t)
         if info is None or info[0] in self._exclude:
             return t
         return _Held(self, t, *info)
 
     @staticmethod
-    def _unpack(obj: Any) -> torch.Tensor:
+    def unpack(obj: Any) -> torch.Tensor:
+        """The saved-tensor unpack hook."""
         return obj.tensor if isinstance(obj, _Held) else obj
 
     @contextmanager
     def track(self) -> Iterator[ActivationMeter]:
         """Count what the forward passes run inside this block save for backward."""
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+        with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
             yield self
 
 

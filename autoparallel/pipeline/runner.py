@@ -328,6 +328,7 @@ class _Run:
         self.grads_in: dict[tuple[int, int], torch.Tensor] = {}
         self.losses: dict[int, torch.Tensor] = {}
         self.weight_work: dict[tuple[int, int], Callable[[], Any] | None] = {}  # zero-bubble: W, kept by B
+        self.saved: dict[tuple[int, int], split_backward.SavedByForward] = {}  # zero-bubble: what F saved, until B
         self.handoff: dict[tuple[str, int, int], torch.Tensor] = {}  # messages between two chunks of this mesh (a V)
         self.pending = p2p.PendingSends()
         self.posted: dict[tuple[str, int, int], p2p.PendingRecv] = {}
@@ -379,7 +380,10 @@ class _Run:
         last = c == self.v - 1
 
         def eager() -> Any:
-            track = pipe.meter.track() if pipe.meter is not None else contextlib.nullcontext()
+            if pipe.schedule.split_backward:  # B releases what W does not read
+                track: Any = self.saved.setdefault((mb, c), split_backward.SavedByForward(pipe.meter)).track()
+            else:
+                track = pipe.meter.track() if pipe.meter is not None else contextlib.nullcontext()
             with track:
                 y = self.local[c].forward(x) if c in self.local else pipe.stages[c].module(x)
                 if last:
@@ -411,6 +415,7 @@ class _Run:
 
     def _b(self, mb: int, c: int, tag: int) -> None:
         y = self.outputs.pop((mb, c))
+        saved = self.saved.pop((mb, c), None)
         if isinstance(y, Replayed):  # the forward ran as a program: its backward program runs
             g_out = None if c == self.v - 1 else layout.local_of(self.grads_out.pop((mb, c)))
             if self.pipe.schedule.split_backward:
@@ -422,7 +427,7 @@ class _Run:
                 self.grads_in[(mb, c)] = g_in  # type: ignore[assignment]
             return
         if self.pipe.schedule.split_backward:
-            self._b_input(mb, c, y)
+            self._b_input(mb, c, y, saved)
             return
         if c == self.v - 1:
             if y.requires_grad:
@@ -437,14 +442,14 @@ class _Run:
             g = x.grad if x.grad is not None else _zeros(spec)
             self.grads_in[(mb, c)] = _as_layout(g, spec)
 
-    def _b_input(self, mb: int, c: int, y: Any) -> None:
+    def _b_input(self, mb: int, c: int, y: Any, saved: split_backward.SavedByForward | None) -> None:
         """Zero-bubble ``B``: the input's gradient now; what the weights need is kept for ``W``."""
         last = c == self.v - 1
         g_out = None if last else self.grads_out.pop((mb, c))
         x = self.inputs.pop((mb, c)) if c > 0 else None
         out = y / self.m if last else y
         params = list(self.local[c].leaves.values()) if c in self.local else list(self.pipe.stages[c].module.parameters())
-        gx, work = split_backward.input_grad(out, g_out, x, params) if y.requires_grad else (None, None)
+        gx, work = split_backward.input_grad(out, g_out, x, params, saved) if y.requires_grad else (None, None)
         if work is not None and work.whole is not None:
             self.pipe._say_whole(c, work.whole)
         self.weight_work[(mb, c)] = None if work is None else (lambda: split_backward.weight_grads(work))

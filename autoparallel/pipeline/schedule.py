@@ -16,11 +16,12 @@ them (deadlock freedom, forward before backward, counts) without processes.
 
 Zero-bubble (``ZBH1``): each backward is split in two, ``B`` (the gradient of the chunk's input,
 which the previous stage waits for) and ``W`` (the gradients of the chunk's weights, which nobody
-waits for). ``B`` runs as soon as its output gradient arrives; a stage keeps 1F1B's limit of
-``p - s`` micro-batches between ``F`` and ``B`` and puts each ``W`` off (at most ``p - 1`` pending)
-into a time it would otherwise wait. With equal ``F``/``B``/``W`` costs the idle fraction is
-``(p - 1) / (3M + p - 1)``, a third of 1F1B's; the price is memory: a micro-batch's activations
-are held until its ``W`` (up to ``2p - 1`` micro-batches on the first stage, 1F1B's ``p``).
+waits for). A stage runs 1F1B's ``p - s`` forwards before its first ``B``, then ``B`` and ``F``
+in turn, and puts its ``W`` off until it holds ``p`` micro-batches, the most 1F1B holds on any
+stage (its first): the later stages' first weight gradients move to the end, where 1F1B waits
+for the backward passes coming up the pipeline. With equal ``F``/``B``/``W`` costs the idle
+fraction is ``(p - 1) / (3M + p - 1)`` (each stage idles ``p - 1`` units, 1F1B's ``3(p - 1)``)
+at 1F1B's peak (a micro-batch's activations are held until its ``W``: ``p`` on every stage).
 """
 
 from __future__ import annotations
@@ -145,35 +146,49 @@ def v_stage(chunk: int, num_stages: int) -> int:
 
 
 def _zero_bubble_h1(p: int, m: int, v: int, s: int) -> list[tuple[str, int, int]]:
-    return list(_zero_bubble_orders(p, m, False)[0][s])
+    """ZB-H1 on stage ``s``: 1F1B's ``p - s`` forwards before the first ``B``, then ``B`` and ``F``
+    in turn; each ``W`` waits until the stage holds ``p`` micro-batches (every stage as many as
+    1F1B's first), so stage ``s`` puts its first ``s`` weight gradients off into the end, where
+    1F1B would wait for the later stages' backward passes."""
+    out = [(F, mb, s) for mb in range(min(p - s, m))]
+    n_f, n_b, n_w = len(out), 0, 0
+    while n_b < m:
+        out.append((B, n_b, s))
+        n_b += 1
+        if n_f - n_w >= p or n_f == m:
+            out.append((W, n_w, s))
+            n_w += 1
+        if n_f < m:
+            out.append((F, n_f, s))
+            n_f += 1
+    out.extend((W, mb, s) for mb in range(n_w, m))
+    return out
 
 
 def _zero_bubble_v(p: int, m: int, v: int, s: int) -> list[tuple[str, int, int]]:
-    return list(_zero_bubble_orders(p, m, True)[0][s])
+    return list(_zero_bubble_v_orders(p, m)[0][s])
 
 
-def _zero_bubble_span(p: int, m: int, v_shape: bool) -> int:
-    """How many unit-cost steps the zero-bubble run takes, end to end."""
-    return _zero_bubble_orders(p, m, v_shape)[1]
+def _zero_bubble_v_span(p: int, m: int) -> int:
+    """How many unit-cost steps the ZBV run takes, end to end."""
+    return _zero_bubble_v_orders(p, m)[1]
 
 
 @lru_cache(maxsize=64)
-def _zero_bubble_orders(p: int, m: int, v_shape: bool) -> tuple[tuple[tuple[tuple[str, int, int], ...], ...], int]:
-    """Every stage's zero-bubble order, found by running the stages on paper with unit costs.
+def _zero_bubble_v_orders(p: int, m: int) -> tuple[tuple[tuple[tuple[str, int, int], ...], ...], int]:
+    """Every mesh's ZBV order, found by running the meshes on paper with unit costs.
 
     The stage that can start an action earliest goes next (ties: the lower stage). A stage runs,
     in this preference: a ``B`` whose output gradient is there (the later chunk first); else an
     ``F`` whose input is there (the later chunk first), within the memory rule; else the oldest
     ``W``. A ``W`` also fills any wait before the ``B``/``F`` it would run.
 
-    Memory rule. ZBH1 (one chunk per mesh): 1F1B's limit of ``p - s`` micro-batches between ``F``
-    and ``B`` on stage ``s``, and at most ``p - 1`` waiting for ``W``. ZBV (chunks ``s`` and
-    ``2p - 1 - s`` on mesh ``s``): at most ``2p`` chunk activations held (until ``W``) on any
-    mesh — 1F1B's ``p`` micro-batches of a whole stage on its first mesh — and an ``F`` only when
-    no ``W`` waits. Deterministic: a function of ``(p, m)``.
+    Memory rule (chunks ``s`` and ``2p - 1 - s`` on mesh ``s``): at most ``2p`` chunk activations
+    held (until ``W``) on any mesh — 1F1B's ``p`` micro-batches of a whole stage on its first mesh —
+    and an ``F`` only when no ``W`` waits. Deterministic: a function of ``(p, m)``.
     """
-    chunks_of = [[s, 2 * p - 1 - s] if v_shape else [s] for s in range(p)]
-    last = 2 * p - 1 if v_shape else p - 1
+    chunks_of = [[s, 2 * p - 1 - s] for s in range(p)]
+    last = 2 * p - 1
     clock = [0] * p
     f_end: dict[tuple[int, int], int] = {}
     b_end: dict[tuple[int, int], int] = {}
@@ -191,8 +206,7 @@ def _zero_bubble_orders(p: int, m: int, v_shape: bool) -> tuple[tuple[tuple[tupl
                     ready = f_end[(c, n_b[c])] if c == last else b_end.get((c + 1, n_b[c]))
                     if ready is not None:
                         options.append((max(clock[s], ready), 0, -c, B, c, n_b[c]))
-                room = (held < 2 * p and waiting_w == 0) if v_shape else (n_f[c] - n_b[c] < p - s and waiting_w < p)
-                if n_f[c] < m and room:
+                if n_f[c] < m and held < 2 * p and waiting_w == 0:
                     ready = 0 if c == 0 else f_end.get((c - 1, n_f[c]))
                     if ready is not None:
                         options.append((max(clock[s], ready), 1, -c, F, c, n_f[c]))
@@ -207,7 +221,7 @@ def _zero_bubble_orders(p: int, m: int, v_shape: bool) -> tuple[tuple[tuple[tupl
             if best is None or start < best[0]:
                 best = (start, s, kind, c, mb)
         if best is None:  # (cannot happen for these rules: checked by the schedule tests)
-            raise ScheduleError(f"zero-bubble order for {p} stages and {m} micro-batches found no next action")
+            raise ScheduleError(f"ZBV order for {p} stages and {m} micro-batches found no next action")
         start, s, kind, c, mb = best
         clock[s] = start + 1
         orders[s].append((kind, mb, c))
@@ -305,7 +319,7 @@ def theoretical_bubble(name: str, num_stages: int, num_microbatches: int, num_ch
     canon = schedule_name(name)
     p, m, v = num_stages, num_microbatches, num_chunks
     if canon == "ZBV":  # the idle share of the unit-cost run its order comes from: 6m units of work per mesh
-        return 1.0 - 6 * m / _zero_bubble_span(p, m, True)
+        return 1.0 - 6 * m / _zero_bubble_v_span(p, m)
     if SCHEDULES[canon].split:
         return (p - 1) / (3 * v * m + p - 1)
     return (p - 1) / (v * m + p - 1)

@@ -16,11 +16,19 @@ one's kept gradient replaces what flows into it (a pre-hook), so nothing is coun
 
 The arithmetic is autograd's own: each node computes the same gradients as in one backward, and
 the parameters' gradients are added into ``.grad`` in the order the schedule runs ``W``.
+
+Memory: a micro-batch waiting for its ``W`` keeps only what ``W`` reads. A forward run under
+:class:`SavedByForward` puts each tensor it saves in a slot; ``B`` notes which autograd node read
+each slot, and afterwards empties those read only by nodes ``W`` never runs (a GELU's input, a
+softmax's output, the loss's operands), which is what lets a zero-bubble schedule hold more
+micro-batches than 1F1B in the same memory.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import weakref
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +38,68 @@ from autoparallel import compat
 
 GradientEdge = torch.autograd.graph.GradientEdge
 get_gradient_edge = torch.autograd.graph.get_gradient_edge
+
+
+class _Slot:
+    # No reference to its SavedByForward nor to an autograd node: the graph holds the slot, and
+    # either would make a reference cycle through autograd that Python's collector cannot see.
+    __slots__ = ("held", "inner", "reader")
+
+    def __init__(self, held: Any, inner: Any) -> None:
+        self.held: Any = held  # the tensor (or the inner hooks' holder); None once released
+        self.inner: Any = inner  # the inner hooks' unpack, or None
+        self.reader: int | None = None  # id() of the autograd node that read it during B
+
+
+class SavedByForward:
+    """The tensors one forward saves for backward, in slots :func:`input_grad` can empty.
+
+    ``inner``: hooks of the same shape (``pack``/``unpack``, e.g. an
+    :class:`~autoparallel.pipeline.ActivationMeter`) the tensors pass through, so a meter counts
+    a released tensor as freed.
+    """
+
+    def __init__(self, inner: Any = None) -> None:
+        self.inner = inner
+        self.slots: list[_Slot] = []
+
+    def pack(self, t: torch.Tensor) -> _Slot:
+        slot = _Slot(t, None) if self.inner is None else _Slot(self.inner.pack(t), self.inner.unpack)
+        self.slots.append(slot)
+        return slot
+
+    @staticmethod
+    def unpack(slot: Any) -> torch.Tensor:
+        if not isinstance(slot, _Slot):  # (packed after this object was dropped: kept as is)
+            return slot
+        if slot.held is None:  # (cannot happen: only what no node of W reads is released)
+            raise RuntimeError("zero-bubble W: a tensor saved for backward was released after B, yet W reads it")
+        node = compat.current_autograd_node()
+        if node is not None:  # (B's walk of the graph keeps every node's Python object, so ids are stable)
+            slot.reader = id(node)
+        return slot.held if slot.inner is None else slot.inner(slot.held)
+
+    @contextmanager
+    def track(self) -> Iterator[SavedByForward]:
+        """Run the forward inside this block."""
+        me = weakref.ref(self)  # the graph keeps its hooks: a bound method would keep these slots
+
+        @compat.mark_own_observer
+        def pack(t: torch.Tensor) -> Any:
+            saved = me()
+            return saved.pack(t) if saved is not None else t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, SavedByForward.unpack):
+            yield self
+
+    def release(self, keep: set[Any]) -> None:
+        """Empty every slot read during ``B`` by a node outside ``keep`` (the nodes ``W`` runs);
+        call it while the graph's nodes are alive."""
+        ids = {id(n) for n in keep}
+        for slot in self.slots:
+            if slot.reader is not None and slot.reader not in ids:
+                slot.held = None
+        self.slots = []
 
 
 @dataclass(eq=False)
@@ -42,10 +112,11 @@ class _Group:
 
 @dataclass
 class WeightWork:
-    """What ``W`` needs of one micro-batch: the kept gradients, and the output keeping the graph."""
+    """What ``W`` needs of one micro-batch: the kept gradients at the intermediates, whose nodes
+    keep the graph below them (what the weights' branches read) alive until ``W`` has run; the
+    nodes above every intermediate (a loss, the output's last ops) are freed once ``B`` returns."""
 
     groups: list[_Group]
-    keep: Any  # the output (and so the autograd graph) until W has run
     whole: str | None = None  # why B already ran the whole backward (W has nothing left to do)
 
 
@@ -84,8 +155,7 @@ def _above(starts: Sequence[Any], parents: dict[Any, list[Any]]) -> set[Any]:
 
 
 def _groups(root: Any, x_node: Any | None, params: Sequence[torch.Tensor],
-            children: dict[Any, list[Any]]) -> list[_Group]:
-    parents = _parents(children)
+            children: dict[Any, list[Any]], parents: dict[Any, list[Any]]) -> list[_Group]:
     rank = {n: i for i, n in enumerate(children)}  # the walk's order: the same graph gives it on every rank
     on_path = _above([x_node], parents) if x_node is not None else set()
     on_path.add(root)
@@ -125,22 +195,42 @@ def _groups(root: Any, x_node: Any | None, params: Sequence[torch.Tensor],
     return groups
 
 
+def _weight_nodes(groups: list[_Group], children: dict[Any, list[Any]], parents: dict[Any, list[Any]]) -> set[Any]:
+    """Every node ``W`` may run: below a group's intermediates and above one of its parameters."""
+    out: set[Any] = set()
+    for group in groups:
+        up = _above([get_gradient_edge(p).node for p in group.params], parents)
+        seen: set[Any] = set()
+        todo = [n for n in group.nodes if n in up]
+        while todo:
+            n = todo.pop()
+            if n not in seen:
+                seen.add(n)
+                todo.extend(k for k in children[n] if k in up)
+        out |= seen
+    return out
+
+
 def input_grad(out: torch.Tensor, grad_out: torch.Tensor | None, x: torch.Tensor | None,
-               params: Sequence[torch.Tensor]) -> tuple[torch.Tensor | None, WeightWork]:
+               params: Sequence[torch.Tensor], saved: SavedByForward | None = None) -> tuple[torch.Tensor | None, WeightWork]:
     """``B``: the gradient of ``x`` (None when ``x`` is None or unused) from ``out``'s gradient
-    ``grad_out`` (None: ``out`` is a scalar loss, gradient 1), and the work ``W`` needs."""
+    ``grad_out`` (None: ``out`` is a scalar loss, gradient 1), and the work ``W`` needs.
+
+    ``saved``: the tensors ``out``'s forward saved (run under it); those read by ``B`` only are
+    released when ``B`` returns."""
     root = out.grad_fn
     if root is None:
-        return None, WeightWork([], None)
+        return None, WeightWork([])
     g = torch.ones_like(out) if grad_out is None else grad_out
     children = _children(root)
     if any(n.name() == compat.REENTRANT_CHECKPOINT_NODE for n in children):  # (refuses autograd.grad: whole in B)
         torch.autograd.backward(out, g)
         why = "it runs a reentrant torch.utils.checkpoint (use_reentrant=True), which computes all its gradients at once"
-        return (x.grad if x is not None else None), WeightWork([], None, why)
+        return (x.grad if x is not None else None), WeightWork([], why)
     x_node = get_gradient_edge(x).node if x is not None and x.requires_grad else None
     trained = [p for p in params if p.requires_grad]
-    groups = _groups(root, x_node, trained, children)
+    parents = _parents(children)
+    groups = _groups(root, x_node, trained, children, parents)
     out_edge = get_gradient_edge(out)
     handles = []
     try:
@@ -161,7 +251,9 @@ def input_grad(out: torch.Tensor, grad_out: torch.Tensor | None, x: torch.Tensor
     finally:
         for h in handles:
             h.remove()
-    return gx, WeightWork(groups, out)
+    if saved is not None:
+        saved.release(_weight_nodes(groups, children, parents))
+    return gx, WeightWork(groups)
 
 
 def weight_grads(work: WeightWork) -> None:
@@ -192,7 +284,6 @@ def weight_grads(work: WeightWork) -> None:
                     continue
                 prm.grad = dw if prm.grad is None else prm.grad + dw
     work.groups = []
-    work.keep = None
 
 
-__all__ = ["WeightWork", "input_grad", "weight_grads"]
+__all__ = ["SavedByForward", "WeightWork", "input_grad", "weight_grads"]

@@ -177,7 +177,7 @@ def test_zbh1_is_complete_ordered_and_reaches_its_bubble(p: int, m: int) -> None
         assert [mb for k, mb in sorted(pos, key=pos.__getitem__) if k == W] == list(range(m))  # W in order
     one = simulate(build_schedule("1F1B", p, m), 1, 1, 0, 1)  # the same work, B and W together
     assert result.peak_inflight == one.peak_inflight  # 1F1B's limit between F and B
-    assert all(h <= min(2 * p - 1, m) for h in result.peak_held)  # held until W: the price
+    assert result.peak_held == (min(p, m),) * p == (max(one.peak_held),) * p  # held until W: 1F1B's peak
     if m >= p:
         assert result.bubble == pytest.approx(theoretical_bubble("ZBH1", p, m), abs=1e-12)
         if p > 1:  # (m + p - 1) / (3m + p - 1) of 1F1B's: under 0.45 from m = 2p on

@@ -227,6 +227,41 @@ def test_scheduled_pipeline_matches_single_process(world8, groups, schedule, m, 
     _check(world8.run(_scheduled, groups, schedule, m, chunks), groups[0] if schedule == "ZBV" else groups[-1])
 
 
+# ---- activation memory: ZBH1 within 1F1B's peak --------------------------------------------
+class GeluBlock(nn.Module):
+    """x + fc2(gelu(fc1(x))): GELU reads its input in the backward, which W never needs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(D, 4 * D), nn.Linear(4 * D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+
+
+def _activation_peaks(rank: int, schedule: str) -> int | None:
+    from autoparallel.pipeline import ActivationMeter
+
+    torch.manual_seed(0)
+    x, t = torch.randn(BATCH, D), torch.randn(BATCH, D)
+    model = nn.Sequential(*[GeluBlock() for _ in range(8)])
+    meshes = _meshes(ONES)
+    pipe = Pipeline(split_sequential(model, meshes), _mse, num_microbatches=8, schedule=schedule)
+    xd, td = ap.shard_tensor(x, meshes[0], [R]), ap.shard_tensor(t, meshes[-1], [R])
+    pipe.meter = ActivationMeter(exclude=[*model.parameters(), xd, td])
+    pipe.step(xd, td)
+    return pipe.meter.peak if rank < len(ONES) else None
+
+
+def test_zero_bubble_h1_holds_no_more_activation_memory_than_1f1b(world8):  # type: ignore[no-untyped-def]
+    """ZBH1 holds ``p`` micro-batches on every stage until their ``W`` (1F1B: ``p - s``), but ``B``
+    drops what only it reads (here the GELUs' inputs): no rank exceeds 1F1B's peak, which is its
+    first stage's, and the first stage holds what it holds under 1F1B."""
+    one, zb = world8.run(_activation_peaks, "1F1B")[:4], world8.run(_activation_peaks, "ZBH1")[:4]
+    assert zb[0] == one[0] == max(one), (one, zb)
+    assert max(zb) <= max(one) and all(z > o for z, o in zip(zb[2:], one[2:])), (one, zb)
+
+
 # ---- 3-D hybrid: dp=2 x tp=2 inside each stage mesh, pp=2 across them ----------------------
 def _hybrid(rank: int, schedule: str, chunks: int, zero: int = 0) -> dict[str, Any]:
     from torch.utils.data import DataLoader, TensorDataset
