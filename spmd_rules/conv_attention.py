@@ -78,25 +78,31 @@ SDPA = aten._scaled_dot_product_flash_attention_for_cpu.default
 SDPA_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 
 
-def _gqa_heads_split(q: TensorMeta, k: TensorMeta, v: TensorMeta, call: OpCall, axis: int) -> bool:
-    """Grouped-query attention (q heads a multiple of k/v heads) may be split on the heads dim.
+def _gqa_heads_split(q: TensorMeta, k: TensorMeta, v: TensorMeta, size: int) -> bool:
+    """Grouped-query attention (q heads a multiple of k/v heads) may be split on the heads dim
+    of one axis of ``size`` ranks when the key/value heads divide by it.
 
-    Query head ``j`` reads key/value head ``j // g`` (``g = Hq / Hkv``). When ``Hkv`` divides
-    by the product of the mesh axes that may split the heads together, every even split of the
-    heads over them (nested) gives each rank query heads ``[r Hq/n, (r+1) Hq/n)`` and key/value
-    heads ``[r Hkv/n, (r+1) Hkv/n)``: exactly the ones they read, and the local kernel does GQA
-    alike. Those axes: every axis, except that an axis sharding the sequence now (context
-    parallelism) is left out when asking for another axis that does not (the sequence axis asks
-    with every axis counted, so any set of axes the strategies pick together is covered).
+    Query head ``j`` reads key/value head ``j // g`` (``g = Hq / Hkv``). An even split of the
+    heads over ``n`` ranks (one axis, or several nested) gives each rank query heads
+    ``[r Hq/n, (r+1) Hq/n)`` and key/value heads ``[r Hkv/n, (r+1) Hkv/n)``: exactly the ones
+    they read, and the local kernel does GQA alike. Whether the axes that split the heads
+    together divide ``Hkv`` is a property of the whole strategy: :func:`_heads_divide`.
     """
     hq, hkv = q.shape[1], k.shape[1]
-    q_now = call.placements[_slots(call)["query"]]
-    on_seq = {b for b, p in enumerate(q_now) if isinstance(p, Shard) and p.dim % 4 == 2}
+    return v.shape[1] == hkv and hkv > 0 and hq % hkv == 0 and hkv % size == 0
+
+
+def _heads_divide(call: OpCall, strategy: Strategy) -> bool:
+    """Grouped heads split on several axes: their product divides the key/value heads."""
+    slots = _slots(call)
+    hq, hkv = call.inputs[slots["query"]].shape[1], call.inputs[slots["key"]].shape[1]
+    if hq == hkv:
+        return True
     ranks = 1
-    for b, n in enumerate(call.mesh_shape):
-        if b == axis or axis in on_seq or b not in on_seq:
-            ranks *= n
-    return v.shape[1] == hkv and hkv > 0 and hq % hkv == 0 and hkv % ranks == 0
+    for size, p in zip(call.mesh_shape, strategy.inputs[slots["query"]]):
+        if p == Shard(1):
+            ranks *= size
+    return hkv % ranks == 0
 
 
 def _sequence_split(call: OpCall, q: TensorMeta, k: TensorMeta, v: TensorMeta, size: int,
@@ -123,10 +129,11 @@ def _sequence_split(call: OpCall, q: TensorMeta, k: TensorMeta, v: TensorMeta, s
 @register_rule([SDPA, SDPA_BACKWARD])
 def sdpa_rule(call: OpCall) -> list[Strategy]:
     """The product of ``sdpa_axis_rule`` over the mesh axes, with the sequence sharded on one axis
-    at most (the ring runs along one axis; nested sequence pieces are left to the other strategies)."""
+    at most (the ring runs along one axis; nested sequence pieces are left to the other strategies)
+    and grouped heads split only where the axes splitting them together divide them."""
     q = _slots(call)["query"]
     return [s for s in product_of_axes(call, sdpa_axis_rule)
-            if sum(p == Shard(2) for p in s.inputs[q]) <= 1]
+            if sum(p == Shard(2) for p in s.inputs[q]) <= 1 and _heads_divide(call, s)]
 
 
 def sdpa_axis_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
@@ -137,7 +144,7 @@ def sdpa_axis_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
     q, k, v = (call.inputs[slots[n]] for n in ("query", "key", "value"))
     scores = q.shape[:3] + k.shape[2:3]  # [B, H, L, S], the shape the mask broadcasts to
     strategies = [_replicate(call)]
-    alike = [d for d in (0, 1) if q.shape[d] == k.shape[d] == v.shape[d] or (d == 1 and _gqa_heads_split(q, k, v, call, axis))]
+    alike = [d for d in (0, 1) if q.shape[d] == k.shape[d] == v.shape[d] or (d == 1 and _gqa_heads_split(q, k, v, size))]
     for d in _worth(call, "query", axis, alike):
         placed: dict[str, Placement] = {n: Shard(d) for n in slots if n != "attn_mask"}
         if "attn_mask" in slots:

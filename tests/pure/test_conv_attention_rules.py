@@ -242,6 +242,19 @@ def test_sdpa_gqa_offers_the_heads_split_only_where_the_groups_align() -> None:
     assert not any(s.inputs[1] == (Shard(1),) for s in rule(make_call(SDPA, off, {}, [Shard(1)] * 3, 3)))
 
 
+def test_sdpa_gqa_heads_split_counts_only_the_axes_that_split_the_heads() -> None:
+    """dp x tp (2 x 2), 4 query / 2 key-value heads: the batch on dp and the heads on tp is kept
+    as it is (each tp rank: 2 query heads, the 1 key/value head they read); both axes splitting
+    the heads (half a key/value head each) is never offered."""
+    q, kv = rnd(4, 4, 3, 4), rnd(4, 2, 3, 4)
+    base = make_call(SDPA, (q, kv, kv.clone()), {}, [R] * 3, 2)
+    now = ((Shard(0), Shard(1)),) * 3
+    call = OpCall(base.op, base.args, base.kwargs, base.inputs, base.out, now, (2, 2))
+    strategies = get_rule(SDPA)(call)
+    assert any(s.inputs[:3] == now for s in strategies), strategies
+    assert not any(s.inputs[1] == (Shard(1), Shard(1)) for s in strategies)
+
+
 @pytest.mark.parametrize("current", [R, Shard(2)])
 def test_the_sequence_is_sharded_on_one_mesh_axis_at_most(current: Any) -> None:
     """On a 2 x 2 mesh each axis may take the sequence, never both at once (the ring runs along
