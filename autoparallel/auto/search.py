@@ -525,8 +525,18 @@ def auto_parallel(model: nn.Module, world: int | None = None, example: Any = Non
                     # ties: fewer mesh axes, lower ZeRO stage, less recompute (simpler plans first)
                     simplicity = (tp > 1) + zero + k / max(1, len(blocks))
                     priced.append((pred.time_s, simplicity, Candidate(name, pred, feasible), plan))
-    if not priced:
-        raise ValueError(f"ap.auto_parallel: no mesh of {world} ranks fits the model (tensor-parallel sizes must divide)")
+    if not priced:  # (every mesh has a tensor-parallel axis: a given mesh, or max_tp excluding 1)
+        if not tp_plans:
+            why = ("no tensor-parallel plan was found for this model (no known family, and no column/row-parallel "
+                   "pairs of Linears in its step)")
+        else:
+            sizes = sorted({f"{k} = {v}" for _, tp_plan, _ in tp_plans if tp_plan is not None
+                            for k, v in tp_plan.divisible.items()})
+            why = f"the sizes its tensor-parallel plans split ({', '.join(sizes)}) do not divide by it"
+        on = (f"the given mesh's tensor-parallel axis of {meshes[0][1]}" if mesh is not None
+              else f"every mesh of {world} ranks with a tensor-parallel axis")
+        raise ValueError(f"ap.auto_parallel: no plan for {on}: {why}; pass mesh=None (or a mesh without a "
+                         "tensor-parallel axis), or lay the tensor-parallel part out by hand (ap.parallelize)")
     priced.sort(key=lambda x: (not x[2].feasible, x[0], x[1]))
     best = priced[0]
     if not best[2].feasible:

@@ -106,6 +106,15 @@ class _DataDependent(nn.Module):
         return y.sum() if y.sum() > 0 else -y.sum()  # Python reads a tensor's value
 
 
+class _Summed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x).sum()  # one Linear: no column/row pair to split
+
+
 def test_bad_input_is_one_clear_error() -> None:
     with pytest.raises(ValueError, match=r"cannot be traced .*test_auto_parallel.py:\d+ \(`return y.sum\(\) if y.sum\(\) > 0"):
         ap.auto_parallel(_DataDependent(), world=2, example=(torch.randn(2, 4),))  # names the model's line
@@ -123,6 +132,10 @@ def test_bad_input_is_one_clear_error() -> None:
         ap.auto_parallel(laid, world=2, example=(torch.randn(2, 4),))
     with pytest.raises(ValueError, match="optimizer"):
         ap.auto_parallel(GPT(CFG), world=2, example=_example(), loss=lm_loss, optimizer="mystery")
+    dp_mp = ap.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"])
+    with pytest.raises(ValueError, match=r"no plan for the given mesh's tensor-parallel axis of 2: no tensor-parallel "
+                                         r"plan was found for this model .*pass mesh=None"):
+        ap.auto_parallel(_Summed(), world=4, example=(torch.randn(4, 4),), mesh=dp_mp)
 
 
 @pytest.mark.parametrize("world", [8, 64])
