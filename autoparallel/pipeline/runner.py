@@ -28,6 +28,7 @@ from autoparallel import compat, runtime
 from autoparallel.api import shard_tensor
 from autoparallel.engine import layout
 from autoparallel.engine.dtensor import DistTensor
+from autoparallel.memory import recomputation
 from autoparallel.mesh import ProcessMesh
 from autoparallel.pipeline import p2p, split_backward
 from autoparallel.pipeline.local import LocalStage, runs_locally
@@ -126,6 +127,7 @@ class Pipeline:
         self._check_order()
         self._check_params()
         simulate(self.schedule)  # deadlock, order and matching checks before anything runs
+        self._whole_why: dict[int, str] = {}  # chunks whose B must run their whole backward, and why
         if self.schedule.split_backward:
             self._check_split_backward()
         self.loss_fn = loss_fn
@@ -181,7 +183,13 @@ class Pipeline:
         chunk needs parameters that train, and none may carry gradient hooks (they would not see
         ``W``'s gradients, which are added into ``.grad`` directly)."""
         name = self.schedule.name
+        self._whole_why = {}
         for c, st in enumerate(self.stages):
+            recomputed = [n or "(the stage)" for n, m in st.module.named_modules()
+                          if recomputation.policy_of(m) not in (None, "none") or getattr(m, "gradient_checkpointing", False) is True]
+            if recomputed:  # each autograd call recomputes a checkpointed region: B, then W once per weight group
+                self._whole_why[c] = (f"its modules {recomputed[:3]} are recomputed in backward (ap.recompute or "
+                                      "gradient checkpointing), which B and each W call would do again")
             params = [(n, p) for n, p in st.module.named_parameters() if p.requires_grad]
             if not params:
                 raise ValueError(
@@ -449,7 +457,7 @@ class _Run:
         x = self.inputs.pop((mb, c)) if c > 0 else None
         out = y / self.m if last else y
         params = list(self.local[c].leaves.values()) if c in self.local else list(self.pipe.stages[c].module.parameters())
-        gx, work = split_backward.input_grad(out, g_out, x, params, saved) if y.requires_grad else (None, None)
+        gx, work = split_backward.input_grad(out, g_out, x, params, saved, self.pipe._whole_why.get(c)) if y.requires_grad else (None, None)
         if work is not None and work.whole is not None:
             self.pipe._say_whole(c, work.whole)
         self.weight_work[(mb, c)] = None if work is None else (lambda: split_backward.weight_grads(work))

@@ -212,21 +212,24 @@ def _weight_nodes(groups: list[_Group], children: dict[Any, list[Any]], parents:
 
 
 def input_grad(out: torch.Tensor, grad_out: torch.Tensor | None, x: torch.Tensor | None,
-               params: Sequence[torch.Tensor], saved: SavedByForward | None = None) -> tuple[torch.Tensor | None, WeightWork]:
+               params: Sequence[torch.Tensor], saved: SavedByForward | None = None,
+               whole: str | None = None) -> tuple[torch.Tensor | None, WeightWork]:
     """``B``: the gradient of ``x`` (None when ``x`` is None or unused) from ``out``'s gradient
     ``grad_out`` (None: ``out`` is a scalar loss, gradient 1), and the work ``W`` needs.
 
     ``saved``: the tensors ``out``'s forward saved (run under it); those read by ``B`` only are
-    released when ``B`` returns."""
+    released when ``B`` returns. ``whole``: why this backward must run whole now (the caller
+    knows; ``W`` then has nothing left to do)."""
     root = out.grad_fn
     if root is None:
         return None, WeightWork([])
     g = torch.ones_like(out) if grad_out is None else grad_out
     children = _children(root)
-    if any(n.name() == compat.REENTRANT_CHECKPOINT_NODE for n in children):  # (refuses autograd.grad: whole in B)
+    if whole is None and any(n.name() == compat.REENTRANT_CHECKPOINT_NODE for n in children):  # (refuses autograd.grad)
+        whole = "it runs a reentrant torch.utils.checkpoint (use_reentrant=True), which computes all its gradients at once"
+    if whole is not None:
         torch.autograd.backward(out, g)
-        why = "it runs a reentrant torch.utils.checkpoint (use_reentrant=True), which computes all its gradients at once"
-        return (x.grad if x is not None else None), WeightWork([], why)
+        return (x.grad if x is not None else None), WeightWork([], whole)
     x_node = get_gradient_edge(x).node if x is not None and x.requires_grad else None
     trained = [p for p in params if p.requires_grad]
     parents = _parents(children)

@@ -126,8 +126,10 @@ class _DropBlock(nn.Module):
         return x + self.fc2(self.drop(torch.tanh(self.fc1(x))))
 
 
-def _pipelined(rank: int, policy: str) -> dict[str, Any]:
-    """Two stages on [0, 1] and [2, 3] (dp inside), 1F1B over 2 micro-batches, 3 SGD steps."""
+def _pipelined(rank: int, policy: str, schedule: str = "1F1B") -> dict[str, Any]:
+    """Two stages on [0, 1] and [2, 3] (dp inside), 1F1B (or ``schedule``) over 2 micro-batches, 3 SGD steps."""
+    import warnings
+
     import autoparallel as ap
     from autoparallel.pipeline import Pipeline, split_sequential
 
@@ -140,19 +142,22 @@ def _pipelined(rank: int, policy: str) -> dict[str, Any]:
     for block in model:
         block.fc1.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
     meshes = [ap.ProcessMesh([0, 1], dim_names=["dp"]), ap.ProcessMesh([2, 3], dim_names=["dp"])]
-    pipe = Pipeline(split_sequential(model, meshes), lambda y, t: (y - t).square().mean(), num_microbatches=2, schedule="1F1B")
+    pipe = Pipeline(split_sequential(model, meshes), lambda y, t: (y - t).square().mean(), num_microbatches=2, schedule=schedule)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     g = torch.Generator().manual_seed(1)
     torch.manual_seed(7)  # the dropout masks
-    losses = []
+    losses, said = [], []
     for _ in range(STEPS):
         x, t = torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
         opt.zero_grad()
-        loss = pipe.step(ap.shard_tensor(x, meshes[0], [ap.Shard(0)]), ap.shard_tensor(t, meshes[1], [ap.Shard(0)]))
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            loss = pipe.step(ap.shard_tensor(x, meshes[0], [ap.Shard(0)]), ap.shard_tensor(t, meshes[1], [ap.Shard(0)]))
+        said += [str(w.message) for w in seen if "computes its weight gradients in B" in str(w.message)]
         opt.step()
         losses.append(float(loss.full_tensor()) if rank in meshes[1] else None)
     params = {n: p.full_tensor() for n, p in model.named_parameters() if rank in p.process_mesh}
-    return {"losses": losses, "params": params, "rng": torch.get_rng_state(), "calls": calls[0]}
+    return {"losses": losses, "params": params, "rng": torch.get_rng_state(), "calls": calls[0], "said": said}
 
 
 def test_pipeline_recompute_is_bitwise_no_recompute(world4) -> None:  # type: ignore[no-untyped-def]
@@ -165,6 +170,20 @@ def test_pipeline_recompute_is_bitwise_no_recompute(world4) -> None:  # type: ig
         assert [g["calls"] - b["calls"] for g, b in zip(got, base)] == [2 * 2 * STEPS] * 4
         for r in range(4):
             _same(base[r], got[r], f"pipeline {policy} rank {r}")
+
+
+def test_pipeline_recompute_under_zero_bubble_is_bitwise_1f1b(world4) -> None:  # type: ignore[no-untyped-def]
+    """ZBH1 splits each backward into B and W calls, and each call would recompute a checkpointed
+    block again (a selective recompute replays its kept products in one backward only: it would
+    fail): a stage with recomputed modules runs its whole backward in B, after one warning, and
+    recomputes each block once per micro-batch, as under 1F1B. Both policies train bitwise as 1F1B."""
+    base = world4.run(_pipelined, "none")
+    for policy in ("full", "selective"):
+        got = world4.run(_pipelined, policy, "ZBH1")
+        assert [g["calls"] - b["calls"] for g, b in zip(got, base)] == [2 * 2 * STEPS] * 4
+        for r in range(4):
+            _same(base[r], got[r], f"ZBH1 {policy} rank {r}")
+            assert len(got[r]["said"]) == 1 and "recomputed in backward" in got[r]["said"][0], got[r]["said"]
 
 
 def _meter(rank: int, policy: str) -> dict[str, int]:
