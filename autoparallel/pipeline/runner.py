@@ -185,8 +185,10 @@ class Pipeline:
         name = self.schedule.name
         self._whole_why = {}
         for c, st in enumerate(self.stages):
-            recomputed = [n or "(the stage)" for n, m in st.module.named_modules()
-                          if recomputation.policy_of(m) not in (None, "none") or getattr(m, "gradient_checkpointing", False) is True]
+            flagged = [n for n, m in st.module.named_modules()
+                       if recomputation.policy_of(m) not in (None, "none") or getattr(m, "gradient_checkpointing", False) is True]
+            recomputed = [n or "(the stage)" for n in flagged  # (innermost: a model's flag names its layers' too)
+                          if not any(o != n and (not n or o.startswith(n + ".")) for o in flagged)]
             if recomputed:  # each autograd call recomputes a checkpointed region: B, then W once per weight group
                 self._whole_why[c] = (f"its modules {recomputed[:3]} are recomputed in backward (ap.recompute or "
                                       "gradient checkpointing), which B and each W call would do again")

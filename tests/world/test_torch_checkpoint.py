@@ -264,3 +264,50 @@ def test_checkpoint_inside_pipeline_stages_1f1b_and_zero_bubble(world4, reentran
                                       for w in said), said
     else:
         assert said == []
+
+
+def _llama_stages(rank: int, schedule: str, checkpointing: bool) -> dict[str, Any]:
+    """An unmodified tiny Llama in two ``decoder_stages`` (dp 2 inside each), 2 micro-batches, 3 SGD steps."""
+    import warnings
+
+    import autoparallel as ap
+    from tests.models.test_hf_llama import tiny_llama
+
+    torch.manual_seed(0)
+    model = tiny_llama()
+    model.config.use_cache = False
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    meshes = [ap.ProcessMesh([0, 1], dim_names=["dp"]), ap.ProcessMesh([2, 3], dim_names=["dp"])]
+    split = ap.pipeline.decoder_stages(model, meshes)
+    pipe = ap.pipeline.Pipeline(split.stages, split.loss_fn, num_microbatches=2, schedule=schedule)
+    opt = ap.shard_optimizer(torch.optim.SGD(split.parameters(), lr=0.1, momentum=0.9))
+    ids = torch.randint(0, 128, (STEPS, 4, 16), generator=torch.Generator().manual_seed(1))
+    losses, said = [], []
+    for k in range(STEPS):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            loss = pipe.step(ap.shard_tensor(ids[k], meshes[0], [ap.Shard(0)]),
+                             ap.shard_tensor(ids[k], meshes[-1], [ap.Shard(0)]))
+        said += [str(w.message) for w in seen if "computes its weight gradients in B" in str(w.message)]
+        split.sync_tied_grads()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.full_tensor()) if rank in meshes[-1] else None)
+    params = [p.detach().full_tensor() for p in split.parameters() if rank in p.process_mesh]
+    return {"losses": losses, "params": params, "warnings": said}
+
+
+def test_transformers_gradient_checkpointing_in_zero_bubble_stages(world4) -> None:  # type: ignore[no-untyped-def]
+    """transformers' ``gradient_checkpointing_enable()`` in ``decoder_stages`` under ZBH1: each stage's
+    B runs its whole backward (B and every W call would recompute the layers again), after one
+    warning naming the layer; bitwise as 1F1B with it, and like one without it."""
+    plain = world4.run(_llama_stages, "1F1B", False)
+    base = world4.run(_llama_stages, "1F1B", True)
+    zero = world4.run(_llama_stages, "ZBH1", True)
+    for p, b in zip(plain, base):
+        for x, y in zip(p["params"], b["params"]):
+            torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-7)
+    for r, (b, z) in enumerate(zip(base, zero)):
+        assert z["losses"] == b["losses"] and all(torch.equal(p, q) for p, q in zip(b["params"], z["params"]))
+        assert len(z["warnings"]) == 1 and f"['model.layers.{r // 2}'] are recomputed" in z["warnings"][0], z["warnings"]
