@@ -181,7 +181,8 @@ class Pipeline:
     def _check_split_backward(self) -> None:
         """A zero-bubble schedule computes weight gradients apart from the input's (``W``): every
         chunk needs parameters that train, and none may carry gradient hooks (they would not see
-        ``W``'s gradients, which are added into ``.grad`` directly)."""
+        ``W``'s gradients, which are added into ``.grad`` directly). A chunk with recomputed
+        modules runs its whole backward in ``B`` (``_whole_why``: the reason its warning gives)."""
         name = self.schedule.name
         self._whole_why = {}
         for c, st in enumerate(self.stages):
