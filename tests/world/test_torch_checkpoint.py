@@ -301,13 +301,9 @@ def _llama_stages(rank: int, schedule: str, checkpointing: bool) -> dict[str, An
 def test_transformers_gradient_checkpointing_in_zero_bubble_stages(world4) -> None:  # type: ignore[no-untyped-def]
     """transformers' ``gradient_checkpointing_enable()`` in ``decoder_stages`` under ZBH1: each stage's
     B runs its whole backward (B and every W call would recompute the layers again), after one
-    warning naming the layer; bitwise as 1F1B with it, and like one without it."""
-    plain = world4.run(_llama_stages, "1F1B", False)
+    warning naming the layer; bitwise as 1F1B with it."""
     base = world4.run(_llama_stages, "1F1B", True)
     zero = world4.run(_llama_stages, "ZBH1", True)
-    for p, b in zip(plain, base):
-        for x, y in zip(p["params"], b["params"]):
-            torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-7)
     for r, (b, z) in enumerate(zip(base, zero)):
         assert z["losses"] == b["losses"] and all(torch.equal(p, q) for p, q in zip(b["params"], z["params"]))
         assert len(z["warnings"]) == 1 and f"['model.layers.{r // 2}'] are recomputed" in z["warnings"][0], z["warnings"]
