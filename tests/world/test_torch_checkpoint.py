@@ -266,8 +266,9 @@ def test_checkpoint_inside_pipeline_stages_1f1b_and_zero_bubble(world4, reentran
         assert said == []
 
 
-def _llama_stages(rank: int, schedule: str, checkpointing: bool) -> dict[str, Any]:
-    """An unmodified tiny Llama in two ``decoder_stages`` (dp 2 inside each), 2 micro-batches, 3 SGD steps."""
+def _llama_stages(rank: int, schedule: str) -> dict[str, Any]:
+    """An unmodified tiny Llama with transformers' gradient checkpointing in two ``decoder_stages``
+    (dp 2 inside each), 2 micro-batches, 3 SGD steps."""
     import warnings
 
     import autoparallel as ap
@@ -276,8 +277,7 @@ def _llama_stages(rank: int, schedule: str, checkpointing: bool) -> dict[str, An
     torch.manual_seed(0)
     model = tiny_llama()
     model.config.use_cache = False
-    if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     meshes = [ap.ProcessMesh([0, 1], dim_names=["dp"]), ap.ProcessMesh([2, 3], dim_names=["dp"])]
     split = ap.pipeline.decoder_stages(model, meshes)
     pipe = ap.pipeline.Pipeline(split.stages, split.loss_fn, num_microbatches=2, schedule=schedule)
@@ -302,8 +302,8 @@ def test_transformers_gradient_checkpointing_in_zero_bubble_stages(world4) -> No
     """transformers' ``gradient_checkpointing_enable()`` in ``decoder_stages`` under ZBH1: each stage's
     B runs its whole backward (B and every W call would recompute the layers again), after one
     warning naming the layer; bitwise as 1F1B with it."""
-    base = world4.run(_llama_stages, "1F1B", True)
-    zero = world4.run(_llama_stages, "ZBH1", True)
+    base = world4.run(_llama_stages, "1F1B")
+    zero = world4.run(_llama_stages, "ZBH1")
     for r, (b, z) in enumerate(zip(base, zero)):
         assert z["losses"] == b["losses"] and all(torch.equal(p, q) for p, q in zip(b["params"], z["params"]))
         assert len(z["warnings"]) == 1 and f"['model.layers.{r // 2}'] are recomputed" in z["warnings"][0], z["warnings"]
