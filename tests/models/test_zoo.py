@@ -2,7 +2,7 @@
 
 GPT-2 (Conv1D, tied head), BERT (padding mask, token types, masked-LM head), Llama (GQA, RoPE),
 Mixtral (router, top-2 experts: data-dependent indexing), ViT and ResNet (BatchNorm) on 4 gloo
-ranks, one shared world (``world4``). Per case (tests/models/zoo.py): three SGD (momentum) steps;
+ranks, one shared world (``world4``). Per case (tests/models/zoo.py): two SGD (momentum) steps;
 the loss of every step and every parameter (and BatchNorm's running statistics), gathered, equal
 one process to rtol 1e-5 on every rank, and the collectives of each step are exactly the pinned
 ones (``zoo.CASES``), the same on every rank. docs/models.md's table is generated from these

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 RTOL = 1e-5
-STEPS = 3
+STEPS = 2
 VOCAB = 128
 
 
@@ -400,15 +400,15 @@ CASES: dict[tuple[str, str], Any] = {
     ("llama_tied", "pp_static"): [{'all_reduce': 3, 'send_recv': 6}] * STEPS,
     ("llama_tied", "pp_tp_sp"): [{'all_gather': 12, 'all_reduce': 1, 'reduce_scatter': 13, 'send_recv': 6}]
     + [{'all_gather': 10, 'all_reduce': 1, 'reduce_scatter': 10, 'send_recv': 6}] * (STEPS - 1),
-    ("mixtral", "dp"): [{'all_gather': 23, 'all_reduce': 15, 'all_to_all': 58, 'reduce_scatter': 53}, {'all_gather': 22, 'all_reduce': 16, 'all_to_all': 60, 'reduce_scatter': 54}, {'all_gather': 22, 'all_reduce': 16, 'all_to_all': 60, 'reduce_scatter': 54}],
-    ("mixtral", "zero1"): [{'all_gather': 24, 'all_reduce': 15, 'all_to_all': 58, 'reduce_scatter': 53}, {'all_gather': 23, 'all_reduce': 16, 'all_to_all': 60, 'reduce_scatter': 54}, {'all_gather': 23, 'all_reduce': 16, 'all_to_all': 60, 'reduce_scatter': 54}],
-    ("mixtral", "zero2"): [{'all_gather': 24, 'all_reduce': 14, 'all_to_all': 58, 'reduce_scatter': 54}, {'all_gather': 23, 'all_reduce': 15, 'all_to_all': 60, 'reduce_scatter': 55}, {'all_gather': 23, 'all_reduce': 15, 'all_to_all': 60, 'reduce_scatter': 55}],
-    ("mixtral", "zero3"): [{'all_gather': 45, 'all_reduce': 14, 'all_to_all': 58, 'reduce_scatter': 64}, {'all_gather': 44, 'all_reduce': 15, 'all_to_all': 60, 'reduce_scatter': 65}, {'all_gather': 44, 'all_reduce': 13, 'all_to_all': 60, 'reduce_scatter': 63}],
+    ("mixtral", "dp"): [{'all_gather': 23, 'all_reduce': 15, 'all_to_all': 58, 'reduce_scatter': 53}, {'all_gather': 22, 'all_reduce': 16, 'all_to_all': 60, 'reduce_scatter': 54}],
+    ("mixtral", "zero1"): [{'all_gather': 24, 'all_reduce': 15, 'all_to_all': 58, 'reduce_scatter': 53}, {'all_gather': 23, 'all_reduce': 16, 'all_to_all': 60, 'reduce_scatter': 54}],
+    ("mixtral", "zero2"): [{'all_gather': 24, 'all_reduce': 14, 'all_to_all': 58, 'reduce_scatter': 54}, {'all_gather': 23, 'all_reduce': 15, 'all_to_all': 60, 'reduce_scatter': 55}],
+    ("mixtral", "zero3"): [{'all_gather': 45, 'all_reduce': 14, 'all_to_all': 58, 'reduce_scatter': 64}, {'all_gather': 44, 'all_reduce': 15, 'all_to_all': 60, 'reduce_scatter': 65}],
     # (under TP the local regions below the decoder layers take over from step 4: each layer and
     # attention, given the cache, is traced and refused first (a style moves data inside it);
     # then 'all_reduce': 26, 'reduce_scatter': 2 per step for "tp", as measured over 8 steps)
     ("mixtral", "tp"): [{'all_gather': 7, 'all_reduce': 19, 'all_to_all': 4, 'reduce_scatter': 9}] * STEPS,
-    ("mixtral", "tp_whole"): [{'all_gather': 12, 'all_reduce': 7, 'all_to_all': 4, 'reduce_scatter': 20}, {'all_gather': 13, 'all_reduce': 7, 'all_to_all': 4, 'reduce_scatter': 19}, {'all_gather': 13, 'all_reduce': 7, 'all_to_all': 4, 'reduce_scatter': 19}],
+    ("mixtral", "tp_whole"): [{'all_gather': 12, 'all_reduce': 7, 'all_to_all': 4, 'reduce_scatter': 20}, {'all_gather': 13, 'all_reduce': 7, 'all_to_all': 4, 'reduce_scatter': 19}],
     ("mixtral", "dp_tp"): [{'all_gather': 49, 'all_reduce': 21, 'all_to_all': 44, 'reduce_scatter': 61, 'send_recv': 22}] * STEPS,
     ("mixtral", "dp_tp_sp"): [{'all_gather': 66, 'all_reduce': 6, 'all_to_all': 34, 'reduce_scatter': 70, 'send_recv': 10}] * STEPS,
     ("vit", "dp"): [{'all_reduce': 2}] * STEPS,
