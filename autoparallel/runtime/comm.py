@@ -266,6 +266,12 @@ def _name(group: object) -> str:
     return group.group_name  # type: ignore[attr-defined,no-any-return]
 
 
+def captured_group(mesh: ProcessMesh, axis: int) -> tuple[str, tuple[int, ...]]:
+    """The name a captured collective over the mesh axis gives its group, and the axis line."""
+    group, line, _ = _group(mesh, axis)
+    return _name(group), line
+
+
 def _refuse_in_capture(what: str) -> None:
     if _FUNCTIONAL[0]:
         raise CaptureError(f"{what} (point-to-point) cannot be captured in a static program")

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from autoparallel import cost
 from autoparallel.compat import tree_flatten, tree_unflatten
 from autoparallel.engine import dispatch, layout
 from autoparallel.log import logger
@@ -42,7 +43,7 @@ from autoparallel.runtime.debug import CommRecord, replay
 from autoparallel.spec import DistSpec
 from autoparallel.static import signature
 from autoparallel.static.capture import Capture, Watch, capture, draws
-from autoparallel.static.passes import hoist_starts, sink_waits
+from autoparallel.static.passes import MERGE_BYTES, hoist_starts, merge_all_reduces, reduce_output, sink_waits, tag_records
 from autoparallel.static.strategy import Strategy
 
 TRAIN, EVAL, PREDICT = "train", "eval", "predict"
@@ -279,19 +280,49 @@ class DistModel:
             return value
         grad_index = tuple(i for i, g in enumerate(got.get("grads", ())) if g is not None)
         specs = tuple((layout.spec_of(o), layout.stride_of(o)) if layout.is_dist(o) else None for o in outs)
+        records = result.records
         if self.strategy.overlap and self._may_overlap():
             sink_waits(result.program)
             hoist_starts(result.program)
+            records, specs = self._merge_reductions(result.program, records, specs)
         run: Callable[..., Any] = result.program
         if self.strategy.compile == "inductor":
             run = self._compiled(result.program)
             if draws(result.program):
                 self._warn("compile='inductor': the step draws random numbers (dropout); inductor draws them with its "
                            "own generator, so masks differ from eager's for the same seed (compile=None keeps them)")
-        self._keep(key, _Program(run, specs, grad_index, result.records, got.get("tree"), n_out))
+        self._keep(key, _Program(run, specs, grad_index, records, got.get("tree"), n_out))
         logger.info("static: captured the %s step in %.2f s (a program of %d nodes, %d collectives; %d signatures kept)",
-                    self._mode, took, len(result.program.graph.nodes), len(result.records), len(self._programs))
+                    self._mode, took, len(result.program.graph.nodes), len(records), len(self._programs))
         return value
+
+    def _merge_reductions(self, gm: torch.fx.GraphModule, records: tuple[CommRecord, ...], specs: tuple[Any, ...]
+                          ) -> tuple[tuple[CommRecord, ...], tuple[Any, ...]]:
+        """Merge the program's all-reduces (``passes.merge_all_reduces``). A loss left Partial on
+        one mesh axis (class-split logits) is reduced in the program when that reduction rides
+        along another all-reduce over the same group (no collective of its own): the loss then
+        comes back Replicate, and reading it costs nothing. Returns the records of what the
+        program issues and the outputs' layouts."""
+        recs = list(records)
+        if not tag_records(gm, recs):
+            return records, specs
+        optional = []
+        loss = specs[0][0] if self._mode != PREDICT and specs and specs[0] is not None else None
+        if loss is not None and len(loss.partial_axes()) == 1 and loss.dtype in (torch.float32, torch.float64):
+            axis = loss.partial_axes()[0]
+            reduce_type = loss.placements[axis].reduce_type
+            if reduce_type in ("sum", "max", "min"):
+                name, line = comm.captured_group(loss.mesh, axis)
+                node = reduce_output(gm, 0, reduce_type, name)
+                node.meta["ap_record"] = len(recs)
+                recs.append(CommRecord("all_reduce", loss.mesh, axis, line,
+                                       *cost.all_reduce_bytes(loss.itemsize * loss.numel, len(line))))
+                optional.append(node)
+        limit = MERGE_BYTES if self.strategy.bucket_bytes is None else self.strategy.bucket_bytes
+        kept, merged = merge_all_reduces(gm, recs, optional, limit)
+        if loss is not None and optional and optional[0] in merged:
+            specs = ((loss.without_partial(), specs[0][1]), *specs[1:])
+        return tuple(kept), specs
 
     def _may_overlap(self) -> bool:
         """Whether the program's collectives may move (``Strategy.overlap``): not under a ZeRO-3

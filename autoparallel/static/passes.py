@@ -14,18 +14,33 @@ that writes a tensor in place, and random ops never move (the draws keep eager's
   whose input is only program inputs (a ZeRO-3 parameter all-gather) is a *prefetch*: it moves
   up at most to just after the wait of the previous such collective, so at most one unit ahead
   is gathered early and ZeRO-3 keeps its memory bound.
+- ``merge_all_reduces``: two all-reduces over the same group, with the same reduction and dtype,
+  become one (their inputs flattened into one buffer, the result split back) where neither
+  result is needed before both inputs exist: a small reduction is latency-bound, and one start
+  instead of two saves a round trip (DDP's bucketing, across whatever the program reduces: a
+  LayerNorm weights' bucket with the activation gradient reduced beside it, a loss with the
+  backward's first reduction). Up to ``MERGE_BYTES`` in all: above that, copying into one buffer
+  costs about what a start does. Runs after ``sink_waits`` and ``hoist_starts`` (a start sits where its input is complete, a wait at its first use).
+  Elementwise the sums are the same; a backend may add each element's terms in another order
+  inside a larger buffer (on three or more ranks: the last bit of a float sum).
 """
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Collection, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
 
+from autoparallel.runtime.debug import CommRecord
 from spmd_rules.random_ops import draws_random
 
 _FC = torch.ops._c10d_functional
 _WAIT = _FC.wait_tensor.default
+_AR = _FC.all_reduce.default
+MERGE_BYTES = 1 << 20  # all-reduces merge up to this many bytes in all
 _aten = torch.ops.aten
 # ops that only move or repack data: cheap to run a little earlier or later
 _CHEAP = {
@@ -176,3 +191,138 @@ def _last_placeholder(graph: torch.fx.Graph) -> torch.fx.Node:
         last = n
     assert last is not None
     return last
+
+
+# ---- merging all-reduces ---------------------------------------------------------------------
+def tag_records(gm: torch.fx.GraphModule, records: Sequence[CommRecord]) -> bool:
+    """Note on each all-reduce node the index of its record in ``records`` (the capture's
+    collectives in issue order, one record per functional collective); False, tagging nothing,
+    where the two do not correspond one to one."""
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is _AR]
+    index = [i for i, r in enumerate(records) if r.kind == "all_reduce"]
+    if len(nodes) != len(index):
+        return False
+    for n, i in zip(nodes, index):
+        n.meta["ap_record"] = i
+    return True
+
+
+def reduce_output(gm: torch.fx.GraphModule, index: int, reduce_op: str, group_name: str) -> torch.fx.Node:
+    """Reduce the program's output ``index`` over a group before it is returned: the all-reduce
+    node (untagged: the caller notes its record)."""
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    values = list(out.args[0])
+    value = values[index]
+    while isinstance(value, torch.fx.Node) and value.target is _aten.detach.default:  # the program has no autograd
+        value = value.args[0]
+    with gm.graph.inserting_before(out):
+        start = gm.graph.call_function(_AR, (value, reduce_op, group_name))
+        values[index] = gm.graph.call_function(_WAIT, (start,))
+    out.args = (values, *out.args[1:])
+    return start
+
+
+def merge_all_reduces(gm: torch.fx.GraphModule, records: Sequence[CommRecord],
+                      optional: Collection[torch.fx.Node] = (), limit: int = MERGE_BYTES
+                      ) -> tuple[list[CommRecord], set[torch.fx.Node]]:
+    """Merge all-reduces (see the module docstring); the nodes must carry their records' indices
+    (``tag_records``). An ``optional`` all-reduce (one the caller added, such as a loss reduced
+    for free) is kept only if it merged into another; otherwise it is taken out again, its
+    input returned as it was. Returns the records of the collectives the program now issues
+    and the optional nodes that merged. The graph is recompiled."""
+    kept: list[CommRecord | None] = list(records)
+    merged_optional: set[torch.fx.Node] = set()
+    while True:
+        found = _mergeable_pair(gm, limit)
+        if found is None:
+            break
+        x, y, at = found
+        merged_optional |= {n for n in (x, y) if n in optional}
+        node = _merge(gm, x, y, at)
+        ix, iy = x.meta["ap_record"], y.meta["ap_record"]
+        rx, ry = kept[ix], kept[iy]
+        assert rx is not None and ry is not None
+        kept[min(ix, iy)] = replace(rx, sent_bytes=rx.sent_bytes + ry.sent_bytes, recv_bytes=rx.recv_bytes + ry.recv_bytes,
+                                    module=rx.module if rx.module == ry.module else None,
+                                    op=rx.op if rx.op == ry.op else None)
+        kept[max(ix, iy)] = None
+        node.meta["ap_record"] = min(ix, iy)
+    for n in optional:
+        if n in merged_optional:
+            continue
+        wait, value = next(iter(n.users)), n.args[0]
+        assert isinstance(value, torch.fx.Node)
+        wait.replace_all_uses_with(value)
+        gm.graph.erase_node(wait)
+        gm.graph.erase_node(n)
+        kept[n.meta["ap_record"]] = None
+    gm.graph.lint()
+    gm.recompile()
+    return [r for r in kept if r is not None], merged_optional
+
+
+def _reduction(node: torch.fx.Node) -> tuple[Any, ...] | None:
+    """(group, reduction, dtype) of an all-reduce that may merge: tagged, read by one wait, its
+    input's metadata known and contiguous; None otherwise."""
+    if node.op != "call_function" or node.target is not _AR or "ap_record" not in node.meta:
+        return None
+    if len(node.users) != 1 or next(iter(node.users)).target is not _WAIT:
+        return None
+    val = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
+    if not isinstance(val, torch.Tensor) or not val.is_contiguous():
+        return None
+    return (node.args[2], node.args[1], val.dtype)
+
+
+def _nbytes(node: torch.fx.Node) -> int:
+    val = node.args[0].meta["val"]  # type: ignore[union-attr]
+    return int(val.numel() * val.element_size())
+
+
+def _mergeable_pair(gm: torch.fx.GraphModule, limit: int) -> tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node] | None:
+    """The first two all-reduces ``x`` before ``y`` that may become one, and the node the merged
+    one starts at: ``y`` when ``x``'s result is first needed after ``y`` starts, ``x`` when
+    ``y``'s input exists before ``x`` starts. Nothing that writes in place may lie between them
+    (an input read later or earlier than before must hold the same values)."""
+    nodes = list(gm.graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    writes = [0]
+    for n in nodes:
+        writes.append(writes[-1] + _writes(n))
+    starts = [(n, k) for n in nodes if (k := _reduction(n)) is not None]
+    for i, (x, kx) in enumerate(starts):
+        for y, ky in starts[i + 1:]:
+            if ky != kx or _nbytes(x) + _nbytes(y) > limit:
+                continue
+            if writes[order[y] + 1] - writes[order[x]] > 0:
+                continue
+            wx = next(iter(x.users))
+            if order[wx] > order[y]:
+                return x, y, y
+            if all(order[a] < order[x] for a in y.all_input_nodes):
+                return x, y, x
+    return None
+
+
+def _merge(gm: torch.fx.GraphModule, x: torch.fx.Node, y: torch.fx.Node, at: torch.fx.Node) -> torch.fx.Node:
+    """One all-reduce of ``x``'s and ``y``'s inputs, flattened and joined, started at ``at`` and
+    waited for where the first of the two was; each old result is its piece, viewed back."""
+    g = gm.graph
+    wx, wy = next(iter(x.users)), next(iter(y.users))
+    order = {n: i for i, n in enumerate(g.nodes)}
+    first_wait = wx if order[wx] < order[wy] else wy
+    vals = [x.args[0].meta["val"], y.args[0].meta["val"]]  # type: ignore[union-attr]
+    with g.inserting_before(at):
+        flat = [g.call_function(_aten.reshape.default, (n.args[0], [-1])) for n in (x, y)]
+        start = g.call_function(_AR, (g.call_function(_aten.cat.default, (flat,)), x.args[1], x.args[2]))
+    start.args[0].meta["val"] = torch.empty(sum(v.numel() for v in vals), dtype=vals[0].dtype, device="meta")  # type: ignore[union-attr]
+    with g.inserting_before(first_wait):
+        wait = g.call_function(_WAIT, (start,))
+        parts = g.call_function(_aten.split_with_sizes.default, (wait, [v.numel() for v in vals]))
+        views = [g.call_function(_aten.view.default, (g.call_function(operator.getitem, (parts, k)), list(v.shape)))
+                 for k, v in enumerate(vals)]
+    wx.replace_all_uses_with(views[0])
+    wy.replace_all_uses_with(views[1])
+    for n in (wx, wy, x, y):
+        g.erase_node(n)
+    return start

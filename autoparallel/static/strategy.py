@@ -194,15 +194,20 @@ class Strategy(_Slotted):
       summed, divided by ``accumulate_steps`` and stepped once, on the last call of each group
       (equal micro-batches of a mean loss: the step of the whole batch).
     - ``bucket_bytes``: the gradient bucket size of a ``shard_optimizer`` optimizer (its
-      reductions are part of the captured program); None keeps the optimizer's.
+      reductions are part of the captured program), and the most bytes two all-reduces of the
+      program may carry once merged into one (``overlap``); None keeps the optimizer's bucket
+      size and merges up to ``passes.MERGE_BYTES`` (1 MiB).
     - ``compile``: None replays the captured program as it is; ``"inductor"`` compiles it with
       ``torch.compile(backend="inductor")`` first (falls back to the plain program, with a
       warning, where compiling fails).
     - ``overlap``: each collective of the program starts as soon as its input exists
       (``passes.hoist_starts``: gradient buckets during the backward, ZeRO-3 all-gathers one
       unit ahead) and is waited for only where its result is first needed
-      (``passes.sink_waits``), so compute overlaps the communication. The values are the same
-      either way. Under a ZeRO-3 optimizer the stage's own ``overlap`` decides
+      (``passes.sink_waits``), so compute overlaps the communication; all-reduces over the same
+      group whose results are not needed before both inputs exist become one
+      (``passes.merge_all_reduces``: one start instead of two), and a loss left Partial is then
+      reduced inside the program when it can ride along one (it comes back Replicate). The
+      values are the same either way. Under a ZeRO-3 optimizer the stage's own ``overlap`` decides
       (``ShardingStage3(mesh, overlap=True)``): without it the program keeps eager's order, and so
       eager's peak memory.
 

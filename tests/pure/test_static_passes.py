@@ -182,3 +182,107 @@ def test_split_joint_reads_a_constant_in_each_program_that_uses_it() -> None:
     out = parts.forward(xv)
     (grad,) = parts.backward(*out[1:], tv)
     assert torch.equal(out[0], xv * 3) and torch.equal(grad, tv * 3) and parts.num_saved == 0
+
+
+# ---- merging all-reduces -------------------------------------------------------------------
+class _TwoRanks(torch.fx.Interpreter):
+    """Runs a program as each of two ranks holding the same values would: a sum is twice the value."""
+
+    def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
+        if target is fc.all_reduce.default:
+            return args[0] * 2 if args[1] == "sum" else args[0].clone()
+        if target is fc.wait_tensor.default:
+            return args[0]
+        return super().call_function(target, args, kwargs)
+
+
+def _val(node: torch.fx.Node, *shape: int) -> torch.fx.Node:
+    node.meta["val"] = torch.empty(shape)
+    return node
+
+
+def _two_reductions(dependent: bool = False, groups: tuple[str, str] = ("0", "0"),
+                    ops: tuple[str, str] = ("sum", "sum")) -> torch.fx.GraphModule:
+    """``x`` reduced, then ``y`` (from ``b``, or from ``x``'s result when ``dependent``) reduced;
+    ``x``'s result is first used after ``y``'s reduction starts (once ``sink_waits`` ran)."""
+    g = torch.fx.Graph()
+    a, b = g.placeholder("a"), g.placeholder("b")
+    x = _val(g.call_function(aten.mul.Tensor, (a, 2)), 2, 3)
+    wx = g.call_function(fc.wait_tensor.default, (g.call_function(fc.all_reduce.default, (x, ops[0], groups[0])),))
+    y = _val(g.call_function(aten.add.Tensor, (wx if dependent else b, 1)), 2, 3)
+    wy = g.call_function(fc.wait_tensor.default, (g.call_function(fc.all_reduce.default, (y, ops[1], groups[1])),))
+    g.output((g.call_function(aten.mul.Tensor, (wx, 3)), g.call_function(aten.mul.Tensor, (wy, 5))))
+    return torch.fx.GraphModule(torch.nn.Module(), g)
+
+
+def _records(n: int, nbytes: int = 24) -> list[Any]:
+    from autoparallel.runtime.debug import CommRecord
+
+    return [CommRecord("all_reduce", None, 0, (0, 1), nbytes, nbytes, op=f"op{i}") for i in range(n)]
+
+
+def _reductions(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    return [n for n in gm.graph.nodes if n.target is fc.all_reduce.default]
+
+
+def test_independent_all_reduces_become_one_with_the_same_values() -> None:
+    from autoparallel.static.passes import merge_all_reduces, tag_records
+
+    gm = _two_reductions()
+    a, b = torch.randn(2, 3), torch.randn(2, 3)
+    before = _TwoRanks(gm).run(a, b)
+    sink_waits(gm)
+    assert tag_records(gm, _records(2))
+    records, _ = merge_all_reduces(gm, _records(2))
+    (merged,) = _reductions(gm)
+    assert merged.args[0].target is aten.cat.default and merged.args[1:] == ("sum", "0")
+    # one record: both payloads, the ops' names differ so none is named
+    assert [(r.kind, r.sent_bytes, r.recv_bytes, r.op) for r in records] == [("all_reduce", 48, 48, None)]
+    for got, want in zip(_TwoRanks(gm).run(a, b), before):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("case", ["dependent", "other group", "other reduction", "over the limit"])
+def test_all_reduces_that_cannot_be_one_stay_two(case: str) -> None:
+    from autoparallel.static.passes import merge_all_reduces, tag_records
+
+    gm = _two_reductions(dependent=case == "dependent", groups=("0", "1") if case == "other group" else ("0", "0"),
+                         ops=("sum", "max") if case == "other reduction" else ("sum", "sum"))
+    sink_waits(gm)
+    assert tag_records(gm, _records(2))
+    records, _ = merge_all_reduces(gm, _records(2), limit=47 if case == "over the limit" else 1 << 20)
+    assert len(_reductions(gm)) == 2 and len(records) == 2
+
+
+def test_a_loss_is_reduced_in_the_program_only_when_it_rides_along() -> None:
+    from autoparallel.static.passes import merge_all_reduces, reduce_output, tag_records
+
+    for partner in (True, False):
+        g = torch.fx.Graph()
+        a, b = g.placeholder("a"), g.placeholder("b")
+        loss = _val(g.call_function(aten.sum.default, (a,)))  # scalar, computed first
+        grad = _val(g.call_function(aten.mul.Tensor, (b, 2)), 2, 3)
+        red = g.call_function(fc.all_reduce.default, (grad, "sum", "0" if partner else "1"))
+        g.output((g.call_function(aten.detach.default, (loss,)), g.call_function(fc.wait_tensor.default, (red,))))
+        gm = torch.fx.GraphModule(torch.nn.Module(), g)
+        recs = _records(1)
+        assert tag_records(gm, recs)
+        node = reduce_output(gm, 0, "sum", "0")
+        node.meta["ap_record"] = len(recs)
+        recs = recs + _records(1, 4)
+        records, merged = merge_all_reduces(gm, recs, [node])
+        assert (node in merged) is partner
+        assert len(_reductions(gm)) == 1 and len(records) == 1
+        x, y = torch.randn(2, 3), torch.randn(2, 3)
+        out = _TwoRanks(gm).run(x, y)
+        # merged: the loss comes back reduced; alone: as it was (no collective of its own)
+        torch.testing.assert_close(out[0], x.sum() * (2 if partner else 1), rtol=0, atol=0)
+        torch.testing.assert_close(out[1], y * 2 * 2, rtol=0, atol=0)
+
+
+def test_records_that_do_not_match_the_program_tag_nothing() -> None:
+    from autoparallel.static.passes import tag_records
+
+    gm = _two_reductions()
+    assert not tag_records(gm, _records(3))
+    assert all("ap_record" not in n.meta for n in _reductions(gm))
