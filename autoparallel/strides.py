@@ -17,7 +17,7 @@ has a contiguous dense shard. A shard that follows neither (a collective's row-m
 standing for a transposed tensor, a kernel choosing another memory layout on the local sizes,
 an expanded stride-0 gradient under a contiguous wrapper) is copied by ``conform``.
 
-Pure metadata except ``conform``; imports torch only.
+Pure metadata except ``conform`` (whose copy keeps what ``known_sums`` noted on the shard).
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ from collections.abc import Sequence
 from functools import lru_cache
 
 import torch
+
+from autoparallel import known_sums
 
 
 # (the strides memos are keyed by exact shapes: a new sequence length adds ~20 entries to
@@ -112,7 +114,7 @@ def conform(local: torch.Tensor, like: tuple[int, ...], dense: tuple[int, ...] |
         return local
     shape = tuple(local.shape)
     out = torch.empty_strided(shape, dense or dense_strides(shape, like), dtype=local.dtype, device=local.device)
-    return out.copy_(local)
+    return known_sums.carry(local, out.copy_(local))
 
 
 __all__ = ["conform", "contiguous_strides", "dense_strides", "follows", "nesting"]

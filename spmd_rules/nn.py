@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 
+from autoparallel import known_sums
 from autoparallel.placement import Partial, Placement, Shard
 from spmd_rules.base import P_SUM, AxisStrategy, LocalContext, OpCall, R
 from spmd_rules.base import input_slots as _slots
@@ -348,18 +349,21 @@ def nll_backward_local(
     ctx: LocalContext, grad: torch.Tensor, x: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None,
     reduction: int, ignore_index: int, total_weight: torch.Tensor,
 ) -> torch.Tensor:
-    """Class-sharded: write -w[t] * grad only where the target class is local."""
+    """Class-sharded: write -w[t] * grad only where the target class is local. Each row's sum
+    over all classes is then known on every rank (the one term its target's class holds, 0 where
+    ignored) and noted on the shard (``autoparallel.known_sums``): ``log_softmax``'s backward
+    takes it instead of all-reducing its pieces' sums."""
     spec, cdim, off, n, _ = nll_layout(ctx)
     classes = spec.shape[cdim]
-    if n == classes:
+    if not axes_sharding(spec, cdim):
         return ctx.call.op(grad, x, target, weight, reduction, ignore_index, total_weight)
     out = torch.zeros_like(x)
+    w_t, mine, idx = nll_pick(target, weight, ignore_index, classes, off, n, x.dtype)
+    g = grad / total_weight if reduction == MEAN else grad
+    term = -w_t * g
     if n:
-        w_t, mine, idx = nll_pick(target, weight, ignore_index, classes, off, n, x.dtype)
-        g = grad / total_weight if reduction == MEAN else grad
-        coef = torch.where(mine, -w_t * g, 0).to(x.dtype)
-        out.scatter_(cdim, idx.unsqueeze(cdim), coef.unsqueeze(cdim))
-    return out
+        out.scatter_(cdim, idx.unsqueeze(cdim), torch.where(mine, term, 0).to(x.dtype).unsqueeze(cdim))
+    return known_sums.note(out, cdim, torch.where(target != ignore_index, term, 0).to(x.dtype).unsqueeze(cdim))
 
 
 # ---- dropout -------------------------------------------------------------------------------

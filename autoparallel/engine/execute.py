@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from autoparallel import compat, runtime
+from autoparallel import compat, known_sums, runtime
 from autoparallel.engine.decision import Decision, InplaceViewDecision, LocalStep, OutKind, ValueDecision
 from autoparallel.engine.deferred import split_deferred
 from autoparallel.engine.slots import flatten_out, map_args, place_locals
@@ -66,7 +66,7 @@ def execute(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], 
             if ctx.may_defer:  # the kernel may have returned Deferred values
                 out, marks = split_deferred(out)
             if d.simple and isinstance(out, torch.Tensor) and not marks:
-                return cls._wrap(_follow(out, d, 0), d.out_specs[0], d.out_strides[0])
+                return _bound(cls._wrap(_follow(out, d, 0), d.out_specs[0], d.out_strides[0]))
     else:
         out, marks = None, ()
     if d.fallback and member and not d.mutated:  # the kernel's outputs, whatever meta said
@@ -97,6 +97,10 @@ def execute(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], 
         None if s is None or lo is None else cls._wrap(lo, s, st)
         for lo, s, st in zip(louts, d.out_specs, d.out_strides)
     ]
+    if member and d.local_fn is not None:  # a kernel's notes on its shards (known_sums)
+        for w in wrapped:
+            if w is not None:
+                _bound(w)
     if marks:  # the kernel started a deferred statistic: these outputs wait on it
         wrapped = [w if m is None or w is None else cls._wrap_deferred(w, m) for w, m in zip(wrapped, marks)]
     if d.detached_view:
@@ -116,9 +120,17 @@ def _moved(dts: list[Any], d: LocalStep) -> list[torch.Tensor]:
     """Each DistTensor input's shard as the op takes it: moved by its plan, a copied shard made to
     follow its wrapper's strides."""
     locs = [t._local if p is None else run_any(t._local, p) for t, p in zip(dts, d.plans)]
+    for t, loc in zip(dts, locs):
+        known_sums.check(loc, t)  # a shard's note holds only while its DistTensor was not written
     for i, like, dense in d.in_conform:
         locs[i] = conform(locs[i], like, dense)
     return locs
+
+
+def _bound(wrapped: Any) -> Any:
+    """``wrapped``, its shard's note (``known_sums``) bound to it."""
+    known_sums.bind(wrapped._local, wrapped)
+    return wrapped
 
 
 def _follow(local: torch.Tensor, d: LocalStep, k: int) -> torch.Tensor:

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from autoparallel import known_sums
 from autoparallel.engine.deferred import Deferred, Stat
 from autoparallel.engine.ring_attention import KERNELS as ATTENTION_KERNELS
 from autoparallel.mesh import ProcessMesh
@@ -112,7 +113,9 @@ def softmax_local(ctx: LocalContext, x: torch.Tensor, dim: int, half_to_float: b
 def softmax_backward_local(
     ctx: LocalContext, grad: torch.Tensor, out: torch.Tensor, dim: int, input_dtype: torch.dtype
 ) -> torch.Tensor:
-    """Over a sharded dim: the row sum the gradient needs comes from an all-reduce."""
+    """Over a sharded dim: the row sum the gradient needs comes from an all-reduce — or, for
+    ``log_softmax``, from the gradient's shard where the step that wrote it knew the sums
+    (``autoparallel.known_sums``: the NLL loss's backward)."""
     d = dim % max(out.ndim, 1)
     spec = ctx.in_specs[1]
     axes = axes_sharding(spec, d)
@@ -123,7 +126,9 @@ def softmax_backward_local(
     ct = compute_dtype(out_meta.dtype)
     g, y = grad.to(ct), out.to(ct)
     if ctx.call.op.overloadpacket is aten._log_softmax_backward_data:
-        res = g - y.exp() * ctx.comm.all_reduce(g.sum(d, keepdim=True), axes, "sum")
+        sums = known_sums.known(grad, d)
+        total = sums.to(ct) if sums is not None else ctx.comm.all_reduce(g.sum(d, keepdim=True), axes, "sum")
+        res = g - y.exp() * total
     else:
         res = y * (g - ctx.comm.all_reduce((g * y).sum(d, keepdim=True), axes, "sum"))
     return res.to(out_meta.dtype)

@@ -207,7 +207,8 @@ class Strategy(_Slotted):
       group whose results are not needed before both inputs exist become one
       (``passes.merge_all_reduces``: one start instead of two), and a loss left Partial is then
       reduced inside the program when it can ride along one (it comes back Replicate). The
-      values are the same either way. Under a ZeRO-3 optimizer the stage's own ``overlap`` decides
+      values are the same either way (a merged sum may add an element's terms in another order
+      on three or more ranks: the last bit of a float). Under a ZeRO-3 optimizer the stage's own ``overlap`` decides
       (``ShardingStage3(mesh, overlap=True)``): without it the program keeps eager's order, and so
       eager's peak memory.
 

@@ -561,11 +561,11 @@ def test_static_megatron_step_merges_its_small_reductions(world4: Any) -> None: 
         eager, static = res["eager"], res["static"]
         torch.testing.assert_close(torch.tensor(static["losses"]), torch.tensor(eager["losses"]), rtol=1e-6, atol=0)
         # eager: 7 forward (embedding, 2 per block, the loss's max and sum of exponentials), the
-        # loss read, 7 backward (the row sums of log_softmax's backward, 5 activation gradients,
-        # the LayerNorm weights' and position table's bucket)
-        assert eager["comms"] == [{"all_reduce": 15}] * 4
+        # loss read, 6 backward (5 activation gradients, the LayerNorm weights' and position
+        # table's bucket; log_softmax's backward takes its row sums from the NLL backward)
+        assert eager["comms"] == [{"all_reduce": 14}] * 4
         assert all(p == (Partial(),) for p in eager["placements"])
-        # replayed (from the third call): the loss rides along the row sums' all-reduce, the
-        # bucket along the last activation gradient's; the loss comes back Replicate
-        assert static["comms"][2:] == [{"all_reduce": 13}] * 2
+        # replayed (from the third call): the loss rides along the first activation gradient's
+        # all-reduce, the bucket along the last one's: Megatron's 12, and the loss is Replicate
+        assert static["comms"][2:] == [{"all_reduce": 12}] * 2
         assert static["placements"][2:] == [(Replicate(),)] * 2
