@@ -282,26 +282,69 @@ def _nbytes(node: torch.fx.Node) -> int:
 def _mergeable_pair(gm: torch.fx.GraphModule, limit: int) -> tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node] | None:
     """The first two all-reduces ``x`` before ``y`` that may become one, and the node the merged
     one starts at: ``y`` when ``x``'s result is first needed after ``y`` starts, ``x`` when
-    ``y``'s input exists before ``x`` starts. Nothing that writes in place may lie between them
-    (an input read later or earlier than before must hold the same values)."""
+    ``y``'s input exists before ``x`` starts. The input read later (or earlier) than before must
+    not be written in place in between (through any view of it): decided from the program's
+    structure, the same on every rank (a kernel's writes to its own fresh buffers, which may
+    differ with a rank's local sizes, are not the inputs' aliases)."""
     nodes = list(gm.graph.nodes)
     order = {n: i for i, n in enumerate(nodes)}
-    writes = [0]
-    for n in nodes:
-        writes.append(writes[-1] + _writes(n))
     starts = [(n, k) for n in nodes if (k := _reduction(n)) is not None]
     for i, (x, kx) in enumerate(starts):
         for y, ky in starts[i + 1:]:
             if ky != kx or _nbytes(x) + _nbytes(y) > limit:
                 continue
-            if writes[order[y] + 1] - writes[order[x]] > 0:
-                continue
+            between = nodes[order[x] + 1:order[y]]
             wx = next(iter(x.users))
-            if order[wx] > order[y]:
+            if order[wx] > order[y] and not _written_in(between, x.args[0]):
                 return x, y, y
-            if all(order[a] < order[x] for a in y.all_input_nodes):
+            if all(order[a] < order[x] for a in y.all_input_nodes) and not _written_in(between, y.args[0]):
                 return x, y, x
     return None
+
+
+def _view_of(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The node ``node`` is a view of (its first argument), if it is a view op or a getitem."""
+    if node.op != "call_function":
+        return None
+    if node.target is operator.getitem:
+        src = node.args[0]
+        return src if isinstance(src, torch.fx.Node) else None
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or schema.is_mutable or not schema.returns:
+        return None
+    if all(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns):
+        src = node.args[0] if node.args else None
+        return src if isinstance(src, torch.fx.Node) else None
+    return None
+
+
+def _written_in(span: list[torch.fx.Node], value: Any) -> bool:
+    """Whether a node of ``span`` may write ``value`` (or a view of it, or what it views) in place."""
+    if not isinstance(value, torch.fx.Node):
+        return False
+    base = value
+    while (up := _view_of(base)) is not None:
+        base = up
+    aliases, todo = {base}, [base]
+    while todo:
+        for u in todo.pop().users:
+            if u not in aliases and _view_of(u) is not None:
+                aliases.add(u)
+                todo.append(u)
+    for n in span:
+        if n.op in ("placeholder", "get_attr", "output"):
+            continue
+        if n.op != "call_function":
+            return True  # a module or method call: anything may be written
+        schema = getattr(n.target, "_schema", None)
+        if schema is None or not schema.is_mutable:
+            continue
+        for k, a in enumerate(schema.arguments):
+            if a.alias_info is not None and a.alias_info.is_write:
+                arg = n.args[k] if k < len(n.args) else n.kwargs.get(a.name)
+                if arg in aliases:
+                    return True
+    return False
 
 
 def _merge(gm: torch.fx.GraphModule, x: torch.fx.Node, y: torch.fx.Node, at: torch.fx.Node) -> torch.fx.Node:

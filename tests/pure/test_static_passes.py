@@ -202,15 +202,22 @@ def _val(node: torch.fx.Node, *shape: int) -> torch.fx.Node:
 
 
 def _two_reductions(dependent: bool = False, groups: tuple[str, str] = ("0", "0"),
-                    ops: tuple[str, str] = ("sum", "sum")) -> torch.fx.GraphModule:
+                    ops: tuple[str, str] = ("sum", "sum"), write: str = "") -> torch.fx.GraphModule:
     """``x`` reduced, then ``y`` (from ``b``, or from ``x``'s result when ``dependent``) reduced;
-    ``x``'s result is first used after ``y``'s reduction starts (once ``sink_waits`` ran)."""
+    otherwise ``x``'s result is first used, and waited for, after ``y``'s reduction starts."""
     g = torch.fx.Graph()
     a, b = g.placeholder("a"), g.placeholder("b")
     x = _val(g.call_function(aten.mul.Tensor, (a, 2)), 2, 3)
-    wx = g.call_function(fc.wait_tensor.default, (g.call_function(fc.all_reduce.default, (x, ops[0], groups[0])),))
+    ax = g.call_function(fc.all_reduce.default, (x, ops[0], groups[0]))
+    wx = g.call_function(fc.wait_tensor.default, (ax,)) if dependent else None
+    if write == "own buffer":  # a kernel writing a buffer of its own (as the NLL backward's scatter_)
+        g.call_function(aten.add_.Tensor, (g.call_function(aten.zeros_like.default, (a,)), 1))
+    elif write == "x through a view":
+        g.call_function(aten.add_.Tensor, (g.call_function(aten.view.default, (x, [-1])), 1))
     y = _val(g.call_function(aten.add.Tensor, (wx if dependent else b, 1)), 2, 3)
     wy = g.call_function(fc.wait_tensor.default, (g.call_function(fc.all_reduce.default, (y, ops[1], groups[1])),))
+    if wx is None:  # where sink_waits would put it: at its first use, after y's reduction started
+        wx = g.call_function(fc.wait_tensor.default, (ax,))
     g.output((g.call_function(aten.mul.Tensor, (wx, 3)), g.call_function(aten.mul.Tensor, (wy, 5))))
     return torch.fx.GraphModule(torch.nn.Module(), g)
 
@@ -231,7 +238,6 @@ def test_independent_all_reduces_become_one_with_the_same_values() -> None:
     gm = _two_reductions()
     a, b = torch.randn(2, 3), torch.randn(2, 3)
     before = _TwoRanks(gm).run(a, b)
-    sink_waits(gm)
     assert tag_records(gm, _records(2))
     records, _ = merge_all_reduces(gm, _records(2))
     (merged,) = _reductions(gm)
@@ -242,13 +248,26 @@ def test_independent_all_reduces_become_one_with_the_same_values() -> None:
         assert torch.equal(got, want)
 
 
+def test_a_write_between_them_blocks_a_merge_only_where_it_reaches_the_input_read_later() -> None:
+    from autoparallel.static.passes import merge_all_reduces, tag_records
+
+    for write, merges in (("own buffer", True), ("x through a view", False)):
+        gm = _two_reductions(write=write)
+        a, b = torch.randn(2, 3), torch.randn(2, 3)
+        before = _TwoRanks(gm).run(a, b)
+        assert tag_records(gm, _records(2))
+        merge_all_reduces(gm, _records(2))
+        assert len(_reductions(gm)) == (1 if merges else 2), write
+        for got, want in zip(_TwoRanks(gm).run(a, b), before):
+            assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("case", ["dependent", "other group", "other reduction", "over the limit"])
 def test_all_reduces_that_cannot_be_one_stay_two(case: str) -> None:
     from autoparallel.static.passes import merge_all_reduces, tag_records
 
     gm = _two_reductions(dependent=case == "dependent", groups=("0", "1") if case == "other group" else ("0", "0"),
                          ops=("sum", "max") if case == "other reduction" else ("sum", "sum"))
-    sink_waits(gm)
     assert tag_records(gm, _records(2))
     records, _ = merge_all_reduces(gm, _records(2), limit=47 if case == "over the limit" else 1 << 20)
     assert len(_reductions(gm)) == 2 and len(records) == 2
