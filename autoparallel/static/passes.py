@@ -1,8 +1,9 @@
 """Passes over a captured program (a ``torch.fx.GraphModule`` of one rank's local step).
 
-Each pass keeps the program's values exactly (the same ops on the same inputs); what changes is
-when things happen. ``Strategy.overlap`` switches them on or off. No node moves across an op
-that writes a tensor in place, and random ops never move (the draws keep eager's order).
+Each pass keeps the program's values (the same ops on the same inputs; a merged all-reduce sums
+the same terms); what changes is when things happen. ``Strategy.overlap`` switches them on or
+off. No node moves across an op that writes a tensor in place (a merged all-reduce: across none
+that writes the inputs it reads), and random ops never move (the draws keep eager's order).
 
 - ``sink_waits``: a functional collective's ``wait_tensor`` moves down to just before the first
   op that needs its result — together with the cheap ops that only rearrange that result
