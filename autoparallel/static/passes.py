@@ -294,11 +294,15 @@ def _mergeable_pair(gm: torch.fx.GraphModule, limit: int) -> tuple[torch.fx.Node
         for y, ky in starts[i + 1:]:
             if ky != kx or _nbytes(x) + _nbytes(y) > limit:
                 continue
-            between = nodes[order[x] + 1:order[y]]
             wx = next(iter(x.users))
-            if order[wx] > order[y] and not _written_in(between, x.args[0]):
+            later = order[wx] > order[y]  # x's result not needed before y starts
+            earlier = all(order[a] < order[x] for a in y.all_input_nodes)  # y's input there when x starts
+            if not (later or earlier):
+                continue
+            between = nodes[order[x] + 1:order[y]]
+            if later and not _written_in(between, x.args[0]):
                 return x, y, y
-            if all(order[a] < order[x] for a in y.all_input_nodes) and not _written_in(between, y.args[0]):
+            if earlier and not _written_in(between, y.args[0]):
                 return x, y, x
     return None
 
