@@ -2,7 +2,7 @@
 laid-out models: bitwise the losses and parameters of the same run without recompute.
 
 World part (4 gloo ranks, the session world): the example GPT with dropout (so the recompute
-must draw the masks of the first forward) trains 3 SGD steps under TP, TP + SP, DP x TP and
+must draw the masks of the first forward) trains 2 SGD steps under TP, TP + SP, DP x TP and
 ZeRO-3, with full and selective recompute, in "math" attention (QK^T, softmax, dropout, AV as
 separate ops) and SDPA; every loss and every parameter equals (``torch.equal``) the run with no
 recompute. Under SP the backward redoes the forward's all-gathers, in the same order on every
@@ -29,7 +29,7 @@ if EXAMPLES not in sys.path:
 from gpt_model import GPT, GPTConfig, lm_loss  # noqa: E402
 
 CFG = GPTConfig(vocab=32, seq=8, layers=2, width=32, heads=4, dropout=0.1, attention="math")
-STEPS = 3
+STEPS = 2
 
 
 def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -127,7 +127,7 @@ class _DropBlock(nn.Module):
 
 
 def _pipelined(rank: int, policy: str, schedule: str = "1F1B") -> dict[str, Any]:
-    """Two stages on [0, 1] and [2, 3] (dp inside), 1F1B (or ``schedule``) over 2 micro-batches, 3 SGD steps."""
+    """Two stages on [0, 1] and [2, 3] (dp inside), 1F1B (or ``schedule``) over 2 micro-batches, 2 SGD steps."""
     import warnings
 
     import autoparallel as ap
