@@ -16,7 +16,7 @@ from autoparallel import Partial, Replicate, Shard
 from autoparallel.nn.parallelize import match_plan, resolve_axis
 
 R = Replicate()
-STEPS = 5
+STEPS = 3
 
 
 # ---- models (single-device code, untouched by the parallel runs) ----------------------------
@@ -105,7 +105,7 @@ def _counts(comm: ap.CommDebugMode, mesh: ap.ProcessMesh) -> dict[str, int]:
 
 def _train(model: nn.Module, ref: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]],
            loss_fn: Any, to_dist: Any) -> list[tuple[dict[str, int], dict[str, int]]]:
-    """5 SGD steps on ``model`` and ``ref``; checks loss and every parameter; returns per-step
+    """STEPS (3) SGD steps on ``model`` and ``ref``; checks loss and every parameter; returns per-step
     (forward+loss, backward) collective counts of the distributed run."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)

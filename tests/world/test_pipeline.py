@@ -20,7 +20,7 @@ import autoparallel as ap
 from autoparallel import Replicate, Shard
 from autoparallel.pipeline import Pipeline, ScheduleError, Stage, split_sequential, stages_from_annotations
 
-D, BATCH, STEPS = 8, 16, 3
+D, BATCH, STEPS = 8, 16, 2
 R = Replicate()
 
 

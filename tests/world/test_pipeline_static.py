@@ -18,7 +18,7 @@ from autoparallel import Shard
 from autoparallel.pipeline import Pipeline, split_sequential
 from autoparallel.static.chunk import _Programs
 
-D, BATCH, STEPS = 8, 8, 4
+D, BATCH, STEPS = 8, 8, 3
 
 
 class Block(nn.Module):
