@@ -125,13 +125,19 @@ def split_by_meshes(model: nn.Module) -> list[Stage]:
     modules = _check_boundaries(split, len(meshes))
     stages = []
     for k, (module, mesh) in enumerate(zip(modules, meshes, strict=True)):
-        for name, p in module.named_parameters():
-            if isinstance(p, DistTensor) and p.process_mesh != mesh:
-                raise ValueError(f"{_WHAT}: parameter {name!r} is laid out on {p.process_mesh!r} but used by stage {k}, "
-                                 f"on {mesh!r}: annotate it on its stage's mesh")
+        _check_on_mesh(module, k, mesh)
         shard_layer(module, mesh)  # plain parameters: Replicate on the stage mesh, in place
         stages.append(Stage(module, mesh, name=f"stage {k}"))
     return stages
+
+
+def _check_on_mesh(module: nn.Module, k: int, mesh: ProcessMesh) -> None:
+    """Raise if a parameter stage ``k`` uses is laid out on another mesh (in a function of its
+    own: no loop variable outlives it holding a parameter the layout then counts as held)."""
+    for name, p in module.named_parameters():
+        if isinstance(p, DistTensor) and p.process_mesh != mesh:
+            raise ValueError(f"{_WHAT}: parameter {name!r} is laid out on {p.process_mesh!r} but used by stage {k}, "
+                             f"on {mesh!r}: annotate it on its stage's mesh")
 
 
 def _annotations(gm: torch.fx.GraphModule) -> None:

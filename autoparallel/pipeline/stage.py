@@ -162,12 +162,7 @@ def split_sequential(
     for c, piece in enumerate(pieces):
         parts = list(piece.named_children())
         mesh = meshes[v_stage(c, len(meshes)) if placement == "v" else c % len(meshes)]
-        for pname, p in piece.named_parameters():
-            if isinstance(p, DistTensor) and p.process_mesh != mesh:
-                raise ValueError(
-                    f"split_sequential: parameter {pname} of stage {c} is already on {p.process_mesh!r}, "
-                    f"but stage {c} runs on {mesh!r}"
-                )
+        _check_on_mesh(piece, c, mesh)
         if plans[c]:
             parallelize(piece, mesh, plans[c])
         else:
@@ -177,6 +172,18 @@ def split_sequential(
             ip = [check_placement(x) for x in ip]
         stages.append(Stage(piece, mesh, ip, _span(parts)))
     return stages
+
+
+def _check_on_mesh(piece: nn.Module, c: int, mesh: ProcessMesh) -> None:
+    """Raise if a parameter of stage ``c`` is already laid out on another mesh than its stage's.
+    (A function of its own: a loop variable left holding a parameter would count as one more
+    holder when the layout asks whether an optimizer may hold it.)"""
+    for pname, p in piece.named_parameters():
+        if isinstance(p, DistTensor) and p.process_mesh != mesh:
+            raise ValueError(
+                f"split_sequential: parameter {pname} of stage {c} is already on {p.process_mesh!r}, "
+                f"but stage {c} runs on {mesh!r}"
+            )
 
 
 class Absent(nn.Identity):
