@@ -134,6 +134,18 @@ class SymbolicTools:
                           getattr(getattr(torch.ops.prim, "layout", None), "default", None)) if op is not None)
 
 
+@contextlib.contextmanager
+def one_fake_mode() -> Iterator[None]:
+    """A real-tensor ``make_fx`` trace inside this records each node's metadata (``meta["val"]``)
+    with one fake-tensor mode, where torch would build a new ``FakeTensorMode`` per node (each
+    extracting the Python stack: ~1 ms a node, most of a large step's capture time)."""
+    from torch._guards import TracingContext, tracing
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with tracing(TracingContext(FakeTensorMode(allow_fallback_kernels=True))):
+        yield
+
+
 def is_fake(t: torch.Tensor) -> bool:
     """Whether ``t`` is a fake tensor (``FakeTensorMode``: a region's symbolic certificate runs a
     module on them): it has no storage to read an address of."""
