@@ -55,8 +55,10 @@ class ParamSharder:
     def check_swappable(self, root: nn.Module) -> None:
         """Raise ``ValueError`` before anything is laid out if some plain parameter of ``root``
         cannot become its DistTensor in place (the same verdict on every rank: metadata only)."""
-        if self._stateful is None and not _held_outside_modules(root):
-            self._stateful = set()  # nothing else holds them: no optimizer can hold state for them
+        if self._stateful is None and _outside_references(root) < 2:
+            # a torch optimizer with state for a parameter references it twice (a param group's
+            # list and its state's key): with at most one other reference, none has state for it
+            self._stateful = set()
         for name, module in root.named_modules(remove_duplicate=False):
             for attr, t in compat.own_parameters(module).items():
                 if t is not None and not isinstance(t, DistTensor):
@@ -172,14 +174,14 @@ def _ref_counts(objs: list[Any]) -> list[int]:
     return [sys.getrefcount(objs[i]) for i in range(len(objs))]
 
 
-def _held_outside_modules(root: nn.Module) -> bool:
-    """Whether some plain parameter of ``root`` is referenced by more than its modules' slots (an
-    optimizer's ``param_groups`` or state, a list the user kept, ...). False proves that no
-    optimizer holds state for any of them, without walking the heap (``_optimizer_state_ids``
+def _outside_references(root: nn.Module) -> int:
+    """The most references some plain parameter of ``root`` has besides its modules' slots (an
+    optimizer's ``param_groups`` and state, a list the user kept, ...). Below two proves that no
+    torch optimizer holds state for any of them without walking the heap (``_optimizer_state_ids``
     reads every object of the process: ~0.3 s in a process with a few models' worth of objects).
 
     The baseline is measured, not assumed: an object held by one dict slot, counted the same way.
-    A count above it may be anything (the heap walk then decides); never below it.
+    A reference above it may be anything (the heap walk then decides); the count is never below it.
     """
     found = [t for module in root.modules() for t in compat.own_parameters(module).values()
              if t is not None and not isinstance(t, DistTensor)]  # one entry per slot
@@ -194,7 +196,7 @@ def _held_outside_modules(root: nn.Module) -> bool:
     del probe
     ids = list(params)
     objs = [params.pop(i) for i in ids]
-    return any(n > base + slots[i] - 1 for i, n in zip(ids, _ref_counts(objs)))
+    return max((n - base - slots[i] + 1 for i, n in zip(ids, _ref_counts(objs))), default=0)
 
 
 def _optimizer_state_ids() -> set[int]:
