@@ -37,6 +37,7 @@ from autoparallel.mesh import ProcessMesh
 from autoparallel.nn.parallelize import ModelPlan, match_plan
 from autoparallel.nn.styles import ColWiseParallel, RowWiseParallel, SequenceParallel, VocabParallelEmbedding
 from autoparallel.placement import Partial, Placement, Replicate, Shard
+from autoparallel.runtime import comm
 from autoparallel.spec import itemsize
 
 BUCKET_BYTES = 25 * 2**20  # gradients are reduced in buckets of about this size
@@ -144,8 +145,8 @@ def _network() -> tuple[float, dict[str, float]] | None:
     size = whole.numel() * 4
     runs = {  # kind -> (one collective, bytes a rank receives as the planner counts them)
         "all_reduce": (lambda: dist.all_reduce(whole), 2 * (n - 1) / n * size),
-        "all_gather": (lambda: dist.all_gather_into_tensor(whole, piece), (n - 1) / n * size),
-        "reduce_scatter": (lambda: dist.reduce_scatter_tensor(piece, whole), (n - 1) / n * size),
+        "all_gather": (lambda: comm.all_gather_flat(whole, piece), (n - 1) / n * size),
+        "reduce_scatter": (lambda: comm.reduce_scatter_flat(piece, whole), (n - 1) / n * size),
     }
     betas = {}
     for kind, (run, received) in runs.items():

@@ -28,6 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from autoparallel.engine.dtensor import DistTensor
+from autoparallel.regions import moves
 from autoparallel.spec import itemsize
 from spmd_rules.base import TensorMeta
 
@@ -299,7 +300,9 @@ def _record(model: nn.Module, example: Any, loss: Callable[..., Any] | None, rea
         fargs = tree_map(fake, args)
         fkwargs = tree_map(fake, kwargs)
         ftargets = tree_map(fake, targets)
-        with fake_mode:
+        # a module laid out by hand (``ap.parallelize``) keeps its styles' hooks: on whole tensors
+        # their moves change nothing
+        with fake_mode, moves.opened(moves.Whole()):
             with recorder:
                 for name, t in state.items():
                     if name in dict(model.named_parameters()):

@@ -24,7 +24,7 @@ from autoparallel.api import shard_tensor
 from autoparallel.engine.dtensor import DistTensor
 from autoparallel.mesh import ProcessMesh
 from autoparallel.placement import Placement, Replicate
-from autoparallel.regions import enable_local_regions
+from autoparallel.regions import enable_local_regions, moves
 from autoparallel.regions.moves import style_hook
 
 ShardFn = Callable[[str, nn.Module, ProcessMesh], None]
@@ -283,6 +283,8 @@ def watch_batch_split(layer: nn.Module, mesh: ProcessMesh) -> None:
     first = [True]
 
     def first_call(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if isinstance(moves.current(), moves.Whole):
+            return  # a run on whole tensors (ap.auto_parallel recording the step) is not the first batch
         if first[0]:
             first[0] = False
             _warn_unsplit(module, mesh, (*args, *kwargs.values()))

@@ -20,6 +20,9 @@ move goes through the region's door (``opened``):
 
 Anything else (a style laying out a plain tensor inside a trace, or a DistTensor inside a local
 run) is noted, and the trace refuses the region / the local run is not trusted.
+
+A third door, ``Whole``, is for running a model as one device would (``ap.auto_parallel`` records
+the step on whole fake tensors): every move hands its value back unchanged.
 """
 
 from __future__ import annotations
@@ -171,6 +174,14 @@ class Local:
         if self.reason or self.calls == self.expected:
             return self.reason
         return f"its parallel styles move {self.calls} times on local tensors, not {self.expected}"
+
+
+class Whole:
+    """A door for running a model as one device would (``ap.auto_parallel`` recording its step
+    on whole fake tensors): a style's move changes no value, so it hands the tensor back as it is."""
+
+    def move(self, x: Any, run: Run) -> Any:
+        return x
 
 
 def remake(x: DistTensor, dst: DistSpec, done: DistTensor | None) -> DistTensor:

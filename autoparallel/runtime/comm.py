@@ -32,9 +32,10 @@ if TYPE_CHECKING:
     from autoparallel.mesh import ProcessMesh
 
 _REDUCE_OPS = {"sum": "SUM", "avg": "SUM", "max": "MAX", "min": "MIN"}
-# torch >= 2.13 names the tensor-in/tensor-out collectives *_single; older releases *_tensor.
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# torch >= 2.13 names the tensor-in/tensor-out collectives *_single (the *_tensor names warn that
+# they are deprecated); older releases have only *_tensor. Public: the calibration benchmarks use them.
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 # ---- dtypes: what the backend carries, and how every other dtype moves exactly -------------------
@@ -353,7 +354,7 @@ def all_gather(local: torch.Tensor, mesh: ProcessMesh, axis: int, dim: int, size
             out = _unwire(_fc.wait_tensor(_fc.all_gather_into_tensor(_wire(x), n, _name(group))), x.dtype, shape)
         else:
             out = x.new_empty(shape)
-            _all_gather_flat(_wire(out), _wire(x), group=group)  # type: ignore[arg-type]
+            all_gather_flat(_wire(out), _wire(x), group=group)  # type: ignore[arg-type]
         if list(grank) == list(range(n)):  # group-rank order is coordinate order: no copy
             record("all_gather", mesh, axis, line, *cost.all_gather_bytes([s * row * item for s in sizes], me))
             return out.movedim(0, dim).contiguous()
@@ -387,7 +388,7 @@ def all_gather_start(flat: torch.Tensor, mesh: ProcessMesh, axis: int) -> tuple[
         return all_gather(x, mesh, axis, 0, [x.numel()] * n), DONE
     me = line.index(runtime.get_rank())
     out = x.new_empty(n * x.numel())
-    work = _all_gather_flat(_wire(out), _wire(x), group=group, async_op=True)  # type: ignore[arg-type]
+    work = all_gather_flat(_wire(out), _wire(x), group=group, async_op=True)  # type: ignore[arg-type]
     record("all_gather", mesh, axis, line, *cost.all_gather_bytes([_nbytes(x)] * n, me))
     if list(grank) == list(range(n)):
         return out, _Finish(work)  # group-rank order is coordinate order
@@ -421,7 +422,7 @@ def reduce_scatter_start(flat: torch.Tensor, mesh: ProcessMesh, axis: int, reduc
         ordered = torch.cat([segments[c] for c in sorted(range(n), key=lambda c: grank[c])])
     inp = carry.to_wire(ordered)
     w = inp.new_empty(width)
-    work = _reduce_scatter_flat(w, inp, op=_reduce_op(carry.op), group=group, async_op=True)  # type: ignore[arg-type]
+    work = reduce_scatter_flat(w, inp, op=_reduce_op(carry.op), group=group, async_op=True)  # type: ignore[arg-type]
     if carry.how == "native" and reduce_type != "avg":
         return w, _Finish(work)
     out = flat.new_empty(width)
@@ -472,7 +473,7 @@ def reduce_scatter(
             w = _fc.wait_tensor(_fc.reduce_scatter_tensor(inp, carry.op, n, _name(group)))
         else:
             w = inp.new_empty((length,) + rest)
-            _reduce_scatter_flat(w, inp, op=_reduce_op(carry.op), group=group)  # type: ignore[arg-type]
+            reduce_scatter_flat(w, inp, op=_reduce_op(carry.op), group=group)  # type: ignore[arg-type]
         out = carry.result(w, n, reduce_type)
     else:
         out = x.new_empty((0,) + rest)

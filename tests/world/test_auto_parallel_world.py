@@ -177,7 +177,10 @@ def test_per_block_recompute_plan_trains_like_one_process(world4) -> None:  # ty
 
 def _partly_laid_out(rank: int) -> dict[str, Any]:
     """One Linear laid out by hand (``ap.shard_tensor`` of its weight and bias, column-split on a
-    2 x 2 mesh); ``ap.auto_parallel`` keeps it and plans the rest; 3 SGD steps."""
+    2 x 2 mesh) and one attention block by ``ap.parallelize`` (its styles' hooks stay on it);
+    ``ap.auto_parallel`` keeps both and plans the rest, warning nothing; 3 SGD steps."""
+    import warnings
+
     import train_gpt
 
     import autoparallel as ap
@@ -188,8 +191,11 @@ def _partly_laid_out(rank: int) -> dict[str, Any]:
     fc = model.blocks[0].mlp.fc
     fc.weight = ap.shard_tensor(fc.weight, mesh, [ap.Replicate(), ap.Shard(0)])  # type: ignore[assignment]
     fc.bias = ap.shard_tensor(fc.bias, mesh, [ap.Replicate(), ap.Shard(0)])  # type: ignore[assignment]
+    ap.parallelize(model.blocks[1].attn, mesh, {"qkv": ap.ColWiseParallel(), "proj": ap.RowWiseParallel()})
     x0, y0 = _batches()[0]
-    plan = ap.auto_parallel(model, example=(x0, y0), loss=lm_loss, optimizer="sgd")
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        plan = ap.auto_parallel(model, example=(x0, y0), loss=lm_loss, optimizer="sgd")
     model, opt = plan.apply(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
     batch = [ap.Shard(0) if n == "dp" else ap.Replicate() for n in plan.mesh.dim_names]
     losses = []
@@ -211,7 +217,8 @@ def _partly_laid_out(rank: int) -> dict[str, Any]:
         refused = str(e)
     return {"losses": losses, "params": train_gpt.full_params(model), "plan": str(plan),
             "fc": tuple(model.blocks[0].mlp.fc.weight.placements), "shape": plan.mesh_shape, "styles": set(plan),
-            "refused": refused}
+            "qkv": tuple(model.blocks[1].attn.qkv.weight.placements), "refused": refused,
+            "said": [str(w.message) for w in said]}
 
 
 def test_parameters_laid_out_by_hand_are_kept(world4) -> None:  # type: ignore[no-untyped-def]
@@ -224,6 +231,9 @@ def test_parameters_laid_out_by_hand_are_kept(world4) -> None:  # type: ignore[n
         assert r["shape"] == (2, 2) and r["fc"] == (ap.Replicate(), ap.Shard(0)), r["plan"]
         assert "blocks.*.mlp.fc" not in r["styles"] and "blocks.0.mlp.fc" not in r["styles"]
         assert "blocks.1.mlp.fc" in r["styles"]  # its sibling keeps the style
+        assert r["qkv"] == (ap.Replicate(), ap.Shard(0)) and r["said"] == [], r["said"]  # parallelized by hand: kept
+        assert "blocks.*.attn.qkv" not in r["styles"] and "blocks.1.attn.qkv" not in r["styles"], r["plan"]
+        assert "blocks.0.attn.qkv" in r["styles"], r["plan"]
         assert "not 0 .. n-1 in order" in r["refused"], r["refused"]
         torch.testing.assert_close(r["losses"], ref["losses"], rtol=1e-5, atol=0, msg=r["plan"])
         for name, p in ref["params"].items():
