@@ -130,9 +130,55 @@ def mamba() -> Any:
     return MambaForCausalLM(cfg)
 
 
+def qwen2() -> Any:
+    """Qwen2 LM: hidden 64, 2 layers, 8 heads, 4 key/value heads, MLP 128 (biased q/k/v projections)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
+                      intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=64)
+    return Qwen2ForCausalLM(cfg)
+
+
+def gemma() -> Any:
+    """Gemma LM: hidden 64, 2 layers, 4 heads of 16, 2 key/value heads, GeGLU MLP 128, tied head."""
+    from transformers import GemmaConfig, GemmaForCausalLM
+
+    cfg = GemmaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=64)
+    return GemmaForCausalLM(cfg)
+
+
+def phi() -> Any:
+    """Phi LM: hidden 64, 2 layers, 4 heads, MLP 128 (partial rotary, attention and MLP in parallel)."""
+    from transformers import PhiConfig, PhiForCausalLM
+
+    cfg = PhiConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, vocab_size=VOCAB,
+                    max_position_embeddings=64, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0)
+    return PhiForCausalLM(cfg)
+
+
+def gpt_neox() -> Any:
+    """GPT-NeoX LM: hidden 64, 2 layers, 4 heads, MLP 128 (fused query_key_value, parallel residual)."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    cfg = GPTNeoXConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                        vocab_size=VOCAB, max_position_embeddings=64)
+    return GPTNeoXForCausalLM(cfg)
+
+
+def opt() -> Any:
+    """OPT LM: hidden 64, 2 layers, 4 heads, FFN 128 (learned positions offset by 2, ReLU, tied head)."""
+    from transformers import OPTConfig, OPTForCausalLM
+
+    cfg = OPTConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, ffn_dim=128, vocab_size=VOCAB,
+                    max_position_embeddings=64, dropout=0.0, word_embed_proj_dim=64)
+    return OPTForCausalLM(cfg)
+
+
 MODELS: dict[str, Callable[[], Any]] = {
     "gpt2": gpt2, "bert": bert, "llama": llama, "llama_tied": llama_tied, "mixtral": mixtral, "vit": vit,
     "resnet": resnet, "t5": t5, "swin": swin, "mamba": mamba,
+    "qwen2": qwen2, "gemma": gemma, "phi": phi, "gpt_neox": gpt_neox, "opt": opt,
 }
 
 
@@ -181,11 +227,14 @@ def mesh_of(strategy: str) -> Any:
     return ap.ProcessMesh([0, 1, 2, 3], dim_names=["dp"])
 
 
+PLAN_FAMILY = {"qwen2": "llama", "gemma": "llama"}  # models laid out by another model's plan (same module names)
+
+
 def plan_of(model_name: str, model: Any, strategy: str) -> dict[str, Any]:
     """``ap.plans.<model>(model)``; ``*_sp``: with ``sp=True``; ``tp_whole``: Mixtral's experts kept whole."""
     import autoparallel as ap
 
-    fn = getattr(ap.plans, model_name.removesuffix("_tied"))
+    fn = getattr(ap.plans, PLAN_FAMILY.get(model_name, model_name.removesuffix("_tied")))
     kwargs: dict[str, Any] = {"sp": True} if strategy.endswith("_sp") else {}
     if strategy == "tp_whole":
         kwargs["experts"] = "replicate"
@@ -439,4 +488,18 @@ CASES: dict[tuple[str, str], Any] = {
     ("resnet", "zero1"): [{'all_gather': 1, 'all_reduce': 14}] * STEPS,
     ("resnet", "zero2"): [{'all_gather': 1, 'all_reduce': 13, 'reduce_scatter': 1}] * STEPS,
     ("resnet", "zero3"): [{'all_gather': 6, 'all_reduce': 13, 'reduce_scatter': 3}] * STEPS,
+    # more decoders as they come (Qwen2 and Gemma by Llama's plan: the same module names), each
+    # step as Llama's: 2 gradient buckets under DP, ZeRO-3's 6 unit gathers, Megatron's 13
+    # all-reduces under TP; under dp_tp_sp Gemma's 2 key/value heads split over a tp axis of 2
+    ("qwen2", "dp"): [{'all_reduce': 2}] * STEPS,
+    ("qwen2", "zero3"): [{'all_gather': 6, 'all_reduce': 1, 'reduce_scatter': 3}] * STEPS,
+    ("qwen2", "tp"): [{'all_reduce': 13}] * STEPS,
+    ("qwen2", "dp_tp_sp"): [{'all_gather': 10, 'all_reduce': 5, 'reduce_scatter': 10}] * STEPS,
+    ("gemma", "dp"): [{'all_reduce': 2}] * STEPS,
+    ("gemma", "dp_tp_sp"): [{'all_gather': 10, 'all_reduce': 5, 'reduce_scatter': 10}] * STEPS,
+    ("phi", "dp"): [{'all_reduce': 2}] * STEPS,
+    ("phi", "zero3"): [{'all_gather': 6, 'all_reduce': 1, 'reduce_scatter': 3}] * STEPS,
+    ("gpt_neox", "dp"): [{'all_reduce': 2}] * STEPS,
+    ("opt", "dp"): [{'all_reduce': 2}] * STEPS,
+    ("opt", "zero3"): [{'all_gather': 6, 'all_reduce': 1, 'reduce_scatter': 3}] * STEPS,
 }
