@@ -34,10 +34,9 @@ import torch
 from torch import nn
 
 from autoparallel.api import LayOut
-from autoparallel.engine.dtensor import DistTensor
 from autoparallel.mesh import ProcessMesh
 from autoparallel.nn.shard_layer import shard_layer
-from autoparallel.pipeline.stage import Stage, check_meshes
+from autoparallel.pipeline.stage import Stage, check_meshes, off_mesh
 from autoparallel.sharded_call import MESH_META
 
 _WHAT = "split_by_meshes"
@@ -125,19 +124,13 @@ def split_by_meshes(model: nn.Module) -> list[Stage]:
     modules = _check_boundaries(split, len(meshes))
     stages = []
     for k, (module, mesh) in enumerate(zip(modules, meshes, strict=True)):
-        _check_on_mesh(module, k, mesh)
+        off = off_mesh(module, mesh)
+        if off is not None:
+            raise ValueError(f"{_WHAT}: parameter {off[0]!r} is laid out on {off[1]!r} but used by stage {k}, "
+                             f"on {mesh!r}: annotate it on its stage's mesh")
         shard_layer(module, mesh)  # plain parameters: Replicate on the stage mesh, in place
         stages.append(Stage(module, mesh, name=f"stage {k}"))
     return stages
-
-
-def _check_on_mesh(module: nn.Module, k: int, mesh: ProcessMesh) -> None:
-    """Raise if a parameter stage ``k`` uses is laid out on another mesh (in a function of its
-    own: no loop variable outlives it holding a parameter the layout then counts as held)."""
-    for name, p in module.named_parameters():
-        if isinstance(p, DistTensor) and p.process_mesh != mesh:
-            raise ValueError(f"{_WHAT}: parameter {name!r} is laid out on {p.process_mesh!r} but used by stage {k}, "
-                             f"on {mesh!r}: annotate it on its stage's mesh")
 
 
 def _annotations(gm: torch.fx.GraphModule) -> None:

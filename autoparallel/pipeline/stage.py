@@ -162,7 +162,10 @@ def split_sequential(
     for c, piece in enumerate(pieces):
         parts = list(piece.named_children())
         mesh = meshes[v_stage(c, len(meshes)) if placement == "v" else c % len(meshes)]
-        _check_on_mesh(piece, c, mesh)
+        off = off_mesh(piece, mesh)
+        if off is not None:
+            raise ValueError(f"split_sequential: parameter {off[0]} of stage {c} is already on {off[1]!r}, "
+                             f"but stage {c} runs on {mesh!r}")
         if plans[c]:
             parallelize(piece, mesh, plans[c])
         else:
@@ -174,16 +177,14 @@ def split_sequential(
     return stages
 
 
-def _check_on_mesh(piece: nn.Module, c: int, mesh: ProcessMesh) -> None:
-    """Raise if a parameter of stage ``c`` is already laid out on another mesh than its stage's.
-    (A function of its own: a loop variable left holding a parameter would count as one more
-    holder when the layout asks whether an optimizer may hold it.)"""
-    for pname, p in piece.named_parameters():
+def off_mesh(module: nn.Module, mesh: ProcessMesh) -> tuple[str, ProcessMesh] | None:
+    """(name, mesh) of the first parameter of ``module`` laid out on another mesh than ``mesh``,
+    or None. (A function of its own: a loop variable left holding a parameter in the caller
+    would count as one more holder when the layout asks whether an optimizer may hold it.)"""
+    for name, p in module.named_parameters():
         if isinstance(p, DistTensor) and p.process_mesh != mesh:
-            raise ValueError(
-                f"split_sequential: parameter {pname} of stage {c} is already on {p.process_mesh!r}, "
-                f"but stage {c} runs on {mesh!r}"
-            )
+            return name, p.process_mesh
+    return None
 
 
 class Absent(nn.Identity):

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 _REDUCE_OPS = {"sum": "SUM", "avg": "SUM", "max": "MAX", "min": "MIN"}
 # torch >= 2.13 names the tensor-in/tensor-out collectives *_single (the *_tensor names warn that
-# they are deprecated); older releases have only *_tensor. Public: the calibration benchmarks use them.
+# they are deprecated); older releases have only *_tensor. Public: auto_parallel's calibration times them.
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 

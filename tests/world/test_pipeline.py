@@ -325,6 +325,14 @@ def _bad_unassigned_annotation(rank: int) -> None:
     stages_from_annotations(model, meshes)
 
 
+def _bad_stage_mesh(rank: int) -> None:
+    model = _data()[2]
+    meshes = _meshes(TWO)
+    fc = model[5].fc1  # block 5 goes to the second stage: laid out on the first stage's mesh
+    fc.weight = ap.shard_tensor(fc.weight, meshes[0], [R])
+    split_sequential(model, meshes)
+
+
 def _bad_unassigned_stage(rank: int) -> None:
     stages = _stages(TWO)
     stages[1].module.add_module("extra", nn.Linear(D, D))  # a layer no one placed
@@ -373,6 +381,8 @@ def _healthy(rank: int) -> bool:
     (_bad_microbatches, ValueError, r"3 micro-batches do not divide the inputs batch of 16 samples split over 4 data-parallel shards"),
     (_bad_overlap, ValueError, r"stage meshes 0 \[0, 1, 2, 3\] and 1 \[2, 3, 4, 5\] overlap on ranks \[2, 3\]"),
     (_bad_unassigned_annotation, ValueError, r"layer '5' is not assigned to a stage: parameter 5.fc1.weight is a plain tensor"),
+    (_bad_stage_mesh, ValueError, r"split_sequential: parameter 5.fc1.weight of stage 1 is already on ProcessMesh\(\[0, 1, 2, 3\].*"
+                                  r"but stage 1 runs on ProcessMesh\(\[4, 5, 6, 7\]"),
     (_bad_unassigned_stage, ValueError, r"parameter 'extra.weight' of stage 1 \(4..7\) is a plain tensor"),
     (_bad_schedule, ScheduleError, r"Interleaved1F1B needs the micro-batch count to be a multiple of the 4 stage meshes.*got 2"),
     (_bad_loss, TypeError, r"loss_fn must return a one-element DistTensor, got DistTensor \(8, 8\)"),
@@ -382,7 +392,7 @@ def _healthy(rank: int) -> bool:
                                         r"hooks on stage 0's parameters \['0.fc1.weight'\] would not run"),
     (_bad_zbv_order, ValueError, r"ZBV needs the stages to visit the 2 stage meshes in a V .*placement='v'.*got mesh "
                                  r"order \[0, 1, 0, 1\], expected \[0, 1, 1, 0\]"),
-], ids=["microbatches", "overlap", "unassigned-annotation", "unassigned-stage", "schedule-needs-more", "loss-not-scalar",
+], ids=["microbatches", "overlap", "unassigned-annotation", "stage-mesh", "unassigned-stage", "schedule-needs-more", "loss-not-scalar",
         "zero-bubble-frozen-stage", "zero-bubble-hook", "zbv-not-a-v"])
 def test_bad_input_same_error_on_every_rank(world8, fn, error, match):  # type: ignore[no-untyped-def]
     with pytest.raises(error, match=match) as info:
