@@ -283,9 +283,8 @@ def watch_batch_split(layer: nn.Module, mesh: ProcessMesh) -> None:
     first = [True]
 
     def first_call(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if isinstance(moves.current(), moves.Whole):
-            return  # a run on whole tensors (ap.auto_parallel recording the step) is not the first batch
-        if first[0]:
+        # (a run on whole tensors, ap.auto_parallel recording the step, is not the first batch)
+        if first[0] and not isinstance(moves.current(), moves.Whole):
             first[0] = False
             _warn_unsplit(module, mesh, (*args, *kwargs.values()))
 
