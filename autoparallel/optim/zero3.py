@@ -28,6 +28,11 @@ transformer's blocks); a unit owns the parameters of its submodules that are not
   dtype) and let each module's attribute (``module.weight``) resolve to the gathered tensor;
 * after it: drop those references.
 
+The outermost unit (the model's own: its embedding, head and norms) is the exception, as FSDP2's
+root is: its forward ends just before the loss, and its backward begins right after it and
+needs its parameters first, so it keeps its gathered parameters until its backward instead of
+gathering them again (the latest forward's only: an earlier one's backward gathers again).
+
 While the unit runs, autograd saves no gathered parameter: a saved-tensor hook replaces any
 tensor viewing a gathered parameter's storage (``weight.t()`` saved by ``addmm``, DistTensor or
 the plain shard of a local region) with a token, and backward all-gathers the unit's parameters
@@ -296,7 +301,7 @@ class Zero3Params:
             if not any(self.owns(p) for p in module.parameters()):
                 seat.generation, seat.unit = self.generation, None
                 return None
-            self._assign(module, _Unit(self, module))
+            self._assign(module, _Unit(self, module, outermost=True))
         return seat.unit
 
     def _before(self, module: nn.Module, args: Any) -> Any:
@@ -373,8 +378,9 @@ class Zero3Params:
         self._ahead = nxt
 
     def regathered(self, source: _UnitGather) -> None:
-        """``source``'s unit regathered its parameters in backward: learn the order, start the
-        next one's regather (a unit whose forward saved gathered tensors, not regathered yet)."""
+        """The backward reached ``source``'s unit (it regathered its parameters, or first used those
+        the outermost unit kept since its forward): learn the order, start the next one's regather
+        (a unit whose forward saved gathered tensors, not regathered yet)."""
         unit = source.unit()
         if unit is None:
             return
@@ -434,9 +440,11 @@ class _Unit:
     each child of an ``nn.ModuleList``/``nn.ModuleDict`` (a transformer's blocks): like FSDP
     wrapping each block and the root, one all-gather per block in forward and one in backward."""
 
-    def __init__(self, owner: Zero3Params, root: nn.Module) -> None:
+    def __init__(self, owner: Zero3Params, root: nn.Module, outermost: bool = False) -> None:
         self.owner = owner
         self.root = root
+        self.outermost = outermost  # the model's own unit: kept gathered from its forward to its backward
+        self.kept: weakref.ref[_UnitGather] | None = None  # the forward whose gathered parameters it keeps
         self.slots: list[tuple[nn.Module, str]] = []
         self.active = 0
         self.generation = owner.generation
@@ -474,8 +482,11 @@ class _Unit:
         self.recomputed = compat.foreign_saved_hooks()
         if self.recomputed:
             ready = None
+        if not compat.in_backward():  # (a recomputation's forward: the kept ones are for the backward)
+            self.unkeep()
         source = _UnitGather(self, params, layouts)
         fulls = _GatherParams.apply(layouts, source, ready, *params)
+        self._keep(source, fulls)
         owner.starting()  # (after the gather: one that raised leaves no call running)
         owner.gathered(self, source)
         for (m, a), k in zip(self.slots, where):
@@ -497,6 +508,29 @@ class _Unit:
         hooks.__enter__()
         self.active += 1
         return _UnitCall(self, hooks, live)
+
+
+    def _keep(self, source: _UnitGather, fulls: tuple[DistTensor, ...]) -> None:
+        """The outermost unit keeps its gathered parameters until its backward (FSDP2 leaves its
+        root unsharded after forward): its backward starts as soon as the loss is computed, and
+        would gather them again at once. None for a forward without autograd or one run in a
+        recomputation."""
+        if not self.outermost or self.recomputed or not torch.is_grad_enabled() or compat.in_backward():
+            return
+        source.cached = [layout.local_of(f) for f in fulls]
+        self.kept = weakref.ref(source)
+
+    def unkeep(self, but: _UnitGather | None = None) -> None:
+        """Drop the kept parameters (their backward gathers them again) unless they are ``but``'s:
+        another forward of the unit starts before the kept one's backward, or another forward's
+        backward regathers (gradient accumulation, pipeline micro-batches). So the unit has no
+        more gathered copies alive than without keeping."""
+        kept = self.kept() if self.kept is not None else None
+        if kept is None or kept is but:
+            return
+        self.kept = None
+        if not kept.done:
+            kept.cached = None
 
 
 @dataclass
@@ -531,6 +565,7 @@ class _UnitGather:
         self.saved = False  # the forward saved a tensor viewing a gathered parameter
         self.done = False  # the unit's backward is over
         self.ahead: _Ahead | None = None  # the regather, started early
+        self.announced = False  # the backward has used its parameters (the next regather may start)
 
     def local(self, k: int) -> torch.Tensor:
         if self.cached is None:
@@ -541,8 +576,14 @@ class _UnitGather:
             self.cached = ahead.take(params, owner.generation) if ahead is not None and owner is not None else None  # type: ignore[arg-type]
             del ahead  # (its buffers go before the next unit's regather starts)
             if self.cached is None:
+                unit = self.unit()
+                if unit is not None:
+                    unit.unkeep(but=self)
                 with profiled("autoparallel::zero3_regather"):
                     self.cached = _gather_locals(params, self.layouts)  # type: ignore[arg-type]
+        if not self.announced:  # the backward reached this unit (regathered, or kept since its forward)
+            self.announced = True
+            owner = self.owner()
             if owner is not None:
                 owner.regathered(self)
         return self.cached[k]

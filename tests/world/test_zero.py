@@ -163,14 +163,14 @@ def test_strategies_match_one_process(world4, opt_name: str) -> None:  # type: i
     assert set(res["zero3"]["params"]) == {"(Shard(0),)"} and set(res["zero1"]["params"]) == {"(Replicate(),)"}
     # one bucket (default 25 MB): DP one all-reduce per step; ZeRO-1 + one all-gather; ZeRO-2
     # reduce-scatters instead of all-reducing; ZeRO-3 steps without communicating: the MLP is
-    # one unit (no block list), gathered once in forward and once again in backward (weights
-    # saved for input gradients are freed after forward), its gradients reduce-scattered once
+    # one unit (no block list), the model's own, gathered once in forward and kept until its
+    # backward (which would gather it again at once), its gradients reduce-scattered once
     assert all(c == {"all_reduce": 1} for c in res["dp"]["step"]), res["dp"]["step"]
     assert all(c == {"all_reduce": 1, "all_gather": 1} for c in res["zero1"]["step"]), res["zero1"]["step"]
     assert all(c == {"reduce_scatter": 1, "all_gather": 1} for c in res["zero2"]["step"]), res["zero2"]["step"]
     assert all(c == {} for c in res["zero3"]["step"]), res["zero3"]["step"]
     for f, f_dp in zip(res["zero3"]["fwd"], res["dp"]["fwd"]):
-        assert f.get("all_gather", 0) - f_dp.get("all_gather", 0) == 2
+        assert f.get("all_gather", 0) - f_dp.get("all_gather", 0) == 1
         assert f.get("reduce_scatter", 0) - f_dp.get("reduce_scatter", 0) == 1
 
 
@@ -237,23 +237,95 @@ def test_clipping_and_dp_x_tp(world4):  # type: ignore[no-untyped-def]
 
 
 def _freed(rank: int) -> dict[str, Any]:
-    """ZeRO-3: a gathered weight dies when its module's forward ends, before backward."""
+    """ZeRO-3: a block's gathered weight dies when its forward ends, before backward; the model's
+    own unit (the outermost: embedding and head) keeps its gathered weights until its backward,
+    which would gather them again at once (FSDP2 leaves its root unsharded likewise), then drops
+    them."""
+    from autoparallel.engine import layout
+
     mesh = ap.ProcessMesh([0, 1, 2, 3], ["dp"])
-    model = ap.shard_layer(_mlp(), mesh)
+    model = ap.shard_layer(_Stack(), mesh)
     ap.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), ap.ShardingStage3(mesh))
-    seen: list[Any] = []
-    model[2].register_forward_pre_hook(lambda m, a: seen.append((str(m.weight.placements), weakref.ref(m.weight))))
-    x, y = _batches(1)[0]
-    loss = F.cross_entropy(model(ap.shard_tensor(x, mesh, [S0])), ap.shard_tensor(y, mesh, [S0]))
-    alive = seen[0][1]() is not None
-    loss.backward()
-    return {"used": seen[0][0], "alive_before_backward": alive, "weight": str(model[2].weight.placements),
-            "grad": str(model[2].weight.grad.placements)}
+    seen: dict[str, Any] = {}
+
+    def watch(name: str, weight: Callable[[nn.Module], torch.Tensor]) -> Callable[..., None]:
+        def hook(m: nn.Module, args: Any) -> None:
+            seen.setdefault(name, (str(weight(m).placements), weakref.ref(layout.local_of(weight(m)))))
+        return hook
+
+    model.register_forward_pre_hook(watch("root", lambda m: m.out.weight))
+    model.blocks[0].register_forward_pre_hook(watch("block", lambda m: m.qkv.weight))
+    x = torch.randint(0, 11, (8, 5), generator=torch.Generator().manual_seed(0))
+    with ap.CommDebugMode() as comm:
+        loss = model(ap.shard_tensor(x, mesh, [S0])).square().mean()
+        before = {name: ref() is not None for name, (_, ref) in seen.items()}
+        loss.backward()
+    after = {name: ref() is not None for name, (_, ref) in seen.items()}
+    return {"used": {name: used for name, (used, _) in seen.items()}, "before_backward": before, "after": after,
+            "weight": str(model.out.weight.placements), "grad": str(model.out.weight.grad.placements),
+            "comm": comm.get_comm_counts()}
 
 
 def test_zero3_frees_gathered_parameters(world4):  # type: ignore[no-untyped-def]
     res = world4.run(_freed)[0]
-    assert res == {"used": "(Replicate(),)", "alive_before_backward": False, "weight": "(Shard(0),)", "grad": "(Shard(0),)"}, res
+    assert res["used"] == {"root": "(Replicate(),)", "block": "(Replicate(),)"}, res
+    assert res["before_backward"] == {"root": True, "block": False}, res
+    assert res["after"] == {"root": False, "block": False}, res
+    assert res["weight"] == res["grad"] == "(Shard(0),)", res
+    # the root gathered once, each block in forward and again in backward
+    assert res["comm"]["all_gather"] == 5, res
+
+
+def _accumulated(rank: int) -> dict[str, Any]:
+    """Two micro-batches, in the order accumulation takes (F B F B) and in a pipeline's (F F B B):
+    the model's own unit keeps the latest forward's gathered parameters for its backward; another
+    forward, or another forward's backward, gathering first drops them (that backward gathers
+    again). One SGD step on the summed gradients gives one process's parameters either way."""
+    from autoparallel.engine import layout
+
+    mesh = ap.ProcessMesh([0, 1, 2, 3], ["dp"])
+    xs = [torch.randint(0, 11, (8, 5), generator=torch.Generator().manual_seed(k)) for k in range(2)]
+    out: dict[str, Any] = {}
+    for order in ("FBFB", "FFBB"):
+        torch.manual_seed(0)
+        ref = _Stack()
+        model = ap.shard_layer(copy.deepcopy(ref), mesh)
+        opt = ap.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), ap.ShardingStage3(mesh))
+        kept: list[Any] = []
+        model.register_forward_pre_hook(lambda m, a: kept.append(weakref.ref(layout.local_of(m.out.weight))))
+        alive = []
+        with ap.CommDebugMode() as comm:
+            losses: list[torch.Tensor] = []
+            for k, step in enumerate(order):
+                if step == "F":
+                    x = xs[order[:k].count("F")]
+                    losses.append(model(ap.shard_tensor(x, mesh, [S0])).square().mean())
+                else:
+                    losses.pop(0).backward()
+                alive.append([r() is not None for r in kept])
+        opt.step()
+        out[order] = {"alive": alive, "all_gather": comm.get_comm_counts()["all_gather"]}
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        for x in xs:
+            ref(x).square().mean().backward()
+        ref_opt.step()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            _close(p.detach().full_tensor(), q.detach(), f"{order} {name}")
+    return out
+
+
+def test_zero3_keeps_the_models_own_unit_for_one_backward(world4):  # type: ignore[no-untyped-def]
+    res = world4.run(_accumulated)
+    assert all(r == res[0] for r in res[1:])
+    r = res[0]
+    # F B F B: each forward's copy is kept until its own backward: the root gathers once per
+    # micro-batch, the blocks in forward and backward (4 per micro-batch)
+    assert r["FBFB"]["alive"] == [[True], [False], [False, True], [False, False]], r
+    assert r["FBFB"]["all_gather"] == 2 * (1 + 4), r
+    # F F B B: the second forward drops the first's copy, the first's backward (regathering)
+    # the second's: the root gathers in both forwards and both backwards, as without keeping
+    assert r["FFBB"]["alive"] == [[True], [False, True], [False, False], [False, False]], r
+    assert r["FFBB"]["all_gather"] == 2 * (2 + 4), r
 
 
 # ---- state dicts -------------------------------------------------------------------------
@@ -410,8 +482,9 @@ def _late_sharding(rank: int) -> list[dict[str, int]]:
 
 def test_zero3_units_follow_sharding_done_after_a_forward(world4):  # type: ignore[no-untyped-def]
     for comms in world4.run(_late_sharding):
-        # one unit: a gather in forward and in backward, one reduce-scatter; the loss's all-reduce
-        assert all(c == {"all_gather": 2, "reduce_scatter": 1, "all_reduce": 1} for c in comms), comms
+        # one unit, the model's own: a gather in forward kept for its backward, one reduce-scatter;
+        # the loss's all-reduce
+        assert all(c == {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 1} for c in comms), comms
 
 
 def _ours(table: dict[Any, Any]) -> list[Any]:
@@ -493,8 +566,9 @@ def test_zero3_hooks_are_owned_by_the_model(world4):  # type: ignore[no-untyped-
         # the finder (one process-wide pre-hook) only until a forward reaches the model; none after
         start = res["start"]  # hooks of other tests' live ZeRO-3 models, if any (none expected)
         assert res["finding"] == start + 1 and res["found"] == start, res
-        # one unit: a gather in forward and in backward, one reduce-scatter; the loss's all-reduce
-        assert res["first"] == res["second"] == {"all_gather": 2, "reduce_scatter": 1, "all_reduce": 1}, res
+        # one unit, the model's own: a gather in forward kept for its backward, one reduce-scatter;
+        # the loss's all-reduce
+        assert res["first"] == res["second"] == {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 1}, res
         assert res["plain_calls"] == [] and not res["other_hooked"], res
         assert res["without_optimizer"] == res["first"], res
         assert not res["owner_alive"] and res["unused_finding"] == start + 1 and res["end"] == start, res
