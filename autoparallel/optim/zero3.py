@@ -399,6 +399,8 @@ class Zero3Params:
         params = [ref() for ref in src.params]
         if any(p is None for p in params):
             return
+        if nxt is not None:  # (it is: src is its source)
+            nxt.unkeep(but=src)  # another forward's kept copy goes before this one is made
         src.ahead = _Ahead.start(params, src.layouts, self.generation, "autoparallel::zero3_prefetch")  # type: ignore[arg-type]
         self._back_ahead = weakref.ref(src)
 
@@ -509,7 +511,6 @@ class _Unit:
         self.active += 1
         return _UnitCall(self, hooks, live)
 
-
     def _keep(self, source: _UnitGather, fulls: tuple[DistTensor, ...]) -> None:
         """The outermost unit keeps its gathered parameters until its backward (FSDP2 leaves its
         root unsharded after forward): its backward starts as soon as the loss is computed, and
@@ -571,14 +572,14 @@ class _UnitGather:
         if self.cached is None:
             params = [ref() for ref in self.params]
             assert all(p is not None for p in params), "a ZeRO-3 parameter was freed before its backward"
+            unit = self.unit()
+            if unit is not None:
+                unit.unkeep(but=self)  # another forward's kept copy goes before this one is made
             owner = self.owner()
             ahead, self.ahead = self.ahead, None
             self.cached = ahead.take(params, owner.generation) if ahead is not None and owner is not None else None  # type: ignore[arg-type]
             del ahead  # (its buffers go before the next unit's regather starts)
             if self.cached is None:
-                unit = self.unit()
-                if unit is not None:
-                    unit.unkeep(but=self)
                 with profiled("autoparallel::zero3_regather"):
                     self.cached = _gather_locals(params, self.layouts)  # type: ignore[arg-type]
         if not self.announced:  # the backward reached this unit (regathered, or kept since its forward)
