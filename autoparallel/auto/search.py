@@ -399,9 +399,12 @@ def _price(step: Step, sim: Simulation, mesh_shape: tuple[int, ...], dp_axis: in
         if zero == 0:
             comm.append(("all_reduce", int(2 * f * p_bytes), buckets, a))       # all-reduce of the gradients
         else:
-            comm.append(("reduce_scatter", int(f * p_bytes), buckets, a))       # reduce-scatter of the gradients
-            gathers = 2 if zero == 3 else 1                                     # ZeRO-3: forward and backward
-            comm.append(("all_gather", int(gathers * f * p_bytes), gathers * (n_blocks + 1) if zero == 3 else buckets, a))
+            # reduce-scatter of the gradients: ZeRO-3 one per unit (the blocks and the root), else per bucket
+            comm.append(("reduce_scatter", int(f * p_bytes), n_blocks + 1 if zero == 3 else buckets, a))
+            if zero == 3:  # each block in forward and again in backward; the root unit once (kept for its backward)
+                comm.append(("all_gather", int(f * (p_bytes + block_bytes)), 2 * n_blocks + 1, a))
+            else:          # the updated shards
+                comm.append(("all_gather", int(f * p_bytes), buckets, a))
     if tp_grad_bytes and tp_axis is not None:
         k = mesh_shape[tp_axis]
         comm.append(("all_reduce", int(2 * (k - 1) / k * tp_grad_bytes), 1, tp_axis))

@@ -65,6 +65,20 @@ def test_search_on_simulated_worlds(world: int) -> None:
     assert "mesh" in text and "candidates" in text and "predicted" in text
 
 
+def test_zero_stages_are_priced_with_the_collectives_they_issue() -> None:
+    """A ZeRO-3 step issues an all-gather per block in forward and again in backward, one for the
+    root unit (kept for its backward), and a reduce-scatter per unit; ZeRO-1/2 one all-gather and
+    one reduce-scatter per bucket; DP one all-reduce per bucket (tests/models/zoo.py pins the
+    measured counts: 5 all-gathers, 3 reduce-scatters for 2 blocks)."""
+    plan = ap.auto_parallel(GPT(CFG), world=4, example=_example(), loss=lm_loss, profile="h100")
+    by = {c.name: c.prediction for c in plan.candidates}
+    dp, z2, z3 = by["dp4 x tp1"], by["dp4 x tp1 zero2"], by["dp4 x tp1 zero3"]
+    assert z2.collectives - dp.collectives == 1  # the all-reduce -> a reduce-scatter and an all-gather
+    assert z3.collectives - dp.collectives == (2 * CFG.layers + 1) + (CFG.layers + 1) - 1
+    # bytes: ZeRO-2 gathers the parameters once, ZeRO-3 the blocks twice and the root once
+    assert z2.comm_bytes < z3.comm_bytes < 2 * z2.comm_bytes
+
+
 def test_plan_saves_loads_and_applies_its_parts(tmp_path) -> None:  # type: ignore[no-untyped-def]
     plan = ap.auto_parallel(GPT(CFG), example=_example(), loss=lm_loss, mesh=ap.ProcessMesh.simulated((2, 2), ["dp", "mp"]))
     path = str(tmp_path / "plan.json")
