@@ -390,25 +390,25 @@ def _price(step: Step, sim: Simulation, mesh_shape: tuple[int, ...], dp_axis: in
         g = sim.specs.get(grads[-1].id) if grads else None
         if tp_axis is not None and g is not None and isinstance(g.placements[tp_axis], Partial):
             tp_grad_bytes += b
-    comm = [(c.kind, c.nbytes, 1, c.axis) for c in sim.collectives]
+    colls = [(c.kind, c.nbytes, 1, c.axis) for c in sim.collectives]
     n_blocks = max(1, len(step.blocks()))
     if dp > 1:
         f = (dp - 1) / dp
         buckets = max(1, -(-p_bytes // BUCKET_BYTES))
         a = dp_axis if dp_axis is not None else -1
         if zero == 0:
-            comm.append(("all_reduce", int(2 * f * p_bytes), buckets, a))       # all-reduce of the gradients
+            colls.append(("all_reduce", int(2 * f * p_bytes), buckets, a))       # all-reduce of the gradients
         else:
             # reduce-scatter of the gradients: ZeRO-3 one per unit (the blocks and the root), else per bucket
-            comm.append(("reduce_scatter", int(f * p_bytes), n_blocks + 1 if zero == 3 else buckets, a))
+            colls.append(("reduce_scatter", int(f * p_bytes), n_blocks + 1 if zero == 3 else buckets, a))
             if zero == 3:  # each block in forward and again in backward; the root unit once (kept for its backward)
-                comm.append(("all_gather", int(f * (p_bytes + block_bytes)), 2 * n_blocks + 1, a))
+                colls.append(("all_gather", int(f * (p_bytes + block_bytes)), 2 * n_blocks + 1, a))
             else:          # the updated shards
-                comm.append(("all_gather", int(f * p_bytes), buckets, a))
+                colls.append(("all_gather", int(f * p_bytes), buckets, a))
     if tp_grad_bytes and tp_axis is not None:
         k = mesh_shape[tp_axis]
-        comm.append(("all_reduce", int(2 * (k - 1) / k * tp_grad_bytes), 1, tp_axis))
-    comm_s = sum(prof.seconds(kind, b, n, prof.inside_node(mesh_shape, axis)) for kind, b, n, axis in comm)
+        colls.append(("all_reduce", int(2 * (k - 1) / k * tp_grad_bytes), 1, tp_axis))
+    comm_s = sum(prof.seconds(kind, b, n, prof.inside_node(mesh_shape, axis)) for kind, b, n, axis in colls)
     flops = sim.flops + recompute * sim.forward_flops
     compute_s = flops / prof.flops_per_s + sim.touched_bytes * (1 + 0.5 * recompute) / prof.bytes_per_s
     overhead_s = sim.ops * (1 + 0.5 * recompute) * prof.op_s
@@ -430,7 +430,7 @@ def _price(step: Step, sim: Simulation, mesh_shape: tuple[int, ...], dp_axis: in
         unit = block_bytes // n_blocks
         p_bytes = p_bytes // dp + (p_bytes - block_bytes) + unit * (2 - int(recompute >= 1))
     return Prediction(compute_s + comm_s + overhead_s, compute_s, comm_s, p_bytes + s_bytes + live,
-                      sum(n for _, _, n, _ in comm), sum(b for _, b, _, _ in comm), overhead_s)
+                      sum(n for _, _, n, _ in colls), sum(b for _, b, _, _ in colls), overhead_s)
 
 
 def _divisors(n: int) -> list[int]:
