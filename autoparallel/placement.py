@@ -5,6 +5,11 @@
 (earlier ranks get the larger pieces; trailing ranks may hold empty pieces).
 ``Partial(reduce_type)`` — every rank holds a summand (or candidate); the value is the
 reduction of the pieces over the axis.
+``StridedShard(dim, split_factor)`` — tensor dim ``dim`` is cut into ``split_factor`` equal
+blocks and every block is split across the axis like ``Shard``; a rank holds its piece of each
+block, blocks in order. It is what flattening two dims sharded on different mesh axes gives the
+inner one (``[b, h] -> [b * h]`` with ``h`` split: ``StridedShard(0, split_factor=b)``); ops
+produce it, so a reshape of co-sharded dims keeps its shards instead of gathering them.
 """
 
 from __future__ import annotations
@@ -92,8 +97,46 @@ class Partial:
         return f"Partial({self.reduce_type!r})"
 
 
-Placement = Replicate | Shard | Partial
-PLACEMENT_TYPES = (Replicate, Shard, Partial)
+@dataclass(frozen=True, slots=True)
+class StridedShard:
+    """Tensor dim ``dim`` cut into ``split_factor`` equal blocks, each split across the mesh axis
+    with ``torch.chunk`` semantics; a rank holds its piece of every block, in block order.
+
+    ``Shard(d)`` on another mesh axis of the same layout splits the blocks themselves
+    (``torch.chunk`` of the blocks). With ``split_factor`` 1 it is ``Shard(dim)``, and a layout
+    says so.
+    """
+
+    dim: int
+    split_factor: int
+
+    def __post_init__(self) -> None:
+        if isinstance(self.dim, bool) or not isinstance(self.dim, int):
+            raise TypeError(f"StridedShard(dim, split_factor) takes an int tensor dim, got {self.dim!r}")
+        if isinstance(self.split_factor, bool) or not isinstance(self.split_factor, int) or self.split_factor < 1:
+            raise TypeError(f"StridedShard(dim, split_factor) takes a positive int split_factor, got {self.split_factor!r}")
+
+    def is_replicate(self) -> bool:
+        return False
+
+    def is_shard(self, dim: int | None = None) -> bool:
+        return dim is None or dim == self.dim
+
+    def is_partial(self) -> bool:
+        return False
+
+    def get_dim(self) -> int:
+        return self.dim
+
+    def __str__(self) -> str:
+        return f"S({self.dim}/{self.split_factor})"
+
+    def __repr__(self) -> str:
+        return f"StridedShard({self.dim}, split_factor={self.split_factor})"
+
+
+Placement = Replicate | Shard | Partial | StridedShard
+PLACEMENT_TYPES = (Replicate, Shard, Partial, StridedShard)
 
 
 def chunk_bounds(size: int, parts: int, index: int) -> tuple[int, int]:
@@ -107,7 +150,8 @@ def check_placement(p: object) -> Placement:
     """Return ``p`` if it is a placement, else raise a ``TypeError`` naming it."""
     if not isinstance(p, PLACEMENT_TYPES):
         raise TypeError(
-            f"placement {p!r} is not a Replicate(), Shard(dim) or Partial(reduce_type)"
+            f"placement {p!r} is not a Replicate(), Shard(dim), Partial(reduce_type) or "
+            "StridedShard(dim, split_factor)"
         )
     return p
 

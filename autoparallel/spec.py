@@ -4,10 +4,17 @@ Sharding is ``torch.chunk``-style: a dim of size ``n`` over ``k`` ranks gives pi
 ``ceil(n / k)`` with the remainder (possibly empty) at the end. When several mesh axes shard
 the same tensor dim they split it one after another; ``shard_order`` records that order per
 tensor dim (outermost axis first). The default order is ascending mesh axis.
+
+A ``StridedShard(d, f)`` axis splits each of ``f`` equal blocks of dim ``d``; plain ``Shard(d)``
+axes of the same layout then split the blocks (``torch.chunk`` of the ``f`` blocks: where they
+split them evenly, the same pieces as a ``Shard(d)`` alone). Such a layout is the plain layout of the
+*expanded* shape, ``d`` cut into ``[f, size / f]`` (``expanded``): the strided axes shard the
+inner dim, the plain ones the outer, and a rank's shard is its expanded shard, flattened back.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cache, lru_cache
@@ -20,6 +27,7 @@ from autoparallel.placement import (
     Placement,
     Replicate,
     Shard,
+    StridedShard,
     check_placement,
     chunk_bounds,
     partials_compatible,
@@ -45,6 +53,7 @@ class DistSpec:
     shard_order: tuple[tuple[int, tuple[int, ...]], ...] = field(default=())
     _hash: int = field(default=0, init=False, repr=False, compare=False)
     has_partial: bool = field(default=False, init=False, repr=False, compare=False)  # some axis is Partial
+    has_strided: bool = field(default=False, init=False, repr=False, compare=False)  # some axis is StridedShard
 
     def __hash__(self) -> int:  # fields are immutable: hash them once
         return self._hash
@@ -83,12 +92,23 @@ class DistSpec:
                         f"tensor dim {p.dim} does not exist"
                     )
                 p = Shard(p.dim % ndim)
+            elif isinstance(p, StridedShard):
+                if not -ndim <= p.dim < ndim or ndim == 0:
+                    raise ValueError(
+                        f"{p!r} on a {ndim}-d tensor of shape {tuple(shape)}: "
+                        f"tensor dim {p.dim} does not exist"
+                    )
+                p = Shard(p.dim % ndim) if p.split_factor == 1 else StridedShard(p.dim % ndim, p.split_factor)
             norm.append(p)
+        strided = any(isinstance(p, StridedShard) for p in norm)
+        if strided:
+            _check_strided(tuple(norm), shape, tuple(self.mesh.shape))
         object.__setattr__(self, "placements", tuple(norm))
         object.__setattr__(self, "shape", shape)
         object.__setattr__(self, "shard_order", _canonical_order(tuple(norm), self.shard_order))
         object.__setattr__(self, "_hash", hash((self.mesh, self.placements, shape, self.dtype, self.shard_order)))
         object.__setattr__(self, "has_partial", any(isinstance(p, Partial) for p in norm))
+        object.__setattr__(self, "has_strided", strided)
 
     # ---- derived ------------------------------------------------------------------------
     @property
@@ -146,6 +166,9 @@ class DistSpec:
         put(out, "shard_order", self.shard_order)
         put(out, "_hash", hash((self.mesh, self.placements, shape, dtype, self.shard_order)))
         put(out, "has_partial", self.has_partial)
+        put(out, "has_strided", self.has_strided)
+        if self.has_strided:  # a block count need not divide the new size: checked
+            _check_strided(self.placements, shape, tuple(self.mesh.shape))
         return out
 
     def with_dtype(self, dtype: torch.dtype) -> DistSpec:
@@ -160,14 +183,61 @@ class DistSpec:
         return self.with_placements(placements, self.shard_order)
 
     def local_box(self, coord: Sequence[int]) -> Box:
-        """Global region held by the rank at mesh coordinate ``coord``."""
+        """Global region held by the rank at mesh coordinate ``coord`` (a ``StridedShard``
+        layout holds no box: its ``expanded`` layout does)."""
+        if self.has_strided:
+            raise ValueError(f"a layout with a StridedShard axis, {self}, holds no box of the tensor; "
+                             "its expanded() layout does")
         return _local_box(self.placements, self.shard_order, self.shape, self.mesh.shape, tuple(coord))
+
+    def dim_box(self, coord: Sequence[int], dim: int) -> tuple[int, int]:
+        """(global offset, length) along ``dim`` of the rank at ``coord``: ``local_box(coord)[dim]``,
+        also in a ``StridedShard`` layout where no strided axis splits ``dim``."""
+        if not self.has_strided:
+            return self.local_box(coord)[dim]
+        if any(isinstance(p, StridedShard) and p.dim == dim for p in self.placements):
+            raise ValueError(f"tensor dim {dim} of {self} is strided: its piece is no range")
+        placements = tuple(Replicate() if isinstance(p, StridedShard) else p for p in self.placements)
+        return _local_box(placements, self.shard_order, self.shape, self.mesh.shape, tuple(coord))[dim]
 
     def local_shape(self, coord: Sequence[int] | None) -> tuple[int, ...]:
         """Shape of the local shard at ``coord``; ranks outside the mesh hold ``(0,)``."""
         if coord is None:
             return (0,)
+        if self.has_strided:
+            return merge_expanded(self.expanded().local_shape(coord), strided_factors(self.placements))
         return tuple(length for _, length in self.local_box(coord))
+
+    def expanded(self, factors: tuple[tuple[int, int], ...] | None = None) -> DistSpec:
+        """This layout over the shape with each dim ``d`` of ``factors`` (``(dim, blocks)`` pairs,
+        ascending dims; default: this layout's strided dims) cut into ``[blocks, size / blocks]``:
+        ``StridedShard(d, blocks)`` axes become ``Shard`` of the inner dim, ``Shard(d)`` axes of the
+        outer. A rank's shard of this layout is its expanded shard viewed flat. Raises
+        ``ValueError`` where a factor does not fit (a plain split not along block bounds, another
+        block count)."""
+        out = _expand(self, strided_factors(self.placements) if factors is None else tuple(factors))
+        if out is None:
+            raise ValueError(f"{self} cannot be cut into blocks {dict(factors or ())}")
+        return out
+
+    def fits(self, factors: tuple[tuple[int, int], ...]) -> bool:
+        """Whether ``expanded(factors)`` exists."""
+        return _expand(self, tuple(factors)) is not None
+
+    def unstrided(self) -> DistSpec:
+        """The same layout with every ``StridedShard`` axis made ``Replicate``, and the ``Shard``
+        axes of its dims too where they split the blocks unevenly (their pieces are then no
+        ``Shard`` pieces)."""
+        if not self.has_strided:
+            return self
+        factors = dict(strided_factors(self.placements))
+        mesh_shape = self.mesh.shape
+        uneven = {d for d, f in factors.items()
+                  if f % math.prod(mesh_shape[a] for a, p in enumerate(self.placements) if p == Shard(d))}
+        placements = [Replicate() if isinstance(p, StridedShard) or (isinstance(p, Shard) and p.dim in uneven) else p
+                      for p in self.placements]
+        order = tuple((d, axes) for d, axes in self.shard_order if d not in uneven)
+        return self.with_placements(placements, order)
 
     def __str__(self) -> str:
         order = f" order={dict(self.shard_order)}" if self.shard_order else ""
@@ -181,6 +251,77 @@ def _with_placements(
     spec: DistSpec, placements: tuple[Placement, ...], shard_order: tuple[tuple[int, tuple[int, ...]], ...]
 ) -> DistSpec:
     return DistSpec(spec.mesh, placements, spec.shape, spec.dtype, shard_order)
+
+
+def strided_factors(placements: Sequence[Placement]) -> tuple[tuple[int, int], ...]:
+    """``(dim, split_factor)`` of every dim a ``StridedShard`` axis splits, ascending dims."""
+    return tuple(sorted({(p.dim, p.split_factor) for p in placements if isinstance(p, StridedShard)}))
+
+
+def merge_expanded(shape: Sequence[int], factors: tuple[tuple[int, int], ...]) -> tuple[int, ...]:
+    """A shape of an ``expanded(factors)`` layout with each cut dim's two parts multiplied back."""
+    out = list(shape)
+    for d, _ in reversed(factors):
+        out[d:d + 2] = [out[d] * out[d + 1]]
+    return tuple(out)
+
+
+def strided_layout_ok(placements: tuple[Placement, ...], shape: Sequence[int], mesh_shape: Sequence[int]) -> bool:
+    """Whether a layout's ``StridedShard`` axes fit ``shape`` (what ``DistSpec`` checks)."""
+    try:
+        _check_strided(placements, tuple(shape), tuple(mesh_shape))
+    except ValueError:
+        return False
+    return True
+
+
+def _check_strided(placements: tuple[Placement, ...], shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> None:
+    """Raise ``ValueError`` unless every ``StridedShard`` axis of a dim has one block count that
+    divides the dim."""
+    for d in sorted({p.dim for p in placements if isinstance(p, StridedShard)}):
+        factors = {p.split_factor for p in placements if isinstance(p, StridedShard) and p.dim == d}
+        if len(factors) > 1:
+            raise ValueError(f"{placements_str(placements)}: the StridedShard axes of tensor dim {d} "
+                             f"give different block counts {sorted(factors)}")
+        f = factors.pop()
+        if shape[d] % f:
+            raise ValueError(f"{placements_str(placements)} on shape {tuple(shape)}: {f} blocks do not "
+                             f"divide tensor dim {d} of size {shape[d]}")
+
+
+@lru_cache(maxsize=1024)
+def _expand(spec: DistSpec, factors: tuple[tuple[int, int], ...]) -> DistSpec | None:
+    cut = dict(factors)
+    new_dim: list[int] = []
+    shape: list[int] = []
+    for d, size in enumerate(spec.shape):
+        new_dim.append(len(shape))
+        if d in cut:
+            f = cut[d]
+            if f < 1 or size % f:
+                return None
+            shape += [f, size // f]
+        else:
+            shape.append(size)
+    mesh_shape = spec.mesh.shape
+    placements: list[Placement] = []
+    plain = dict.fromkeys(cut, 1)
+    for a, p in enumerate(spec.placements):
+        if isinstance(p, StridedShard):
+            if cut.get(p.dim) != p.split_factor:
+                return None
+            placements.append(Shard(new_dim[p.dim] + 1))
+        elif isinstance(p, Shard):
+            if p.dim in cut:
+                plain[p.dim] *= mesh_shape[a]
+            placements.append(Shard(new_dim[p.dim]))
+        else:
+            placements.append(p)
+    strided = {p.dim for p in spec.placements if isinstance(p, StridedShard)}
+    if any(cut[d] % k for d, k in plain.items() if d not in strided):
+        return None  # a plain split of a dim not cut by blocks: the same pieces only if it cuts whole blocks
+    order = tuple((new_dim[d], axes) for d, axes in spec.shard_order)
+    return DistSpec(spec.mesh, tuple(placements), tuple(shape), spec.dtype, order)
 
 
 def intersect_boxes(a: Box, b: Box) -> Box | None:

@@ -99,7 +99,7 @@ def plan_best(src: DistSpec, dst: DistSpec) -> Plan | CrossMeshPlan:
     if src.mesh != dst.mesh:
         return plan_cross_mesh(src, dst)
     plan = plan_reshard(src, dst)  # one step: built from placements (``one_move``), not cached
-    if src.partial_axes() or not plan.collectives() or len(plan.steps) < 2:
+    if src.partial_axes() or not plan.collectives() or len(plan.steps) < 2 or src.has_strided or dst.has_strided:
         return plan  # a single collective already moves exactly what each rank lacks
     return _plan_best_same_mesh(src, dst)
 
@@ -113,7 +113,7 @@ def best_price(src: DistSpec, dst: DistSpec) -> tuple[int, tuple[Step, ...], boo
         cm = plan_cross_mesh(src, dst)
         return cm.max_bytes(), cm.pre.steps + cm.post.steps, bool(cm.collectives())
     plan = plan_reshard(src, dst)
-    if src.partial_axes() or not plan.collectives() or len(plan.steps) < 2:
+    if src.partial_axes() or not plan.collectives() or len(plan.steps) < 2 or src.has_strided or dst.has_strided:
         return plan.max_bytes(), plan.steps, bool(plan.collectives())
     mine, p2p = plan.max_bytes(), _p2p_max_received(src, dst)
     if p2p >= mine:
@@ -181,8 +181,8 @@ def _volume(box: Box) -> int:
 
 @lru_cache(maxsize=4096)
 def _plan_cross_mesh(src: DistSpec, dst: DistSpec) -> CrossMeshPlan:
-    src_full = src.without_partial()
-    dst_full = dst.without_partial()
+    src_full = src.without_partial().unstrided()  # (a strided piece is no box: gathered first)
+    dst_full = dst.without_partial().unstrided()
     pre = plan_reshard(src, src_full)
     post = plan_reshard(dst_full, dst)
     # Distinct source pieces and who holds each (mesh order).

@@ -18,6 +18,7 @@ from reshard.plan import (
     RELABEL,
     SLICE,
     TO_PARTIAL,
+    VIEW,
     Plan,
     Step,
     fill_value,
@@ -62,6 +63,8 @@ def _run_step(local: torch.Tensor, step: Step, coord: tuple[int, ...]) -> torch.
     kind = step.kind
     if kind == RELABEL:
         return local
+    if kind == VIEW:
+        return local.reshape(step.dst.local_shape(coord))
     if kind == SLICE:
         assert isinstance(dst_p, Shard)
         size = local.shape[dst_p.dim]
@@ -191,4 +194,8 @@ def piece_of_whole(full: torch.Tensor, dst: DistSpec) -> torch.Tensor:
     coord = dst.mesh.coordinate_of(runtime.get_rank())
     if coord is None:
         return empty_local(dst, full)
+    if dst.has_strided:  # a box of the expanded tensor, flattened back
+        wide = dst.expanded()
+        piece = _view(full.reshape(wide.shape), tuple((0, n) for n in wide.shape), wide.local_box(coord))
+        return piece.reshape(dst.local_shape(coord))
     return _view(full, tuple((0, n) for n in full.shape), dst.local_box(coord))

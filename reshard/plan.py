@@ -11,18 +11,19 @@ import numpy as np
 import torch
 
 from autoparallel.placement import Partial, Shard
-from autoparallel.spec import DistSpec
+from autoparallel.spec import DistSpec, strided_factors
 
 # Step kinds. Local ones move no bytes.
 SLICE = "slice"                # R -> S(d): keep this rank's chunk
 TO_PARTIAL = "to_partial"      # R -> P: zero all but one summand (sum) or keep (avg/max/min)
 FILL = "fill"                  # S(d) -> P: own piece in place, the reduction's identity elsewhere
 RELABEL = "relabel"            # any -> any on a mesh axis of size 1
+VIEW = "view"                  # a layout <-> its expanded layout (StridedShard): a local reshape
 ALL_GATHER = "all_gather"      # S(d) -> R
 ALL_REDUCE = "all_reduce"      # P -> R
 REDUCE_SCATTER = "reduce_scatter"  # P -> S(d)
 ALL_TO_ALL = "all_to_all"      # S(i) -> S(j)
-LOCAL_KINDS = frozenset({SLICE, TO_PARTIAL, FILL, RELABEL})
+LOCAL_KINDS = frozenset({SLICE, TO_PARTIAL, FILL, RELABEL, VIEW})
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +45,8 @@ class Step:
 
     def __str__(self) -> str:
         a = self.axis
+        if self.kind == VIEW:
+            return f"view({tuple(self.src.shape)} -> {tuple(self.dst.shape)})"
         return f"{self.kind}(axis {a}: {self.src.placements[a]} -> {self.dst.placements[a]})"
 
 
@@ -85,6 +88,8 @@ class Plan:
 
 def local_shape_table(spec: DistSpec) -> np.ndarray:
     """Local shard shapes of every mesh coordinate: int array of shape ``mesh.shape + (ndim,)``."""
+    if spec.has_strided:
+        return _strided_table(spec)
     return _shape_table(spec.placements, spec.shard_order, spec.shape, tuple(spec.mesh.shape))
 
 
@@ -105,6 +110,16 @@ def _shape_table(placements, order, shape, mesh_shape) -> np.ndarray:  # type: i
     table = np.stack(cols, axis=-1) if cols else np.zeros((coords.shape[1], 0), dtype=np.int64)
     table.setflags(write=False)
     return table.reshape(tuple(mesh_shape) + (len(shape),))
+
+
+@lru_cache(maxsize=1024)
+def _strided_table(spec: DistSpec) -> np.ndarray:
+    factors = strided_factors(spec.placements)
+    table = local_shape_table(spec.expanded())
+    for d, _ in reversed(factors):
+        table = np.concatenate([table[..., :d], table[..., d:d + 1] * table[..., d + 1:d + 2], table[..., d + 2:]], axis=-1)
+    table.setflags(write=False)
+    return table
 
 
 def _prod_last(a: np.ndarray) -> np.ndarray:

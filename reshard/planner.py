@@ -12,7 +12,10 @@ axes shard the same tensor dim). Edges are single steps on one mesh axis:
 An axis that shards dim ``d`` can only be undone (gathered, moved) while it is the innermost
 split of ``d``; a new split always becomes innermost. Edge weights are the bytes the busiest
 rank receives plus a small per-step latency term, so among equally cheap plans the one with
-fewest steps wins. The search is Dijkstra over the lazily expanded graph (it stops as soon as
+fewest steps wins. A ``StridedShard`` layout is planned on its expanded shape (``DistSpec.expanded``: the strided
+dim cut into blocks x block, every axis a plain ``Shard``), between two local reshapes (``view``
+steps); where the two layouts cut a dim differently, through their layouts with the strided
+axes replicated. The search is Dijkstra over the lazily expanded graph (it stops as soon as
 ``dst`` is settled, so cheap plans are found without building every layout), cached on
 ``(src, dst)``. ``layout_graph`` builds the whole graph as a networkx ``DiGraph`` — the
 reference the tests check the search against, and a way to look at the alternatives.
@@ -27,8 +30,8 @@ from functools import lru_cache
 
 import networkx as nx
 
-from autoparallel.placement import Partial, Placement, Replicate, Shard, partials_compatible
-from autoparallel.spec import DistSpec
+from autoparallel.placement import Partial, Placement, Replicate, Shard, StridedShard, partials_compatible
+from autoparallel.spec import DistSpec, strided_factors
 from reshard.plan import (
     ALL_GATHER,
     ALL_REDUCE,
@@ -38,6 +41,7 @@ from reshard.plan import (
     RELABEL,
     SLICE,
     TO_PARTIAL,
+    VIEW,
     Plan,
     Step,
     fill_exact,
@@ -60,7 +64,30 @@ def plan_reshard(src: DistSpec, dst: DistSpec) -> Plan:
         raise ReshardError(
             f"cannot reshard a {tuple(src.shape)} {src.dtype} tensor into {tuple(dst.shape)} {dst.dtype}"
         )
+    if src.has_strided or dst.has_strided:
+        return _plan_strided(src, dst)
     return one_move(src, dst) or _plan(src, dst)
+
+
+@lru_cache(maxsize=4096)
+def _plan_strided(src: DistSpec, dst: DistSpec) -> Plan:
+    """A plan where either layout has a ``StridedShard`` axis: on the shape both expand to, or
+    through ``src.unstrided()`` and ``dst.unstrided()`` (each of which expands as its own)."""
+    found = dict(strided_factors(src.placements))
+    common = True
+    for d, f in strided_factors(dst.placements):
+        common = common and found.setdefault(d, f) == f
+    factors = tuple(sorted(found.items()))
+    if common and src.fits(factors) and dst.fits(factors):
+        wide_src, wide_dst = src.expanded(factors), dst.expanded(factors)
+        return Plan(src, dst, _view(src, wide_src) + plan_reshard(wide_src, wide_dst).steps + _view(wide_dst, dst))
+    mid_src, mid_dst = src.unstrided(), dst.unstrided()
+    return Plan(src, dst, plan_reshard(src, mid_src).steps + plan_reshard(mid_src, mid_dst).steps
+                + plan_reshard(mid_dst, dst).steps)
+
+
+def _view(src: DistSpec, dst: DistSpec) -> tuple[Step, ...]:
+    return () if src == dst else (Step(VIEW, 0, src, dst),)
 
 
 def one_move(src: DistSpec, dst: DistSpec) -> Plan | None:
@@ -230,6 +257,8 @@ def _axis_edges(state: DistSpec, a: int, targets: tuple[Placement, ...]) -> Iter
 
 
 def _kind(state: DistSpec, a: int, src: Placement, dst: Placement) -> str | None:
+    if isinstance(src, StridedShard) or isinstance(dst, StridedShard):
+        return None  # (planned on the expanded layouts: ``_plan_strided``)
     if isinstance(src, Replicate):
         return SLICE if isinstance(dst, Shard) else TO_PARTIAL
     if isinstance(src, Shard):

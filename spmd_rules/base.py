@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from autoparallel.placement import Partial, Placement, Replicate, Shard
+from autoparallel.placement import Partial, Placement, Replicate, Shard, StridedShard
 
 R = Replicate()
 P_SUM = Partial("sum")
@@ -98,6 +98,46 @@ class ScalarMeta:
 
 AxisRule = Callable[[OpCall, int, int], Sequence[AxisStrategy]]
 MeshRule = Callable[[OpCall], Sequence[Strategy]]
+
+
+def with_strided(fn: AxisRule | None = None, *, skip: Callable[[OpCall, AxisStrategy], bool] | None = None) -> Any:
+    """``fn``, plus each of its sharded strategies again with ``StridedShard`` for ``Shard`` where
+    this axis's inputs are strided that way: for ops whose sharded dims are independent (each
+    index of an output dim reads the same index of the inputs' dims: elementwise ops, batch
+    dims, contracted dims summed into a Partial), any subset of indices is as good as a chunk.
+    A strategy qualifies when every input it shards is now ``StridedShard`` of that dim with one
+    block count, or replicated (some input strided), and every sharded dim, output dims
+    included, has one size; ``skip(call, strategy)``: strategies whose sharded dims are not
+    independent (a loss's class dim, which the targets index). Use as ``@with_strided`` or
+    ``@with_strided(skip=...)``."""
+    if fn is None:
+        return lambda f: with_strided(f, skip=skip)
+    inner = fn
+
+    def rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
+        out = list(inner(call, axis, size))
+        current = axis_placements(call, axis)
+        factors = {p.split_factor for p in current if isinstance(p, StridedShard)}
+        if len(factors) != 1:
+            return out
+        f = factors.pop()
+        for s in list(out):
+            sizes = {call.inputs[i].shape[q.dim] for i, q in enumerate(s.inputs) if isinstance(q, Shard)}
+            if (not sizes or len(sizes) > 1 or not any(isinstance(q, Shard) and current[i] == StridedShard(q.dim, f) for i, q in enumerate(s.inputs))
+                    or any(isinstance(q, Shard) and current[i] not in (StridedShard(q.dim, f), R)
+                           for i, q in enumerate(s.inputs))):
+                continue  # (a replicated input takes its strided piece locally)
+            if any(isinstance(q, Shard) and (m is None or m.shape[q.dim] not in sizes) for q, m in zip(s.outputs, call.out)):
+                continue
+            if skip is not None and skip(call, s):
+                continue
+            out.append(AxisStrategy(tuple(StridedShard(q.dim, f) if isinstance(q, Shard) else q for q in s.inputs),
+                                    tuple(StridedShard(q.dim, f) if isinstance(q, Shard) else q for q in s.outputs)))
+        return out
+
+    rule.__name__ = getattr(inner, "__name__", "rule")
+    rule.__doc__ = inner.__doc__
+    return rule
 
 
 def replicate_all(call: OpCall) -> AxisStrategy:

@@ -4,7 +4,8 @@ For ``"mk,kn->mn"`` along one mesh axis the candidates are: everything replicate
 the output sharded in every operand that has it (output ``S(position)``); a contracted letter
 sharded in every operand (output ``P(sum)``); and one ``P`` operand with the others replicated
 (output ``P``, contractions are linear in each operand). An additive operand (``addmm``'s bias)
-follows the output through broadcasting, and is ``P`` when the output is.
+follows the output through broadcasting, and is ``P`` when the output is. Operands strided alike on a
+dim (the flattened ``[b, h]`` with ``h`` split, ``[b, s]`` with ``s`` split) stay so.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 import torch
 
 from autoparallel.placement import Placement, Shard
-from spmd_rules.base import P_SUM, AxisStrategy, LocalContext, OpCall, R, follow
+from spmd_rules.base import P_SUM, AxisStrategy, LocalContext, OpCall, R, follow, with_strided
 from spmd_rules.registry import register_axis_rule, register_local_impl
 
 aten = torch.ops.aten
@@ -54,16 +55,19 @@ def einsum_strategies(equation: str, call: OpCall, operands: tuple[int, ...], bi
 
 
 @register_axis_rule(aten.mm)
+@with_strided
 def mm_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
     return einsum_strategies("mk,kn->mn", call, (0, 1))
 
 
 @register_axis_rule(aten.bmm)
+@with_strided
 def bmm_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
     return einsum_strategies("bmk,bkn->bmn", call, (0, 1))
 
 
 @register_axis_rule(aten.mv)
+@with_strided
 def mv_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
     return einsum_strategies("mk,k->m", call, (0, 1))
 
@@ -79,12 +83,14 @@ def outer_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
 
 
 @register_axis_rule(aten.addmm)
+@with_strided
 def addmm_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
     # addmm(bias, m1, m2) = beta * bias + alpha * m1 @ m2
     return einsum_strategies("mk,kn->mn", call, (1, 2), bias=0)
 
 
 @register_axis_rule(aten.baddbmm)
+@with_strided
 def baddbmm_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
     return einsum_strategies("bmk,bkn->bmn", call, (1, 2), bias=0)
 

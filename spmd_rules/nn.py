@@ -45,8 +45,8 @@ from typing import Any
 import torch
 
 from autoparallel import known_sums
-from autoparallel.placement import Partial, Placement, Shard
-from spmd_rules.base import P_SUM, AxisStrategy, LocalContext, OpCall, R
+from autoparallel.placement import Partial, Placement, Shard, StridedShard
+from spmd_rules.base import P_SUM, AxisStrategy, LocalContext, OpCall, R, with_strided
 from spmd_rules.base import input_slots as _slots
 from spmd_rules.base import named_strategy as _make
 from spmd_rules.registry import register_axis_rule, register_local_impl
@@ -101,6 +101,7 @@ def _softmax_dim_last(call: OpCall, i: int) -> list[int]:
 
 
 @register_axis_rule(SOFTMAX_OPS)
+@with_strided
 def softmax_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
     """Any dim may be sharded; a sharded softmax dim all-reduces the row statistics."""
     strategies = [AxisStrategy((R,), (R,))]
@@ -117,6 +118,7 @@ def safe_softmax_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
 
 
 @register_axis_rule(SOFTMAX_BACKWARD_OPS)
+@with_strided
 def softmax_backward_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
     """Gradient and output sharded alike (any dim); a Partial gradient with the output replicated."""
     strategies = [AxisStrategy((R, R), (R,))]
@@ -260,7 +262,15 @@ def _class_dim(ndim: int) -> int:
     return 1 if ndim >= 2 else 0
 
 
+def _class_sharded(call: OpCall, s: AxisStrategy) -> bool:
+    """Whether ``s`` shards the loss input's class dim (the targets index it: not independent)."""
+    i = _slots(call)["self"]
+    p = s.inputs[i]
+    return isinstance(p, Shard) and p.dim == _class_dim(call.inputs[i].ndim)
+
+
 @register_axis_rule(NLL_FORWARD)
+@with_strided(skip=_class_sharded)
 def nll_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
     """Batch dims with the target (sum: P; none: sharded; mean: R, the global sum over the global
     total weight, both reduced in one all-reduce);
@@ -282,6 +292,7 @@ def nll_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
 
 
 @register_axis_rule(NLL_BACKWARD)
+@with_strided(skip=_class_sharded)
 def nll_backward_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
     """Mirrors the forward; grad_input takes the input's layout (or P for a Partial gradient).
 
@@ -336,10 +347,10 @@ def nll_layout(ctx: LocalContext) -> tuple[Any, int, int, int, tuple[int, ...]]:
     slots = _slots(ctx.call)
     spec = ctx.in_specs[slots["self"]]
     cdim = _class_dim(spec.ndim)
-    off, n = spec.local_box(ctx.coord)[cdim]
+    off, n = spec.dim_box(ctx.coord, cdim)
     tspec = ctx.in_specs[slots["target"]] if "target" in slots else None
     batch_axes = () if tspec is None else tuple(
-        a for a, p in enumerate(tspec.placements) if isinstance(p, Shard) and tspec.mesh.shape[a] > 1
+        a for a, p in enumerate(tspec.placements) if isinstance(p, (Shard, StridedShard)) and tspec.mesh.shape[a] > 1
     )
     return spec, cdim, off, n, batch_axes
 

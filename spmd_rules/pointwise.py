@@ -11,6 +11,8 @@ broadcasting), replicated, or — for linear ops — Partial:
   operands or scalars stays ``P``;
 - ``isin``, ``bucketize``, ``searchsorted`` (1-d sequence): sharded like their elements or
   values, the tested values, boundaries or sorted sequence replicated;
+- a ``StridedShard`` input stays strided where every sharded operand is strided alike
+  (``base.with_strided``);
 - any other op tagged ``torch.Tag.pointwise`` (``rsub.Scalar``, ``sinc``, ``logaddexp``, the
   in-place ``cos_``...): sharded or replicated, no Partial (``registry.register_tag_rule``).
 """
@@ -22,7 +24,7 @@ from collections.abc import Sequence
 import torch
 
 from autoparallel.placement import Partial, Placement, Shard
-from spmd_rules.base import AxisStrategy, OpCall, R, TensorMeta, follow, replicate_all
+from spmd_rules.base import AxisStrategy, OpCall, R, TensorMeta, follow, replicate_all, with_strided
 from spmd_rules.registry import register_axis_rule, register_tag_rule
 
 aten = torch.ops.aten
@@ -79,6 +81,7 @@ def _partial(call: OpCall, inputs: Sequence[Placement], t: str) -> AxisStrategy:
 
 @register_tag_rule(torch.Tag.pointwise)  # every other pointwise op (rsub.Scalar, sinc, ...): not linear
 @register_axis_rule(PLAIN_OPS)
+@with_strided
 def plain_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
     return _sharded_strategies(call)
 
@@ -123,6 +126,7 @@ def searchsorted_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
 
 
 @register_axis_rule(COPY_OPS)
+@with_strided
 def copy_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
     strategies = _sharded_strategies(call)
     strategies += [_partial(call, (Partial(t),), t) for t in ("sum", "avg", "max", "min")]
@@ -130,6 +134,7 @@ def copy_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
 
 
 @register_axis_rule(NEG_OPS)
+@with_strided
 def neg_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
     return _sharded_strategies(call) + [_partial(call, (Partial(t),), t) for t in ("sum", "avg")]
 
@@ -139,6 +144,7 @@ def _tensor_operands(call: OpCall, n: int) -> bool:
 
 
 @register_axis_rule(ADD_OPS)
+@with_strided
 def add_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
     strategies = _sharded_strategies(call)
     if len(call.inputs) == 2 and _tensor_operands(call, 2):
@@ -147,6 +153,7 @@ def add_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
 
 
 @register_axis_rule(MUL_OPS)
+@with_strided
 def mul_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
     strategies = _sharded_strategies(call)
     if call.kwargs.get("rounding_mode") is not None:

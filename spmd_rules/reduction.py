@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from autoparallel.placement import Partial, Placement, Shard
-from spmd_rules.base import P_SUM, AxisStrategy, LocalContext, OpCall, R
+from spmd_rules.base import P_SUM, AxisStrategy, LocalContext, OpCall, R, with_strided
 from spmd_rules.registry import register_axis_rule, register_local_impl
 
 aten = torch.ops.aten
@@ -129,24 +129,28 @@ def reduction_strategies(
 
 
 @register_axis_rule([aten.sum.default, aten.sum.dim_IntList, aten.mean.default, aten.mean.dim])
+@with_strided  # (a reduction of any subset of indices is a piece)
 def sum_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
     """sum/mean: Shard(reduced) -> P(sum); P(sum|avg) pass as ``linear_passes`` allows."""
     return reduction_strategies(call, axis, P_SUM, linear_passes(call))
 
 
 @register_axis_rule([aten.nansum.default, aten.count_nonzero.default, aten.count_nonzero.dim_IntList])
+@with_strided  # (a reduction of any subset of indices is a piece)
 def count_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
     """nansum/count_nonzero: Shard(reduced) -> P(sum); no Partial input (NaN/zero tests are per value)."""
     return reduction_strategies(call, axis, P_SUM, ())
 
 
 @register_axis_rule([aten.amax.default, aten.max.default])
+@with_strided  # (a reduction of any subset of indices is a piece)
 def max_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
     """amax/max: Shard(reduced) -> P(max); a max of P(max) pieces is P(max)."""
     return reduction_strategies(call, axis, P_MAX, ("max",))
 
 
 @register_axis_rule([aten.amin.default, aten.min.default])
+@with_strided  # (a reduction of any subset of indices is a piece)
 def min_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
     """amin/min: Shard(reduced) -> P(min); a min of P(min) pieces is P(min)."""
     return reduction_strategies(call, axis, P_MIN, ("min",))
@@ -170,12 +174,14 @@ def _logical_input(call: OpCall) -> bool:
 
 
 @register_axis_rule([aten.all.default, aten.all.dim, aten.all.dims])
+@with_strided  # (a reduction of any subset of indices is a piece)
 def all_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
     """all: Shard(reduced) -> P(min) (and of the pieces); P(min) passes for bool/uint8 input."""
     return reduction_strategies(call, axis, P_MIN, ("min",) if _logical_input(call) else (), empty_is_all=False)
 
 
 @register_axis_rule([aten.any.default, aten.any.dim, aten.any.dims])
+@with_strided  # (a reduction of any subset of indices is a piece)
 def any_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
     """any: Shard(reduced) -> P(max) (or of the pieces); P(max) passes for bool/uint8 input."""
     return reduction_strategies(call, axis, P_MAX, ("max",) if _logical_input(call) else (), empty_is_all=False)

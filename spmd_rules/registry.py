@@ -6,7 +6,8 @@ import itertools
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from autoparallel.placement import partials_compatible
+from autoparallel.placement import StridedShard, partials_compatible
+from autoparallel.spec import strided_layout_ok
 from spmd_rules.base import AxisRule, AxisStrategy, MeshRule, OpCall, Strategy
 
 LocalImpl = Callable[..., Any]
@@ -165,9 +166,18 @@ def product_of_axes(call: OpCall, fn: AxisRule) -> list[Strategy]:
     for combo in itertools.product(*per_axis):
         inputs = tuple(tuple(s.inputs[i] for s in combo) for i in range(n_in))
         outputs = tuple(tuple(s.outputs[o] for s in combo) for o in range(n_out))
-        if all(partials_compatible(p) for p in inputs + outputs):
+        if all(partials_compatible(p) for p in inputs + outputs) and (
+                not any(isinstance(q, StridedShard) for p in inputs + outputs for q in p)
+                or _strided_fit(call, inputs, outputs)):
             out.append(Strategy(inputs, outputs))
     return out
+
+
+def _strided_fit(call: OpCall, inputs: tuple[tuple[Any, ...], ...], outputs: tuple[tuple[Any, ...], ...]) -> bool:
+    """Whether a combination's ``StridedShard`` axes fit the tensors' shapes (the plain splits of
+    a strided dim must split its blocks evenly: ``DistSpec``'s check)."""
+    metas = list(zip(call.inputs, inputs)) + list(zip(call.out, outputs))
+    return all(m is None or strided_layout_ok(p, m.shape, call.mesh_shape) for m, p in metas)
 
 
 def _prefer_current(call: OpCall, axis: int, cands: Sequence[AxisStrategy]) -> list[AxisStrategy]:

@@ -3,7 +3,12 @@
 ``view``/``reshape`` keep a sharded dim sharded when it maps onto one output dim with the same
 leading element count and the pieces stay ``torch.chunk`` pieces: a 1:1 dim always; the
 outermost dim of a merged group, or the first dim of a split, when the shard count divides it.
-Anything else is replicated along that axis first — never a silently wrong view.
+An inner dim of a merged group (the heads of ``[b, h, s, d] -> [b * h, s, d]``) becomes a
+``StridedShard`` of the merged dim, its block count the product of the dims before it in the
+group, when the shard count divides it and no dim after it in the group is sharded; a
+``StridedShard`` dim maps back to a ``Shard`` where a split puts its blocks on whole output dims,
+and stays strided through 1:1 dims and merges. Anything else is replicated along that axis
+first — never a silently wrong view.
 """
 
 from __future__ import annotations
@@ -14,7 +19,8 @@ from typing import Any
 
 import torch
 
-from autoparallel.placement import Partial, Placement, Replicate, Shard
+from autoparallel.placement import Partial, Placement, Replicate, Shard, StridedShard
+from autoparallel.spec import strided_layout_ok
 from spmd_rules.base import AxisStrategy, LocalContext, OpCall, R, Strategy
 from spmd_rules.registry import register_axis_rule, register_local_impl, register_rule
 
@@ -49,28 +55,118 @@ def view_rule(call: OpCall) -> list[Strategy]:
     x, out = call.inputs[0], call.out[0]
     assert out is not None
     cur = call.placements[0]
-    sharded = {p.dim for p in cur if isinstance(p, Shard)}
-    ins: list[Placement] = []
-    outs: list[Placement] = []
-    for _, p in enumerate(cur):
-        if isinstance(p, Shard):
-            axes = [b for b, q in enumerate(cur) if q == p]
-            shards = math.prod(call.mesh_shape[b] for b in axes)
-            o = map_view_dim(x.shape, out.shape, p.dim, shards, sharded - {p.dim})
-            if o is None:
-                ins.append(R)
-                outs.append(R)
-            else:
-                ins.append(p)
-                outs.append(Shard(o))
+    sharded = {p.dim for p in cur if isinstance(p, (Shard, StridedShard))}
+    targets: dict[int, Placement | None] = {}
+    blocks_needed: dict[int, int] = {}  # axis -> the output's block count its Shard target assumes
+    for d in sorted(sharded):
+        plain = [a for a, p in enumerate(cur) if p == Shard(d)]
+        strided = [a for a, p in enumerate(cur) if isinstance(p, StridedShard) and p.dim == d]
+        kp = math.prod(call.mesh_shape[a] for a in plain)
+        if strided:
+            f = cur[strided[0]].split_factor  # type: ignore[union-attr]  # a StridedShard
+            ks = math.prod(call.mesh_shape[a] for a in strided)
+            t = _strided_target(x.shape, out.shape, d, f, ks, sharded)
+            targets.update(dict.fromkeys(strided, t))
+            o, need = _blocks_target(x.shape, out.shape, d, f, kp)
+            for a in plain:
+                targets[a] = None if o is None else Shard(o)
+                if need:
+                    blocks_needed[a] = need
+            continue
+        o = map_view_dim(x.shape, out.shape, d, kp, set())
+        if o is None:
+            o = _uneven_outer(x.shape, out.shape, d, kp)
+            if o is not None:  # its pieces are whole rows only as the blocks of a strided dim
+                blocks_needed.update(dict.fromkeys(plain, x.shape[d]))
+            t = Shard(o) if o is not None else _strided_target(x.shape, out.shape, d, 1, kp, sharded)
         else:
-            ins.append(p)
-            outs.append(p)
-    return [Strategy((tuple(ins),), (tuple(outs),))]
+            t = Shard(o)
+        targets.update(dict.fromkeys(plain, t))
+    outs = [targets.get(a, p) for a, p in enumerate(cur)]
+    if not strided_layout_ok(tuple(q for q in outs if q is not None), out.shape, call.mesh_shape):
+        outs = [None if isinstance(q, StridedShard) else q for q in outs]
+    for a, need in blocks_needed.items():
+        q = outs[a]
+        if isinstance(q, Shard) and StridedShard(q.dim, need) not in outs:
+            outs[a] = None
+    ins = tuple(R if q is None else p for p, q in zip(cur, outs))
+    return [Strategy((ins,), (tuple(R if q is None else q for q in outs),))]
 
 
-def _follow_rule(dim_map: Callable[[OpCall, int], int | None]) -> Callable[[OpCall, int, int], list[AxisStrategy]]:
-    """Per-axis rule for ops that move dims: ``dim_map(call, d)`` -> output dim or None."""
+def _uneven_outer(in_shape: Sequence[int], out_shape: Sequence[int], d: int, shards: int) -> int | None:
+    """The output dim that input dim ``d`` heads as the outer dim of a merge with the next one
+    (``[b, h] -> [b * h]``), its split uneven: whole rows of the merged dim only if that dim is
+    strided with ``in_shape[d]`` blocks (the caller checks)."""
+    if d + 1 >= len(in_shape) or 0 in in_shape:
+        return None
+    lead = math.prod(in_shape[:d])
+    for o in range(len(out_shape)):
+        if math.prod(out_shape[:o]) == lead and in_shape[d] < out_shape[o] and out_shape[o] % in_shape[d] == 0:
+            return o
+    return None
+
+
+def _blocks_target(in_shape: Sequence[int], out_shape: Sequence[int], d: int, blocks: int,
+                   shards: int) -> tuple[int | None, int]:
+    """(the output dim, the block count it must be strided with or 0) of the ``Shard`` axes of a
+    strided input dim ``d`` (they split its ``blocks``): a dim the blocks stay blocks of (1:1, or
+    ``d`` outermost in a merge), or the output dim the blocks become in a split."""
+    if 0 in in_shape or 0 in out_shape:
+        return None, 0
+    lead = math.prod(in_shape[:d])
+    for o in range(len(out_shape)):
+        if math.prod(out_shape[:o]) != lead:
+            continue
+        if out_shape[o] >= in_shape[d] and out_shape[o] % in_shape[d] == 0:  # 1:1 or outermost of a merge
+            return o, (0 if blocks % shards == 0 else blocks)
+        if out_shape[o] == blocks:  # a split whose first dim is the blocks
+            return o, 0
+        if blocks % out_shape[o] == 0 and out_shape[o] % shards == 0:  # the blocks over several dims: even
+            return o, 0
+    return None, 0
+
+
+def _strided_target(in_shape: Sequence[int], out_shape: Sequence[int], d: int, blocks: int, shards: int,
+                    sharded: set[int]) -> Placement | None:
+    """Where input dim ``d``, cut into ``blocks`` blocks each split into ``shards`` pieces (1:
+    a plain ``Shard``), lands in the output: a ``StridedShard`` of the output dim its merge group
+    becomes (no other dim of the group but the outermost sharded), a ``Shard`` of the output dim
+    that starts its block in a split (``blocks`` whole output dims before it), or None."""
+    if 0 in in_shape or 0 in out_shape:
+        return None
+    block = in_shape[d] // blocks
+    lead = math.prod(in_shape[:d])
+    for o in range(len(out_shape)):
+        for g0 in range(d, -1, -1):  # merge (or 1:1): input dims g0..e-1 are output dim o
+            if math.prod(in_shape[:g0]) != math.prod(out_shape[:o]):
+                continue
+            e = d + 1
+            while e <= len(in_shape) and math.prod(in_shape[g0:e]) < out_shape[o]:
+                e += 1
+            if e > len(in_shape) or math.prod(in_shape[g0:e]) != out_shape[o]:
+                continue
+            if any(k in sharded for k in range(g0 + 1, e) if k != d):
+                continue
+            if block % shards and e > d + 1:  # uneven pieces of a block stay pieces only as its last dim
+                return None
+            factor = math.prod(in_shape[g0:d]) * blocks
+            return StridedShard(o, factor) if factor > 1 else Shard(o)
+        if math.prod(out_shape[:o]) == lead and blocks > 1:  # split: d is output dims o..
+            j, before = o, 1
+            while j < len(out_shape) and before < blocks:
+                before *= out_shape[j]
+                j += 1
+            if before != blocks or j >= len(out_shape) or in_shape[d] % (blocks * out_shape[j]):
+                continue
+            if out_shape[j] % shards == 0 or blocks * out_shape[j] == in_shape[d]:  # (uneven: the block's last dim)
+                return Shard(j)
+    return None
+
+
+def _follow_rule(dim_map: Callable[[OpCall, int], int | None],
+                 strided: bool = True) -> Callable[[OpCall, int, int], list[AxisStrategy]]:
+    """Per-axis rule for ops that move dims: ``dim_map(call, d)`` -> output dim or None. A
+    ``StridedShard`` dim follows to an output dim of the same size where ``strided``."""
 
     def rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
         p = call.placements[0][axis]
@@ -79,6 +175,11 @@ def _follow_rule(dim_map: Callable[[OpCall, int], int | None]) -> Callable[[OpCa
             if o is None:
                 return [AxisStrategy((R,), (R,))]
             return [AxisStrategy((p,), (Shard(o),))]
+        if isinstance(p, StridedShard) and strided:
+            o = dim_map(call, p.dim)
+            out = call.out[0]
+            if o is not None and out is not None and out.shape[o] == call.inputs[0].shape[p.dim]:
+                return [AxisStrategy((p,), (StridedShard(o, p.split_factor),))]
         if isinstance(p, Partial):
             return [AxisStrategy((p,), (p,))]
         return [AxisStrategy((Replicate(),), (Replicate(),))]
@@ -146,13 +247,26 @@ def sized_local(ctx: LocalContext, x: torch.Tensor, size: Sequence[int], *args: 
     """Ops taking a global size run locally with this rank's local output size."""
     local = ctx.out_shapes[0]
     assert local is not None
+    if _strided_view(ctx):
+        return aten.reshape.default(x, list(local))
     return ctx.call.op(x, list(local), *args, **kwargs)
+
+
+def _strided_view(ctx: LocalContext) -> bool:
+    """Whether a view's local step is a reshape: a ``StridedShard`` in or out merges a shard's
+    dims that a slice of a larger tensor (a shard whose strides are its wrapper's) cannot view
+    as one, where the whole tensor could; the engine marks such views as not reaching their
+    input (``engine.decide``: a write through one raises)."""
+    return bool(ctx.in_specs) and bool(ctx.out_specs) and (
+        ctx.in_specs[0].has_strided or (ctx.out_specs[0] is not None and ctx.out_specs[0].has_strided))
 
 
 @register_local_impl(aten._reshape_alias)
 def reshape_alias_local(ctx: LocalContext, x: torch.Tensor, size: Sequence[int], stride: Sequence[int]) -> torch.Tensor:
     local = ctx.out_shapes[0]
     assert local is not None
+    if _strided_view(ctx):
+        return aten.reshape.default(x, list(local))
     return aten.view.default(x, list(local))
 
 
@@ -231,7 +345,7 @@ def _cut_alike(call: OpCall, d: int, size: int, length: int) -> bool:
     return k > 0 and -(-size // k) == -(-length // k)
 
 
-register_axis_rule(aten.diagonal)(_follow_rule(_diagonal_map))
+register_axis_rule(aten.diagonal)(_follow_rule(_diagonal_map, strided=False))
 
 
 @register_local_impl(aten.diagonal)

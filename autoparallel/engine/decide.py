@@ -24,7 +24,7 @@ from autoparallel.engine.decision import Decision, InplaceViewDecision, LocalSte
 from autoparallel.engine.kernels import DEFERRING, Collectives, kernel_for
 from autoparallel.engine.keys import mesh_coord
 from autoparallel.engine.slots import dist_slots, flatten_out, map_args
-from autoparallel.placement import Replicate
+from autoparallel.placement import Replicate, StridedShard
 from autoparallel.spec import DistSpec
 from autoparallel.strides import dense_strides
 from reshard.choice import as_is, cheapest, cost, plan_price, plan_to
@@ -56,6 +56,7 @@ DATA_SHAPED_OPS = frozenset({
 # Views whose local implementation computes a new tensor (a lazy conj/neg bit cannot live on the
 # wrapper): like views of a moved input, writes through them raise instead of being lost.
 _MATERIALISED_VIEWS = frozenset({torch.ops.aten._conj.default, torch.ops.aten._neg_view.default})
+_SIZED_VIEWS = frozenset({torch.ops.aten.view.default, torch.ops.aten._reshape_alias.default})
 # In-place views (they change the tensor's own shape or strides) and their out-of-place view.
 _aten = torch.ops.aten
 INPLACE_VIEWS = {
@@ -114,11 +115,16 @@ def _templatable(func: Any) -> bool:
             and not may_write(func) and get_out_shapes(func) is None)
 
 
+def _strided(specs: Any) -> bool:
+    return any(s is not None and s.has_strided for s in specs)
+
+
 def _template_kind(d: Decision, func: Any) -> bool:
     """Whether ``d`` can be filled in at another shape: a local step on this mesh writing nothing,
     its outputs all tensors, its moves (if any) re-plannable from placements alone — and none
     for a view (a view of a moved input is detached: decided afresh)."""
     return (type(d) is LocalStep and d.coord is not None and not d.mutated and not d.fallback
+            and not _strided(d.in_specs) and not _strided(d.out_specs)
             and not d.detached_view and d.out_kind in (OutKind.TENSOR, OutKind.TUPLE, OutKind.LIST)
             and all(o is not None for o in d.out_specs)
             and all(not isinstance(p, CrossMeshPlan) for p in d.plans)
@@ -320,16 +326,23 @@ def _generic_best(strategies: Sequence[Strategy], specs: Sequence[DistSpec], mes
     no multiple, ``torch.chunk``'s rounding up may too); with none taking every
     input as it is, the one strategy that moves nothing (every input as it is or reached by local
     steps: slices, relabels, ``R -> P``; priced 0 at any size, while every other plan has a
-    collective or a fill, priced above 0 at any size). None where sizes decide."""
+    collective or a fill, priced above 0 at any size). None where sizes decide, and where a
+    ``StridedShard`` is in or out (its block count is a product of sizes)."""
+    if _strided(specs):
+        return None
     free = [s for s in strategies if all(as_is(spec, req) for spec, req in zip(specs, s.inputs))]
     if len(free) == 1:
-        return free[0]
-    if free:
+        best: Strategy | None = free[0]
+    elif free:
         if sum(m is not None for m in out_metas) != 1 or _uneven_sizes(mesh, out_metas):
             return None
-        return min(free, key=lambda s: cost(s, list(specs), tuple(mesh.shape), out_metas))
-    still = [s for s in strategies if all(not plan_price(spec, tuple(req)) for spec, req in zip(specs, s.inputs))]
-    return still[0] if len(still) == 1 else None
+        best = min(free, key=lambda s: cost(s, list(specs), tuple(mesh.shape), out_metas))
+    else:
+        still = [s for s in strategies if all(not plan_price(spec, tuple(req)) for spec, req in zip(specs, s.inputs))]
+        best = still[0] if len(still) == 1 else None
+    if best is not None and any(isinstance(p, StridedShard) for o in best.outputs for p in o):
+        return None
+    return best
 
 
 def _uneven_sizes(mesh: Any, out_metas: tuple[TensorMeta | None, ...]) -> bool:
@@ -390,7 +403,8 @@ def _finish(cls: Any, func: Any, d: Decision, args: tuple[Any, ...], kwargs: dic
         # (one object for both where the kernel never defers: the same values)
         contexts = (now, LocalContext(d.call, shapes, d.in_specs, d.out_specs, d.coord, True, collectives)
                     if func in DEFERRING else now)
-    detached_view = returns_view and moved_input
+    # (a view of a StridedShard layout may copy the shard: ``spmd_rules.view._strided_view``)
+    detached_view = returns_view and (moved_input or (func in _SIZED_VIEWS and _strided(d.in_specs + d.out_specs)))
     simple = d.out_kind is OutKind.TENSOR and not d.mutated and not d.fallback and not detached_view
     in_conform: tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...] = ()
     out_dense: tuple[tuple[int, ...] | None, ...] = ()

@@ -14,7 +14,6 @@ import torch
 
 from autoparallel import compat, runtime
 from autoparallel.engine import pending
-from autoparallel.engine.batch_matmul import LINEARS, MATMULS, batch_first_matmul
 from autoparallel.engine.compile_notice import NOTICE as _COMPILE
 from autoparallel.engine.deferred import Deferred, Finish, Stat
 from autoparallel.engine.dispatch import dispatch
@@ -34,14 +33,14 @@ def contiguous_local(local: torch.Tensor, spec: DistSpec) -> torch.Tensor:
     return conform(local, contiguous_strides(spec.shape))
 
 
-_IN_PLACE, _MATMUL, _SPLIT_AT, _GRAD_FLAG, _BACKWARD = 1, 2, 3, 4, 5
+_IN_PLACE, _SPLIT_AT, _GRAD_FLAG, _BACKWARD = 1, 3, 4, 5
 # ``t.requires_grad_()`` and ``t.requires_grad = ...``: a leaf that starts requiring grad gets its
 # gradient in its own layout (``keep_grad_layout``)
 # ``nn.Parameter(dist_tensor)`` makes its parameter with ``data.detach().requires_grad_()``
 _PARAMETER_NEW = torch.nn.Parameter.__new__.__code__
 _GRAD_FLAGS = (torch.Tensor.requires_grad_, torch.Tensor.requires_grad.__set__)  # type: ignore[attr-defined]  # a getset descriptor
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # the exact types of plain tensors and parameters
-_TF_KIND: dict[Any, int] = {}  # torch function -> 0 (pass through), _IN_PLACE, _MATMUL or _SPLIT_AT
+_TF_KIND: dict[Any, int] = {}  # torch function -> 0 (pass through), _IN_PLACE, _SPLIT_AT, _GRAD_FLAG or _BACKWARD
 # Functions taking split points as a tensor whose values torch's C++ reads from its memory (a
 # DistTensor has none: "data is not allocated"): the whole value is passed instead.
 _SPLIT_POINTS = {torch.tensor_split: ("tensor_indices_or_sections", "indices_or_sections", "indices", "sections"),
@@ -50,8 +49,6 @@ _SPLIT_POINTS = {torch.tensor_split: ("tensor_indices_or_sections", "indices_or_
 
 def _tf_kind(func: Any) -> int:
     """What ``DistTensor.__torch_function__`` looks at for ``func`` (cached per function)."""
-    if func in MATMULS or func in LINEARS:
-        return _MATMUL
     if any(func == f for f in _GRAD_FLAGS):
         return _GRAD_FLAG
     if func in _SPLIT_POINTS:
@@ -71,9 +68,10 @@ def _backward_as_forward(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     ran; False: not done (torch's default then runs it with that handling off).
 
     torch's default turns the handling off for the function it hands on, which here is the
-    whole backward pass: a recompute inside it (torch's checkpoint) would decide ``matmul``
-    otherwise than its forward did (``batch_matmul``) and save tensors of other shapes. The
-    pass starts from the loss's gradient edge, which no ``__torch_function__`` looks at."""
+    whole backward pass: a recompute inside it (torch's checkpoint) would then skip what the
+    forward's ``__torch_function__`` did (plain leaves and written plain tensors laid out, split
+    points read whole) and take another path. The pass starts from the loss's gradient edge,
+    which no ``__torch_function__`` looks at."""
     bound = dict(zip(_BACKWARD_ARGS, args[1:]))
     bound.update(kwargs)
     loss = args[0]
@@ -128,12 +126,12 @@ class DistTensor(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         """Torch's default without wrapping results (ops decompose below Python and reach
-        ``__torch_dispatch__``), after three looks: a plain leaf that requires grad (a parameter left
-        plain) becomes a Replicate DistTensor in place (``keys.adopt_plain_leaves``); an in-place op
-        writing a plain tensor with a value that requires grad makes it a DistTensor first
-        (``keys.adopt_written_plain``); a batched
-        ``matmul`` with a sharded inner batch dim moves that dim first (``batch_matmul``). Inside a
-        ``torch.compile``'d call the first op warns that it runs eagerly (``_CompileNotice``)."""
+        ``__torch_dispatch__``), after a few looks: a plain leaf that requires grad (a parameter
+        left plain) becomes a Replicate DistTensor in place (``keys.adopt_plain_leaves``); an
+        in-place op writing a plain tensor with a value that requires grad makes it a DistTensor
+        first (``keys.adopt_written_plain``); split points given as a DistTensor are read whole;
+        ``loss.backward()`` runs as the forward did. Inside a ``torch.compile``'d call the first
+        op warns that it runs eagerly (``_CompileNotice``)."""
         if _COMPILE.armed:  # (a torch.compile started in this process and has not warned yet)
             _COMPILE.check()
         for a in args:  # a plain leaf that requires grad (a parameter left plain): laid out first
@@ -153,14 +151,8 @@ class DistTensor(torch.Tensor):
                 return out
             elif kind == _SPLIT_AT:
                 args, kwargs = _whole_split_points(cls, func, args, kwargs or {})
-            elif kind == _BACKWARD:
-                if _backward_as_forward(args, kwargs or {}):
-                    return None
-            else:
-                with compat.disable_torch_function_subclass():
-                    out = batch_first_matmul(cls, func, args, kwargs, _FromLocal.apply)
-                if out is not NotImplemented:
-                    return out
+            elif _backward_as_forward(args, kwargs or {}):  # (kind == _BACKWARD)
+                return None
         return compat.disabled_torch_function_impl(func, types, args, kwargs or {})
 
     @classmethod

@@ -97,10 +97,10 @@ def _region(call: Callable[..., Any]) -> Callable[..., Any]:
 
     A recompute runs with the forward's ``__torch_function__`` state: a backward started by
     ``torch.autograd.backward``/``grad`` on a DistTensor runs with subclass handling off (torch's
-    default; ``loss.backward()`` keeps it on, ``engine.dtensor``), and what the forward decided
-    there (a batched ``matmul`` on the shards: ``engine.batch_matmul``) would be decided
-    otherwise in the recompute, saving tensors of other shapes than the forward did (torch's
-    checkpoint refuses that)."""
+    default; ``loss.backward()`` keeps it on, ``engine.dtensor``), and what the forward's
+    ``__torch_function__`` did there (plain leaves laid out, split points read whole) would be
+    skipped in the recompute, which could then take another path and save other tensors than the
+    forward did (torch's checkpoint refuses that)."""
     runs = [0]
     forward_tf = [True]
 

@@ -5,8 +5,8 @@ The style works through layouts, like every style: its hooks only move tensors (
 
 - ``comm="ring"``: the module's hidden states enter ``Shard(seq_dim)`` on the cp axis (a local
   slice when they arrive replicated on it, nothing when they arrive sharded). Inside, the
-  projections run on the token shards (``F.linear`` of a sequence-sharded activation stays on
-  the shards, ``engine.batch_matmul``) and scaled-dot-product attention, meeting query, key and
+  projections run on the token shards (``F.linear`` flattens a sequence-sharded activation to
+  ``[batch * seq, width]``, a ``StridedShard`` of the tokens, and stays on the shards) and scaled-dot-product attention, meeting query, key and
   value sharded on the sequence, runs as ring attention (``engine.ring_attention``: key/value
   pieces travel around the axis, causal masks load-balanced). The output stays sharded, so
   what follows (MLP, norms, the next block, the head) runs on the token shards and the next

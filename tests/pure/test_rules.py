@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from autoparallel import Partial, Replicate, Shard
-from autoparallel.placement import chunk_bounds
+from autoparallel.placement import StridedShard, chunk_bounds
 from spmd_rules import OpCall, Strategy, TensorMeta, get_rule
 from tests.treeutil import map_tensors, tensors_in
 
@@ -178,9 +178,11 @@ def test_view_merging_unevenly_sharded_dim_needs_replicate() -> None:
     assert strategies(call) == [Strategy(((R,),), ((R,),))]
 
 
-def test_view_merging_inner_sharded_dim_needs_replicate() -> None:
+def test_view_merging_inner_sharded_dim_is_strided() -> None:
     x = rnd(4, 6)
     call = make_call(aten.view.default, (x, [24]), [S1])
+    assert strategies(call) == [Strategy(((S1,),), ((StridedShard(0, 4),),))]
+    call = make_call(aten.view.default, (rnd(4, 5, 3), [60]), [S1])  # uneven, not its block's last dim
     assert strategies(call) == [Strategy(((R,),), ((R,),))]
 
 
@@ -209,6 +211,10 @@ def shard(x: torch.Tensor, p: Any, n: int, gen: torch.Generator) -> list[torch.T
         return [x.clone() for _ in range(n)]
     if isinstance(p, Shard):
         return [x.narrow(p.dim, *chunk_bounds(x.shape[p.dim], n, i)) for i in range(n)]
+    if isinstance(p, StridedShard):  # each of the blocks split alike, a rank's pieces in block order
+        d, f = p.dim, p.split_factor
+        blocks = x.unflatten(d, (f, x.shape[d] // f))
+        return [blocks.narrow(d + 1, *chunk_bounds(blocks.shape[d + 1], n, i)).flatten(d, d + 1) for i in range(n)]
     noise = [torch.randint(0, 5, x.shape, generator=gen).to(x.dtype) for _ in range(n)]
     if p.reduce_type == "sum":
         return [x - sum(noise[1:])] + noise[1:]
@@ -296,11 +302,13 @@ def test_view_strategies_are_exact(in_shape: tuple, out_shape: tuple, n: int) ->
     x = torch.arange(torch.Size(in_shape).numel()).reshape(in_shape)
     y = x.reshape(out_shape)
     gen = torch.Generator().manual_seed(0)
-    for cur in [R, P] + [Shard(d) for d in range(len(in_shape))]:
+    sharded = (Shard, StridedShard)
+    strided = [StridedShard(d, f) for d in range(len(in_shape)) for f in range(2, in_shape[d]) if in_shape[d] % f == 0]
+    for cur in [R, P] + [Shard(d) for d in range(len(in_shape))] + strided:
         (s,) = strategies(make_call(aten.view.default, (x, list(out_shape)), [cur], mesh_shape=(n,)))
         (p_in,), (p_out,) = s.inputs[0], s.outputs[0]
         assert p_in == cur or isinstance(p_in, Replicate)  # keeps the layout or asks for R
-        assert isinstance(p_out, Shard) == isinstance(p_in, Shard)
-        if isinstance(p_in, Shard):
+        assert isinstance(p_out, sharded) == isinstance(p_in, sharded)
+        if isinstance(p_in, sharded):
             for a, b in zip(shard(x, p_in, n, gen), shard(y, p_out, n, gen)):
                 assert a.flatten().tolist() == b.flatten().tolist(), (s, a, b)

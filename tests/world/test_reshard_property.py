@@ -10,11 +10,11 @@ import math
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import autoparallel as ap
-from autoparallel.placement import Partial, Replicate, Shard, partials_compatible
+from autoparallel.placement import Partial, Replicate, Shard, StridedShard, partials_compatible
 from reshard import plan_best
 from tests.layouts import make_dist, reference
 
@@ -116,4 +116,73 @@ def _order_case(rank: int) -> bool:
     y = ap.reshard(x, mesh, [Shard(0), Shard(0)])  # default order: axis 0 outermost
     assert y.dist_spec.axes_of_dim(0) == (0, 1)
     assert torch.equal(y.full_tensor(), full)
+    return True
+
+
+def _valid(mesh: list, placements: tuple, shape: tuple) -> bool:  # type: ignore[type-arg]
+    try:
+        ap.DistSpec(ap.ProcessMesh(mesh), placements, shape, torch.float32)
+    except ValueError:
+        return False
+    return True
+
+
+@st.composite
+def strided_case_st(draw, cross: bool):  # type: ignore[no-untyped-def]
+    """A dim cut into 2-4 blocks; src and dst mix StridedShard of it with the other placements."""
+    src_mesh = draw(mesh_st())
+    dst_mesh = draw(mesh_st()) if cross else src_mesh
+    shape = [draw(st.integers(1, 5)) for _ in range(draw(st.integers(1, 3)))]
+    d, f = draw(st.integers(0, len(shape) - 1)), draw(st.integers(2, 4))
+    shape[d] *= f
+    other_f = draw(st.sampled_from([f, shape[d] // f if shape[d] // f > 1 else f]))
+
+    def layout(mesh, partial, factor):  # type: ignore[no-untyped-def]
+        choices = [Replicate(), StridedShard(d, factor), StridedShard(d, factor)] + [Shard(i) for i in range(len(shape))]
+        choices += [Partial("sum"), Partial("max")] if partial else []
+        return tuple(draw(st.lists(st.sampled_from(choices), min_size=len(torch.tensor(mesh).shape),
+                                   max_size=len(torch.tensor(mesh).shape))))
+
+    src = layout(src_mesh, True, f)
+    dst = layout(dst_mesh, not cross, other_f)
+    assume(any(isinstance(p, StridedShard) for p in src + dst))
+    assume(partials_compatible(src) and partials_compatible(dst))
+    assume(_valid(src_mesh, src, tuple(shape)) and _valid(dst_mesh, dst, tuple(shape)))
+    return src_mesh, src, dst_mesh, dst, tuple(shape), draw(st.integers(0, 1000))
+
+
+STRIDED_SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+
+
+@STRIDED_SETTINGS
+@given(case=strided_case_st(cross=False))
+def test_strided_reshard_matches_reference(world8, case):  # type: ignore[no-untyped-def]
+    """To, from and between StridedShard layouts (the same or another block count) on one mesh."""
+    assert all(world8.run(_check, *case))
+
+
+@STRIDED_SETTINGS
+@given(case=strided_case_st(cross=True))
+def test_strided_cross_mesh_reshard_matches_reference(world8, case):  # type: ignore[no-untyped-def]
+    assert all(world8.run(_check, *case))
+
+
+def test_strided_to_shard_gathers_only_the_strided_axis(world8):  # type: ignore[no-untyped-def]
+    assert all(world8.run(_strided_moves))
+
+
+def _strided_moves(rank: int) -> bool:
+    """[S(0), S(0/4)] (the flattened [4, 6] of a batch on axis 0 and heads on axis 1) reshards to
+    [S(0), R] by one all-gather of axis 1, and back by a local slice."""
+    mesh = ap.ProcessMesh([[0, 1, 2, 3], [4, 5, 6, 7]])
+    full = reference((24, 3), 2)
+    x = make_dist(full, mesh, (Shard(0), StridedShard(0, 4)))
+    with ap.CommDebugMode() as comm:
+        y = ap.reshard(x, mesh, [Shard(0), Replicate()])
+    assert comm.get_comm_counts() == {"all_gather": 1}, comm.get_comm_counts()
+    assert torch.equal(y.to_local(), full.narrow(0, 12 * (rank // 4), 12))
+    with ap.CommDebugMode() as comm:
+        z = ap.reshard(y, mesh, [Shard(0), StridedShard(0, 4)])
+    assert comm.get_comm_counts() == {} and torch.equal(z.to_local(), x.to_local())
+    assert torch.equal(z.full_tensor(), full)
     return True

@@ -1,17 +1,13 @@
-"""``torch.matmul`` of ``[b, h, s, d]`` DistTensors sharded on the heads stays sharded.
+"""Reshapes of co-sharded dims keep their shards (``StridedShard``), and so does what runs on them.
 
 Found by the model zoo: eager attention (BERT, GPT-2, ViT) under tensor parallelism computes
-``matmul(q, k.transpose(-1, -2))`` with the heads (dim 1) sharded; matmul's flatten of the batch
-dims to ``b*h`` could not keep an inner-dim shard, so both operands were all-gathered at every
-attention matmul. ``engine.batch_matmul`` moves the sharded batch dims first: no collective
-forward, the same values and gradients as one process, a contiguous result.
-
-Two batch dims sharded on two mesh axes (DP x TP: batch on ``dp``, heads on ``tp``) merge into
-no placement: the flatten gathered both operands there (the zoo's ``dp_tp`` counts showed it).
-Laid out alike, each rank's batch elements are its own: ``matmul`` runs on the shards
-(``batch_matmul.per_shard``), uneven batch shards included. So it does for one sharded inner
-batch dim (data-parallel attention as ``[h, b, s, *]``): autograd saves the operands themselves,
-no permuted copy of them.
+``matmul(q, k.transpose(-1, -2))`` with the heads (dim 1) sharded; matmul flattens the batch dims
+to ``b*h`` below Python for its ``bmm``. With the heads an inner factor of that dim and no
+placement for it, both operands were all-gathered at every attention matmul. The flattened heads
+are ``StridedShard(0, split_factor=b)``: ``bmm`` runs on the shards, the view back gives
+``Shard(1)`` again; with the batch on ``dp`` too (DP x TP) the batch stays ``Shard(0)`` of the
+flat dim, an uneven batch included. ``F.linear`` of a sequence-sharded ``[B, S, W]`` (context or
+sequence parallelism) flattens ``[B * S, W]`` alike and stays on the token shards.
 """
 
 from __future__ import annotations
@@ -139,3 +135,78 @@ def test_off_mesh_ranks_derive_the_same_layouts(world4) -> None:  # type: ignore
     empty shard) and so the same layouts — a pipeline's shape pass runs every stage everywhere."""
     got = world4.run(_off_mesh_layouts)
     assert all(g == got[0] for g in got), got
+
+
+def _reshape_keeps(rank: int, batch: int) -> tuple[list[str], list[str], dict[str, int], bool, bool]:
+    import torch
+
+    import autoparallel as ap
+
+    torch.manual_seed(0)
+    x = torch.randn(batch, 6, 5, 3)
+    mesh = ap.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "tp"])
+    xd = ap.shard_tensor(x, mesh, [ap.Shard(0), ap.Shard(1)])
+    with ap.CommDebugMode() as comm:
+        flat = xd.reshape(batch * 6, 5, 3)
+        back = (flat * 2).view(batch, 6, 5, 3)
+    return ([str(p) for p in flat.placements], [str(p) for p in back.placements], comm.get_comm_counts(),
+            torch.equal(flat.full_tensor(), x.reshape(batch * 6, 5, 3)), torch.equal(back.full_tensor(), x * 2))
+
+
+@pytest.mark.parametrize("batch", [4, 3], ids=["even", "uneven"])
+def test_reshape_of_co_sharded_dims_keeps_the_shards(world4, batch: int) -> None:  # type: ignore[no-untyped-def]
+    for flat, back, comm, flat_ok, back_ok in world4.run(_reshape_keeps, batch):
+        assert flat == ["S(0)", f"S(0/{batch})"] and back == ["S(0)", "S(1)"], (flat, back)
+        assert comm == {} and flat_ok and back_ok, comm
+
+
+def _sequence_linear(rank: int) -> tuple[dict[str, int], list[str], float, float, float]:
+    import torch
+
+    import autoparallel as ap
+
+    torch.manual_seed(0)
+    x, w, b = torch.randn(2, 8, 6), torch.randn(5, 6), torch.randn(5)
+    mesh = ap.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "cp"])
+    xd = ap.shard_tensor(x, mesh, [ap.Shard(0), ap.Shard(1)]).requires_grad_()
+    wd = ap.shard_tensor(w, mesh, [ap.Replicate(), ap.Replicate()]).requires_grad_()
+    bd = ap.shard_tensor(b, mesh, [ap.Replicate(), ap.Replicate()]).requires_grad_()
+    with ap.CommDebugMode() as comm:
+        y = torch.nn.functional.linear(xd, wd, bd)
+    xr, wr, br = (t.clone().requires_grad_() for t in (x, w, b))
+    want = torch.nn.functional.linear(xr, wr, br)
+    (y * y).sum().backward()
+    (want * want).sum().backward()
+    # (the weight's and bias's gradients are sums over the token shards: relative to their size)
+    grads = max(((wd.grad.full_tensor() - wr.grad).abs().max() / wr.grad.abs().max()).item(),
+                ((bd.grad.full_tensor() - br.grad).abs().max() / br.grad.abs().max()).item())
+    return (comm.get_comm_counts(), [str(p) for p in y.placements], (y.full_tensor() - want).abs().max().item(),
+            (xd.grad.full_tensor() - xr.grad).abs().max().item(), grads)
+
+
+def test_linear_of_sequence_shards_stays_on_them(world4) -> None:  # type: ignore[no-untyped-def]
+    for comm, placements, err, gx, gw in world4.run(_sequence_linear):
+        assert comm == {} and placements == ["S(0)", "S(1)"], (comm, placements)
+        assert max(err, gx, gw) < 1e-5, (err, gx, gw)
+
+
+def _write_through_flat_view(rank: int) -> str:
+    import torch
+
+    import autoparallel as ap
+
+    mesh = ap.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "tp"])
+    xd = ap.shard_tensor(torch.zeros(4, 6, 3), mesh, [ap.Shard(0), ap.Shard(1)])
+    flat = xd.view(24, 3)
+    try:
+        flat.add_(1)
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_write_through_a_strided_view_raises(world4) -> None:  # type: ignore[no-untyped-def]
+    """The flat view's shard may be a copy (a shard sliced from a larger tensor cannot be viewed
+    as one flat dim): a write through it is refused, not lost."""
+    for msg in world4.run(_write_through_flat_view):
+        assert "would not reach the original tensor" in msg, msg

@@ -1,0 +1,183 @@
+"""``StridedShard``: the layout, its expansion, the planner and the rules that keep it (no world).
+
+Reference: ``tests.layouts.held_indices`` lists every rank's global indices from the placements'
+definitions (blocks split by the plain axes, each block by the strided ones), without
+``DistSpec.local_shape`` or ``expanded``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import autoparallel as ap
+from autoparallel.placement import Partial, Replicate, Shard, StridedShard
+from autoparallel.spec import DistSpec
+from reshard import plan_best
+from reshard.plan import ALL_GATHER, VIEW
+from reshard.planner import plan_reshard
+from spmd_rules.base import OpCall, TensorMeta
+from spmd_rules.registry import get_rule
+from tests.layouts import held_indices
+
+aten = torch.ops.aten
+R = Replicate()
+MESH = ap.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "tp"])
+
+
+def spec(placements: tuple, shape: tuple[int, ...], mesh: ap.ProcessMesh = MESH) -> DistSpec:  # type: ignore[type-arg]
+    return DistSpec(mesh, placements, shape, torch.float32)
+
+
+def test_a_block_count_must_divide_the_dim_and_be_one_per_dim() -> None:
+    with pytest.raises(ValueError, match="4 blocks do not divide tensor dim 0 of size 6"):
+        spec((R, StridedShard(0, 4)), (6, 3))
+    with pytest.raises(ValueError, match="different block counts"):
+        spec((StridedShard(0, 2), StridedShard(0, 4)), (8, 3))
+    with pytest.raises(TypeError, match="positive int split_factor"):
+        StridedShard(0, 0)
+    with pytest.raises(ValueError, match="does not exist"):
+        spec((R, StridedShard(2, 2)), (8, 3))
+
+
+def test_one_block_is_a_shard() -> None:
+    s = spec((R, StridedShard(-2, 1)), (8, 3))
+    assert s.placements == (R, Shard(0)) and not s.has_strided
+
+
+def test_a_strided_layout_holds_no_box() -> None:
+    s = spec((Shard(0), StridedShard(0, 4)), (24, 3))
+    with pytest.raises(ValueError, match="holds no box"):
+        s.local_box((0, 0))
+    assert s.expanded() == spec((Shard(0), Shard(1)), (4, 6, 3))
+    assert s.unstrided() == spec((Shard(0), R), (24, 3))
+
+
+def test_uneven_block_splits_are_replicated_when_unstrided() -> None:
+    """[b=3, h] flattened with b split over 2: the plain axis splits the 3 blocks 2 + 1, which is
+    no Shard(0) of the 3 * h rows, so without the strided axis it is replicated too."""
+    s = spec((Shard(0), StridedShard(0, 3)), (12, 5))
+    assert s.local_shape((0, 0)) == (4, 5) and s.local_shape((1, 1)) == (2, 5)
+    assert s.unstrided() == spec((R, R), (12, 5))
+
+
+@st.composite
+def _layouts(draw):  # type: ignore[no-untyped-def]
+    ndim = draw(st.integers(1, 3))
+    shape = [draw(st.integers(1, 5)) for _ in range(ndim)]
+    d, f = draw(st.integers(0, ndim - 1)), draw(st.integers(2, 4))
+    shape[d] *= f
+    choices = [R, StridedShard(d, f), Partial()] + [Shard(i) for i in range(ndim)]
+    placements = tuple(draw(st.lists(st.sampled_from(choices), min_size=2, max_size=2)))
+    return placements, tuple(shape)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@given(case=_layouts())
+def test_local_shapes_match_the_definition(case) -> None:  # type: ignore[no-untyped-def]
+    placements, shape = case
+    s = spec(placements, shape)
+    for coord in [(i, j) for i in range(2) for j in range(2)]:
+        want = tuple(len(held_indices(s, coord, dim)) for dim in range(len(shape)))
+        assert s.local_shape(coord) == want, (s, coord)
+    covered = sum(math.prod(s.local_shape((i, j))) for i in range(2) for j in range(2))
+    assert covered == math.prod(shape) * math.prod(2 for p in placements if not isinstance(p, (Shard, StridedShard)))
+
+
+def test_strided_to_its_unstrided_layout_is_one_gather_between_views() -> None:
+    s = spec((Shard(0), StridedShard(0, 4)), (24, 3))
+    plan = plan_reshard(s, s.unstrided())
+    assert [st.kind for st in plan.steps] == [VIEW, ALL_GATHER, VIEW]
+    assert plan.collectives() == [ALL_GATHER]
+    back = plan_reshard(s.unstrided(), s)
+    assert back.collectives() == [] and plan_best(s.unstrided(), s) == back
+
+
+def test_other_block_counts_go_through_the_unstrided_layouts() -> None:
+    a = spec((R, StridedShard(0, 4)), (24, 3))
+    b = spec((R, StridedShard(0, 3)), (24, 3))
+    plan = plan_reshard(a, b)
+    assert plan.collectives() == [ALL_GATHER] and plan.src == a and plan.dst == b
+
+
+def test_strided_moves_across_meshes_gather_first() -> None:
+    other = ap.ProcessMesh([4, 5], dim_names=["x"])
+    s = spec((Shard(0), StridedShard(0, 4)), (24, 3))
+    plan = plan_best(s, DistSpec(other, (Shard(0),), (24, 3), torch.float32))
+    assert plan.pre.dst == s.unstrided() and plan.pre.collectives() == [ALL_GATHER]  # type: ignore[union-attr]
+
+
+def _call(op, shapes, placements, out_shapes, args=None):  # type: ignore[no-untyped-def]
+    metas = tuple(TensorMeta(tuple(s), torch.float32) for s in shapes)
+    return OpCall(op, args if args is not None else metas, {}, metas,
+                  tuple(TensorMeta(tuple(s), torch.float32) for s in out_shapes), tuple(placements), (2, 2))
+
+
+def _view(shape_in, shape_out, placements):  # type: ignore[no-untyped-def]
+    call = _call(aten.view.default, [shape_in], [placements], [shape_out],
+                 (TensorMeta(tuple(shape_in), torch.float32), list(shape_out)))
+    (s,) = get_rule(aten.view.default)(call)  # type: ignore[misc]
+    return s.inputs[0], s.outputs[0]
+
+
+@pytest.mark.parametrize("shape_in,shape_out,placements,want", [
+    # batch on dp, heads on tp: [b, h, s, d] -> [b * h, s, d] keeps both
+    ((4, 6, 3, 5), (24, 3, 5), (Shard(0), Shard(1)), (Shard(0), StridedShard(0, 4))),
+    ((24, 3, 5), (4, 6, 3, 5), (Shard(0), StridedShard(0, 4)), (Shard(0), Shard(1))),
+    # an uneven batch (3 over 2): the plain axis splits the 3 blocks
+    ((3, 5, 3, 5), (15, 3, 5), (Shard(0), Shard(1)), (Shard(0), StridedShard(0, 3))),
+    ((15, 3, 5), (3, 5, 3, 5), (Shard(0), StridedShard(0, 3)), (Shard(0), Shard(1))),
+    # the heads alone, and a sequence split under data parallelism (F.linear's [b * s, w])
+    ((3, 6), (18,), (R, Shard(1)), (R, StridedShard(0, 3))),
+    ((4, 8, 16), (32, 16), (Shard(0), Shard(1)), (Shard(0), StridedShard(0, 4))),
+    # a strided dim through a 1:1 dim and a further merge
+    ((24, 3), (24, 3), (R, StridedShard(0, 4)), (R, StridedShard(0, 4))),
+    ((24, 3), (72,), (R, StridedShard(0, 4)), (R, StridedShard(0, 4))),
+    # the uneven batch split merged with more than the heads: no Shard of the rows
+    ((3, 5, 3, 5), (45, 5), (Shard(0), Shard(1)), (R, R)),
+    # uneven pieces of a dim that is not its block's last: replicated
+    ((4, 6, 3, 5), (4, 90), (Shard(0), Shard(2)), (Shard(0), R)),
+])
+def test_view_keeps_co_sharded_dims(shape_in, shape_out, placements, want) -> None:  # type: ignore[no-untyped-def]
+    ins, outs = _view(shape_in, shape_out, placements)
+    assert outs == want
+    assert all(i == p or i == R for i, p in zip(ins, placements))
+    spec(outs, shape_out)  # a valid layout
+
+
+def _axis_strategies(op, shapes, placements, out_shapes):  # type: ignore[no-untyped-def]
+    return [(s.inputs, s.outputs) for s in get_rule(op)(_call(op, shapes, placements, out_shapes))]  # type: ignore[misc]
+
+
+def test_bmm_keeps_strided_batches_and_takes_a_replicated_operand_alike() -> None:
+    ss = (Shard(0), StridedShard(0, 4))
+    got = _axis_strategies(aten.bmm.default, [(24, 3, 5), (24, 5, 2)], [ss, ss], [(24, 3, 2)])
+    assert ((ss, ss), (ss,)) in got
+    got = _axis_strategies(aten.bmm.default, [(24, 3, 5), (24, 5, 2)], [ss, (R, R)], [(24, 3, 2)])
+    assert ((ss, ss), (ss,)) in got
+
+
+def test_a_contraction_over_a_strided_dim_is_partial() -> None:
+    a = (R, StridedShard(1, 4))
+    b = (R, StridedShard(0, 4))
+    got = _axis_strategies(aten.mm.default, [(3, 24), (24, 2)], [a, b], [(3, 2)])
+    assert ((a, b), ((R, Partial()),)) in got
+
+
+def test_pointwise_keeps_one_block_count_only() -> None:
+    ss4, ss3 = (R, StridedShard(0, 4)), (R, StridedShard(0, 3))
+    assert ((ss4, ss4), (ss4,)) in _axis_strategies(aten.add.Tensor, [(24, 3), (24, 3)], [ss4, ss4], [(24, 3)])
+    got = _axis_strategies(aten.add.Tensor, [(24, 3), (24, 3)], [ss4, ss3], [(24, 3)])
+    assert not any(isinstance(p, StridedShard) for ins, outs in got for t in ins + outs for p in t)
+
+
+def test_ops_without_strided_support_ask_for_plain_layouts() -> None:
+    """cumsum along the strided dim: no strategy keeps it (the planner then moves it)."""
+    ss = (R, StridedShard(0, 4))
+    call = _call(aten.cumsum.default, [(24, 3)], [ss], [(24, 3)], (TensorMeta((24, 3), torch.float32), 0))
+    got = get_rule(aten.cumsum.default)(call)  # type: ignore[misc]
+    assert got and not any(isinstance(p, StridedShard) for s in got for t in s.inputs + s.outputs for p in t)
