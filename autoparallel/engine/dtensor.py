@@ -416,12 +416,18 @@ class _Reshard(torch.autograd.Function):
         # transposed tensor stays transposed); the moved shard follows them. ``done``: the
         # shard of the move already made of the same value (taken: nothing moves again)
         moved = reshard_local(x._local, x._spec, dst) if done is None else done
+        if moved is not x._local and moved.numel() and _same_storage(moved, x._local):
+            moved = moved.clone()  # a slice (R -> S) is a new tensor, not a window onto x: writes stay apart
         return DistTensor._wrap(conform(moved, x._stride), dst, x._stride)
 
     @staticmethod
     def backward(ctx: Any, grad: DistTensor) -> tuple[DistTensor, None, None]:  # type: ignore[override]
         target = grad_spec(ctx.src)
         return grad._moved(lambda local: reshard_local(local, grad._spec, target), target), None, None
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def _rank() -> int:

@@ -84,3 +84,19 @@ def test_the_first_mesh_starts_the_default_process_group_under_torchrun(tmp_path
                            str(script)], capture_output=True, text=True, env=env, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "rank 0 of 2: sum 3.0, 4 samples" in done.stdout and "rank 1 of 2: sum 3.0, 4 samples" in done.stdout
+
+
+def _slice_is_its_own(rank: int) -> list[float]:
+    mesh = ap.ProcessMesh([0, 1], dim_names=["cp"])
+    x = ap.shard_tensor(torch.zeros(2, 4, 3), mesh, [Replicate()])
+    y = ap.reshard(x, mesh, [Shard(1)])  # a slice of what every rank holds
+    y.add_(1)
+    return [float(x.to_local().abs().sum()), float(y.to_local().sum())]
+
+
+def test_a_reshard_to_shards_does_not_write_through_to_its_source(world2: Any) -> None:
+    """``ap.reshard`` from Replicate to Shard takes this rank's piece: a new tensor, as torch's
+    DTensor makes it, so an in-place op on it leaves the replicated source whole (it used to be a
+    view of it: the source's piece changed on each rank, no longer replicated)."""
+    for source, written in world2.run(_slice_is_its_own):
+        assert source == 0.0 and written == 12.0, (source, written)
