@@ -44,12 +44,14 @@ _EXPORTS: dict[str, str] = {
     "Placement": "autoparallel.placement",
     "Replicate": "autoparallel.placement",
     "Shard": "autoparallel.placement",
+    "StridedShard": "autoparallel.placement",
     "ProcessMesh": "autoparallel.mesh",
     "DistSpec": "autoparallel.spec",
     # rules
     "register_axis_rule": "spmd_rules.registry",
     "register_local_impl": "spmd_rules.registry",
     "register_rule": "spmd_rules.registry",
+    "with_strided": "spmd_rules.base",
     # runtime
     "get_rank": "autoparallel.runtime.world",
     "get_world_size": "autoparallel.runtime.world",
@@ -138,6 +140,7 @@ __all__ = [
     "ShardingStage2",
     "ShardingStage3",
     "Strategy",
+    "StridedShard",
     "VocabParallelEmbedding",
     "auto_parallel",
     "clip_grad_norm_",
@@ -171,6 +174,7 @@ __all__ = [
     "shard_tensor",
     "to_static",
     "unshard_dtensor",
+    "with_strided",
     "zeros",
 ]
 __version__ = "0.1.0"
@@ -215,7 +219,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; nothing is imported at run time
     from autoparallel.nn.parallelize import parallelize
     from autoparallel.nn.shard_layer import shard_layer
     from autoparallel.optim import GradScaler, MixedPrecision, ShardingStage1, ShardingStage2, ShardingStage3, shard_optimizer
-    from autoparallel.placement import Partial, Placement, Replicate, Shard
+    from autoparallel.placement import Partial, Placement, Replicate, Shard, StridedShard
     from autoparallel.regions import disable_local_regions, enable_local_regions, local_regions_report
     from autoparallel.runtime.debug import CommDebugMode, CommRecord
     from autoparallel.runtime.world import get_rank, get_world_size
@@ -223,4 +227,5 @@ if TYPE_CHECKING:  # for type checkers and IDEs; nothing is imported at run time
     from autoparallel.spec import DistSpec
     from autoparallel.static import DistModel, InputSpec, Strategy, metrics, to_static
     from autoparallel.static_engine import Engine
+    from spmd_rules.base import with_strided
     from spmd_rules.registry import register_axis_rule, register_local_impl, register_rule

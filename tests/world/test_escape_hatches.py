@@ -29,6 +29,34 @@ def scan_scale_rule(call: OpCall, axis: int, axis_size: int) -> list[AxisStrateg
     return options + [AxisStrategy((Shard(d),), (Shard(d),)) for d in range(x.ndim) if d != 1]
 
 
+@torch.library.custom_op("ap_test::row_norm", mutates_args=())
+def row_norm(x: torch.Tensor) -> torch.Tensor:
+    return x / x.norm(dim=-1, keepdim=True)
+
+
+@row_norm.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+@ap.register_axis_rule(torch.ops.ap_test.row_norm.default)
+@ap.with_strided  # rows are independent: a strided row split stays where it is
+def row_norm_rule(call: OpCall, axis: int, axis_size: int) -> list[AxisStrategy]:
+    x = call.inputs[0]
+    return [AxisStrategy((Replicate(),), (Replicate(),))] + [AxisStrategy((Shard(d),), (Shard(d),)) for d in range(x.ndim - 1)]
+
+
+def _custom_rule_keeps_strided(rank: int) -> bool:
+    mesh = ap.ProcessMesh([[0, 1], [2, 3]])
+    a = reference((4, 6, 5), 3)
+    flat = ap.shard_tensor(a, mesh, [Shard(0), Shard(1)]).view(24, 5)  # [S(0), S(0/4)]
+    with ap.CommDebugMode() as comm:
+        out = row_norm(flat)
+    assert comm.get_total_counts() == 0 and list(out.placements) == list(flat.placements), comm.summary()
+    assert torch.allclose(out.full_tensor(), a.view(24, 5) / a.view(24, 5).norm(dim=-1, keepdim=True), atol=1e-6)
+    return True
+
+
 def _custom_rule(rank: int) -> bool:
     mesh = ap.ProcessMesh([0, 1, 2, 3])
     a = reference((7, 5), 1)
@@ -84,3 +112,7 @@ def test_registered_rule_for_custom_op(world4):  # type: ignore[no-untyped-def]
 
 def test_local_map_and_local_layer(world4):  # type: ignore[no-untyped-def]
     assert all(world4.run(_local_map))
+
+
+def test_custom_rule_keeps_a_strided_input(world4):  # type: ignore[no-untyped-def]
+    assert all(world4.run(_custom_rule_keeps_strided))
