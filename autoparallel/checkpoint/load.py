@@ -46,7 +46,7 @@ from autoparallel.checkpoint.planner import (
     unexpected_keys,
 )
 from autoparallel.checkpoint.storage import DataReader, read_metadata_text
-from autoparallel.spec import Box, intersect_boxes
+from autoparallel.spec import Box, DistSpec, intersect_boxes
 
 WHERE = "load_state_dict"
 
@@ -151,6 +151,10 @@ class Target:
     box: Box
     zero: bool
     pieces: tuple[Piece, ...]
+    # A StridedShard target holds no box: ``local`` is then its shard of the layout with the strided
+    # axes replicated (``move[0]``), taken apart into ``into`` (its own, ``move[1]``) once filled
+    into: torch.Tensor | None = None
+    move: tuple[DistSpec, DistSpec] | None = None
 
 
 class _Blocks:
@@ -188,6 +192,12 @@ def plan_reads(source: Source, flat: dict[str, Any], rank: int) -> list[Target]:
         pieces = () if zero else tuple(
             _piece(ci, c, ov, item) for ci, c in enumerate(entry.chunks)
             if (ov := intersect_boxes(box, c.box)) is not None)
+        spec = layout.spec_or_none(leaf)
+        if spec is not None and spec.has_strided:
+            mine, held = spec.without_partial(), spec.without_partial().unstrided()
+            whole = torch.empty([n for _, n in box], dtype=local.dtype, device=local.device)
+            out.append(Target(key, whole, box, zero, pieces, local, (held, mine)))
+            continue
         out.append(Target(key, local, box, zero, pieces))
     return out
 
@@ -279,11 +289,15 @@ def load_state_dict(state_dict: dict[str, Any], path: str | os.PathLike[str], *,
 
 
 def _read_all(source: Source, targets: list[Target], verify: set[tuple[str, int, int]]) -> None:
+    from autoparallel.engine import layout  # noqa: PLC0415  (the engine loads on first use, not with the package)
+
     errors: list[tuple[str, str]] = []
     try:
         with torch.no_grad():
             for t in targets:
                 _fill(source, t, verify)
+                if t.into is not None and t.move is not None:  # (held -> its own: local slices, no collective)
+                    t.into.copy_(layout.move(t.local, *t.move))
     except CheckpointError as e:
         errors.append(("io", str(e)))
     _world.agree(errors, WHERE, "reading the checkpoint")

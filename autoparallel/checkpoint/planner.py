@@ -121,8 +121,9 @@ def _overlap(boxes: list[Box]) -> bool:
 def target_box(t: torch.Tensor, rank: int) -> tuple[Box | None, bool]:
     """(global region ``t`` holds on ``rank``, whether that region must be zero-filled).
 
-    A plain tensor holds everything. A DistTensor holds its reduced layout's box; a rank that is
-    not the first on a ``Partial(sum)`` axis holds zeros (the value lives on the first rank).
+    A plain tensor holds everything. A DistTensor holds its reduced layout's box (with any
+    ``StridedShard`` axis replicated: such a piece is no box); a rank that is not the first on a
+    ``Partial(sum)`` axis holds zeros (the value lives on the first rank).
     """
     from autoparallel.engine import layout  # noqa: PLC0415  (the engine loads on first use, not with the package)
 
@@ -134,7 +135,7 @@ def target_box(t: torch.Tensor, rank: int) -> tuple[Box | None, bool]:
         return None, False
     zero = any(isinstance(p, Partial) and p.reduce_type == "sum" and coord[a] > 0
                for a, p in enumerate(spec.placements))
-    return spec.without_partial().local_box(coord), zero
+    return spec.without_partial().unstrided().local_box(coord), zero  # (strided: saved, loaded gathered)
 
 
 def check_target(entries: dict[str, Entry], target: dict[str, Any], source: str, strict: bool) -> list[str]:

@@ -46,15 +46,16 @@ def describe(flat: dict[str, Any], rank: int) -> list[Item]:
 
 
 def reduce_partials(flat: dict[str, Any]) -> dict[str, Any]:
-    """``flat`` with every Partial DistTensor replaced by its reduced value (same mesh)."""
+    """``flat`` with every Partial DistTensor replaced by its reduced value, and every
+    ``StridedShard`` one gathered on its strided axes (same mesh): what ``target_box`` describes."""
     from autoparallel.api import reshard  # noqa: PLC0415  (api imports the dtensor stack)
     from autoparallel.engine import layout  # noqa: PLC0415
 
     out = dict(flat)
     for key, leaf in flat.items():
         spec = layout.spec_or_none(leaf)
-        if spec is not None and spec.has_partial:
-            reduced = spec.without_partial()
+        if spec is not None and (spec.has_partial or spec.has_strided):
+            reduced = spec.without_partial().unstrided()
             with torch.no_grad():
                 out[key] = reshard(leaf, spec.mesh, list(reduced.placements), shard_order=reduced.shard_order)
     return out

@@ -122,6 +122,19 @@ def test_reshard_on_load_property(world4, case):  # type: ignore[no-untyped-def]
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def test_strided_layouts_save_and_load(world4, tmp_path):  # type: ignore[no-untyped-def]
+    """A StridedShard tensor is saved gathered on its strided axes and loaded into any layout; a
+    strided target is filled from the pieces that hold it (no box of its own)."""
+    ss = ap.StridedShard
+    case = [
+        ((12, 5), 1, (DP_TP, [Shard(0), ss(0, 3)], {}), (DP_TP, [Shard(1), R], {})),  # 3 blocks over 2: uneven
+        ((12, 5), 2, (TP4, [Shard(0)], {}), (TP4, [ss(0, 4)], {})),
+        ((12, 5), 3, (DP_TP, [Partial(), ss(0, 2)], {}), (DP_TP, [ss(0, 6), R], {})),
+        ((4, 6), 4, (DP_TP, [ss(1, 2), ss(1, 2)], {}), None),
+    ]
+    assert world4.run(_roundtrip, str(tmp_path), case) == [[]] * 4
+
+
 # ---- a model + ZeRO optimizer state saved on dp x tp, loaded on other layouts --------------------
 SHAPES = {"w1": (8, 6), "b1": (8,), "w2": (5, 8)}
 
