@@ -261,8 +261,9 @@ def strided_factors(placements: Sequence[Placement]) -> tuple[tuple[int, int], .
 def merge_expanded(shape: Sequence[int], factors: tuple[tuple[int, int], ...]) -> tuple[int, ...]:
     """A shape of an ``expanded(factors)`` layout with each cut dim's two parts multiplied back."""
     out = list(shape)
-    for d, _ in reversed(factors):
-        out[d:d + 2] = [out[d] * out[d + 1]]
+    for k, (d, _) in reversed(list(enumerate(factors))):
+        at = d + k  # (each cut dim before it added one)
+        out[at:at + 2] = [out[at] * out[at + 1]]
     return tuple(out)
 
 

@@ -116,8 +116,10 @@ def _shape_table(placements, order, shape, mesh_shape) -> np.ndarray:  # type: i
 def _strided_table(spec: DistSpec) -> np.ndarray:
     factors = strided_factors(spec.placements)
     table = local_shape_table(spec.expanded())
-    for d, _ in reversed(factors):
-        table = np.concatenate([table[..., :d], table[..., d:d + 1] * table[..., d + 1:d + 2], table[..., d + 2:]], axis=-1)
+    for k, (d, _) in reversed(list(enumerate(factors))):
+        at = d + k  # (each cut dim before it added one)
+        table = np.concatenate([table[..., :at], table[..., at:at + 1] * table[..., at + 1:at + 2], table[..., at + 2:]],
+                               axis=-1)
     table.setflags(write=False)
     return table
 

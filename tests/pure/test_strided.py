@@ -18,7 +18,7 @@ import autoparallel as ap
 from autoparallel.placement import Partial, Replicate, Shard, StridedShard
 from autoparallel.spec import DistSpec
 from reshard import plan_best
-from reshard.plan import ALL_GATHER, VIEW
+from reshard.plan import ALL_GATHER, VIEW, local_shape_table
 from reshard.planner import plan_reshard
 from spmd_rules.base import OpCall, TensorMeta
 from spmd_rules.registry import get_rule
@@ -69,9 +69,11 @@ def test_uneven_block_splits_are_replicated_when_unstrided() -> None:
 def _layouts(draw):  # type: ignore[no-untyped-def]
     ndim = draw(st.integers(1, 3))
     shape = [draw(st.integers(1, 5)) for _ in range(ndim)]
-    d, f = draw(st.integers(0, ndim - 1)), draw(st.integers(2, 4))
-    shape[d] *= f
-    choices = [R, StridedShard(d, f), Partial()] + [Shard(i) for i in range(ndim)]
+    choices = [R, Partial()] + [Shard(i) for i in range(ndim)]
+    for d in sorted(set(draw(st.lists(st.integers(0, ndim - 1), min_size=1, max_size=2)))):  # one or two strided dims
+        f = draw(st.integers(2, 4))
+        shape[d] *= f
+        choices.append(StridedShard(d, f))
     placements = tuple(draw(st.lists(st.sampled_from(choices), min_size=2, max_size=2)))
     return placements, tuple(shape)
 
@@ -84,6 +86,8 @@ def test_local_shapes_match_the_definition(case) -> None:  # type: ignore[no-unt
     for coord in [(i, j) for i in range(2) for j in range(2)]:
         want = tuple(len(held_indices(s, coord, dim)) for dim in range(len(shape)))
         assert s.local_shape(coord) == want, (s, coord)
+    table = local_shape_table(s)  # the planner's vectorised shapes
+    assert all(tuple(table[i, j]) == s.local_shape((i, j)) for i in range(2) for j in range(2)), s
     covered = sum(math.prod(s.local_shape((i, j))) for i in range(2) for j in range(2))
     assert covered == math.prod(shape) * math.prod(2 for p in placements if not isinstance(p, (Shard, StridedShard)))
 
@@ -111,15 +115,15 @@ def test_strided_moves_across_meshes_gather_first() -> None:
     assert plan.pre.dst == s.unstrided() and plan.pre.collectives() == [ALL_GATHER]  # type: ignore[union-attr]
 
 
-def _call(op, shapes, placements, out_shapes, args=None):  # type: ignore[no-untyped-def]
+def _call(op, shapes, placements, out_shapes, args=None, mesh_shape=(2, 2)):  # type: ignore[no-untyped-def]
     metas = tuple(TensorMeta(tuple(s), torch.float32) for s in shapes)
     return OpCall(op, args if args is not None else metas, {}, metas,
-                  tuple(TensorMeta(tuple(s), torch.float32) for s in out_shapes), tuple(placements), (2, 2))
+                  tuple(TensorMeta(tuple(s), torch.float32) for s in out_shapes), tuple(placements), mesh_shape)
 
 
-def _view(shape_in, shape_out, placements):  # type: ignore[no-untyped-def]
+def _view(shape_in, shape_out, placements, mesh_shape=(2, 2)):  # type: ignore[no-untyped-def]
     call = _call(aten.view.default, [shape_in], [placements], [shape_out],
-                 (TensorMeta(tuple(shape_in), torch.float32), list(shape_out)))
+                 (TensorMeta(tuple(shape_in), torch.float32), list(shape_out)), mesh_shape)
     (s,) = get_rule(aten.view.default)(call)  # type: ignore[misc]
     return s.inputs[0], s.outputs[0]
 
@@ -181,3 +185,39 @@ def test_ops_without_strided_support_ask_for_plain_layouts() -> None:
     call = _call(aten.cumsum.default, [(24, 3)], [ss], [(24, 3)], (TensorMeta((24, 3), torch.float32), 0))
     got = get_rule(aten.cumsum.default)(call)  # type: ignore[misc]
     assert got and not any(isinstance(p, StridedShard) for s in got for t in s.inputs + s.outputs for p in t)
+
+
+def _piece(x: torch.Tensor, s: DistSpec, coord: tuple[int, ...]) -> torch.Tensor:
+    for dim in range(x.ndim):
+        x = x.index_select(dim, torch.tensor(held_indices(s, coord, dim), dtype=torch.long))
+    return x
+
+
+_GROUPS = [((4, 6, 3), (24, 3)), ((4, 6, 3), (4, 18)), ((4, 6, 3), (72,)), ((3, 4, 2), (12, 2)), ((3, 5, 2), (15, 2)),
+           ((2, 3, 4, 5), (6, 20)), ((2, 3, 4, 5), (2, 12, 5)), ((6, 4), (2, 3, 4)), ((12, 5), (3, 4, 5)), ((24,), (4, 6)),
+           ((24, 2), (2, 3, 4, 2)), ((6, 1, 4), (24,)), ((2, 6, 2), (4, 6)), ((8, 3), (2, 4, 3))]
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@given(data=st.data())
+def test_view_pieces_are_the_inputs_pieces(data) -> None:  # type: ignore[no-untyped-def]
+    """On a 2 x 3 mesh, whatever layout (plain, strided, uneven) a view is asked with: each rank's
+    output piece, by the definitions of the placements, is its input piece reshaped — both ways."""
+    shapes = data.draw(st.sampled_from(_GROUPS))
+    src_shape, dst_shape = shapes if data.draw(st.booleans()) else shapes[::-1]
+    mesh = ap.ProcessMesh([[0, 1, 2], [3, 4, 5]])
+    choices = [R, Partial()] + [Shard(d) for d in range(len(src_shape))]
+    choices += [StridedShard(d, f) for d in range(len(src_shape)) for f in range(2, src_shape[d]) if src_shape[d] % f == 0]
+    placements = tuple(data.draw(st.sampled_from(choices)) for _ in range(2))
+    try:
+        cur = DistSpec(mesh, placements, src_shape, torch.float32)
+    except ValueError:
+        return
+    ins, outs = _view(src_shape, dst_shape, placements, (2, 3))
+    src, dst = cur.with_placements(ins), spec(outs, dst_shape, mesh)
+    x = torch.arange(math.prod(src_shape)).reshape(src_shape)
+    y = x.reshape(dst_shape)
+    for coord in [(i, j) for i in range(2) for j in range(3)]:
+        a, b = _piece(x, src, coord), _piece(y, dst, coord)
+        assert tuple(b.shape) == dst.local_shape(coord), (src, dst, coord)
+        assert a.flatten().tolist() == b.flatten().tolist(), (src, dst, coord)

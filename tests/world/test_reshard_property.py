@@ -136,9 +136,11 @@ def strided_case_st(draw, cross: bool):  # type: ignore[no-untyped-def]
     d, f = draw(st.integers(0, len(shape) - 1)), draw(st.integers(2, 4))
     shape[d] *= f
     other_f = draw(st.sampled_from([f, shape[d] // f if shape[d] // f > 1 else f]))
+    e = draw(st.integers(0, len(shape) - 1))  # another dim, strided in both layouts if it can be
+    second = [StridedShard(e, shape[e])] if e != d and shape[e] > 1 else []
 
     def layout(mesh, partial, factor):  # type: ignore[no-untyped-def]
-        choices = [Replicate(), StridedShard(d, factor), StridedShard(d, factor)] + [Shard(i) for i in range(len(shape))]
+        choices = [Replicate(), StridedShard(d, factor), StridedShard(d, factor), *second] + [Shard(i) for i in range(len(shape))]
         choices += [Partial("sum"), Partial("max")] if partial else []
         return tuple(draw(st.lists(st.sampled_from(choices), min_size=len(torch.tensor(mesh).shape),
                                    max_size=len(torch.tensor(mesh).shape))))
