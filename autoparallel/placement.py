@@ -39,15 +39,11 @@ class Replicate:
         return "Replicate()"
 
 
-@dataclass(frozen=True, slots=True)
-class Shard:
-    """Tensor dim ``dim`` is split across the mesh axis with ``torch.chunk`` semantics."""
+class _SplitsDim:
+    """What the placements that split a tensor dim (``Shard``, ``StridedShard``) answer alike."""
 
+    __slots__ = ()
     dim: int
-
-    def __post_init__(self) -> None:
-        if isinstance(self.dim, bool) or not isinstance(self.dim, int):
-            raise TypeError(f"Shard(dim) takes an int tensor dim, got {self.dim!r}")
 
     def is_replicate(self) -> bool:
         return False
@@ -60,6 +56,21 @@ class Shard:
 
     def get_dim(self) -> int:
         return self.dim
+
+
+def _check_dim(dim: object, what: str) -> None:
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"{what} takes an int tensor dim, got {dim!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class Shard(_SplitsDim):
+    """Tensor dim ``dim`` is split across the mesh axis with ``torch.chunk`` semantics."""
+
+    dim: int
+
+    def __post_init__(self) -> None:
+        _check_dim(self.dim, "Shard(dim)")
 
     def __str__(self) -> str:
         return f"S({self.dim})"
@@ -98,7 +109,7 @@ class Partial:
 
 
 @dataclass(frozen=True, slots=True)
-class StridedShard:
+class StridedShard(_SplitsDim):
     """Tensor dim ``dim`` cut into ``split_factor`` equal blocks, each split across the mesh axis
     with ``torch.chunk`` semantics; a rank holds its piece of every block, in block order.
 
@@ -111,22 +122,9 @@ class StridedShard:
     split_factor: int
 
     def __post_init__(self) -> None:
-        if isinstance(self.dim, bool) or not isinstance(self.dim, int):
-            raise TypeError(f"StridedShard(dim, split_factor) takes an int tensor dim, got {self.dim!r}")
+        _check_dim(self.dim, "StridedShard(dim, split_factor)")
         if isinstance(self.split_factor, bool) or not isinstance(self.split_factor, int) or self.split_factor < 1:
             raise TypeError(f"StridedShard(dim, split_factor) takes a positive int split_factor, got {self.split_factor!r}")
-
-    def is_replicate(self) -> bool:
-        return False
-
-    def is_shard(self, dim: int | None = None) -> bool:
-        return dim is None or dim == self.dim
-
-    def is_partial(self) -> bool:
-        return False
-
-    def get_dim(self) -> int:
-        return self.dim
 
     def __str__(self) -> str:
         return f"S({self.dim}/{self.split_factor})"
