@@ -85,24 +85,20 @@ class DistSpec:
         ndim = len(shape)
         norm: list[Placement] = []
         for p in placements:
-            if isinstance(p, Shard):
+            if isinstance(p, (Shard, StridedShard)):
                 if not -ndim <= p.dim < ndim or ndim == 0:
                     raise ValueError(
                         f"{p!r} on a {ndim}-d tensor of shape {tuple(shape)}: "
                         f"tensor dim {p.dim} does not exist"
                     )
-                p = Shard(p.dim % ndim)
-            elif isinstance(p, StridedShard):
-                if not -ndim <= p.dim < ndim or ndim == 0:
-                    raise ValueError(
-                        f"{p!r} on a {ndim}-d tensor of shape {tuple(shape)}: "
-                        f"tensor dim {p.dim} does not exist"
-                    )
-                p = Shard(p.dim % ndim) if p.split_factor == 1 else StridedShard(p.dim % ndim, p.split_factor)
+                if isinstance(p, StridedShard) and p.split_factor > 1:
+                    p = StridedShard(p.dim % ndim, p.split_factor)
+                else:  # (one block: a Shard)
+                    p = Shard(p.dim % ndim)
             norm.append(p)
         strided = any(isinstance(p, StridedShard) for p in norm)
         if strided:
-            _check_strided(tuple(norm), shape, tuple(self.mesh.shape))
+            _check_strided(tuple(norm), shape)
         object.__setattr__(self, "placements", tuple(norm))
         object.__setattr__(self, "shape", shape)
         object.__setattr__(self, "shard_order", _canonical_order(tuple(norm), self.shard_order))
@@ -168,7 +164,7 @@ class DistSpec:
         put(out, "has_partial", self.has_partial)
         put(out, "has_strided", self.has_strided)
         if self.has_strided:  # a block count need not divide the new size: checked
-            _check_strided(self.placements, shape, tuple(self.mesh.shape))
+            _check_strided(self.placements, shape)
         return out
 
     def with_dtype(self, dtype: torch.dtype) -> DistSpec:
@@ -267,16 +263,16 @@ def merge_expanded(shape: Sequence[int], factors: tuple[tuple[int, int], ...]) -
     return tuple(out)
 
 
-def strided_layout_ok(placements: tuple[Placement, ...], shape: Sequence[int], mesh_shape: Sequence[int]) -> bool:
+def strided_layout_ok(placements: tuple[Placement, ...], shape: Sequence[int]) -> bool:
     """Whether a layout's ``StridedShard`` axes fit ``shape`` (what ``DistSpec`` checks)."""
     try:
-        _check_strided(placements, tuple(shape), tuple(mesh_shape))
+        _check_strided(placements, tuple(shape))
     except ValueError:
         return False
     return True
 
 
-def _check_strided(placements: tuple[Placement, ...], shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> None:
+def _check_strided(placements: tuple[Placement, ...], shape: tuple[int, ...]) -> None:
     """Raise ``ValueError`` unless every ``StridedShard`` axis of a dim has one block count that
     divides the dim."""
     for d in sorted({p.dim for p in placements if isinstance(p, StridedShard)}):

@@ -122,12 +122,14 @@ def with_strided(fn: AxisRule | None = None, *, skip: Callable[[OpCall, AxisStra
             return out
         f = factors.pop()
         for s in list(out):
-            sizes = {call.inputs[i].shape[q.dim] for i, q in enumerate(s.inputs) if isinstance(q, Shard)}
-            if (not sizes or len(sizes) > 1 or not any(isinstance(q, Shard) and current[i] == StridedShard(q.dim, f) for i, q in enumerate(s.inputs))
-                    or any(isinstance(q, Shard) and current[i] not in (StridedShard(q.dim, f), R)
-                           for i, q in enumerate(s.inputs))):
-                continue  # (a replicated input takes its strided piece locally)
-            if any(isinstance(q, Shard) and (m is None or m.shape[q.dim] not in sizes) for q, m in zip(s.outputs, call.out)):
+            sharded = [(i, q) for i, q in enumerate(s.inputs) if isinstance(q, Shard)]
+            held = [current[i] == StridedShard(q.dim, f) for i, q in sharded]
+            # (a replicated input takes its strided piece locally)
+            if not any(held) or not all(h or current[i] == R for h, (i, _) in zip(held, sharded)):
+                continue
+            sizes = {call.inputs[i].shape[q.dim] for i, q in sharded}
+            sizes |= {m.shape[q.dim] if m is not None else -1 for q, m in zip(s.outputs, call.out) if isinstance(q, Shard)}
+            if len(sizes) > 1:
                 continue
             if skip is not None and skip(call, s):
                 continue

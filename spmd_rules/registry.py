@@ -174,10 +174,10 @@ def product_of_axes(call: OpCall, fn: AxisRule) -> list[Strategy]:
 
 
 def _strided_fit(call: OpCall, inputs: tuple[tuple[Any, ...], ...], outputs: tuple[tuple[Any, ...], ...]) -> bool:
-    """Whether a combination's ``StridedShard`` axes fit the tensors' shapes (the plain splits of
-    a strided dim must split its blocks evenly: ``DistSpec``'s check)."""
+    """Whether a combination's ``StridedShard`` axes fit the tensors' shapes (one block count per
+    dim, dividing it: ``DistSpec``'s check)."""
     metas = list(zip(call.inputs, inputs)) + list(zip(call.out, outputs))
-    return all(m is None or strided_layout_ok(p, m.shape, call.mesh_shape) for m, p in metas)
+    return all(m is None or strided_layout_ok(p, m.shape) for m, p in metas)
 
 
 def _prefer_current(call: OpCall, axis: int, cands: Sequence[AxisStrategy]) -> list[AxisStrategy]:

@@ -27,8 +27,9 @@ from spmd_rules.registry import register_axis_rule, register_local_impl, registe
 aten = torch.ops.aten
 
 
-def map_view_dim(in_shape: Sequence[int], out_shape: Sequence[int], d: int, shards: int, inner_sharded: set[int]) -> int | None:
-    """Output dim that input dim ``d`` (split into ``shards`` pieces) maps to exactly, or None."""
+def map_view_dim(in_shape: Sequence[int], out_shape: Sequence[int], d: int, shards: int) -> int | None:
+    """Output dim that input dim ``d`` (split into ``shards`` pieces) maps to exactly, or None
+    (dims merged inside its group are the caller's: strided, or replicated)."""
     lead = math.prod(in_shape[:d])
     for o in range(len(out_shape)):
         if math.prod(out_shape[:o]) != lead:
@@ -39,8 +40,6 @@ def map_view_dim(in_shape: Sequence[int], out_shape: Sequence[int], d: int, shar
         if b > a and b % a == 0:  # merge: d is the outermost dim of the group
             rest, k = b // a, d + 1
             while rest > 1 and k < len(in_shape) and rest % in_shape[k] == 0:
-                if k in inner_sharded:
-                    return None
                 rest //= in_shape[k]
                 k += 1
             if rest == 1 and a % shards == 0:
@@ -73,7 +72,7 @@ def view_rule(call: OpCall) -> list[Strategy]:
                 if need:
                     blocks_needed[a] = need
             continue
-        o = map_view_dim(x.shape, out.shape, d, kp, set())
+        o = map_view_dim(x.shape, out.shape, d, kp)
         if o is None:
             o = _uneven_outer(x.shape, out.shape, d, kp)
             if o is not None:  # its pieces are whole rows only as the blocks of a strided dim
@@ -83,7 +82,7 @@ def view_rule(call: OpCall) -> list[Strategy]:
             t = Shard(o)
         targets.update(dict.fromkeys(plain, t))
     outs = [targets.get(a, p) for a, p in enumerate(cur)]
-    if not strided_layout_ok(tuple(q for q in outs if q is not None), out.shape, call.mesh_shape):
+    if not strided_layout_ok(tuple(q for q in outs if q is not None), out.shape):
         outs = [None if isinstance(q, StridedShard) else q for q in outs]
     for a, need in blocks_needed.items():
         q = outs[a]

@@ -33,7 +33,7 @@ def contiguous_local(local: torch.Tensor, spec: DistSpec) -> torch.Tensor:
     return conform(local, contiguous_strides(spec.shape))
 
 
-_IN_PLACE, _SPLIT_AT, _GRAD_FLAG, _BACKWARD = 1, 3, 4, 5
+_IN_PLACE, _SPLIT_AT, _GRAD_FLAG, _BACKWARD = 1, 2, 3, 4
 # ``t.requires_grad_()`` and ``t.requires_grad = ...``: a leaf that starts requiring grad gets its
 # gradient in its own layout (``keep_grad_layout``)
 # ``nn.Parameter(dist_tensor)`` makes its parameter with ``data.detach().requires_grad_()``
@@ -151,7 +151,7 @@ class DistTensor(torch.Tensor):
                 return out
             elif kind == _SPLIT_AT:
                 args, kwargs = _whole_split_points(cls, func, args, kwargs or {})
-            elif _backward_as_forward(args, kwargs or {}):  # (kind == _BACKWARD)
+            elif kind == _BACKWARD and _backward_as_forward(args, kwargs or {}):
                 return None
         return compat.disabled_torch_function_impl(func, types, args, kwargs or {})
 
