@@ -29,24 +29,9 @@ not in it). Then the ZeRO-3 target: ours' parameter + optimizer bytes per rank <
 the replicated (DP) figure. Both sides' losses are checked against each other (they compute
 the same training). PASS/FAIL lines are measurements, printed as they come out.
 
-Measured on the 2-core machine (load ~2-4 from other jobs; ratios move by about +-0.1 between
-runs, more when a load spike hits one side's rounds), with local regions
-(docs/local_regions.md), the optimizer's local step, ZeRO-3 units and the deferred batch mean
-(docs/deferred_mean.md): at the example's size (width 64) ours/torch was DP 1.05, 1.08, 1.00,
-1.11, 1.07, 1.10 over six full runs and 1.02, 1.13, 0.99, 1.08, 1.05 in DP-only runs
-(``--layouts DP --rounds 7``): median 1.07, 9 of 11 runs within 1.1. TP 0.81-0.85, DPxTP+SP
-0.90-0.95, ZeRO-3 0.89-0.92 (three full runs). DP at width 64 is where our
-per-step Python work weighs most. In one process, ours spends ~1.7-2.5 ms more CPU per step
-than plain torch (7.7-11 ms as the machine's load varies): the region's entry and its one autograd node for 26 parameters, the
-loss's ops on DistTensors (each a trip through ``__torch_dispatch__``), the bucketed
-reduction and the local step; 4 ranks share 2 cores, so that weighs double in wall time. The
-region hands the parameters their gradients directly (no per-parameter ``detach`` through
-``__torch_dispatch__`` in autograd's accumulation), reduced gradients are re-laid out in place,
-and the loss adds no wait: cross-entropy's global mean (``ignore_index`` makes the count of
-counted tokens data-dependent) starts its (sum, count) all-reduce in the forward and the
-optimizer applies 1/count to the reduced gradients; DDP instead averages per-rank means, which
-equals one device only when every rank counts the same number of tokens. ZeRO-3 parameter +
-optimizer bytes per rank: 0.250 of replicated on both sides.
+Figures, with the machine and the date they were measured on: ``benchmarks/RESULTS.md``. DDP
+averages per-rank means, which equals one device only when every rank counts the same number of
+tokens; ours divides the global sum by the global count (one 8-byte all-reduce in the forward).
 """
 
 from __future__ import annotations

@@ -65,10 +65,7 @@ class LocalContext:
     in_specs: tuple[Any, ...] = ()    # DistSpec of each tensor input as the op runs
     out_specs: tuple[Any, ...] = ()   # DistSpec of each output (None: not a tensor)
     coord: tuple[int, ...] | None = None  # this rank's mesh coordinate
-    # The engine accepts ``Deferred`` outputs from this kernel (autoparallel.engine.deferred): a
-    # statistic's all-reduce may be started and waited on later. False: compute every output now.
-    may_defer: bool = False
-    # The collectives the engine hands a kernel that needs them (``all_reduce``, ``start_sum``
+    # The collectives the engine hands a kernel that needs them (``all_reduce``, ``exchange``
     # over axes of the op's mesh: autoparallel.engine.kernels.Collectives); rules never call it.
     comm: Any = None
 

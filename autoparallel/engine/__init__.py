@@ -6,8 +6,7 @@ local region's trace, watches the op path: ``observed_by``), ``decide`` (rule ->
 plans), ``decision`` (what a decision holds: a ``LocalStep`` and two rarer kinds), ``execute``
 (running a decision), the argument walking by concept (``keys``: the cache key and plain
 tensors; ``slots``: where DistTensors sit and the result's shape; ``aliases``: written inputs),
-``kernels`` (local steps that need a collective, handed theirs by the engine),
-``deferred``/``pending`` (statistics whose all-reduce is waited on late) and ``layout`` (the one
+``kernels`` (local steps that need a collective, handed theirs by the engine) and ``layout`` (the one
 module through which model-level code reads and re-lays out a DistTensor). Imports point down:
 values, rules, planner, runtime.
 """

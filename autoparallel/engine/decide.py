@@ -21,7 +21,7 @@ import torch
 from autoparallel.engine import generic
 from autoparallel.engine.aliases import may_write, mutated_inputs, out_aliases
 from autoparallel.engine.decision import Decision, InplaceViewDecision, LocalStep, OutKind, ValueDecision, evolve
-from autoparallel.engine.kernels import DEFERRING, Collectives, kernel_for
+from autoparallel.engine.kernels import Collectives, kernel_for
 from autoparallel.engine.keys import mesh_coord
 from autoparallel.engine.slots import dist_slots, flatten_out, map_args
 from autoparallel.placement import Replicate, StridedShard
@@ -175,7 +175,7 @@ def _from_template(t: LocalStep, specs: list[DistSpec], outs: generic.Layouts, c
     else:
         in_specs = tuple(specs)
     specs_out = tuple(out_specs)
-    if t.contexts is None:  # the op itself runs: the rule's view of the call is not needed
+    if t.context is None:  # the op itself runs: the rule's view of the call is not needed
         return evolve(t, in_specs=in_specs, call=None, out_specs=specs_out, out_strides=strides, out_dense=dense_out,
                       **moves)
     metas: dict[int, TensorMeta] = {}
@@ -188,10 +188,8 @@ def _from_template(t: LocalStep, specs: list[DistSpec], outs: generic.Layouts, c
     call = OpCall(func, map_args(cls, args, to_meta), map_args(cls, kwargs, to_meta), tuple(to_meta(d) for d in dts),
                   tuple(TensorMeta(o[0], o[2]) for o in outs), tuple(s.placements for s in specs), tuple(t.mesh.shape))
     shapes = tuple(locals_)
-    now = evolve(t.contexts[0], call=call, out_shapes=shapes, in_specs=in_specs, out_specs=specs_out)
-    later = now if t.contexts[1] is t.contexts[0] else evolve(
-        t.contexts[1], call=call, out_shapes=shapes, in_specs=in_specs, out_specs=specs_out)
-    return evolve(t, in_specs=in_specs, call=call, contexts=(now, later), out_specs=specs_out, out_strides=strides,
+    context = evolve(t.context, call=call, out_shapes=shapes, in_specs=in_specs, out_specs=specs_out)
+    return evolve(t, in_specs=in_specs, call=call, context=context, out_specs=specs_out, out_strides=strides,
                   out_dense=dense_out, **moves)
 
 
@@ -394,15 +392,11 @@ def _finish(cls: Any, func: Any, d: Decision, args: tuple[Any, ...], kwargs: dic
     back = tuple(None if d.in_specs[i] == specs[i] else plan_best(d.in_specs[i], specs[i]) for i in d.mutated)
     returns_view = _returns_view(func)
     moved_input = func in _MATERIALISED_VIEWS or any(_copies(p) for p in d.plans)
-    contexts = None
+    context = None
     if d.local_fn is not None and d.coord is not None:
         assert d.call is not None
         shapes = tuple(None if s is None else s.local_shape(d.coord) for s in d.out_specs)
-        collectives = Collectives(d.mesh)
-        now = LocalContext(d.call, shapes, d.in_specs, d.out_specs, d.coord, False, collectives)
-        # (one object for both where the kernel never defers: the same values)
-        contexts = (now, LocalContext(d.call, shapes, d.in_specs, d.out_specs, d.coord, True, collectives)
-                    if func in DEFERRING else now)
+        context = LocalContext(d.call, shapes, d.in_specs, d.out_specs, d.coord, Collectives(d.mesh))
     # (a view of a StridedShard layout may copy the shard: ``spmd_rules.view._strided_view``)
     detached_view = returns_view and (moved_input or (func in _SIZED_VIEWS and _strided(d.in_specs + d.out_specs)))
     simple = d.out_kind is OutKind.TENSOR and not d.mutated and not d.fallback and not detached_view
@@ -419,7 +413,7 @@ def _finish(cls: Any, func: Any, d: Decision, args: tuple[Any, ...], kwargs: dic
             for s, st, a in zip(d.out_specs, d.out_strides, alias)
         )
     return replace(d, restore=back, slots=dist_slots(cls, args, kwargs), detached_view=detached_view,
-                   contexts=contexts, simple=simple, in_conform=in_conform, out_dense=out_dense)
+                   context=context, simple=simple, in_conform=in_conform, out_dense=out_dense)
 
 
 @lru_cache(maxsize=4096)

@@ -58,7 +58,7 @@ class LocalStep:
     # the local function
     local_fn: Callable[..., Any] | None = None         # a kernel (None: the op itself)
     call: OpCall | None = None                         # the call as the rule saw it
-    contexts: tuple[LocalContext, LocalContext] | None = None  # the kernel's context: (now, may defer)
+    context: LocalContext | None = None                # the kernel's view of the call
     # how the outputs are wrapped
     out_kind: OutKind = OutKind.TENSOR
     out_specs: tuple[DistSpec | None, ...] = ()         # per output (None: not a tensor)

@@ -103,9 +103,9 @@ def dispatch(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any])
     if _OBSERVERS:  # an observer watches the op path (a local region's trace: autoparallel.regions)
         return _OBSERVERS[-1].observe(
             func, decision, args, kwargs,
-            lambda moves=None: execute(cls, func, args, kwargs, dts, decision, True, dispatch, moves),
+            lambda moves=None: execute(cls, func, args, kwargs, dts, decision, dispatch, moves),
         )
-    return execute(cls, func, args, kwargs, dts, decision, False, dispatch)
+    return execute(cls, func, args, kwargs, dts, decision, dispatch)
 
 
 def _keep_filled(template: Any, key: Any) -> None:

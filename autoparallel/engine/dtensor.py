@@ -13,9 +13,7 @@ from typing import Any, cast
 import torch
 
 from autoparallel import compat, runtime
-from autoparallel.engine import pending
 from autoparallel.engine.compile_notice import NOTICE as _COMPILE
-from autoparallel.engine.deferred import Deferred, Finish, Stat
 from autoparallel.engine.dispatch import dispatch
 from autoparallel.engine.keys import adopt_plain_leaves, adopt_written_plain, is_in_place_name
 from autoparallel.mesh import Dims, ProcessMesh
@@ -186,16 +184,6 @@ class DistTensor(torch.Tensor):
             return self._local.view_as(self._local)
         return _ToLocal.apply(self, grad_placements)
 
-    def _moved(self, move: Any, spec: DistSpec) -> DistTensor:
-        """This value in layout ``spec``: ``move`` (a layout change, linear) applied to the shard.
-        A pending gradient (``autoparallel.engine.pending``) moves its unscaled shard instead."""
-        return DistTensor._wrap(contiguous_local(move(self._local), spec), spec)
-
-    @classmethod
-    def _wrap_deferred(cls, w: DistTensor, mark: Deferred) -> PendingTensor:
-        """The engine's wrapping of a kernel's ``Deferred`` output ``w``: a pending value."""
-        return PendingTensor.make(mark.placeholder, w._spec, w._stride, mark.stat, mark.finish)
-
     def full_tensor(self) -> torch.Tensor:
         """The whole value on every rank of the mesh (differentiable); empty off the mesh."""
         if not (self.requires_grad and torch.is_grad_enabled()):  # nothing to differentiate
@@ -212,65 +200,64 @@ class DistTensor(torch.Tensor):
         raise TypeError("DistTensor cannot be pickled; use ap.save_state_dict or full_tensor()")
 
 
-class PendingTensor(DistTensor):
-    """A DistTensor whose local value is computed from a deferred statistic on first use.
+class _InFlight:
+    """An asynchronous collective's work, waited for once by whichever tensor reads first."""
 
-    Two kinds: a *deferred value* (a batch-mean loss: ``finish(placeholder, stat)``) and a
-    *scaled gradient* (``raw * stat.inverse_count()``), which ops linear in it propagate unscaled
-    (the policy is ``autoparallel.engine.pending``). Reading ``_local`` computes the value.
-    """
+    __slots__ = ("work",)
 
-    _raw: torch.Tensor                 # scaled gradient: the unscaled shard; value: a placeholder
-    _stat: Stat
-    _finish: Finish
-    _scaled: bool                      # a scaled gradient (propagates through linear ops)
-    _done: torch.Tensor | None         # the resolved shard
+    def __init__(self, work: Any) -> None:
+        self.work = work
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+
+
+class AwaitedTensor(DistTensor):
+    """A DistTensor whose shard an asynchronous collective is still writing (ZeRO-3's
+    overlapped reduce-scatter: the gradient exists at once, its bytes when the reduction ends).
+    Reading ``_local`` — any op on the value, ``to_local``, ``full_tensor`` — waits first and
+    casts the received buffer to the layout's dtype; autograd's detach of a kept gradient does
+    not wait. Every member started the collective, so a read on some ranks only never hangs."""
+
+    _raw: torch.Tensor                 # the buffer the collective writes
+    _flight: _InFlight
+    _done: torch.Tensor | None         # the shard, once received
 
     @classmethod
-    def make(
-        cls, raw: torch.Tensor, spec: DistSpec, stride: tuple[int, ...] | None, stat: Stat,
-        finish: Finish | None = None,
-    ) -> PendingTensor:
-        """A pending tensor of layout ``spec``: ``finish(raw, stat)``; None: a scaled gradient."""
-        r = cast(PendingTensor, cls._wrap(raw, spec, stride))
-        r._raw, r._stat, r._scaled = raw, stat, finish is None
-        r._finish = pending.scale if finish is None else finish
-        r._done = None
+    def make(cls, raw: torch.Tensor, spec: DistSpec, stride: tuple[int, ...] | None, flight: _InFlight) -> AwaitedTensor:
+        r = cast(AwaitedTensor, cls._wrap(raw, spec, stride))
+        r._raw, r._flight, r._done = raw, flight, None
         return r
 
     @property  # type: ignore[override]  # DistTensor stores _local as a plain attribute
     def _local(self) -> torch.Tensor:
         if self._done is None:
-            self._done = self._finish(self._raw, self._stat)
-            self._raw = self._done  # the unscaled shard is no longer needed: free it
+            self._flight.wait()
+            raw = self._raw
+            self._done = self._raw = raw if raw.dtype == self._spec.dtype else raw.to(self._spec.dtype)
         return self._done
 
     @_local.setter
     def _local(self, value: torch.Tensor) -> None:  # a write replaces the value (make clears it)
         self._done = self._raw = value
 
-    @property
-    def is_pending(self) -> bool:
-        """Whether the value still waits to be computed."""
-        return self._done is None
-
     @classmethod
     def __torch_dispatch__(  # type: ignore[override]
         cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
-        """Torch calls this (a subclass goes first) for every op with a PendingTensor argument,
-        so plain DistTensor ops never pay for the checks below."""
-        if func is _DETACH and len(args) == 1 and not kwargs and type(args[0]) is PendingTensor and args[0]._done is None:
-            return pending.detached(args[0])  # autograd detaches every gradient it keeps: the hot case
-        kwargs = kwargs or {}
-        out = pending.intercept(DistTensor, func, args, kwargs)
-        return dispatch(DistTensor, func, args, kwargs) if out is NotImplemented else out
+        """Torch calls this (a subclass goes first) for every op with an AwaitedTensor argument."""
+        if func is _DETACH and len(args) == 1 and not kwargs and type(args[0]) is AwaitedTensor and args[0]._done is None:
+            a = args[0]  # autograd detaches every gradient it keeps: the same bytes, still in flight
+            return AwaitedTensor.make(a._raw.detach(), a._spec, a._stride, a._flight)
+        return dispatch(DistTensor, func, args, kwargs or {})
 
-    def _moved(self, move: Any, spec: DistSpec) -> DistTensor:
-        if self._done is None and self._scaled and not torch.is_grad_enabled() and pending.sums_only(self._spec):
-            return PendingTensor.make(contiguous_local(move(self._raw), spec), spec, None, self._stat)  # linear: unscaled
-        return super()._moved(move, spec)
 
+def awaited(raw: torch.Tensor, spec: DistSpec, work: Any) -> DistTensor:
+    """A DistTensor whose shard is ``raw`` (cast to ``spec``'s dtype) once ``work`` (an
+    asynchronous collective writing ``raw``) is done."""
+    return AwaitedTensor.make(raw, spec, None, _InFlight(work))
 
 
 _make_wrapper = compat.make_wrapper_subclass
@@ -306,9 +293,9 @@ def _grad_to_own_layout(t: DistTensor, handle: Any) -> None:
     if (not isinstance(g, DistTensor) or g._spec.mesh != want.mesh or want.has_partial
             or (g._spec.placements == want.placements and g._spec.shard_order == want.shard_order)):
         return
-    src, dst = g._spec, g._spec.with_placements(want.placements, want.shard_order)
+    dst = g._spec.with_placements(want.placements, want.shard_order)
     with torch.no_grad():
-        t.grad = g._moved(lambda local: reshard_local(local, src, dst), dst)
+        t.grad = _moved(g, dst)
 
 
 
@@ -423,7 +410,12 @@ class _Reshard(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: DistTensor) -> tuple[DistTensor, None, None]:  # type: ignore[override]
         target = grad_spec(ctx.src)
-        return grad._moved(lambda local: reshard_local(local, grad._spec, target), target), None, None
+        return _moved(grad, target), None, None
+
+
+def _moved(t: DistTensor, spec: DistSpec) -> DistTensor:
+    """``t``'s value in layout ``spec`` (a gradient's layout change, outside autograd)."""
+    return DistTensor._wrap(contiguous_local(reshard_local(t._local, t._spec, spec), spec), spec)
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -2,7 +2,7 @@
 
 Eager mode runs this for every op as it comes. In-place and ``out=`` ops keep the written
 tensors' identity and layout (a written input that had to move is copied back into its own
-shard); a kernel's ``Deferred`` outputs become pending DistTensors.
+shard).
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import torch
 
 from autoparallel import compat, known_sums, runtime
 from autoparallel.engine.decision import Decision, InplaceViewDecision, LocalStep, OutKind, ValueDecision
-from autoparallel.engine.deferred import split_deferred
 from autoparallel.engine.slots import flatten_out, map_args, place_locals
 from autoparallel.placement import Replicate
 from autoparallel.runtime import debug
@@ -24,14 +23,13 @@ from reshard.executor import run_any
 
 
 def execute(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], dts: list[Any], d: Decision,
-            observed: bool, redispatch: Callable[..., Any], moves: Any = None) -> Any:
+            redispatch: Callable[..., Any], moves: Any = None) -> Any:
     """Run decision ``d`` for this call: move the inputs, run the local function, wrap the outputs
-    (``observed``: an observer watches, kernels compute every output now; ``redispatch``: the
-    dispatcher, for an in-place view's out-of-place op; ``moves``: a context manager the input
+    (``redispatch``: the dispatcher, for an in-place view's out-of-place op; ``moves``: a context manager the input
     moves run in, given by an observer)."""
     if debug.active() and not debug.attributing(func):  # a CommDebugMode records: collectives name this op
         with debug.attributed(func):
-            return execute(cls, func, args, kwargs, dts, d, observed, redispatch, moves)
+            return execute(cls, func, args, kwargs, dts, d, redispatch, moves)
     if type(d) is not LocalStep:
         if type(d) is ValueDecision:
             return d.value
@@ -53,22 +51,17 @@ def execute(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], 
             moved = {id(t): loc for t, loc in zip(dts, locs)}
             largs = map_args(cls, args, lambda t: moved[id(t)] if isinstance(t, cls) else t)
             lkwargs = map_args(cls, kwargs, lambda t: moved[id(t)] if isinstance(t, cls) else t)
-        marks: tuple[Any, ...] = ()
         if d.local_fn is None:
             out = func(*largs, **lkwargs)
             if d.simple and isinstance(out, torch.Tensor):
                 return cls._wrap(_follow(out, d, 0), d.out_specs[0], d.out_strides[0])
         else:
-            assert d.contexts is not None
-            # deferring is allowed in a differentiable forward while no observer watches
-            ctx = d.contexts[not observed and torch.is_grad_enabled()]
-            out = d.local_fn(ctx, *largs, **lkwargs)
-            if ctx.may_defer:  # the kernel may have returned Deferred values
-                out, marks = split_deferred(out)
-            if d.simple and isinstance(out, torch.Tensor) and not marks:
+            assert d.context is not None
+            out = d.local_fn(d.context, *largs, **lkwargs)
+            if d.simple and isinstance(out, torch.Tensor):
                 return _bound(cls._wrap(_follow(out, d, 0), d.out_specs[0], d.out_strides[0]))
     else:
-        out, marks = None, ()
+        out = None
     if d.fallback and member and not d.mutated:  # the kernel's outputs, whatever meta said
         return _wrap_unknown(cls, out, d)
     if d.out_kind is OutKind.UNKNOWN and not d.mutated:
@@ -88,7 +81,7 @@ def execute(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], 
             return written[0] if kind is OutKind.TENSOR else written if kind is OutKind.LIST else tuple(written)
     if member:
         _, louts = flatten_out(out)
-        louts = [lo if lo is None or (marks and marks[k] is not None) else _follow(lo, d, k) for k, lo in enumerate(louts)]
+        louts = [lo if lo is None else _follow(lo, d, k) for k, lo in enumerate(louts)]
     else:
         louts = [None if s is None else torch.empty((0,), dtype=s.dtype, device=dts[0]._local.device) for s in d.out_specs]
     # (an output the local step leaves undefined where meta gives a tensor: a gradient the
@@ -101,8 +94,6 @@ def execute(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], 
         for w in wrapped:
             if w is not None:
                 _bound(w)
-    if marks:  # the kernel started a deferred statistic: these outputs wait on it
-        wrapped = [w if m is None or w is None else cls._wrap_deferred(w, m) for w, m in zip(wrapped, marks)]
     if d.detached_view:
         for w in wrapped:
             if w is not None:

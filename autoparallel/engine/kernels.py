@@ -5,8 +5,8 @@ step is not the op on the shards: a softmax over a sharded dim ("loss parallel")
 global row max and row sum, and a mean NLL loss over batch shards the global (sum, count).
 These steps live here, not in the rules package, and issue their collectives through the
 ``Collectives`` the engine puts in their ``LocalContext`` (``ctx.comm``), on the mesh of the op
-they run. A kernel may also *defer* a statistic (``ctx.may_defer``): it starts the all-reduce
-and returns ``Deferred`` values the engine turns into pending DistTensors.
+they run. Every output is computed before the kernel returns (a statistic's all-reduce is waited
+for at once; a captured program moves that wait to the value's first use).
 
 ``kernel_for(op)`` is the engine's lookup: a local implementation a user registered
 (``ap.register_local_impl``) first, then these kernels, then the rules' own local
@@ -23,7 +23,6 @@ from typing import Any
 import torch
 
 from autoparallel import known_sums
-from autoparallel.engine.deferred import Deferred, Stat
 from autoparallel.engine.ring_attention import KERNELS as ATTENTION_KERNELS
 from autoparallel.mesh import ProcessMesh
 from autoparallel.placement import Shard
@@ -61,11 +60,6 @@ class Collectives:
             agree.check_collective(self.mesh, a, lambda: _describe("all_reduce", reduce_type, t))
             t = comm.all_reduce(t, self.mesh, a, reduce_type)
         return t
-
-    def start_sum(self, t: torch.Tensor, axis: int) -> Stat:
-        """Start summing ``t`` over ``axis``; the ``Stat`` waits when its result is read."""
-        agree.check_collective(self.mesh, axis, lambda: _describe("all_reduce_start", "sum", t))
-        return Stat(*comm.all_reduce_start(t, self.mesh, axis))
 
     def exchange(self, axis: int, sends: Sequence[Sequence[torch.Tensor]],
                  recv_shapes: Sequence[Sequence[Sequence[int]]]) -> list[list[torch.Tensor]]:
@@ -159,15 +153,7 @@ def nll_forward_local(
         s, tw = loss.sum(), w_t.sum()
         if reduction == SUM:
             return s, tw
-    both = torch.stack([s, tw.to(s.dtype)])  # (2,): sum, total weight
-    if len(batch_axes) == 1 and ctx.may_defer:
-        # Start the all-reduce and return at once: the loss and the total weight are computed
-        # on first use; the backward runs unscaled and the optimizer scales the gradients.
-        stat = ctx.comm.start_sum(both, batch_axes[0])
-        dtype = tw.dtype
-        return (Deferred(s.new_empty(()), stat, lambda _, st: st.result()[0] / st.result()[1]),
-                Deferred(tw.new_empty(()), stat, lambda _, st: st.result()[1].to(dtype)))
-    both = ctx.comm.all_reduce(both, batch_axes, "sum")
+    both = ctx.comm.all_reduce(torch.stack([s, tw.to(s.dtype)]), batch_axes, "sum")  # (sum, total weight)
     return both[0] / both[1], both[1].to(tw.dtype)
 
 
@@ -261,8 +247,6 @@ KERNELS: dict[Any, Callable[..., Any]] = {
     aten.native_batch_norm_backward.default: batch_norm_backward_local,
     **ATTENTION_KERNELS,  # SDPA on a sequence-sharded layout: the ring (context parallelism)
 }
-# kernels that may return ``Deferred`` values (when ``ctx.may_defer``)
-DEFERRING = frozenset(NLL_FORWARD)
 
 
 def kernel_for(op: Any) -> Callable[..., Any] | None:

@@ -10,46 +10,40 @@ Three kinds of operation:
 - **read**: ``dist_args`` (a call's DistTensors, in the order the dispatcher collects them),
   ``written_args`` (the arguments an op writes in place), ``VALUE_OPS`` (the ops whose result
   is a Python value read from a tensor), ``is_dist``, ``spec_of`` (global layout; ``spec_or_none`` for any value),
-  ``local_of`` (this rank's shard; a pending value is computed; ``local_or_plain`` for any
-  value), ``stride_of`` (the strides the wrapper advertises), and of a pending scaled gradient
-  (``autoparallel.engine.pending``) ``scaled_raw`` (its unscaled shard and statistic, or None)
-  and ``raw_of`` (its unscaled shard, read without computing the value);
+  ``local_of`` (this rank's shard; an awaited value is waited for; ``local_or_plain`` for any
+  value), ``stride_of`` (the strides the wrapper advertises);
 - **make**: ``wrap`` (a DistTensor around a shard, not differentiable: for values autograd
   does not track, e.g. gradients handed over by hand), ``adopt`` (the Replicate DistTensor an
   op takes a plain tensor as), the differentiable ``from_local`` (a
-  shard) and ``shard_full`` (the full value), ``pending_gradient`` (a scaled gradient kept
-  unscaled until read) and ``awaited`` (the result of an asynchronous collective, waited for
+  shard) and ``shard_full`` (the full value) and ``awaited`` (the result of an asynchronous collective, waited for
   when first read); ``keep_grad_layout`` (a leaf's ``.grad`` comes back in its own layout);
 - **move**: ``move`` (a shard from one layout to another: the planner's plan, run),
   ``run_plan`` (a plan already made), the differentiable ``reshard`` (a DistTensor
   into another layout or mesh), ``grad_spec`` (the layout a gradient comes back in),
   and the in-place re-layouts ``relayout_`` (the same object takes a new shard and layout with
   the same global value: ZeRO shards a parameter, a reduced gradient becomes its parameter's
-  layout) and ``set_local_`` (a new shard, the same layout). Both resolve a pending gradient:
-  the new shard is its value.
+  layout) and ``set_local_`` (a new shard, the same layout). On an awaited value the new
+  shard replaces the one in flight.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any, TypeGuard
 
 import torch
 
 from autoparallel.engine.aliases import written_args
 from autoparallel.engine.decide import VALUE_OPS
-from autoparallel.engine.deferred import Stat
 from autoparallel.engine.dtensor import (
     DistTensor,
-    PendingTensor,
     _FromLocal,
     _Reshard,
     _ShardTensor,
+    awaited,
     grad_spec,
     keep_grad_layout,
 )
 from autoparallel.engine.keys import adopt_one, call_key
-from autoparallel.engine.pending import scaled_raw
 from autoparallel.spec import DistSpec
 from reshard.executor import reshard_local, run_plan
 
@@ -65,7 +59,7 @@ def dist_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[DistTensor]
 
 
 def is_dist(t: Any) -> TypeGuard[DistTensor]:
-    """Whether ``t`` is a DistTensor (pending ones included)."""
+    """Whether ``t`` is a DistTensor (awaited ones included)."""
     return isinstance(t, DistTensor)
 
 
@@ -80,7 +74,7 @@ def spec_or_none(t: Any) -> DistSpec | None:
 
 
 def local_of(t: DistTensor) -> torch.Tensor:
-    """This rank's shard of ``t`` (the stored object, not a view; a pending value is computed)."""
+    """This rank's shard of ``t`` (the stored object, not a view; an awaited value is waited for)."""
     return t._local
 
 
@@ -92,12 +86,6 @@ def stride_of(t: DistTensor) -> tuple[int, ...]:
 def local_or_plain(t: Any) -> Any:
     """The shard of a DistTensor, anything else as it is."""
     return t._local if isinstance(t, DistTensor) else t
-
-
-def raw_of(t: DistTensor) -> torch.Tensor:
-    """The unscaled shard of a pending scaled gradient (``scaled_raw``), read without computing
-    its value; once resolved, the value."""
-    return t._raw  # type: ignore[attr-defined]  # a PendingTensor's field
 
 
 # ---- make ------------------------------------------------------------------------------------
@@ -126,23 +114,6 @@ def shard_full(full: torch.Tensor, spec: DistSpec) -> DistTensor:
     return _ShardTensor.apply(full, spec)
 
 
-def pending_gradient(raw: torch.Tensor, spec: DistSpec, stat: Stat) -> DistTensor:
-    """A scaled gradient: the value ``raw * stat.inverse_count()``, kept unscaled until read."""
-    return PendingTensor.make(raw, spec, None, stat)
-
-
-def awaited(raw: torch.Tensor, spec: DistSpec, work: Any) -> DistTensor:
-    """A DistTensor whose shard is ``raw`` (cast to ``spec``'s dtype) once ``work`` (an
-    asynchronous collective writing ``raw``) is done: any op reading the value waits first; ops on
-    metadata alone (``zeros_like``) and autograd's detach do not."""
-    return PendingTensor.make(raw, spec, None, Stat(raw, work), functools.partial(_after_work, spec.dtype))
-
-
-def _after_work(dtype: torch.dtype, raw: torch.Tensor, stat: Stat) -> torch.Tensor:
-    stat.result()
-    return raw if raw.dtype == dtype else raw.to(dtype)
-
-
 # ---- move ------------------------------------------------------------------------------------
 def move(local: torch.Tensor, src: DistSpec, dst: DistSpec) -> torch.Tensor:
     """This rank's shard of a value of layout ``src``, moved to layout ``dst`` (collectives on
@@ -160,8 +131,8 @@ def reshard(x: DistTensor, dst: DistSpec, done: DistTensor | None = None) -> Dis
 
 def relayout_(t: DistTensor, local: torch.Tensor, spec: DistSpec) -> DistTensor:
     """``t`` becomes the same global value in layout ``spec`` with shard ``local``: the same
-    object (optimizer state, autograd leaf, module attribute keep pointing at it); a pending
-    gradient is resolved (``local`` is its value)."""
+    object (optimizer state, autograd leaf, module attribute keep pointing at it); an awaited
+    value is replaced (``local`` is its value)."""
     if spec.shape != t._spec.shape or spec.dtype != t._spec.dtype:
         raise ValueError(f"relayout_: {spec} does not describe the global tensor {t._spec}")
     t._local = local
@@ -170,13 +141,13 @@ def relayout_(t: DistTensor, local: torch.Tensor, spec: DistSpec) -> DistTensor:
 
 
 def set_local_(t: DistTensor, local: torch.Tensor) -> DistTensor:
-    """``t`` takes ``local`` as its shard (same layout; a pending value is resolved to it)."""
+    """``t`` takes ``local`` as its shard (same layout; an awaited value is replaced)."""
     t._local = local
     return t
 
 
 __all__ = [
-    "VALUE_OPS", "Stat", "adopt", "awaited", "dist_args", "from_local", "grad_spec", "is_dist", "keep_grad_layout", "local_of", "local_or_plain", "move", "pending_gradient",
-    "raw_of", "relayout_", "reshard", "run_plan", "scaled_raw", "set_local_",
+    "VALUE_OPS", "adopt", "awaited", "dist_args", "from_local", "grad_spec", "is_dist", "keep_grad_layout", "local_of", "local_or_plain", "move",
+    "relayout_", "reshard", "run_plan", "set_local_",
     "shard_full", "spec_of", "spec_or_none", "stride_of", "wrap", "written_args",
 ]

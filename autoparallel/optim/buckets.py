@@ -75,61 +75,47 @@ def _numel(shape: Sequence[int]) -> int:
     return n
 
 
-def all_reduce(
-    locals_: Sequence[torch.Tensor], mesh: ProcessMesh, axis: int, reduce_type: str, scale: torch.Tensor | None = None
-) -> list[torch.Tensor]:
-    """Reduce every tensor over ``axis`` with one all-reduce (none on a size-1 axis), then
-    multiply the results by ``scale`` (a 0-dim tensor) if given."""
+def all_reduce(locals_: Sequence[torch.Tensor], mesh: ProcessMesh, axis: int, reduce_type: str) -> list[torch.Tensor]:
+    """Reduce every tensor over ``axis`` with one all-reduce (none on a size-1 axis)."""
     if mesh.shape[axis] == 1:
-        return list(locals_) if scale is None else [t * scale for t in locals_]
+        return list(locals_)
     flat = flatten_dense_tensors(list(locals_))  # [sum numel], a new buffer: reduced in place
     flat = comm.all_reduce(flat, mesh, axis, reduce_type, in_place=True)
-    if scale is not None:
-        flat.mul_(scale)
     return list(unflatten_dense_tensors(flat, list(locals_)))  # views of ``flat``
 
 
 def reduce_scatter(
     locals_: Sequence[torch.Tensor], dims: Sequence[int], mesh: ProcessMesh, axis: int, reduce_type: str,
-    scale: torch.Tensor | None = None, prescales: Sequence[torch.Tensor | None] | None = None,
 ) -> list[torch.Tensor]:
-    """Reduce every tensor over ``axis`` and keep this rank's ``torch.chunk`` piece along its dim
-    (times ``scale``, a 0-dim tensor, if given). ``prescales[k]`` (a 0-dim tensor or None): tensor
-    ``k`` enters the reduction multiplied by it, computed while packing (no scaled copy is made).
+    """Reduce every tensor over ``axis`` and keep this rank's ``torch.chunk`` piece along its dim.
 
     One reduce-scatter of one buffer: segment ``r`` holds member ``r``'s pieces of every tensor,
     each copied straight from its tensor (the buffer is the only copy the packing makes).
     """
     n, me = _line(mesh, axis)
-    pre = list(prescales) if prescales is not None else [None] * len(locals_)
     if n == 1:
-        out = [t if s is None else t * s for t, s in zip(locals_, pre)]
-        return out if scale is None else [t * scale for t in out]
-    buf, shapes = _pack_scatter(locals_, dims, n, pre)
+        return list(locals_)
+    buf, shapes = _pack_scatter(locals_, dims, n)
     mine = comm.reduce_scatter(buf, mesh, axis, 0, reduce_type)  # [width]
-    if scale is not None:
-        mine.mul_(scale)
     return _pieces(mine, shapes[me])
 
 
 def reduce_scatter_start(
     locals_: Sequence[torch.Tensor], dims: Sequence[int], mesh: ProcessMesh, axis: int, reduce_type: str,
-    prescales: Sequence[torch.Tensor | None] | None = None,
 ) -> tuple[list[torch.Tensor], object]:
     """``reduce_scatter`` started, not waited for: (the pieces, work). The pieces are views of the
     collective's result buffer: read them only after ``work.wait()``. The packed buffer is the
     backend's until then."""
     n, me = _line(mesh, axis)
-    pre = list(prescales) if prescales is not None else [None] * len(locals_)
     if n == 1:
-        return reduce_scatter(locals_, dims, mesh, axis, reduce_type, prescales=pre), comm.DONE
-    buf, shapes = _pack_scatter(locals_, dims, n, pre)
+        return list(locals_), comm.DONE
+    buf, shapes = _pack_scatter(locals_, dims, n)
     mine, work = comm.reduce_scatter_start(buf, mesh, axis, reduce_type)
     return _pieces(mine, shapes[me]), work
 
 
 def _pack_scatter(
-    locals_: Sequence[torch.Tensor], dims: Sequence[int], n: int, pre: Sequence[torch.Tensor | None],
+    locals_: Sequence[torch.Tensor], dims: Sequence[int], n: int,
 ) -> tuple[torch.Tensor, list[list[tuple[int, ...]]]]:
     """The reduce-scatter's one buffer ``[n * width]`` (segment ``r``: member ``r``'s pieces, then
     zeros up to the widest segment) and each member's piece shapes."""
@@ -138,13 +124,9 @@ def _pack_scatter(
     buf = locals_[0].new_empty(n * width)  # [n * width]
     for r in range(n):
         at = r * width
-        for t, d, s, shape in zip(locals_, dims, pre, shapes[r]):
+        for t, d, shape in zip(locals_, dims, shapes[r]):
             k = _numel(shape)
-            seat = buf[at: at + k].view(shape)
-            if s is None:
-                seat.copy_(_chunk(t, d, n, r))
-            else:
-                torch.mul(_chunk(t, d, n, r), s, out=seat)
+            buf[at: at + k].view(shape).copy_(_chunk(t, d, n, r))
             at += k
         buf[at: (r + 1) * width].zero_()  # padding of a member with smaller pieces
     return buf, shapes

@@ -1,8 +1,7 @@
 """The optimizer's gradient reduction: planned from the gradients' layouts, replayed each step.
 
-``plan_reduction`` is a pure function of metadata — each parameter's gradient layout, which
-gradients wait on a deferred statistic (``autoparallel.engine.pending``), the ZeRO stage's shard
-layouts and the bucket size — so every rank plans the same collectives in the same order.
+``plan_reduction`` is a pure function of metadata — each parameter's gradient layout, the ZeRO
+stage's shard layouts and the bucket size — so every rank plans the same collectives in the same order.
 ``ShardedOptimizer`` keeps the plan for the layouts it last saw; a step with the same layouts
 (every step of a steady training loop) only packs, reduces and unpacks.
 """
@@ -30,13 +29,6 @@ class BucketOp:
     members: tuple[int, ...]
     targets: tuple[DistSpec, ...]    # each member's gradient layout afterwards
     dims: tuple[int, ...]            # "rs": the tensor dim each member is scattered along
-    stats: tuple[int | None, ...]    # per member: the deferred statistic whose scale it awaits
-
-    @property
-    def stat(self) -> int | None:
-        """The statistic every member awaits (one scale for the whole bucket), else None."""
-        first = self.stats[0]
-        return first if all(s == first for s in self.stats) else None
 
 
 @dataclass(frozen=True)
@@ -48,19 +40,15 @@ class SlotLayout:
 
 
 def plan_reduction(
-    specs: Sequence[DistSpec | None], stats: Sequence[int | None], slots: Sequence[SlotLayout],
-    scatters: bool, bucket_bytes: int,
+    specs: Sequence[DistSpec | None], slots: Sequence[SlotLayout], scatters: bool, bucket_bytes: int,
 ) -> tuple[BucketOp, ...]:
     """The collectives reducing every Partial gradient: per mesh, per axis (the data-parallel
     axis first when ZeRO >= 2 scatters it: the later all-reduces are then smaller), per
     (kind, reduce type, dtype), per bucket of at most ``bucket_bytes``.
 
-    ``specs[i]``: slot ``i``'s gradient layout (None: no DistTensor gradient); ``stats[i]``:
-    the index of the statistic it waits on (None: not pending). A pending gradient is scaled
-    by its first collective, so later ones see it resolved.
+    ``specs[i]``: slot ``i``'s gradient layout (None: no DistTensor gradient).
     """
     cur = list(specs)
-    waiting = list(stats)
     todo = [i for i, s in enumerate(cur) if s is not None and s.has_partial]
     meshes: dict[Any, list[int]] = {}
     for i in todo:
@@ -87,13 +75,10 @@ def plan_reduction(
                 for bucket in buckets.plan_buckets(sizes, bucket_bytes):
                     chosen = [items[k] for k in bucket]
                     dims = tuple(t.placements[axis].dim for _, t in chosen) if kind == "rs" else ()  # type: ignore[union-attr]
-                    stat_of = tuple(waiting[i] if reduce_type in ("sum", "avg") else None for i, _ in chosen)
                     ops.append(BucketOp(mesh, axis, kind, reduce_type, tuple(i for i, _ in chosen),
-                                        tuple(t for _, t in chosen), dims, stat_of))
+                                        tuple(t for _, t in chosen), dims))
                 for i, target in items:
                     cur[i] = target
-                    if reduce_type in ("sum", "avg"):
-                        waiting[i] = None
     return tuple(ops)
 
 

@@ -163,70 +163,46 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def reduce_gradients(self) -> None:
         """Reduce every Partial gradient, one collective per bucket and mesh axis.
 
-        Gradients still waiting on a deferred mean (``autoparallel.engine.pending``) go in unscaled
-        and each reduced bucket is scaled once. The plan depends on the layouts only and is
-        kept for the next step with the same layouts.
+        The plan depends on the layouts only and is kept for the next step with the same layouts.
 
         Each reduced gradient keeps its object: it is re-laid out in place (new local shard and
         layout, the same global value), as ``dist.all_reduce`` reduces a tensor in place.
         """
         grads = [s.param.grad for s in self._slots]
-        stats: list[Any] = []     # the statistics pending gradients wait on, by first appearance
-        index: dict[int, int] = {}
-        waits: list[int | None] = []
-        specs: list[DistSpec | None] = []
-        scaled_raw, spec_or_none = layout.scaled_raw, layout.spec_or_none
-        for g in grads:
-            pending = scaled_raw(g)
-            if pending is None:
-                waits.append(None)
-            else:
-                k = index.get(id(pending[1]))
-                if k is None:
-                    k = index[id(pending[1])] = len(stats)
-                    stats.append(pending[1])
-                waits.append(k)
-            specs.append(spec_or_none(g))
-        key = (tuple(specs), tuple(waits))
+        key = tuple(layout.spec_or_none(g) for g in grads)
         plan = self._plans.get(key)
         if plan is None:
             if len(self._plans) >= 64:  # layouts that keep changing: do not grow without bound
                 self._plans.clear()
             layouts = [SlotLayout(s.axis, s.shard) for s in self._slots]
-            plan = plan_reduction(key[0], key[1], layouts, self._scatters(), self.bucket_bytes)
+            plan = plan_reduction(key, layouts, self._scatters(), self.bucket_bytes)
             # a reduced gradient in its parameter's layout gets the parameter's spec object, so
             # the local step's layout check is an identity test
-            own: list[Any] = [spec_or_none(s.param) for s in self._slots]
+            own: list[Any] = [layout.spec_or_none(s.param) for s in self._slots]
             plan = self._plans[key] = tuple(
                 replace(op, targets=tuple(own[i] if own[i] == t else t for i, t in zip(op.members, op.targets)))
                 for op in plan
             )
         rank = runtime.get_rank()
-        raw_of, local_of, relayout_ = layout.raw_of, layout.local_of, layout.relayout_
+        local_of, relayout_ = layout.local_of, layout.relayout_
         wire = self.precision.reduce_dtype if self.precision is not None else None
         for op in plan:
             chosen: list[Any] = [grads[i] for i in op.members]
             member = op.mesh.coordinate_of(rank) is not None
-            # pending members go in unscaled (``raw_of``); one scale for a bucket that all awaits
-            # one statistic (the usual case), else each pending member's result is scaled
-            locs = [raw_of(g) if k is not None else local_of(g) for g, k in zip(chosen, op.stats)]
+            locs = [local_of(g) for g in chosen]
             back = None  # mixed precision: the dtype the reduced gradients return to
             if wire is not None and member and locs and locs[0].is_floating_point() and locs[0].dtype != wire:
                 back, locs = locs[0].dtype, [t.to(wire) for t in locs]
-            whole = op.stat
-            scale = stats[whole].inverse_count() if whole is not None and member else None
             if not member:
                 results = locs
             elif op.kind == "rs":
-                results = buckets.reduce_scatter(locs, op.dims, op.mesh, op.axis, op.reduce_type, scale)
+                results = buckets.reduce_scatter(locs, op.dims, op.mesh, op.axis, op.reduce_type)
             else:
-                results = buckets.all_reduce(locs, op.mesh, op.axis, op.reduce_type, scale)
-            if whole is None and member:
-                results = [r if k is None else r * stats[k].inverse_count() for r, k in zip(results, op.stats)]
+                results = buckets.all_reduce(locs, op.mesh, op.axis, op.reduce_type)
             if back is not None:
                 results = [r.to(back) for r in results]
             for g, target, local in zip(chosen, op.targets, results):
-                relayout_(g, local, target)  # the same value in place; a pending gradient is resolved
+                relayout_(g, local, target)  # the same value in place
         self._match_params(grads)
 
     def gradients(self) -> list[torch.Tensor | None]:
@@ -247,8 +223,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if ps is None or gs is None or gs is ps or gs.has_partial or gs.mesh != ps.mesh or gs == ps \
                     or gs.shape != ps.shape or gs.dtype != ps.dtype:
                 continue
-            if layout.scaled_raw(g) is not None:
-                continue  # still waiting on a deferred statistic: left to the optimizer's ops
             layout.relayout_(g, layout.move(local_of(g), gs, ps), ps)
 
     def _scatters(self) -> bool:

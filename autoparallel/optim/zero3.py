@@ -42,9 +42,8 @@ their unit computes (forward) or its gradients are computed (backward).
 The gather is an autograd function whose backward is the mirror image: the gradients (Partial
 over the data-parallel axis) are reduce-scattered in one collective straight into the shard
 layout, so a full gradient never persists. Each gradient is copied once, into the collective's
-one buffer (``buckets.reduce_scatter``), and a pending gradient of a deferred batch mean is
-multiplied by its ``1 / count`` as it is copied: beside the unit's gradients, which autograd
-holds until this backward returns, the reduction makes one full-size buffer, no more.
+one buffer (``buckets.reduce_scatter``): beside the unit's gradients, which autograd holds
+until this backward returns, the reduction makes one full-size buffer, no more.
 
 With ``ShardingStage3(..., overlap=True)`` (``Zero3Params.overlap``) communication runs beside
 compute, one unit ahead at most. The order units gather in (forward) and regather in (backward)
@@ -53,7 +52,7 @@ When a unit has gathered, the next unit's all-gather is started (``_Ahead``) and
 for it on its turn; when a unit has regathered in backward, the next one to regather (a unit whose
 forward saved gathered tensors) is started likewise. A guess that turns out wrong is waited for
 and dropped (every member started it), and nothing started in a forward outlives it. A unit's
-reduce-scatter is started and its gradients returned as pending values
+reduce-scatter is started and its gradients returned as awaited values
 (``layout.awaited``: any read waits), the reduction before it waited for first, so one is in
 flight. Inside a recomputed region, or while a program is captured, nothing runs ahead.
 
@@ -712,14 +711,13 @@ class _GatherParams(torch.autograd.Function):
                     # other axes where a gradient is a Partial sum (context or tensor parallelism's
                     # replicated weights): reduced after the reduce-scatter, on the shards, bucketed
                     extra = [() if overlapping else _extra_partial_axes(grads[k], layouts[k]) for k in ks]  # type: ignore[arg-type]
-                    summands, scales = zip(*(_summand_scaled(grads[k], layouts[k], dtype, e)  # type: ignore[arg-type]
-                                             for k, e in zip(ks, extra)))
+                    summands = [_summand(grads[k], layouts[k], e).to(dtype) for k, e in zip(ks, extra)]  # type: ignore[arg-type]
                     dims = [layouts[k].dim for k in ks]
                     if overlapping:  # the next unit's backward computes while this one reduces
-                        pieces, work = buckets.reduce_scatter_start(summands, dims, mesh, axis, "sum", prescales=scales)
+                        pieces, work = buckets.reduce_scatter_start(summands, dims, mesh, axis, "sum")
                         owner.reduction(work)  # type: ignore[union-attr]
                     else:
-                        pieces, work = buckets.reduce_scatter(summands, dims, mesh, axis, "sum", prescales=scales), None
+                        pieces, work = buckets.reduce_scatter(summands, dims, mesh, axis, "sum"), None
                         pieces = _reduce_extra(list(pieces), extra, mesh)
                     del summands  # (the full-size gradients themselves are autograd's until we return)
                 for k, piece in zip(ks, pieces):
@@ -761,16 +759,3 @@ def _summand(grad: DistTensor, lay: Zero3Layout, extra: tuple[int, ...] = ()) ->
     """This rank's local summand of ``grad`` laid out as ``full`` but Partial(sum) on the axis
     (and on ``extra`` axes, left to ``_reduce_extra``)."""
     return layout.move(layout.local_of(grad), layout.spec_of(grad), _partial(lay, grad.dtype, extra))
-
-
-def _summand_scaled(grad: DistTensor, lay: Zero3Layout, dtype: torch.dtype,
-                    extra: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(tensor, scale): the summand is ``tensor * scale`` (scale None: ``tensor``) in ``dtype``.
-
-    A pending scaled gradient already in the summand's layout and dtype gives its unscaled shard
-    and ``1 / count``: the reduction's packing multiplies as it copies, the very product reading
-    its value would compute, without a full-size scaled copy of every gradient of the unit."""
-    pending = layout.scaled_raw(grad)
-    if pending is not None and pending[0].dtype == dtype and layout.spec_of(grad) == _partial(lay, dtype, extra):
-        return pending[0], pending[1].inverse_count()
-    return _summand(grad, lay, extra).to(dtype), None

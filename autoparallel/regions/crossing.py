@@ -49,16 +49,11 @@ class _Call:
     arrived Partial(sum). The backward is linear in that gradient, so it runs on the summands
     and the inputs' gradients are Partial(sum) there too — no all-reduce inside the backward
     (the DistTensor path would also pass the Partial on, to the optimizer's bucketed reduction).
-
-    ``stat``: the gradient of the (single) output arrived as an unscaled pending gradient
-    (``autoparallel.engine.pending``); by the same linearity the inputs' gradients leave unscaled too,
-    pending on the same statistic.
     """
 
     def __init__(self, single: bool) -> None:
         self.single = single
         self.partial: tuple[int, ...] = ()
-        self.stat: layout.Stat | None = None
 
 
 class _Localize(torch.autograd.Function):
@@ -84,8 +79,8 @@ class _Localize(torch.autograd.Function):
         specs = ctx.specs if not ctx.call.partial else tuple(with_partial(s, ctx.call.partial) for s in ctx.specs)
         if torch.is_grad_enabled():  # create_graph: the gradients stay differentiable
             return (None, None, *[None if g is None else layout.from_local(g.contiguous(), s) for g, s in zip(grads, specs)])
-        stat = ctx.call.stat
-        out = [None if g is None else _wrap_grad(g, s, stat) for g, s in zip(grads, specs)]
+        out = [None if g is None else layout.wrap(g if g.is_contiguous() else g.contiguous(), s)
+               for g, s in zip(grads, specs)]
         _accumulate(ctx, out)
         return (None, None, *out)
 
@@ -132,11 +127,8 @@ class _Out(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: DistTensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
         target: DistSpec = ctx.spec
-        raw = _unscaled(grad, ctx.call)
-        if raw is not None:
-            local = raw
-        else:  # with create_graph, differentiable: the backward of this backward reaches ``grad``
-            local = grad.to_local() if torch.is_grad_enabled() else layout.local_of(grad)
+        # with create_graph, differentiable: the backward of this backward reaches ``grad``
+        local = grad.to_local() if torch.is_grad_enabled() else layout.local_of(grad)
         spec = layout.spec_of(grad)
         summed = target.has_partial  # the output is a summand on these axes: its gradient is whole
         if summed:
@@ -160,23 +152,6 @@ class _Out(torch.autograd.Function):
                 ctx.call.partial = tuple(keep)
                 target = with_partial(target, ctx.call.partial)
         return layout.move(local, spec, target), None, None
-
-
-def _wrap_grad(g: torch.Tensor, spec: DistSpec, stat: layout.Stat | None) -> DistTensor:
-    """A local gradient as a DistTensor of ``spec``; still unscaled (pending) with ``stat``."""
-    g = g if g.is_contiguous() else g.contiguous()
-    return layout.wrap(g, spec) if stat is None else layout.pending_gradient(g, spec, stat)
-
-
-def _unscaled(grad: DistTensor, call: _Call) -> torch.Tensor | None:
-    """The unscaled shard of a pending gradient arriving at a single-output region (whose
-    backward, linear in it, may run unscaled: ``call.stat`` carries the scale across); None
-    otherwise (the gradient is resolved)."""
-    pending = layout.scaled_raw(grad)
-    if pending is None or not call.single or torch.is_grad_enabled():
-        return None
-    call.stat = pending[1]
-    return pending[0]
 
 
 def _zero_pad(local: torch.Tensor, dim: int, size: int, parts: int, index: int) -> torch.Tensor:

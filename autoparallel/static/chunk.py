@@ -249,7 +249,7 @@ class StaticChunk:
                 k += 1
                 if p.grad is None:
                     p.grad = layout.wrap(g, spec)
-                elif layout.spec_or_none(p.grad) == spec and layout.scaled_raw(p.grad) is None:
+                elif layout.spec_or_none(p.grad) == spec:
                     layout.set_local_(p.grad, layout.local_of(p.grad) + g)  # type: ignore[arg-type]  # a DistTensor grad
                 else:
                     p.grad = p.grad + layout.wrap(g, spec)

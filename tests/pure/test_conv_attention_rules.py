@@ -170,7 +170,7 @@ def _run(op: Any, call: OpCall, s: Strategy, expected: list, i: int, args: tuple
         return op(*args, **kwargs)
     n = call.mesh_shape[0]
     shapes = tuple(_local_shape(t, p[0], n, i) for t, p in zip(expected, s.outputs))
-    return impl(LocalContext(call, shapes, in_specs, (), (i,), False, comm), *args, **kwargs)
+    return impl(LocalContext(call, shapes, in_specs, (), (i,), comm), *args, **kwargs)
 
 
 @pytest.mark.parametrize("n", [3])  # uneven shards, and empty ones on the 2-long dims

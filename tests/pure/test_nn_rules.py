@@ -200,7 +200,7 @@ def _check_strategy(op: Any, fn: Callable[..., Any], args: tuple, s: Strategy, c
         if impl is None:
             return fn(*largs)
         shapes = tuple(None if sp is None else sp.local_shape(c) for sp in out_specs)
-        return impl(LocalContext(call, shapes, in_specs, out_specs, c, False, sim), *largs)
+        return impl(LocalContext(call, shapes, in_specs, out_specs, c, sim), *largs)
 
     results = sim.run(rank)
     expected = fn(*args)

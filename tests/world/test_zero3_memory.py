@@ -1,10 +1,8 @@
 """ZeRO-3's gradient reduction makes one full-size buffer per unit (4 gloo ranks).
 
 A unit's gradients are packed straight into the reduce-scatter's one buffer: no per-member
-segment copies, no reordered copy inside ``comm`` when the group's ranks are in mesh order, and
-a pending gradient (the deferred batch mean's ``raw * 1/count``) is multiplied while it is
-copied, not first into a scaled full-size copy. The packing with a scale gives the bits the
-scaled copy gave. What a whole step holds at its peak, against torch's FSDP2:
+segment copies, no reordered copy inside ``comm`` when the group's ranks are in mesh order.
+What a whole step holds at its peak, against torch's FSDP2:
 ``benchmarks/zero3_peak.py`` (docs/memory.md, "ZeRO-3 memory at its peak").
 """
 
@@ -18,25 +16,8 @@ import torch.nn.functional as F
 
 import autoparallel as ap
 from autoparallel import Shard
-from autoparallel.optim import buckets
 
 REDUCE = "autoparallel::zero3_reduce_scatter"
-
-
-def _prescaled(rank: int) -> bool:
-    """Packing ``t`` with a prescale ``s`` reduces the same bits as packing ``t * s``."""
-    mesh = ap.ProcessMesh([0, 1, 2, 3], ["dp"])
-    g = torch.Generator().manual_seed(rank)
-    ts = [torch.randn(5, 3, generator=g), torch.randn(4, 7, generator=g), torch.randn(9, generator=g)]
-    dims = [0, 1, 0]  # uneven pieces along dim 0 (5 and 9 rows over 4 ranks), even along dim 1
-    s = torch.tensor(1 / 3)
-    packed = buckets.reduce_scatter(ts, dims, mesh, 0, "sum", prescales=[s, None, s])
-    copied = buckets.reduce_scatter([ts[0] * s, ts[1], ts[2] * s], dims, mesh, 0, "sum")
-    return all(torch.equal(a, b) for a, b in zip(packed, copied))
-
-
-def test_prescaled_packing_is_bitwise_the_scaled_copy(world4):  # type: ignore[no-untyped-def]
-    assert world4.run(_prescaled) == [True] * 4
 
 
 def _reduction_allocations(rank: int) -> list[int]:
@@ -54,7 +35,7 @@ def _reduction_allocations(rank: int) -> list[int]:
     y = ap.shard_tensor(torch.randint(0, 8, (32,)), mesh, [Shard(0)])
 
     def step() -> None:
-        F.cross_entropy(model(x), y).backward()  # a deferred mean: pending gradients
+        F.cross_entropy(model(x), y).backward()
         opt.step()
         opt.zero_grad()
 

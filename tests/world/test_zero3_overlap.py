@@ -64,7 +64,7 @@ def _data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1), y.flatten())  # a deferred batch mean
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten())  # the global batch mean
 
 
 # steps: (block skipped, micro-batches)

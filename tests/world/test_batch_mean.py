@@ -1,10 +1,11 @@
-"""The deferred batch mean (autoparallel.engine.deferred / autoparallel.engine.pending) and the reduction plan.
+"""The global mean of a loss over a sharded batch, and the optimizer's reduction plan.
 
-A cross-entropy mean over a batch split on a mesh axis starts one all-reduce of (sum, total
-weight) in the forward and waits for it only when a value is needed. The backward runs on
-unscaled gradients (no collective, no wait) and the optimizer scales each reduced bucket. Every
-test compares with one process, with targets ignored unevenly across ranks (so the global
-count differs from any per-rank count), and checks when values are pending and which
+A cross-entropy mean over a batch split on a mesh axis divides the global sum by the global
+count of counted targets (``ignore_index`` and class weights make that count data-dependent):
+the forward all-reduces (sum, count) in one collective and the loss is Replicate from there; the
+backward needs no collective (its scale, ``1 / count``, is known) and the optimizer reduces the
+Partial gradients in buckets. Every test compares with one process, with targets ignored
+unevenly across ranks (so the global count differs from any per-rank count), and checks which
 collectives ran where.
 """
 
@@ -20,7 +21,6 @@ import torch.nn.functional as F
 from torch import nn
 
 import autoparallel as ap
-from autoparallel.engine.dtensor import PendingTensor
 from autoparallel.optim.reduction import SlotLayout, plan_reduction
 from autoparallel.placement import Partial, Replicate, Shard
 from autoparallel.spec import DistSpec
@@ -80,57 +80,54 @@ def _dp(rank: int, read_early: str) -> dict[str, Any]:
     for x, y in _batches(3):
         with ap.CommDebugMode() as fwd:
             loss = _ce(model(ap.shard_tensor(x, mesh, [S0])), ap.shard_tensor(y, mesh, [S0]))
-        facts["loss_pending"] = type(loss) is PendingTensor and loss.is_pending
+        facts["loss_layout"] = tuple(loss.placements)
         if read_early == "all" or (read_early == "rank0" and rank == 0):
-            facts["early"] = float(loss.detach().full_tensor())  # waits for the started all-reduce only
+            with ap.CommDebugMode() as read:
+                facts["early"] = float(loss.detach().full_tensor())  # Replicate already: no collective
+            facts["read_comm"] = read.get_comm_counts()
         opt.zero_grad()
         with ap.CommDebugMode() as bwd:
             loss.backward()
         grads = [p.grad for p in model.parameters()]
-        facts["grads_pending"] = all(type(g) is PendingTensor and g.is_pending for g in grads)
         facts["grad_layouts"] = {tuple(g.placements) for g in grads}
         with ap.CommDebugMode() as step:
             opt.step()
-        facts["reduced_layouts"] = {  # reduced gradients are plain values: nothing left pending
-            (isinstance(p.grad, ap.DistTensor), getattr(p.grad, "is_pending", False), tuple(p.grad.placements))
-            for p in model.parameters()
-        }
+        facts["reduced_layouts"] = {(type(p.grad).__name__, tuple(p.grad.placements)) for p in model.parameters()}
         ref_loss = _ce(ref(x), y)
         ref_opt.zero_grad()
         ref_loss.backward()
         ref_opt.step()
         torch.testing.assert_close(loss.detach().full_tensor(), ref_loss.detach(), rtol=1e-5, atol=1e-6)
-        for p, q in zip(model.parameters(), ref.parameters()):  # the reduced gradients, scaled
+        for p, q in zip(model.parameters(), ref.parameters()):  # the reduced gradients
             torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-5, atol=1e-7)
     _assert_params_match(model, ref)
     facts["comm"] = (fwd.get_comm_counts(), bwd.get_comm_counts(), step.get_comm_counts())
     return facts
 
 
-def test_data_parallel_mean_is_deferred_to_the_gradient_reduction(world4: Any) -> None:
+def test_data_parallel_mean_is_reduced_once_in_the_forward(world4: Any) -> None:
     results = world4.run(_dp, "none")
     r = results[0]
-    assert r["loss_pending"] and r["grads_pending"], r
+    assert r["loss_layout"] == (R,), r
     assert r["grad_layouts"] == {(Partial("sum"),)}
-    # forward: the (sum, count) all-reduce, started; backward: nothing; step: the gradient bucket
+    # forward: the (sum, count) all-reduce; backward: nothing; step: the gradient bucket
     assert r["comm"] == ({"all_reduce": 1}, {}, {"all_reduce": 1}), r["comm"]
-    assert r["reduced_layouts"] == {(True, False, (R,))}
+    assert r["reduced_layouts"] == {("DistTensor", (R,))}
     assert all(x["comm"] == r["comm"] for x in results)
 
 
 @pytest.mark.parametrize("who", ["all", "rank0"])
-def test_reading_the_loss_before_backward_waits_without_hanging(world4: Any, who: str) -> None:
-    """A read on some ranks only waits for the all-reduce every rank started: no hang, and the
-    gradients are still scaled in the optimizer on every rank (the same arithmetic everywhere)."""
+def test_reading_the_loss_on_some_ranks_issues_nothing(world4: Any, who: str) -> None:
+    """The loss is Replicate after the forward: reading it on some ranks only issues no
+    collective (nothing to hang on), and the training matches one process on every rank."""
     results = world4.run(_dp, who)
-    assert all(r["grads_pending"] for r in results)
     assert ("early" in results[1]) == (who == "all") and "early" in results[0]
+    assert all(r["read_comm"] == {} for r in results if "early" in r)
 
 
 class TwoHeads(nn.Module):
-    """Head ``a`` feeds the cross-entropy (pending gradients), head ``b`` a squared mean (not).
-    Called piece by piece (``heads``): the ops run on DistTensors, so the pending gradient
-    passes through the dispatcher's linear ops (mm, t, sum) rather than a local region."""
+    """Head ``a`` feeds the cross-entropy, head ``b`` a squared mean. Called piece by piece
+    (``heads``): the ops run on DistTensors through the dispatcher, not as a local region."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -159,7 +156,6 @@ def _mixed(rank: int) -> dict[str, Any]:
         ref_loss = F.cross_entropy(ra, y) + (rb * rb).mean()
         opt.zero_grad()
         loss.backward()
-        pending = {n: type(p.grad) is PendingTensor and p.grad.is_pending for n, p in model.named_parameters()}
         with ap.CommDebugMode() as step:
             opt.step()
         ref_opt.zero_grad()
@@ -167,14 +163,12 @@ def _mixed(rank: int) -> dict[str, Any]:
         ref_opt.step()
         torch.testing.assert_close(loss.detach().full_tensor(), ref_loss.detach(), rtol=1e-5, atol=1e-6)
     _assert_params_match(model, ref)
-    return {"pending": pending, "step": step.get_comm_counts()}
+    return {"step": step.get_comm_counts()}
 
 
-def test_pending_and_other_gradients_share_one_bucket(world4: Any) -> None:
+def test_two_losses_gradients_share_one_bucket(world4: Any) -> None:
     r = world4.run(_mixed)[0]
-    assert r["pending"]["a.weight"] and r["pending"]["a.bias"], r["pending"]
-    assert not r["pending"]["b.weight"] and not r["pending"]["trunk.weight"], r["pending"]
-    assert r["step"] == {"all_reduce": 1}, r["step"]  # one bucket; only its pending members scaled
+    assert r["step"] == {"all_reduce": 1}, r["step"]  # one bucket for every parameter
 
 
 def _zero(rank: int, stage: int) -> dict[str, Any]:
@@ -201,13 +195,11 @@ def _zero(rank: int, stage: int) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_zero_stages_scale_the_deferred_mean(world4: Any, stage: int) -> None:
-    """Stage 2 scales the reduce-scattered bucket; stage 3 reduces inside the backward (each
-    unit's gradients are resolved there); every stage matches one process."""
+def test_zero_stages_match_one_process_on_the_global_mean(world4: Any, stage: int) -> None:
     world4.run(_zero, stage)
 
 
-# ---- without shard_optimizer: the pending gradients resolve where they are used -------------------
+# ---- without shard_optimizer ----------------------------------------------------------------------
 def _plain_optimizer(rank: int, extra: str) -> dict[str, Any]:
     ref, model = _pair(1)
     mesh = _mesh()
@@ -221,7 +213,7 @@ def _plain_optimizer(rank: int, extra: str) -> dict[str, Any]:
         for x, y in batches[k:k + 2]:  # two micro-batches accumulate before each step
             loss = _ce(model(ap.shard_tensor(x, mesh, [S0])), ap.shard_tensor(y, mesh, [S0]))
             ref_loss = _ce(ref(x), y)
-            if extra == "penalty":  # a second term whose gradient is not pending
+            if extra == "penalty":  # a second term on the replicated parameters
                 loss = loss + 0.01 * sum((p * p).sum() for p in model.parameters())
                 ref_loss = ref_loss + 0.01 * sum((p * p).sum() for p in ref.parameters())
             loss.backward()
@@ -233,13 +225,12 @@ def _plain_optimizer(rank: int, extra: str) -> dict[str, Any]:
         opt.step()
         ref_opt.step()
     _assert_params_match(model, ref)
-    return {"pending_left": any(type(p.grad) is PendingTensor and p.grad.is_pending for p in model.parameters())}
+    return {}
 
 
 @pytest.mark.parametrize("extra", ["", "penalty", "clip"])
-def test_accumulation_penalties_and_clipping_resolve_exactly(world4: Any, extra: str) -> None:
-    results = world4.run(_plain_optimizer, extra)
-    assert not any(r["pending_left"] for r in results)  # the optimizer's own ops resolved them
+def test_accumulation_penalties_and_clipping_match_one_process(world4: Any, extra: str) -> None:
+    world4.run(_plain_optimizer, extra)
 
 
 # ---- edge cases ------------------------------------------------------------------------------------
@@ -254,7 +245,7 @@ def _edge(rank: int, case: str) -> dict[str, Any]:
             loss = _ce(model(xs), ys)
         ref_loss = _ce(ref(x), y)
         torch.testing.assert_close(loss.full_tensor(), ref_loss.detach(), rtol=1e-5, atol=1e-6)
-        return {"pending": type(loss) is PendingTensor}
+        return {"layout": tuple(loss.placements)}
     loss = _ce(model(xs), ys)
     ref_loss = _ce(ref(x), y)
     create_graph = case == "create_graph"
@@ -263,21 +254,19 @@ def _edge(rank: int, case: str) -> dict[str, Any]:
     torch.testing.assert_close(loss.detach().full_tensor(), ref_loss.detach(), rtol=1e-5, atol=1e-6, equal_nan=True)
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-5, atol=1e-7)
-    return {"pending": any(type(p.grad) is PendingTensor and p.grad.is_pending for p in model.parameters())}
+    return {"layout": tuple(loss.placements)}
 
 
-def test_without_grad_the_loss_is_computed_at_once(world4: Any) -> None:
-    assert not any(r["pending"] for r in world4.run(_edge, "no_grad"))
+def test_without_grad_the_loss_is_the_same_replicated_mean(world4: Any) -> None:
+    assert all(r["layout"] == (R,) for r in world4.run(_edge, "no_grad"))
 
 
 def test_every_target_ignored_gives_nan_loss_and_zero_gradients(world4: Any) -> None:
     world4.run(_edge, "all_ignored")  # one process: loss 0/0 = nan, gradients exactly zero
 
 
-def test_create_graph_backward_scales_at_once(world4: Any) -> None:
-    """A differentiable backward must not carry a pending scale through the graph it records."""
-    results = world4.run(_edge, "create_graph")
-    assert not any(r["pending"] for r in results)
+def test_create_graph_backward_matches_one_process(world4: Any) -> None:
+    world4.run(_edge, "create_graph")
 
 
 # ---- the reduction plan (pure) ---------------------------------------------------------------------
@@ -286,24 +275,20 @@ def _spec(mesh: ap.ProcessMesh, placements: list[Any], shape: tuple[int, ...] = 
 
 
 @pytest.mark.pure  # single process, no world
-def test_plan_buckets_pending_gradients_with_the_others() -> None:
+def test_plan_buckets_each_axis_from_the_last_parameter() -> None:
     mesh = ap.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "tp"])
     P = Partial("sum")
     specs = [_spec(mesh, [P, R]), _spec(mesh, [P, P]), _spec(mesh, [R, Shard(1)]), None, _spec(mesh, [P, R])]
-    stats = [0, 0, 0, None, None]
     slots = [SlotLayout(None, None)] * 5
-    plan = plan_reduction(specs, stats, slots, scatters=False, bucket_bytes=1 << 20)
-    # axis 0: one bucket, filled from the last parameter (the backward's first gradients); pending
-    # members (1, 0) are scaled after it, 4 is not pending; axis 1: member 1 again, scaled
-    # already by its first collective
-    assert [(op.axis, op.kind, op.members, op.stats) for op in plan] == [
-        (0, "ar", (4, 1, 0), (None, 0, 0)), (1, "ar", (1,), (None,))]
-    assert plan[0].stat is None and plan[1].stat is None
+    plan = plan_reduction(specs, slots, scatters=False, bucket_bytes=1 << 20)
+    # axis 0: one bucket, filled from the last parameter (the backward's first gradients);
+    # axis 1: member 1, the one still Partial there
+    assert [(op.axis, op.kind, op.members) for op in plan] == [(0, "ar", (4, 1, 0)), (1, "ar", (1,))]
     assert plan[0].targets == (_spec(mesh, [R, R]), _spec(mesh, [R, P]), _spec(mesh, [R, R]))
     # the same inputs give the same plan (every rank plans alike); small buckets split it
-    assert plan_reduction(specs, stats, slots, False, 1 << 20) == plan
-    small = plan_reduction(specs, stats, slots, False, 8 * 4 * 4)
-    assert [(op.members, op.stat) for op in small if op.axis == 0] == [((4,), None), ((1,), 0), ((0,), 0)]
+    assert plan_reduction(specs, slots, False, 1 << 20) == plan
+    small = plan_reduction(specs, slots, False, 8 * 4 * 4)
+    assert [op.members for op in small if op.axis == 0] == [(4,), (1,), (0,)]
 
 
 @pytest.mark.pure  # single process, no world
@@ -311,64 +296,6 @@ def test_plan_scatters_the_data_parallel_axis_first_for_zero2() -> None:
     mesh = ap.ProcessMesh([0, 1, 2, 3], dim_names=["dp"])
     spec = _spec(mesh, [Partial("sum")])
     shard = _spec(mesh, [S0])
-    plan = plan_reduction([spec, spec], [0, 0], [SlotLayout(0, shard)] * 2, scatters=True, bucket_bytes=1 << 20)
-    assert [(op.kind, op.members, op.dims, op.stat) for op in plan] == [("rs", (1, 0), (0, 0), 0)]
+    plan = plan_reduction([spec, spec], [SlotLayout(0, shard)] * 2, scatters=True, bucket_bytes=1 << 20)
+    assert [(op.kind, op.members, op.dims) for op in plan] == [("rs", (1, 0), (0, 0))]
     assert plan[0].targets == (shard, shard)
-
-
-# ---- the table of ops a pending gradient passes through unscaled (pure) ----------------------------
-def _samples() -> dict[Any, tuple[Any, ...]]:
-    """One call per op of ``LINEAR``/``JOINT`` (float64 CPU tensors)."""
-    a = torch.ops.aten
-    g = torch.Generator().manual_seed(0)
-
-    def r(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=g, dtype=torch.float64)
-
-    x, y = r(3, 4, 5), r(3, 4, 5)
-    logits = r(6, 7)
-    ln_x = r(6, 8)
-    mean, rstd = ln_x.mean(1, keepdim=True), (ln_x.var(1, unbiased=False, keepdim=True) + 1e-5).rsqrt()
-    q, k, v = r(2, 2, 5, 4), r(2, 2, 5, 4), r(2, 2, 5, 4)
-    out, lse = a._scaled_dot_product_flash_attention_for_cpu.default(q, k, v)
-    return {
-        a.view.default: (x, [12, 5]), a._unsafe_view.default: (x, [3, 20]), a.expand.default: (r(3, 1), [3, 4]),
-        a.t.default: (r(3, 4),), a.transpose.int: (x, 0, 2), a.permute.default: (x, [2, 0, 1]),
-        a.squeeze.default: (r(3, 1, 4),), a.squeeze.dim: (r(3, 1, 4), 1), a.squeeze.dims: (r(3, 1, 4), [1]),
-        a.unsqueeze.default: (x, 1), a.slice.Tensor: (x, 1, 1, 3), a.select.int: (x, 2, 3), a.alias.default: (x,),
-        a.detach.default: (x,), a.clone.default: (x,), a._to_copy.default: (x,), a.neg.default: (x,),
-        a.mul.Scalar: (x, 2.5), a.div.Scalar: (x, 3.0), a.div.Tensor: (x, y.abs() + 1), a.sum.default: (x,),
-        a.sum.dim_IntList: (x, [0, 2]),
-        a._log_softmax_backward_data.default: (logits, torch.log_softmax(logits, 1), 1, torch.float64),
-        a._softmax_backward_data.default: (logits, torch.softmax(logits, 1), 1, torch.float64),
-        a.gelu_backward.default: (x, y), a.threshold_backward.default: (x, y, 0.0),
-        a.native_dropout_backward.default: (x, y > 0, 2.0),
-        a.embedding_dense_backward.default: (r(5, 3), torch.tensor([0, 2, 2, 4, 1]), 6, -1, True),
-        a.native_layer_norm_backward.default: (r(6, 8), ln_x, [8], mean, rstd, r(8), r(8), [True, True, True]),
-        a._scaled_dot_product_flash_attention_for_cpu_backward.default: (r(2, 2, 5, 4), q, k, v, out, lse, 0.0, False),
-        a.mm.default: (r(3, 4), r(4, 5)), a.bmm.default: (r(2, 3, 4), r(2, 4, 5)), a.mul.Tensor: (x, y),
-        a.add.Tensor: (x, y), a.sub.Tensor: (x, y),
-    }
-
-
-def _outs(o: Any) -> list[torch.Tensor]:
-    return [t for t in (o if isinstance(o, (tuple, list)) else [o]) if isinstance(t, torch.Tensor)]
-
-
-@pytest.mark.pure  # single process, no world
-def test_every_listed_op_is_linear_in_its_listed_arguments() -> None:
-    """op(.., s * x_k, ..) == s * op(.., x_k, ..) for each listed position (each alone for
-    LINEAR; all together for JOINT): what lets a scale wait until the optimizer."""
-    from autoparallel.engine.pending import JOINT, LINEAR
-
-    samples = _samples()
-    assert set(LINEAR) | set(JOINT) <= set(samples), set(LINEAR) | set(JOINT) - set(samples)
-    for op in list(LINEAR) + list(JOINT):
-        args = samples[op]
-        groups = [[k] for k in LINEAR[op]] if op in LINEAR else [list(JOINT[op])]
-        base = _outs(op(*args))
-        for ks in groups:
-            for s in (-1.7, 0.3):
-                scaled = tuple(a * s if k in ks else a for k, a in enumerate(args))
-                for got, want in zip(_outs(op(*scaled)), base):
-                    torch.testing.assert_close(got, want * s, rtol=1e-9, atol=1e-12, msg=lambda m, op=op, ks=ks: f"{op} {ks}: {m}")
