@@ -134,23 +134,28 @@ class SymbolicTools:
                           getattr(getattr(torch.ops.prim, "layout", None), "default", None)) if op is not None)
 
 
-@contextlib.contextmanager
-def one_fake_mode() -> Iterator[None]:
-    """A real-tensor ``make_fx`` trace inside this records each node's metadata (``meta["val"]``)
-    with one fake-tensor mode, where torch would build a new ``FakeTensorMode`` per node (each
-    extracting the Python stack: ~1 ms a node, most of a large step's capture time)."""
-    from torch._guards import TracingContext, tracing
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    with tracing(TracingContext(FakeTensorMode(allow_fallback_kernels=True))):
-        yield
-
-
 def is_fake(t: torch.Tensor) -> bool:
     """Whether ``t`` is a fake tensor (``FakeTensorMode``: a region's symbolic certificate runs a
     module on them): it has no storage to read an address of."""
     fake = getattr(torch._subclasses, "FakeTensor", None)
     return fake is not None and isinstance(t, fake)
+
+
+@contextlib.contextmanager
+def outside_trace() -> Iterator[None]:
+    """Real tensors and real work inside a fake-tensor ``make_fx`` trace: its proxy and fake
+    modes are suspended for the block (the agreement checks' control messages during a capture)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
+    with disable_proxy_modes_tracing(), unset_fake_temporarily():
+        yield
+
+
+def storage_id(t: torch.Tensor) -> int:
+    """An identity of ``t``'s storage, shared by its views: the storage object's address
+    (``_cdata``), which real and fake tensors both have (a fake tensor has no data address)."""
+    return int(t.untyped_storage()._cdata)
 
 
 @functools.cache

@@ -223,7 +223,7 @@ def _worker(rank: int, world: int, store: str, opts: dict[str, Any], out_path: s
     results: dict[str, Any] = {}
     for width in args.widths:
         sides = _sides(width, args, rank, world)
-        # the same 4 warm-up steps on every side (the static one captures in its second call),
+        # the same 4 warm-up steps on every side (the static one captures in its first call),
         # their losses compared; then each side's collectives in one more step
         losses = {name: [step(i) for i in range(4)] for name, step in sides.items()}
         counts = {name: _collectives(name, step, 4) for name, step in sides.items()}

@@ -419,7 +419,7 @@ def _moved(t: DistTensor, spec: DistSpec) -> DistTensor:
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    return compat.storage_id(a) == compat.storage_id(b)
 
 
 def _rank() -> int:

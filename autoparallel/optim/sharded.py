@@ -158,6 +158,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         plan = self._plan_group({"params": params}, len(self.inner.param_groups))  # checks first
         self.inner.add_param_group({**param_group, "params": [self._adopt(*item) for item in plan]})
 
+    def hook_model(self, model: torch.nn.Module) -> None:
+        """ZeRO-3 and mixed precision hook the modules holding their parameters at their first
+        forward; this hooks ``model`` now instead (``ap.to_static`` does, so the first call's
+        signature already has the hooks every later call has)."""
+        self._zero3.hook_model(model)
+
     # ---- the step -----------------------------------------------------------------------
     @torch.no_grad()
     def reduce_gradients(self) -> None:

@@ -144,9 +144,9 @@ class _Live(dict[int, tuple["_UnitGather", int]]):
         if not self:
             return t
         loc = layout.local_or_plain(t)
-        if compat.is_fake(loc) or loc.layout != torch.strided or not loc.numel():
-            return t  # (a fake run's tensor, the certificate's: no storage, none of the gathered)
-        found = self.get(loc.untyped_storage().data_ptr())
+        if loc.layout != torch.strided or not loc.numel():
+            return t
+        found = self.get(compat.storage_id(loc))
         if found is None:
             return t
         spec, stride = (layout.spec_of(t), layout.stride_of(t)) if layout.is_dist(t) else (None, None)
@@ -226,6 +226,16 @@ class Zero3Params:
         self._roots.clear()
 
     # ---- finding the models ---------------------------------------------------------------
+    def hook_model(self, module: nn.Module) -> None:
+        """Hook ``module`` (a model holding parameters of this owner) now, as its first forward
+        would: for a caller that knows the model before it runs (``ap.to_static``), so the
+        first call already has the hooks every later call has (one signature, one program)."""
+        if self._seat_hooked(module) or not any(self.owns(p) for p in module.parameters()):
+            return
+        self._roots.append(weakref.ref(module))
+        if self._hook(module):
+            self._stop_finding()
+
     def _find(self, module: nn.Module, args: Any) -> Any:
         """The process-wide pre-hook while no found root holds every parameter: a module holding
         some of them that is not hooked yet is a root; hook it and its submodules, and do its
@@ -497,7 +507,7 @@ class _Unit:
         for k, full in enumerate(fulls):
             local = layout.local_of(full)
             if local.numel():
-                key = local.untyped_storage().data_ptr()
+                key = compat.storage_id(local)
                 owner.live[key] = (source, k)
                 live.append(key)
         # Inside a recomputed region the checkpoint keeps no gathered parameter (its recompute

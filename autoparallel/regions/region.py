@@ -766,7 +766,7 @@ def _coord(verdict: _Verdict) -> tuple[int, ...]:
 
 
 def _storage(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
+    return compat.storage_id(t)
 
 
 def _ties(tensors: list[torch.Tensor]) -> tuple[int, ...]:

@@ -28,17 +28,20 @@ and a checksum of their values (sampled in the default mode, whole with ``AUTOPA
 so per-rank data fed as a plain tensor raises instead of desynchronising replicated weights.
 
 A mesh of one
-rank, a rank outside the mesh, and a static capture (its eager warm-up call was checked; a
-program holds no control messages) check nothing; calls inside a capture do not count.
+rank and a rank outside the mesh check nothing. A static capture (``autoparallel.static``)
+checks as an eager call does: the control messages run for real while the step is traced on
+fake tensors (never part of the program), and a plain tensor the step was given is compared by
+the real value its fake stands for (``stand_ins``); a program run checks nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 from collections import Counter
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -66,6 +69,38 @@ class _Calls:
 _CALLS = _Calls()
 
 
+class _StandIns:
+    """The real tensors that a capture's fake inputs stand for, innermost capture last."""
+
+    def __init__(self) -> None:
+        self.stack: list[dict[int, torch.Tensor]] = []
+
+
+_STAND_INS = _StandIns()
+
+
+@contextlib.contextmanager
+def stand_ins(reals: dict[int, torch.Tensor]) -> Iterator[None]:
+    """While a step is traced on fake tensors: ``reals`` maps each fake input (by ``id``) to
+    the real tensor it stands for, so ``check_plain`` compares the values the ranks were given."""
+    _STAND_INS.stack.append(reals)
+    try:
+        yield
+    finally:
+        _STAND_INS.stack.pop()
+
+
+def _control() -> Any:
+    """The context the checks run in: inside a capture, for real (the trace's fake and proxy
+    modes suspended, collectives not functional); elsewhere, as they are."""
+    if not comm.capturing():
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    stack.enter_context(compat.outside_trace())
+    stack.enter_context(comm.real_collectives())
+    return stack
+
+
 def mode() -> str:
     """``"setup"`` (default), ``"all"`` (AUTOPARALLEL_CHECK=1) or ``"off"`` (AUTOPARALLEL_CHECK=0)."""
     raw = os.environ.get(CHECK_VAR, "").strip()
@@ -79,6 +114,8 @@ def _digest(text: str) -> int:
 def checksum(t: torch.Tensor, sample: bool = False) -> str:
     """A checksum of ``t``'s values (bytes), for comparing data across ranks; ``sample``: of
     ``PLAIN_SAMPLE`` evenly spaced elements at most (and all of a smaller tensor)."""
+    if compat.is_fake(t):
+        return "(traced: no value)"
     flat = t.detach().reshape(-1)
     if sample and flat.numel() > PLAIN_SAMPLE:
         flat = flat[:: flat.numel() // PLAIN_SAMPLE][:PLAIN_SAMPLE]
@@ -96,10 +133,11 @@ def check(where: str, mesh: ProcessMesh, describe: Callable[[], str],
     how = _due(where, mesh)
     if how is None:
         return
-    text = describe()
-    if how == "all" and values is not None:
-        text += f"; values checksum {values()}"
-    found = _disagreement(text, mesh)
+    with _control():
+        text = describe()
+        if how == "all" and values is not None:
+            text += f"; values checksum {values()}"
+        found = _disagreement(text, mesh)
     if found is not None:
         r0, first, r, other = found
         raise ValueError(
@@ -125,12 +163,15 @@ def check_plain(where: str, mesh: ProcessMesh, tensors: Sequence[torch.Tensor]) 
     how = _due(where, mesh)
     if how is None:
         return
-    live = [t for t in tensors if t.layout == torch.strided and t.device.type != "meta" and not compat.is_fake(t)]
+    reals = _STAND_INS.stack[-1] if _STAND_INS.stack else {}
+    live = [t for t in (reals.get(id(t), t) for t in tensors)
+            if t.layout == torch.strided and t.device.type != "meta" and not compat.is_fake(t)]
     if not live:
         return
-    text = "; ".join(f"shape {list(t.shape)}, {t.dtype}, values checksum {checksum(t, sample=how != 'all')}"
-                     for t in live)
-    found = _disagreement(text, mesh)
+    with _control():
+        text = "; ".join(f"shape {list(t.shape)}, {t.dtype}, values checksum {checksum(t, sample=how != 'all')}"
+                         for t in live)
+        found = _disagreement(text, mesh)
     if found is None:
         return
     r0, first, r, other = found
@@ -147,8 +188,8 @@ def _due(where: str, mesh: ProcessMesh) -> str | None:
     call), or None: no check (off, a one-rank mesh, a capture, no world, past the set-up calls,
     not a member)."""
     how = mode()
-    if how == "off" or mesh.size == 1 or comm.capturing() or not world_available():
-        return None  # (a capture replays what its eager warm-up call, which was checked, did)
+    if how == "off" or mesh.size == 1 or not world_available():
+        return None
     key = (where, mesh)
     n = _CALLS.count[key]
     _CALLS.count[key] = n + 1
@@ -209,19 +250,20 @@ def check_collective(mesh: ProcessMesh, axis: int, describe: Callable[[], str]) 
     along ``axis`` when the members are about to issue different collectives (``describe()``:
     kind, ranks, global shape, dtype, layouts — what every member must plan alike). One tiny
     all-reduce of a digest over the line (a control message); nothing in the default mode."""
-    if mode() != "all" or mesh.shape[axis] == 1 or comm.capturing() or not world_available():
+    if mode() != "all" or mesh.shape[axis] == 1 or not world_available():
         return
     coord = mesh.coordinate_of(get_rank())
     if coord is None:
         return
-    text = describe()
-    d = _digest(text)
-    both = torch.tensor([d, -d], dtype=torch.int64)
-    with unrecorded():
-        both = comm.all_reduce(both, mesh, axis, "max")
-        if int(both[0]) == d and int(both[1]) == -d:
-            return
-        texts = _gather_line(text, mesh, axis)
+    with _control():
+        text = describe()
+        d = _digest(text)
+        both = torch.tensor([d, -d], dtype=torch.int64)
+        with unrecorded():
+            both = comm.all_reduce(both, mesh, axis, "max")
+            if int(both[0]) == d and int(both[1]) == -d:
+                return
+            texts = _gather_line(text, mesh, axis)
     line = [mesh.rank_at(coord[:axis] + (i,) + coord[axis + 1:]) for i in range(mesh.shape[axis])]
     for i, t in enumerate(texts):
         if t != texts[0]:

@@ -195,6 +195,18 @@ def functional_collectives() -> Iterator[None]:
         _FUNCTIONAL[0] = before
 
 
+@contextmanager
+def real_collectives() -> Iterator[None]:
+    """Issue the collectives of this block for real, inside a capture too (the agreement
+    checks' control messages: run at the capture, never part of a program)."""
+    before = _FUNCTIONAL[0]
+    _FUNCTIONAL[0] = False
+    try:
+        yield
+    finally:
+        _FUNCTIONAL[0] = before
+
+
 def capturing() -> bool:
     """Whether collectives are being recorded into a captured program (``functional_collectives``):
     control messages (the agreement checks) stay out of programs."""

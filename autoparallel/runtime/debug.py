@@ -74,12 +74,15 @@ class CommDebugMode:
     >>> comm.bytes_received             # bytes this rank received
     >>> print(comm.summary(by="module"))  # count, bytes and time per module ("op", "kind")
 
-    ``modules=False``: no module hooks (records name no module). Nested modes each see every record.
+    ``modules=False``: no module hooks (records name no module). Nested modes each see every
+    record, except what an ``isolated`` mode records: the modes outside it do not see that (a
+    static capture's collectives are a program's, issued when it runs, not the trace's).
     """
 
-    def __init__(self, modules: bool = True) -> None:
+    def __init__(self, modules: bool = True, *, isolated: bool = False) -> None:
         self.records: list[CommRecord] = []
         self.modules = modules
+        self.isolated = isolated
 
     def __enter__(self) -> CommDebugMode:
         _ACTIVE.append(self)
@@ -308,7 +311,11 @@ def timed() -> Any:
 
 
 def _add(rec: CommRecord) -> None:
-    for mode in _ACTIVE:
+    first = 0
+    for k, mode in enumerate(_ACTIVE):  # the innermost isolated mode hides the record from those outside it
+        if mode.isolated:
+            first = k
+    for mode in _ACTIVE[first:]:
         mode.records.append(rec)
 
 

@@ -1,30 +1,34 @@
-"""Capture: one call of a step, recorded per rank as a ``torch.fx`` program of local ops.
+"""Capture: a call of a step recorded per rank as a ``torch.fx`` program of local ops, on fake tensors.
 
-The step runs once for real under ``make_fx`` (real tensors, so its results are this call's
-results) while the engine works as in eager mode: every DistTensor op reaches the dispatcher,
-which runs the op's cached local step on the shards, and ``make_fx`` records those local ops.
-Collectives are issued as functional collectives (``runtime.comm.functional_collectives``), so
-they are graph nodes too; the program's inputs are the local shards the step reads, in a fixed
-order. Replaying the program runs the same local ops and collectives on new shards, with no
-dispatch, no planning and no Python per op.
+The step runs once under ``make_fx`` on **fake tensors** (no data, no compute, no real
+collective) while the engine works as in eager mode: every DistTensor op reaches the
+dispatcher, which plans it from metadata and runs its local step on the (fake) shards, and
+``make_fx`` records those local ops. Collectives are issued as functional collectives
+(``runtime.comm.functional_collectives``), so they are graph nodes too. The program's inputs are
+the local shards the step reads, in a fixed order: the caller's state (the parameters' and
+buffers' shards: ``standing_in`` puts the fake ones in their place for the trace) and its
+arguments. Running the program on the real shards does what the eager step would (the caller
+runs it at once for the call that captured it), with no dispatch, no planning and no Python per
+op. Nothing of the step ran for real during the capture, so a refused capture leaves nothing
+done twice: the caller runs the call eagerly.
 
 A capture is refused (``Capture.refused`` names why; the caller then stays eager for that
-input signature, with a warning) when a replay could not repeat the call (``Watch`` looks for
-the same things in the eager warm-up call, so most refusals happen before any capture): a Python value read
-from a tensor in the step (``.item()``, ``bool(t)``: data-dependent control flow would be
-baked in), a point-to-point transfer (pipelines), or an op that ran replicated because it has
-no rule.
+input signature, with a warning) when a replay could not repeat the call: a Python value read
+from a tensor in the step (``.item()``, ``bool(t)``: data-dependent control flow would be baked
+in), a point-to-point transfer (pipelines), or an op that ran replicated because it has no rule.
 
 Random ops are recorded as the ops they are: a random DistTensor is drawn whole on every rank
 from torch's default generator (``spmd_rules.random_ops``), so the program draws from that
 generator when it runs, in the order eager would: dropout masks equal eager's for the same seed.
-A step that also resets the generator (activation recompute restoring it so the recomputed
-dropout draws the forward's masks) is refused when it draws: the reset is Python, not an op.
+The trace draws nothing (the generator's state is restored after it). A step that also resets
+the generator (activation recompute restoring it so the recomputed dropout draws the forward's
+masks) is refused when it draws: the reset is Python, not an op.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -33,7 +37,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from autoparallel import compat
 from autoparallel.engine import dispatch, layout
-from autoparallel.runtime import comm
+from autoparallel.runtime import agree, comm
 from autoparallel.runtime.debug import CommDebugMode, CommRecord
 from spmd_rules.random_ops import draws_random
 
@@ -45,20 +49,17 @@ VALUE_OPS = layout.VALUE_OPS | {aten.item.default, aten.allclose.default}
 
 @dataclass
 class Capture:
-    """What one capture produced: the program (None when refused), why it was refused, the
-    step's real results (None when the capture stopped part-way: the caller runs the step
-    again eagerly), and the collectives it issued (recorded again at each replay)."""
+    """What one capture produced: the program (None when refused), why it was refused, and the
+    collectives it issues (recorded again at each run)."""
 
     program: torch.fx.GraphModule | None
     refused: str
-    results: Any
     records: tuple[CommRecord, ...] = field(default_factory=tuple)
 
 
 class Watch:
-    """An observer of the op path (a capture, or the eager warm-up call before it): notes the
-    first reason a replay could not repeat the call, and lets every op run (the call itself
-    completes, eagerly correct)."""
+    """An observer of the op path during a capture: notes the first reason a replay could not
+    repeat the call, and lets every op run."""
 
     def __init__(self) -> None:
         self.reason = ""
@@ -73,42 +74,86 @@ class Watch:
         return run()
 
 
+def plain_trained(module: torch.nn.Module) -> str | None:
+    """The name of a parameter of ``module`` that requires grad and is not laid out (None: none).
+    Its first op lays it out in place (``engine.keys.adopt_plain_leaves``), which a trace on
+    fake tensors cannot do for real: such a step runs eagerly, and the next call, with the
+    parameter laid out (a new signature), is captured."""
+    return next((n for n, p in module.named_parameters() if p.requires_grad and not layout.is_dist(p)), None)
+
+
+def plain_trained_reason(name: str) -> str:
+    return (f"parameter {name!r} is a plain tensor that requires grad: this call lays it out at its first op "
+            "(the calls after it are captured)")
+
+
+@contextmanager
+def standing_in(state: Sequence[torch.Tensor], modules: Iterable[torch.nn.Module],
+                fakes: Sequence[torch.Tensor]) -> Iterator[None]:
+    """For the trace, ``fakes[i]`` stands in for ``state[i]`` (a parameter or buffer): a
+    DistTensor keeps its object and takes the fake shard (so the optimizer, ZeRO-3's units and
+    tied modules, which hold the object, see it); a plain tensor (a buffer, a frozen parameter)
+    is replaced in the slots of ``modules`` that hold it. Everything is put back on exit."""
+    swapped: list[tuple[Any, torch.Tensor]] = []
+    slots: list[tuple[dict[str, Any], str, torch.Tensor]] = []
+    plain: dict[int, torch.Tensor] = {}
+    try:
+        for t, f in zip(state, fakes):
+            if layout.is_dist(t):
+                swapped.append((t, layout.local_of(t)))
+                layout.set_local_(t, f)
+            else:
+                plain[id(t)] = f
+        if plain:
+            for m in modules:
+                for own in (compat.own_parameters(m), compat.own_buffers(m)):
+                    for name, t in own.items():
+                        if t is not None and id(t) in plain:
+                            slots.append((own, name, t))
+                            own[name] = plain[id(t)]
+        yield
+    finally:
+        for t, local in swapped:
+            layout.set_local_(t, local)
+        for own, name, t in slots:
+            own[name] = t
+
+
 def capture(fn: Callable[..., Any], inputs: Sequence[torch.Tensor]) -> Capture:
-    """Run ``fn(*inputs)`` once for real and record it per rank (see the module docstring).
+    """Record ``fn(*fakes)`` per rank, ``fakes`` being fake tensors of ``inputs`` (see the
+    module docstring; ``fn`` puts them in place with ``standing_in``).
 
     ``fn`` returns a flat list of local tensors; they are the program's outputs in order.
     """
-    results: list[Any] = []
-
-    def traced(*flat: torch.Tensor) -> list[torch.Tensor]:
-        out = fn(*flat)
-        results.append(out)
-        return out
-
     watch = Watch()
+
+    def traced(*fakes: torch.Tensor) -> Any:
+        with agree.stand_ins({id(f): r for f, r in zip(fakes, inputs)}):  # what each fake stands for
+            return fn(*fakes)
+
     # (no module hooks of its own: a capture runs the same modules' code as an uncaptured step)
-    with CommDebugMode(modules=False) as seen, comm.functional_collectives(), dispatch.observed_by(watch), compat.RngResets() as resets:
+    with CommDebugMode(modules=False, isolated=True) as seen, comm.functional_collectives(), dispatch.observed_by(watch), \
+            torch.random.fork_rng(devices=[]), compat.RngResets() as resets:
         try:
-            with compat.one_fake_mode():  # one mode for every node's metadata: half the capture's time
-                gm = make_fx(traced, tracing_mode="real")(*inputs)
+            gm = make_fx(traced, tracing_mode="fake", _allow_non_fake_inputs=True)(*inputs)
         except comm.CaptureError as e:
-            return Capture(None, str(e), None)
+            return Capture(None, str(e))
         except RuntimeError as e:  # make_fx refuses a Python value read from a traced tensor
             if "_local_scalar_dense" in str(e) or "data-dependent" in str(e):
-                return Capture(None, "a Python value is read from a tensor (data-dependent Python in the step)", None)
+                return Capture(None, "the step reads a Python value from a tensor (data-dependent Python in the step)")
             # anything else the tracing trips on: the caller runs the step eagerly, where an error
             # of the step itself raises again (on every rank alike)
-            return Capture(None, f"tracing the step failed ({type(e).__name__}: {str(e).splitlines()[0][:160]})", None)
+            return Capture(None, f"tracing the step failed ({type(e).__name__}: {str(e).splitlines()[0][:160]})")
     reason = watch.reason or _graph_reason(gm)
     if not reason and resets.count and draws(gm):
         reason = ("the step resets the random generator and draws random numbers (activation recompute re-drawing "
                   "dropout masks: ap.recompute or torch.utils.checkpoint): a replay cannot repeat the reset")
     if reason:
-        return Capture(None, reason, results[0] if results else None)
+        return Capture(None, reason)
     gm.graph.eliminate_dead_code()
     gm.recompile()
     # a replay records these again, with no time of their own (the program runs as a whole)
-    return Capture(gm, "", results[0], tuple(replace(r, seconds=0.0) for r in seen.records))
+    return Capture(gm, "", tuple(replace(r, seconds=0.0) for r in seen.records))
 
 
 def _graph_reason(gm: torch.fx.GraphModule) -> str:

@@ -5,18 +5,16 @@ point-to-point transfers in between; the transfers stay with the runner, the com
 captured. Per chunk and input signature (the input's and target's layouts, the parameters'
 layouts and ``requires_grad``, the chunk's hooks and train/eval flags):
 
-1. the first step runs the chunk eagerly (warming the engine's decisions), watched for what a
-   replay could not repeat (``capture.Watch``);
-2. in the next step, at the chunk's first F, one *joint* program is captured — forward, the
-   loss on the last chunk, ``autograd.grad`` of the output (a zero output gradient is used for
-   the trace; the generator's state is restored afterwards, so random draws keep eager's order)
-   — and cut into a forward program and a backward program (``static.split``);
-3. every later F runs the forward program on the current local shards and keeps the values the
+1. at the chunk's first F, one *joint* program is captured on fake tensors
+   (``static.capture``: nothing runs for real) — forward, the loss on the last chunk,
+   ``autograd.grad`` of the output (a zero output gradient stands in for the one the schedule
+   will receive) — and cut into a forward program and a backward program (``static.split``);
+2. that F and every later one runs the forward program on the current local shards and keeps the values the
    backward needs; the matching B runs the backward program on them and the received output
    gradient, adds the parameters' gradients into ``.grad`` and returns the input's gradient.
    Both programs get the overlap passes (``static.passes``: collectives inside the stage start
    early and are waited for late).
-4. under a zero-bubble schedule (``split_backward``) the backward program of a chunk with an input
+3. under a zero-bubble schedule (``split_backward``) the backward program of a chunk with an input
    gradient is cut once more (``static.split.split_input_weight``): ``B`` runs the ops the input's
    gradient needs and keeps what the rest reads; ``W`` runs the rest, the weights' gradients.
 
@@ -38,12 +36,12 @@ from typing import Any
 
 import torch
 
-from autoparallel.engine import dispatch, layout
+from autoparallel.engine import layout
 from autoparallel.log import logger
 from autoparallel.runtime.debug import CommRecord, replay
 from autoparallel.spec import DistSpec
 from autoparallel.static import signature
-from autoparallel.static.capture import Watch, capture
+from autoparallel.static.capture import capture, plain_trained, plain_trained_reason, standing_in
 from autoparallel.static.passes import hoist_starts, sink_waits
 from autoparallel.static.split import SplitError, split_input_weight, split_joint
 
@@ -87,7 +85,6 @@ class StaticChunk:
         self.name = name
         self._as_layout = as_layout
         self._programs: dict[Any, _Programs | str] = {}
-        self._seen: set[Any] = set()
         self._warn = warn or (lambda m: warnings.warn(f"autoparallel: {m}", stacklevel=4))
 
     # ---- signature -------------------------------------------------------------------------
@@ -107,14 +104,6 @@ class StaticChunk:
             return self._run(entry, x, t)
         if isinstance(entry, str):
             return eager()
-        if key not in self._seen:  # first step: eager, watched
-            self._seen.add(key)
-            watch = Watch()
-            with dispatch.observed_by(watch):
-                value = eager()
-            if watch.reason:
-                self._refuse(key, watch.reason)
-            return value
         start = time.perf_counter()
         progs = self._capture(x, t, loss_fn, divide, out_spec, in_grad_spec)
         if isinstance(progs, str):
@@ -131,12 +120,17 @@ class StaticChunk:
         self._warn(f"Pipeline(static=True): chunk {self.name} runs eagerly: {reason}")
 
     def _state(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(the parameters, the shards the programs read: the parameters' and buffers')."""
         params: list[torch.Tensor] = list(self.module.parameters())
         return params, [layout.local_or_plain(t) for t in params + list(self.module.buffers())]
 
     def _capture(self, x: Any, t: Any, loss_fn: Any, divide: int, out_spec: DistSpec,
                  in_grad_spec: DistSpec | None) -> _Programs | str:
+        plain = plain_trained(self.module) if torch.is_grad_enabled() else None
+        if plain is not None:
+            return plain_trained_reason(plain)
         params, state = self._state()
+        owners = params + list(self.module.buffers())
         trained = [p for p in params if p.requires_grad]
         x_spec, x_stride = layout.spec_of(x), layout.stride_of(x)
         t_how = None if t is None else (layout.spec_of(t), layout.stride_of(t)) if layout.is_dist(t) else "plain"
@@ -150,6 +144,10 @@ class StaticChunk:
         got: dict[str, Any] = {}
 
         def joint(*flat: torch.Tensor) -> list[torch.Tensor]:
+            with standing_in(owners, self.module.modules(), flat[:len(state)]):
+                return traced(flat)
+
+        def traced(flat: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
             xd = layout.wrap(flat[len(state)], x_spec, x_stride, requires_grad=in_grad_spec is not None)
             td: Any = None
             if t is not None:
@@ -180,8 +178,7 @@ class StaticChunk:
                 locs.append(gx_local)
             return [out] + locs
 
-        with torch.random.fork_rng(devices=[]):  # the trace's draws are not the step's: eager's order is kept
-            result = capture(joint, inputs)
+        result = capture(joint, inputs)
         if result.program is None:
             return result.refused
         try:

@@ -8,9 +8,9 @@
     ap.to_static(model, loss=loss_fn, optimizer=opt, outputs=True)(x, y)  # (loss, the model's outputs)
 
 Per input signature (mode, autograd on/off, each input's layout or plain shape and dtype, the
-parameters' layouts and ``requires_grad``, the modules' hooks and train/eval flags) the first call runs eagerly (it warms the engine's decisions), the
-second is captured (``autoparallel.static.capture``: it runs for real and is recorded), and
-later calls replay the recorded program on the current local shards. What the program covers:
+parameters' layouts and ``requires_grad``, the modules' hooks and train/eval flags) the first call
+captures the step on fake tensors (``autoparallel.static.capture``: nothing runs for real) and runs
+the program; later calls run the same program on the current local shards. What the program covers:
 forward, loss, backward and (for a ``shard_optimizer`` optimizer, without gradient merge) its
 bucketed gradient reductions. The optimizer step runs after it as in eager mode, on the same
 parameter and state objects, so LR
@@ -36,13 +36,13 @@ import torch
 
 from autoparallel import cost
 from autoparallel.compat import tree_flatten, tree_unflatten
-from autoparallel.engine import dispatch, layout
+from autoparallel.engine import layout
 from autoparallel.log import logger
 from autoparallel.runtime import comm
 from autoparallel.runtime.debug import CommRecord, replay
 from autoparallel.spec import DistSpec
 from autoparallel.static import signature
-from autoparallel.static.capture import Capture, Watch, capture, draws
+from autoparallel.static.capture import Capture, capture, draws, plain_trained, plain_trained_reason, standing_in
 from autoparallel.static.passes import MERGE_BYTES, hoist_starts, merge_all_reduces, reduce_output, sink_waits, tag_records
 from autoparallel.static.strategy import Strategy
 
@@ -90,11 +90,13 @@ class DistModel:
         self._loader = loader
         self._mode = TRAIN if loss is not None and optimizer is not None else EVAL if loss is not None else PREDICT
         self._programs: OrderedDict[Any, _Program | str] = OrderedDict()  # signature -> program, or why eager
-        self._seen: OrderedDict[Any, None] = OrderedDict()  # signatures whose eager warm-up ran (bounded)
         self._warned: set[str] = set()
         self._micro = 0                    # calls since the last optimizer step (gradient merge)
         if self.strategy.bucket_bytes is not None and hasattr(optimizer, "bucket_bytes"):
             optimizer.bucket_bytes = self.strategy.bucket_bytes
+        hook_model = getattr(optimizer, "hook_model", None)
+        if callable(hook_model):  # ZeRO-3's / mixed precision's module hooks, before the first call
+            hook_model(model)
         self._apply_mode()
 
     # ---- modes -------------------------------------------------------------------------------
@@ -153,22 +155,13 @@ class DistModel:
         buffers: list[torch.Tensor] = list(self.network.buffers())
         key = self._signature(args)
         entry = self._programs.get(key)
-        if isinstance(entry, _Program):
+        if entry is None:  # a new signature: captured on fake tensors, then run (or refused: eager)
+            entry = self._capture(key, args, params, buffers)
+        else:
             self._programs.move_to_end(key)
+        if isinstance(entry, _Program):
             return self._replay(entry, args, params, buffers)
-        if entry is not None:  # refused: eager from now on
-            return self._eager(args, params)
-        if key in self._seen:  # the second call: captured (or refused), it runs for real
-            return self._capture(key, args, params, buffers)
-        self._seen[key] = None  # the first call: eager, watched for what a capture could not repeat
-        if len(self._seen) > 4 * MAX_PROGRAMS:
-            self._seen.popitem(last=False)
-        watch = Watch()
-        with dispatch.observed_by(watch):
-            value = self._eager(args, params)
-        if watch.reason:
-            self._refuse(key, watch.reason)
-        return value
+        return self._eager(args, params)
 
     def _signature(self, args: tuple[Any, ...]) -> Any:
         """The mode, autograd on/off, each argument, the parameters and the modules (``signature``)."""
@@ -219,65 +212,59 @@ class DistModel:
         return flat, rebuild
 
     def _capture(self, key: Any, args: tuple[Any, ...], params: list[torch.Tensor],
-                 buffers: list[torch.Tensor]) -> Any:
-        """Capture this call's step (it runs for real); returns the call's result."""
-        state = [layout.local_or_plain(t) for t in params + buffers]
+                 buffers: list[torch.Tensor]) -> _Program | str:
+        """Capture this signature's step on fake tensors (nothing runs for real); returns the
+        program kept for it, or why it runs eagerly."""
+        plain = plain_trained(self.network) if self._mode == TRAIN else None
+        if plain is not None:
+            self._refuse(key, plain_trained_reason(plain))
+            return plain_trained_reason(plain)
+        owners = params + buffers
+        state = [layout.local_or_plain(t) for t in owners]
         xs, rebuild = self._inputs(args)
         trained = [p for p in params if p.requires_grad] if self._mode == TRAIN else []
         reduce_here = self._reduces_in_program(trained)
         got: dict[str, Any] = {}
 
         def step(*flat: torch.Tensor) -> list[torch.Tensor]:
-            # The parameters' and buffers' shards ARE flat[:len(state)] (the same objects), so the
-            # model reads them as it is; the inputs are rebuilt around their traced shards.
-            inputs = rebuild(list(flat[len(state):]))
-            if self._mode == PREDICT:
-                out = self.network(*inputs)
-                leaves, got["tree"] = tree_flatten(out)
-                got["outs"] = leaves
-                return [layout.local_of(t) if layout.is_dist(t) else t for t in leaves]
-            out = self.network(*inputs[:-1])
-            loss = self.loss(out, inputs[-1])  # type: ignore[misc]
-            shown: list[Any] = []
-            if self.outputs:  # the model's outputs, detached, after the loss
-                leaves, got["tree"] = tree_flatten(out)
-                shown = [t.detach() if isinstance(t, torch.Tensor) else t for t in leaves]
-                odd = [t for t in shown if not isinstance(t, torch.Tensor)]
-                if odd:  # refused: this signature runs eagerly (which returns them as they are)
-                    raise comm.CaptureError(
-                        f"to_static(outputs=True): the model's outputs hold a {type(odd[0]).__name__}, not only tensors, "
-                        "and a program returns tensors (transformers models: config.use_cache = False)")
-            got["outs"], got["n_out"] = [loss, *shown], len(shown)
-            if self._mode != TRAIN:
-                return [layout.local_of(t) if layout.is_dist(t) else t for t in [loss, *shown]]
-            grads: Any = torch.autograd.grad(loss, trained, allow_unused=True)
-            if reduce_here:  # the optimizer's bucketed reductions, as part of the program
-                grads = self._reduced(trained, grads)
-            got["grads"] = grads
-            present = [g for g in grads if g is not None]
-            got["outs"] = [loss, *shown] + present
-            return [layout.local_of(t) if layout.is_dist(t) else t for t in [loss.detach(), *shown] + present]
+            # The parameters and buffers take the traced (fake) shards flat[:len(state)] for the
+            # trace; the inputs are rebuilt around theirs.
+            with standing_in(owners, self.network.modules(), flat[:len(state)]):
+                inputs = rebuild(list(flat[len(state):]))
+                if self._mode == PREDICT:
+                    out = self.network(*inputs)
+                    leaves, got["tree"] = tree_flatten(out)
+                    got["outs"] = leaves
+                    return [layout.local_of(t) if layout.is_dist(t) else t for t in leaves]
+                out = self.network(*inputs[:-1])
+                loss = self.loss(out, inputs[-1])  # type: ignore[misc]
+                shown: list[Any] = []
+                if self.outputs:  # the model's outputs, detached, after the loss
+                    leaves, got["tree"] = tree_flatten(out)
+                    shown = [t.detach() if isinstance(t, torch.Tensor) else t for t in leaves]
+                    odd = [t for t in shown if not isinstance(t, torch.Tensor)]
+                    if odd:  # refused: this signature runs eagerly (which returns them as they are)
+                        raise comm.CaptureError(
+                            f"to_static(outputs=True): the model's outputs hold a {type(odd[0]).__name__}, not only tensors, "
+                            "and a program returns tensors (transformers models: config.use_cache = False)")
+                got["outs"], got["n_out"] = [loss, *shown], len(shown)
+                if self._mode != TRAIN:
+                    return [layout.local_of(t) if layout.is_dist(t) else t for t in [loss, *shown]]
+                grads: Any = torch.autograd.grad(loss, trained, allow_unused=True)
+                if reduce_here:  # the optimizer's bucketed reductions, as part of the program
+                    grads = self._reduced(trained, grads)
+                got["grads"] = grads
+                present = [g for g in grads if g is not None]
+                got["outs"] = [loss, *shown] + present
+                return [layout.local_of(t) if layout.is_dist(t) else t for t in [loss.detach(), *shown] + present]
 
-        rng = torch.get_rng_state()
         start = time.perf_counter()
         result: Capture = capture(step, state + xs)
         took = time.perf_counter() - start
-        if result.results is None:  # stopped part-way: this call runs eagerly, drawing what it would have
-            torch.set_rng_state(rng)
-            self._refuse(key, result.refused)
-            return self._eager(args, params)
-        if self._mode == TRAIN:
-            grads = list(got.get("grads", ()))
-            self._accumulate(trained, grads)
-        outs = got["outs"]
-        n_out = got.get("n_out", 0)
-        first = outs[0].detach() if self._mode != PREDICT and isinstance(outs[0], torch.Tensor) else None
-        value = first if self._mode != PREDICT else tree_unflatten(outs, got["tree"])
-        if self.outputs and self._mode != PREDICT:
-            value = (first, tree_unflatten(outs[1:1 + n_out], got["tree"]))
         if result.program is None:
             self._refuse(key, result.refused)
-            return value
+            return result.refused
+        outs = got["outs"]
         grad_index = tuple(i for i, g in enumerate(got.get("grads", ())) if g is not None)
         specs = tuple((layout.spec_of(o), layout.stride_of(o)) if layout.is_dist(o) else None for o in outs)
         records = result.records
@@ -291,10 +278,11 @@ class DistModel:
             if draws(result.program):
                 self._warn("compile='inductor': the step draws random numbers (dropout); inductor draws them with its "
                            "own generator, so masks differ from eager's for the same seed (compile=None keeps them)")
-        self._keep(key, _Program(run, specs, grad_index, records, got.get("tree"), n_out))
+        program = _Program(run, specs, grad_index, records, got.get("tree"), got.get("n_out", 0))
+        self._keep(key, program)
         logger.info("static: captured the %s step in %.2f s (a program of %d nodes, %d collectives; %d signatures kept)",
                     self._mode, took, len(result.program.graph.nodes), len(records), len(self._programs))
-        return value
+        return program
 
     def _merge_reductions(self, gm: torch.fx.GraphModule, records: tuple[CommRecord, ...], specs: tuple[Any, ...]
                           ) -> tuple[tuple[CommRecord, ...], tuple[Any, ...]]:

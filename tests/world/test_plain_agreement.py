@@ -155,3 +155,35 @@ def test_a_plain_parameter_is_replicated_and_trains_as_one_process(world2: Any) 
             assert max(o["diffs"].values()) < 1e-5, o["diffs"]
             assert o["laid"]["fc2.weight"] == ("DistTensor", True, [Replicate()])
             assert o["in_opt"]  # the optimizer holds the laid-out parameters
+
+
+def _static_ddp_habit(rank: int, where: str) -> dict[str, Any]:
+    """``ap.to_static`` of a laid-out Linear fed a per-rank plain batch: its first call captures
+    the step on fake tensors, and the agreement check compares the real batches it was given."""
+    mesh = ap.ProcessMesh([0, 1], dim_names=[f"static_{where}"])
+    torch.manual_seed(0)
+    layer = ap.shard_layer(nn.Linear(4, 3), mesh)
+    opt = ap.shard_optimizer(torch.optim.SGD(layer.parameters(), lr=0.1))
+    dm = ap.to_static(layer, loss=lambda out, y: (out - y).square().mean(), optimizer=opt)
+    x = torch.full((2, 4), float(rank)) if where == "input" else torch.ones(2, 4)
+    y = torch.zeros(2, 3)
+    error = ""
+    try:
+        dm(x, y)
+    except ValueError as e:
+        error = str(e)
+    return {"error": error, "weight": layer.weight.to_local().detach().clone(), "programs": len(dm._programs)}
+
+
+def test_a_per_rank_plain_batch_raises_in_a_static_capture(world2: Any) -> None:
+    out = world2.run(_static_ddp_habit, "input")
+    msgs = [o["error"] for o in out]
+    assert msgs[0] and len(set(msgs)) == 1, msgs  # one error, the same on every rank, before any step
+    assert "rank 0 has" in msgs[0] and "rank 1 has" in msgs[0] and "ap.shard_tensor" in msgs[0], msgs[0]
+    assert torch.equal(out[0]["weight"], out[1]["weight"])
+
+
+def test_an_equal_plain_batch_is_captured(world2: Any) -> None:
+    out = world2.run(_static_ddp_habit, "same")
+    assert [o["error"] for o in out] == ["", ""] and [o["programs"] for o in out] == [1, 1]
+    assert torch.equal(out[0]["weight"], out[1]["weight"])
