@@ -13,12 +13,13 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict, deque
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from time import perf_counter
 from typing import Any
 
 import torch
 
+from autoparallel import compat
 from autoparallel.engine import generic
 from autoparallel.engine.decide import decide, forget_warnings
 from autoparallel.engine.decision import Decision
@@ -26,6 +27,7 @@ from autoparallel.engine.execute import execute
 from autoparallel.engine.keys import adopt_plain, call_key
 from autoparallel.engine.restride import as_view_permute
 from autoparallel.log import Tally, logger
+from autoparallel.runtime import comm
 from autoparallel.runtime.comm import profiled
 
 _CACHE: dict[Any, Decision] = {}
@@ -58,6 +60,7 @@ _FILLED_ALL: OrderedDict[Any, _Shapes] = OrderedDict()  # cache key -> its templ
 MAX_SHAPES_PER_TEMPLATE = 16
 MAX_FILLED_DECISIONS = 1024
 _DETACH = torch.ops.aten.detach.default
+_NOTHING = nullcontext()
 _AS_STRIDED = torch.ops.aten.as_strided.default
 # The observers of the op path, innermost last: entered and left only through ``observed_by``.
 _OBSERVERS: list[Any] = []
@@ -88,7 +91,9 @@ def dispatch(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any])
     if decision is None:
         filled: list[Any] = []
         start = perf_counter()
-        with profiled("autoparallel::plan", func):  # a cache miss: rules and reshard plans
+        # a cache miss: rules and reshard plans, from metadata (in a capture, outside its trace:
+        # the meta computations of a decision are not the step's ops)
+        with profiled("autoparallel::plan", func), compat.outside_trace() if comm.capturing() else _NOTHING:
             decision = decide(cls, func, args, kwargs, dts, filled)
         _PLANNING.add(start)
         if logger.isEnabledFor(logging.DEBUG):

@@ -184,6 +184,15 @@ def _pack_gather(
 def _unpack_gather(buf: torch.Tensor, dims: Sequence[int], shapes: list[list[tuple[int, ...]]], width: int) -> list[torch.Tensor]:
     """The gathered buffer ``[n * width]`` -> the whole tensors, each concatenated along its dim."""
     n = len(shapes)
+    if all(row == shapes[0] for row in shapes):  # even pieces: each tensor is one strided view, copied once
+        grid, out, off = buf.view(n, width), [], 0
+        for shape, d in zip(shapes[0], dims):
+            k = _numel(shape)
+            whole = list(shape)
+            whole[d] *= n
+            out.append(grid[:, off: off + k].view(n, *shape).movedim(0, d).reshape(whole))
+            off += k
+        return out
     sizes = [[_numel(s) for s in row] for row in shapes]
     rows = [buf[r * width: r * width + sum(sizes[r])].split(sizes[r]) for r in range(n)]
     return [
