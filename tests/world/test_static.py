@@ -565,3 +565,80 @@ def test_static_megatron_step_merges_its_small_reductions(world4: Any) -> None: 
         # all-reduce, the bucket along the last one's: Megatron's 12, and the loss is Replicate
         assert static["comms"][2:] == [{"all_reduce": 12}]
         assert static["placements"][2:] == [(Replicate(),)]
+
+
+class _Normed(nn.Module):
+    """A BatchNorm (running statistics: buffers the step writes) before a Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn, self.fc = nn.BatchNorm1d(8), nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.bn(x))
+
+
+def _first_call(rank: int, static: bool) -> dict[str, Any]:
+    """One training call: the capture runs nothing for real, the program runs the step once."""
+    mesh = ap.ProcessMesh([0, 1, 2, 3], dim_names=["dp"])
+    torch.manual_seed(0)
+    model = ap.shard_layer(_Normed(), mesh)
+    opt = ap.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = _data(1)[0]
+    xs, ys = ap.shard_tensor(x, mesh, [S0]), ap.shard_tensor(y, mesh, [S0])
+    dm = ap.to_static(model, loss=F.cross_entropy, optimizer=opt) if static else None
+    with ap.CommDebugMode() as comm:
+        if dm is not None:
+            loss = dm(xs, ys)
+        else:
+            loss = F.cross_entropy(model(xs), ys)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    return {"loss": float(loss.detach().full_tensor()), "comm": comm.get_comm_counts(),
+            "state": {k: v.detach().full_tensor() for k, v in model.state_dict().items()},
+            "kinds": sorted(type(v).__name__ for v in dm._programs.values()) if dm is not None else []}
+
+
+def test_the_first_call_runs_the_step_once(world4: Any) -> None:  # type: ignore[no-untyped-def]
+    """The capturing call updates the parameters and the running statistics once and issues the
+    step's collectives once (the trace on fake tensors computes and sends nothing)."""
+    for eager, static in zip(world4.run(_first_call, False), world4.run(_first_call, True)):
+        assert static["loss"] == eager["loss"] and static["comm"] == eager["comm"], (static, eager)
+        assert static["kinds"] == ["_Program"]  # captured (not refused) and run
+        assert int(static["state"]["bn.num_batches_tracked"]) == 1
+        for k, v in eager["state"].items():
+            assert torch.equal(static["state"][k], v), k
+
+
+def _plain_weight(rank: int, static: bool) -> dict[str, Any]:
+    """Paddle's habit: fc1's weight laid out by hand, the rest of the model left plain."""
+    mesh = ap.ProcessMesh([0, 1, 2, 3], dim_names=["dp"])
+    torch.manual_seed(0)
+    model = MLP()
+    model.fc1.weight = ap.shard_tensor(model.fc1.weight, mesh, [R])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    dm = ap.to_static(model, loss=F.cross_entropy, optimizer=opt) if static else None
+    losses = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for x, y in _data(3):
+            xs, ys = ap.shard_tensor(x, mesh, [S0]), ap.shard_tensor(y, mesh, [S0])
+            if dm is not None:
+                loss = dm(xs, ys)
+            else:
+                loss = F.cross_entropy(model(xs), ys)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+            losses.append(float(loss.detach().full_tensor()))
+    return {"losses": losses, "params": _full(model), "warnings": [str(w.message) for w in caught if "autoparallel" in str(w.message)],
+            "kinds": sorted(type(v).__name__ for v in dm._programs.values()) if dm is not None else []}
+
+
+def test_a_plain_trainable_parameter_is_laid_out_eagerly_then_captured(world4: Any) -> None:  # type: ignore[no-untyped-def]
+    for eager, static in zip(world4.run(_plain_weight, False), world4.run(_plain_weight, True)):
+        assert static["losses"] == eager["losses"]
+        assert all(torch.equal(a, b) for a, b in zip(static["params"], eager["params"]))
+        assert len(static["warnings"]) == 1 and "'fc1.bias' is a plain tensor" in static["warnings"][0], static["warnings"]
+        assert static["kinds"] == ["_Program", "str"]  # the first signature eager, the laid-out one captured
