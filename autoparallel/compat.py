@@ -141,6 +141,15 @@ def is_fake(t: torch.Tensor) -> bool:
     return fake is not None and isinstance(t, fake)
 
 
+def static_fake_mode() -> Any:
+    """A fake-tensor mode of static shapes, without a symbolic shape environment (a static
+    capture's: meta kernels then skip the guards a symbolic one checks), in which a real tensor
+    met is taken as a constant."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_fallback_kernels=True, allow_non_fake_inputs=True)
+
+
 @contextlib.contextmanager
 def outside_trace() -> Iterator[None]:
     """Real tensors and real work inside a fake-tensor ``make_fx`` trace: its proxy and fake

@@ -8,7 +8,8 @@ DPxTP+SP, ZeRO-3; the same models and optimizers as ``benchmarks/train_step.py``
 alternating rounds of timed steps: ours eager, ours static, with ``--inductor`` ours static
 compiled by inductor, and torch eager (DDP / parallelize_module / FSDP2). Printed: step times
 (median over rounds of the mean step, slowest rank), eager/static speed-up, static/torch ratio,
-the time of the capturing call (the slowest warm-up call), and whether static trains
+the time of the capturing call (the slowest warm-up call), the set-up time (what the warm-up
+calls took beyond as many steady steps: deciding and capturing), and whether static trains
 exactly as eager (losses of every step, relative difference). ``--torch-compile`` adds torch.compile
 of torch's parallelized model (step time, compile time; failures reported); ``--comm-share`` the share
 of each side's step blocked in communication (issuing or waiting: not overlapped with compute).
@@ -60,6 +61,8 @@ def measure(layout: str, cfg: Any, x: torch.Tensor, y: torch.Tensor, args: argpa
             continue
         # the capturing (compiling) call is the slowest: the first (eager's too: its decisions are made there)
         out[name]["capture_s"] = max(calls)
+        # what the warm-up calls took beyond steady steps: deciding, capturing, compiling
+        out[name]["setup_s"] = sum(calls) - len(calls) * min(calls)
     for _ in range(args.rounds):
         for name, step in sides.items():
             dt, losses = ts._timed(step, args.steps)
@@ -149,7 +152,7 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> bool:
     head = f"{'layout':<10} | {'eager ms':>8} | {'static ms':>9} | " + (f"{'inductor ms':>11} | " if compiled else "")
     tc = "torch.compile" in next(iter(results.values()))
     head += f"{'torch ms':>8} | " + (f"{'t.compile ms':>12} | {'compile s':>9} | " if tc else "")
-    print(head + f"{'eager/static':>12} | {'static/torch':>12} | {'capture s':>9} | static vs eager")
+    print(head + f"{'eager/static':>12} | {'static/torch':>12} | {'capture s':>9} | {'set-up s':>8} | static vs eager")
     ok = True
     for layout, r in results.items():
         e, s, t = r["eager"]["step_s"], r["static"]["step_s"], r["torch"]["step_s"]
@@ -160,7 +163,7 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> bool:
         if tc:
             c = r["torch.compile"]
             row += (f"{c['step_s'] * 1e3:>12.1f} | {c['capture_s']:>9.1f} | " if "step_s" in c else f"{'failed':>12} | {'-':>9} | ")
-        print(row + f"{e / s:>12.2f} | {s / t:>12.2f} | {r['static']['capture_s']:>9.2f} | "
+        print(row + f"{e / s:>12.2f} | {s / t:>12.2f} | {r['static']['capture_s']:>9.2f} | {r['static']['setup_s']:>8.2f} | "
               f"{r['static']['rel_diff']:.1e}")
     for layout, r in results.items():
         s, t = r["static"]["step_s"], r["torch"]["step_s"]
