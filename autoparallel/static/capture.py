@@ -83,6 +83,7 @@ def plain_trained(module: torch.nn.Module) -> str | None:
 
 
 def plain_trained_reason(name: str) -> str:
+    """Why a step with the plain trainable parameter ``name`` runs eagerly (``plain_trained``)."""
     return (f"parameter {name!r} is a plain tensor that requires grad: this call lays it out at its first op "
             "(the calls after it are captured)")
 

@@ -597,7 +597,9 @@ def _first_call(rank: int, static: bool) -> dict[str, Any]:
             opt.zero_grad()
     return {"loss": float(loss.detach().full_tensor()), "comm": comm.get_comm_counts(),
             "state": {k: v.detach().full_tensor() for k, v in model.state_dict().items()},
-            "kinds": sorted(type(v).__name__ for v in dm._programs.values()) if dm is not None else []}
+            "kinds": sorted(type(v).__name__ for v in dm._programs.values()) if dm is not None else [],
+            "constants": [n.target for p in (dm._programs.values() if dm is not None else ())
+                          for n in p.run.graph.nodes if n.op == "get_attr"]}
 
 
 def test_the_first_call_runs_the_step_once(world4: Any) -> None:  # type: ignore[no-untyped-def]
@@ -606,6 +608,7 @@ def test_the_first_call_runs_the_step_once(world4: Any) -> None:  # type: ignore
     for eager, static in zip(world4.run(_first_call, False), world4.run(_first_call, True)):
         assert static["loss"] == eager["loss"] and static["comm"] == eager["comm"], (static, eager)
         assert static["kinds"] == ["_Program"]  # captured (not refused) and run
+        assert static["constants"] == []  # every parameter and buffer is a program input, none baked in
         assert int(static["state"]["bn.num_batches_tracked"]) == 1
         for k, v in eager["state"].items():
             assert torch.equal(static["state"][k], v), k
