@@ -578,6 +578,22 @@ class _Normed(nn.Module):
         return self.fc(self.bn(x))
 
 
+def _train_call(dm: Any, model: nn.Module, opt: Any, xs: Any, ys: Any) -> Any:
+    """One training call: through ``dm`` (``ap.to_static``), or eagerly when it is None."""
+    if dm is not None:
+        return dm(xs, ys)
+    loss = F.cross_entropy(model(xs), ys)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def _kinds(dm: Any) -> list[str]:
+    """What ``dm`` keeps per signature: ``_Program`` (captured) or ``str`` (why eager)."""
+    return sorted(type(v).__name__ for v in dm._programs.values()) if dm is not None else []
+
+
 def _first_call(rank: int, static: bool) -> dict[str, Any]:
     """One training call: the capture runs nothing for real, the program runs the step once."""
     mesh = ap.ProcessMesh([0, 1, 2, 3], dim_names=["dp"])
@@ -588,16 +604,10 @@ def _first_call(rank: int, static: bool) -> dict[str, Any]:
     xs, ys = ap.shard_tensor(x, mesh, [S0]), ap.shard_tensor(y, mesh, [S0])
     dm = ap.to_static(model, loss=F.cross_entropy, optimizer=opt) if static else None
     with ap.CommDebugMode() as comm:
-        if dm is not None:
-            loss = dm(xs, ys)
-        else:
-            loss = F.cross_entropy(model(xs), ys)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
+        loss = _train_call(dm, model, opt, xs, ys)
     return {"loss": float(loss.detach().full_tensor()), "comm": comm.get_comm_counts(),
             "state": {k: v.detach().full_tensor() for k, v in model.state_dict().items()},
-            "kinds": sorted(type(v).__name__ for v in dm._programs.values()) if dm is not None else [],
+            "kinds": _kinds(dm),
             "constants": [n.target for p in (dm._programs.values() if dm is not None else ())
                           for n in p.run.graph.nodes if n.op == "get_attr"]}
 
@@ -627,16 +637,9 @@ def _plain_weight(rank: int, static: bool) -> dict[str, Any]:
         warnings.simplefilter("always")
         for x, y in _data(3):
             xs, ys = ap.shard_tensor(x, mesh, [S0]), ap.shard_tensor(y, mesh, [S0])
-            if dm is not None:
-                loss = dm(xs, ys)
-            else:
-                loss = F.cross_entropy(model(xs), ys)
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-            losses.append(float(loss.detach().full_tensor()))
+            losses.append(float(_train_call(dm, model, opt, xs, ys).detach().full_tensor()))
     return {"losses": losses, "params": _full(model), "warnings": [str(w.message) for w in caught if "autoparallel" in str(w.message)],
-            "kinds": sorted(type(v).__name__ for v in dm._programs.values()) if dm is not None else []}
+            "kinds": _kinds(dm)}
 
 
 def test_a_plain_trainable_parameter_is_laid_out_eagerly_then_captured(world4: Any) -> None:  # type: ignore[no-untyped-def]
