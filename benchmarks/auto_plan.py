@@ -35,9 +35,10 @@ import torch
 import torch.distributed as dist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-for p in (ROOT, os.path.join(ROOT, "examples")):
-    if p not in sys.path:
-        sys.path.insert(0, p)
+for p in (ROOT, os.path.join(ROOT, "examples")):  # ahead of benchmarks/ (its reshard.py would hide reshard/)
+    if p in sys.path:
+        sys.path.remove(p)
+    sys.path.insert(0, p)
 
 HAND = {  # hand plan -> (mesh shape, dims, tp plan sp or None, zero stage, the search's name of it)
     "dp": ((4,), ["dp"], None, 0, "dp4 x tp1"),

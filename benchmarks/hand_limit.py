@@ -35,9 +35,10 @@ import torch.nn.functional as F
 from torch import nn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-for p in (ROOT, os.path.join(ROOT, "examples")):
-    if p not in sys.path:
-        sys.path.insert(0, p)
+for p in (ROOT, os.path.join(ROOT, "examples")):  # ahead of benchmarks/ (its reshard.py would hide reshard/)
+    if p in sys.path:
+        sys.path.remove(p)
+    sys.path.insert(0, p)
 
 VOCAB, LR = 128, 0.1
 

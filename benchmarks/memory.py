@@ -55,9 +55,10 @@ from typing import Any
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-for p in (ROOT, os.path.join(ROOT, "examples")):
-    if p not in sys.path:
-        sys.path.insert(0, p)
+for p in (ROOT, os.path.join(ROOT, "examples")):  # ahead of benchmarks/ (its reshard.py would hide reshard/)
+    if p in sys.path:
+        sys.path.remove(p)
+    sys.path.insert(0, p)
 
 from benchmarks._spawn import run_spawned  # noqa: E402
 
