@@ -49,7 +49,9 @@ def _cases(make: Callable[[torch.Tensor, str], torch.Tensor], lin_w: torch.Tenso
     b = make(torch.randn(8, 8), "shard")
     w = make(torch.randn(8, 8), "rep")
     x = make(torch.randn(8, 8), "shard")
-    weight = make(lin_w, "rep").requires_grad_(True)
+    # a parameter, as a model's weight is: its gradient is left to the optimizer on both sides
+    # (a plain leaf's .grad comes back in the leaf's own layout in ours: an all-reduce per backward)
+    weight = torch.nn.Parameter(make(lin_w, "rep"))
 
     def linear() -> None:
         y = torch.nn.functional.linear(x, weight)
