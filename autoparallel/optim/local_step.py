@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from autoparallel import compat
 from autoparallel.engine import layout
 from autoparallel.engine.dtensor import DistTensor
 
@@ -52,37 +53,38 @@ def _local_view(optimizer: torch.optim.Optimizer) -> _View | None:
     groups: list[list[torch.Tensor]] = []
     items: list[tuple[DistTensor, torch.Tensor, Any]] = []
     local_state: dict[torch.Tensor, dict[str, Any]] = {}
-    for group in optimizer.param_groups:
-        if group.get("differentiable", False):
-            return None
-        locs = []
-        for p in group["params"]:
-            if not isinstance(p, DistTensor):
+    with compat.disable_torch_function_subclass():  # attribute reads, not ops: no look needed
+        for group in optimizer.param_groups:
+            if group.get("differentiable", False):
                 return None
-            spec = spec_of(p)
-            if spec.has_partial:
-                return None
-            g = p.grad
-            if g is not None and (not isinstance(g, DistTensor) or ((gs := spec_of(g)) is not spec and gs != spec)):
-                return None
-            loc = local_of(p)
-            st = state.get(p)
-            if st:
-                ls: dict[str, Any] = {}
-                for k, v in st.items():
-                    if isinstance(v, DistTensor):
-                        vs = spec_of(v)
-                        if vs is not spec and (vs.placements != spec.placements or vs.shape != spec.shape):
+            locs = []
+            for p in group["params"]:
+                if not isinstance(p, DistTensor):
+                    return None
+                spec = spec_of(p)
+                if spec.has_partial:
+                    return None
+                g = p.grad
+                if g is not None and (not isinstance(g, DistTensor) or ((gs := spec_of(g)) is not spec and gs != spec)):
+                    return None
+                loc = local_of(p)
+                st = state.get(p)
+                if st:
+                    ls: dict[str, Any] = {}
+                    for k, v in st.items():
+                        if isinstance(v, DistTensor):
+                            vs = spec_of(v)
+                            if vs is not spec and (vs.placements != spec.placements or vs.shape != spec.shape):
+                                return None
+                            ls[k] = local_of(v)
+                        elif isinstance(v, torch.Tensor) and v.dim() > 0:
                             return None
-                        ls[k] = local_of(v)
-                    elif isinstance(v, torch.Tensor) and v.dim() > 0:
-                        return None
-                    else:
-                        ls[k] = v
-                local_state[loc] = ls
-            items.append((p, loc, g))
-            locs.append(loc)
-        groups.append(locs)
+                        else:
+                            ls[k] = v
+                    local_state[loc] = ls
+                items.append((p, loc, g))
+                locs.append(loc)
+            groups.append(locs)
     return groups, items, local_state
 
 

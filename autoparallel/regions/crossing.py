@@ -19,7 +19,8 @@ def _localize(items: list[tuple[DistTensor, DistSpec | None]], grad: bool, call:
     ``call`` None (a replay): detached copies, so an in-place write in the module (a counter
     buffer, an input) does not happen twice."""
     out: dict[int, torch.Tensor] = {}
-    needs = [(t, g) for t, g in items if needs_grad(t, g, grad)]
+    with compat.disable_torch_function_subclass():  # attribute reads, not ops: no look needed
+        needs = [(t, g) for t, g in items if needs_grad(t, g, grad)]
     local_of = layout.local_of
     if call is None:
         for t, _ in items:
@@ -97,17 +98,18 @@ def _accumulate(ctx: Any, grads: list[DistTensor | None]) -> None:
     registered on the node object itself are not visible from Python: they are called with
     None in place of the gradient (docs/local_regions.md).
     """
-    for k, ((node, _), g) in enumerate(zip(ctx.next_functions, grads)):
-        leaf = getattr(node, "variable", None)  # set on accumulation nodes only: a parameter's
-        if g is None or leaf is None or leaf.grad is not None or compat.has_tensor_hooks(leaf):
-            continue
-        try:
-            if not _will_run(node):
+    with compat.disable_torch_function_subclass():  # attribute reads and writes, not ops: no look needed
+        for k, ((node, _), g) in enumerate(zip(ctx.next_functions, grads)):
+            leaf = getattr(node, "variable", None)  # set on accumulation nodes only: a parameter's
+            if g is None or leaf is None or leaf.grad is not None or compat.has_tensor_hooks(leaf):
                 continue
-        except RuntimeError:  # autograd.grad(): it asks nothing of leaves (they are captured)
-            continue
-        leaf.grad = g
-        grads[k] = None
+            try:
+                if not _will_run(node):
+                    continue
+            except RuntimeError:  # autograd.grad(): it asks nothing of leaves (they are captured)
+                continue
+            leaf.grad = g
+            grads[k] = None
 
 
 _will_run = compat.will_engine_execute_node

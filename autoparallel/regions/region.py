@@ -241,10 +241,11 @@ class _Region:
                     held = found if held is None else {**held, **found}
             else:
                 parts.append(("value", x))
-        slot_parts = tuple(
-            (spec_of(t), t.requires_grad) if isinstance(t, DistTensor) else ("plain", tuple(t.shape), t.requires_grad)
-            for t in tensors
-        )
+        with compat.disable_torch_function_subclass():  # attribute reads, not ops: no look needed
+            slot_parts = tuple(
+                (spec_of(t), t.requires_grad) if isinstance(t, DistTensor) else ("plain", tuple(t.shape), t.requires_grad)
+                for t in tensors
+            )
         if not any(isinstance(x, DistTensor) for x in leaves) and not any(isinstance(t, DistTensor) for t in tensors):
             return None, None
         return (tree, tuple(parts), slot_parts, _ties(tensors), tuple(m.training for m in self.modules),
