@@ -1,5 +1,5 @@
 """Local regions around parallel styles (autoparallel.regions.moves, docs/local_regions.md
-"Parallel styles inside a region"): a module whose styled submodules move data only at its end
+"Which modules become regions"): a module whose styled submodules move data only at its end
 (the row-parallel projection's all-reduce closing an MLP or an attention block) or move its
 arguments (the sequence-parallel all-gather at its start) runs locally between those moves,
 which the region makes on DistTensors. Each test compares the region run with the DistTensor

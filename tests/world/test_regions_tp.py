@@ -1,6 +1,6 @@
 """Local regions under tensor parallelism: a row-parallel module's output is each rank's
 summand (Partial(sum)) and its replicated bias is taken as a summand (autoparallel.regions,
-docs/local_regions.md "How a region is proven" 1-2). Each test compares the region run with
+docs/local_regions.md "Which modules become regions" 1-2). Each test compares the region run with
 the DistTensor run (regions disabled): values, gradient layouts, the verdict and the
 collectives.
 """
