@@ -80,6 +80,10 @@ REGISTRY: tuple[Bench, ...] = (
           ("benchmarks/reshard.py", "--nprocs", "4", "--quick"),
           "Bytes each rank receives when moving between layouts, ours against DTensor's "
           "`redistribute` and a lower bound, on a 4-rank world (the quick set of cases)."),
+    Bench("op_coverage", "Op coverage against torch.distributed.tensor",
+          ("benchmarks/op_coverage.py", "--variants", "shard0", "--quiet"),
+          "Every op of torch's op_db run on a batch-sharded input through the conformance harness, "
+          "ours against DTensor: pass rates per phase, and any silently wrong result.", timeout_s=3600),
     Bench("dispatch", "Per-op overhead", ("benchmarks/dispatch.py",),
           "Microseconds per op of a warm DistTensor op against torch's DTensor and a plain tensor."),
     Bench("recompute", "Activation recompute", ("benchmarks/memory.py", "--recompute-time"),
