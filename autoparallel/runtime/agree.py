@@ -119,7 +119,10 @@ def checksum(t: torch.Tensor, sample: bool = False) -> str:
     flat = t.detach().reshape(-1)
     if sample and flat.numel() > PLAIN_SAMPLE:
         flat = flat[:: flat.numel() // PLAIN_SAMPLE][:PLAIN_SAMPLE]
-    b = flat.contiguous().view(torch.uint8).to(torch.int64)
+    # a one-element tensor of stride 0 (an expanded scalar) counts as contiguous, and cannot be
+    # viewed as bytes: such a tensor is copied into a fresh buffer
+    flat = flat.contiguous() if flat.numel() != 1 or flat.stride(0) == 1 else flat.clone(memory_format=torch.contiguous_format)
+    b = flat.view(torch.uint8).to(torch.int64)
     if b.numel() == 0:
         return "empty"
     w = torch.arange(b.numel(), dtype=torch.int64) % 65521 + 1
