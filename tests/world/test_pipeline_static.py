@@ -41,7 +41,8 @@ def _mse(y: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     return (y - t).square().mean()
 
 
-def _train(rank: int, static: bool, schedule: str, chunks: int, tp: bool, p: float, item: bool = False) -> dict[str, Any]:
+def _train(rank: int, static: bool, schedule: str, chunks: int, tp: bool, p: float, item: bool = False,
+           zero3: bool = False) -> dict[str, Any]:
     torch.manual_seed(0)
     x, t = torch.randn(BATCH, D), torch.randn(BATCH, D)
     ref = nn.Sequential(*[Block(p, item=item and i == 3) for i in range(4)])
@@ -52,6 +53,8 @@ def _train(rank: int, static: bool, schedule: str, chunks: int, tp: bool, p: flo
     stages = split_sequential(model, meshes, num_chunks=chunks, plan=plan, placement="v" if schedule == "ZBV" else "loop")
     pipe = Pipeline(stages, _mse, num_microbatches=4, schedule=schedule, static=static)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    if zero3:  # parameters sharded along each stage's dp axis, gathered per chunk (inside its programs)
+        opt = ap.shard_optimizer(opt, ap.ShardingStage3(ap.ProcessMesh([[0, 1], [2, 3]], dim_names=["pp", "dp"]), "dp"))
     place = [ap.Replicate()] if tp else [Shard(0)]
     losses, kinds = [], []
     torch.manual_seed(1)  # the dropout masks' stream
@@ -153,3 +156,19 @@ def test_an_uncapturable_chunk_stays_eager_with_one_warning(world4: Any) -> None
 def test_static_must_be_a_bool() -> None:
     with pytest.raises(TypeError, match="static must be a bool"):
         Pipeline([], _mse, num_microbatches=2, static="yes")  # type: ignore[arg-type]
+
+
+def test_zero3_inside_static_stages_trains_bitwise_like_eager_with_one_capture_per_chunk(world4: Any) -> None:
+    """ZeRO-3 inside the stages: each chunk's programs hold its unit's gathers, captured at the
+    first micro-batch once (no second signature once the unit's hooks exist), and training is
+    eager's, bit for bit."""
+    eager = _trained(world4, False, "1F1B", 1, False, 0.0, False, True)
+    static = _trained(world4, True, "1F1B", 1, False, 0.0, False, True)
+    ref = _reference("1F1B", 1, 0.0)
+    for e, s in zip(eager, static):
+        assert s["warnings"] == [] and s["losses"] == e["losses"]
+        for name, v in e["params"].items():
+            assert torch.equal(s["params"][name], v), name
+        if s["losses"][0] is not None:
+            torch.testing.assert_close(torch.tensor(s["losses"]), torch.tensor(ref), rtol=1e-5, atol=1e-7)
+        assert all(k == ["_Programs"] for k in s["kinds"]) and s["programs"] == 1
