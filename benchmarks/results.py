@@ -136,20 +136,27 @@ def machine() -> str:
 def version() -> str:
     """The code measured: the commit, marked when the library, rules, planner, benchmarks or
     examples differ from it."""
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    def git(*args: str) -> str:  # (not stripped: a status line starts with a space)
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout
 
-    commit = git("rev-parse", "--short", "HEAD") or "unknown"
-    changed = git("status", "--porcelain", "--untracked-files=no", "--",
-                  "autoparallel", "spmd_rules", "reshard", "benchmarks", "examples")
-    changed = "\n".join(ln for ln in changed.splitlines() if not ln[3:].startswith(("benchmarks/runs/", "benchmarks/RESULTS.md")))
-    return commit + (" with local changes" if changed else "")
+    commit = git("rev-parse", "--short", "HEAD").strip() or "unknown"
+    status = git("status", "--porcelain", "--untracked-files=no", "--",
+                 "autoparallel", "spmd_rules", "reshard", "benchmarks", "examples")
+    return commit + (" with local changes" if measured_changes(status) else "")
+
+
+def measured_changes(status: str) -> bool:
+    """Whether ``git status --porcelain`` output names a changed file other than the results
+    themselves (the stored runs and RESULTS.md change as benchmarks run)."""
+    return any(ln[3:] and not ln[3:].startswith(("benchmarks/runs/", "benchmarks/RESULTS.md"))
+               for ln in status.splitlines())
 
 
 def run(bench: Bench) -> dict[str, Any]:
     """Run ``bench``'s command from the repository root; the record stored for it."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     print(f"[results] {bench.name}: {bench.command}", flush=True)
+    measured = version()  # before the run: files may change while it runs
     t0 = time.perf_counter()
     try:
         done = subprocess.run([sys.executable, *bench.argv], cwd=ROOT, env=env, capture_output=True, text=True,
@@ -162,7 +169,7 @@ def run(bench: Bench) -> dict[str, Any]:
     wall = time.perf_counter() - t0
     print(f"[results] {bench.name}: exit {rc} in {wall:.0f} s", flush=True)
     return {"name": bench.name, "command": bench.command, "date": datetime.date.today().isoformat(),
-            "machine": machine(), "version": version(), "wall_s": round(wall, 1), "rc": rc,
+            "machine": machine(), "version": measured, "wall_s": round(wall, 1), "rc": rc,
             "output": out.rstrip("\n"), "error": "" if rc == 0 else "\n".join(err.strip().splitlines()[-15:])}
 
 

@@ -52,3 +52,10 @@ def test_a_run_stores_what_the_command_printed() -> None:
     rec = results.run(bench)
     assert rec["output"] == "measured 1.5x" and rec["rc"] == 3 and rec["command"].startswith("python -c")
     assert rec["machine"].startswith(f"{os.cpu_count()} cores") and sys.version.split()[0] in rec["machine"]
+
+
+def test_the_version_is_marked_when_measured_code_changed() -> None:
+    assert not results.measured_changes(" M benchmarks/RESULTS.md\n M benchmarks/runs/dispatch.json\n")
+    assert results.measured_changes(" M benchmarks/RESULTS.md\n M autoparallel/api.py\n")
+    assert results.measured_changes("M  benchmarks/dispatch.py\n")
+    assert not results.measured_changes("")
