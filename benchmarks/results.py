@@ -211,15 +211,15 @@ def render(records: dict[str, dict[str, Any]]) -> str:
             continue
         lines += [f"`{rec['command']}` on {rec['date']}, {rec['machine']}; code {rec['version']}; "
                   f"{rec['wall_s']:.0f} s.", ""]
-        if rec["rc"] != 0:  # a target missed (a FAIL line below) or an error: its last lines on stderr
-            lines += [f"**Exit status {rec['rc']}**; the last lines it wrote to stderr:", "", "```text",
-                      rec["error"], "```", ""]
         out = rec["output"].splitlines()
         kept = out[-b.tail:] if b.tail and len(out) > b.tail else out
         if kept:
             if len(kept) < len(out):
                 lines += [f"(the last {len(kept)} of {len(out)} lines printed)", ""]
             lines += ["```text", *(ln.rstrip() for ln in kept), "```", ""]
+        if rec["rc"] != 0:  # a target missed (a FAIL line above) or an error: its last lines on stderr
+            lines += [f"**Exit status {rec['rc']}** (a target line above says FAIL, or the run failed); the last "
+                      "lines it wrote to stderr:", "", "```text", rec["error"], "```", ""]
     return "\n".join(lines).rstrip("\n") + "\n"
 
 

@@ -44,7 +44,7 @@ def test_a_section_says_what_ran_where_and_what_it_printed() -> None:
 
 def test_a_failed_run_is_shown_as_failed() -> None:
     text = results.render({"dispatch": _record("dispatch", rc=1, error="Traceback ...\nValueError: boom")})
-    assert "**Exit status 1**; the last lines it wrote to stderr:" in text and "ValueError: boom" in text
+    assert "**Exit status 1** (a target line above says FAIL, or the run failed)" in text and "ValueError: boom" in text
 
 
 def test_a_run_stores_what_the_command_printed() -> None:
