@@ -274,7 +274,10 @@ class Zero3Params:
             self._finder = None
 
     def _hook(self, root: nn.Module) -> bool:
-        """Hook ``root`` and its submodules (once each); whether they hold every live parameter."""
+        """Hook ``root`` and its submodules (once each); whether the roots found so far hold
+        every live parameter this rank has a shard of (a pipeline rank never runs the modules of
+        another stage, whose parameters no forward on it could find: with its own stage found,
+        the process-wide pre-hook goes)."""
         for m in root.modules():
             seat = self._seat(m)
             if not seat.hooked:
@@ -282,8 +285,11 @@ class Zero3Params:
                 pre = m.register_forward_pre_hook(self._before, prepend=True)
                 post = m.register_forward_hook(self._after, prepend=True, always_call=True)
                 self._hooks.append((weakref.ref(m), pre, post))
-        held = {id(p) for p in root.parameters()}
-        return all(k in held for k in self._params)
+        held = {id(p) for r in self._roots if (m := r()) is not None for p in m.parameters()}
+        held.update(id(p) for p in root.parameters())
+        rank = runtime.get_rank()
+        return all(k in held or (p := ref()) is None or layout.spec_of(p).mesh.coordinate_of(rank) is None
+                   for k, ref in self._params.items())
 
     # ---- units ----------------------------------------------------------------------------
     def _seat(self, module: nn.Module) -> _Seat:

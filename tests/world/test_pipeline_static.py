@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import autoparallel as ap
-from autoparallel import Shard
+from autoparallel import Shard, compat
 from autoparallel.pipeline import Pipeline, split_sequential
 from autoparallel.static.chunk import _Programs
 
@@ -67,7 +67,7 @@ def _train(rank: int, static: bool, schedule: str, chunks: int, tp: bool, p: flo
             losses.append(float(loss.full_tensor()) if rank in stages[-1].mesh else None)
             kinds.append(sorted(type(v).__name__ for c in pipe.programs.values() for v in c._programs.values()))
     params = {n: q.full_tensor().detach().clone() for n, q in model.named_parameters() if rank in q.process_mesh}
-    return {"losses": losses, "params": params, "kinds": kinds,
+    return {"losses": losses, "params": params, "kinds": kinds, "global_hooks": compat.global_module_hooks(),
             "warnings": [str(w.message) for w in caught if "autoparallel" in str(w.message)],
             "programs": sum(isinstance(v, _Programs) for c in pipe.programs.values() for v in c._programs.values()),
             "cut": sum(isinstance(v, _Programs) and v.input_grad is not None
@@ -161,7 +161,8 @@ def test_static_must_be_a_bool() -> None:
 def test_zero3_inside_static_stages_trains_bitwise_like_eager_with_one_capture_per_chunk(world4: Any) -> None:
     """ZeRO-3 inside the stages: each chunk's programs hold its unit's gathers, captured at the
     first micro-batch once (no second signature once the unit's hooks exist), and training is
-    eager's, bit for bit."""
+    eager's, bit for bit. No process-wide module hook is left: a rank finds its own stage's
+    modules, and never runs the other stage's (a hook left would follow every later model)."""
     eager = _trained(world4, False, "1F1B", 1, False, 0.0, False, True)
     static = _trained(world4, True, "1F1B", 1, False, 0.0, False, True)
     ref = _reference("1F1B", 1, 0.0)
@@ -172,3 +173,4 @@ def test_zero3_inside_static_stages_trains_bitwise_like_eager_with_one_capture_p
         if s["losses"][0] is not None:
             torch.testing.assert_close(torch.tensor(s["losses"]), torch.tensor(ref), rtol=1e-5, atol=1e-7)
         assert all(k == ["_Programs"] for k in s["kinds"]) and s["programs"] == 1
+        assert not e["global_hooks"] and not s["global_hooks"]
