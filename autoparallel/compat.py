@@ -54,6 +54,14 @@ disabled_torch_function_impl: Any = getattr(torch._C, "_disabled_torch_function_
 disable_torch_function_subclass: Any = getattr(torch._C, "DisableTorchFunctionSubclass", None) or torch._C.DisableTorchFunction
 
 
+def attribute_access() -> Any:
+    """A context for reading and writing attributes of many tensor-subclass objects at once
+    (``.grad``, ``requires_grad``, hook tables, hashing as dict keys): each such access otherwise
+    calls the subclass's ``__torch_function__`` (~1.4 us), which has nothing to look at for an
+    attribute. Ops inside it skip the subclass's ``__torch_function__`` too: only attributes."""
+    return disable_torch_function_subclass()
+
+
 def torch_function_enabled() -> bool:
     """Whether subclass ``__torch_function__`` handling is on (it is off inside a subclass's own
     handling: in the whole backward of ``loss.backward()`` on a DistTensor)."""
@@ -582,7 +590,7 @@ __all__ = [
     "symbolic_tools",
     "GRAD_SCALER_UNSCALE", "HAS_GRAD_SCALER_UNSCALE", "amp_check_and_unscale_",
     "WRAPPER_POSITIONAL", "TorchDispatchMode", "all_op_schemas", "disable_torch_function_subclass", "disabled_torch_function_impl", "flatten_dense_tensors",
-    "enable_torch_function", "torch_function_enabled",
+    "attribute_access", "enable_torch_function", "torch_function_enabled",
     "make_wrapper_subclass", "meta_in_tls", "no_dispatch", "optimizer_global_hooks", "tree_flatten", "tree_unflatten",
     "unflatten_dense_tensors", "will_engine_execute_node",
     "own_parameters", "set_own_parameters", "own_buffers", "own_tensor", "put_tensor", "child_modules",

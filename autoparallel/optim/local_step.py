@@ -53,7 +53,7 @@ def _local_view(optimizer: torch.optim.Optimizer) -> _View | None:
     groups: list[list[torch.Tensor]] = []
     items: list[tuple[DistTensor, torch.Tensor, Any]] = []
     local_state: dict[torch.Tensor, dict[str, Any]] = {}
-    with compat.disable_torch_function_subclass():  # attribute reads, not ops: no look needed
+    with compat.attribute_access():
         for group in optimizer.param_groups:
             if group.get("differentiable", False):
                 return None

@@ -174,7 +174,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         Each reduced gradient keeps its object: it is re-laid out in place (new local shard and
         layout, the same global value), as ``dist.all_reduce`` reduces a tensor in place.
         """
-        with compat.disable_torch_function_subclass():  # attribute reads, not ops: no look needed
+        with compat.attribute_access():
             grads = [s.param.grad for s in self._slots]
         key = tuple(layout.spec_or_none(g) for g in grads)
         plan = self._plans.get(key)
@@ -321,7 +321,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the parameters' gradients (and the shards')."""
         if set_to_none:
-            with compat.disable_torch_function_subclass():  # attribute writes, not ops: no look needed
+            with compat.attribute_access():
                 for s in self._slots:
                     s.param.grad = None
                     s.stepped.grad = None

@@ -285,8 +285,7 @@ class Zero3Params:
                 pre = m.register_forward_pre_hook(self._before, prepend=True)
                 post = m.register_forward_hook(self._after, prepend=True, always_call=True)
                 self._hooks.append((weakref.ref(m), pre, post))
-        held = {id(p) for r in self._roots if (found := r()) is not None for p in found.parameters()}
-        held.update(id(p) for p in root.parameters())
+        held = {id(p) for r in self._roots if (found := r()) is not None for p in found.parameters()}  # root among them
         rank = runtime.get_rank()
         return all(k in held or (p := ref()) is None or layout.spec_of(p).mesh.coordinate_of(rank) is None
                    for k, ref in self._params.items())

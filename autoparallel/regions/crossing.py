@@ -19,7 +19,7 @@ def _localize(items: list[tuple[DistTensor, DistSpec | None]], grad: bool, call:
     ``call`` None (a replay): detached copies, so an in-place write in the module (a counter
     buffer, an input) does not happen twice."""
     out: dict[int, torch.Tensor] = {}
-    with compat.disable_torch_function_subclass():  # attribute reads, not ops: no look needed
+    with compat.attribute_access():
         needs = [(t, g) for t, g in items if needs_grad(t, g, grad)]
     local_of = layout.local_of
     if call is None:
@@ -98,7 +98,7 @@ def _accumulate(ctx: Any, grads: list[DistTensor | None]) -> None:
     registered on the node object itself are not visible from Python: they are called with
     None in place of the gradient (docs/local_regions.md).
     """
-    with compat.disable_torch_function_subclass():  # attribute reads and writes, not ops: no look needed
+    with compat.attribute_access():
         for k, ((node, _), g) in enumerate(zip(ctx.next_functions, grads)):
             leaf = getattr(node, "variable", None)  # set on accumulation nodes only: a parameter's
             if g is None or leaf is None or leaf.grad is not None or compat.has_tensor_hooks(leaf):

@@ -241,7 +241,7 @@ class _Region:
                     held = found if held is None else {**held, **found}
             else:
                 parts.append(("value", x))
-        with compat.disable_torch_function_subclass():  # attribute reads, not ops: no look needed
+        with compat.attribute_access():
             slot_parts = tuple(
                 (spec_of(t), t.requires_grad) if isinstance(t, DistTensor) else ("plain", tuple(t.shape), t.requires_grad)
                 for t in tensors
