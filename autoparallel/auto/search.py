@@ -10,7 +10,8 @@ sequence parallelism, ZeRO stage 0-3 on the data axis and recompute of the repea
 all, or under a budget the fewest blocks that fit it). Each (mesh, tensor-parallel plan) is replayed once on layouts (``autoparallel.auto.simulate``:
 the eager engine's own rules, choices and reshard plans); ZeRO and recompute change known terms.
 Predicted time = compute (FLOPs / throughput + other bytes / bandwidth) + communication (per
-collective: latency + bytes / bandwidth, no overlap assumed); peak memory = parameters and
+collective: latency + bytes / bandwidth, no overlap assumed) + the optimizer's update (on the
+rank's shard from ZeRO-1 on); peak memory = parameters and
 optimizer states after ZeRO + the most bytes alive at once in the replayed step (activations,
 what autograd saves, gradients, moved copies; recompute drops a block's saved tensors until its
 backward) or at the optimizer's step (gradients and its buckets), whichever is more. Every
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import os
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -62,6 +64,7 @@ class Profile:
     node_size: int = 0  # 0: one network for every axis
     node_alpha_s: float = 0.0
     node_beta_bytes_per_s: float = 0.0
+    kernel_s: float = 0.0  # the host time of one plain local kernel (the optimizer's update runs such kernels)
 
     def seconds(self, kind: str, nbytes: float, count: int = 1, inside_node: bool = False) -> float:
         """Time of ``count`` collectives of ``kind`` moving ``nbytes`` (received per rank) in all,
@@ -84,15 +87,16 @@ class Profile:
 # Nodes of 8 H100-class GPUs (bf16 dense peak ~989 TFLOPS at ~50 % achieved): NVLink inside a
 # node (~360 GB/s of all-reduce bus bandwidth, ~15 us), 400 Gb/s per GPU between nodes (~45 GB/s,
 # ~30 us); ~20 us of host time per eager op.
-H100 = Profile("h100", 0.5 * 989e12, 2.0e12, 30e-6, 45e9, 20e-6, (), 8, 15e-6, 360e9)
+H100 = Profile("h100", 0.5 * 989e12, 2.0e12, 30e-6, 45e9, 20e-6, (), 8, 15e-6, 360e9, kernel_s=5e-6)
 # The eager engine's host time per op on this kind of machine (dispatch, rule lookup, wrapping),
 # on one core of its own.
 LOCAL_OP_S = 40e-6
 
 
 @functools.cache
-def _local_throughput() -> tuple[float, float]:
-    """(FLOP/s, bytes/s) of this process, measured once (~0.1 s): a 256 x 256 matmul and a copy."""
+def _local_throughput() -> tuple[float, float, float]:
+    """(FLOP/s, bytes/s, seconds per small kernel) of this process, measured once (~0.1 s): a
+    256 x 256 matmul, an in-place multiply of 4 MiB and of 64 floats."""
     a = torch.randn(256, 256)
     b = torch.randn(256, 256)
     x = torch.empty(1 << 20)
@@ -110,52 +114,65 @@ def _local_throughput() -> tuple[float, float]:
         x.mul_(1.0)
         m += 1
     bw = m * 2 * x.numel() * 4 / (time.perf_counter() - t)
-    return flops, bw
+    tiny = torch.empty(64)
+    t = time.perf_counter()
+    for _ in range(200):
+        tiny.mul_(1.0)
+    kernel = (time.perf_counter() - t) / 200
+    return flops, bw, kernel
 
 
 @functools.cache
 def _network() -> tuple[float, dict[str, float]] | None:
     """(seconds per collective, {kind: bytes received per second}) of the started world's
-    backend, measured once per process (~0.2-1 s): all-reduces of 4 bytes, and an all-reduce,
-    all-gather and reduce-scatter of 1 MiB over the whole world; None without a world of two or
-    more ranks."""
+    backend, measured once per process (~0.5 s on gloo over loopback): the latency from
+    all-reduces of 4 bytes, each kind's bandwidth from collectives of 4 MiB less that latency;
+    the kinds take turns over nine rounds and each figure is the median of its rounds (a slow
+    moment of a shared machine hits one round, not the figure).
+    None without a world of two or more ranks."""
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return None
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    small, big = torch.zeros(1, device=device), torch.zeros(1 << 18, device=device)
-    for _ in range(2):
-        dist.all_reduce(small)
-        dist.all_reduce(big)
+    n = dist.get_world_size()
+    small = torch.zeros(1, device=device)
 
-    def timed(run: Callable[[], Any], n: int) -> float:
+    def timed(run: Callable[[], Any]) -> float:
         if device == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
-        for _ in range(n):
-            run()
+        run()
         if device == "cuda":
             torch.cuda.synchronize()
-        return (time.perf_counter() - start) / n
+        return time.perf_counter() - start
 
-    n = dist.get_world_size()
-    alpha = timed(lambda: dist.all_reduce(small), 10)
-    piece = torch.zeros(big.numel() // n, device=device)
-    whole = torch.zeros(piece.numel() * n, device=device)
-    size = whole.numel() * 4
-    runs = {  # kind -> (one collective, bytes a rank receives as the planner counts them)
-        "all_reduce": (lambda: dist.all_reduce(whole), 2 * (n - 1) / n * size),
-        "all_gather": (lambda: comm.all_gather_flat(whole, piece), (n - 1) / n * size),
-        "reduce_scatter": (lambda: comm.reduce_scatter_flat(piece, whole), (n - 1) / n * size),
-    }
-    betas = {}
-    for kind, (run, received) in runs.items():
+    def runs(numel: int) -> dict[str, tuple[Callable[[], Any], float]]:
+        """kind -> (one collective over ``numel`` floats, bytes a rank receives as the planner counts them)"""
+        piece = torch.zeros(numel // n, device=device)
+        whole = torch.zeros(piece.numel() * n, device=device)
+        size = whole.numel() * 4
+        return {"all_reduce": (lambda: dist.all_reduce(whole), 2 * (n - 1) / n * size),
+                "all_gather": (lambda: comm.all_gather_flat(whole, piece), (n - 1) / n * size),
+                "reduce_scatter": (lambda: comm.reduce_scatter_flat(piece, whole), (n - 1) / n * size)}
+
+    big = runs(1 << 20)  # 4 MiB of floats
+    kinds = []
+    for kind, (run, _) in big.items():
         try:
             run()
         except (RuntimeError, NotImplementedError):  # not offered by this backend: priced as the default
             continue
-        betas[kind] = received / max(timed(run, 5) - alpha, 1e-9)
-    return alpha, betas
+        kinds.append(kind)
+    for _ in range(2):
+        dist.all_reduce(small)
+    alphas: list[float] = []
+    times: dict[str, list[float]] = {kind: [] for kind in kinds}
+    for _ in range(9):
+        alphas += [timed(lambda: dist.all_reduce(small)) for _ in range(3)]
+        for kind in kinds:
+            times[kind].append(timed(big[kind][0]))
+    alpha = statistics.median(alphas)
+    return alpha, {kind: big[kind][1] / max(statistics.median(times[kind]) - alpha, 1e-9) for kind in kinds}
 
 
 def local_profile(world: int) -> Profile:
@@ -166,16 +183,16 @@ def local_profile(world: int) -> Profile:
     from autoparallel.runtime.world import ensure_world
 
     ensure_world()  # under torchrun: the world, so every rank takes rank 0's figures
-    flops, bw = _local_throughput()
+    flops, bw, kernel = _local_throughput()
     alpha, betas = _network() or (2e-4, {})
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        measured = [(flops, bw, alpha, betas)]
+        measured = [(flops, bw, kernel, alpha, betas)]
         dist.broadcast_object_list(measured, src=0)
-        flops, bw, alpha, betas = measured[0]
+        flops, bw, kernel, alpha, betas = measured[0]
     share = min(1.0, (os.cpu_count() or 1) / max(1, world)) / max(1, torch.get_num_threads())
     return Profile("local", flops * share, bw * share, alpha, betas.get("all_reduce", 1e9), LOCAL_OP_S / max(share, 1e-3),
-                   tuple(sorted(betas.items())))
+                   tuple(sorted(betas.items())), kernel_s=kernel / max(share, 1e-3))
 
 
 def _profile(profile: Any, world: int) -> Profile:
@@ -396,15 +413,15 @@ def _price(step: Step, sim: Simulation, mesh_shape: tuple[int, ...], dp_axis: in
         f = (dp - 1) / dp
         buckets = max(1, -(-p_bytes // BUCKET_BYTES))
         a = dp_axis if dp_axis is not None else -1
-        if zero == 0:
-            colls.append(("all_reduce", int(2 * f * p_bytes), buckets, a))       # all-reduce of the gradients
+        if zero <= 1:  # DP and ZeRO-1 keep whole gradients: all-reduced per bucket
+            colls.append(("all_reduce", int(2 * f * p_bytes), buckets, a))
         else:
-            # reduce-scatter of the gradients: ZeRO-3 one per unit (the blocks and the root), else per bucket
+            # reduce-scatter of the gradients: ZeRO-3 one per unit (the blocks and the root), ZeRO-2 per bucket
             colls.append(("reduce_scatter", int(f * p_bytes), n_blocks + 1 if zero == 3 else buckets, a))
-            if zero == 3:  # each block in forward and again in backward; the root unit once (kept for its backward)
-                colls.append(("all_gather", int(f * (p_bytes + block_bytes)), 2 * n_blocks + 1, a))
-            else:          # the updated shards
-                colls.append(("all_gather", int(f * p_bytes), buckets, a))
+        if zero == 3:  # each block in forward and again in backward; the root unit once (kept for its backward)
+            colls.append(("all_gather", int(f * (p_bytes + block_bytes)), 2 * n_blocks + 1, a))
+        elif zero:     # ZeRO-1/2: the updated shards
+            colls.append(("all_gather", int(f * p_bytes), buckets, a))
     if tp_grad_bytes and tp_axis is not None:
         k = mesh_shape[tp_axis]
         colls.append(("all_reduce", int(2 * (k - 1) / k * tp_grad_bytes), 1, tp_axis))
@@ -412,6 +429,16 @@ def _price(step: Step, sim: Simulation, mesh_shape: tuple[int, ...], dp_axis: in
     flops = sim.flops + recompute * sim.forward_flops
     compute_s = flops / prof.flops_per_s + sim.touched_bytes * (1 + 0.5 * recompute) / prof.bytes_per_s
     overhead_s = sim.ops * (1 + 0.5 * recompute) * prof.op_s
+    # the optimizer's update: passes over the parameters' bytes (on this rank's shard from ZeRO-1
+    # on) and kernels per parameter tensor; ZeRO-1/2 also point a shard at each parameter, give it
+    # its gradient and copy the gathered parameters back
+    passes, kernels = _update_cost(state_factor)
+    tensors = len(step.params)  # (tied parameters once)
+    compute_s += passes * (p_bytes // dp if zero else p_bytes) / prof.bytes_per_s
+    if zero in (1, 2) and dp > 1:
+        compute_s += 2 * p_bytes / prof.bytes_per_s
+        kernels += 4
+    overhead_s += tensors * kernels * prof.kernel_s
     s_bytes = int(state_factor * p_bytes) // (dp if zero >= 1 else 1)
     # activations and gradients: the replay's peak of live bytes (gradients whole: ZeRO-2 reduces
     # them after the backward, so at the peak they are whole too)
@@ -431,6 +458,12 @@ def _price(step: Step, sim: Simulation, mesh_shape: tuple[int, ...], dp_axis: in
         p_bytes = p_bytes // dp + (p_bytes - block_bytes) + unit * (2 - int(recompute >= 1))
     return Prediction(compute_s + comm_s + overhead_s, compute_s, comm_s, p_bytes + s_bytes + live,
                       sum(n for _, _, n, _ in colls), sum(b for _, b, _, _ in colls), overhead_s)
+
+
+def _update_cost(state_factor: float) -> tuple[float, int]:
+    """(passes over the parameters' bytes, kernels per parameter tensor) of one optimizer update
+    with ``state_factor`` states per parameter (AdamW: about 12 and 10; SGD with momentum 7.5 and 6)."""
+    return 3 + 4.5 * state_factor, 2 + int(4 * state_factor)
 
 
 def _divisors(n: int) -> list[int]:

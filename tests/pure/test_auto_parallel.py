@@ -67,16 +67,34 @@ def test_search_on_simulated_worlds(world: int) -> None:
 
 def test_zero_stages_are_priced_with_the_collectives_they_issue() -> None:
     """A ZeRO-3 step issues an all-gather per block in forward and again in backward, one for the
-    root unit (kept for its backward), and a reduce-scatter per unit; ZeRO-1/2 one all-gather and
-    one reduce-scatter per bucket; DP one all-reduce per bucket (tests/models/zoo.py pins the
-    measured counts: 5 all-gathers, 3 reduce-scatters for 2 blocks)."""
+    root unit (kept for its backward), and a reduce-scatter per unit; ZeRO-2 one all-gather and
+    one reduce-scatter per bucket; DP one all-reduce per bucket, and ZeRO-1 (whole gradients) the
+    same plus one all-gather (tests/models/zoo.py pins the measured counts: 5 all-gathers, 3
+    reduce-scatters for 2 blocks with ZeRO-3; an all-gather and the all-reduces with ZeRO-1)."""
     plan = ap.auto_parallel(GPT(CFG), world=4, example=_example(), loss=lm_loss, profile="h100")
     by = {c.name: c.prediction for c in plan.candidates}
-    dp, z2, z3 = by["dp4 x tp1"], by["dp4 x tp1 zero2"], by["dp4 x tp1 zero3"]
+    dp, z1, z2, z3 = by["dp4 x tp1"], by["dp4 x tp1 zero1"], by["dp4 x tp1 zero2"], by["dp4 x tp1 zero3"]
+    assert z1.collectives - dp.collectives == 1  # the all-gather of the updated shards
+    assert z1.comm_bytes - dp.comm_bytes == pytest.approx(dp.comm_bytes / 2, rel=1e-3)  # (half the all-reduce)
     assert z2.collectives - dp.collectives == 1  # the all-reduce -> a reduce-scatter and an all-gather
     assert z3.collectives - dp.collectives == (2 * CFG.layers + 1) + (CFG.layers + 1) - 1
     # bytes: ZeRO-2 gathers the parameters once, ZeRO-3 the blocks twice and the root once
     assert z2.comm_bytes < z3.comm_bytes < 2 * z2.comm_bytes
+
+
+def test_the_optimizer_update_is_priced_on_the_shard_a_rank_steps() -> None:
+    """The update reads and writes each parameter's states: AdamW (two states) costs more than
+    plain SGD, and from ZeRO-1 on a rank updates only its shard (ZeRO-1/2 then copy the gathered
+    parameters back, still less than the whole update)."""
+    model, ex = GPT(CFG), _example()
+    by = {opt: {c.name: c.prediction for c in ap.auto_parallel(model, world=4, example=ex, loss=lm_loss, profile="h100",
+                                                               optimizer=opt).candidates}
+          for opt in ("adamw", "sgd")}
+    adam, sgd = by["adamw"], by["sgd"]
+    for name in ("dp4 x tp1", "dp4 x tp1 zero1", "dp4 x tp1 zero3"):
+        assert adam[name].compute_s > sgd[name].compute_s and adam[name].overhead_s > sgd[name].overhead_s, name
+    assert adam["dp4 x tp1 zero1"].compute_s < adam["dp4 x tp1"].compute_s
+    assert adam["dp4 x tp1 zero3"].compute_s < adam["dp4 x tp1 zero1"].compute_s
 
 
 def test_plan_saves_loads_and_applies_its_parts(tmp_path) -> None:  # type: ignore[no-untyped-def]
