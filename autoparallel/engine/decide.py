@@ -1,29 +1,41 @@
 """Deciding: rule -> strategy choice -> reshard plans, for one op call (pure metadata, cached by
-the dispatcher).
+the dispatcher), and what a decision is.
 
 The rule for the op (``spmd_rules``) offers strategies; the cheapest (bytes moved, inputs
 changed, local output size: lexicographic) wins; the planner (``reshard``) plans each input's
-move. Ops with no rule, or whose rule offers nothing, run replicated and warn once. The result
-is a ``LocalStep`` (or a ``ValueDecision`` / ``InplaceViewDecision``) of
-``autoparallel.engine.decision``.
+move. Ops with no rule, or whose rule offers nothing, run replicated and warn once.
+
+A decision is one of three records, a pure function of global metadata:
+
+- ``LocalStep``: the common one. What to move (a reshard plan per DistTensor input, and for
+  in-place writes the way back), the local function to run on the shards (the op itself, or a
+  kernel with its ``LocalContext``), and how to wrap the outputs (specs, strides, which outputs
+  are written inputs).
+- ``ValueDecision``: the result is a Python value known from metadata alone (``x.dim()``-like
+  ops that reach dispatch); nothing runs.
+- ``InplaceViewDecision``: ``x.squeeze_()`` and kin run as their out-of-place view, then the
+  wrapper takes the view's shard and layout.
+
+An observer of the op path (``dispatch.observed_by``) reads ``fallback``, ``plans`` and
+``out_kind`` of whichever kind it is handed. Deciding also reads which inputs an op writes
+(``self`` of ``add_``, ``out=``; from the op's schema) and where the DistTensors sit in a call's
+``(args, kwargs)`` (its slots), which running a decision (``execute``) uses too.
 """
 
 from __future__ import annotations
 
+import enum
 import warnings
-from collections.abc import Sequence
-from dataclasses import replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields, replace
 from functools import lru_cache
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
+from autoparallel import runtime
 from autoparallel.engine import generic
-from autoparallel.engine.aliases import may_write, mutated_inputs, out_aliases
-from autoparallel.engine.decision import Decision, InplaceViewDecision, LocalStep, OutKind, ValueDecision, evolve
 from autoparallel.engine.kernels import Collectives, kernel_for
-from autoparallel.engine.keys import mesh_coord
-from autoparallel.engine.slots import dist_slots, flatten_out, map_args
 from autoparallel.placement import Replicate, StridedShard
 from autoparallel.spec import DistSpec
 from autoparallel.strides import dense_strides
@@ -33,6 +45,264 @@ from reshard.plan import RELABEL, SLICE, Plan
 from spmd_rules.base import LocalContext, OpCall, ScalarMeta, Strategy, TensorMeta
 from spmd_rules.registry import get_out_shapes, get_rule
 
+# ---- the decision records ------------------------------------------------------------------------
+AnyPlan = Plan | CrossMeshPlan
+
+
+class OutKind(enum.Enum):
+    """The shape of an op's result."""
+
+    TENSOR = "tensor"    # one tensor
+    TUPLE = "tuple"      # a tuple of tensors (None entries allowed)
+    LIST = "list"        # a list of tensors
+    NONE = "none"        # None
+    VALUE = "value"      # a Python value (``item()``, ``equal``), not tensors
+    UNKNOWN = "unknown"  # no meta kernel said: known only once the kernel ran (fallback)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LocalStep:
+    """Move the inputs, run a local function on the shards, wrap the outputs."""
+
+    # where
+    mesh: Any
+    coord: tuple[int, ...] | None                      # this rank's mesh coordinate (None: not a member)
+    # what to move
+    plans: tuple[AnyPlan | None, ...]                  # per DistTensor input (None: used as it is)
+    in_specs: tuple[DistSpec, ...]                     # each DistTensor input's layout as the op runs
+    in_conform: tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...] = ()  # (input, its wrapper's
+    #   strides, dense local strides in their nesting) per input a plan copies: the moved shard follows them
+    restore: tuple[AnyPlan | None, ...] = ()           # per written input: back to its own layout
+    slots: Any = None                                  # where each DistTensor sits in (args, kwargs)
+    # the local function
+    local_fn: Callable[..., Any] | None = None         # a kernel (None: the op itself)
+    call: OpCall | None = None                         # the call as the rule saw it
+    context: LocalContext | None = None                # the kernel's view of the call
+    # how the outputs are wrapped
+    out_kind: OutKind = OutKind.TENSOR
+    out_specs: tuple[DistSpec | None, ...] = ()         # per output (None: not a tensor)
+    out_strides: tuple[tuple[int, ...] | None, ...] = ()
+    out_dense: tuple[tuple[int, ...] | None, ...] = ()  # per new output: dense local strides nested as
+    #   out_strides (its shard is made to follow them); None: a view or written input, or off the mesh
+    out_alias: tuple[int | None, ...] = ()              # per output: the written input it is (None: new)
+    mutated: tuple[int, ...] = ()                       # DistTensor inputs written (in place, out=)
+    meta_value: Any = None                              # the result where out_kind is VALUE and inputs are written
+    fallback: bool = False                              # no rule: replicated inputs, the kernel's own outputs
+    detached_view: bool = False                         # a view whose input had to move (writes cannot reach it)
+    simple: bool = False                                # one new tensor out, nothing written: wrap and return
+
+
+def evolve(obj: _T, **changes: Any) -> _T:
+    """``dataclasses.replace`` for the frozen slots dataclasses a decision is made of (``LocalStep``,
+    ``LocalContext``; neither has a ``__post_init__``): the copy is built field by field, not
+    through ``__init__`` (a decision filled in at a new sequence length makes three per op).
+    Like ``dataclasses``' own ``__init__``, the copier of each class is generated once, as code
+    naming its fields (a keyword per field, each slot set through its descriptor): ~1.3 us a
+    copy of ``LocalStep``, against ~4 us for a loop over the fields."""
+    copier = _COPIERS.get(type(obj))
+    if copier is None:
+        copier = _COPIERS[type(obj)] = _copier(type(obj))
+    try:
+        return copier(obj, **changes)  # type: ignore[no-any-return]
+    except TypeError:
+        unknown = set(changes) - {f.name for f in fields(obj)}  # type: ignore[arg-type]
+        if unknown:
+            raise TypeError(f"evolve: {type(obj).__name__} has no fields {sorted(unknown)}") from None
+        raise
+
+
+def _copier(cls: type) -> Callable[..., Any]:
+    names = tuple(f.name for f in fields(cls))  # type: ignore[arg-type]
+    assert not hasattr(cls, "__post_init__") and set(names) == set(getattr(cls, "__slots__", ())), cls
+    assert all(n.isidentifier() and not n.startswith("_") for n in names), names
+    env: dict[str, Any] = {"_new": object.__new__, "_cls": cls, "_KEEP": _KEEP}
+    env.update({f"_set_{n}": cls.__dict__[n].__set__ for n in names})
+    params = ", ".join(f"{n}=_KEEP" for n in names)
+    body = "".join(f"    _set_{n}(new, obj.{n} if {n} is _KEEP else {n})\n" for n in names)
+    exec(f"def copy(obj, *, {params}):\n    new = _new(_cls)\n{body}    return new\n", env)  # noqa: S102
+    return env["copy"]  # type: ignore[no-any-return]
+
+
+_T = TypeVar("_T")
+_KEEP = object()  # a field not given to ``evolve``: copied from the original
+_COPIERS: dict[type, Callable[..., Any]] = {}
+
+
+@dataclass(frozen=True, slots=True)
+class ValueDecision:
+    """The op's result is ``value``, known from metadata (nothing runs, nothing moves)."""
+
+    value: Any
+    fallback = False
+    plans = ()
+    out_kind = OutKind.VALUE
+
+
+@dataclass(frozen=True, slots=True)
+class InplaceViewDecision:
+    """An in-place view op: run ``view_op`` (its out-of-place form), then re-point the wrapper."""
+
+    view_op: Any
+    fallback = False
+    plans = ()
+    out_kind = OutKind.TENSOR
+
+
+Decision = LocalStep | ValueDecision | InplaceViewDecision
+
+
+# ---- aliases: which inputs an op writes, which outputs are those inputs --------------------------
+aten = torch.ops.aten
+
+# Ops that write arguments their schema does not mark ``(a!)``: op -> (the written arguments,
+# the bool argument that must be true for the write). ``native_batch_norm`` updates its running
+# statistics in place in training mode although its schema declares them read-only (the
+# functional ``_native_batch_norm_legit`` marks them). Missed, a running statistic that the plan
+# moved (sliced to the channel shard) was written in the moved copy only: under data parallelism
+# each rank kept 1/n of the update (tests/world/test_batch_norm_world.py).
+UNMARKED_WRITES: dict[Any, tuple[tuple[str, ...], str]] = {
+    aten.native_batch_norm.default: (("running_mean", "running_var"), "training"),
+}
+
+
+def _arg(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], i: int) -> Any:
+    arg = func._schema.arguments[i]
+    return args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
+
+
+@lru_cache(maxsize=4096)
+def may_write(func: Any) -> bool:
+    """Whether the op's schema (or ``UNMARKED_WRITES``) lets it write any argument at all."""
+    return func in UNMARKED_WRITES or any(
+        a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
+
+
+def written_args(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    """The arguments the op writes: ``self`` of ``add_``, ``out=``, and the ``UNMARKED_WRITES``."""
+    if not may_write(func):
+        return []
+    written: list[Any] = []
+    unmarked, flag = UNMARKED_WRITES.get(func, ((), ""))
+    names = [a.name for a in func._schema.arguments]
+    if unmarked and not _arg(func, args, kwargs, names.index(flag)):
+        unmarked = ()
+    for i, arg in enumerate(func._schema.arguments):
+        alias = arg.alias_info
+        if (alias is None or not alias.is_write) and arg.name not in unmarked:
+            continue
+        value = _arg(func, args, kwargs, i)
+        written.extend(value if isinstance(value, (list, tuple)) else [value])
+    return [w for w in written if w is not None]
+
+
+def out_aliases(
+    func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], dts: list[Any], mutated: tuple[int, ...], n_out: int
+) -> tuple[int | None, ...]:
+    """Per output, the position in ``dts`` of the written input it returns (``add_``'s self, the
+    ``out=`` tensors), None for a new tensor (``_native_batch_norm_legit`` writes its running
+    stats and returns new ones). From the schema's alias sets; outputs paired with the written
+    inputs in order where a set names a list argument."""
+    if not mutated:
+        return (None,) * n_out
+    by_set: dict[str, Any] = {}
+    for i, arg in enumerate(func._schema.arguments):
+        a = arg.alias_info
+        if a is not None and a.is_write:
+            value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
+            by_set.update((name, value) for name in a.before_set)
+    pos = {id(t): k for k, t in enumerate(dts)}
+    out: list[int | None] = []
+    for r in func._schema.returns[:n_out]:
+        a = r.alias_info
+        value = by_set.get(next(iter(a.before_set))) if a is not None and a.is_write and a.before_set else None
+        if isinstance(value, (list, tuple)):
+            return tuple(mutated[k] if k < len(mutated) else None for k in range(n_out))
+        out.append(pos.get(id(value)) if value is not None else None)
+    return tuple(out) + (None,) * (n_out - len(out))
+
+
+def mutated_inputs(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], dts: list[Any]) -> tuple[int, ...]:
+    """Positions (in ``dts``) of the DistTensors the op writes."""
+    if not may_write(func):
+        return ()
+    ids = [id(t) for t in written_args(func, args, kwargs)]
+    return tuple(i for i, t in enumerate(dts) if id(t) in ids)
+
+
+# ---- slots: where the DistTensors sit in a call, and the shape of a result -----------------------
+def map_args(cls: Any, items: Any, fn: Callable[[Any], Any]) -> Any:
+    if isinstance(items, dict):
+        return {k: map_args(cls, v, fn) for k, v in items.items()}
+    if isinstance(items, cls):
+        return fn(items)
+    if isinstance(items, (list, tuple)):
+        mapped = [map_args(cls, a, fn) for a in items]
+        return type(items)(mapped) if isinstance(items, tuple) else mapped
+    if isinstance(items, torch.Tensor) and items.dim() == 0:
+        return fn(items)
+    return items
+
+
+def dist_slots(cls: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Positions of the DistTensors: ``((arg index, k | (k or None per element)), ...)`` for args,
+    the same keyed by name for kwargs; None when tensors nest deeper than one list."""
+    k = 0
+
+    def walk(items: Any) -> list[tuple[Any, Any]] | None:
+        nonlocal k
+        out: list[tuple[Any, Any]] = []
+        for pos, a in items:
+            if isinstance(a, cls):
+                out.append((pos, k))
+                k += 1
+            elif isinstance(a, (list, tuple)) and any(isinstance(x, (cls, list, tuple)) for x in a):
+                inner: list[int | None] = []
+                for x in a:
+                    if isinstance(x, cls):
+                        inner.append(k)
+                        k += 1
+                    elif isinstance(x, (list, tuple)):
+                        return None
+                    else:
+                        inner.append(None)
+                out.append((pos, tuple(inner)))
+        return out
+
+    a = walk(enumerate(args))
+    kw = walk(kwargs.items()) if a is not None else None
+    return None if a is None or kw is None else (tuple(a), tuple(kw))
+
+
+def place_locals(items: Any, slots: Any, locs: list[torch.Tensor]) -> Any:
+    """``items`` (a list of args, or a dict of kwargs) with DistTensors swapped for locals."""
+    for pos, k in slots:
+        if type(k) is int:
+            items[pos] = locs[k]
+        else:
+            seq = items[pos]
+            items[pos] = type(seq)(x if j is None else locs[j] for x, j in zip(seq, k))
+    return items
+
+
+def flatten_out(out: Any) -> tuple[OutKind, list[Any]]:
+    """The kind of a result and its tensors (None entries kept)."""
+    if out is None:
+        return OutKind.NONE, []
+    if isinstance(out, torch.Tensor):
+        return OutKind.TENSOR, [out]
+    if isinstance(out, (tuple, list)) and all(o is None or isinstance(o, torch.Tensor) for o in out) and any(
+        isinstance(o, torch.Tensor) for o in out
+    ):
+        return (OutKind.TUPLE if isinstance(out, tuple) else OutKind.LIST), list(out)
+    return OutKind.VALUE, []
+
+
+def mesh_coord(mesh: Any) -> tuple[int, ...] | None:
+    """This rank's coordinate on ``mesh`` (None: not a member)."""
+    return mesh.coordinate_of(runtime.get_rank())
+
+
+# ---- deciding ------------------------------------------------------------------------------------
 _warned: set[str] = set()  # ops that warned they run replicated (once each)
 
 
@@ -428,5 +698,3 @@ def _copies(plan: Plan | CrossMeshPlan | None) -> bool:
     if isinstance(plan, CrossMeshPlan):
         return True
     return any(s.kind not in (SLICE, RELABEL) for s in plan.steps)
-
-

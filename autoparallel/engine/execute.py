@@ -13,8 +13,16 @@ from typing import Any
 import torch
 
 from autoparallel import compat, known_sums, runtime
-from autoparallel.engine.decision import Decision, InplaceViewDecision, LocalStep, OutKind, ValueDecision
-from autoparallel.engine.slots import flatten_out, map_args, place_locals
+from autoparallel.engine.decide import (
+    Decision,
+    InplaceViewDecision,
+    LocalStep,
+    OutKind,
+    ValueDecision,
+    flatten_out,
+    map_args,
+    place_locals,
+)
 from autoparallel.placement import Replicate
 from autoparallel.runtime import debug
 from autoparallel.spec import DistSpec

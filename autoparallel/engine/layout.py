@@ -32,8 +32,8 @@ from typing import Any, TypeGuard
 
 import torch
 
-from autoparallel.engine.aliases import written_args
-from autoparallel.engine.decide import VALUE_OPS
+from autoparallel.engine.decide import VALUE_OPS, written_args
+from autoparallel.engine.dispatch import adopt_one, call_key
 from autoparallel.engine.dtensor import (
     DistTensor,
     _FromLocal,
@@ -43,7 +43,6 @@ from autoparallel.engine.dtensor import (
     grad_spec,
     keep_grad_layout,
 )
-from autoparallel.engine.keys import adopt_one, call_key
 from autoparallel.spec import DistSpec
 from reshard.executor import reshard_local, run_plan
 

@@ -660,7 +660,7 @@ def _agree_plain(module: nn.Module, leaves: list[Any], tensors: list[torch.Tenso
 
 def _dist(x: Any, like: DistSpec) -> DistTensor:
     """``x`` as a DistTensor: a plain tensor argument an op slices (a mask built from plain
-    tensors) as the Replicate DistTensor an op adopts it as (``keys.adopt_one``), on ``like``'s mesh."""
+    tensors) as the Replicate DistTensor an op adopts it as (``dispatch.adopt_one``), on ``like``'s mesh."""
     return x if isinstance(x, DistTensor) else layout.adopt(x, like.mesh)
 
 

@@ -76,7 +76,7 @@ class Watch:
 
 def plain_trained(module: torch.nn.Module) -> str | None:
     """The name of a parameter of ``module`` that requires grad and is not laid out (None: none).
-    Its first op lays it out in place (``engine.keys.adopt_plain_leaves``), which a trace on
+    Its first op lays it out in place (``engine.dispatch.adopt_plain_leaves``), which a trace on
     fake tensors cannot do for real: such a step runs eagerly, and the next call, with the
     parameter laid out (a new signature), is captured."""
     return next((n for n, p in module.named_parameters() if p.requires_grad and not layout.is_dist(p)), None)

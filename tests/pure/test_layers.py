@@ -63,9 +63,9 @@ def test_the_door_check_sees_engine_internals(tmp_path: object) -> None:
     root = str(tmp_path)
     files = {
         "autoparallel/__init__.py": "", "autoparallel/engine/__init__.py": "",
-        "autoparallel/engine/keys.py": "", "autoparallel/engine/dispatch.py": "", "autoparallel/engine/layout.py": "",
+        "autoparallel/engine/decide.py": "", "autoparallel/engine/dispatch.py": "", "autoparallel/engine/layout.py": "",
         "autoparallel/regions/__init__.py": "",
-        "autoparallel/regions/a.py": ("from autoparallel.engine.keys import adopt_one\n"
+        "autoparallel/regions/a.py": ("from autoparallel.engine.decide import mesh_coord\n"
                                       "from autoparallel.engine import dispatch, layout\n"
                                       "dispatch.observed_by(1); dispatch._OBSERVERS; layout.anything\n"),
         "autoparallel/regions/b.py": "from autoparallel.engine.dtensor import DistTensor, _FromLocal\n",
@@ -76,7 +76,7 @@ def test_the_door_check_sees_engine_internals(tmp_path: object) -> None:
         with open(path, "w", encoding="utf-8") as fh:
             fh.write(text)
     assert importgraph.engine_internals(root) == [
-        ("autoparallel.regions.a", "autoparallel.engine.keys.adopt_one"),
+        ("autoparallel.regions.a", "autoparallel.engine.decide.mesh_coord"),
         ("autoparallel.regions.a", "autoparallel.engine.dispatch._OBSERVERS"),
         ("autoparallel.regions.b", "autoparallel.engine.dtensor._FromLocal"),
     ]

@@ -1,4 +1,4 @@
-"""``as_strided`` as a view and a permute (``autoparallel.engine.restride``), and its use on
+"""``as_strided`` as a view and a permute (``autoparallel.engine.dispatch.as_view_permute``), and its use on
 DistTensors: adaptive pooling to 1 on a channels-last-like input (Swin's pooler) and its backward
 run sharded, with no op falling back to running replicated; ops whose output shape depends on the
 values run replicated by definition, without a warning."""
@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import autoparallel as ap
-from autoparallel.engine.restride import as_view_permute
+from autoparallel.engine.dispatch import as_view_permute
 
 
 @settings(max_examples=200, deadline=None)

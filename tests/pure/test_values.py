@@ -392,10 +392,10 @@ def test_with_shape_is_the_constructed_spec(shape: list[int], other: list[int], 
 
 
 def test_evolve_is_replace() -> None:
-    """``engine.decision.evolve`` copies a decision like ``dataclasses.replace``."""
+    """``engine.decide.evolve`` copies a decision like ``dataclasses.replace``."""
     import dataclasses
 
-    from autoparallel.engine.decision import LocalStep, evolve
+    from autoparallel.engine.decide import LocalStep, evolve
 
     mesh = ProcessMesh([0, 1])
     spec = DistSpec(mesh, (Shard(0),), (4, 6), torch.float32)

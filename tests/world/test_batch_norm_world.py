@@ -4,7 +4,7 @@
 schema marks them read-only. With the batch split (``Shard(0)``) the op moved the input to
 channel shards and sliced the running statistics; the write landed in the slices only, so each
 rank kept its 1/n of the update (found by the model zoo: transformers' ResNet under DP). The
-engine now knows the op writes them (``engine.aliases.UNMARKED_WRITES``) and writes them back.
+engine now knows the op writes them (``engine.decide.UNMARKED_WRITES``) and writes them back.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def test_running_stats_follow_the_whole_batch(world2) -> None:  # type: ignore[n
 def test_unmarked_writes_are_known() -> None:
     import torch
 
-    from autoparallel.engine.aliases import written_args
+    from autoparallel.engine.decide import written_args
 
     aten = torch.ops.aten
     x, m, v = torch.zeros(2, 3), torch.zeros(3), torch.ones(3)

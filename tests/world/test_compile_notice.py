@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import autoparallel as ap
-from autoparallel.engine.compile_notice import COMPILE_NOTICE, forget_compile_notice
+from autoparallel.engine.dtensor import COMPILE_NOTICE, forget_compile_notice
 
 POINTER = 'ap.to_static(model, loss=..., optimizer=..., strategy=ap.Strategy(compile="inductor"))'
 

@@ -24,8 +24,7 @@ import autoparallel as ap
 from autoparallel import Partial, Replicate, Shard
 from autoparallel.engine import decide as deciding
 from autoparallel.engine import generic
-from autoparallel.engine.decide import decide
-from autoparallel.engine.decision import LocalStep
+from autoparallel.engine.decide import LocalStep, decide
 from autoparallel.engine.dtensor import DistTensor
 
 aten = torch.ops.aten
