@@ -332,6 +332,31 @@ def put_tensor(module: torch.nn.Module, attr: str, t: Any) -> None:
         module._buffers[attr] = t
 
 
+@contextlib.contextmanager
+def tensors_stood_in(modules: Any, stand_ins: dict[int, Any]) -> Iterator[None]:
+    """Inside: every parameter or buffer slot of ``modules`` that holds a tensor ``t`` with
+    ``id(t)`` in ``stand_ins`` holds ``stand_ins[id(t)]`` instead; put back on exit. Each module
+    object's slots are swapped once however many paths reach it (a module shared by two parents,
+    a parameter tied across modules): ``torch.func.functional_call`` left a stand-in behind in a
+    module reached by two paths."""
+    swapped: list[tuple[dict[str, Any], str, Any]] = []
+    seen: set[int] = set()
+    try:
+        for m in modules:
+            if id(m) in seen:
+                continue
+            seen.add(id(m))
+            for own in (m._parameters, m._buffers):
+                for name, t in own.items():
+                    if t is not None and id(t) in stand_ins:
+                        swapped.append((own, name, t))
+                        own[name] = stand_ins[id(t)]
+        yield
+    finally:
+        for own, name, t in reversed(swapped):
+            own[name] = t
+
+
 def child_modules(module: torch.nn.Module) -> dict[str, Any]:
     """``module``'s children by name (the dict itself)."""
     return module._modules  # type: ignore[return-value]

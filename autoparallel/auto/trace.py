@@ -27,6 +27,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from autoparallel import compat
 from autoparallel.engine.dtensor import DistTensor
 from autoparallel.regions import moves
 from autoparallel.spec import itemsize
@@ -226,7 +227,7 @@ def _record(model: nn.Module, example: Any, loss: Callable[..., Any] | None, rea
     ids: dict[int, Ref] = {}
     keep: list[Any] = []
     where = [""]
-    fake_mode: Any = contextlib.nullcontext() if real else FakeTensorMode(allow_non_fake_inputs=False)
+    fake_mode: Any = contextlib.nullcontext() if real else FakeTensorMode(allow_non_fake_inputs=True)
     recorder = _Recorder(step, ids, keep, where)
 
     def fake(t: Any) -> Any:
@@ -254,6 +255,8 @@ def _record(model: nn.Module, example: Any, loss: Callable[..., Any] | None, rea
         state[name] = fake(p.detach()).requires_grad_(p.requires_grad)
     for name, b in model.named_buffers(remove_duplicate=False):
         state[name] = fake(b)
+    # what stands in for each parameter and buffer during the recording (by the tensor's identity)
+    stand_ins = {id(t): state[n] for n, t in (*model.named_parameters(), *model.named_buffers())}
     hooks = []
     names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
 
@@ -315,7 +318,8 @@ def _record(model: nn.Module, example: Any, loss: Callable[..., Any] | None, rea
                     if t.requires_grad:
                         t.register_hook(lambda g, n=name: step.grads.setdefault(n, []).append(recorder.ref(g)))
                 with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                    out = torch.func.functional_call(model, state, fargs, fkwargs, tie_weights=True, strict=False)
+                    with compat.tensors_stood_in(model.modules(), stand_ins):
+                        out = model(*fargs, **fkwargs)
                     value = loss_of(out, ftargets, loss)
                 step.loss = recorder.ref(value)
                 recorder.backward = True

@@ -96,7 +96,6 @@ def standing_in(state: Sequence[torch.Tensor], modules: Iterable[torch.nn.Module
     tied modules, which hold the object, see it); a plain tensor (a buffer, a frozen parameter)
     is replaced in the slots of ``modules`` that hold it. Everything is put back on exit."""
     swapped: list[tuple[Any, torch.Tensor]] = []
-    slots: list[tuple[dict[str, Any], str, torch.Tensor]] = []
     plain: dict[int, torch.Tensor] = {}
     try:
         for t, f in zip(state, fakes):
@@ -105,19 +104,11 @@ def standing_in(state: Sequence[torch.Tensor], modules: Iterable[torch.nn.Module
                 layout.set_local_(t, f)
             else:
                 plain[id(t)] = f
-        if plain:
-            for m in modules:
-                for own in (compat.own_parameters(m), compat.own_buffers(m)):
-                    for name, t in own.items():
-                        if t is not None and id(t) in plain:
-                            slots.append((own, name, t))
-                            own[name] = plain[id(t)]
-        yield
+        with compat.tensors_stood_in(modules if plain else (), plain):
+            yield
     finally:
         for t, local in swapped:
             layout.set_local_(t, local)
-        for own, name, t in slots:
-            own[name] = t
 
 
 def capture(fn: Callable[..., Any], inputs: Sequence[torch.Tensor]) -> Capture:

@@ -40,6 +40,57 @@ def test_trace_records_forward_backward_and_leaves_the_model_alone() -> None:
         assert torch.equal(p, before[n]) and p.grad is None
 
 
+class _SharedEmbedding(nn.Module):
+    """T5's shape: one embedding module reached by two paths, a head tied to its weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = nn.Embedding(32, 16)
+        self.encoder = nn.Module()
+        self.encoder.embed_tokens = self.shared
+        self.norm = nn.LayerNorm(16)
+        self.head = nn.Linear(16, 32, bias=False)
+        self.head.weight = self.shared.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.encoder.embed_tokens(x) + self.shared(x)))
+
+
+def test_recording_leaves_a_module_reached_by_two_paths_whole() -> None:
+    """Every parameter and buffer is the same tensor after the search as before (torch's
+    functional_call left a fake in a module reached by two paths: T5's shared embedding)."""
+    model = _SharedEmbedding()
+    before = {n: t for n, t in (*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False))}
+    x = torch.randint(0, 32, (8, 6))
+    plan = ap.auto_parallel(model, world=4, example=(x, x),
+                            loss=lambda out, y: nn.functional.cross_entropy(out.flatten(0, 1), y.flatten()))
+    assert plan.prediction is not None
+    after = {n: t for n, t in (*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False))}
+    assert after.keys() == before.keys()
+    assert all(after[n] is t for n, t in before.items()), [n for n, t in before.items() if after[n] is not t]
+    assert model(x).shape == (8, 6, 32)  # real tensors: it still runs
+
+
+class _PlainTable(nn.Module):
+    """GPT-J's shape: a table kept as a plain tensor attribute (neither parameter nor buffer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = torch.randn(6, 16)
+        self.embed = nn.Embedding(32, 16)
+        self.head = nn.Linear(16, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(x) + self.table)
+
+
+def test_a_plain_tensor_attribute_is_recorded_as_a_constant() -> None:
+    x = torch.randint(0, 32, (8, 6))
+    plan = ap.auto_parallel(_PlainTable(), world=4, example=(x, x),
+                            loss=lambda out, y: nn.functional.cross_entropy(out.flatten(0, 1), y.flatten()))
+    assert plan.prediction is not None and plan.prediction.time_s > 0
+
+
 def test_simulation_counts_megatron_collectives() -> None:
     """Tensor parallel on a simulated mesh of 4: one all-reduce per row-parallel Linear and the
     embedding in the forward; data parallel: no forward collective but the mean loss's."""
