@@ -145,7 +145,11 @@ def _where(e: BaseException) -> str:
     if not frames:
         return ""
     f = frames[-1]
-    return f" at {f.filename}:{f.lineno} (`{(f.line or '').strip()}`)"
+    hint = ""
+    if f.filename.endswith("modeling_attn_mask_utils.py"):  # the skip-the-mask check of transformers' sdpa attention
+        hint = (" — transformers' check whether the attention mask is all ones; the model built with "
+                "attn_implementation=\"eager\" has none")
+    return f" at {f.filename}:{f.lineno} (`{(f.line or '').strip()}`){hint}"
 
 
 def _flops(func: Any, args: Any, kwargs: Any, out: Any) -> int:

@@ -198,6 +198,27 @@ class _Summed(nn.Module):
         return self.lin(x).sum()  # one Linear: no column/row pair to split
 
 
+def test_transformers_sdpa_mask_check_is_named_with_the_way_around(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The all-ones mask check of transformers' sdpa attention reads a value: the error says so
+    and names ``attn_implementation="eager"`` (a module of that file name stands in for it)."""
+    (tmp_path / "modeling_attn_mask_utils.py").write_text(
+        "import torch\n\ndef prepare(mask):\n    if torch.all(mask == 1):\n        return None\n    return mask\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import modeling_attn_mask_utils as mask_utils
+
+    class Masked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            mask_utils.prepare(torch.ones(2))
+            return self.lin(x).sum()
+
+    with pytest.raises(ValueError, match=r"modeling_attn_mask_utils.py:4 .*attn_implementation=\"eager\""):
+        ap.auto_parallel(Masked(), world=2, example=(torch.randn(2, 4),))
+
+
 def test_bad_input_is_one_clear_error() -> None:
     with pytest.raises(ValueError, match=r"cannot be traced .*test_auto_parallel.py:\d+ \(`return y.sum\(\) if y.sum\(\) > 0"):
         ap.auto_parallel(_DataDependent(), world=2, example=(torch.randn(2, 4),))  # names the model's line
