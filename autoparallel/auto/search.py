@@ -5,8 +5,8 @@ factorisation of the world into data x tensor parallel (tensor-parallel degrees 
 divide the world), for each: the tensor-parallel plan (``ap.plans``' for a model family it
 recognises, else Megatron pairs found on the step itself — a Linear whose split output reaches
 another Linear's input split on its features with no collective in between — plus a tied or
-vocabulary-sized embedding vocab-parallel and its head column-parallel), with and without
-sequence parallelism, ZeRO stage 0-3 on the data axis and recompute of the repeated blocks (none,
+vocabulary-sized embedding vocab-parallel and its head column-parallel, or the vocabulary left
+whole), with and without sequence parallelism, ZeRO stage 0-3 on the data axis and recompute of the repeated blocks (none,
 all, or under a budget the fewest blocks that fit it). Each (mesh, tensor-parallel plan) is replayed once on layouts (``autoparallel.auto.simulate``:
 the eager engine's own rules, choices and reshard plans); ZeRO and recompute change known terms.
 Predicted time = compute (FLOPs / throughput + other bytes / bandwidth) + communication (per
@@ -297,6 +297,29 @@ def found_plans(model: nn.Module, step: Step) -> list[tuple[str, ModelPlan, bool
     return out
 
 
+def whole_vocabulary(model: nn.Module, step: Step, label: str, plan: ModelPlan, sp: bool) -> tuple[str, ModelPlan, bool] | None:
+    """``plan`` with its vocabulary-parallel input embedding and the column-parallel head over
+    that vocabulary (outside the repeated blocks) left whole on the tensor axis; None when it
+    splits no vocabulary. At a small vocabulary the split costs more collectives (the
+    embedding's all-reduce, the loss's reductions) than the whole weight's gradient all-reduce;
+    the pricing decides."""
+    blocks = tuple(b + "." for b in step.blocks())
+    if not blocks:
+        return None
+    matches = match_plan(model, plan)
+    vocab = {m.num_embeddings for _, _, m, st in matches if isinstance(st, VocabParallelEmbedding) and isinstance(m, nn.Embedding)}
+    if not vocab:
+        return None
+    drop = {pat for pat, name, m, st in matches
+            if not name.startswith(blocks) and (isinstance(st, VocabParallelEmbedding) or (
+                isinstance(st, ColWiseParallel) and isinstance(m, nn.Linear) and m.out_features in vocab))}
+    if any(name.startswith(blocks) for pat, name, _, _ in matches if pat in drop):
+        return None  # (a pattern reaching into the blocks too)
+    styles = {k: v for k, v in plan.items() if k not in drop}
+    divisible = {k: v for k, v in plan.divisible.items() if not ("vocab" in k or "num_embeddings" in k)}
+    return f"{label}, vocabulary whole", ModelPlan(styles, divisible, plan.model), sp
+
+
 def _split_features(spec: Any) -> bool:
     return spec is not None and len(spec.shape) >= 1 and any(
         isinstance(p, Shard) and p.dim == len(spec.shape) - 1 for p in spec.placements)
@@ -511,6 +534,7 @@ def auto_parallel(model: nn.Module, world: int | None = None, example: Any = Non
     prof = _profile(profile, world)
     tp_plans = [(label, _without(tp_plan, model, fixed), sp)
                 for label, tp_plan, sp in family_plans(model) or found_plans(model, recording.short)]
+    tp_plans += [v for t in tp_plans if (v := whole_vocabulary(model, step, *t)) is not None]
     meshes: list[tuple[int, int]] = []
     if mesh is not None:
         names = mesh.dim_names

@@ -102,8 +102,28 @@ def test_simulation_counts_megatron_collectives() -> None:
     assert {"blocks.*.attn.qkv", "blocks.*.attn.proj", "blocks.*.mlp.fc", "blocks.*.mlp.proj"} <= set(plan)
     assert type(plan["blocks.*.attn.qkv"]).__name__ == "ColWiseParallel"
     assert type(plan["blocks.*.mlp.proj"]).__name__ == "RowWiseParallel"
-    assert type(plan["tok"]).__name__ == "VocabParallelEmbedding"  # tied to the head
-    assert type(plan["head"]).__name__ == "ColWiseParallel"
+    from autoparallel.auto.search import found_plans
+    megatron = dict((label, p) for label, p, _ in found_plans(model, step))["megatron"]
+    assert type(megatron["tok"]).__name__ == "VocabParallelEmbedding"  # tied to the head
+    assert type(megatron["head"]).__name__ == "ColWiseParallel"
+
+
+@pytest.mark.parametrize("vocab", [128, 32000])
+def test_the_vocabulary_is_split_where_it_pays(vocab: int) -> None:
+    """Each tensor-parallel plan is also priced with its vocabulary-parallel embedding and head
+    left whole: at a vocabulary of 128 that saves the embedding's and the loss's collectives
+    (chosen); at 32000 the whole head's compute and gradient cost more (split)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, vocab, (8, 64), generator=g)
+    model = GPT(GPTConfig(vocab=vocab, width=64, heads=4, layers=2, seq=64))
+    plan = ap.auto_parallel(model, example=(x, x), loss=lm_loss, mesh=ap.ProcessMesh.simulated((4,), ["mp"]))
+    names = {c.name for c in plan.candidates}
+    assert {"dp1 x tp4 megatron", "dp1 x tp4 megatron, vocabulary whole"} <= names
+    whole = plan.candidates[0].name.endswith("vocabulary whole")
+    assert whole == (vocab == 128), plan.candidates[0].name
+    assert ("tok" in plan) == (vocab == 32000) and ("head" in plan) == (vocab == 32000)
+    if whole:
+        assert plan.divisible and not any("num_embeddings" in k for k in plan.divisible)
 
 
 @pytest.mark.parametrize("world", [4, 8, 64, 512])
