@@ -6,16 +6,17 @@ divide the world), for each: the tensor-parallel plan (``ap.plans``' for a model
 recognises, else Megatron pairs found on the step itself — a Linear whose split output reaches
 another Linear's input split on its features with no collective in between — plus a tied or
 vocabulary-sized embedding vocab-parallel and its head column-parallel, or the vocabulary left
-whole), with and without sequence parallelism, ZeRO stage 0-3 on the data axis and recompute of the repeated blocks (none,
-all, or under a budget the fewest blocks that fit it). Each (mesh, tensor-parallel plan) is replayed once on layouts (``autoparallel.auto.simulate``:
-the eager engine's own rules, choices and reshard plans); ZeRO and recompute change known terms.
+whole), with and without sequence parallelism, ZeRO stage 0-3 on the data axis and recompute of
+the repeated blocks (none, all, or under a budget the fewest blocks that fit it). Each (mesh,
+tensor-parallel plan) is replayed once on layouts (``autoparallel.auto.simulate``: the eager
+engine's own rules, choices and reshard plans); ZeRO and recompute change known terms.
 Predicted time = compute (FLOPs / throughput + other bytes / bandwidth) + communication (per
 collective: latency + bytes / bandwidth, no overlap assumed) + the optimizer's update (on the
-rank's shard from ZeRO-1 on); peak memory = parameters and
-optimizer states after ZeRO + the most bytes alive at once in the replayed step (activations,
-what autograd saves, gradients, moved copies; recompute drops a block's saved tensors until its
-backward) or at the optimizer's step (gradients and its buckets), whichever is more. Every
-decision reads global metadata only: every rank gets the same plan.
+rank's shard from ZeRO-1 on); peak memory = parameters and optimizer states after ZeRO + the
+most bytes alive at once in the replayed step (activations, what autograd saves, gradients,
+moved copies; recompute drops a block's saved tensors until its backward) or at the optimizer's
+step (gradients and its buckets), whichever is more. Every decision reads global metadata only:
+every rank gets the same plan.
 """
 
 from __future__ import annotations
