@@ -71,7 +71,8 @@ def adopt_plain(
     mesh. Torch itself makes such tensors inside decompositions and backward formulas (zeros,
     ones, index tensors), and user code indexes with them (``x[idx]``). A plain tensor is refused
     (TypeError, before any collective) when it requires grad (its gradient would have to be a
-    plain tensor), when the op writes it and the mesh is not the whole world (ranks outside the
+    plain tensor; above autograd, ``DistTensor.__torch_function__`` has made such tensors
+    DistTensors where the mesh is the whole world), when the op writes it and the mesh is not the whole world (ranks outside the
     mesh would not write it; inside, the adopted tensor's shard IS the plain tensor, so the full
     result lands in it), or when the DistTensors live on several meshes (no mesh to replicate on).
     Plain tensors whose values differ across the mesh's ranks raise a ``ValueError`` on every rank

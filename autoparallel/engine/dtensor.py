@@ -24,6 +24,7 @@ from autoparallel import compat, runtime
 from autoparallel.engine.dispatch import adopt_plain_leaves, adopt_written_plain, dispatch, is_in_place_name
 from autoparallel.mesh import Dims, ProcessMesh
 from autoparallel.placement import Replicate
+from autoparallel.runtime import agree
 from autoparallel.spec import DistSpec
 from autoparallel.strides import conform, contiguous_strides
 from reshard.executor import piece_of_whole, reshard_local
@@ -122,6 +123,37 @@ def _tf_kind(func: Any) -> int:
     return _IN_PLACE if isinstance(name, str) and is_in_place_name(name) else 0
 
 
+def _replicated_with_grad(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``args``/``kwargs`` with every plain tensor that requires grad and is not a leaf (a value
+    the model computed on plain tensors, e.g. T5's position bias under gradient checkpointing)
+    made a Replicate DistTensor on the DistTensors' mesh, differentiably: its gradient comes back
+    as the full plain gradient on every rank. Like any plain tensor mixed in, it must hold the
+    same value on every rank (``agree.check_plain``). Left as it is — and the op raises its
+    ``TypeError`` — when the DistTensors live on several meshes or the mesh is not the whole world."""
+    items = (*args, *kwargs.values())
+    grads = [a for a in items if type(a) in _PLAIN and a.requires_grad and not a.is_leaf and a.dim() != 0]
+    if not grads:
+        return args, kwargs
+    meshes = {a._spec.mesh for a in items if isinstance(a, cls)}
+    if len(meshes) != 1:
+        return args, kwargs
+    mesh = meshes.pop()
+    if mesh.size != runtime.get_world_size():
+        return args, kwargs
+    agree.check_plain(f"a plain tensor that requires grad in {getattr(func, '__name__', func)}", mesh, grads)
+    rep = tuple(Replicate() for _ in range(mesh.ndim))
+    made: dict[int, Any] = {}
+
+    def replicated(a: Any) -> Any:
+        if not any(a is g for g in grads):
+            return a
+        if id(a) not in made:
+            made[id(a)] = _ShardTensor.apply(a, DistSpec(mesh, rep, tuple(a.shape), a.dtype))
+        return made[id(a)]
+
+    return tuple(replicated(a) for a in args), {k: replicated(v) for k, v in kwargs.items()}
+
+
 _BACKWARD_ARGS = ("gradient", "retain_graph", "create_graph", "inputs")
 _gradient_edge = getattr(torch.autograd.graph, "get_gradient_edge", None)
 
@@ -197,9 +229,10 @@ class DistTensor(torch.Tensor):
         op warns that it runs eagerly (``_CompileNotice``)."""
         if _COMPILE.armed:  # (a torch.compile started in this process and has not warned yet)
             _COMPILE.check()
-        for a in args:  # a plain leaf that requires grad (a parameter left plain): laid out first
-            if type(a) in _PLAIN and a.requires_grad:
+        for a in args:  # a plain tensor that requires grad: a leaf (a parameter left plain) laid
+            if type(a) in _PLAIN and a.requires_grad:  # out first, any other one replicated
                 adopt_plain_leaves(cls, func, args, kwargs or {})
+                args, kwargs = _replicated_with_grad(cls, func, args, kwargs or {})
                 break
         kind = _TF_KIND.get(func)
         if kind is None:

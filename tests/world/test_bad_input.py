@@ -60,11 +60,12 @@ def _mixed_meshes(rank: int) -> None:
 
 
 # A plain tensor mixed with DistTensors is Replicate on their mesh (docs/plain_tensors.md),
-# unless it requires grad, the op writes it while ranks lie outside the mesh, or the
+# unless it requires grad or the op writes it while ranks lie outside the mesh, or the
 # DistTensors live on several meshes.
 def _mixed_plain_requires_grad(rank: int) -> None:
-    # (a plain leaf is laid out in place as Replicate: docs/plain_tensors.md; a computed one cannot be)
-    a = ap.shard_tensor(torch.ones(4), ap.ProcessMesh([0, 1, 2, 3]), [Shard(0)])
+    # (on a whole-world mesh a plain leaf is laid out in place and a computed one joins as a
+    # differentiable Replicate: tests/world/test_plain_written.py; ranks 2 and 3 lie outside this one)
+    a = ap.shard_tensor(torch.ones(4), ap.ProcessMesh([0, 1]), [Shard(0)])
     with pytest.raises(TypeError):  # Python operators replace the message with their own
         a + torch.ones(4, requires_grad=True) * 2
     torch.add(a, torch.ones(4, requires_grad=True) * 2)

@@ -48,3 +48,40 @@ def test_a_plain_buffer_filled_in_place_trains(world2) -> None:  # type: ignore[
         for out_err, grad_err, dist in world2.run(_fill, how):
             assert dist, how
             assert out_err < 1e-6 and grad_err < 1e-5, (how, out_err, grad_err)
+
+
+def _computed_with_grad(rank: int) -> tuple[float, float, float, str]:
+    """T5's position bias under gradient checkpointing: a plain leaf that requires grad, plus a
+    plain mask (a plain non-leaf that requires grad), added in place to DistTensor scores
+    (``scores += bias``, a Python operator that turned the refusal into "unsupported operand")."""
+    import torch
+
+    import autoparallel as ap
+
+    torch.manual_seed(0)
+    mesh = ap.ProcessMesh([0, 1], dim_names=["dp"])
+    x_full = torch.randn(4, 2, 3, 3)
+    mask = torch.randn(1, 1, 3, 3)
+
+    def run(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        bias = torch.zeros(1, 2, 3, 3)
+        bias.requires_grad = True
+        scores = x * 2
+        scores += bias + mask  # a plain non-leaf that requires grad
+        return scores.softmax(-1).square().sum(), bias, scores
+
+    x = ap.shard_tensor(x_full.clone(), mesh, [ap.Shard(0)]).requires_grad_()
+    loss, bias, scores = run(x)
+    loss.backward()
+    ref_x = x_full.clone().requires_grad_()
+    ref_loss, ref_bias, _ = run(ref_x)
+    ref_loss.backward()
+    assert bias.grad is not None and type(bias.grad) is torch.Tensor  # the plain leaf's own, full gradient
+    return ((loss.full_tensor() - ref_loss).abs().item(), (bias.grad - ref_bias.grad).abs().max().item(),
+            (x.grad.full_tensor() - ref_x.grad).abs().max().item(), str(scores.placements))
+
+
+def test_a_plain_value_that_requires_grad_joins_as_replicate(world2) -> None:  # type: ignore[no-untyped-def]
+    for loss_err, bias_err, x_err, placements in world2.run(_computed_with_grad):
+        assert loss_err < 1e-6 and bias_err < 1e-6 and x_err < 1e-6, (loss_err, bias_err, x_err)
+        assert placements == "(Shard(0),)", placements
