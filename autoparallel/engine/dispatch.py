@@ -174,6 +174,17 @@ def adopt_written_plain(cls: Any, name: str, args: tuple[Any, ...]) -> None:
         return
 
 
+def whole_world_mesh(cls: Any, items: tuple[Any, ...]) -> Any:
+    """The one mesh the DistTensors among ``items`` live on, if it spans the whole world (None:
+    several meshes, or ranks outside it): where a plain tensor that requires grad can join them
+    as Replicate, every rank holding its value."""
+    meshes = {a._spec.mesh for a in items if isinstance(a, cls)}
+    if len(meshes) != 1:
+        return None
+    mesh = meshes.pop()
+    return mesh if mesh.size == runtime.get_world_size() else None
+
+
 def adopt_plain_leaves(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """Lay out, in place, every plain leaf that requires grad (a parameter left plain) that an op
     mixes with DistTensors: it becomes a Replicate DistTensor (a Parameter stays a Parameter;
@@ -191,11 +202,8 @@ def adopt_plain_leaves(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[
               if type(a) in (torch.Tensor, torch.nn.Parameter) and a.requires_grad and a.is_leaf and a.dim() != 0]
     if not leaves:
         return
-    meshes = {a._spec.mesh for a in (*args, *kwargs.values()) if isinstance(a, cls)}
-    if len(meshes) != 1:
-        return
-    mesh = meshes.pop()
-    if mesh.size != runtime.get_world_size():
+    mesh = whole_world_mesh(cls, (*args, *kwargs.values()))
+    if mesh is None:
         return
     agree.check_plain(f"a plain parameter in {getattr(func, '__name__', func)}", mesh, leaves)
     rep = tuple(Replicate() for _ in range(mesh.ndim))
@@ -384,4 +392,4 @@ def observed_by(observer: Any) -> Iterator[Any]:
         _OBSERVERS.pop()
 
 
-__all__ = ["adopt_plain", "adopt_plain_leaves", "adopt_written_plain", "as_view_permute", "call_key", "clear_cache", "dispatch", "is_in_place_name", "observed_by"]
+__all__ = ["adopt_plain", "adopt_plain_leaves", "adopt_written_plain", "as_view_permute", "call_key", "clear_cache", "dispatch", "is_in_place_name", "observed_by", "whole_world_mesh"]

@@ -21,7 +21,13 @@ from typing import Any, cast
 import torch
 
 from autoparallel import compat, runtime
-from autoparallel.engine.dispatch import adopt_plain_leaves, adopt_written_plain, dispatch, is_in_place_name
+from autoparallel.engine.dispatch import (
+    adopt_plain_leaves,
+    adopt_written_plain,
+    dispatch,
+    is_in_place_name,
+    whole_world_mesh,
+)
 from autoparallel.mesh import Dims, ProcessMesh
 from autoparallel.placement import Replicate
 from autoparallel.runtime import agree
@@ -134,11 +140,8 @@ def _replicated_with_grad(cls: Any, func: Any, args: tuple[Any, ...], kwargs: di
     grads = [a for a in items if type(a) in _PLAIN and a.requires_grad and not a.is_leaf and a.dim() != 0]
     if not grads:
         return args, kwargs
-    meshes = {a._spec.mesh for a in items if isinstance(a, cls)}
-    if len(meshes) != 1:
-        return args, kwargs
-    mesh = meshes.pop()
-    if mesh.size != runtime.get_world_size():
+    mesh = whole_world_mesh(cls, items)
+    if mesh is None:
         return args, kwargs
     agree.check_plain(f"a plain tensor that requires grad in {getattr(func, '__name__', func)}", mesh, grads)
     rep = tuple(Replicate() for _ in range(mesh.ndim))
