@@ -7,7 +7,8 @@ from typing import Any
 from torch import nn
 
 from autoparallel.auto.plan import Candidate, Plan, Prediction
-from autoparallel.auto.search import H100, Profile, auto_parallel, local_profile
+from autoparallel.auto.profile import H100, Profile, local_profile
+from autoparallel.auto.search import auto_parallel
 from autoparallel.mesh import ProcessMesh
 
 __all__ = ["H100", "Candidate", "Plan", "Prediction", "Profile", "auto_parallel", "local_profile"]

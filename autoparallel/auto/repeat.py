@@ -26,7 +26,7 @@ from typing import Any
 from torch import nn
 
 from autoparallel import compat
-from autoparallel.auto.simulate import Collective, Simulation, simulate
+from autoparallel.auto.simulate import Collective, Part, Simulation, simulate
 from autoparallel.auto.trace import Step, trace_step
 from autoparallel.mesh import ProcessMesh
 from autoparallel.placement import Placement
@@ -103,7 +103,22 @@ class Recording:
                        saved_bytes=b.saved_bytes + k * (b.saved_bytes - a.saved_bytes),
                        ops=b.ops + k * (b.ops - a.ops),
                        live_peak=b.live_peak + k * (b.live_peak - a.live_peak),
-                       live_peak_recompute=b.live_peak_recompute + k * (b.live_peak_recompute - a.live_peak_recompute))
+                       live_peak_recompute=b.live_peak_recompute + k * (b.live_peak_recompute - a.live_peak_recompute),
+                       parts=self._parts(b))
+
+    def _parts(self, three: Simulation) -> dict[str, Part]:
+        """The N-block step's parts from three blocks': the first and the last block as recorded,
+        every block between like the middle one (in forward order)."""
+        p = self.prefix
+        out: dict[str, Part] = {}
+        for name, part in three.parts.items():
+            if name == f"{p}.1":
+                out.update({f"{p}.{i}": part for i in range(1, self.blocks - 1)})
+            elif name == f"{p}.2":
+                out[f"{p}.{self.blocks - 1}"] = part
+            else:
+                out[name] = part
+        return out
 
     def _kind(self, c: Collective) -> Collective:
         """``c`` with its block's index made ``*`` (block 1 of two and block 2 of three are alike)."""

@@ -21,209 +21,22 @@ every rank gets the same plan.
 
 from __future__ import annotations
 
-import functools
-import os
-import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import nn
 
 from autoparallel.auto.plan import Candidate, Plan, Prediction, parse_bytes
+from autoparallel.auto.price import price_step, state_factor_of
+from autoparallel.auto.profile import resolve_profile
 from autoparallel.auto.repeat import record
-from autoparallel.auto.simulate import Simulation, simulate
+from autoparallel.auto.simulate import simulate
 from autoparallel.auto.trace import Step, pattern
 from autoparallel.mesh import ProcessMesh
 from autoparallel.nn.parallelize import ModelPlan, match_plan
 from autoparallel.nn.styles import ColWiseParallel, RowWiseParallel, SequenceParallel, VocabParallelEmbedding
-from autoparallel.placement import Partial, Placement, Replicate, Shard
-from autoparallel.runtime import comm
-from autoparallel.spec import itemsize
-
-BUCKET_BYTES = 25 * 2**20  # gradients are reduced in buckets of about this size
-
-
-@dataclass(frozen=True)
-class Profile:
-    """The machine the plan is for: per-rank compute and memory throughput, and the network's
-    latency per collective (``alpha_s``) and bandwidth (``beta_bytes_per_s``: bytes a rank receives
-    per second; ``kind_beta`` overrides it per collective kind, e.g. a backend whose
-    reduce-scatter runs as an all-reduce). With ``node_size`` ranks to a node, a mesh axis whose
-    groups stay inside a node (ranks laid out row-major: the innermost axes) moves bytes at
-    ``node_beta_bytes_per_s`` after ``node_alpha_s`` instead (NVLink against the network)."""
-
-    name: str
-    flops_per_s: float
-    bytes_per_s: float
-    alpha_s: float
-    beta_bytes_per_s: float
-    op_s: float = 0.0  # the framework's own time per op of the step (eager dispatch on the host)
-    kind_beta: tuple[tuple[str, float], ...] = ()
-    node_size: int = 0  # 0: one network for every axis
-    node_alpha_s: float = 0.0
-    node_beta_bytes_per_s: float = 0.0
-    kernel_s: float = 0.0  # the host time of one plain local kernel (the optimizer's update runs such kernels)
-
-    def seconds(self, kind: str, nbytes: float, count: int = 1, inside_node: bool = False) -> float:
-        """Time of ``count`` collectives of ``kind`` moving ``nbytes`` (received per rank) in all,
-        over a mesh axis inside a node or not."""
-        if inside_node and self.node_size:
-            return count * self.node_alpha_s + nbytes / self.node_beta_bytes_per_s
-        beta = dict(self.kind_beta).get(kind, self.beta_bytes_per_s)
-        return count * self.alpha_s + nbytes / beta
-
-    def inside_node(self, mesh_shape: tuple[int, ...], axis: int) -> bool:
-        """Whether each group of ``axis`` of a row-major mesh of ``mesh_shape`` stays in one node."""
-        if not self.node_size or axis < 0:
-            return False
-        span = 1
-        for n in mesh_shape[axis:]:
-            span *= n
-        return span <= self.node_size and self.node_size % span == 0
-
-
-# Nodes of 8 H100-class GPUs (bf16 dense peak ~989 TFLOPS at ~50 % achieved): NVLink inside a
-# node (~360 GB/s of all-reduce bus bandwidth, ~15 us), 400 Gb/s per GPU between nodes (~45 GB/s,
-# ~30 us); ~20 us of host time per eager op.
-H100 = Profile("h100", 0.5 * 989e12, 2.0e12, 30e-6, 45e9, 20e-6, (), 8, 15e-6, 360e9, kernel_s=5e-6)
-# The eager engine's host time per op on this kind of machine (dispatch, rule lookup, wrapping),
-# on one core of its own.
-LOCAL_OP_S = 40e-6
-
-
-@functools.cache
-def _local_throughput() -> tuple[float, float, float]:
-    """(FLOP/s, bytes/s, seconds per small kernel) of this process, measured once (~0.1 s): a
-    256 x 256 matmul, an in-place multiply of 4 MiB and of 64 floats."""
-    a = torch.randn(256, 256)
-    b = torch.randn(256, 256)
-    x = torch.empty(1 << 20)
-    for _ in range(3):
-        a @ b
-    t = time.perf_counter()
-    n = 0
-    while time.perf_counter() - t < 0.05:
-        a @ b
-        n += 1
-    flops = n * 2 * 256**3 / (time.perf_counter() - t)
-    t = time.perf_counter()
-    m = 0
-    while time.perf_counter() - t < 0.03:
-        x.mul_(1.0)
-        m += 1
-    bw = m * 2 * x.numel() * 4 / (time.perf_counter() - t)
-    tiny = torch.empty(64)
-    t = time.perf_counter()
-    for _ in range(200):
-        tiny.mul_(1.0)
-    kernel = (time.perf_counter() - t) / 200
-    return flops, bw, kernel
-
-
-@functools.cache
-def _network() -> tuple[float, dict[str, float]] | None:
-    """(seconds per collective, {kind: bytes received per second}) of the started world's
-    backend, measured once per process (~0.5 s on gloo over loopback): the latency from
-    all-reduces of 4 bytes, each kind's bandwidth from collectives of 4 MiB less that latency;
-    the kinds take turns over nine rounds and each figure is the median of its rounds (a slow
-    moment of a shared machine hits one round, not the figure).
-    None without a world of two or more ranks."""
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return None
-    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    n = dist.get_world_size()
-    small = torch.zeros(1, device=device)
-
-    def timed(run: Callable[[], Any]) -> float:
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        run()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        return time.perf_counter() - start
-
-    def runs(numel: int) -> dict[str, tuple[Callable[[], Any], float]]:
-        """kind -> (one collective over ``numel`` floats, bytes a rank receives as the planner counts them)"""
-        piece = torch.zeros(numel // n, device=device)
-        whole = torch.zeros(piece.numel() * n, device=device)
-        size = whole.numel() * 4
-        return {"all_reduce": (lambda: dist.all_reduce(whole), 2 * (n - 1) / n * size),
-                "all_gather": (lambda: comm.all_gather_flat(whole, piece), (n - 1) / n * size),
-                "reduce_scatter": (lambda: comm.reduce_scatter_flat(piece, whole), (n - 1) / n * size)}
-
-    big = runs(1 << 20)  # 4 MiB of floats
-    kinds = []
-    for kind, (run, _) in big.items():
-        try:
-            run()
-        except (RuntimeError, NotImplementedError):  # not offered by this backend: priced as the default
-            continue
-        kinds.append(kind)
-    for _ in range(2):
-        dist.all_reduce(small)
-    alphas: list[float] = []
-    times: dict[str, list[float]] = {kind: [] for kind in kinds}
-    for _ in range(9):
-        alphas += [timed(lambda: dist.all_reduce(small)) for _ in range(3)]
-        for kind in kinds:
-            times[kind].append(timed(big[kind][0]))
-    alpha = statistics.median(alphas)
-    return alpha, {kind: big[kind][1] / max(statistics.median(times[kind]) - alpha, 1e-9) for kind in kinds}
-
-
-def local_profile(world: int) -> Profile:
-    """This machine, ``world`` ranks sharing its cores. Inside a started world of two or more
-    ranks the network is measured too (``_network``); otherwise gloo over loopback is assumed
-    (0.2 ms per collective, 1 GB/s). Rank 0's figures are used on every rank (one broadcast), so
-    every rank prices, and chooses, alike."""
-    from autoparallel.runtime.world import ensure_world
-
-    ensure_world()  # under torchrun: the world, so every rank takes rank 0's figures
-    flops, bw, kernel = _local_throughput()
-    alpha, betas = _network() or (2e-4, {})
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        measured = [(flops, bw, kernel, alpha, betas)]
-        dist.broadcast_object_list(measured, src=0)
-        flops, bw, kernel, alpha, betas = measured[0]
-    share = min(1.0, (os.cpu_count() or 1) / max(1, world)) / max(1, torch.get_num_threads())
-    return Profile("local", flops * share, bw * share, alpha, betas.get("all_reduce", 1e9), LOCAL_OP_S / max(share, 1e-3),
-                   tuple(sorted(betas.items())), kernel_s=kernel / max(share, 1e-3))
-
-
-def _profile(profile: Any, world: int) -> Profile:
-    if isinstance(profile, Profile):
-        return profile
-    if profile in (None, "local"):
-        return local_profile(world)
-    if profile == "h100":
-        return H100
-    raise ValueError(f"ap.auto_parallel: profile must be 'local', 'h100' or an ap.auto.Profile, got {profile!r}")
-
-
-def _state_factor(optimizer: Any) -> float:
-    """Optimizer state per parameter byte (AdamW: 2, SGD with momentum: 1, plain SGD: 0)."""
-    if optimizer is None:
-        return 2.0
-    if isinstance(optimizer, str):
-        name, momentum = optimizer.lower(), None
-    else:
-        cls = optimizer if isinstance(optimizer, type) else type(optimizer)
-        name = cls.__name__.lower()
-        defaults = getattr(optimizer, "defaults", {}) if not isinstance(optimizer, type) else {}
-        momentum = defaults.get("momentum")
-    if name.startswith("adam") or name in ("lamb", "nadam", "radam"):
-        return 2.0
-    if name == "sgd":
-        return 1.0 if momentum else (0.0 if momentum is not None else 1.0)
-    if name in ("adagrad", "rmsprop", "adadelta", "lion"):
-        return 1.0
-    raise ValueError(f"ap.auto_parallel: optimizer {optimizer!r} is unknown; pass 'adamw', 'sgd', or the optimizer")
+from autoparallel.placement import Placement, Replicate, Shard
 
 
 # ---- tensor-parallel plans ---------------------------------------------------------------------
@@ -398,98 +211,6 @@ def _placements(model: nn.Module, plan: ModelPlan | None, mesh: ProcessMesh, tp:
     return params, io
 
 
-def _local_bytes(shape: tuple[int, ...], itemsize: int, pl: tuple[Placement, ...], mesh_shape: tuple[int, ...]) -> int:
-    n = itemsize
-    sizes = list(shape)
-    for p, k in zip(pl, mesh_shape):
-        if isinstance(p, Shard) and sizes:
-            d = p.dim % len(sizes)
-            sizes[d] = -(-sizes[d] // k)
-    for s in sizes:
-        n *= s
-    return n
-
-
-def _price(step: Step, sim: Simulation, mesh_shape: tuple[int, ...], dp_axis: int | None, tp_axis: int | None,
-           params: dict[str, tuple[Placement, ...]], zero: int, recompute: float, state_factor: float,
-           prof: Profile) -> Prediction:
-    """One candidate's predicted step; ``recompute``: the fraction of the repeated blocks recomputed."""
-    dp = mesh_shape[dp_axis] if dp_axis is not None else 1
-    rep = tuple(Replicate() for _ in mesh_shape)
-    p_bytes = 0
-    block_bytes = 0  # the parameters of the repeated blocks (ZeRO-3's units beside the root)
-    tp_grad_bytes = 0
-    blocks = tuple(b + "." for b in step.blocks())
-    for name, ref in step.params.items():
-        m = step.metas[ref.id]
-        pl = params.get(name, rep)
-        b = _local_bytes(m.shape, itemsize(m.dtype), pl, mesh_shape)
-        p_bytes += b
-        if name.startswith(blocks):
-            block_bytes += b
-        grads = step.grads.get(name, [])
-        g = sim.specs.get(grads[-1].id) if grads else None
-        if tp_axis is not None and g is not None and isinstance(g.placements[tp_axis], Partial):
-            tp_grad_bytes += b
-    colls = [(c.kind, c.nbytes, 1, c.axis) for c in sim.collectives]
-    n_blocks = max(1, len(step.blocks()))
-    if dp > 1:
-        f = (dp - 1) / dp
-        buckets = max(1, -(-p_bytes // BUCKET_BYTES))
-        a = dp_axis if dp_axis is not None else -1
-        if zero <= 1:  # DP and ZeRO-1 keep whole gradients: all-reduced per bucket
-            colls.append(("all_reduce", int(2 * f * p_bytes), buckets, a))
-        else:
-            # reduce-scatter of the gradients: ZeRO-3 one per unit (the blocks and the root), ZeRO-2 per bucket
-            colls.append(("reduce_scatter", int(f * p_bytes), n_blocks + 1 if zero == 3 else buckets, a))
-        if zero == 3:  # each block in forward and again in backward; the root unit once (kept for its backward)
-            colls.append(("all_gather", int(f * (p_bytes + block_bytes)), 2 * n_blocks + 1, a))
-        elif zero:     # ZeRO-1/2: the updated shards
-            colls.append(("all_gather", int(f * p_bytes), buckets, a))
-    if tp_grad_bytes and tp_axis is not None:
-        k = mesh_shape[tp_axis]
-        colls.append(("all_reduce", int(2 * (k - 1) / k * tp_grad_bytes), 1, tp_axis))
-    comm_s = sum(prof.seconds(kind, b, n, prof.inside_node(mesh_shape, axis)) for kind, b, n, axis in colls)
-    flops = sim.flops + recompute * sim.forward_flops
-    compute_s = flops / prof.flops_per_s + sim.touched_bytes * (1 + 0.5 * recompute) / prof.bytes_per_s
-    overhead_s = sim.ops * (1 + 0.5 * recompute) * prof.op_s
-    # the optimizer's update: passes over the parameters' bytes (on this rank's shard from ZeRO-1
-    # on) and kernels per parameter tensor; ZeRO-1/2 also point a shard at each parameter, give it
-    # its gradient and copy the gathered parameters back
-    passes, kernels = _update_cost(state_factor)
-    tensors = len(step.params)  # (tied parameters once)
-    compute_s += passes * (p_bytes // dp if zero else p_bytes) / prof.bytes_per_s
-    if zero in (1, 2) and dp > 1:
-        compute_s += 2 * p_bytes / prof.bytes_per_s
-        kernels += 4
-    overhead_s += tensors * kernels * prof.kernel_s
-    s_bytes = int(state_factor * p_bytes) // (dp if zero >= 1 else 1)
-    # activations and gradients: the replay's peak of live bytes (gradients whole: ZeRO-2 reduces
-    # them after the backward, so at the peak they are whole too)
-    live = int(sim.live_peak - recompute * (sim.live_peak - sim.live_peak_recompute))
-    # the optimizer's step, with every gradient alive: DP flattens a bucket of them to all-reduce;
-    # ZeRO-1/2 hold the gradients' shards, and gather the updated shards (a bucket's rows and the
-    # parameters cut from them, besides this rank's piece)
-    bucket = min(p_bytes, BUCKET_BYTES)
-    if dp > 1 and zero == 0:
-        live = max(live, p_bytes + bucket)
-    elif dp > 1 and zero in (1, 2):
-        live = max(live, p_bytes + 2 * bucket + bucket // dp + p_bytes // dp)
-    if zero >= 3:  # the shard, and gathered at the peak the root unit (what no block holds: the
-        # embedding, the head) and two blocks (the first re-gathered for its backward while the
-        # last's gathers are freed), one with recompute (benchmarks/zero3_peak.py's breakdown)
-        unit = block_bytes // n_blocks
-        p_bytes = p_bytes // dp + (p_bytes - block_bytes) + unit * (2 - int(recompute >= 1))
-    return Prediction(compute_s + comm_s + overhead_s, compute_s, comm_s, p_bytes + s_bytes + live,
-                      sum(n for _, _, n, _ in colls), sum(b for _, b, _, _ in colls), overhead_s)
-
-
-def _update_cost(state_factor: float) -> tuple[float, int]:
-    """(passes over the parameters' bytes, kernels per parameter tensor) of one optimizer update
-    with ``state_factor`` states per parameter (AdamW: about 12 and 10; SGD with momentum 7.5 and 6)."""
-    return 3 + 4.5 * state_factor, 2 + int(4 * state_factor)
-
-
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -528,11 +249,11 @@ def auto_parallel(model: nn.Module, world: int | None = None, example: Any = Non
     if mesh is not None and mesh.size != world:
         raise ValueError(f"ap.auto_parallel: mesh {mesh} has {mesh.size} ranks for a world of {world}")
     budget = parse_bytes(memory_budget)
-    state_factor = _state_factor(optimizer)
+    state_factor = state_factor_of(optimizer)
     started = time.perf_counter()
     recording = record(model, example, loss, extrapolate)  # (before the profile's collectives: an untraceable step raises first)
     step = recording.step
-    prof = _profile(profile, world)
+    prof = resolve_profile(profile, world)
     tp_plans = [(label, _without(tp_plan, model, fixed), sp)
                 for label, tp_plan, sp in family_plans(model) or found_plans(model, recording.short)]
     tp_plans += [v for t in tp_plans if (v := whole_vocabulary(model, step, *t)) is not None]
@@ -568,7 +289,7 @@ def auto_parallel(model: nn.Module, world: int | None = None, example: Any = Non
             blocks = step.blocks()
             for zero in ((0, 1, 2, 3) if dp > 1 else (0,)):
                 def price(k: int, zero: int = zero) -> Prediction:  # k of the blocks recomputed
-                    return _price(step, sim, shape, dp_axis, tp_axis, params, zero, k / max(1, len(blocks)),
+                    return price_step(step, sim, shape, dp_axis, tp_axis, params, zero, k / max(1, len(blocks)),
                                   state_factor, prof)
                 counts = [0, len(blocks)] if blocks else [0]
                 if budget is not None and len(counts) == 2 and price(0).memory_bytes > budget >= price(counts[1]).memory_bytes:

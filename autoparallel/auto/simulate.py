@@ -40,6 +40,22 @@ class Collective:
     module: str
 
 
+PRE, POST = "<pre>", "<post>"  # the parts of a step before and after its repeated blocks
+
+
+@dataclass
+class Part:
+    """What one part of the step costs one rank, forward and backward: the ops before the
+    repeated blocks (``PRE``: the embedding), one block (its name), or the ops after them
+    (``POST``: the final norm, the head, the loss). A pipeline stage is a run of parts."""
+
+    flops: float = 0.0
+    touched_bytes: float = 0.0
+    ops: int = 0
+    saved_bytes: int = 0
+    collectives: list[Collective] = field(default_factory=list)
+
+
 @dataclass
 class Simulation:
     """What one rank does in the simulated step (the busiest rank where ranks differ)."""
@@ -56,6 +72,7 @@ class Simulation:
     ops: int = 0                   # ops the step runs (each costs the framework's per-op time)
     live_peak: int = 0             # most local bytes alive at once, parameters aside (activations, gradients, moved copies)
     live_peak_recompute: int = 0   # the same with the repeated blocks recomputed in the backward
+    parts: dict[str, Part] = field(default_factory=dict)  # the step by part (``op_parts``), in forward order
 
 
 def _meta_args(x: Any, metas: Mapping[int, TensorMeta]) -> Any:
@@ -114,10 +131,21 @@ def simulate(step: Step, mesh: ProcessMesh, param_placements: Mapping[str, tuple
 
     moved: dict[int, int] = {}  # op index -> local bytes of its inputs' moved copies (alive while it runs)
     reverse: dict[int, tuple[tuple[Placement, ...], str]] = {}  # gradient ref id -> (layout it moves back to, module)
+    owner = op_parts(step)
+    sim.parts = {name: Part() for name in dict.fromkeys(owner)}
+    made: dict[int, int] = {}  # ref id -> the op that made it (else the first that read it)
+    part = Part()
+    mark = 0  # the collectives up to here belong to earlier ops' parts
     for index, op in enumerate(step.ops):
+        part.collectives += sim.collectives[mark:]
+        mark = len(sim.collectives)
         if getattr(op.func, "namespace", None) == "prim" or not any(o is not None for o in op.outs):
             continue
+        part = sim.parts[owner[index]]
+        for r in (*_tensor_refs(op), *(o for o in op.outs if o is not None)):
+            made.setdefault(r.id, index)
         sim.ops += 1
+        part.ops += 1
         refs = _tensor_refs(op)
         out_metas = tuple(metas[o.id] if o is not None else None for o in op.outs)
         if op.backward and op.func in _UNINITIALIZED:  # autograd's own buffers (a gradient's accumulator)
@@ -177,21 +205,72 @@ def simulate(step: Step, mesh: ProcessMesh, param_placements: Mapping[str, tuple
             frac = min(frac, _local_fraction(tuple(pl), shape))
         if op.flops:
             sim.flops += op.flops * frac
+            part.flops += op.flops * frac
             if not op.backward:
                 sim.forward_flops += op.flops * frac
         else:
-            sim.touched_bytes += sum(largest_local_numel(s.shape, tuple(p), shape) * s.itemsize
-                                     for s, p in zip(in_specs, best.inputs))
-    saved: dict[int, int] = {}  # storage -> local bytes (views autograd saves of one storage count once)
+            touched = sum(largest_local_numel(s.shape, tuple(p), shape) * s.itemsize for s, p in zip(in_specs, best.inputs))
+            sim.touched_bytes += touched
+            part.touched_bytes += touched
+    part.collectives += sim.collectives[mark:]
+    saved: dict[int, tuple[int, str]] = {}  # storage -> (local bytes, part) (views autograd saves of one storage count once)
     for rid in step.saved:
         s = specs.get(rid)
         if s is not None:
             st = step.storages.get(rid, -1 - rid)
-            saved[st] = max(saved.get(st, 0), largest_local_numel(s.shape, s.placements, shape) * s.itemsize)
-    sim.saved_bytes = sum(saved.values())
+            nbytes = largest_local_numel(s.shape, s.placements, shape) * s.itemsize
+            if nbytes > saved.get(st, (-1, ""))[0]:
+                saved[st] = (nbytes, owner[made[rid]] if rid in made else PRE)
+    sim.saved_bytes = sum(n for n, _ in saved.values())
+    for nbytes, name in saved.values():
+        sim.parts[name].saved_bytes += nbytes
     sim.live_peak = _live_peak(step, specs, shape, moved, recompute=False)
     sim.live_peak_recompute = _live_peak(step, specs, shape, moved, recompute=True)
     return sim
+
+
+def op_parts(step: Step) -> list[str]:
+    """The part (``Part``) of every op of ``step``: a repeated block's op is the block's; a
+    forward op before the first block is ``PRE``, after the last ``POST``; a backward op before
+    the first block's backward is ``POST``, after the last ``PRE``; an op between two blocks is
+    the earlier block's (in the order it ran). Without repeated blocks every op is ``PRE``."""
+    blocks = step.blocks()
+    memo: dict[str, str | None] = {}
+
+    def block_of(module: str) -> str | None:
+        if module not in memo:
+            memo[module] = next((b for b in blocks if module == b or module.startswith(b + ".")), None)
+        return memo[module]
+
+    owners = [block_of(op.module) if not op.backward else None for op in step.ops]
+    # a block's backward: from its output's gradient arriving to its input's (the boundary views)
+    for rid, (kind, name) in step.boundaries.items():
+        if name in blocks and kind == "out" and rid in step.boundary_grad_at:
+            start = step.boundary_grad_at[rid]
+            ends = [step.boundary_grad_at[r] for r, (k, n) in step.boundaries.items()
+                    if n == name and k == "in" and r in step.boundary_grad_at]
+            for i in range(start, min(ends, default=start)):
+                if step.ops[i].backward and owners[i] is None:
+                    owners[i] = name
+    spans: dict[bool, tuple[int, int]] = {}
+    for i, (op, b) in enumerate(zip(step.ops, owners)):
+        if b is not None:
+            lo, _ = spans.get(op.backward, (i, i))
+            spans[op.backward] = (lo, i)
+    out: list[str] = []
+    last: str | None = None
+    for i, (op, b) in enumerate(zip(step.ops, owners)):
+        if b is not None:
+            last = b
+            out.append(b)
+            continue
+        span = spans.get(op.backward)
+        if span is None or last is None or i > span[1] or i < span[0]:
+            before = span is None or i < span[0]
+            out.append((PRE if before else POST) if not op.backward else (POST if before else PRE))
+        else:
+            out.append(last)
+    return out
 
 
 def _live_peak(step: Step, specs: dict[int, DistSpec], mesh_shape: tuple[int, ...], moved: dict[int, int],

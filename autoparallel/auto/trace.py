@@ -73,6 +73,7 @@ class Step:
     boundaries: dict[int, tuple[str, str]] = field(default_factory=dict)
     storages: dict[int, int] = field(default_factory=dict)         # ref id -> its storage (views share one)
     boundary_grads: dict[int, Ref] = field(default_factory=dict)   # boundary view's ref id -> its gradient
+    boundary_grad_at: dict[int, int] = field(default_factory=dict)  # boundary view's ref id -> ops recorded when it arrived
 
     def blocks(self) -> list[str]:
         """The repeated blocks: the most frequent module pattern ending in an index (outermost
@@ -279,6 +280,10 @@ def _record(model: nn.Module, example: Any, loss: Callable[..., Any] | None, rea
     def post(mod: nn.Module, margs: Any, out: Any) -> Any:
         return mark_first(out, "out", where.pop())
 
+    def _arrived(rid: int, g: torch.Tensor) -> None:
+        step.boundary_grads.setdefault(rid, recorder.ref(g))
+        step.boundary_grad_at.setdefault(rid, len(step.ops))
+
     def mark_first(value: Any, kind: str, name: str) -> Any:
         done = [False]
 
@@ -289,7 +294,7 @@ def _record(model: nn.Module, example: Any, loss: Callable[..., Any] | None, rea
                 rid = recorder.ref(y).id
                 step.boundaries[rid] = (kind, name)
                 if y.requires_grad:  # where the backward crosses the boundary (a style's move reversed)
-                    y.register_hook(lambda g, rid=rid: step.boundary_grads.setdefault(rid, recorder.ref(g)) and None)
+                    y.register_hook(lambda g, rid=rid: _arrived(rid, g))
                 return y
             return x
 
