@@ -6,12 +6,12 @@ from typing import Any
 
 from torch import nn
 
-from autoparallel.auto.plan import Candidate, Plan, Prediction
+from autoparallel.auto.plan import Candidate, PipelineRun, Plan, Prediction
 from autoparallel.auto.profile import H100, Profile, local_profile
 from autoparallel.auto.search import auto_parallel
 from autoparallel.mesh import ProcessMesh
 
-__all__ = ["H100", "Candidate", "Plan", "Prediction", "Profile", "auto_parallel", "local_profile"]
+__all__ = ["H100", "Candidate", "PipelineRun", "Plan", "Prediction", "Profile", "auto_parallel", "local_profile"]
 
 
 def parallelize(layer: nn.Module, mesh: ProcessMesh, plan: dict[str, Any] | str, *, axis: int | str | None = None,

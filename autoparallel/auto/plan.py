@@ -37,10 +37,12 @@ class Prediction:
     collectives: int
     comm_bytes: int
     overhead_s: float = 0.0  # the framework's per-op host time
+    bubble_s: float = 0.0    # a pipeline's stages waiting (fill and drain)
 
     def row(self) -> str:
+        bubble = f", bubble {self.bubble_s * 1e3:.2f}" if self.bubble_s else ""
         return (f"{self.time_s * 1e3:9.2f} ms  (compute {self.compute_s * 1e3:.2f}, comm {self.comm_s * 1e3:.2f}, "
-                f"per-op {self.overhead_s * 1e3:.2f}; "
+                f"per-op {self.overhead_s * 1e3:.2f}{bubble}; "
                 f"{self.collectives} collectives, {_size(self.comm_bytes)})  memory {_size(self.memory_bytes)}")
 
 
@@ -53,6 +55,27 @@ class Candidate:
     feasible: bool = True
 
 
+class PipelineRun:
+    """What ``Plan.apply`` returns for a plan with a pipeline axis: ``step(x, target)`` runs the
+    forward and backward of every micro-batch (``ap.pipeline.Pipeline.step``; a weight tied
+    across stages then gets both copies' gradients) and returns the mean loss (on the last stage
+    mesh); call the optimizer's ``step`` after it. ``pipeline`` is the ``Pipeline``."""
+
+    def __init__(self, pipeline: Any, after: Any = None) -> None:
+        self.pipeline = pipeline
+        self._after = after
+
+    def step(self, x: Any, target: Any, **kwargs: Any) -> Any:
+        loss = self.pipeline.step(x, target, **kwargs)
+        if self._after is not None:
+            self._after()
+        return loss
+
+    @property
+    def stages(self) -> list[Any]:
+        return list(self.pipeline.stages)
+
+
 class Plan(ModelPlan):
     """A parallel plan (see the module docstring). It is a ``ModelPlan``: ``ap.parallelize(model,
     plan.mesh, plan)`` lays the model out by it (its recompute policy included), and
@@ -62,7 +85,7 @@ class Plan(ModelPlan):
     def __init__(self, styles: dict[str, Any], mesh_shape: tuple[int, ...], dim_names: list[str], zero: int = 0,
                  recompute: dict[str, str] | None = None, divisible: dict[str, int] | None = None,
                  prediction: Prediction | None = None, candidates: list[Candidate] | None = None,
-                 why: str = "", model: str = "auto") -> None:
+                 why: str = "", model: str = "auto", pipeline: dict[str, Any] | None = None) -> None:
         super().__init__(styles, divisible or {}, model)
         self.mesh_shape = tuple(int(s) for s in mesh_shape)
         self.dim_names = list(dim_names)
@@ -71,6 +94,9 @@ class Plan(ModelPlan):
         self.prediction = prediction
         self.candidates = list(candidates or [])
         self.why = why
+        # a pipeline axis ("pp", the mesh's first): {"stages", "microbatches", "schedule", "blocks"
+        # (the nn.ModuleList of blocks it cuts), "starts" (the block each stage starts at)}
+        self.pipeline = dict(pipeline) if pipeline else None
 
     # ---- using it ---------------------------------------------------------------------------
     @property
@@ -78,6 +104,14 @@ class Plan(ModelPlan):
         """The plan's mesh over ranks ``0 .. world-1`` (axes ``dim_names``)."""
         n = int(np.prod(self.mesh_shape))
         return ProcessMesh(np.arange(n).reshape(self.mesh_shape).tolist(), dim_names=self.dim_names)
+
+    @property
+    def stage_meshes(self) -> list[ProcessMesh]:
+        """The pipeline's stage meshes (the slices of ``mesh`` along ``pp``); ``[mesh]`` without one."""
+        mesh = self.mesh
+        if "pp" not in mesh.dim_names:
+            return [mesh]
+        return [mesh.get_mesh_with_dim("pp", k) for k in range(mesh.shape[mesh.dim_names.index("pp")])]
 
     @property
     def optimizer_stage(self) -> int:
@@ -92,20 +126,60 @@ class Plan(ModelPlan):
         return {1: ShardingStage1, 2: ShardingStage2, 3: ShardingStage3}[self.zero](mesh, "dp")
 
     def apply(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-              mesh: ProcessMesh | None = None) -> tuple[nn.Module, Any]:
+              mesh: ProcessMesh | None = None, loss: Any = None) -> tuple[Any, Any]:
         """Lay ``model`` out by the plan (``ap.parallelize``) and wrap ``optimizer``
-        (``ap.shard_optimizer`` with the plan's ZeRO stage); returns ``(model, optimizer)``."""
+        (``ap.shard_optimizer`` with the plan's ZeRO stage); returns ``(model, optimizer)``.
+
+        With a pipeline axis it returns ``(pipe, optimizer)`` instead: ``pipe`` is an
+        ``ap.pipeline.Pipeline`` over the plan's stages (``ap.pipeline.split_at_blocks``), whose
+        ``pipe.step(x, target)`` runs forward and backward of every micro-batch with ``loss``
+        (required: ``loss(output, target)``) and returns the mean loss; feed ``x`` on the first
+        stage mesh and ``target`` on the last (``plan.stage_meshes``)."""
         mesh = mesh if mesh is not None else self.mesh
+        if self.pipeline:
+            return self._apply_pipeline(model, optimizer, mesh, loss)
         parallelize(model, mesh, self, recompute=self.recompute or None)
         if optimizer is not None:
             from autoparallel.optim.sharded import shard_optimizer
             optimizer = shard_optimizer(optimizer, self.optimizer_stage_for(mesh))
         return model, optimizer
 
+    def _apply_pipeline(self, model: nn.Module, optimizer: Any, mesh: ProcessMesh, loss: Any) -> tuple[Any, Any]:
+        from autoparallel.pipeline import Pipeline
+        from autoparallel.pipeline.by_mesh import split_at_blocks
+        from autoparallel.pipeline.decoder import decoder_stages, is_decoder
+
+        pipe = self.pipeline or {}
+        if self.recompute:
+            raise ValueError("ap.Plan.apply: recompute inside pipeline stages is not applied by plan.apply; drop the "
+                             "plan's recompute entries (or lay the stages out by hand)")
+        if "pp" not in mesh.dim_names:
+            raise ValueError(f"ap.Plan.apply: this plan has a pipeline axis; pass a mesh with a 'pp' axis, got {mesh}")
+        meshes = [mesh.get_mesh_with_dim("pp", k) for k in range(mesh.shape[mesh.dim_names.index("pp")])]
+        starts = [int(s) for s in pipe["starts"]]
+        after = None
+        if is_decoder(model):  # a transformers decoder: its own loss, a tied head kept in sync
+            split = decoder_stages(model, meshes, split_points=starts[1:], plan=dict(self) or None)
+            stages, after, loss = split.stages, split.sync_tied_grads, loss or split.loss_fn
+        else:
+            if loss is None or not callable(loss):
+                raise ValueError("ap.Plan.apply: this plan has a pipeline axis; pass loss= (called as "
+                                 "loss(output, target) on the last stage, per micro-batch)")
+            stages = split_at_blocks(model, meshes, str(pipe["blocks"]), starts, dict(self) or None)
+        runner = Pipeline(stages, loss, num_microbatches=int(pipe["microbatches"]), schedule=str(pipe.get("schedule", "1F1B")))
+        if optimizer is not None:
+            from autoparallel.optim.sharded import shard_optimizer
+            optimizer = shard_optimizer(optimizer, self.optimizer_stage_for(mesh))
+        return PipelineRun(runner, after), optimizer
+
     # ---- reading it ---------------------------------------------------------------------------
     def __str__(self) -> str:
         lines = [f"ap.Plan: mesh {dict(zip(self.dim_names, self.mesh_shape))}, ZeRO stage {self.zero}, "
                  f"recompute {self.recompute or 'none'}"]
+        if self.pipeline:
+            p = self.pipeline
+            lines.append(f"  pipeline: {p['stages']} stages ({p['schedule']}, {p['microbatches']} micro-batches), "
+                         f"{p['blocks']} cut at blocks {list(p['starts'])}")
         if self.prediction is not None:
             lines.append(f"  predicted per rank: {self.prediction.row()}")
         if self:
@@ -133,7 +207,7 @@ class Plan(ModelPlan):
             "recompute": self.recompute, "divisible": self.divisible, "model": self.model,
             "styles": {k: _style_json(v) for k, v in self.items()},
             "prediction": None if self.prediction is None else vars(self.prediction),
-            "why": self.why,
+            "why": self.why, "pipeline": self.pipeline,
         }
 
     def save(self, path: str) -> None:
@@ -148,7 +222,8 @@ class Plan(ModelPlan):
             pred = data.get("prediction")
             return cls(styles, tuple(data["mesh_shape"]), list(data["dim_names"]), int(data.get("zero", 0)),
                        dict(data.get("recompute") or {}), dict(data.get("divisible") or {}),
-                       Prediction(**pred) if pred else None, None, str(data.get("why", "")), str(data.get("model", "auto")))
+                       Prediction(**pred) if pred else None, None, str(data.get("why", "")), str(data.get("model", "auto")),
+                       data.get("pipeline"))
         except (KeyError, TypeError) as e:
             raise ValueError(f"ap.Plan.load: not a plan ({type(e).__name__}: {e})") from None
 
@@ -237,4 +312,4 @@ def parse_bytes(budget: Any) -> int | None:
     raise ValueError(f"ap.auto_parallel: memory_budget {budget!r} is not a size like '70GiB', '512MB' or a number of bytes")
 
 
-__all__ = ["Candidate", "Plan", "Prediction", "parse_bytes"]
+__all__ = ["Candidate", "PipelineRun", "Plan", "Prediction", "parse_bytes"]

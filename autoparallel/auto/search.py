@@ -22,20 +22,22 @@ every rank gets the same plan.
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 from torch import nn
 
 from autoparallel.auto.plan import Candidate, Plan, Prediction, parse_bytes
-from autoparallel.auto.price import price_step, state_factor_of
+from autoparallel.auto.price import price_pipeline, price_step, state_factor_of
 from autoparallel.auto.profile import resolve_profile
 from autoparallel.auto.repeat import record
-from autoparallel.auto.simulate import simulate
+from autoparallel.auto.simulate import POST, PRE, Simulation, param_parts, simulate
 from autoparallel.auto.trace import Step, pattern
 from autoparallel.mesh import ProcessMesh
 from autoparallel.nn.parallelize import ModelPlan, match_plan
 from autoparallel.nn.styles import ColWiseParallel, RowWiseParallel, SequenceParallel, VocabParallelEmbedding
+from autoparallel.pipeline.decoder import is_decoder
 from autoparallel.placement import Placement, Replicate, Shard
 
 
@@ -218,17 +220,21 @@ def _divisors(n: int) -> list[int]:
 # ---- the search ---------------------------------------------------------------------------------
 def auto_parallel(model: nn.Module, world: int | None = None, example: Any = None, loss: Callable[..., Any] | None = None,
                   optimizer: Any = "adamw", memory_budget: Any = None, mesh: ProcessMesh | None = None,
-                  profile: Any = None, max_tp: int = 8, verbose: bool = False, extrapolate: bool = True) -> Plan:
+                  profile: Any = None, max_tp: int = 8, verbose: bool = False, extrapolate: bool = True,
+                  pipeline: bool = False, max_pp: int = 8) -> Plan:
     """Find a parallel plan for ``model`` on ``world`` ranks (see the module docstring).
 
     ``example``: one global batch as the model takes it (``(x, y)`` with ``loss=fn`` called as
     ``fn(model(x), y)``; a dict of keyword arguments for ``transformers`` models with labels; fake
     or meta tensors work). ``optimizer``: ``"adamw"``, ``"sgd"`` or the optimizer (its state size).
     ``memory_budget``: per rank (``"70GiB"``, bytes). ``mesh``: fix the mesh (its shape and axis
-    names ``dp`` / ``mp``) instead of choosing one. ``profile``: ``"local"`` (this machine,
+    names ``pp`` / ``dp`` / ``mp``) instead of choosing one. ``profile``: ``"local"`` (this machine,
     measured), ``"h100"``, or an ``ap.auto.Profile``. ``extrapolate``: a model with N >= 4 identical
     blocks is recorded with two and three of them and priced for N (exact for identical blocks;
-    ``autoparallel.auto.repeat``); False records every block. Returns an ``ap.Plan``; raises ``ValueError``
+    ``autoparallel.auto.repeat``); False records every block. ``pipeline``: also price a pipeline
+    axis (``pp``, up to ``max_pp`` stages, 1F1B) cutting the model between its repeated blocks; a
+    plan with one is run by ``pipe.step`` (``Plan.apply``), not by calling the model, so it is
+    searched only when asked (or when ``mesh`` has a ``pp`` axis). Returns an ``ap.Plan``; raises ``ValueError``
     (the same on every rank, before any collective) when the model cannot be traced, no mesh fits
     the world, or no plan fits the budget (naming the smallest that would).
     """
@@ -257,21 +263,23 @@ def auto_parallel(model: nn.Module, world: int | None = None, example: Any = Non
     tp_plans = [(label, _without(tp_plan, model, fixed), sp)
                 for label, tp_plan, sp in family_plans(model) or found_plans(model, recording.short)]
     tp_plans += [v for t in tp_plans if (v := whole_vocabulary(model, step, *t)) is not None]
-    meshes: list[tuple[int, int]] = []
-    if mesh is not None:
-        names = mesh.dim_names
-        if mesh.ndim == 1:
-            meshes = [(1, world)] if names[0] in ("mp", "tp") else [(world, 1)]
-        elif mesh.ndim == 2 and "dp" in names and any(n in names for n in ("mp", "tp")):
-            meshes = [(mesh.shape[names.index("dp")], world // mesh.shape[names.index("dp")])]
-        else:
-            raise ValueError(f"ap.auto_parallel: mesh axes {names} are not ['dp'], ['mp'] or ['dp', 'mp']")
-    else:
-        meshes = [(world // t, t) for t in _divisors(world) if t <= max_tp]
+    if mesh is not None and "pp" in mesh.dim_names:
+        pipeline = True
+    meshes = _meshes(mesh, world, max_tp, max_pp if pipeline else 1)
     seq_len = _seq_len(step)
+    blocks = step.blocks()
+    pipe_why = _unsplittable(model, recording, blocks) if any(pp > 1 for pp, _, _ in meshes) else None
+    if pipe_why is not None:
+        if mesh is not None:
+            raise ValueError(f"ap.auto_parallel: the mesh's pipeline axis cannot be used: {pipe_why}")
+        warnings.warn(f"ap.auto_parallel: no pipeline plan was priced: {pipe_why}", stacklevel=2)
+        meshes = [m for m in meshes if m[0] == 1]
+    uses = param_parts(recording.short) if any(pp > 1 for pp, _, _ in meshes) else {}
+    rows = _batch_rows(step)
     memo: dict[Any, Any] = {}  # decisions shared by the replays (same mesh, same layouts: same choice)
+    sims: dict[tuple[int, int, str], Simulation] = {}  # one replay per (data, tensor, tensor plan)
     priced: list[tuple[float, float, Candidate, Plan]] = []
-    for dp, tp in meshes:
+    for pp, dp, tp in meshes:
         options: list[tuple[str, ModelPlan | None, bool]] = [("replicated", None, False)] if tp == 1 else list(tp_plans)
         for label, tp_plan, sp in options:
             if tp_plan is not None and any(n % tp for n in tp_plan.divisible.values()):
@@ -285,12 +293,32 @@ def auto_parallel(model: nn.Module, world: int | None = None, example: Any = Non
             params, io = _placements(model, tp_plan, sim_mesh, tp_axis)
             params.update(fixed)  # the user's own layouts stay as they are
             inputs = tuple(Shard(0) if a == dp_axis else Replicate() for a in range(len(shape)))
-            sim = recording.simulate(sim_mesh, params, inputs, io, tp_axis if tp_axis is not None else 0, memo)
-            blocks = step.blocks()
+            key = (dp, tp, label)
+            if key not in sims:
+                sims[key] = recording.simulate(sim_mesh, params, inputs, io, tp_axis if tp_axis is not None else 0, memo)
+            sim = sims[key]
+            styles = dict(tp_plan) if tp_plan is not None else {}
+            divisible = tp_plan.divisible if tp_plan is not None else {}
+            tp_name = f"dp{dp} x tp{tp}" + (f" {label}" if tp > 1 else "")
+            if pp > 1:  # a pipeline axis first: 1F1B over the micro-batch counts the batch allows
+                for zero in ((0, 1, 2) if dp > 1 else (0,)):
+                    found = [r for m in (pp, 2 * pp, 4 * pp, 8 * pp) if rows is not None and rows % (dp * m) == 0
+                             if (r := price_pipeline(step, sim, uses, shape, dp_axis, tp_axis, params, zero, False,
+                                                     state_factor, prof, pp, m)) is not None]
+                    if not found:
+                        continue
+                    pred, cut = min(found, key=lambda r: r[0].time_s)
+                    name = f"pp{pp} x {tp_name}" + (f" zero{zero}" if zero else "") + f" (1F1B, {cut.microbatches} micro-batches)"
+                    pipe = {"stages": pp, "microbatches": cut.microbatches, "schedule": "1F1B",
+                            "blocks": blocks[0].rsplit(".", 1)[0], "starts": list(cut.starts)}
+                    plan = Plan(styles, (pp, *shape), ["pp", *names], zero, {}, divisible, pred, None, "", "auto", pipe)
+                    feasible = budget is None or pred.memory_bytes <= budget
+                    priced.append((pred.time_s, 2 + (tp > 1) + zero, Candidate(name, pred, feasible), plan))
+                continue
             for zero in ((0, 1, 2, 3) if dp > 1 else (0,)):
                 def price(k: int, zero: int = zero) -> Prediction:  # k of the blocks recomputed
                     return price_step(step, sim, shape, dp_axis, tp_axis, params, zero, k / max(1, len(blocks)),
-                                  state_factor, prof)
+                                      state_factor, prof)
                 counts = [0, len(blocks)] if blocks else [0]
                 if budget is not None and len(counts) == 2 and price(0).memory_bytes > budget >= price(counts[1]).memory_bytes:
                     # recompute as a per-block choice: the fewest blocks that bring the peak within the budget
@@ -298,13 +326,11 @@ def auto_parallel(model: nn.Module, world: int | None = None, example: Any = Non
                 for k in dict.fromkeys(counts):
                     pred = price(k)
                     rec = "" if k == 0 else " recompute" if k == len(blocks) else f" recompute {k}/{len(blocks)}"
-                    name = f"dp{dp} x tp{tp}" + (f" {label}" if tp > 1 else "") + (f" zero{zero}" if zero else "") + rec
+                    name = tp_name + (f" zero{zero}" if zero else "") + rec
                     feasible = budget is None or pred.memory_bytes <= budget
                     recompute = ({} if k == 0 else {pattern(blocks[0]): "full"} if k == len(blocks)
                                  else {b: "full" for b in sorted(blocks, key=_index)[:k]})
-                    styles = dict(tp_plan) if tp_plan is not None else {}
-                    plan = Plan(styles, shape, names, zero, recompute, tp_plan.divisible if tp_plan is not None else {},
-                                pred, None, "", "auto")
+                    plan = Plan(styles, shape, names, zero, recompute, divisible, pred, None, "", "auto")
                     # ties: fewer mesh axes, lower ZeRO stage, less recompute (simpler plans first)
                     simplicity = (tp > 1) + zero + k / max(1, len(blocks))
                     priced.append((pred.time_s, simplicity, Candidate(name, pred, feasible), plan))
@@ -316,7 +342,7 @@ def auto_parallel(model: nn.Module, world: int | None = None, example: Any = Non
             sizes = sorted({f"{k} = {v}" for _, tp_plan, _ in tp_plans if tp_plan is not None
                             for k, v in tp_plan.divisible.items()})
             why = f"the sizes its tensor-parallel plans split ({', '.join(sizes)}) do not divide by it"
-        on = (f"the given mesh's tensor-parallel axis of {meshes[0][1]}" if mesh is not None
+        on = (f"the given mesh's tensor-parallel axis of {meshes[0][2]}" if mesh is not None
               else f"every mesh of {world} ranks with a tensor-parallel axis")
         raise ValueError(f"ap.auto_parallel: no plan for {on}: {why}; pass mesh=None (or a mesh without a "
                          "tensor-parallel axis), or lay the tensor-parallel part out by hand (ap.parallelize)")
@@ -339,6 +365,54 @@ def auto_parallel(model: nn.Module, world: int | None = None, example: Any = Non
     if verbose:
         print(plan)
     return plan
+
+
+def _meshes(mesh: ProcessMesh | None, world: int, max_tp: int, max_pp: int) -> list[tuple[int, int, int]]:
+    """(pipeline, data, tensor) degrees to search: the given mesh's, or every factorisation of the
+    world (tensor degree up to ``max_tp``, pipeline up to ``max_pp``)."""
+    if mesh is None:
+        return [(pp, world // pp // tp, tp) for pp in _divisors(world) if pp <= max_pp
+                for tp in _divisors(world // pp) if tp <= max_tp]
+    names = list(mesh.dim_names)
+    if mesh.ndim == 1 and names[0] not in ("pp", "mp", "tp"):
+        return [(1, world, 1)]  # one axis of any other name: data parallel
+    size = dict(zip(names, mesh.shape))
+    known = [n for n in ("pp", "dp", "mp", "tp") if n in names]
+    if len(known) != len(names) or ("mp" in names and "tp" in names) or ("pp" in names and names[0] != "pp"):
+        raise ValueError(f"ap.auto_parallel: mesh axes {names} are not a choice of ['pp', 'dp', 'mp'] in that order "
+                         "('pp' first, 'tp' for 'mp' also understood)")
+    return [(size.get("pp", 1), size.get("dp", 1), size.get("mp", size.get("tp", 1)))]
+
+
+def _unsplittable(model: nn.Module, recording: Any, blocks: list[str]) -> str | None:
+    """Why ``model`` cannot be cut into pipeline stages between its repeated blocks, or None."""
+    import torch.fx
+
+    if not blocks:
+        return "the model has no stack of repeated blocks to cut between"
+    parent = blocks[0].rsplit(".", 1)[0] if "." in blocks[0] else ""
+    if not parent or not isinstance(model.get_submodule(parent), nn.ModuleList):
+        return f"its repeated blocks ({blocks[0]}, ...) are not the items of an nn.ModuleList"
+    if is_decoder(model):
+        return None  # ap.pipeline.decoder_stages splits it (a tied head kept as a synchronised copy)
+    tied = [n for n, parts in param_parts(recording.short).items() if PRE in parts and POST in parts]
+    if tied:
+        return f"parameter {tied[0]!r} is read before and after the blocks (a tied weight would sit on two stages)"
+    try:
+        torch.fx.symbolic_trace(model)
+    except Exception as e:  # noqa: BLE001  (any trace failure: say which)
+        return (f"its forward does not trace with torch.fx ({type(e).__name__}: {str(e).splitlines()[0][:160]}), "
+                "which cutting it into stages needs")
+    return None
+
+
+def _batch_rows(step: Step) -> int | None:
+    """The example batch's rows (dim 0 of its first input)."""
+    for r in step.inputs:
+        shape = step.metas[r.id].shape
+        if shape:
+            return shape[0]
+    return None
 
 
 def _index(block: str) -> int:

@@ -273,6 +273,21 @@ def op_parts(step: Step) -> list[str]:
     return out
 
 
+def param_parts(step: Step) -> dict[str, list[str]]:
+    """The parts (``op_parts``) whose forward ops read each parameter, in order (a weight tied
+    between the embedding and the head: both)."""
+    names = {ref.id: name for name, ref in step.params.items()}
+    out: dict[str, list[str]] = {name: [] for name in step.params}
+    for op, part in zip(step.ops, op_parts(step)):
+        if op.backward:
+            continue
+        for r in _tensor_refs(op):
+            name = names.get(r.id)
+            if name is not None and part not in out[name]:
+                out[name].append(part)
+    return out
+
+
 def _live_peak(step: Step, specs: dict[int, DistSpec], mesh_shape: tuple[int, ...], moved: dict[int, int],
                recompute: bool) -> int:
     """The most local bytes alive at once during the step, parameters aside: each storage (views

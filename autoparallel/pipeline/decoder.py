@@ -229,6 +229,15 @@ def _keep_the_copy_in_state_dicts(model: nn.Module, embed: nn.Module, head: nn.M
 _EMBEDS_TRANSFORMED = ("gemma",)
 
 
+def is_decoder(model: Any) -> bool:
+    """Whether ``decoder_stages`` splits ``model`` (a transformers decoder-only LM it knows)."""
+    try:
+        _family(model)
+    except TypeError:
+        return False
+    return True
+
+
 def _family(model: Any) -> str:
     kind = str(getattr(getattr(model, "config", None), "model_type", "") or "")
     if isinstance(getattr(getattr(model, "model", None), "layers", None), nn.ModuleList) and hasattr(model, "lm_head"):

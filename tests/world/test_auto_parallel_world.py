@@ -239,3 +239,63 @@ def test_parameters_laid_out_by_hand_are_kept(world4) -> None:  # type: ignore[n
         for name, p in ref["params"].items():
             torch.testing.assert_close(r["params"][name], p, rtol=1e-5, atol=1e-6, msg=f"{name}\n{r['plan']}")
 
+
+
+UNTIED = GPTConfig(vocab=32, seq=8, layers=2, width=32, heads=4, dropout=0.0, attention="math", tied=False)
+
+
+def _pipeline(rank: int, names: list[str]) -> dict[str, Any]:
+    """The best plan on a 2 x 2 mesh whose first axis is a pipeline's, applied with
+    ``plan.apply(model, optimizer, loss=...)`` and run by ``pipe.step``: this rank's losses (on the
+    last stage) and its stage's parameters."""
+    import autoparallel as ap
+
+    torch.manual_seed(0)
+    model = GPT(UNTIED)
+    mesh = ap.ProcessMesh(torch.arange(4).reshape(2, 2).tolist(), dim_names=names)
+    x0, y0 = _batches()[0]
+    plan = ap.auto_parallel(model, example=(x0, y0), loss=lm_loss, optimizer="sgd", mesh=mesh)
+    saved = ap.Plan.from_json(plan.to_json())  # the pipeline survives a save and a load
+    pipe, opt = saved.apply(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), loss=lm_loss)
+    first, last = plan.stage_meshes[0], plan.stage_meshes[-1]
+    lay = [ap.Shard(0) if n == "dp" else ap.Replicate() for n in first.dim_names]
+    losses = []
+    for x, y in _batches():
+        opt.zero_grad()
+        loss = pipe.step(ap.shard_tensor(x, first, lay), ap.shard_tensor(y, last, lay))
+        opt.step()
+        if rank in last.process_ids:
+            losses.append(float(loss.detach().full_tensor()))
+    params = {n: p.detach().full_tensor() for n, p in model.named_parameters()
+              if isinstance(p, ap.DistTensor) and rank in p.process_mesh.process_ids}
+    return {"losses": losses, "params": params, "plan": str(plan), "pipeline": saved.pipeline}
+
+
+def _reference_untied() -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = GPT(UNTIED)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for x, y in _batches():
+        loss = lm_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+@pytest.mark.parametrize("names", [["pp", "dp"], ["pp", "mp"]], ids=["pp2_dp2", "pp2_tp2"])
+def test_pipeline_plan_trains_like_one_process(world4, names: list[str]) -> None:  # type: ignore[no-untyped-def]
+    ref = _reference_untied()
+    got = world4.run(_pipeline, names)
+    assert got[0]["pipeline"]["stages"] == 2 and got[0]["pipeline"]["starts"] == [0, 1], got[0]["plan"]
+    assert sum(1 for r in got if r["losses"]) == 2  # the last stage's two ranks
+    seen: set[str] = set()
+    for r in got:
+        if r["losses"]:
+            torch.testing.assert_close(r["losses"], ref["losses"], rtol=1e-5, atol=0, msg=r["plan"])
+        for name, p in r["params"].items():
+            torch.testing.assert_close(p, ref["params"][name], rtol=1e-5, atol=1e-6, msg=f"{name}\n{r['plan']}")
+            seen.add(name)
+    assert seen == set(ref["params"]), "every parameter lives on one stage"
