@@ -64,8 +64,8 @@ class CausalSelfAttention(nn.Module):
         b, t = x.shape[0], x.shape[1]
         d = self.head_dim
         qkv = self.qkv(x).view(b, t, -1, 3 * d)                       # (B, T, H, 3D), head-major
-        q, k, v = qkv.split(d, dim=-1)                                # each (B, T, H, D)
-        y = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # (B, H, T, D)
+        q, k, v = (z.transpose(1, 2) for z in qkv.split(d, dim=-1))   # each (B, H, T, D)
+        y = self.core(q, k, v)                                        # (B, H, T, D)
         return _dropout(self.proj(y.transpose(1, 2).reshape(b, t, -1)), self.dropout, self.training)  # (B, T, W)
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -77,7 +77,7 @@ class CausalSelfAttention(nn.Module):
         # outer dim is the head dim (split under TP) stays split; (B, H) would be gathered
         q, k, v = (z.transpose(0, 1) for z in (q, k, v))                                  # (H, B, T, D)
         scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))          # (H, B, T, T)
-        causal = _causal_mask(t)
+        causal = torch.ones(t, t, dtype=torch.bool).triu(1)
         probs = _dropout(scores.masked_fill(causal, float("-inf")).softmax(-1), self.dropout, self.training)
         return (probs @ v).transpose(0, 1)                                               # (B, H, T, D)
 
@@ -136,15 +136,9 @@ class GPT(nn.Module):
 
 
 @torch.fx.wrap
-def _causal_mask(t: int) -> torch.Tensor:
-    """``True`` above the diagonal of a ``t x t`` grid (the future each position must not see)."""
-    return torch.ones(t, t, dtype=torch.bool).triu(1)
-
-
-@torch.fx.wrap
 def _check_length(t: int, seq: int) -> None:
     """The sequence fits the position table (a call of its own: ``torch.fx`` records it, so the
-    forward traces, as cutting it into pipeline stages needs)."""
+    forward traces, as cutting the model into pipeline stages needs)."""
     if t > seq:
         raise ValueError(f"GPT: sequence length {t} exceeds the model's seq {seq}")
 

@@ -150,9 +150,6 @@ class Plan(ModelPlan):
         from autoparallel.pipeline.decoder import decoder_stages, is_decoder
 
         pipe = self.pipeline or {}
-        if self.recompute:
-            raise ValueError("ap.Plan.apply: recompute inside pipeline stages is not applied by plan.apply; drop the "
-                             "plan's recompute entries (or lay the stages out by hand)")
         if "pp" not in mesh.dim_names:
             raise ValueError(f"ap.Plan.apply: this plan has a pipeline axis; pass a mesh with a 'pp' axis, got {mesh}")
         meshes = [mesh.get_mesh_with_dim("pp", k) for k in range(mesh.shape[mesh.dim_names.index("pp")])]
@@ -161,11 +158,17 @@ class Plan(ModelPlan):
         if is_decoder(model):  # a transformers decoder: its own loss, a tied head kept in sync
             split = decoder_stages(model, meshes, split_points=starts[1:], plan=dict(self) or None)
             stages, after, loss = split.stages, split.sync_tied_grads, loss or split.loss_fn
+            if self.recompute:
+                from autoparallel.memory.recomputation import recompute
+                from autoparallel.nn.parallelize import match_recompute
+                for module, policy in match_recompute(model, self.recompute):
+                    recompute(module, policy)
         else:
             if loss is None or not callable(loss):
                 raise ValueError("ap.Plan.apply: this plan has a pipeline axis; pass loss= (called as "
                                  "loss(output, target) on the last stage, per micro-batch)")
-            stages = split_at_blocks(model, meshes, str(pipe["blocks"]), starts, dict(self) or None)
+            stages = split_at_blocks(model, meshes, str(pipe["blocks"]), starts, dict(self) or None,
+                                     self.recompute or None)
         runner = Pipeline(stages, loss, num_microbatches=int(pipe["microbatches"]), schedule=str(pipe.get("schedule", "1F1B")))
         if optimizer is not None:
             from autoparallel.optim.sharded import shard_optimizer

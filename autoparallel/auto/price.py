@@ -190,15 +190,16 @@ def price_pipeline(step: Step, sim: Simulation, uses: dict[str, list[str]], mesh
     full = (stages, *mesh_shape)
     empty = Part()
 
-    def seconds(part: Part) -> tuple[float, float, float]:
-        """(compute, communication, host) seconds of one micro-batch through ``part``."""
-        compute = (part.flops * (1 + recompute * 0.5) / prof.flops_per_s
-                   + part.touched_bytes * (1 + 0.5 * recompute) / prof.bytes_per_s) / m
+    def seconds(part: Part, again: bool = False) -> tuple[float, float, float]:
+        """(compute, communication, host) seconds of one micro-batch through ``part`` (``again``:
+        its forward recomputed in the backward)."""
+        compute = ((part.flops + again * part.forward_flops) / prof.flops_per_s
+                   + part.touched_bytes * (1 + 0.5 * again) / prof.bytes_per_s) / m
         comm = sum(prof.seconds(c.kind, c.nbytes / m, 1, prof.inside_node(mesh_shape, c.axis)) for c in part.collectives)
-        return compute, comm, part.ops * (1 + 0.5 * recompute) * prof.op_s
+        return compute, comm, part.ops * (1 + 0.5 * again) * prof.op_s
 
     pre, post = seconds(sim.parts.get(PRE, empty)), seconds(sim.parts.get(POST, empty))
-    per_block = [seconds(sim.parts[b]) for b in blocks]
+    per_block = [seconds(sim.parts[b], recompute) for b in blocks]
     starts = _balanced(sum(pre), [sum(t) for t in per_block], sum(post), stages)
     bounds = [*starts, len(blocks)]
     stage_parts = [blocks[bounds[s]:bounds[s + 1]] for s in range(stages)]

@@ -21,6 +21,7 @@ every rank gets the same plan.
 
 from __future__ import annotations
 
+import itertools
 import time
 import warnings
 from collections.abc import Callable
@@ -37,6 +38,7 @@ from autoparallel.auto.trace import Step, pattern
 from autoparallel.mesh import ProcessMesh
 from autoparallel.nn.parallelize import ModelPlan, match_plan
 from autoparallel.nn.styles import ColWiseParallel, RowWiseParallel, SequenceParallel, VocabParallelEmbedding
+from autoparallel.pipeline.by_mesh import why_not_cut
 from autoparallel.pipeline.decoder import is_decoder
 from autoparallel.placement import Placement, Replicate, Shard
 
@@ -301,19 +303,21 @@ def auto_parallel(model: nn.Module, world: int | None = None, example: Any = Non
             divisible = tp_plan.divisible if tp_plan is not None else {}
             tp_name = f"dp{dp} x tp{tp}" + (f" {label}" if tp > 1 else "")
             if pp > 1:  # a pipeline axis first: 1F1B over the micro-batch counts the batch allows
-                for zero in ((0, 1, 2) if dp > 1 else (0,)):
+                for zero, again in itertools.product((0, 1, 2) if dp > 1 else (0,), (False, True)):
                     found = [r for m in (pp, 2 * pp, 4 * pp, 8 * pp) if rows is not None and rows % (dp * m) == 0
-                             if (r := price_pipeline(step, sim, uses, shape, dp_axis, tp_axis, params, zero, False,
+                             if (r := price_pipeline(step, sim, uses, shape, dp_axis, tp_axis, params, zero, again,
                                                      state_factor, prof, pp, m)) is not None]
                     if not found:
                         continue
                     pred, cut = min(found, key=lambda r: r[0].time_s)
-                    name = f"pp{pp} x {tp_name}" + (f" zero{zero}" if zero else "") + f" (1F1B, {cut.microbatches} micro-batches)"
+                    name = (f"pp{pp} x {tp_name}" + (f" zero{zero}" if zero else "") + (" recompute" if again else "")
+                            + f" (1F1B, {cut.microbatches} micro-batches)")
                     pipe = {"stages": pp, "microbatches": cut.microbatches, "schedule": "1F1B",
                             "blocks": blocks[0].rsplit(".", 1)[0], "starts": list(cut.starts)}
-                    plan = Plan(styles, (pp, *shape), ["pp", *names], zero, {}, divisible, pred, None, "", "auto", pipe)
+                    plan = Plan(styles, (pp, *shape), ["pp", *names], zero, {pattern(blocks[0]): "full"} if again else {},
+                                divisible, pred, None, "", "auto", pipe)
                     feasible = budget is None or pred.memory_bytes <= budget
-                    priced.append((pred.time_s, 2 + (tp > 1) + zero, Candidate(name, pred, feasible), plan))
+                    priced.append((pred.time_s, 2 + (tp > 1) + zero + again, Candidate(name, pred, feasible), plan))
                 continue
             for zero in ((0, 1, 2, 3) if dp > 1 else (0,)):
                 def price(k: int, zero: int = zero) -> Prediction:  # k of the blocks recomputed
@@ -386,8 +390,6 @@ def _meshes(mesh: ProcessMesh | None, world: int, max_tp: int, max_pp: int) -> l
 
 def _unsplittable(model: nn.Module, recording: Any, blocks: list[str]) -> str | None:
     """Why ``model`` cannot be cut into pipeline stages between its repeated blocks, or None."""
-    import torch.fx
-
     if not blocks:
         return "the model has no stack of repeated blocks to cut between"
     parent = blocks[0].rsplit(".", 1)[0] if "." in blocks[0] else ""
@@ -398,12 +400,7 @@ def _unsplittable(model: nn.Module, recording: Any, blocks: list[str]) -> str | 
     tied = [n for n, parts in param_parts(recording.short).items() if PRE in parts and POST in parts]
     if tied:
         return f"parameter {tied[0]!r} is read before and after the blocks (a tied weight would sit on two stages)"
-    try:
-        torch.fx.symbolic_trace(model)
-    except Exception as e:  # noqa: BLE001  (any trace failure: say which)
-        return (f"its forward does not trace with torch.fx ({type(e).__name__}: {str(e).splitlines()[0][:160]}), "
-                "which cutting it into stages needs")
-    return None
+    return why_not_cut(model, parent)
 
 
 def _batch_rows(step: Step) -> int | None:

@@ -50,6 +50,7 @@ class Part:
     (``POST``: the final norm, the head, the loss). A pipeline stage is a run of parts."""
 
     flops: float = 0.0
+    forward_flops: float = 0.0
     touched_bytes: float = 0.0
     ops: int = 0
     saved_bytes: int = 0
@@ -208,6 +209,7 @@ def simulate(step: Step, mesh: ProcessMesh, param_placements: Mapping[str, tuple
             part.flops += op.flops * frac
             if not op.backward:
                 sim.forward_flops += op.flops * frac
+                part.forward_flops += op.flops * frac
         else:
             touched = sum(largest_local_numel(s.shape, tuple(p), shape) * s.itemsize for s, p in zip(in_specs, best.inputs))
             sim.touched_bytes += touched

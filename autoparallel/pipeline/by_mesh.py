@@ -29,6 +29,7 @@ What a split needs, checked on metadata before anything runs (the same error on 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from fnmatch import fnmatchcase
 from typing import Any
 
 import torch
@@ -43,8 +44,22 @@ from autoparallel.sharded_call import MESH_META
 _WHAT = "split_by_meshes"
 
 
-def _trace(model: nn.Module, what: str = _WHAT) -> torch.fx.GraphModule:
+class _Leaves(torch.fx.Tracer):
+    """A tracer that records the calls of ``leaves`` (modules) without tracing into them."""
+
+    def __init__(self, leaves: set[int]) -> None:
+        super().__init__()
+        self.leaves = leaves
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return id(m) in self.leaves or super().is_leaf_module(m, module_qualified_name)
+
+
+def _trace(model: nn.Module, what: str = _WHAT, leaves: set[int] | None = None) -> torch.fx.GraphModule:
     try:
+        if leaves:
+            tracer = _Leaves(leaves)
+            return torch.fx.GraphModule(model, tracer.trace(model), type(model).__name__)
         return torch.fx.symbolic_trace(model)
     except Exception as e:  # noqa: BLE001  (any trace failure: say what to do)
         if isinstance(e, ValueError) and not isinstance(e, torch.fx.proxy.TraceError):
@@ -158,14 +173,15 @@ def _annotations(gm: torch.fx.GraphModule) -> None:
 
 
 def split_at_blocks(model: nn.Module, meshes: Sequence[ProcessMesh], blocks: str, starts: Sequence[int],
-                    plan: dict[str, Any] | None = None) -> list[Stage]:
+                    plan: dict[str, Any] | None = None, recompute: dict[str, Any] | None = None) -> list[Stage]:
     """``model`` as one stage per mesh, cut between the blocks of its ``nn.ModuleList`` named
     ``blocks``: stage ``k`` runs blocks ``starts[k]`` up to ``starts[k + 1]``; what the forward
     does before the blocks runs on the first stage, after them on the last (an ``ap.Plan`` with a
-    pipeline axis is applied this way). The forward is traced with ``torch.fx`` and cut as
-    ``split_by_meshes`` cuts it (one tensor crossing each boundary, one model input); each stage
-    is laid out by ``ap.parallelize`` with the part of ``plan`` matching its layers, else
-    ``Replicate`` on its mesh. A weight two stages read (an embedding tied to the head) raises
+    pipeline axis is applied this way). The forward around the blocks is traced with ``torch.fx``
+    (each block a call of its own, not traced into) and cut as ``split_by_meshes`` cuts it (one
+    tensor crossing each boundary, one model input); each stage is laid out by ``ap.parallelize``
+    with the part of ``plan`` matching its layers, else ``Replicate`` on its mesh, and recomputes
+    the modules ``recompute`` names (patterns over the model's names, as ``ap.parallelize``). A weight two stages read (an embedding tied to the head) raises
     ``ValueError``: the stages would share one parameter on two meshes (for a ``transformers``
     decoder ``ap.pipeline.decoder_stages`` keeps a synchronised copy)."""
     from torch.fx.passes.split_module import split_module
@@ -182,7 +198,7 @@ def split_at_blocks(model: nn.Module, meshes: Sequence[ProcessMesh], blocks: str
     if len(bounds) != p + 1 or bounds[0] != 0 or any(a >= b for a, b in zip(bounds, bounds[1:])):
         raise ValueError(f"{what}: starts {list(starts)} must be {p} increasing block indices from 0, below {n}")
     stage_of = {i: k for k in range(p) for i in range(bounds[k], bounds[k + 1])}
-    gm = _trace(model, what)
+    gm = _trace(model, what, {id(b) for b in stack})
     stage: dict[torch.fx.Node, int] = {}
     head = f"{blocks}."
     for node in gm.graph.nodes:
@@ -204,24 +220,36 @@ def split_at_blocks(model: nn.Module, meshes: Sequence[ProcessMesh], blocks: str
                 raise ValueError(f"{what}: parameter {name!r} is read by stages {holders[id(param)]} and {k} (a weight "
                                  "tied across stages); untie it, or keep both ends on one stage")
     plans = _stage_plans(model, modules, plan, what)
+    recomputes = _stage_plans(model, modules, recompute, what)
     stages = []
-    for k, (module, mesh, sub) in enumerate(zip(modules, meshes, plans, strict=True)):
-        if sub:
-            parallelize(module, mesh, sub)
+    for k, (module, mesh, sub, again) in enumerate(zip(modules, meshes, plans, recomputes, strict=True)):
+        if sub or again:
+            parallelize(module, mesh, sub, recompute=again or None)
         else:
             shard_layer(module, mesh)
         stages.append(Stage(module, mesh, name=f"blocks {bounds[k]}..{bounds[k + 1] - 1}"))
     return stages
 
 
+def why_not_cut(model: nn.Module, blocks: str) -> str | None:
+    """Why ``split_at_blocks(model, ..., blocks, ...)`` could not cut ``model`` (its forward around
+    the blocks does not trace with ``torch.fx``), or None. Traces only: nothing runs."""
+    stack = model.get_submodule(blocks)
+    try:
+        _trace(model, "split_at_blocks", {id(b) for b in stack})
+    except ValueError as e:
+        return str(e).split(". Keep")[0].removeprefix("split_at_blocks: ")
+    return None
+
+
 def _stage_plans(model: nn.Module, modules: list[nn.Module], plan: dict[str, Any] | None, what: str) -> list[dict[str, Any]]:
-    """Each stage's part of ``plan`` (``{module-name pattern: style}`` over ``model``'s names), by
-    the stage modules' own names for the same module objects (a split renames them)."""
+    """Each stage's part of ``plan`` (``{module-name pattern: value}`` over ``model``'s names: styles,
+    or recompute policies), by the stage modules' own names for the same module objects (a split
+    renames them)."""
     if not plan:
         return [{} for _ in modules]
-    from autoparallel.nn.parallelize import match_plan
-
-    matches = match_plan(model, plan)
+    matches = [(pat, name, m, value) for pat, value in plan.items()
+               for name, m in model.named_modules() if fnmatchcase(name, pat)]
     out = []
     for module in modules:
         names = {id(m): n for n, m in module.named_modules()}
@@ -276,4 +304,4 @@ def run_stages(stages: list[Stage], x: Any) -> Any:
     return x
 
 
-__all__ = ["run_stages", "split_at_blocks", "split_by_meshes"]
+__all__ = ["run_stages", "split_at_blocks", "split_by_meshes", "why_not_cut"]

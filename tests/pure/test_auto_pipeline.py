@@ -129,3 +129,29 @@ def test_a_model_that_cannot_be_cut_is_said_so() -> None:
     with pytest.raises(ValueError, match=r"mesh axes \['dp', 'pp'\]"):
         ap.auto_parallel(GPT(CFG), example=(x, y), loss=lm_loss, profile="h100",
                          mesh=ap.ProcessMesh.simulated((2, 2), ["dp", "pp"]))
+
+
+class _Branching(torch.nn.Module):
+    """Blocks a pipeline could cut between, but a forward that branches on a size in Python."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(128, 32)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(32, 32) for _ in range(4))
+        self.head = torch.nn.Linear(32, 128)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        if idx.shape[0] > 4:  # torch.fx cannot follow this
+            x = x * 2
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def test_a_forward_torch_fx_cannot_trace_is_said_so() -> None:
+    x, y = _example()
+    with pytest.warns(UserWarning, match="no pipeline plan was priced: splitting the model into stages traces its "
+                                         "forward with torch.fx, which failed"):
+        plan = ap.auto_parallel(_Branching(), world=4, example=(x, y), loss=lm_loss, profile="h100", pipeline=True)
+    assert plan.pipeline is None

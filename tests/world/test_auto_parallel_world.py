@@ -244,10 +244,10 @@ def test_parameters_laid_out_by_hand_are_kept(world4) -> None:  # type: ignore[n
 UNTIED = GPTConfig(vocab=32, seq=8, layers=2, width=32, heads=4, dropout=0.0, attention="math", tied=False)
 
 
-def _pipeline(rank: int, names: list[str]) -> dict[str, Any]:
-    """The best plan on a 2 x 2 mesh whose first axis is a pipeline's, applied with
-    ``plan.apply(model, optimizer, loss=...)`` and run by ``pipe.step``: this rank's losses (on the
-    last stage) and its stage's parameters."""
+def _pipeline(rank: int, names: list[str], recompute: bool) -> dict[str, Any]:
+    """The best plan on a 2 x 2 mesh whose first axis is a pipeline's (edited to recompute every
+    block with ``recompute``), applied with ``plan.apply(model, optimizer, loss=...)`` and run by
+    ``pipe.step``: this rank's losses (on the last stage) and its stage's parameters."""
     import autoparallel as ap
 
     torch.manual_seed(0)
@@ -256,6 +256,8 @@ def _pipeline(rank: int, names: list[str]) -> dict[str, Any]:
     x0, y0 = _batches()[0]
     plan = ap.auto_parallel(model, example=(x0, y0), loss=lm_loss, optimizer="sgd", mesh=mesh)
     saved = ap.Plan.from_json(plan.to_json())  # the pipeline survives a save and a load
+    if recompute:
+        saved.recompute = {"blocks.*": "full"}
     pipe, opt = saved.apply(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), loss=lm_loss)
     first, last = plan.stage_meshes[0], plan.stage_meshes[-1]
     lay = [ap.Shard(0) if n == "dp" else ap.Replicate() for n in first.dim_names]
@@ -268,7 +270,9 @@ def _pipeline(rank: int, names: list[str]) -> dict[str, Any]:
             losses.append(float(loss.detach().full_tensor()))
     params = {n: p.detach().full_tensor() for n, p in model.named_parameters()
               if isinstance(p, ap.DistTensor) and rank in p.process_mesh.process_ids}
-    return {"losses": losses, "params": params, "plan": str(plan), "pipeline": saved.pipeline}
+    from autoparallel.memory.recomputation import _Recomputed
+    return {"losses": losses, "params": params, "plan": str(plan), "pipeline": saved.pipeline,
+            "recomputed": [isinstance(b, _Recomputed) for b in model.blocks]}
 
 
 def _reference_untied() -> dict[str, Any]:
@@ -285,12 +289,14 @@ def _reference_untied() -> dict[str, Any]:
     return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
-@pytest.mark.parametrize("names", [["pp", "dp"], ["pp", "mp"]], ids=["pp2_dp2", "pp2_tp2"])
-def test_pipeline_plan_trains_like_one_process(world4, names: list[str]) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("names,recompute", [(["pp", "dp"], False), (["pp", "mp"], False), (["pp", "mp"], True)],
+                         ids=["pp2_dp2", "pp2_tp2", "pp2_tp2_recompute"])
+def test_pipeline_plan_trains_like_one_process(world4, names: list[str], recompute: bool) -> None:  # type: ignore[no-untyped-def]
     ref = _reference_untied()
-    got = world4.run(_pipeline, names)
+    got = world4.run(_pipeline, names, recompute)
     assert got[0]["pipeline"]["stages"] == 2 and got[0]["pipeline"]["starts"] == [0, 1], got[0]["plan"]
     assert sum(1 for r in got if r["losses"]) == 2  # the last stage's two ranks
+    assert all(r["recomputed"] == [recompute] * UNTIED.layers for r in got)
     seen: set[str] = set()
     for r in got:
         if r["losses"]:
