@@ -236,7 +236,7 @@ def why_not_cut(model: nn.Module, blocks: str) -> str | None:
     the blocks does not trace with ``torch.fx``), or None. Traces only: nothing runs."""
     stack = model.get_submodule(blocks)
     try:
-        _trace(model, "split_at_blocks", {id(b) for b in stack})
+        _trace(model, "split_at_blocks", {id(b) for b in stack.children()})
     except ValueError as e:
         return str(e).split(". Keep")[0].removeprefix("split_at_blocks: ")
     return None
