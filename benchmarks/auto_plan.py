@@ -18,6 +18,10 @@
    plan for a memory budget 10 % below plain DP's predicted peak: its predicted and measured
    peak per rank. With matplotlib installed, ``benchmarks/auto_plan.png``: every plan's
    predicted vs measured step.
+3. Pipelines (same world; ``--skip-pipelines`` to leave out): an untied 4-block GPT (width 256,
+   seq 64, 16 rows), the best plan on each of pp2 x dp2, pp4, pp2 x tp2, dp4 and dp2 x tp2 as
+   the search prices it there, and the free search's choice with ``pipeline=True``: predicted and
+   measured step, the Spearman rank correlation over the meshes, auto / best measured mesh.
 """
 
 from __future__ import annotations
@@ -120,6 +124,9 @@ def search_times(worlds: list[int]) -> list[tuple[str, int, float, str]]:
             big = _llama(size, torch.float32)
             cases.append((f"Llama-3 {size} shapes, H100 profile, 80 GiB", big, tokens,
                           {"profile": "h100", "memory_budget": "80GiB"}))
+        for size in ("8B", "70B"):  # and with pipeline axes priced too (dp x tp x pp)
+            cases.append((f"Llama-3 {size} shapes, H100 profile, 80 GiB, pipeline axes too", _llama(size, torch.float32),
+                          tokens, {"profile": "h100", "memory_budget": "80GiB", "pipeline": True}))
     except ImportError:
         print("transformers is not installed: Llama cases skipped", file=sys.stderr)
     for label, model, example, kw in cases:
@@ -203,6 +210,81 @@ def _memory_check(model: Any, x: torch.Tensor, free: Any, world: int) -> dict[st
             "predicted": plan.candidates[0].prediction.memory_bytes, "measured": max(everyone)}
 
 
+# pipeline plans: an untied GPT (a pipeline cannot hold a weight tied across stages), each mesh's
+# best plan as the search prices it on that mesh, measured
+PIPE_MESHES = {"pp2 x dp2": ([2, 2], ["pp", "dp"]), "pp4": ([4], ["pp"]), "pp2 x tp2": ([2, 2], ["pp", "mp"]),
+               "dp4": ([4], ["dp"]), "dp2 x tp2": ([2, 2], ["dp", "mp"])}
+
+
+def _plan_step(plan: Any, model: Any, batches: list[Any]) -> Callable[[int], float]:
+    """``plan`` applied to ``model``, AdamW; one training step on batch ``i`` (``pipe.step`` for a
+    plan with a pipeline axis)."""
+    import train_gpt
+    from gpt_model import lm_loss
+
+    import autoparallel as ap
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if plan.pipeline:
+        pipe, opt = plan.apply(model, opt, loss=lm_loss)
+        first, last = plan.stage_meshes[0], plan.stage_meshes[-1]
+        lay = [ap.Shard(0) if n == "dp" else ap.Replicate() for n in first.dim_names]
+
+        def step(i: int) -> float:
+            x, y = batches[i]
+            opt.zero_grad()
+            loss = pipe.step(ap.shard_tensor(x, first, lay), ap.shard_tensor(y, last, lay))
+            opt.step()
+            return float(loss.detach().full_tensor()) if dist.get_rank() in last.process_ids else float("nan")
+        return step
+    model, opt = plan.apply(model, opt)
+    lay = [ap.Shard(0) if n == "dp" else ap.Replicate() for n in plan.mesh.dim_names]
+
+    def plain(i: int) -> float:
+        x, y = batches[i]
+        loss = lm_loss(model(ap.shard_tensor(x, plan.mesh, lay)), ap.shard_tensor(y, plan.mesh, lay))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return train_gpt.scalar(loss)
+    return plain
+
+
+def _pipelines(world: int, opts: dict[str, Any]) -> dict[str, Any]:
+    """Each mesh of ``PIPE_MESHES``' best plan and the free search's choice with ``pipeline=True``,
+    on an untied 4-block GPT: predicted and measured step (median of the rounds, turns taken)."""
+    from gpt_model import GPT, GPTConfig, lm_loss
+
+    import autoparallel as ap
+    from benchmarks._spawn import timed_steps
+
+    width, seq, rows = 256, 64, 16
+    cfg = GPTConfig(vocab=128, width=width, heads=4, layers=4, seq=seq, tied=False, dropout=0.0)
+    steps, rounds, warm = opts["steps"], opts["rounds"], 3
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randint(0, 128, (rows, seq), generator=g), torch.randint(0, 128, (rows, seq), generator=g))
+               for _ in range(warm + steps * rounds)]
+    plans = {}
+    for label, (shape, names) in PIPE_MESHES.items():
+        mesh = ap.ProcessMesh(torch.arange(world).reshape(shape).tolist(), dim_names=names)
+        plans[label] = ap.auto_parallel(GPT(cfg), example=batches[0], loss=lm_loss, mesh=mesh, optimizer="adamw")
+    plans["auto"] = ap.auto_parallel(GPT(cfg), example=batches[0], loss=lm_loss, optimizer="adamw", pipeline=True)
+    sides = {}
+    for label, plan in plans.items():
+        torch.manual_seed(0)
+        sides[label] = _plan_step(plan, GPT(cfg), batches)
+    for step in sides.values():
+        for i in range(warm):
+            step(i)
+    times: dict[str, list[float]] = {k: [] for k in sides}
+    for r in range(rounds):
+        for label in (list(sides) if r % 2 == 0 else list(sides)[::-1]):
+            dt, _ = timed_steps(sides[label], warm + r * steps, steps)
+            times[label].append(dt)
+    return {label: {"name": plans[label].candidates[0].name, "predicted_s": plans[label].prediction.time_s,
+                    "step_s": statistics.median(times[label])} for label in plans}
+
+
 def _worker(rank: int, world: int, store: str, opts: dict[str, Any], out_path: str) -> None:
     from benchmarks._spawn import timed_steps
 
@@ -245,6 +327,8 @@ def _worker(rank: int, world: int, store: str, opts: dict[str, Any], out_path: s
         if rank == 0:
             print(f"  {size}: " + ", ".join(f"{n} {v['step_s'] * 1e3:.1f} ms" for n, v in row["plans"].items())
                   + f" (auto = {row['auto_name']})", file=sys.stderr, flush=True)
+    if opts.get("pipelines", True):
+        results["pipelines"] = _pipelines(world, opts)
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(results, f)
@@ -276,6 +360,18 @@ def report(search: list[tuple[str, int, float, str]], quality: dict[str, Any], s
         print("\n| model | simulated ranks | search s | chosen |\n|---|---|---|---|")
         for label, w, s, name in search:
             print(f"| {label} | {w} | {s:.1f} | {name} |")
+    pipes = quality.pop("pipelines", None) if quality else None
+    if pipes:
+        print("\nPipelines (an untied 4-block GPT, width 256, seq 64, 16 rows, AdamW): each mesh's best plan as the "
+              "search prices it, and the free search with pipeline=True\n\n| mesh | plan | predicted ms | measured ms |\n"
+              "|---|---|---|---|")
+        for label, v in pipes.items():
+            print(f"| {label} | {v['name']} | {v['predicted_s'] * 1e3:.1f} | {v['step_s'] * 1e3:.1f} |")
+        fixed = [v for k, v in pipes.items() if k != "auto"]
+        best = min(v["step_s"] for v in fixed)
+        print(f"\nSpearman(predicted, measured) over the meshes: "
+              f"{spearman([v['predicted_s'] for v in fixed], [v['step_s'] for v in fixed]):.2f}; "
+              f"auto / best measured mesh: {pipes['auto']['step_s'] / best:.2f}")
     if not quality:
         return
     print("\n| size (width x seq) | " + " | ".join(list(HAND) + ["auto"]) + " | auto / best hand | auto's plan | auto loss vs DP |")
@@ -357,13 +453,15 @@ def main() -> int:
     ap_.add_argument("--skip-search", action="store_true")
     ap_.add_argument("--skip-quality", action="store_true")
     ap_.add_argument("--skip-scale", action="store_true", help="skip the Llama-3 8B / 70B plans vs torchtitan's")
+    ap_.add_argument("--skip-pipelines", action="store_true", help="skip the measured pipeline plans")
     args = ap_.parse_args()
     search = [] if args.skip_search else search_times([int(w) for w in args.worlds.split(",")])
     scale = [] if args.skip_scale else at_scale()
     quality: dict[str, Any] = {}
     if not args.skip_quality:
         from benchmarks._spawn import run_spawned
-        opts = {"sizes": args.sizes.split(","), "steps": args.steps, "rounds": args.rounds}
+        opts = {"sizes": args.sizes.split(","), "steps": args.steps, "rounds": args.rounds,
+                "pipelines": not args.skip_pipelines}
         quality = run_spawned(_worker, 4, opts, timeout=3600, prefix="autoplan_")
     report(search, quality, scale)
     return 0

@@ -215,6 +215,11 @@ def price_pipeline(step: Step, sim: Simulation, uses: dict[str, list[str]], mesh
     hop = prof.seconds("send_recv", act / m, 1, prof.inside_node(full, 0))
     p2p_s = 2 * (stages - 1) * hop + 2 * (m - 1) * hop
     bubble_s = sum(totals) - totals[slow]
+    if prof.core_share < 1:  # ranks sharing cores: while some wait the busy ones compute faster, so the
+        # step is the longer of the critical path at a whole core and every micro-batch at the shared one
+        fast = [prof.core_share * (c + h) + x for c, x, h in times]
+        critical = sum(fast) + (m - 1) * fast[slow]
+        bubble_s = max(0.0, critical - m * totals[slow])
     # the stage's parameters: its blocks' and the ones its outer ops read (a weight tied between
     # the first and the last stage on both, its gradients summed over the two: one all-reduce)
     held: list[list[str]] = [[] for _ in range(stages)]

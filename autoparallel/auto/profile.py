@@ -38,6 +38,9 @@ class Profile:
     node_alpha_s: float = 0.0
     node_beta_bytes_per_s: float = 0.0
     kernel_s: float = 0.0  # the host time of one plain local kernel (the optimizer's update runs such kernels)
+    # the part of a core each rank computes on while every rank computes (below 1 where ranks
+    # outnumber the cores; the figures above are at that share): a waiting rank's part goes to the others
+    core_share: float = 1.0
 
     def seconds(self, kind: str, nbytes: float, count: int = 1, inside_node: bool = False) -> float:
         """Time of ``count`` collectives of ``kind`` moving ``nbytes`` (received per rank) in all,
@@ -163,9 +166,10 @@ def local_profile(world: int) -> Profile:
         measured = [(flops, bw, kernel, alpha, betas)]
         dist.broadcast_object_list(measured, src=0)
         flops, bw, kernel, alpha, betas = measured[0]
-    share = min(1.0, (os.cpu_count() or 1) / max(1, world)) / max(1, torch.get_num_threads())
+    cores = min(1.0, (os.cpu_count() or 1) / max(1, world))
+    share = cores / max(1, torch.get_num_threads())
     return Profile("local", flops * share, bw * share, alpha, betas.get("all_reduce", 1e9), LOCAL_OP_S / max(share, 1e-3),
-                   tuple(sorted(betas.items())), kernel_s=kernel / max(share, 1e-3))
+                   tuple(sorted(betas.items())), kernel_s=kernel / max(share, 1e-3), core_share=cores)
 
 
 def resolve_profile(profile: Any, world: int) -> Profile:
