@@ -59,17 +59,23 @@ class PipelineRun:
     """What ``Plan.apply`` returns for a plan with a pipeline axis: ``step(x, target)`` runs the
     forward and backward of every micro-batch (``ap.pipeline.Pipeline.step``; a weight tied
     across stages then gets both copies' gradients) and returns the mean loss (on the last stage
-    mesh); call the optimizer's ``step`` after it. ``pipeline`` is the ``Pipeline``."""
+    mesh); call the optimizer's ``step`` after it (``clip_grad_norm_`` between them clips by the
+    global norm). ``pipeline`` is the ``Pipeline``."""
 
-    def __init__(self, pipeline: Any, after: Any = None) -> None:
+    def __init__(self, pipeline: Any, split: Any) -> None:
         self.pipeline = pipeline
-        self._after = after
+        self._split = split
 
     def step(self, x: Any, target: Any, **kwargs: Any) -> Any:
         loss = self.pipeline.step(x, target, **kwargs)
-        if self._after is not None:
-            self._after()
+        if self._split.tied:
+            self._split.sync_tied_grads()
         return loss
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip every stage's gradients by their global norm (a tied weight counted once), as one
+        process clips the model's: after ``step``, before the optimizer's step, on every rank."""
+        return self._split.clip_grad_norm_(max_norm, norm_type)
 
     @property
     def stages(self) -> list[Any]:
@@ -146,7 +152,7 @@ class Plan(ModelPlan):
 
     def _apply_pipeline(self, model: nn.Module, optimizer: Any, mesh: ProcessMesh, loss: Any) -> tuple[Any, Any]:
         from autoparallel.pipeline import Pipeline
-        from autoparallel.pipeline.by_mesh import split_at_blocks
+        from autoparallel.pipeline.by_blocks import split_at_blocks
         from autoparallel.pipeline.decoder import decoder_stages, is_decoder
 
         pipe = self.pipeline or {}
@@ -154,10 +160,8 @@ class Plan(ModelPlan):
             raise ValueError(f"ap.Plan.apply: this plan has a pipeline axis; pass a mesh with a 'pp' axis, got {mesh}")
         meshes = [mesh.get_mesh_with_dim("pp", k) for k in range(mesh.shape[mesh.dim_names.index("pp")])]
         starts = [int(s) for s in pipe["starts"]]
-        after = None
         if is_decoder(model):  # a transformers decoder: its own loss, a tied head kept in sync
             split = decoder_stages(model, meshes, split_points=starts[1:], plan=dict(self) or None)
-            stages, after, loss = split.stages, split.sync_tied_grads, loss or split.loss_fn
             if self.recompute:
                 from autoparallel.memory.recomputation import recompute
                 from autoparallel.nn.parallelize import match_recompute
@@ -167,13 +171,21 @@ class Plan(ModelPlan):
             if loss is None or not callable(loss):
                 raise ValueError("ap.Plan.apply: this plan has a pipeline axis; pass loss= (called as "
                                  "loss(output, target) on the last stage, per micro-batch)")
-            stages = split_at_blocks(model, meshes, str(pipe["blocks"]), starts, dict(self) or None,
-                                     self.recompute or None)
-        runner = Pipeline(stages, loss, num_microbatches=int(pipe["microbatches"]), schedule=str(pipe.get("schedule", "1F1B")))
+            split = split_at_blocks(model, meshes, str(pipe["blocks"]), starts, dict(self) or None,
+                                    self.recompute or None, loss)
+        runner = Pipeline(split.stages, loss or split.loss_fn, num_microbatches=int(pipe["microbatches"]),
+                          schedule=str(pipe.get("schedule", "1F1B")))
         if optimizer is not None:
+            for (ma, a), (mb, b) in split.tied:  # a weight's copy on a later stage steps with its original
+                original, twin = getattr(ma, a), getattr(mb, b)
+                group = next((g for g in optimizer.param_groups if any(q is original for q in g["params"])), None)
+                if group is None:
+                    optimizer.add_param_group({"params": [twin]})
+                else:
+                    group["params"].append(twin)
             from autoparallel.optim.sharded import shard_optimizer
             optimizer = shard_optimizer(optimizer, self.optimizer_stage_for(mesh))
-        return PipelineRun(runner, after), optimizer
+        return PipelineRun(runner, split), optimizer
 
     # ---- reading it ---------------------------------------------------------------------------
     def __str__(self) -> str:

@@ -33,12 +33,12 @@ from autoparallel.auto.plan import Candidate, Plan, Prediction, parse_bytes
 from autoparallel.auto.price import price_pipeline, price_step, state_factor_of
 from autoparallel.auto.profile import resolve_profile
 from autoparallel.auto.repeat import record
-from autoparallel.auto.simulate import POST, PRE, Simulation, param_parts, simulate
+from autoparallel.auto.simulate import Simulation, param_parts, simulate
 from autoparallel.auto.trace import Step, pattern
 from autoparallel.mesh import ProcessMesh
 from autoparallel.nn.parallelize import ModelPlan, match_plan
 from autoparallel.nn.styles import ColWiseParallel, RowWiseParallel, SequenceParallel, VocabParallelEmbedding
-from autoparallel.pipeline.by_mesh import why_not_cut
+from autoparallel.pipeline.by_blocks import why_not_cut
 from autoparallel.pipeline.decoder import is_decoder
 from autoparallel.placement import Placement, Replicate, Shard
 
@@ -270,7 +270,7 @@ def auto_parallel(model: nn.Module, world: int | None = None, example: Any = Non
     meshes = _meshes(mesh, world, max_tp, max_pp if pipeline else 1)
     seq_len = _seq_len(step)
     blocks = step.blocks()
-    pipe_why = _unsplittable(model, recording, blocks) if any(pp > 1 for pp, _, _ in meshes) else None
+    pipe_why = _unsplittable(model, blocks) if any(pp > 1 for pp, _, _ in meshes) else None
     if pipe_why is not None:
         if mesh is not None:
             raise ValueError(f"ap.auto_parallel: the mesh's pipeline axis cannot be used: {pipe_why}")
@@ -388,18 +388,16 @@ def _meshes(mesh: ProcessMesh | None, world: int, max_tp: int, max_pp: int) -> l
     return [(size.get("pp", 1), size.get("dp", 1), size.get("mp", size.get("tp", 1)))]
 
 
-def _unsplittable(model: nn.Module, recording: Any, blocks: list[str]) -> str | None:
+def _unsplittable(model: nn.Module, blocks: list[str]) -> str | None:
     """Why ``model`` cannot be cut into pipeline stages between its repeated blocks, or None."""
     if not blocks:
         return "the model has no stack of repeated blocks to cut between"
     parent = blocks[0].rsplit(".", 1)[0] if "." in blocks[0] else ""
-    if not parent or not isinstance(model.get_submodule(parent), nn.ModuleList):
-        return f"its repeated blocks ({blocks[0]}, ...) are not the items of an nn.ModuleList"
+    if not parent or not isinstance(model.get_submodule(parent), (nn.ModuleList, nn.Sequential)):
+        return (f"its repeated blocks ({blocks[0]}, ...) are not the items of an nn.ModuleList or nn.Sequential "
+                "inside the model (a model that is itself an nn.Sequential: ap.pipeline.split_sequential cuts it)")
     if is_decoder(model):
-        return None  # ap.pipeline.decoder_stages splits it (a tied head kept as a synchronised copy)
-    tied = [n for n, parts in param_parts(recording.short).items() if PRE in parts and POST in parts]
-    if tied:
-        return f"parameter {tied[0]!r} is read before and after the blocks (a tied weight would sit on two stages)"
+        return None  # ap.pipeline.decoder_stages splits it
     return why_not_cut(model, parent)
 
 

@@ -1,8 +1,8 @@
 """Pipeline parallelism across stage meshes: stage splitting and schedules as data.
 
 * :mod:`.stage` — :class:`Stage`, :func:`split_sequential`, :func:`stages_from_annotations`
-* :mod:`.by_mesh` — :func:`split_by_meshes`: stages from the meshes a forward's ``ap.shard_op`` calls name;
-  :func:`split_at_blocks`: stages cut between a model's repeated blocks (an ``ap.Plan`` with a pipeline axis)
+* :mod:`.by_mesh` — :func:`split_by_meshes`: stages from the meshes a forward's ``ap.shard_op`` calls name
+* :mod:`.by_blocks` — :func:`split_at_blocks`: stages cut between a model's repeated blocks (an ``ap.Plan`` with a pipeline axis)
 * :mod:`.schedule` — :func:`build_schedule` (FThenB, 1F1B, Interleaved1F1B, ZBH1) as per-mesh action lists
 * :mod:`.split_backward` — a stage's backward as ``B`` (input gradient) and ``W`` (weight gradients)
 * :mod:`.simulate` — :func:`simulate`: send/recv matching, deadlock check, ideal timeline, bubble
@@ -15,7 +15,8 @@
 
 from __future__ import annotations
 
-from autoparallel.pipeline.by_mesh import run_stages, split_at_blocks, split_by_meshes
+from autoparallel.pipeline.by_blocks import split_at_blocks
+from autoparallel.pipeline.by_mesh import run_stages, split_by_meshes
 from autoparallel.pipeline.decoder import DecoderStages, decoder_stages
 from autoparallel.pipeline.memory import ActivationMeter
 from autoparallel.pipeline.runner import Event, Pipeline

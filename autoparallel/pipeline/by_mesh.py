@@ -28,8 +28,6 @@ What a split needs, checked on metadata before anything runs (the same error on 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from fnmatch import fnmatchcase
 from typing import Any
 
 import torch
@@ -44,7 +42,7 @@ from autoparallel.sharded_call import MESH_META
 _WHAT = "split_by_meshes"
 
 
-class _Leaves(torch.fx.Tracer):
+class Leaves(torch.fx.Tracer):
     """A tracer that records the calls of ``leaves`` (modules) without tracing into them."""
 
     def __init__(self, leaves: set[int]) -> None:
@@ -55,10 +53,10 @@ class _Leaves(torch.fx.Tracer):
         return id(m) in self.leaves or super().is_leaf_module(m, module_qualified_name)
 
 
-def _trace(model: nn.Module, what: str = _WHAT, leaves: set[int] | None = None) -> torch.fx.GraphModule:
+def trace_forward(model: nn.Module, what: str = _WHAT, leaves: set[int] | None = None) -> torch.fx.GraphModule:
     try:
         if leaves:
-            tracer = _Leaves(leaves)
+            tracer = Leaves(leaves)
             return torch.fx.GraphModule(model, tracer.trace(model), type(model).__name__)
         return torch.fx.symbolic_trace(model)
     except Exception as e:  # noqa: BLE001  (any trace failure: say what to do)
@@ -107,7 +105,7 @@ def _stages_of(gm: torch.fx.GraphModule) -> tuple[dict[torch.fx.Node, int], list
     return stage, chunks
 
 
-def _check_boundaries(split: torch.fx.GraphModule, count: int, what: str = _WHAT) -> list[nn.Module]:
+def check_boundaries(split: torch.fx.GraphModule, count: int, what: str = _WHAT) -> list[nn.Module]:
     """The stage modules in order; each takes exactly the previous one's single output."""
     calls = [n for n in split.graph.nodes if n.op == "call_module"]
     inputs = [n for n in split.graph.nodes if n.op == "placeholder"]
@@ -133,11 +131,11 @@ def split_by_meshes(model: nn.Module) -> list[Stage]:
     """``model`` as pipeline stages, one per mesh its forward's ``shard_op`` calls name (module doc)."""
     from torch.fx.passes.split_module import split_module
 
-    gm = _trace(model)
+    gm = trace_forward(model)
     _annotations(gm)
     stage, meshes = _stages_of(gm)
     split = split_module(gm, model, lambda n: stage[n])
-    modules = _check_boundaries(split, len(meshes))
+    modules = check_boundaries(split, len(meshes))
     stages = []
     for k, (module, mesh) in enumerate(zip(modules, meshes, strict=True)):
         off = off_mesh(module, mesh)
@@ -172,125 +170,6 @@ def _annotations(gm: torch.fx.GraphModule) -> None:
     gm.recompile()
 
 
-def split_at_blocks(model: nn.Module, meshes: Sequence[ProcessMesh], blocks: str, starts: Sequence[int],
-                    plan: dict[str, Any] | None = None, recompute: dict[str, Any] | None = None) -> list[Stage]:
-    """``model`` as one stage per mesh, cut between the blocks of its ``nn.ModuleList`` named
-    ``blocks``: stage ``k`` runs blocks ``starts[k]`` up to ``starts[k + 1]``; what the forward
-    does before the blocks runs on the first stage, after them on the last (an ``ap.Plan`` with a
-    pipeline axis is applied this way). The forward around the blocks is traced with ``torch.fx``
-    (each block a call of its own, not traced into) and cut as ``split_by_meshes`` cuts it (one
-    tensor crossing each boundary, one model input); each stage is laid out by ``ap.parallelize``
-    with the part of ``plan`` matching its layers, else ``Replicate`` on its mesh, and recomputes
-    the modules ``recompute`` names (patterns over the model's names, as ``ap.parallelize``). A weight two stages read (an embedding tied to the head) raises
-    ``ValueError``: the stages would share one parameter on two meshes (for a ``transformers``
-    decoder ``ap.pipeline.decoder_stages`` keeps a synchronised copy)."""
-    from torch.fx.passes.split_module import split_module
-
-    from autoparallel.nn.parallelize import parallelize
-
-    what = "split_at_blocks"
-    check_meshes(list(meshes))
-    stack = model.get_submodule(blocks) if blocks else None
-    if not isinstance(stack, nn.ModuleList):
-        raise ValueError(f"{what}: {blocks!r} is not an nn.ModuleList of the model's blocks")
-    p, n = len(meshes), len(stack)
-    bounds = [*(int(s) for s in starts), n]
-    if len(bounds) != p + 1 or bounds[0] != 0 or any(a >= b for a, b in zip(bounds, bounds[1:])):
-        raise ValueError(f"{what}: starts {list(starts)} must be {p} increasing block indices from 0, below {n}")
-    stage_of = {i: k for k in range(p) for i in range(bounds[k], bounds[k + 1])}
-    gm = _trace(model, what, {id(b) for b in stack})
-    stage: dict[torch.fx.Node, int] = {}
-    head = f"{blocks}."
-    for node in gm.graph.nodes:
-        if node.op in ("get_attr", "output"):
-            continue
-        scopes = [str(k) for k in node.meta.get("nn_module_stack", {})]
-        if node.op == "call_module":
-            scopes.append(str(node.target))
-        index = next((int(k[len(head):].split(".")[0]) for k in scopes if k.startswith(head)), None)
-        inputs = [stage[a] for a in node.all_input_nodes if a in stage]
-        stage[node] = stage_of[index] if index is not None else max(inputs, default=0)
-    _reads_as_calls(gm, stage)
-    split = split_module(gm, gm, lambda node: stage[node])
-    modules = _check_boundaries(split, p, what)
-    holders: dict[int, int] = {}
-    for k, module in enumerate(modules):
-        for name, param in module.named_parameters():
-            if holders.setdefault(id(param), k) != k:
-                raise ValueError(f"{what}: parameter {name!r} is read by stages {holders[id(param)]} and {k} (a weight "
-                                 "tied across stages); untie it, or keep both ends on one stage")
-    plans = _stage_plans(model, modules, plan, what)
-    recomputes = _stage_plans(model, modules, recompute, what)
-    stages = []
-    for k, (module, mesh, sub, again) in enumerate(zip(modules, meshes, plans, recomputes, strict=True)):
-        if sub or again:
-            parallelize(module, mesh, sub, recompute=again or None)
-        else:
-            shard_layer(module, mesh)
-        stages.append(Stage(module, mesh, name=f"blocks {bounds[k]}..{bounds[k + 1] - 1}"))
-    return stages
-
-
-def why_not_cut(model: nn.Module, blocks: str) -> str | None:
-    """Why ``split_at_blocks(model, ..., blocks, ...)`` could not cut ``model`` (its forward around
-    the blocks does not trace with ``torch.fx``), or None. Traces only: nothing runs."""
-    stack = model.get_submodule(blocks)
-    try:
-        _trace(model, "split_at_blocks", {id(b) for b in stack.children()})
-    except ValueError as e:
-        return str(e).split(". Keep")[0].removeprefix("split_at_blocks: ")
-    return None
-
-
-def _stage_plans(model: nn.Module, modules: list[nn.Module], plan: dict[str, Any] | None, what: str) -> list[dict[str, Any]]:
-    """Each stage's part of ``plan`` (``{module-name pattern: value}`` over ``model``'s names: styles,
-    or recompute policies), by the stage modules' own names for the same module objects (a split
-    renames them)."""
-    if not plan:
-        return [{} for _ in modules]
-    matches = [(pat, name, m, value) for pat, value in plan.items()
-               for name, m in model.named_modules() if fnmatchcase(name, pat)]
-    out = []
-    for module in modules:
-        names = {id(m): n for n, m in module.named_modules()}
-        out.append({names[id(m)]: style for _, _, m, style in matches if id(m) in names})
-    used = {pat for pat, _, m, _ in matches if any(id(m) in {id(x) for x in mod.modules()} for mod in modules)}
-    unused = [k for k in plan if k not in used]
-    if unused:
-        raise ValueError(f"{what}: plan patterns {unused} match no layer the stages run")
-    return out
-
-
-class _Read(nn.Module):
-    """A tensor attribute of ``owner`` read by the forward (``self.pos.weight[:t]``), as a module
-    call: the stage reading it then holds ``owner`` (and lays its parameters out on its mesh)
-    instead of taking the tensor as an input from outside."""
-
-    def __init__(self, owner: nn.Module, name: str) -> None:
-        super().__init__()
-        self.owner = owner
-        self.attr = name
-
-    def forward(self) -> Any:
-        return getattr(self.owner, self.attr)
-
-
-def _reads_as_calls(gm: torch.fx.GraphModule, stage: dict[torch.fx.Node, int]) -> None:
-    """Each ``get_attr`` of ``gm`` becomes a call of a ``_Read`` module (on ``gm`` only: the
-    model is not touched), in the stage of its first user."""
-    for i, node in enumerate([n for n in gm.graph.nodes if n.op == "get_attr"]):
-        users = [stage[u] for u in node.users if u in stage]
-        owner_name, _, attr = str(node.target).rpartition(".")
-        target = f"_read_{i}"
-        gm.add_submodule(target, _Read(gm.get_submodule(owner_name), attr))
-        with gm.graph.inserting_before(node):
-            call = gm.graph.call_module(target)
-        node.replace_all_uses_with(call)
-        gm.graph.erase_node(node)
-        stage[call] = min(users) if users else 0
-    gm.recompile()
-
-
 def run_stages(stages: list[Stage], x: Any) -> Any:
     """The stages one after another on the whole batch (no micro-batches, no schedule): each
     stage's input moved onto its mesh (``Replicate``) as the pipeline would."""
@@ -304,4 +183,4 @@ def run_stages(stages: list[Stage], x: Any) -> Any:
     return x
 
 
-__all__ = ["run_stages", "split_at_blocks", "split_by_meshes", "why_not_cut"]
+__all__ = ["run_stages", "split_by_meshes"]

@@ -343,3 +343,63 @@ def test_tensor_parallel_llama_attention_with_its_cache_is_a_region_at_new_lengt
     lengths = [9, 11, 13, 15, 17, 19, 21, 11, 25, 27, 29, 31]
     for r in world4.run(_data_parallel_lengths, lengths, True, True):
         _check_lengths(r)
+
+
+def _auto_pipeline(rank: int, steps: int = 3) -> dict[str, object]:
+    """``ap.auto_parallel`` on a pp2 x dp2 mesh for a tied Llama, applied with ``plan.apply``: the
+    head's copy on the last stage steps with the embedding (the optimizer given the model's
+    parameters gets the copy too), clipped by the global norm."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import autoparallel as ap
+    from autoparallel.engine.dtensor import DistTensor
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                         intermediate_size=128, vocab_size=128, max_position_embeddings=64,
+                                         tie_word_embeddings=True))
+    ref = copy.deepcopy(model)
+    ids = torch.randint(0, 128, (steps, 8, 16))
+    mesh = ap.ProcessMesh([[0, 1], [2, 3]], dim_names=["pp", "dp"])
+    plan = ap.auto_parallel(model, example={"input_ids": ids[0], "labels": ids[0]}, mesh=mesh, optimizer="sgd")
+    pipe, opt = plan.apply(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    first, last = plan.stage_meshes
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    losses, ref_losses, norms, ref_norms = [], [], [], []
+    for x in ids:
+        opt.zero_grad()
+        loss = pipe.step(ap.shard_tensor(x, first, [ap.Shard(0)]), ap.shard_tensor(x, last, [ap.Shard(0)]))
+        norms.append(float(pipe.clip_grad_norm_(0.5)))
+        opt.step()
+        if rank in last.process_ids:
+            losses.append(float(loss.detach().full_tensor()))
+        ref_loss = ref(input_ids=x, labels=x).loss
+        ref_loss.backward()
+        ref_norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)))
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_losses.append(float(ref_loss.detach()))
+    params = {n: p.detach().full_tensor() for n, p in model.named_parameters()
+              if isinstance(p, DistTensor) and rank in p.process_mesh.process_ids}
+    copies = {n: p.detach().full_tensor() for n, p in pipe.pipeline.stages[-1].module.named_parameters()
+              if n.endswith("lm_head.weight") and rank in last.process_ids}
+    return {"plan": plan.candidates[0].name, "losses": losses, "ref_losses": ref_losses, "norms": norms,
+            "ref_norms": ref_norms, "params": params, "copies": copies,
+            "ref": {n: p.detach() for n, p in ref.named_parameters()}}
+
+
+def test_an_auto_pipeline_plan_for_a_tied_llama_trains_as_one_process(world4) -> None:  # type: ignore[no-untyped-def]
+    import torch
+
+    got = world4.run(_auto_pipeline, timeout=300)
+    assert got[0]["plan"].startswith("pp2 x dp2"), got[0]["plan"]
+    assert sum(1 for r in got if r["losses"]) == 2 and sum(1 for r in got if r["copies"]) == 2
+    for r in got:
+        torch.testing.assert_close(r["norms"], r["ref_norms"], rtol=RTOL, atol=0)
+        if r["losses"]:
+            torch.testing.assert_close(r["losses"], r["ref_losses"], rtol=RTOL, atol=0)
+        for name, p in r["params"].items():
+            torch.testing.assert_close(p, r["ref"][name], rtol=RTOL, atol=1e-6, msg=name)
+        for p in r["copies"].values():  # the copy of the tied weight equals the embedding
+            torch.testing.assert_close(p, r["ref"]["model.embed_tokens.weight"], rtol=RTOL, atol=1e-6)

@@ -118,17 +118,29 @@ def test_a_pipeline_plan_saves_and_loads(tmp_path) -> None:  # type: ignore[no-u
 
 
 def test_a_model_that_cannot_be_cut_is_said_so() -> None:
-    tied = GPTConfig(vocab=128, width=64, heads=4, layers=4, seq=16, tied=True)
+    flat = torch.nn.Sequential(torch.nn.Embedding(128, 32), torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 128))
     x, y = _example()
-    with pytest.warns(UserWarning, match="no pipeline plan was priced: parameter 'tok.weight' is read before and after"):
-        plan = ap.auto_parallel(GPT(tied), world=4, example=(x, y), loss=lm_loss, profile="h100", pipeline=True)
+    with pytest.warns(UserWarning, match=r"no pipeline plan was priced: its repeated blocks \(0, ...\) are not the items"):
+        plan = ap.auto_parallel(flat, world=4, example=(x, y), loss=lm_loss, profile="h100", pipeline=True)
     assert plan.pipeline is None and not any(c.name.startswith("pp") for c in plan.candidates)
-    with pytest.raises(ValueError, match="pipeline axis cannot be used: parameter 'tok.weight'"):
-        ap.auto_parallel(GPT(tied), example=(x, y), loss=lm_loss, profile="h100",
+    with pytest.raises(ValueError, match="pipeline axis cannot be used: its repeated blocks"):
+        ap.auto_parallel(flat, example=(x, y), loss=lm_loss, profile="h100",
                          mesh=ap.ProcessMesh.simulated((2, 2), ["pp", "dp"]))
     with pytest.raises(ValueError, match=r"mesh axes \['dp', 'pp'\]"):
         ap.auto_parallel(GPT(CFG), example=(x, y), loss=lm_loss, profile="h100",
                          mesh=ap.ProcessMesh.simulated((2, 2), ["dp", "pp"]))
+
+
+def test_a_weight_tied_across_stages_is_priced_with_its_gradients_summed() -> None:
+    tied = GPTConfig(vocab=128, width=64, heads=4, layers=4, seq=16, tied=True)
+    x, y = _example()
+    kw = {"example": (x, y), "loss": lm_loss, "profile": "h100", "mesh": ap.ProcessMesh.simulated((2, 2), ["pp", "dp"])}
+    with_tie = ap.auto_parallel(GPT(tied), **kw)
+    untied = ap.auto_parallel(GPT(GPTConfig(vocab=128, width=64, heads=4, layers=4, seq=16, tied=False)), **kw)
+    assert with_tie.pipeline is not None and untied.pipeline is not None
+    assert with_tie.prediction is not None and untied.prediction is not None
+    # one more collective (the copies' gradients summed), fewer parameter bytes held: a different prediction
+    assert with_tie.prediction.collectives == untied.prediction.collectives + 1
 
 
 class _Branching(torch.nn.Module):

@@ -244,14 +244,14 @@ def test_parameters_laid_out_by_hand_are_kept(world4) -> None:  # type: ignore[n
 UNTIED = GPTConfig(vocab=32, seq=8, layers=2, width=32, heads=4, dropout=0.0, attention="math", tied=False)
 
 
-def _pipeline(rank: int, names: list[str], recompute: bool) -> dict[str, Any]:
+def _pipeline(rank: int, names: list[str], recompute: bool, tied: bool = False) -> dict[str, Any]:
     """The best plan on a 2 x 2 mesh whose first axis is a pipeline's (edited to recompute every
     block with ``recompute``), applied with ``plan.apply(model, optimizer, loss=...)`` and run by
     ``pipe.step``: this rank's losses (on the last stage) and its stage's parameters."""
     import autoparallel as ap
 
     torch.manual_seed(0)
-    model = GPT(UNTIED)
+    model = GPT(CFG if tied else UNTIED)
     mesh = ap.ProcessMesh(torch.arange(4).reshape(2, 2).tolist(), dim_names=names)
     x0, y0 = _batches()[0]
     plan = ap.auto_parallel(model, example=(x0, y0), loss=lm_loss, optimizer="sgd", mesh=mesh)
@@ -268,8 +268,16 @@ def _pipeline(rank: int, names: list[str], recompute: bool) -> dict[str, Any]:
         opt.step()
         if rank in last.process_ids:
             losses.append(float(loss.detach().full_tensor()))
-    params = {n: p.detach().full_tensor() for n, p in model.named_parameters()
+    params = {n: p.detach().full_tensor().clone() for n, p in model.named_parameters()
               if isinstance(p, ap.DistTensor) and rank in p.process_mesh.process_ids}
+    head = dict(pipe.pipeline.stages[-1].module.named_parameters())["head.weight"]  # a tied weight's copy there
+    if rank in last.process_ids:
+        params["head.weight"] = head.detach().full_tensor().clone()
+    if tied:  # loading a state dict loads the copy too
+        model.load_state_dict({k: torch.zeros_like(v) if k == "tok.weight" else v for k, v in _reference()["params"].items()},
+                              strict=False)
+        if rank in last.process_ids:
+            params["head.weight after loading zeros"] = head.detach().full_tensor()
     from autoparallel.memory.recomputation import _Recomputed
     return {"losses": losses, "params": params, "plan": str(plan), "pipeline": saved.pipeline,
             "recomputed": [isinstance(b, _Recomputed) for b in model.blocks]}
@@ -289,11 +297,15 @@ def _reference_untied() -> dict[str, Any]:
     return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
-@pytest.mark.parametrize("names,recompute", [(["pp", "dp"], False), (["pp", "mp"], False), (["pp", "mp"], True)],
-                         ids=["pp2_dp2", "pp2_tp2", "pp2_tp2_recompute"])
-def test_pipeline_plan_trains_like_one_process(world4, names: list[str], recompute: bool) -> None:  # type: ignore[no-untyped-def]
-    ref = _reference_untied()
-    got = world4.run(_pipeline, names, recompute)
+@pytest.mark.parametrize("names,recompute,tied", [(["pp", "dp"], False, False), (["pp", "mp"], False, False),
+                                                   (["pp", "mp"], True, False), (["pp", "dp"], False, True)],
+                         ids=["pp2_dp2", "pp2_tp2", "pp2_tp2_recompute", "pp2_dp2_tied"])
+def test_pipeline_plan_trains_like_one_process(world4, names: list[str], recompute: bool, tied: bool) -> None:  # type: ignore[no-untyped-def]
+    ref = _reference() if tied else _reference_untied()
+    if tied:  # the head's weight is the embedding's, and its copy on the last stage holds the same values
+        ref["params"]["head.weight"] = ref["params"]["tok.weight"]
+        ref["params"]["head.weight after loading zeros"] = torch.zeros_like(ref["params"]["tok.weight"])
+    got = world4.run(_pipeline, names, recompute, tied)
     assert got[0]["pipeline"]["stages"] == 2 and got[0]["pipeline"]["starts"] == [0, 1], got[0]["plan"]
     assert sum(1 for r in got if r["losses"]) == 2  # the last stage's two ranks
     assert all(r["recomputed"] == [recompute] * UNTIED.layers for r in got)
@@ -304,4 +316,4 @@ def test_pipeline_plan_trains_like_one_process(world4, names: list[str], recompu
         for name, p in r["params"].items():
             torch.testing.assert_close(p, ref["params"][name], rtol=1e-5, atol=1e-6, msg=f"{name}\n{r['plan']}")
             seen.add(name)
-    assert seen == set(ref["params"]), "every parameter lives on one stage"
+    assert seen == set(ref["params"]), "every parameter lives on a stage"
