@@ -151,19 +151,17 @@ def _side(mesh_shape: tuple[int, ...], dims: list[str], sp: bool | None, zero: i
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab=128, width=width, heads=4, layers=2, seq=seq, dropout=0.0))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    if plan is not None:
-        mesh = plan.mesh
-        model, opt = plan.apply(model, opt)
-    else:
-        mesh = ap.ProcessMesh(torch.arange(4).reshape(mesh_shape).tolist(), dim_names=dims)
-        ap.parallelize(model, mesh, {} if sp is None else train_gpt.gpt_plan(sp))
-        stages = {1: ap.ShardingStage1, 2: ap.ShardingStage2, 3: ap.ShardingStage3}
-        opt = ap.shard_optimizer(opt, stages[zero](mesh, "dp") if zero else None)
-    layout = [ap.Shard(0) if n == "dp" else ap.Replicate() for n in mesh.dim_names]
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randint(0, 128, (8, seq), generator=g), torch.randint(0, 128, (8, seq), generator=g))
                for _ in range(n_batches)]
+    if plan is not None:
+        return _plan_step(plan, model, batches)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    mesh = ap.ProcessMesh(torch.arange(4).reshape(mesh_shape).tolist(), dim_names=dims)
+    ap.parallelize(model, mesh, {} if sp is None else train_gpt.gpt_plan(sp))
+    stages = {1: ap.ShardingStage1, 2: ap.ShardingStage2, 3: ap.ShardingStage3}
+    opt = ap.shard_optimizer(opt, stages[zero](mesh, "dp") if zero else None)
+    layout = [ap.Shard(0) if n == "dp" else ap.Replicate() for n in mesh.dim_names]
 
     def step(i: int) -> float:
         x, y = batches[i]
@@ -235,7 +233,10 @@ def _plan_step(plan: Any, model: Any, batches: list[Any]) -> Callable[[int], flo
             opt.zero_grad()
             loss = pipe.step(ap.shard_tensor(x, first, lay), ap.shard_tensor(y, last, lay))
             opt.step()
-            return float(loss.detach().full_tensor()) if dist.get_rank() in last.process_ids else float("nan")
+            mine = float(loss.detach().full_tensor()) if dist.get_rank() in last.process_ids else float("-inf")
+            value = torch.tensor([mine])
+            dist.all_reduce(value, op=dist.ReduceOp.MAX)  # the last stage's loss on every rank
+            return float(value)
         return step
     model, opt = plan.apply(model, opt)
     lay = [ap.Shard(0) if n == "dp" else ap.Replicate() for n in plan.mesh.dim_names]
@@ -303,7 +304,8 @@ def _worker(rank: int, world: int, store: str, opts: dict[str, Any], out_path: s
         model = GPT(GPTConfig(vocab=128, width=width, heads=4, layers=2, seq=seq))
         x = torch.randint(0, 128, (8, seq))
         t = time.perf_counter()
-        plan = ap.auto_parallel(model, world=world, example=(x, x), loss=lm_loss, optimizer="adamw")
+        plan = ap.auto_parallel(model, world=world, example=(x, x), loss=lm_loss, optimizer="adamw",
+                                pipeline=opts.get("pipeline_axes", True))
         search_s = time.perf_counter() - t
         predicted = {c.name: c.prediction.time_s for c in plan.candidates}
         sides = {name: _side(shape, dims, sp, zero, width, seq, n_batches) for name, (shape, dims, sp, zero, _) in HAND.items()}

@@ -73,9 +73,9 @@ def split_at_blocks(model: nn.Module, meshes: Sequence[ProcessMesh], blocks: str
     _reads_as_calls(gm, stage)
     split = split_module(gm, gm, lambda node: stage[node])
     modules = check_boundaries(split, p, what)
-    tied = _copies_on_later_stages(modules)
-    plans = _stage_plans(model, modules, plan, what)
+    plans = _stage_plans(model, modules, plan, what)  # (by the stages' names: a copy below takes its original's place)
     recomputes = _stage_plans(model, modules, recompute, what)
+    tied = _copies_on_later_stages(modules)
     stages = []
     for k, (module, mesh, sub, again) in enumerate(zip(modules, meshes, plans, recomputes, strict=True)):
         if sub or again:
