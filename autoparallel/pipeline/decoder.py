@@ -44,6 +44,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -56,6 +57,7 @@ from autoparallel.nn import parallelize, shard_layer
 from autoparallel.optim.clip import clip_grad_norm_
 from autoparallel.pipeline.stage import Absent, Stage, _stage_plans, check_meshes
 from autoparallel.placement import Partial, Replicate
+from autoparallel.runtime import comm
 
 
 def _shallow(module: nn.Module, **children: nn.Module | None) -> nn.Module:
@@ -157,10 +159,28 @@ class DecoderStages:
         """
         for (ma, a), (mb, b) in self.tied:
             pa, pb = getattr(ma, a), getattr(mb, b)
+            pair = _paired(pa, pb)
+            if pair is not None:  # each rank adds its local gradient to its counterpart's: one collective
+                p = pa if runtime.get_rank() in pa.process_mesh else pb
+                g = _reduced(_grad(p))
+                summed = comm.all_reduce(layout.local_of(g), pair, 0, "sum")
+                p.grad = layout.from_local(summed, layout.spec_of(g))
+                continue
             ga, gb = _moved(_grad(pb), pa), _moved(_grad(pa), pb)
             for p, g in ((pa, ga), (pb, gb)):
                 if runtime.get_rank() in p.process_mesh:  # elsewhere the moved value is an empty shard
                     p.grad = g if p.grad is None else _reduced(p.grad) + g
+
+
+def _paired(pa: torch.Tensor, pb: torch.Tensor) -> ProcessMesh | None:
+    """A mesh whose axis 0 pairs each rank of ``pa``'s mesh with the rank at the same place in
+    ``pb``'s, where both copies are laid out alike (the same placements, no Partial, on meshes of
+    one shape): there each rank's shard is its counterpart's. None otherwise."""
+    assert isinstance(pa, DistTensor) and isinstance(pb, DistTensor)
+    ma, mb = pa.process_mesh, pb.process_mesh
+    if ma.shape != mb.shape or tuple(pa.placements) != tuple(pb.placements) or any(isinstance(q, Partial) for q in pa.placements):
+        return None
+    return ProcessMesh(np.stack([ma.mesh, mb.mesh]).tolist(), ["pair", *ma.dim_names])
 
 
 def _grad(p: torch.Tensor) -> DistTensor:
