@@ -102,7 +102,9 @@ def _local_throughput() -> tuple[float, float, float]:
 def _network() -> tuple[float, dict[str, float]] | None:
     """(seconds per collective, {kind: bytes received per second}) of the started world's
     backend, measured once per process (~0.5 s on gloo over loopback): the latency from
-    all-reduces of 4 bytes, each kind's bandwidth from collectives of 4 MiB less that latency;
+    all-reduces of 4 bytes between short computations (as a step issues them; ranks sharing
+    cores wait for each other's turn), each kind's bandwidth from collectives of 4 MiB less the
+    latency of an idle world;
     the kinds take turns over nine rounds and each figure is the median of its rounds (a slow
     moment of a shared machine hits one round, not the figure).
     None without a world of two or more ranks."""
@@ -148,7 +150,21 @@ def _network() -> tuple[float, dict[str, float]] | None:
         for kind in kinds:
             times[kind].append(timed(big[kind][0]))
     alpha = statistics.median(alphas)
-    return alpha, {kind: big[kind][1] / max(statistics.median(times[kind]) - alpha, 1e-9) for kind in kinds}
+    betas = {kind: big[kind][1] / max(statistics.median(times[kind]) - alpha, 1e-9) for kind in kinds}
+    # a step computes between its collectives: where ranks share cores each collective also
+    # waits for the last rank to get its turn. Latency in a step = a chain of short computations
+    # each followed by a 4-byte all-reduce, less the same chain without them (median of 3)
+    scratch = torch.empty(1 << 14, device=device)
+
+    def chain(collectives: bool) -> None:
+        for _ in range(20):
+            for _ in range(8):
+                scratch.mul_(1.0)
+            if collectives:
+                dist.all_reduce(small)
+
+    busy = [(timed(lambda: chain(True)) - timed(lambda: chain(False))) / 20 for _ in range(3)]
+    return max(alpha, statistics.median(busy)), betas
 
 
 def local_profile(world: int) -> Profile:

@@ -15,8 +15,11 @@ collective: latency + bytes / bandwidth, no overlap assumed) + the optimizer's u
 rank's shard from ZeRO-1 on); peak memory = parameters and optimizer states after ZeRO + the
 most bytes alive at once in the replayed step (activations, what autograd saves, gradients,
 moved copies; recompute drops a block's saved tensors until its backward) or at the optimizer's
-step (gradients and its buckets), whichever is more. Every decision reads global metadata only:
-every rank gets the same plan.
+step (gradients and its buckets), whichever is more (``autoparallel.auto.price``). With
+``pipeline=True`` a pipeline axis comes first: the blocks cut into the stages whose slowest is
+fastest, 1F1B over the micro-batch counts the batch allows (``price.price_pipeline``), applied
+by ``ap.pipeline.split_at_blocks`` or ``decoder_stages``. Every decision reads global metadata
+only: every rank gets the same plan.
 """
 
 from __future__ import annotations
