@@ -173,7 +173,9 @@ class Plan(ModelPlan):
                                  "loss(output, target) on the last stage, per micro-batch)")
             split = split_at_blocks(model, meshes, str(pipe["blocks"]), starts, dict(self) or None,
                                     self.recompute or None, loss)
-        runner = Pipeline(split.stages, loss or split.loss_fn, num_microbatches=int(pipe["microbatches"]),
+        loss = loss or split.loss_fn
+        assert loss is not None  # (checked above, or the decoder's own)
+        runner = Pipeline(split.stages, loss, num_microbatches=int(pipe["microbatches"]),
                           schedule=str(pipe.get("schedule", "1F1B")))
         if optimizer is not None:
             for (ma, a), (mb, b) in split.tied:  # a weight's copy on a later stage steps with its original

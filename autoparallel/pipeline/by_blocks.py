@@ -41,9 +41,11 @@ def split_at_blocks(model: nn.Module, meshes: Sequence[ProcessMesh], blocks: str
     (each block a call of its own, not traced into) and cut as ``split_by_meshes`` cuts it (one
     tensor crossing each boundary, one model input); each stage is laid out by ``ap.parallelize``
     with the part of ``plan`` matching its layers, else ``Replicate`` on its mesh, and recomputes
-    the modules ``recompute`` names (patterns over the model's names, as ``ap.parallelize``). A weight two stages read (an embedding tied to the head) raises
-    ``ValueError``: the stages would share one parameter on two meshes (for a ``transformers``
-    decoder ``ap.pipeline.decoder_stages`` keeps a synchronised copy)."""
+    the modules ``recompute`` names (patterns over the model's names, as ``ap.parallelize``).
+    A weight two stages read (an embedding tied to the head) becomes a copy on the later stage
+    (module docstring). Returns the stages, ``loss`` and the tied pairs
+    (``ap.pipeline.DecoderStages``): give ``.parameters()`` to the optimizer (they include the
+    copies), call ``.sync_tied_grads()`` after each ``Pipeline.step``."""
     from torch.fx.passes.split_module import split_module
 
     from autoparallel.nn.parallelize import parallelize
@@ -85,7 +87,7 @@ def split_at_blocks(model: nn.Module, meshes: Sequence[ProcessMesh], blocks: str
         stages.append(Stage(module, mesh, name=f"blocks {bounds[k]}..{bounds[k + 1] - 1}"))
     if tied:
         model.register_load_state_dict_post_hook(lambda module, keys: _copies_follow(tied))
-    return DecoderStages(stages, loss, tied)  # type: ignore[arg-type]
+    return DecoderStages(stages, loss, tied)
 
 
 Tied = list[tuple[tuple[nn.Module, str], tuple[nn.Module, str]]]

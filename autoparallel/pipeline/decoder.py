@@ -131,7 +131,7 @@ class DecoderStages:
     """The stages, the model's loss on the last stage, and the weights tied across stages."""
 
     stages: list[Stage]
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None  # (None: the caller's own, ``split_at_blocks``)
     # (module, attribute) pairs holding one tied weight on two stage meshes
     tied: list[tuple[tuple[nn.Module, str], tuple[nn.Module, str]]] = field(default_factory=list)
 
@@ -161,10 +161,10 @@ class DecoderStages:
             pa, pb = getattr(ma, a), getattr(mb, b)
             pair = _paired(pa, pb)
             if pair is not None:  # each rank adds its local gradient to its counterpart's: one collective
-                p = pa if runtime.get_rank() in pa.process_mesh else pb
-                g = _reduced(_grad(p))
-                summed = comm.all_reduce(layout.local_of(g), pair, 0, "sum")
-                p.grad = layout.from_local(summed, layout.spec_of(g))
+                mine = pa if runtime.get_rank() in pa.process_mesh else pb
+                reduced = _reduced(_grad(mine))
+                summed = comm.all_reduce(layout.local_of(reduced), pair, 0, "sum")
+                mine.grad = layout.from_local(summed, layout.spec_of(reduced))
                 continue
             ga, gb = _moved(_grad(pb), pa), _moved(_grad(pa), pb)
             for p, g in ((pa, ga), (pb, gb)):
