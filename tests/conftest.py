@@ -7,6 +7,8 @@
   behind that changes later tests), or declare a module-scoped one in a test module with
   ``world6 = world_fixture(6)`` (the fixture takes the variable's name). Worker
   functions must be module-level: ``world4.run(fn, *args)`` calls ``fn(rank, *args)``.
+* ``AUTOPARALLEL_PROFILE_CACHE`` is empty unless set: the plan search's network profile is not
+  kept between runs.
 * Marker ``gpu``: tests needing CUDA/NCCL, auto-skipped when CUDA is unavailable.
 * Tier markers, one per test, from its folder: ``pure`` (tests/pure: one process, no world;
   ``pytest -m pure``: under a minute on 2 cores), ``world`` (tests/world: multi-process gloo worlds),
@@ -27,6 +29,9 @@ import pytest
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
+# the plan search measures the network in each world instead of reading what an earlier run
+# kept in the home directory (a test that keeps it names its own file)
+os.environ.setdefault("AUTOPARALLEL_PROFILE_CACHE", "")
 
 from tests.world_harness import WorkerError, World, world_fixture  # noqa: E402
 

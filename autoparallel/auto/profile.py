@@ -6,7 +6,9 @@ backend)."""
 from __future__ import annotations
 
 import functools
+import json
 import os
+import socket
 import statistics
 import time
 from collections.abc import Callable
@@ -167,16 +169,70 @@ def _network() -> tuple[float, dict[str, float]] | None:
     return max(alpha, statistics.median(busy)), betas
 
 
+CACHE_ENV = "AUTOPARALLEL_PROFILE_CACHE"  # the file the measured network is kept in ("": none)
+
+
+def _cache_path() -> str | None:
+    path = os.environ.get(CACHE_ENV)
+    if path is None:
+        return os.path.join(os.path.expanduser("~"), ".cache", "autoparallel", "network.json")
+    return path or None
+
+
+def _kept_network() -> tuple[float, dict[str, float]] | None:
+    """``_network()``, kept per machine in a JSON file (``$AUTOPARALLEL_PROFILE_CACHE``, by
+    default ``~/.cache/autoparallel/network.json``; empty: not kept) under a key of rank 0's host
+    name, the backend, the world size, the cores and torch's version: a later run on the same
+    machine and world reads it instead of measuring. Rank 0 reads and writes the file; every rank
+    takes what rank 0 has (one broadcast), so every rank measures, or skips measuring, alike."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return None
+    path = _cache_path()
+    key = (f"{socket.gethostname()}|{dist.get_backend()}|world {dist.get_world_size()}|cores {os.cpu_count()}"
+           f"|torch {torch.__version__}")
+    kept: list[Any] = [None]
+    if dist.get_rank() == 0 and path:
+        kept[0] = _read_kept(path).get(key)
+    dist.broadcast_object_list(kept, src=0)
+    if kept[0] is not None:
+        alpha, betas = kept[0]
+        return float(alpha), {str(k): float(v) for k, v in betas.items()}
+    measured = _network()
+    if dist.get_rank() == 0 and path and measured is not None:
+        table = _read_kept(path)
+        table[key] = [measured[0], measured[1]]
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            scratch = f"{path}.{os.getpid()}"
+            with open(scratch, "w") as f:
+                json.dump(table, f, indent=1)
+            os.replace(scratch, path)
+        except OSError:  # a read-only home: measured again next time
+            pass
+    return measured
+
+
+def _read_kept(path: str) -> dict[str, Any]:
+    try:
+        with open(path) as f:
+            table = json.load(f)
+        return table if isinstance(table, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
 def local_profile(world: int) -> Profile:
     """This machine, ``world`` ranks sharing its cores. Inside a started world of two or more
-    ranks the network is measured too (``_network``); otherwise gloo over loopback is assumed
+    ranks the network is measured too (``_network``, kept per machine: ``_kept_network``);
+    otherwise gloo over loopback is assumed
     (0.2 ms per collective, 1 GB/s). Rank 0's figures are used on every rank (one broadcast), so
     every rank prices, and chooses, alike."""
     from autoparallel.runtime.world import ensure_world
 
     ensure_world()  # under torchrun: the world, so every rank takes rank 0's figures
     flops, bw, kernel = _local_throughput()
-    alpha, betas = _network() or (2e-4, {})
+    alpha, betas = _kept_network() or (2e-4, {})
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         measured = [(flops, bw, kernel, alpha, betas)]

@@ -306,3 +306,41 @@ def test_pipeline_plan_trains_like_one_process(world4, names: list[str], recompu
             torch.testing.assert_close(p, ref["params"][name], rtol=1e-5, atol=1e-6, msg=f"{name}\n{r['plan']}")
             seen.add(name)
     assert seen == set(ref["params"]), "every parameter lives on a stage"
+
+
+def _kept(rank: int, path: str) -> tuple[float, float, Any, Any]:
+    """The local profile twice with the network kept in ``path``: the second reads it (measuring
+    again would fail here)."""
+    from autoparallel.auto import profile
+
+    before = os.environ.get(profile.CACHE_ENV)
+    os.environ[profile.CACHE_ENV] = path
+    measure = profile._network
+    try:
+        first = profile.local_profile(4)
+
+        def again() -> Any:
+            raise AssertionError("measured again")
+        profile._network = again  # type: ignore[assignment]
+        second = profile.local_profile(4)
+    finally:
+        profile._network = measure  # type: ignore[assignment]
+        if before is None:
+            del os.environ[profile.CACHE_ENV]
+        else:
+            os.environ[profile.CACHE_ENV] = before
+    return first.alpha_s, second.alpha_s, first.kind_beta, second.kind_beta
+
+
+def test_the_measured_network_is_kept_per_machine(world4, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    path = str(tmp_path / "network.json")
+    got = world4.run(_kept, path)
+    assert len({r[0] for r in got}) == 1, "every rank takes rank 0's figures"
+    for alpha, again, betas, betas_again in got:
+        assert alpha == again and betas == betas_again and alpha > 0
+    with open(path) as f:
+        table = json.load(f)
+    (key, (alpha, betas)), = table.items()
+    assert "world 4" in key and alpha == got[0][0] and dict(got[0][2]) == betas
