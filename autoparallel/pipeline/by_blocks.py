@@ -6,8 +6,11 @@ is applied to a model ``ap.pipeline.decoder_stages`` does not know.
 stage and what runs after them on the last, and cuts the rest between the blocks at ``starts``
 (``by_mesh``'s cut: one tensor crossing each boundary). A weight read on two stages (an embedding
 tied to the head) becomes a copy on the later stage, kept equal to the original: the stages'
-``sync_tied_grads`` gives both the sum of their gradients, and loading the model's state dict
-loads the copy too.
+``sync_tied_grads`` gives both the sum of their gradients; the model's state dict holds the copy
+under the key of the module it was copied from (the head's weight), so ``ap.save_state_dict`` /
+``ap.load_state_dict`` and ``model.load_state_dict`` keep and restore it (a weight the forward
+reads directly, ``F.linear(x, self.tok.weight)``, has one key: ``model.load_state_dict`` fills
+its copy from it).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from autoparallel.engine import layout
 from autoparallel.mesh import ProcessMesh
 from autoparallel.nn.shard_layer import shard_layer
 from autoparallel.pipeline.by_mesh import check_boundaries, trace_forward
-from autoparallel.pipeline.decoder import DecoderStages
+from autoparallel.pipeline.decoder import DecoderStages, keep_the_copy_in_state_dicts
 from autoparallel.pipeline.stage import Stage, check_meshes
 from autoparallel.placement import Partial, Replicate
 
@@ -77,7 +80,7 @@ def split_at_blocks(model: nn.Module, meshes: Sequence[ProcessMesh], blocks: str
     modules = check_boundaries(split, p, what)
     plans = _stage_plans(model, modules, plan, what)  # (by the stages' names: a copy below takes its original's place)
     recomputes = _stage_plans(model, modules, recompute, what)
-    tied = _copies_on_later_stages(modules)
+    tied, sources = _copies_on_later_stages(modules)
     stages = []
     for k, (module, mesh, sub, again) in enumerate(zip(modules, meshes, plans, recomputes, strict=True)):
         if sub or again:
@@ -85,21 +88,32 @@ def split_at_blocks(model: nn.Module, meshes: Sequence[ProcessMesh], blocks: str
         else:
             shard_layer(module, mesh)
         stages.append(Stage(module, mesh, name=f"blocks {bounds[k]}..{bounds[k + 1] - 1}"))
-    if tied:
-        model.register_load_state_dict_post_hook(lambda module, keys: _copies_follow(tied))
+    # a copy whose holder has a key of its own in the model's state dict (the head's weight) is
+    # saved and loaded under it; a weight the forward reads directly has one key: loading the
+    # model's state dict fills its copies after
+    direct = []
+    for pair, source in zip(tied, sources):
+        if source is pair[0][0]:
+            direct.append(pair)
+        else:
+            keep_the_copy_in_state_dicts(model, pair[0], source, pair[1])
+    if direct:
+        model.register_load_state_dict_post_hook(lambda module, keys: _copies_follow(direct))
     return DecoderStages(stages, loss, tied)
 
 
 Tied = list[tuple[tuple[nn.Module, str], tuple[nn.Module, str]]]
 
 
-def _copies_on_later_stages(modules: list[nn.Module]) -> Tied:
+def _copies_on_later_stages(modules: list[nn.Module]) -> tuple[Tied, list[nn.Module]]:
     """Where a later stage reads a parameter an earlier one holds, the module holding it there is
     replaced (in that stage only) by a shallow copy holding a copy of the parameter: ``[((the
-    first holder, attribute), (the copy, attribute))]``."""
+    first holder, attribute), (the copy, attribute))]``, and for each the module it was copied
+    from (the model's own)."""
     first: dict[int, tuple[nn.Module, str, int]] = {}
     twins: dict[tuple[int, int], nn.Parameter] = {}
     tied: Tied = []
+    sources: list[nn.Module] = []
     for k, module in enumerate(modules):
         for path, holder in list(module.named_modules()):
             own = compat.own_parameters(holder)
@@ -119,7 +133,8 @@ def _copies_on_later_stages(modules: list[nn.Module]) -> Tied:
                 setattr(module.get_submodule(parent) if parent else module, name, copied)
                 if fresh:  # (a second holder on this stage shares the copy: its gradient adds up there)
                     tied.append(((origin[0], origin[1]), (copied, attr)))
-    return tied
+                    sources.append(holder)
+    return tied, sources
 
 
 def _copies_follow(tied: Tied) -> None:

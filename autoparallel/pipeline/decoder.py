@@ -203,32 +203,32 @@ def _moved(grad: DistTensor, to: torch.Tensor) -> torch.Tensor:
     return reshard(_reduced(grad), to.process_mesh, placements)
 
 
-def _weight(module: nn.Module) -> torch.Tensor:
-    """``module.weight`` as it is now (a layout replaces the parameter object)."""
-    w = module.weight
-    assert isinstance(w, torch.Tensor)
-    return w
-
-
-def _keep_the_copy_in_state_dicts(model: nn.Module, embed: nn.Module, head: nn.Module) -> None:
+def keep_the_copy_in_state_dicts(model: nn.Module, original: tuple[nn.Module, str], source: nn.Module,
+                                 twin: tuple[nn.Module, str]) -> None:
     """``model.state_dict()`` names a tied weight twice (the embedding's key and the LM head's);
-    under pp the last stage's copy is a parameter of its own, updated alike. Its key holds the
-    copy, so a checkpoint keeps the copy's value too and training resumes from both (the copy
-    was otherwise left at its first value). ``model.load_state_dict`` loads that key into the
-    copy, and the model's own (tied) head from the embedding's key. Which path runs depends on
-    the entry's layout only (metadata: the same on every rank)."""
+    under pp the later stage's copy (``twin``: module, attribute) is a parameter of its own,
+    updated alike. The key of ``source`` (the model's own module the copy's holder was copied
+    from: its LM head) holds the copy, so a checkpoint keeps the copy's value too and training
+    resumes from both (the copy was otherwise left at its first value). ``model.load_state_dict``
+    and ``ap.load_state_dict(model.state_dict(), ...)`` load that key into the copy (or the
+    original's key, when only that one is given), and the model's own (tied) weight from the
+    original's key. Which path runs depends on the entry's
+    layout only (metadata: the same on every rank)."""
     names = {id(m): n for n, m in model.named_modules()}
-    head_key, embed_key = names[id(model.lm_head)] + ".weight", names[id(embed)] + ".weight"
+    attr = twin[1]
+    head_key = f"{names[id(source)]}.{attr}" if names[id(source)] else attr
+    embed_key = f"{names[id(original[0])]}.{original[1]}" if names[id(original[0])] else original[1]
 
     def saved(module: nn.Module, state: dict[str, Any], prefix: str, local_metadata: Any) -> None:
         if prefix + head_key in state:
-            state[prefix + head_key] = _weight(head).detach()
+            state[prefix + head_key] = getattr(*twin).detach()
 
     def loading(module: nn.Module, state: dict[str, Any], prefix: str, *rest: Any) -> None:
-        value = state.get(prefix + head_key)
+        own = state.get(prefix + head_key)
+        value = own if own is not None else state.get(prefix + embed_key)  # (one key given: both are its value)
         if value is None:
             return
-        copy_ = _weight(head)
+        copy_ = getattr(*twin)
         assert isinstance(copy_, DistTensor)
         with torch.no_grad():
             if isinstance(value, DistTensor) and value.dist_spec == copy_.dist_spec:
@@ -237,8 +237,8 @@ def _keep_the_copy_in_state_dicts(model: nn.Module, embed: nn.Module, head: nn.M
                 moved = reshard(value, copy_.process_mesh, list(copy_.placements)) if isinstance(value, DistTensor) \
                     else shard_tensor(value, copy_.process_mesh, list(copy_.placements))
                 layout.local_of(copy_).copy_(layout.local_of(moved))
-        # the model's own head is the embedding: loaded from the embedding's entry
-        state[prefix + head_key] = state.get(prefix + embed_key, _weight(embed).detach())
+        if own is not None:  # the model's own head is the embedding: loaded from the embedding's entry
+            state[prefix + head_key] = state.get(prefix + embed_key, getattr(*original).detach())
 
     model.register_state_dict_post_hook(saved)
     model.register_load_state_dict_pre_hook(loading)
@@ -345,7 +345,7 @@ def decoder_stages(
             shard_layer(module, mesh)
         stages.append(Stage(module, mesh, None, f"layers {bounds[c]}..{bounds[c + 1] - 1}"))
     if tied:
-        _keep_the_copy_in_state_dicts(model, embed, tied[0][1][0])
+        keep_the_copy_in_state_dicts(model, (embed, "weight"), model.lm_head, tied[0][1])
     vocab = model.config.vocab_size
 
     def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -244,7 +244,7 @@ def test_parameters_laid_out_by_hand_are_kept(world4) -> None:  # type: ignore[n
 UNTIED = GPTConfig(vocab=32, seq=8, layers=2, width=32, heads=4, dropout=0.0, attention="math", tied=False)
 
 
-def _pipeline(rank: int, names: list[str], recompute: bool, tied: bool = False) -> dict[str, Any]:
+def _pipeline(rank: int, names: list[str], recompute: bool, tied: bool = False, folder: str = "") -> dict[str, Any]:
     """The best plan on a 2 x 2 mesh whose first axis is a pipeline's (edited to recompute every
     block with ``recompute``), applied with ``plan.apply(model, optimizer, loss=...)`` and run by
     ``pipe.step``: this rank's losses (on the last stage) and its stage's parameters."""
@@ -275,7 +275,16 @@ def _pipeline(rank: int, names: list[str], recompute: bool, tied: bool = False) 
     head = dict(pipe.pipeline.stages[-1].module.named_parameters())["head.weight"]  # a tied weight's copy there
     if rank in last.process_ids:
         params["head.weight"] = head.detach().full_tensor().clone()
-    if tied:  # loading a state dict loads the copy too
+    if tied:  # a checkpoint keeps the copy, and loading one restores it
+        from autoparallel.engine import layout
+
+        ap.save_state_dict(model.state_dict(), folder)
+        with torch.no_grad():
+            for weight in (head, dict(model.named_parameters())["tok.weight"]):
+                layout.local_of(weight).zero_()
+        ap.load_state_dict(model.state_dict(), folder)
+        if rank in last.process_ids:
+            params["head.weight after a checkpoint"] = head.detach().full_tensor().clone()
         model.load_state_dict({k: torch.zeros_like(v) if k == "tok.weight" else v for k, v in _reference()["params"].items()},
                               strict=False)
         if rank in last.process_ids:
@@ -289,12 +298,13 @@ def _pipeline(rank: int, names: list[str], recompute: bool, tied: bool = False) 
                                                    (["pp", "mp"], True, False), (["pp", "dp"], False, True),
                                                    (["pp", "mp"], False, True)],
                          ids=["pp2_dp2", "pp2_tp2", "pp2_tp2_recompute", "pp2_dp2_tied", "pp2_tp2_tied_vocab"])
-def test_pipeline_plan_trains_like_one_process(world4, names: list[str], recompute: bool, tied: bool) -> None:  # type: ignore[no-untyped-def]
+def test_pipeline_plan_trains_like_one_process(world4, tmp_path, names: list[str], recompute: bool, tied: bool) -> None:  # type: ignore[no-untyped-def]
     ref = _reference(CFG if tied else UNTIED)
     if tied:  # the head's weight is the embedding's, and its copy on the last stage holds the same values
         ref["params"]["head.weight"] = ref["params"]["tok.weight"]
+        ref["params"]["head.weight after a checkpoint"] = ref["params"]["tok.weight"]
         ref["params"]["head.weight after loading zeros"] = torch.zeros_like(ref["params"]["tok.weight"])
-    got = world4.run(_pipeline, names, recompute, tied)
+    got = world4.run(_pipeline, names, recompute, tied, str(tmp_path / "ckpt"))
     assert got[0]["pipeline"]["stages"] == 2 and got[0]["pipeline"]["starts"] == [0, 1], got[0]["plan"]
     assert sum(1 for r in got if r["losses"]) == 2  # the last stage's two ranks
     assert all(r["recomputed"] == [recompute] * UNTIED.layers for r in got)
