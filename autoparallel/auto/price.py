@@ -161,6 +161,8 @@ def update_cost(state_factor: float) -> tuple[float, int]:
 # the rest is about 10 and 45 ops' time at 40 us per op.
 RUNNER_OPS_PER_MICROBATCH = 10
 RUNNER_OPS_PER_STEP = 45
+
+
 @dataclass(frozen=True)
 class PipelineShape:
     """A pipeline axis of a candidate: ``stages`` stage meshes, ``microbatches`` per step, 1F1B,
@@ -233,15 +235,18 @@ def price_pipeline(step: Step, sim: Simulation, uses: dict[str, list[str]], mesh
     held: list[list[str]] = [[] for _ in range(stages)]
     tied_bytes = 0
     for name in step.params:
-        owner = next((b for b in blocks if name.startswith(b + ".")), None)
-        places = {blocks.index(owner)} if owner is not None else {0 if u == PRE else stages - 1 for u in uses.get(name, [PRE])
-                                                                  if u in (PRE, POST)} or {0}
-        for s in range(stages):
-            if owner is not None and bounds[s] <= blocks.index(owner) < bounds[s + 1] or owner is None and s in places:
-                held[s].append(name)
-        if owner is None and len(places) > 1:
+        owner = next((i for i, b in enumerate(blocks) if name.startswith(b + ".")), None)
+        if owner is not None:
+            places = {next(s for s in range(stages) if bounds[s] <= owner < bounds[s + 1])}
+        else:
+            places = {0 if u == PRE else stages - 1 for u in uses.get(name, [PRE]) if u in (PRE, POST)} or {0}
+        for s in places:
+            held[s].append(name)
+        if len(places) > 1:
             tied_bytes += _param_bytes(step, sim, params, mesh_shape, tp_axis, [name])[0]
-    worst = Prediction(0.0, 0.0, 0.0, 0, 0, 0)
+    # one micro-batch's working set besides what it saves and the parameters' gradients
+    working = max(0, sim.live_peak - sim.saved_bytes - _param_bytes(step, sim, params, mesh_shape, tp_axis, step.params)[0])
+    peak = 0
     sync_s = update_s = host_s = 0.0
     colls_n = colls_b = 0
     for s, names in enumerate(held):
@@ -259,17 +264,15 @@ def price_pipeline(step: Step, sim: Simulation, uses: dict[str, list[str]], mesh
         saved = (sum(_ref_bytes(step, sim, step.module_inputs.get(b, [])[:1], mesh_shape) for b in stage_parts[s])
                  if recompute else sum(p.saved_bytes for p in parts))
         saved += (sim.parts.get(PRE, empty).saved_bytes if s == 0 else 0) + (sim.parts.get(POST, empty).saved_bytes if s == stages - 1 else 0)
-        working = max(0, sim.live_peak - sim.saved_bytes - _param_bytes(step, sim, params, mesh_shape, tp_axis, step.params)[0])
         s_bytes = int(state_factor * p_bytes) // (dp if zero >= 1 else 1)
-        memory = p_bytes + s_bytes + _with_step_buffers(p_bytes + saved * min(stages - s, m) // m + working // m, p_bytes, dp, zero)
-        if memory > worst.memory_bytes:
-            worst = Prediction(0.0, 0.0, 0.0, memory, 0, 0)
+        peak = max(peak, p_bytes + s_bytes
+                   + _with_step_buffers(p_bytes + saved * min(stages - s, m) // m + working // m, p_bytes, dp, zero))
     compute_s, comm_s, host = times[slow]
     pipe_comm = comm_s * m + p2p_s + sync_s
     host_s += RUNNER_OPS_PER_STEP * prof.op_s
     time_s = totals[slow] * m + bubble_s + p2p_s + sync_s + update_s + host_s
     stage_colls = sum(len(sim.parts[b].collectives) for b in stage_parts[slow]) * m
-    return (Prediction(time_s, compute_s * m + update_s, pipe_comm, worst.memory_bytes, stage_colls + colls_n + 2 * m,
+    return (Prediction(time_s, compute_s * m + update_s, pipe_comm, peak, stage_colls + colls_n + 2 * m,
                        colls_b + int(2 * act), host * m + host_s, bubble_s),
             PipelineShape(stages, m, tuple(starts)))
 
