@@ -4,8 +4,8 @@ Per mesh axis (the registry takes the product over axes); every strategy is exac
 shards:
 
 - ``_softmax``/``_log_softmax``: any dim may be sharded. A sharded softmax dim ("loss
-  parallel") runs a local implementation that all-reduces the row max and the row sum of
-  exponentials over the axes sharding it. No Partial input (softmax is not linear). The
+  parallel") runs a local implementation that all-gathers each piece's row max and row sum of
+  exponentials (one collective per axis sharding it) and merges them. No Partial input (softmax is not linear). The
   backward ops all-reduce the one row sum they need and are linear in the incoming gradient,
   so a Partial gradient passes. ``_safe_softmax`` keeps its softmax dim whole.
 - ``native_layer_norm``/``_fused_rms_norm``: leading (not normalized) dims may be sharded with
@@ -25,7 +25,7 @@ shards:
 - ``native_dropout_backward``: pointwise, linear in the gradient.
 
 Rules are strategies only. Where a strategy's local step needs a collective (loss-parallel
-softmax: two ``[rows, 1]`` all-reduces; NLL ``mean`` over batch shards: one scalar all-reduce)
+softmax: one all-gather of ``[2, rows, 1]`` statistics; NLL ``mean`` over batch shards: one scalar all-reduce)
 the step is a kernel of the engine (``autoparallel.engine.kernels``), which receives its
 collectives from the context the engine passes. The dispatcher's cost model does not see these
 bytes; they are small against gathering the sharded logits, which is what the strategies avoid.

@@ -29,7 +29,15 @@ class SimComm:
             t = self._reduce(t, axis, reduce_type)
         return t
 
+    def all_gather(self, t: torch.Tensor, axis: int) -> torch.Tensor:
+        """Every member's ``t`` along ``axis``, stacked in coordinate order."""
+        return self._meet(t, axis)
+
     def _reduce(self, t: torch.Tensor, axis: int, reduce_type: str) -> torch.Tensor:
+        stacked = self._meet(t, axis)
+        return {"sum": torch.sum, "avg": torch.mean, "max": torch.amax, "min": torch.amin}[reduce_type](stacked, 0)
+
+    def _meet(self, t: torch.Tensor, axis: int) -> torch.Tensor:
         if not self.threaded:
             raise _Collective
         me, k = self.tls.coord, self.tls.step
@@ -37,10 +45,10 @@ class SimComm:
         self.slots[(k, me)] = t.clone()
         self.barrier.wait()
         line = [c for c in self.coords if all(c[b] == me[b] for b in range(len(me)) if b != axis)]
+        line.sort(key=lambda c: c[axis])
         stacked = torch.stack([self.slots[(k, c)] for c in line])
-        out = {"sum": torch.sum, "avg": torch.mean, "max": torch.amax, "min": torch.amin}[reduce_type](stacked, 0)
         self.barrier.wait()
-        return out
+        return stacked
 
     def exchange(self, axis: int, sends: Any, recv_shapes: Any) -> list[list[torch.Tensor]]:
         """Point-to-point along ``axis``: ``sends[c]`` go to the member at coordinate ``c``."""

@@ -39,7 +39,7 @@ from autoparallel.engine.kernels import Collectives, kernel_for
 from autoparallel.placement import Replicate, StridedShard
 from autoparallel.spec import DistSpec
 from autoparallel.strides import dense_strides
-from reshard.choice import as_is, cheapest, cost, plan_price, plan_to
+from reshard.choice import as_is, cheapest, cost, multiplies, plan_price, plan_to
 from reshard.crossmesh import CrossMeshPlan, plan_best
 from reshard.plan import RELABEL, SLICE, Plan
 from spmd_rules.base import LocalContext, OpCall, ScalarMeta, Strategy, TensorMeta
@@ -610,6 +610,8 @@ def _generic_best(strategies: Sequence[Strategy], specs: Sequence[DistSpec], mes
         best = still[0] if len(still) == 1 else None
     if best is not None and any(isinstance(p, StridedShard) for o in best.outputs for p in o):
         return None
+    if best is not None and any(multiplies(s, specs, out_metas) for s in free):
+        return None  # reducing now and carrying compete: sizes decide (``reshard.choice.cheapest``)
     return best
 
 

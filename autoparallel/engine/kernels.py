@@ -61,6 +61,13 @@ class Collectives:
             t = comm.all_reduce(t, self.mesh, a, reduce_type)
         return t
 
+    def all_gather(self, t: torch.Tensor, axis: int) -> torch.Tensor:
+        """Every member's ``t`` (the same shape on each), stacked along a new leading dim in
+        coordinate order (blocking)."""
+        n = self.mesh.shape[axis]
+        agree.check_collective(self.mesh, axis, lambda: _describe("all_gather", "stack", t))
+        return comm.all_gather(t.unsqueeze(0), self.mesh, axis, 0, [1] * n)
+
     def exchange(self, axis: int, sends: Sequence[Sequence[torch.Tensor]],
                  recv_shapes: Sequence[Sequence[Sequence[int]]]) -> list[list[torch.Tensor]]:
         """Point-to-point along ``axis`` (``comm.exchange``: one all-to-all; ``sends[c]`` go to
@@ -83,7 +90,9 @@ def _describe(kind: str, reduce_type: str, t: torch.Tensor) -> str:
 
 # ---- softmax over a sharded dim ----------------------------------------------------------
 def softmax_local(ctx: LocalContext, x: torch.Tensor, dim: int, half_to_float: bool) -> torch.Tensor:
-    """Over a sharded dim: global row max and row sum of exponentials by all-reduce."""
+    """Over a sharded dim: the global row max and row sum of exponentials from one all-gather per
+    sharding axis of each piece's (max, sum of exponentials below it), merged as online softmax
+    merges blocks: ``M = max m_r``, ``S = sum s_r exp(m_r - M)``."""
     d = dim % max(x.ndim, 1)
     spec = ctx.in_specs[0]
     axes = axes_sharding(spec, d)
@@ -93,15 +102,24 @@ def softmax_local(ctx: LocalContext, x: torch.Tensor, dim: int, half_to_float: b
     assert out_meta is not None
     xf = x.to(compute_dtype(out_meta.dtype))
     if xf.shape[d]:
-        local_max = xf.amax(d, keepdim=True)
+        m = xf.amax(d, keepdim=True)
     else:  # an empty piece of an uneven shard
-        local_max = xf.new_full(xf.shape[:d] + (1,) + xf.shape[d + 1:], float("-inf"))
-    shifted = xf - ctx.comm.all_reduce(local_max, axes, "max")
-    e = shifted.exp()
-    total = ctx.comm.all_reduce(e.sum(d, keepdim=True), axes, "sum")
+        m = xf.new_full(xf.shape[:d] + (1,) + xf.shape[d + 1:], float("-inf"))
+    s = _exp_below(xf, m).sum(d, keepdim=True)
+    for a in axes:  # (max, sum) of every member along the axis, merged
+        stats = ctx.comm.all_gather(torch.stack([m, s]), a)  # [members, 2, ...]
+        ms, ss = stats[:, 0], stats[:, 1]
+        m = ms.amax(0)
+        s = (ss * _exp_below(ms, m)).sum(0)
+    shifted = xf - m
     if ctx.call.op.overloadpacket is aten._log_softmax:
-        return (shifted - total.log()).to(out_meta.dtype)
-    return (e / total).to(out_meta.dtype)
+        return (shifted - s.log()).to(out_meta.dtype)
+    return (shifted.exp() / s).to(out_meta.dtype)
+
+
+def _exp_below(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """``exp(x - m)``, 0 where the maximum ``m`` is -inf (a row of -inf or an empty piece)."""
+    return torch.where(m == float("-inf"), 0.0, (x - m).exp())
 
 
 def softmax_backward_local(

@@ -12,6 +12,7 @@ from autoparallel.engine import layout
 from autoparallel.engine.dtensor import DistTensor
 from autoparallel.placement import Partial, Replicate, Shard, chunk_bounds
 from autoparallel.spec import DistSpec
+from reshard.choice import REDUCE_LATENCY_BYTES, pending_price
 
 
 def _localize(items: list[tuple[DistTensor, DistSpec | None]], grad: bool, call: _Call | None) -> dict[int, torch.Tensor]:
@@ -30,6 +31,7 @@ def _localize(items: list[tuple[DistTensor, DistSpec | None]], grad: bool, call:
         return out
     for t, _ in items:
         out[id(t)] = local_of(t)
+    call.grad_specs = tuple(g for _, g in needs if g is not None)
     if needs:
         locs = _Localize.apply(call, tuple(g for _, g in needs), *[t for t, _ in needs])
         for (t, _), loc in zip(needs, locs):
@@ -47,14 +49,18 @@ class _Call:
     """One local run of a region, shared by its input and output autograd nodes.
 
     ``partial``: mesh axes on which the region's (single) output is Replicate but its gradient
-    arrived Partial(sum). The backward is linear in that gradient, so it runs on the summands
-    and the inputs' gradients are Partial(sum) there too — no all-reduce inside the backward
-    (the DistTensor path would also pass the Partial on, to the optimizer's bucketed reduction).
+    arrived Partial(sum), and the backward runs on the summands: it is linear in that gradient,
+    so the inputs' gradients are Partial(sum) there too. The gradient is carried so where the
+    DistTensor path's cost would carry it (``reshard.choice``): where the reductions it leaves
+    pending (the inputs' and parameters' gradients) cost no more than the one it owes; else it
+    is reduced before the backward (a layer norm's: Megatron's ``f``). ``grad_specs``: the
+    gradient layouts of the inputs and parameters the local run differentiates.
     """
 
     def __init__(self, single: bool) -> None:
         self.single = single
         self.partial: tuple[int, ...] = ()
+        self.grad_specs: tuple[DistSpec, ...] = ()
 
 
 class _Localize(torch.autograd.Function):
@@ -150,10 +156,25 @@ class _Out(torch.autograd.Function):
                     spec = spec.with_placements([Partial("sum") if b == a else x for b, x in enumerate(spec.placements)],
                                                 spec.shard_order)
                     keep.append(a)
+            if keep and any(spec.placements[a] == Partial("sum") for a in keep) and not _carried(spec, keep, ctx.call):
+                keep = []  # reduced on every axis now, the shards' zero-padding undone by the move
+                local, spec = layout.local_of(grad), layout.spec_of(grad)
             if keep:
                 ctx.call.partial = tuple(keep)
                 target = with_partial(target, ctx.call.partial)
         return layout.move(local, spec, target), None, None
+
+
+def _carried(grad: DistSpec, axes: list[int], call: _Call) -> bool:
+    """Whether a Partial(sum) gradient on ``axes`` is carried into the backward rather than
+    reduced first, as ``reshard.choice.cheapest`` decides for an op: carried where it becomes
+    one Partial gradient; where it would become several, carried only if the reductions they
+    leave pending cost less than the one the gradient owes plus a collective's start-up."""
+    if len(call.grad_specs) <= 1:
+        return True
+    on = tuple(axes)
+    pending = sum(pending_price(with_partial(s, on), on) for s in call.grad_specs)
+    return pending - pending_price(grad, on) < REDUCE_LATENCY_BYTES
 
 
 def _zero_pad(local: torch.Tensor, dim: int, size: int, parts: int, index: int) -> torch.Tensor:

@@ -4,7 +4,8 @@ collective of its own.
 The NLL loss's backward knows each row's gradient sum over all classes from the replicated
 targets and notes it on its shard (``autoparallel.known_sums``); log-softmax's backward takes it
 instead of all-reducing its pieces' sums. Checked, with class weights, an ignored target and 10
-classes on 4 ranks (uneven): the forward's collectives (row max, row sum of exponentials), none
+classes on 4 ranks (uneven): the forward's one collective (each piece's row max and row sum of
+exponentials, gathered), none
 in the backward, the input gradient bit for bit the all-reduce path's (a hook writing the
 gradient in place with ``add_(0)`` between the two backwards makes the note stale and brings
 the all-reduce back) and equal to one process; a hook that really changes the gradient in
@@ -57,7 +58,8 @@ def test_class_split_cross_entropy_backward_issues_no_collective(world4: Any, re
     import torch
 
     for known, reduced in zip(world4.run(_ce, reduction, "none"), world4.run(_ce, reduction, "noop")):
-        assert known["forward"] == reduced["forward"] == {"all_reduce": 2}  # the row max, the row sum of exponentials
+        # each piece's (row max, row sum of exponentials), gathered in one collective
+        assert known["forward"] == reduced["forward"] == {"all_gather": 1}
         assert known["backward"] == {} and reduced["backward"] == {"all_reduce": 1}
         assert torch.equal(known["grad"], reduced["grad"])
         torch.testing.assert_close(known["grad"], known["ref_grad"], rtol=1e-12, atol=1e-15)

@@ -18,6 +18,11 @@ from tests.pure.test_nn_rules import S0, S1, S2, P, R, aten
 from tests.treeutil import one_thread  # noqa: F401  (one_thread: autouse fixture)
 
 
+def _gathered(comm: Any) -> int:
+    """Bytes this rank received by all-gathers (a loss-parallel softmax gathers its row statistics)."""
+    return sum(r.recv_bytes for r in comm.records if r.kind == "all_gather")
+
+
 # ---- multi-process: values against plain torch -------------------------------------------------
 def _mesh1() -> ap.ProcessMesh:
     return ap.ProcessMesh([0, 1, 2, 3], ["x"])
@@ -61,7 +66,10 @@ def _softmax_world(rank: int) -> bool:
     with ap.CommDebugMode() as comm:
         y = F.log_softmax(d, 1)
         y.backward(make_dist(c, m1, (S1,)))
-    assert list(y.placements) == [S1] and set(comm.get_comm_counts()) == {"all_reduce"}, comm.summary()
+    # forward: one all-gather of each piece's (row max, row sum of exponentials); backward: the
+    # row sum of the gradient
+    assert list(y.placements) == [S1] and comm.get_comm_counts() == {"all_gather": 1, "all_reduce": 1}, comm.summary()
+    assert _gathered(comm) <= 2 * (x.numel() // x.shape[1]) * x.element_size() * 4, comm.summary()  # stats only
     ref = x.clone().requires_grad_()
     F.log_softmax(ref, 1).backward(c)
     _close("loss-parallel grad", d.grad.full_tensor(), ref.grad)
@@ -176,7 +184,8 @@ def _nll_world(rank: int) -> bool:
         loss = F.cross_entropy(dx, dt)
         loss.backward()
     assert list(loss.placements) == [P], loss.placements
-    assert set(comm.get_comm_counts()) <= {"all_reduce"}, comm.summary()
+    assert set(comm.get_comm_counts()) <= {"all_gather", "all_reduce"}, comm.summary()
+    assert _gathered(comm) <= 2 * (x.numel() // x.shape[1]) * x.element_size() * 4, comm.summary()  # stats only
     rx = x.clone().requires_grad_()
     F.cross_entropy(rx, t).backward()
     _close("loss parallel", loss.full_tensor(), F.cross_entropy(x, t))

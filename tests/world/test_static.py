@@ -556,14 +556,15 @@ def test_static_megatron_step_merges_its_small_reductions(world4: Any) -> None: 
     for res in world4.run(_megatron_step):
         eager, static = res["eager"], res["static"]
         torch.testing.assert_close(torch.tensor(static["losses"]), torch.tensor(eager["losses"]), rtol=1e-6, atol=0)
-        # eager: 7 forward (embedding, 2 per block, the loss's max and sum of exponentials), the
-        # loss read, 6 backward (5 activation gradients, the LayerNorm weights' and position
-        # table's bucket; log_softmax's backward takes its row sums from the NLL backward)
-        assert eager["comms"] == [{"all_reduce": 14}] * 3
+        # eager: 6 forward (embedding, 2 per block, the loss's row statistics gathered), the loss
+        # read, 5 backward (each LayerNorm's input gradient, reduced before its backward as
+        # Megatron's f does, so the LayerNorm weights' gradients are whole and no bucket is left;
+        # log_softmax's backward takes its row sums from the NLL backward): Megatron's 12
+        assert eager["comms"] == [{"all_reduce": 11, "all_gather": 1}] * 3
         assert all(p == (Partial(),) for p in eager["placements"])
         # replayed (the third call): the loss rides along the first activation gradient's
-        # all-reduce, the bucket along the last one's: Megatron's 12, and the loss is Replicate
-        assert static["comms"][2:] == [{"all_reduce": 12}]
+        # all-reduce: one fewer than Megatron's 12, and the loss is Replicate
+        assert static["comms"][2:] == [{"all_reduce": 10, "all_gather": 1}]
         assert static["placements"][2:] == [(Replicate(),)]
 
 
