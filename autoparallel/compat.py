@@ -291,6 +291,28 @@ def current_autograd_node() -> Any:
     return _current_node() if _current_node is not None else None
 
 
+_ACCUMULATE_GRAD: Any = getattr(getattr(torch._C, "_functions", None), "AccumulateGrad", None)
+
+
+def accumulated_leaf() -> Any:
+    """The leaf tensor whose gradient the running backward node makes, where that node's only
+    successor is the leaf's gradient accumulation (an embedding's backward into its table, a
+    transpose's into a weight); None otherwise, outside a backward, or on a torch without the names."""
+    if _current_node is None or _ACCUMULATE_GRAD is None:
+        return None
+    node = _current_node()
+    if node is None:
+        return None
+    leaf = None
+    for fn, _ in node.next_functions:
+        if fn is None:
+            continue
+        if leaf is not None or type(fn) is not _ACCUMULATE_GRAD:
+            return None
+        leaf = fn.variable
+    return leaf
+
+
 # ---- nn.Module internals -----------------------------------------------------------------------
 # ``Module._parameters`` / ``_buffers`` / ``_modules`` (the dicts behind attribute access) and the
 # hook tables ``_forward_pre_hooks``, ``_forward_hooks``, ``_backward_hooks``,

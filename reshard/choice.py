@@ -3,7 +3,9 @@
 Pure metadata, shared by the eager engine (one op at a time) and the plan search
 (``autoparallel.auto``: a whole step on a simulated mesh), so both choose alike. A strategy's
 cost is lexicographic: bytes moved (each collective also pays ``LATENCY_BYTES``, and a local fill
-``S -> P`` the all-gather it stands for), inputs changed, largest local output bytes.
+``S -> P`` the all-gather it stands for), inputs changed, largest local output bytes. An op
+making a laid-out parameter's gradient (the engine reads it off the running backward node) also
+pays for moving its output to the parameter's layout, which the optimizer would otherwise do.
 
 Where a strategy taking every input as it is would carry a Partial input into more Partial
 outputs, the choice weighs when to reduce: a Partial value is reduced some time, and an op only
@@ -72,9 +74,12 @@ def as_is(spec: DistSpec, req: tuple[Any, ...]) -> bool:
 
 
 def cost(s: Strategy, specs: Sequence[DistSpec], mesh_shape: tuple[int, ...],
-         out_metas: tuple[TensorMeta | None, ...], pending: bool = False) -> tuple[int, int, int]:
+         out_metas: tuple[TensorMeta | None, ...], pending: bool = False,
+         target: DistSpec | None = None) -> tuple[int, int, int]:
     """(bytes moved, inputs changed, largest local output bytes): lexicographic. ``pending``:
-    the bytes also count the reductions left pending and every collective's start-up."""
+    the bytes also count the reductions left pending and every collective's start-up.
+    ``target``: the layout of the parameter whose gradient the op makes (in a backward); the
+    bytes also count moving the output there (``toward``)."""
     moved = changed = 0
     owing = partial_axes(specs) if pending else ()
     for spec, req in zip(specs, s.inputs):
@@ -92,7 +97,25 @@ def cost(s: Strategy, specs: Sequence[DistSpec], mesh_shape: tuple[int, ...],
             compute += largest_local_numel(m.shape, pl, mesh_shape) * itemsize(m.dtype)
             if owing and any(isinstance(pl[a], Partial) for a in owing):
                 moved += pending_price(DistSpec(specs[0].mesh, tuple(pl), m.shape, m.dtype), owing)
+    if target is not None and specs:
+        moved += toward(s, specs[0].mesh, out_metas, target)
     return moved, changed, compute
+
+
+def toward(s: Strategy, mesh: Any, out_metas: tuple[TensorMeta | None, ...], target: DistSpec) -> int:
+    """What moving the op's output to ``target``, the layout of the parameter it is the
+    gradient of, costs on the mesh axes where the output is not Partial (0 where the output is
+    not that gradient's shape; a Partial axis is the optimizer's bucketed reduction either way).
+    A row-sharded gradient of a replicated table pays the all-gather the optimizer would issue;
+    a replicated gradient of a row-sharded table nothing (a slice)."""
+    outs = [(m, pl) for m, pl in zip(out_metas, s.outputs) if m is not None]
+    if len(outs) != 1 or target.mesh != mesh or target.has_partial:
+        return 0
+    m, pl = outs[0]
+    if m.shape != target.shape:
+        return 0
+    settled = tuple(t if isinstance(p, Partial) else p for p, t in zip(pl, target.placements))
+    return plan_price(DistSpec(mesh, settled, m.shape, m.dtype), target.placements) or 0
 
 
 def multiplies(s: Strategy, specs: Sequence[DistSpec], out_metas: tuple[TensorMeta | None, ...]) -> bool:
@@ -123,8 +146,7 @@ def pending_price(spec: DistSpec, axes: tuple[int, ...] | None = None) -> int:
     start-up per collective included (0 if none)."""
     if not spec.has_partial:
         return 0
-    to = tuple(Replicate() if isinstance(p, Partial) and (axes is None or a in axes) else p
-               for a, p in enumerate(spec.placements))
+    to = _reduced(spec, axes)
     price = plan_price(spec, to)
     return 0 if price is None else price + REDUCE_LATENCY_BYTES * plan_collectives(spec, to)
 
@@ -136,8 +158,13 @@ def _settled(spec: DistSpec, req: tuple[Any, ...], price: int | None) -> int:
     owed = pending_price(spec)
     if all(req[a] == p for a, p in enumerate(spec.placements) if isinstance(p, Partial)):
         return owed
-    return min(owed - REDUCE_LATENCY_BYTES * plan_collectives(spec, tuple(
-        Replicate() if isinstance(p, Partial) else p for p in spec.placements)), price or 0)
+    return min(owed - REDUCE_LATENCY_BYTES * plan_collectives(spec, _reduced(spec)), price or 0)
+
+
+def _reduced(spec: DistSpec, axes: tuple[int, ...] | None = None) -> tuple[Any, ...]:
+    """``spec``'s placements with its Partial axes (those among ``axes``, default all) reduced."""
+    return tuple(Replicate() if isinstance(p, Partial) and (axes is None or a in axes) else p
+                 for a, p in enumerate(spec.placements))
 
 
 @lru_cache(maxsize=8192)
@@ -153,8 +180,9 @@ def plan_collectives(spec: DistSpec, req: tuple[Any, ...]) -> int:
 
 
 def cheapest(strategies: Sequence[Strategy], specs: Sequence[DistSpec], mesh_shape: tuple[int, ...],
-             out_metas: tuple[TensorMeta | None, ...]) -> Strategy:
-    """The first strategy of least ``cost``, planning as few reshards as possible.
+             out_metas: tuple[TensorMeta | None, ...], target: DistSpec | None = None) -> Strategy:
+    """The first strategy of least ``cost``, planning as few reshards as possible (``target``:
+    the layout of the parameter whose gradient the op makes, see ``cost``).
 
     When some strategy takes every input as it is, only such strategies can win (bytes moved
     come first): they are compared without running the planner for the others. But where such
@@ -164,8 +192,8 @@ def cheapest(strategies: Sequence[Strategy], specs: Sequence[DistSpec], mesh_sha
     """
     free = [s for s in strategies if all(as_is(spec, req) for spec, req in zip(specs, s.inputs))]
     if free and any(multiplies(s, specs, out_metas) for s in free):
-        return min(strategies, key=lambda s: cost(s, specs, mesh_shape, out_metas, pending=True))
-    return min(free or strategies, key=lambda s: cost(s, specs, mesh_shape, out_metas))
+        return min(strategies, key=lambda s: cost(s, specs, mesh_shape, out_metas, pending=True, target=target))
+    return min(free or strategies, key=lambda s: cost(s, specs, mesh_shape, out_metas, target=target))
 
 
 @lru_cache(maxsize=8192)

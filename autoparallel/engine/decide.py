@@ -349,21 +349,25 @@ def _restrides_only(args: tuple[Any, ...], kwargs: dict[str, Any], x: Any) -> bo
 
 
 def decide(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], dts: list[Any],
-           filled: list[Any] | None = None) -> Decision:
+           filled: list[Any] | None = None, target: DistSpec | None = None) -> Decision:
     """The decision for ``func`` on these arguments (``dts``: the DistTensors among them, in
     order): a pure function of their specs, strides and the non-tensor arguments. ``filled``
     gets the template's key where the decision is one shape of a template: filled in from one
     made at another shape, or the one made afresh that becomes the template (the dispatcher
-    keeps a bounded number of each template's shapes)."""
+    keeps a bounded number of each template's shapes). ``target``: the layout of the parameter
+    whose gradient the op makes, in a backward (``reshard.choice.cost``)."""
     specs = [t._spec for t in dts]
     key, out = _template_key(cls, func, args, kwargs, dts, specs)
+    if key is not None and target is not None:
+        key = (key, target.mesh, target.placements)
     template = generic.template(key)
     if template is not None and out is not None:
         if filled is not None:
             filled.append(key)
         return _from_template(template, specs, out, cls, func, args, kwargs, dts)
     stored: list[bool] = []
-    d = _finish(cls, func, _decide(cls, func, args, kwargs, dts, stored), args, kwargs, specs, [t._stride for t in dts])
+    d = _finish(cls, func, _decide(cls, func, args, kwargs, dts, stored, target), args, kwargs, specs,
+                [t._stride for t in dts])
     if stored and key is not None and _template_kind(d, func):
         generic.store_template(key, d)
         if filled is not None:
@@ -464,7 +468,7 @@ def _from_template(t: LocalStep, specs: list[DistSpec], outs: generic.Layouts, c
 
 
 def _decide(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], dts: list[Any],
-            stored: list[Any]) -> Decision:
+            stored: list[Any], target: DistSpec | None) -> Decision:
     """``stored`` gets an entry where the choice is stored shape-generically."""
     mesh = dts[0]._spec.mesh
     for d in dts[1:]:
@@ -543,6 +547,8 @@ def _decide(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], 
         call = replace(call, out=out_metas)
     rule = get_rule(func)
     key = generic.choice_key(call, specs) if rule is not None and not mutated else None
+    if key is not None and target is not None:
+        key = (key, target.mesh, target.placements)
     best = generic.stored_choice(key)
     if best is not None:  # decided at another shape of this signature: the same choice
         stored.append(True)
@@ -560,8 +566,8 @@ def _decide(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], 
         why = "it has no SPMD rule" if rule is None else "its rule offered no strategy"
         return replace(_fallback_decision(func, specs, mesh, outs, mutated, reason=why, kind=out_kind), out_alias=alias,
                        meta_value=fake_out if out_kind is OutKind.VALUE else None)
-    best = cheapest(strategies, specs, tuple(mesh.shape), out_metas)
-    if key is not None and _generic_best(strategies, specs, mesh, out_metas) is best:
+    best = cheapest(strategies, specs, tuple(mesh.shape), out_metas, target)
+    if key is not None and _generic_best(strategies, specs, mesh, out_metas, target) is best:
         generic.store_choice(key, best)
         stored.append(True)
     return _local_step(func, mesh, specs, best, call, out_metas, outs, out_kind, alias, mutated, fake_out)
@@ -584,7 +590,7 @@ def _local_step(func: Any, mesh: Any, specs: list[DistSpec], best: Strategy, cal
 
 
 def _generic_best(strategies: Sequence[Strategy], specs: Sequence[DistSpec], mesh: Any,
-                  out_metas: tuple[TensorMeta | None, ...]) -> Strategy | None:
+                  out_metas: tuple[TensorMeta | None, ...], target: DistSpec | None = None) -> Strategy | None:
     """The strategy the cost comparison picks at every shape of the call's signature, where that
     follows without comparing sizes: the one strategy taking every input as it is (only such
     strategies compete when there is one); with several, and one output, the one of least local
@@ -604,7 +610,7 @@ def _generic_best(strategies: Sequence[Strategy], specs: Sequence[DistSpec], mes
     elif free:
         if sum(m is not None for m in out_metas) != 1 or _uneven_sizes(mesh, out_metas):
             return None
-        best = min(free, key=lambda s: cost(s, list(specs), tuple(mesh.shape), out_metas))
+        best = min(free, key=lambda s: cost(s, list(specs), tuple(mesh.shape), out_metas, target=target))
     else:
         still = [s for s in strategies if all(not plan_price(spec, tuple(req)) for spec, req in zip(specs, s.inputs))]
         best = still[0] if len(still) == 1 else None

@@ -299,13 +299,17 @@ def dispatch(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any])
             return out
     dts: list[Any] = []
     plain: list[torch.Tensor] = []
-    key = (func, call_key(cls, args, dts, plain), call_key(cls, tuple(kwargs.items()), dts, plain) if kwargs else ())
+    key: tuple[Any, ...] = (func, call_key(cls, args, dts, plain),
+                            call_key(cls, tuple(kwargs.items()), dts, plain) if kwargs else ())
     if not dts:
         return func(*args, **kwargs)
     if plain:  # rare: adopt them as Replicate, then key the call again
         args, kwargs = adopt_plain(cls, func, args, kwargs, dts, plain)
         dts, plain = [], []
         key = (func, call_key(cls, args, dts, plain), call_key(cls, tuple(kwargs.items()), dts, plain) if kwargs else ())
+    target = _grad_target(cls)
+    if target is not None:  # in a backward, making a laid-out parameter's gradient
+        key += (target,)
     decision = _CACHE.get(key)
     if decision is None:
         filled: list[Any] = []
@@ -313,7 +317,7 @@ def dispatch(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any])
         # a cache miss: rules and reshard plans, from metadata (in a capture, outside its trace:
         # the meta computations of a decision are not the step's ops)
         with profiled("autoparallel::plan", func), compat.outside_trace() if comm.capturing() else _NOTHING:
-            decision = decide(cls, func, args, kwargs, dts, filled)
+            decision = decide(cls, func, args, kwargs, dts, filled, target)
         _PLANNING.add(start)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("dispatch: planned %s for inputs %s", func, [str(d._spec) for d in dts])
@@ -330,6 +334,15 @@ def dispatch(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any])
             lambda moves=None: execute(cls, func, args, kwargs, dts, decision, dispatch, moves),
         )
     return execute(cls, func, args, kwargs, dts, decision, dispatch)
+
+
+def _grad_target(cls: Any) -> DistSpec | None:
+    """The layout of the parameter whose gradient the running backward node makes (its only
+    successor accumulates into it: ``compat.accumulated_leaf``); None elsewhere. Where a rule's
+    strategies tie, the op's output takes this layout rather than one the optimizer must move
+    (a replicated position table's gradient is not row-sharded only to be gathered back)."""
+    leaf = compat.accumulated_leaf()
+    return leaf._spec if isinstance(leaf, cls) else None
 
 
 def _keep_filled(template: Any, key: Any) -> None:

@@ -143,6 +143,20 @@ def _embedding_world(rank: int) -> bool:
             if mesh is m1 and wpl == (S0,) and ipl == (R,):
                 assert list(y.placements) == [P], y.placements  # vocab parallel: no gather of rows
                 assert list(dw.grad.placements) == [S0], dw.grad.placements
+    # a replicated table's gradient comes out replicated, as its parameter (not row-sharded, to
+    # be gathered back: no all-gather); a row-sharded table's by rows (vocabulary parallel). A
+    # leaf's gradient is reduced on dp where it accumulates
+    for mesh, wpl, ipl, want_pl in [(m1, (R,), (R,), [R]), (m1, (S0,), (R,), [S0]),
+                                    (m2, (R, R), (S0, R), [R, R]), (m2, (R, S0), (S0, R), [R, S0])]:
+        dw, di = _leaf(weight, mesh, wpl), make_dist(idx, mesh, ipl)
+        y = F.embedding(di, dw)
+        with ap.CommDebugMode() as comm:
+            (y * y).sum().backward()
+        rw = weight.clone().requires_grad_()
+        (F.embedding(idx, rw) ** 2).sum().backward()
+        _close(f"embedding w {wpl} idx {ipl} grad", dw.grad.full_tensor(), rw.grad)
+        assert list(dw.grad.placements) == want_pl, (wpl, ipl, dw.grad.placements)
+        assert _gathered(comm) == 0, (wpl, ipl, comm.get_comm_counts())
     return True
 
 
