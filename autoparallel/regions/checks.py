@@ -157,6 +157,16 @@ def _classify(out: Any, leaves: list[Any], tensors: list[torch.Tensor],
         elif any(not isinstance(layout.spec_of(t).placements[a], Replicate) for t in inputs):
             return _refused(f"an input is sharded on mesh axis {a} but no output is")
 
+    for a in sharded:
+        split = _split_inside(a, leaves, tensors, summands, reads)
+        if split > 1:
+            # every argument whole on the axis and the outputs split there (a column-parallel
+            # layer inside the module): each replicated tensor taking a gradient would take it
+            # Partial, while op by op the backward reduces the one gradient where the split
+            # begins and keeps the rest whole (a layer norm's backward: ``reshard.choice``)
+            return _refused(f"its outputs are split on mesh axis {a} inside it and {split} replicated tensors "
+                            "it reads take gradients there (op by op, one reduction keeps them whole)")
+
     def grad_of(x: Any) -> DistSpec | None:
         return with_partial(layout.spec_of(x), tuple(sharded)) if isinstance(x, DistTensor) else None
 
@@ -171,6 +181,23 @@ def _classify(out: Any, leaves: list[Any], tensors: list[torch.Tensor],
     return _Verdict(out_tree=out_tree, out_specs=specs, arg_grads=tuple(grad_of(x) for x in leaves),
                     slot_grads=slot_grads, sharded_axes=tuple(sharded),
                     summand_slots=tuple(summands.get(k) for k in range(len(tensors))) if summands else ())
+
+
+def _split_inside(a: int, leaves: list[Any], tensors: list[torch.Tensor], summands: dict[int, DistSpec],
+                  reads: set[int] | None) -> int:
+    """How many replicated tensors taking a gradient a region reads (arguments, parameters),
+    where every argument it reads is whole (Replicate) on mesh axis ``a``; 0 where one is not (the
+    split came in with an argument, as a data-parallel batch's). A summand parameter (a
+    row-parallel bias) takes its gradient whole and is not counted."""
+    def read(x: Any) -> bool:
+        return isinstance(x, DistTensor) and (reads is None or id(x) in reads)
+
+    if any(read(x) and not isinstance(layout.spec_of(x).placements[a], Replicate) for x in leaves):
+        return 0
+    with compat.attribute_access():
+        return sum(1 for k, x in enumerate([*leaves, *tensors])
+                   if read(x) and isinstance(layout.spec_of(x).placements[a], Replicate) and x.requires_grad
+                   and not (k >= len(leaves) and k - len(leaves) in summands))
 
 
 # ---- recording aten calls ------------------------------------------------------------------------

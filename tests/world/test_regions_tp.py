@@ -117,3 +117,59 @@ def test_a_bias_read_as_it_is_and_as_a_summand_is_refused(world4: Any) -> None:
     r = world4.run(_row_parallel, True, False, BiasReadTwice)[0]
     assert "as it is by one op and as a summand" in r["report"]["<root>"][0], r["report"]
     assert r["report"]["fc2"] == ["local"], r["report"]  # the Linear alone is a region
+
+
+class NormedHead(nn.Module):
+    """A replicated layer norm before a column-parallel Linear (BERT's masked-LM head): the
+    output is split on tp inside the module, every argument is whole there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.head = nn.LayerNorm(6), nn.Linear(6, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(x))
+
+
+def _normed_head(rank: int) -> dict[str, Any]:
+    """3 SGD steps of ``NormedHead`` with regions on a 4-rank tp mesh: the report, the collectives
+    per step and the layer norm's gradient layouts; losses and parameters against one process."""
+    mesh = _mesh()
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(8, 6, generator=g)
+    torch.manual_seed(0)
+    model, ref = NormedHead(), NormedHead()
+    ref.load_state_dict(model.state_dict())
+    ap.parallelize(model, mesh, {"head": ap.ColWiseParallel()})
+    enable_local_regions(model)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+    comm, layouts = [], {}
+    for _ in range(3):
+        with ap.CommDebugMode() as c:
+            xs = ap.shard_tensor(x, mesh, [R]).requires_grad_()  # (an earlier layer's output)
+            loss = (model(xs) ** 2).mean()
+            loss.backward()
+        layouts = {n: list(p.grad.placements) for n, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+        want = (ref(x) ** 2).mean()
+        want.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert float(loss.detach().full_tensor()) == pytest.approx(float(want.detach()), rel=1e-5)
+        comm.append(c.get_comm_counts())
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.detach().full_tensor(), q.detach(), rtol=1e-5, atol=1e-6)
+    return {"report": local_regions_report(model), "comm": comm, "layouts": layouts}
+
+
+def test_a_module_splitting_whole_arguments_after_replicated_weights_is_refused(world4: Any) -> None:
+    # As a region, the layer norm's weights and its input would take Partial gradients (three
+    # reductions later); op by op the layer norm's backward reduces its one input gradient first
+    # and its weights' gradients come out whole. The column-parallel Linear alone is a region
+    # (only its input's gradient is Partial). Every step communicates alike.
+    for r in world4.run(_normed_head):
+        assert "split on mesh axis 0 inside it and 3 replicated tensors" in r["report"]["<root>"][0], r["report"]
+        assert r["report"]["head"] == ["local"], r["report"]
+        assert r["layouts"]["norm.weight"] == [R] and r["layouts"]["norm.bias"] == [R], r["layouts"]
+        assert r["comm"][0] == r["comm"][1] == r["comm"][2], r["comm"]
