@@ -379,6 +379,17 @@ def tensors_stood_in(modules: Any, stand_ins: dict[int, Any]) -> Iterator[None]:
             own[name] = t
 
 
+_PLAIN_VALUES = (bool, int, float, str, type(None))
+
+
+def module_values(module: torch.nn.Module) -> tuple[tuple[str, Any], ...]:
+    """The plain Python values ``module`` holds as attributes (a flag, a counter, a temperature:
+    ``bool``, ``int``, ``float``, ``str``, ``None``), in attribute order; ``training`` aside. A
+    forward may branch on them or compute with them, so a program or a proof made at one value
+    does not hold at another: the signatures of captured steps and local regions include them."""
+    return tuple((k, v) for k, v in module.__dict__.items() if type(v) in _PLAIN_VALUES and k != "training")
+
+
 def child_modules(module: torch.nn.Module) -> dict[str, Any]:
     """``module``'s children by name (the dict itself)."""
     return module._modules  # type: ignore[return-value]

@@ -3,6 +3,8 @@ local runs. See ``autoparallel.regions``."""
 
 from __future__ import annotations
 
+import dis
+import functools
 import os
 import time
 from collections.abc import Callable
@@ -44,6 +46,58 @@ MAX_SIGNATURES = 16            # per module; beyond that, evict the least recent
 MAX_PROVEN = MAX_SIGNATURES // 2  # of those, proven by a trace: kept before family-answered ones
 MAX_FAMILIES = 8               # per module: signatures up to sizes (``regions.generic``)
 _MISSING = object()
+
+
+class _State:
+    """The modules' own state at one moment: each one's buffer slots, the values of its plain
+    tensor buffers (a step counter written in place) and its plain attribute values. A first
+    call runs the forward more than once (trace, replay): each run starts from the same state,
+    and what the trace wrote is what stands."""
+
+    def __init__(self, modules: list[nn.Module]) -> None:
+        self.modules = modules
+        self.buffers = [dict(compat.own_buffers(m)) for m in modules]
+        self.values = [compat.module_values(m) for m in modules]
+        with torch.no_grad():
+            self.plain = [(t, t.clone()) for own in self.buffers for t in own.values()
+                          if isinstance(t, torch.Tensor) and not isinstance(t, DistTensor)]
+
+    def assigned(self) -> str:
+        """Why a region cannot run the forward: it assigned a buffer of a module ('' when it did
+        not): a local run would put a shard in the buffer."""
+        for m, own in zip(self.modules, self.buffers):
+            for name, t in compat.own_buffers(m).items():
+                if own.get(name) is not t:
+                    return f"its forward assigns the buffer {type(m).__name__}.{name}"
+        return ""
+
+    def rewind(self) -> _State:
+        """Put this state back; returns the state it replaced."""
+        now = _State(self.modules)
+        with torch.no_grad():
+            for m, own, values in zip(self.modules, self.buffers, self.values):
+                slots = compat.own_buffers(m)
+                slots.clear()
+                slots.update(own)
+                m.__dict__.update(values)
+            for t, value in self.plain:
+                t.copy_(value)
+        return now
+
+
+def _read_values(m: nn.Module) -> tuple[tuple[str, Any], ...]:
+    """The plain attribute values of ``m`` a signature includes (``compat.module_values``): those
+    its forward does not set itself (a length or a counter it keeps is its output, not its input)."""
+    stored = _stored_names(getattr(type(m).forward, "__code__", None))
+    return tuple(kv for kv in compat.module_values(m) if kv[0] not in stored)
+
+
+@functools.lru_cache(maxsize=1024)
+def _stored_names(code: Any) -> frozenset[str]:
+    """The attribute names a function's code assigns (``self.length = ...``, ``self.calls += 1``)."""
+    if code is None:
+        return frozenset()
+    return frozenset(str(i.argval) for i in dis.get_instructions(code) if i.opname in ("STORE_ATTR", "DELETE_ATTR"))
 
 
 def _enabled() -> bool:
@@ -248,7 +302,7 @@ class _Region:
             )
         if not any(isinstance(x, DistTensor) for x in leaves) and not any(isinstance(t, DistTensor) for t in tensors):
             return None, None
-        return (tree, tuple(parts), slot_parts, _ties(tensors), tuple(m.training for m in self.modules),
+        return (tree, tuple(parts), slot_parts, _ties(tensors), tuple((m.training, _read_values(m)) for m in self.modules),
                 torch.is_grad_enabled(), _autocast_state()), held
 
     # ---- first call of a signature: trace, classify, replay ---------------------------------
@@ -270,6 +324,7 @@ class _Region:
         # write into them is undone before the next (``regions.objects``); ``out`` is then
         # ``(output, the tensors written)``
         entry = objects.snapshot(leaves) if objects.any_object(leaves) else []
+        state = _State(self.modules)  # the modules' own state: the replay starts from it too
         trace, door, comm, out, writer = self._trace(leaves, slots, args, kwargs)
         sliced: dict[int, DistSpec] = {}
         if (trace.arg_moves and not trace.reason and not trace.writes and len(comm.records) <= door.comm
@@ -281,6 +336,7 @@ class _Region:
             # moves data inside it): a second trace would issue its collectives again
             _set_rng_states(rng)
             objects.restore(entry)
+            state.rewind()
             sliced = dict(trace.arg_moves)
             leaves = [moves.remake(_dist(x, sliced[k]), sliced[k], None) if k in sliced else x
                       for k, x in enumerate(leaves)]
@@ -294,7 +350,7 @@ class _Region:
         if len(comm.records) > door.comm:
             why = why or f"it communicates ({comm.records[0].kind})"
         why = trace.reason or why or summands_refusal(trace, leaves, tensors) or reentrant_checkpoint_refusal(outs, leaves)
-        why = why or ("" if writer is None else writer.refusal(trace.reads))
+        why = why or ("" if writer is None else writer.refusal(trace.reads)) or state.assigned()
         if not why and trace.arg_moves:
             why = f"an op takes an argument sliced ({next(iter(trace.arg_moves.values()))})"
         if not why and sliced:
@@ -306,10 +362,12 @@ class _Region:
         record = None
         if verdict.local:
             objects.restore(entry)
+            traced_state = state.rewind()  # (a plain buffer written in place: the trace's write stands)
             try:
                 verdict, record = self._replay(verdict, trace, out, leaves, tree, tensors, done_in)
             finally:
                 objects.restore(traced)
+                traced_state.rewind()
         self._family(key).add(Proof(point, record, verdict))
         self.verdicts[key] = verdict
         if not verdict.local:

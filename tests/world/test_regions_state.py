@@ -1,0 +1,99 @@
+"""Local regions and the modules' own state: plain attribute values are part of a region's
+signature (a forward branching on a flag is proven again when the flag changes), a plain buffer
+written in place is written once per call, and a forward assigning a buffer or an attribute is
+not a region (a local run would put a shard in the buffer). Each trains as one process does.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import autoparallel as ap
+from autoparallel.regions import local_regions_report
+
+S0 = ap.Shard(0)
+
+
+class Flagged(nn.Module):
+    """Centers its hidden state over the batch when ``center`` is set (a batch mean: data moves)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(6, 8), nn.Linear(8, 3)
+        self.center = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.fc1(x))
+        if self.center:
+            h = h - h.mean(0)
+        return self.fc2(h)
+
+
+class Rescaled(nn.Module):
+    """Assigns a new value to a buffer in each training forward, and counts its calls in a plain
+    (integer) buffer written in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(6, 8), nn.Linear(8, 3)
+        self.register_buffer("scale", torch.ones(8))
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.fc1(x))
+        if self.training:
+            self.scale = self.scale * 0.5 + 0.75
+        self.calls += 1
+        return self.fc2(h / self.scale)
+
+
+def _train(rank: int, cls: Any, flip: bool) -> dict[str, Any]:
+    """4 SGD steps of ``cls`` data parallel on 4 ranks (``flip``: ``center`` set from step 2)
+    against one process: losses, parameters, buffers and the report."""
+    torch.manual_seed(0)
+    ref = cls()
+    model = copy.deepcopy(ref)
+    mesh = ap.ProcessMesh([0, 1, 2, 3], dim_names=["dp"])
+    ap.shard_layer(model, mesh)
+    opt = ap.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    for step in range(4):
+        if flip:
+            model.center = ref.center = step >= 2
+        x, y = torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
+        loss = F.cross_entropy(model(ap.shard_tensor(x, mesh, [S0])), ap.shard_tensor(y, mesh, [S0]))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        want = F.cross_entropy(ref(x), y)
+        want.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert float(loss.detach().full_tensor()) == pytest.approx(float(want.detach()), rel=1e-5), step
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.detach().full_tensor(), q.detach(), rtol=1e-5, atol=1e-6, msg=name)
+    for (name, b), c in zip(model.named_buffers(), ref.buffers()):
+        got = b.full_tensor() if isinstance(b, ap.DistTensor) else b
+        torch.testing.assert_close(got, c, msg=name)
+    return local_regions_report(model)
+
+
+def test_a_flag_the_forward_branches_on_is_part_of_the_signature(world4: Any) -> None:
+    # proven local with the flag off; set, the batch mean needs the whole batch: a new signature,
+    # proven anew (refused), so the mean is over the global batch, as in one process
+    for report in world4.run(_train, Flagged, True):
+        assert report["<root>"][0] == "local", report
+        assert any(v.startswith("refused") for v in report["<root>"][1:]), report
+
+
+def test_a_forward_assigning_a_buffer_is_no_region_and_writes_once_per_call(world4: Any) -> None:
+    # the trace is the call's run: the buffer is assigned once and the counter counts 4 calls
+    for report in world4.run(_train, Rescaled, False):
+        assert "assigns the buffer Rescaled.scale" in report["<root>"][0], report
