@@ -106,12 +106,110 @@ def _local_map(rank: int) -> bool:
     return True
 
 
+def _softmax_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.softmax(a @ b, -1)
+
+
+def _local_map_grad_placements(rank: int) -> bool:
+    """A Replicate input used against a sharded one: its local gradient is a per-rank
+    contribution, declared Partial with in_grad_placements; the default warns."""
+    x0, w0 = reference((8, 6), 4), reference((6, 5), 5)
+    xr, wr = x0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
+    (_softmax_mm(xr, wr) ** 2).sum().backward()
+
+    mesh = ap.ProcessMesh([0, 1, 2, 3])  # 1-d: x split by rows, w whole on every rank
+    f = ap.local_map(_softmax_mm, [Shard(0)], [[Shard(0)], [Replicate()]],
+                     in_grad_placements=[None, [Partial()]])
+    x = ap.shard_tensor(x0.clone(), mesh, [Shard(0)]).requires_grad_(True)
+    w = ap.shard_tensor(w0.clone(), mesh, [Replicate()]).requires_grad_(True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # declared: nothing to warn about
+        y = f(x, w)
+    assert torch.allclose(y.full_tensor(), _softmax_mm(x0, w0), atol=1e-6)
+    (y**2).sum().backward()
+    assert torch.allclose(x.grad.full_tensor(), xr.grad, atol=1e-6)
+    assert torch.allclose(w.grad.full_tensor(), wr.grad, atol=1e-6), (w.grad, wr.grad)
+
+    # 2-d, Megatron-like: x rows on axis 0 and whole along axis 1, w columns on axis 1 and whole
+    # along axis 0: each input's gradient is a contribution on the axis where it is whole
+    mesh2 = ap.ProcessMesh([[0, 1], [2, 3]])
+    mm = ap.local_map(torch.matmul, [Shard(0), Shard(1)], [[Shard(0), Replicate()], [Replicate(), Shard(1)]],
+                      in_grad_placements=[[Shard(0), Partial()], [Partial(), Shard(1)]])
+    x, w = (ap.shard_tensor(x0.clone(), mesh2, [Shard(0), Replicate()]).requires_grad_(True),
+            ap.shard_tensor(w0[:, :4].clone(), mesh2, [Replicate(), Shard(1)]).requires_grad_(True))
+    xr, wr = x0.clone().requires_grad_(True), w0[:, :4].clone().requires_grad_(True)
+    (torch.sin(xr @ wr)).sum().backward()
+    y = mm(x, w)
+    assert torch.allclose(y.full_tensor(), x0 @ w0[:, :4], atol=1e-5)
+    torch.sin(y).sum().backward()
+    assert torch.allclose(x.grad.full_tensor(), xr.grad, atol=1e-5)
+    assert torch.allclose(w.grad.full_tensor(), wr.grad, atol=1e-5)
+
+    # the default (torch's: the gradient in the input's own placements) warns, once per function
+    g = ap.local_map(_softmax_mm, [Shard(0)], [[Shard(0)], [Replicate()]])
+    x = ap.shard_tensor(x0.clone(), mesh, [Shard(0)]).requires_grad_(True)
+    w = ap.shard_tensor(w0.clone(), mesh, [Replicate()]).requires_grad_(True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        g(x, w), g(x, w)
+    said = [str(c.message) for c in caught if "in_grad_placements" in str(c.message)]
+    assert len(said) == 1 and "in_grad_placements=[None, [Partial('sum')]]" in said[0], said
+    return True
+
+
+def _local_map_call_errors(rank: int) -> bool:
+    """A DistTensor by keyword and a tuple result against one placement list raise clearly,
+    the same error on every rank, before any output is assembled."""
+    mesh = ap.ProcessMesh([0, 1, 2, 3])
+    x0, b0 = reference((8, 6), 6), reference((6,), 7)
+    x = ap.shard_tensor(x0, mesh, [Shard(0)])
+    b = ap.shard_tensor(b0.clone(), mesh, [Replicate()]).requires_grad_(True)
+
+    add = ap.local_map(lambda a, bias=None: a + bias, [Shard(0)], [[Shard(0)]])
+    try:
+        add(x, bias=b)
+        raise AssertionError("a DistTensor keyword argument was accepted")
+    except TypeError as e:
+        assert "keyword argument bias= is a DistTensor" in str(e) and "pass it positionally" in str(e), e
+    # positionally, with its placements (and its gradient's) at its position, it works
+    add = ap.local_map(lambda a, bias=None: a + bias, [Shard(0)], [[Shard(0)], [Replicate()]],
+                       in_grad_placements=[None, [Partial()]])
+    y = add(x, b)
+    assert torch.allclose(y.full_tensor(), x0 + b0)
+    y.sum().backward()
+    assert torch.allclose(b.grad.full_tensor(), torch.full((6,), 8.0))
+
+    pair = ap.local_map(lambda a: (a, a * 2), [Shard(0)])
+    with ap.CommDebugMode() as comm:
+        try:
+            pair(x)
+            raise AssertionError("a tuple result was accepted against one placement list")
+        except ValueError as e:
+            assert "returned a tuple of 2 values" in str(e) and "out_placements=[[S(0)], [S(0)]]" in str(e), e
+    assert comm.get_total_counts() == 0, comm.summary()
+    number = ap.local_map(lambda a: (a, 3), [[Shard(0)], [Replicate()]])
+    try:
+        number(x)
+        raise AssertionError("a non-tensor output with placements was accepted")
+    except ValueError as e:
+        assert "output 1 has type int" in str(e), e
+    return True
+
+
 def test_registered_rule_for_custom_op(world4):  # type: ignore[no-untyped-def]
     assert all(world4.run(_custom_rule))
 
 
 def test_local_map_and_local_layer(world4):  # type: ignore[no-untyped-def]
     assert all(world4.run(_local_map))
+
+
+def test_local_map_in_grad_placements(world4):  # type: ignore[no-untyped-def]
+    assert all(world4.run(_local_map_grad_placements))
+
+
+def test_local_map_call_errors(world4):  # type: ignore[no-untyped-def]
+    assert all(world4.run(_local_map_call_errors))
 
 
 def test_custom_rule_keeps_a_strided_input(world4):  # type: ignore[no-untyped-def]
