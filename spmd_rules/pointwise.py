@@ -3,7 +3,9 @@
 Along one mesh axis the output may be sharded on any of its dims (each input follows through
 broadcasting), replicated, or — for linear ops — Partial:
 
-- copies (``clone``, ``detach``, casts, ``zero_``): ``P(t) -> P(t)`` for every reduce type;
+- copies (``clone``, ``detach``, casts, ``zero_``): ``P(t) -> P(t)`` for every reduce type, but
+  a floating value cast to an integer type keeps only ``P(max|min)`` (truncating each summand is
+  not truncating the sum), and a cast to bool none;
 - ``neg``: ``P(sum|avg) -> P``;
 - ``add``/``sub`` of two tensors: ``P + P -> P`` (same sum/avg type). ``P + scalar`` and
   ``P + R`` are not linear (the scalar would be added once per rank) and need a reduction;
@@ -129,8 +131,24 @@ def searchsorted_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
 @with_strided
 def copy_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
     strategies = _sharded_strategies(call)
-    strategies += [_partial(call, (Partial(t),), t) for t in ("sum", "avg", "max", "min")]
+    out = call.out[0] if call.out else None
+    kinds = ("sum", "avg", "max", "min") if _sums_survive(call) else () if out is not None and out.dtype == torch.bool \
+        else ("max", "min")
+    strategies += [_partial(call, (Partial(t),), t) for t in kinds]
     return strategies
+
+
+def _sums_survive(call: OpCall) -> bool:
+    """Whether a cast keeps a sum of summands the sum (the cast of each summand adds up to the
+    cast of the sum): into a floating type, or between integer types. A floating value made
+    integer or bool is not (``1.6 + -0.4`` is ``1.2 -> 1``, the summands ``1 + 0``); a monotone
+    cast (to an integer type) keeps a max or min, one to bool (``-5 -> True``, ``0 -> False``) not."""
+    src, out = call.inputs[0] if call.inputs else None, call.out[0] if call.out else None
+    if src is None or out is None or src.dtype == out.dtype:
+        return True
+    if out.dtype.is_floating_point or out.dtype.is_complex:
+        return True
+    return out.dtype != torch.bool and not (src.dtype.is_floating_point or src.dtype.is_complex or src.dtype == torch.bool)
 
 
 @register_axis_rule(NEG_OPS)

@@ -338,3 +338,19 @@ def test_offered_strategies_are_exact(case: Case, mesh_shape: tuple[int, ...]) -
     assert seen
     for s, call in calls:
         _check_strategy(case.op, case.fn or case.op, case.args, s, call, mesh)
+
+
+@pytest.mark.parametrize("src, dst, sums", [
+    (torch.float32, torch.float16, True), (torch.float32, torch.float64, True), (torch.int32, torch.int64, True),
+    (torch.int64, torch.float32, True), (torch.float32, torch.int64, False), (torch.float32, torch.bool, False),
+    (torch.int64, torch.bool, False),
+])
+def test_a_cast_keeps_a_partial_sum_only_where_summands_add_up(src: torch.dtype, dst: torch.dtype, sums: bool) -> None:
+    # 1.6 + -0.4 = 1.2 -> 1, but the summands cast are 1 + 0: a cast to an integer type takes a
+    # reduced value; a monotone cast keeps a max or min (one to bool is not monotone)
+    x = torch.ones(4, 3, dtype=src)
+    call = make_call(aten._to_copy.default, (x,), [Partial()], fn=lambda t: t.to(dst))
+    outs = {s.outputs[0] for s in get_rule(aten._to_copy.default)(call)}
+    assert ((Partial("sum"),) in outs) == sums and ((Partial("avg"),) in outs) == sums, outs
+    kept = dst != torch.bool  # bool is not monotone: -5 -> True, 0 -> False
+    assert ((Partial("max"),) in outs) == kept and ((Partial("min"),) in outs) == kept, outs
