@@ -290,9 +290,12 @@ def dtensor_from_local(
         shape = g
     spec = DistSpec(mesh, placements, tuple(int(s) for s in shape), local.dtype, _order(shard_order))
     _check_reductions(spec, "dtensor_from_local")
-    agree.check("dtensor_from_local", mesh, lambda: _describe(spec))
     expected = spec.local_shape(coord)
-    if coord is not None and tuple(local.shape) != expected:
+    fits = coord is None or tuple(local.shape) == expected
+    # (a shard that does not fit is part of what the ranks compare: every rank raises, naming it)
+    agree.check("dtensor_from_local", mesh, lambda: _describe(spec) + (
+        "" if fits else f", local shape {tuple(local.shape)} where mesh coordinate {coord} should hold {expected}"))
+    if not fits:
         raise ValueError(
             f"dtensor_from_local: local shape {tuple(local.shape)} does not match global shape "
             f"{tuple(spec.shape)} with placements {list(placements)} on mesh shape "

@@ -30,6 +30,8 @@ def _mismatch(rank: int, what: str) -> str:
             ap.shard_tensor(torch.zeros(4, 4), mesh, [Shard(1) if odd else Shard(0)])
         elif what == "from_local":
             ap.dtensor_from_local(torch.zeros(2, 3), mesh, [Replicate() if odd else Shard(0)])
+        elif what == "local_shape":  # one rank's shard does not fit the global shape
+            ap.dtensor_from_local(torch.zeros(3 if odd else 2, 4), mesh, [Shard(0)], shape=(8, 4))
         elif what == "reshard":
             x = ap.shard_tensor(torch.zeros(8, 8), mesh, [Shard(0)])
             ap.reshard(x, mesh, [Shard(1) if odd else Replicate()])
@@ -47,6 +49,7 @@ def _mismatch(rank: int, what: str) -> str:
     ("dtype", "torch.float32", "torch.float64"),
     ("placements", "[Shard(0)]", "[Shard(1)]"),
     ("from_local", "[Shard(0)]", "[Replicate()]"),
+    ("local_shape", "[Shard(0)]", "local shape (3, 4) where mesh coordinate (2,) should hold (2, 4)"),
     ("reshard", "-> [Replicate()]", "-> [Shard(1)]"),
     ("values", "values checksum", "values checksum"),
 ])
