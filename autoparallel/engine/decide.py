@@ -509,8 +509,11 @@ def _decide(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], 
     if fake_out is None:
         try:
             fake_out = func(*map_args(cls, args, to_fake), **fake_kwargs)
-        except Exception:  # no meta kernel: compute replicated and learn the outputs from it
-            return _fallback_decision(func, specs, mesh, None, mutated, reason="it has no meta kernel")
+        except Exception as e:  # no meta kernel: compute replicated and learn the outputs from it
+            if _invalid_call(e):
+                raise  # the op's own error on these shapes (every rank raises it, before any collective)
+            why = "its output shape depends on the values" if _data_shaped(e) else "it has no meta kernel"
+            return _fallback_decision(func, specs, mesh, None, mutated, reason=why)
         if shaped:
             generic.learn_out(func, out_key, shaped, fake_out, args, kwargs)
     out_kind, outs = flatten_out(fake_out)
@@ -571,6 +574,26 @@ def _decide(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], 
         generic.store_choice(key, best)
         stored.append(True)
     return _local_step(func, mesh, specs, best, call, out_metas, outs, out_kind, alias, mutated, fake_out)
+
+
+_NOT_META = ("meta", "fake", "data-dependent", "data dependent", "dynamic", "not implemented", "symbolic")
+
+
+def _data_shaped(e: Exception) -> bool:
+    """Whether a meta kernel refused because the output's shape depends on the values
+    (``x[x > 0]``, ``nonzero``)."""
+    text = f"{type(e).__name__} {e}".lower()
+    return any(w in text for w in ("dynamicoutputshape", "data-dependent", "datadependent", "data-independent"))
+
+
+def _invalid_call(e: Exception) -> bool:
+    """Whether a meta kernel's error is the op refusing its inputs (shapes that do not fit, an
+    index out of range), which the op raises on plain tensors too, rather than the meta kernel
+    missing or unable to compute without values."""
+    if not isinstance(e, (RuntimeError, ValueError, IndexError)) or isinstance(e, NotImplementedError):
+        return False
+    text = f"{type(e).__name__} {e}".lower()
+    return not any(w in text for w in _NOT_META)
 
 
 def _local_step(func: Any, mesh: Any, specs: list[DistSpec], best: Strategy, call: OpCall,
