@@ -64,7 +64,8 @@ def shard_optimizer(
 ) -> ShardedOptimizer:
     """Wrap ``optimizer`` for data parallel (``shard_fn=None``) or ZeRO (``ap.ShardingStage1/2/3``).
 
-    Call it after the parameters are DistTensors and before the first step. Every check runs
+    Call it after the parameters are DistTensors and before the first step (states the
+    optimizer's constructor made, as Adagrad's, are sharded like the others). Every check runs
     on metadata before any collective, so a bad configuration raises the same error everywhere.
     ``mixed_precision``: compute in ``param_dtype`` with the parameters kept as fp32 masters,
     gradients reduced in ``reduce_dtype`` (docs/mixed_precision.md).
@@ -92,8 +93,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.stage = check_stage(shard_fn)
         self.precision = check_precision(mixed_precision)
         self.bucket_bytes = bucket_bytes
-        if self.stage is not None and any(optimizer.state.values()):
-            raise ValueError("shard_optimizer: wrap the optimizer before its first step (it already holds state)")
+        if self.stage is not None:
+            _check_unstepped(optimizer)
         plans = [self._plan_group(g, k) for k, g in enumerate(optimizer.param_groups)]  # all checks first
         self._slots: list[_Slot] = []
         self._zero3 = Zero3Params()  # stage 3 / mixed precision: the parameters' units and their hooks
@@ -103,6 +104,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._sharded = False
         for group, plan in zip(optimizer.param_groups, plans):
             group["params"] = [self._adopt(*item) for item in plan]
+        self._shard_initial_states()
         super().__init__(optimizer.param_groups, optimizer.defaults)
         self.param_groups = optimizer.param_groups
         self.state = optimizer.state
@@ -148,6 +150,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._slots.append(_Slot(p, stepped, axis, shard))
         self._sharded |= stepped is not p  # stages 1/2 step a shard of the parameter
         return stepped
+
+    def _shard_initial_states(self) -> None:
+        """The states the inner optimizer's constructor made (Adagrad's ``sum``), moved to the
+        tensors it steps, in their layouts (stages 1/2: keyed by the shards; stage 3: the parameter
+        sharded in place), each its own copy: a full-size state does not outlive sharding."""
+        state = self.inner.state
+        for s in self._slots:
+            st = state.pop(s.param, None)
+            if st:
+                state[s.stepped] = {k: _own_copy(_to_layout(v, s.stepped), v) for k, v in st.items()}
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group of parameters (after construction: planned and checked like the others)."""
@@ -352,6 +364,32 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def __repr__(self) -> str:
         mp = "" if self.precision is None else f", {self.precision!r}"
         return f"ShardedOptimizer({self.stage!r}{mp}, {self.inner!r})"
+
+
+def _check_unstepped(optimizer: torch.optim.Optimizer) -> None:
+    """Raise unless ``optimizer`` has not stepped: its states, if any, are those its constructor
+    makes (Adagrad's ``sum`` and ``step``), each with a ``step`` of 0. Every rank built and
+    stepped it alike, so every rank decides alike."""
+    for p, st in optimizer.state.items():
+        if not st:
+            continue
+        step = layout.local_or_plain(st.get("step"))  # (a DistTensor step: its replicated local value)
+        if isinstance(step, torch.Tensor) and step.numel() == 1:
+            step = step.item()
+        if not isinstance(step, (int, float)) or step != 0:
+            held = f"step {step}" if step is not None else f"states {sorted(map(str, st))} and no 'step'"
+            raise ValueError(
+                "shard_optimizer: wrap the optimizer before its first step (the state of a parameter "
+                f"of shape {tuple(p.shape)} has {held}; an optimizer that has not stepped has none, "
+                "or only states with step 0)"
+            )
+
+
+def _own_copy(moved: Any, value: Any) -> Any:
+    """``moved`` (``value`` in a shard layout), its local tensor copied when it may view ``value``'s."""
+    if moved is value or not isinstance(moved, DistTensor) or not isinstance(value, DistTensor):
+        return moved
+    return layout.wrap(layout.local_of(moved).clone(memory_format=torch.contiguous_format), layout.spec_of(moved))
 
 
 def _narrow_to(local: torch.Tensor, spec: DistSpec, shard: DistSpec, axis: int) -> torch.Tensor:

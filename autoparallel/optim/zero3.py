@@ -688,6 +688,7 @@ class _GatherParams(torch.autograd.Function):
 
     Backward: gradients -> (reduce dtype) -> Partial over the axis -> one reduce-scatter into the
     shard layouts -> the masters' dtype. A parameter with no axis: the gradient cast back, as is.
+    A parameter with no gradient (unused this step): None, no collective for it.
     """
 
     @staticmethod
@@ -695,6 +696,10 @@ class _GatherParams(torch.autograd.Function):
                 *params: DistTensor) -> tuple[DistTensor, ...]:
         ctx.layouts = layouts
         ctx.source = source
+        # A parameter its unit did not use (an unused head, a branch not taken) gets no gradient:
+        # None in backward, not a zero tensor autograd would make without a layout, so it stays
+        # None, as without ZeRO-3, and the optimizer skips it.
+        ctx.set_materialize_grads(False)
         if ready is None:  # (else: gathered ahead of its turn, waited for)
             with profiled("autoparallel::zero3_gather"):
                 ready = _gather_locals(list(params), layouts)

@@ -2,7 +2,8 @@
 
 Pure part: bucket planning and shard layouts. World part (4 gloo ranks, one world): a small MLP
 (uneven and empty shards: 5 output rows over 4 ranks) trains 3 steps under DP, ZeRO-1/2/3 with
-unmodified SGD (momentum, weight decay), Adam and AdamW in default and foreach modes; loss and
+unmodified SGD (momentum, weight decay), Adam, AdamW and Adagrad (whose constructor makes its
+states) in default and foreach modes; loss and
 every parameter match the single-process run (rtol 1e-5); the collectives of each step are the
 ones the strategy promises; state dicts round-trip (also from a single-process optimizer);
 gradient clipping; DP x TP on a 2x2 mesh with ZeRO on dp; ZeRO-3 memory and hooks owned by the
@@ -34,6 +35,8 @@ OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
     "sgd": lambda ps, **kw: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=1e-4, **kw),
     "adam": lambda ps, **kw: torch.optim.Adam(ps, lr=0.01, **kw),
     "adamw": lambda ps, **kw: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1, **kw),
+    # its constructor makes its states (``sum``, ``step`` 0): wrapped before its first step all the same
+    "adagrad": lambda ps, **kw: torch.optim.Adagrad(ps, lr=0.1, initial_accumulator_value=0.1, weight_decay=1e-2, **kw),
 }
 STAGES = {"dp": None, "zero1": ap.ShardingStage1, "zero2": ap.ShardingStage2, "zero3": ap.ShardingStage3}
 
@@ -172,6 +175,30 @@ def test_strategies_match_one_process(world4, opt_name: str) -> None:  # type: i
     for f, f_dp in zip(res["zero3"]["fwd"], res["dp"]["fwd"]):
         assert f.get("all_gather", 0) - f_dp.get("all_gather", 0) == 1
         assert f.get("reduce_scatter", 0) - f_dp.get("reduce_scatter", 0) == 1
+
+
+def _constructor_states(rank: int) -> dict[str, list[tuple[str, int, int]]]:
+    """Per stage, each parameter's Adagrad ``sum`` after wrapping: (placements, local numel, numel
+    of its storage): made full-size by Adagrad's constructor, each becomes a shard of its own."""
+    from autoparallel.engine import layout
+
+    mesh = ap.ProcessMesh([0, 1, 2, 3], ["dp"])
+    out = {}
+    for name, stage in STAGES.items():
+        model = _dist_model(_mlp(), mesh, False)
+        opt = ap.shard_optimizer(OPTIMIZERS["adagrad"](model.parameters()), stage(mesh) if stage else None)
+        sums = [opt.state[p]["sum"] for group in opt.param_groups for p in group["params"]]
+        out[name] = [(str(t.placements), layout.local_of(t).numel(), layout.local_of(t).untyped_storage().nbytes() // 4)
+                     for t in sums]
+    return out
+
+
+def test_states_made_by_the_constructor_are_sharded(world4):  # type: ignore[no-untyped-def]
+    res = world4.run(_constructor_states)[1]
+    # rank 1's shards of the MLP's (12, 8), (12,), (5, 12), (5,): 3 rows, 3, 2 rows, 2 (torch.chunk)
+    assert res["dp"] == [("(Replicate(),)", n, n) for n in (96, 12, 60, 5)], res["dp"]
+    for s in ("zero1", "zero2", "zero3"):
+        assert res[s] == [("(Shard(0),)", n, n) for n in (24, 3, 24, 2)], (s, res[s])
 
 
 def _param_groups(rank: int) -> list[str]:
@@ -421,6 +448,12 @@ def _bad(rank: int, case: str) -> None:
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         opt.step()
         ap.shard_optimizer(opt, ap.ShardingStage1(mesh))
+    elif case == "stepped_adagrad":  # its constructor made states; a step counts in them
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        opt = OPTIMIZERS["adagrad"](model.parameters())
+        opt.step()
+        ap.shard_optimizer(opt, ap.ShardingStage3(mesh))
     elif case == "shard_fn":
         ap.shard_optimizer(opt, "stage1")  # type: ignore[arg-type]
     elif case == "bucket":
@@ -437,7 +470,8 @@ BAD = [
     ("not_contained", ValueError, r"ranks \[2, 3\] are not in the sharding mesh"),
     ("axis_missing_in_param_mesh", ValueError, r"no mesh axis named 'dp' \(its axes are \['x'\]\)"),
     ("plain", TypeError, r"parameter 0 of shape \(12, 8\) is a plain tensor"),
-    ("stepped", ValueError, "before its first step"),
+    ("stepped", ValueError, r"before its first step \(the state of a parameter of shape \(12, 8\) has states \['momentum_buffer'\] and no 'step'"),
+    ("stepped_adagrad", ValueError, r"before its first step \(the state of a parameter of shape \(12, 8\) has step 1\.0;"),
     ("shard_fn", TypeError, "ShardingStage1/2/3.*got str"),
     ("bucket", ValueError, "bucket_bytes must be a positive int, got 0"),
 ]
