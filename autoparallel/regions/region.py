@@ -321,7 +321,7 @@ class _Region:
         if not verdict.local:
             self._try_children()
             return user, False
-        if torch.is_grad_enabled() and _requires_grad(out) and not trace.writes:
+        if torch.is_grad_enabled() and _requires_grad(out) and not trace.writes and not state.set_values():
             # The trace's output would take the backward through every op on DistTensors again
             # (about as long as the trace). Proven local, the module runs once more on its shards
             # (writing nothing: no in-place op wrote what the trace did not make) and its output, with the local

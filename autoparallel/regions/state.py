@@ -37,6 +37,11 @@ class State:
                     return f"its forward assigns the buffer {type(m).__name__}.{name}"
         return ""
 
+    def set_values(self) -> bool:
+        """Whether a module's plain attribute values differ from this state's (the forward set
+        one: a counter it keeps)."""
+        return any(compat.module_values(m) != values for m, values in zip(self.modules, self.values))
+
     def rewind(self) -> State:
         """Put this state back; returns the state it replaced."""
         now = State(self.modules)
@@ -52,15 +57,23 @@ class State:
 
 
 def read_values(m: nn.Module) -> tuple[tuple[str, Any], ...]:
-    """The plain attribute values of ``m`` a signature includes (``compat.module_values``): those
-    its forward does not set itself (a length or a counter it keeps is its output, not its input)."""
-    stored = _stored_names(getattr(type(m).forward, "__code__", None))
-    return tuple(kv for kv in compat.module_values(m) if kv[0] not in stored)
+    """The plain attribute values of ``m`` a signature includes (``compat.module_values``): all
+    but those its forward only writes (``self.length = x.shape[1]``: its output, not its input).
+    One it reads too (``self.calls += 1; if self.calls > 3: ...``) is included: each value is a
+    signature of its own."""
+    written = _written_only(getattr(type(m).forward, "__code__", None))
+    return tuple(kv for kv in compat.module_values(m) if kv[0] not in written)
 
 
 @functools.lru_cache(maxsize=1024)
-def _stored_names(code: Any) -> frozenset[str]:
-    """The attribute names a function's code assigns (``self.length = ...``, ``self.calls += 1``)."""
+def _written_only(code: Any) -> frozenset[str]:
+    """The attribute names a function's code assigns and never reads."""
     if code is None:
         return frozenset()
-    return frozenset(str(i.argval) for i in dis.get_instructions(code) if i.opname in ("STORE_ATTR", "DELETE_ATTR"))
+    stored, loaded = set(), set()
+    for i in dis.get_instructions(code):
+        if i.opname in ("STORE_ATTR", "DELETE_ATTR"):
+            stored.add(str(i.argval))
+        elif i.opname in ("LOAD_ATTR", "LOAD_METHOD"):
+            loaded.add(str(i.argval))
+    return frozenset(stored - loaded)

@@ -35,6 +35,19 @@ class Flagged(nn.Module):
         return self.fc2(h)
 
 
+class Counted(Flagged):
+    """Counts its calls in a plain attribute and centers over the batch from the third on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        self.center = self.calls > 2
+        return super().forward(x)
+
+
 class Rescaled(nn.Module):
     """Assigns a new value to a buffer in each training forward, and counts its calls in a plain
     (integer) buffer written in place."""
@@ -97,3 +110,11 @@ def test_a_forward_assigning_a_buffer_is_no_region_and_writes_once_per_call(worl
     # the trace is the call's run: the buffer is assigned once and the counter counts 4 calls
     for report in world4.run(_train, Rescaled, False):
         assert "assigns the buffer Rescaled.scale" in report["<root>"][0], report
+
+
+def test_a_counter_the_forward_branches_on_counts_once_per_call(world4: Any) -> None:
+    # read and written by the forward: each value a signature of its own; the first call's trace
+    # and replay leave one increment, as one process does (the parameters agree at every step)
+    for report in world4.run(_train, Counted, False):
+        assert report["<root>"][:2] == ["local", "local"], report
+        assert all(v.startswith("refused") for v in report["<root>"][2:]), report
