@@ -17,6 +17,11 @@ input signature, with a warning) when a replay could not repeat the call: a Pyth
 from a tensor in the step (``.item()``, ``bool(t)``: data-dependent control flow would be baked
 in), a point-to-point transfer (pipelines), or an op that ran replicated because it has no rule.
 
+What the traced step assigns to its modules is found and put back (``TensorSlots``: buffers and
+tensor attributes, which a caller returns from the program and assigns at each run;
+``PlainValues``: plain Python attributes, which a program cannot repeat): a trace leaves no fake
+tensor in a module.
+
 Random ops are recorded as the ops they are: a random DistTensor is drawn whole on every rank
 from torch's default generator (``spmd_rules.random_ops``), so the program draws from that
 generator when it runs, in the order eager would: dropout masks equal eager's for the same seed.
@@ -109,6 +114,73 @@ def standing_in(state: Sequence[torch.Tensor], modules: Iterable[torch.nn.Module
     finally:
         for t, local in swapped:
             layout.set_local_(t, local)
+
+
+class TensorSlots:
+    """The tensors ``modules`` hold in their buffer slots and plain attributes when a trace
+    starts: which ones the traced step assigned anew (``self.x = self.x * 0.5``, ``self.cache =
+    h``), and putting the old ones back (a trace must leave no fake tensor in a module).
+
+    A parameter's name is no attribute here: ZeRO-3 seats the gathered parameter under it."""
+
+    def __init__(self, modules: Iterable[torch.nn.Module]) -> None:
+        unique = {id(m): m for m in modules}.values()
+        self.before = [(m, dict(compat.own_buffers(m)), _tensor_attributes(m)) for m in unique]
+
+    def assigned(self) -> list[tuple[torch.nn.Module, str, bool, Any]]:
+        """(module, name, whether a buffer, the value now) of each slot assigned since."""
+        out: list[tuple[torch.nn.Module, str, bool, Any]] = []
+        for m, buffers, attrs in self.before:
+            now = compat.own_buffers(m)
+            out += [(m, k, True, t) for k, t in now.items() if k not in buffers or buffers[k] is not t]
+            out += [(m, k, True, None) for k in buffers if k not in now]
+            now = _tensor_attributes(m)
+            out += [(m, k, False, t) for k, t in now.items() if attrs.get(k) is not t]
+            out += [(m, k, False, m.__dict__.get(k)) for k in attrs if k not in now]
+        return out
+
+    def restore(self) -> None:
+        """Every slot back to what it held when this was made."""
+        for m, buffers, attrs in self.before:
+            own = compat.own_buffers(m)
+            for k in [k for k in own if k not in buffers]:
+                del own[k]
+            own.update(buffers)
+            for k in [k for k in _tensor_attributes(m) if k not in attrs]:
+                del m.__dict__[k]
+            m.__dict__.update(attrs)
+
+
+def _tensor_attributes(m: torch.nn.Module) -> dict[str, torch.Tensor]:
+    params = compat.own_parameters(m)
+    return {k: v for k, v in m.__dict__.items() if isinstance(v, torch.Tensor) and k not in params}
+
+
+class PlainValues:
+    """The plain Python attribute values of ``model``'s modules (``compat.module_values``) before
+    a trace: which ones the traced step wrote (a counter, a flag it flips), and putting them back
+    (a refused capture is run eagerly, which writes them again)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.before = [(name, m, compat.module_values(m)) for name, m in model.named_modules()]
+
+    def written(self) -> list[str]:
+        """'module.attribute' of each value the step wrote."""
+        out = []
+        for name, m, values in self.before:
+            now = compat.module_values(m)
+            if now != values:
+                keys = sorted({k for k, _ in set(now) ^ set(values)})
+                out += [f"{name}.{k}" if name else k for k in keys]
+        return out
+
+    def restore(self) -> None:
+        for _, m, values in self.before:
+            old = dict(values)
+            for k, _ in compat.module_values(m):
+                if k not in old:
+                    del m.__dict__[k]
+            m.__dict__.update(old)
 
 
 def capture(fn: Callable[..., Any], inputs: Sequence[torch.Tensor]) -> Capture:

@@ -3,7 +3,8 @@
 A pipeline schedule runs each chunk's forward (F) and backward (B) at different times, with
 point-to-point transfers in between; the transfers stay with the runner, the compute is
 captured. Per chunk and input signature (the input's and target's layouts, the parameters'
-layouts and ``requires_grad``, the chunk's hooks and train/eval flags):
+layouts and ``requires_grad``, the buffers' layouts, the chunk's hooks, train/eval flags and plain
+attribute values: ``static.signature``):
 
 1. at the chunk's first F, one *joint* program is captured on fake tensors
    (``static.capture``: nothing runs for real) — forward, the loss on the last chunk,
@@ -23,7 +24,8 @@ layouts and ``requires_grad``, the chunk's hooks and train/eval flags):
 an ``ActivationMeter`` attached the chunks run eagerly (the meter counts autograd's saved tensors).
 
 A chunk whose capture is refused (``.item()`` in the step, an op without a rule, a forward
-output reading the output gradient) runs eagerly from then on, after one warning naming why.
+output reading the output gradient, a forward assigning a buffer) runs eagerly from then on,
+after one warning naming why.
 """
 
 from __future__ import annotations
@@ -38,10 +40,11 @@ import torch
 
 from autoparallel.engine import layout
 from autoparallel.log import logger
+from autoparallel.runtime import comm
 from autoparallel.runtime.debug import CommRecord, replay
 from autoparallel.spec import DistSpec
 from autoparallel.static import signature
-from autoparallel.static.capture import capture, plain_trained, plain_trained_reason, standing_in
+from autoparallel.static.capture import PlainValues, TensorSlots, capture, plain_trained, plain_trained_reason, standing_in
 from autoparallel.static.passes import hoist_starts, sink_waits
 from autoparallel.static.split import SplitError, split_input_weight, split_joint
 
@@ -90,7 +93,7 @@ class StaticChunk:
     # ---- signature -------------------------------------------------------------------------
     def _key(self, x: Any, t: Any, out_spec: DistSpec, in_grad_spec: DistSpec | None) -> Any:
         return (signature.value(x), signature.value(t), out_spec, in_grad_spec, signature.parameters(self.module),
-                signature.modules(self.module), torch.is_grad_enabled())
+                signature.buffers(self.module), signature.modules(self.module), torch.is_grad_enabled())
 
     # ---- forward -----------------------------------------------------------------------------
     def forward(self, x: Any, t: Any, loss_fn: Any, divide: int, out_spec: DistSpec,
@@ -105,14 +108,22 @@ class StaticChunk:
         if isinstance(entry, str):
             return eager()
         start = time.perf_counter()
+        values = PlainValues(self.module)
         progs = self._capture(x, t, loss_fn, divide, out_spec, in_grad_spec)
         if isinstance(progs, str):
+            values.restore()  # the eager forward writes them itself
             self._refuse(key, progs)
             return eager()
         logger.info("static: captured pipeline chunk %s in %.2f s (forward %d nodes, backward %d nodes, %d collectives)",
                     self.name, time.perf_counter() - start, len(progs.forward.graph.nodes),
                     len(progs.backward.graph.nodes), len(progs.records))
-        self._programs[key] = progs
+        written = values.written()
+        if written:  # the trace's writes stand for this forward's own; a replay would not repeat them: not kept
+            self._warn(f"Pipeline(static=True): chunk {self.name}'s forward writes the module attribute"
+                       f"{'s' if len(written) > 1 else ''} {', '.join(written)} (a plain Python value), which a program "
+                       "cannot repeat: each forward that writes it is captured anew; keep such state in a buffer")
+        else:
+            self._programs[key] = progs
         return self._run(progs, x, t)
 
     def _refuse(self, key: Any, reason: str) -> None:
@@ -145,7 +156,17 @@ class StaticChunk:
 
         def joint(*flat: torch.Tensor) -> list[torch.Tensor]:
             with standing_in(owners, self.module.modules(), flat[:len(state)]):
-                return traced(flat)
+                slots = TensorSlots(self.module.modules())
+                try:
+                    outs = traced(flat)
+                    assigned = slots.assigned()
+                finally:
+                    slots.restore()  # (no fake tensor is left in a module)
+            if assigned:
+                m, name, buffer, _ = assigned[0]
+                raise comm.CaptureError(f"the forward assigns the {'buffer' if buffer else 'tensor attribute'} "
+                                        f"{type(m).__name__}.{name} (a chunk's programs keep no assigned module state)")
+            return outs
 
         def traced(flat: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
             xd = layout.wrap(flat[len(state)], x_spec, x_stride, requires_grad=in_grad_spec is not None)

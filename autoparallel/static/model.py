@@ -7,13 +7,16 @@
 
     ap.to_static(model, loss=loss_fn, optimizer=opt, outputs=True)(x, y)  # (loss, the model's outputs)
 
-Per input signature (mode, autograd on/off, each input's layout or plain shape and dtype, the
-parameters' layouts and ``requires_grad``, the modules' hooks and train/eval flags) the first call
-captures the step on fake tensors (``autoparallel.static.capture``: nothing runs for real) and runs
-the program; later calls run the same program on the current local shards. What the program covers:
-forward, loss, backward and (for a ``shard_optimizer`` optimizer, without gradient merge) its
-bucketed gradient reductions. The optimizer step runs after it as in eager mode, on the same
-parameter and state objects, so LR
+Per input signature (``static.signature``: mode, autograd on/off, each input's layout or plain
+shape and dtype, nested ones leaf by leaf, other input values as they are, the parameters' layouts
+and ``requires_grad``, the buffers' layouts, the modules' hooks, train/eval flags and plain
+attribute values) the first call captures the step on fake tensors (``autoparallel.static.capture``:
+nothing runs for real) and runs the program; later calls run the same program on the current
+local shards. What the program covers: forward, loss, backward and (for a ``shard_optimizer``
+optimizer, without gradient merge) its bucketed gradient reductions; a buffer or tensor attribute
+the forward assigns anew is one more output, assigned at every call. A program whose capture
+wrote a plain attribute (a counter) is run for that call only, not kept. The optimizer step runs
+after the program as in eager mode, on the same parameter and state objects, so LR
 schedulers, ``param_groups``, ``model.state_dict()`` and ``ap.save_state_dict`` see exactly
 what eager training gives them, and Python scalars of the step (lr, betas, weight decay) are
 read at every step, never baked into the program.
@@ -34,7 +37,7 @@ from typing import Any
 
 import torch
 
-from autoparallel import cost
+from autoparallel import compat, cost
 from autoparallel.compat import tree_flatten, tree_unflatten
 from autoparallel.engine import layout
 from autoparallel.log import logger
@@ -42,7 +45,7 @@ from autoparallel.runtime import comm
 from autoparallel.runtime.debug import CommRecord, replay
 from autoparallel.spec import DistSpec
 from autoparallel.static import signature
-from autoparallel.static.capture import Capture, capture, draws, plain_trained, plain_trained_reason, standing_in
+from autoparallel.static.capture import Capture, PlainValues, TensorSlots, capture, draws, plain_trained, plain_trained_reason, standing_in
 from autoparallel.static.passes import MERGE_BYTES, hoist_starts, merge_all_reduces, reduce_output, sink_waits, tag_records
 from autoparallel.static.strategy import Strategy
 
@@ -60,6 +63,8 @@ class _Program:
     records: tuple[CommRecord, ...]
     tree: Any = None                                                 # how the model's outputs nest
     n_out: int = 0                                                   # train/eval with outputs: their leaves
+    # the module slots the step assigns (module, name, whether a buffer): the last outputs, in order
+    assigned: tuple[tuple[torch.nn.Module, str, bool], ...] = ()
 
 
 class DistModel:
@@ -164,9 +169,10 @@ class DistModel:
         return self._eager(args, params)
 
     def _signature(self, args: tuple[Any, ...]) -> Any:
-        """The mode, autograd on/off, each argument, the parameters and the modules (``signature``)."""
+        """The mode, autograd on/off, each argument, the parameters, buffers and modules
+        (``signature``; the parts in ``signature.PARTS`` order)."""
         return (self._mode, torch.is_grad_enabled(), tuple(signature.value(a) for a in args),
-                signature.parameters(self.network), signature.modules(self.network))
+                signature.parameters(self.network), signature.buffers(self.network), signature.modules(self.network))
 
     # ---- eager ---------------------------------------------------------------------------------
     def _eager(self, args: tuple[Any, ...], params: list[torch.Tensor]) -> Any:
@@ -185,10 +191,12 @@ class DistModel:
 
     # ---- capture -------------------------------------------------------------------------------
     def _inputs(self, args: tuple[Any, ...]) -> tuple[list[torch.Tensor], Callable[[list[torch.Tensor]], list[Any]]]:
-        """The tensors of ``args`` as program inputs, and how to rebuild the args from them."""
+        """The tensors of ``args`` (nested in lists, tuples, dicts: any pytree) as program inputs,
+        and how to rebuild the args from them (other leaves as they are: the signature holds them)."""
+        leaves, tree = tree_flatten(list(args))
         flat: list[torch.Tensor] = []
         how: list[Any] = []
-        for a in args:
+        for a in leaves:
             if layout.is_dist(a):
                 how.append(("dist", len(flat), layout.spec_of(a), layout.stride_of(a)))
                 flat.append(layout.local_of(a))
@@ -207,7 +215,7 @@ class DistModel:
                     out.append(xs[h[1]])
                 else:
                     out.append(h[1])
-            return out
+            return tree_unflatten(out, tree)  # type: ignore[no-any-return]  # a list, as flattened
 
         return flat, rebuild
 
@@ -216,9 +224,10 @@ class DistModel:
         """Capture this signature's step on fake tensors (nothing runs for real); returns the
         program kept for it, or why it runs eagerly."""
         plain = plain_trained(self.network) if self._mode == TRAIN else None
-        if plain is not None:
-            self._refuse(key, plain_trained_reason(plain))
-            return plain_trained_reason(plain)
+        why = plain_trained_reason(plain) if plain is not None else signature.unkeyed(args)
+        if why:
+            self._refuse(key, why)
+            return why
         owners = params + buffers
         state = [layout.local_or_plain(t) for t in owners]
         xs, rebuild = self._inputs(args)
@@ -228,40 +237,28 @@ class DistModel:
 
         def step(*flat: torch.Tensor) -> list[torch.Tensor]:
             # The parameters and buffers take the traced (fake) shards flat[:len(state)] for the
-            # trace; the inputs are rebuilt around theirs.
+            # trace; the inputs are rebuilt around theirs. A buffer or tensor attribute the step
+            # assigns is one more output, assigned at every run; the trace leaves the old one.
             with standing_in(owners, self.network.modules(), flat[:len(state)]):
-                inputs = rebuild(list(flat[len(state):]))
-                if self._mode == PREDICT:
-                    out = self.network(*inputs)
-                    leaves, got["tree"] = tree_flatten(out)
-                    got["outs"] = leaves
-                    return [layout.local_of(t) if layout.is_dist(t) else t for t in leaves]
-                out = self.network(*inputs[:-1])
-                loss = self.loss(out, inputs[-1])  # type: ignore[misc]
-                shown: list[Any] = []
-                if self.outputs:  # the model's outputs, detached, after the loss
-                    leaves, got["tree"] = tree_flatten(out)
-                    shown = [t.detach() if isinstance(t, torch.Tensor) else t for t in leaves]
-                    odd = [t for t in shown if not isinstance(t, torch.Tensor)]
-                    if odd:  # refused: this signature runs eagerly (which returns them as they are)
-                        raise comm.CaptureError(
-                            f"to_static(outputs=True): the model's outputs hold a {type(odd[0]).__name__}, not only tensors, "
-                            "and a program returns tensors (transformers models: config.use_cache = False)")
-                got["outs"], got["n_out"] = [loss, *shown], len(shown)
-                if self._mode != TRAIN:
-                    return [layout.local_of(t) if layout.is_dist(t) else t for t in [loss, *shown]]
-                grads: Any = torch.autograd.grad(loss, trained, allow_unused=True)
-                if reduce_here:  # the optimizer's bucketed reductions, as part of the program
-                    grads = self._reduced(trained, grads)
-                got["grads"] = grads
-                present = [g for g in grads if g is not None]
-                got["outs"] = [loss, *shown] + present
-                return [layout.local_of(t) if layout.is_dist(t) else t for t in [loss.detach(), *shown] + present]
+                slots = TensorSlots(self.network.modules())
+                try:
+                    outs = self._traced(rebuild(list(flat[len(state):])), trained, reduce_here, got)
+                    assigned = slots.assigned()
+                finally:
+                    slots.restore()
+            odd = [f"{type(m).__name__}.{k}" for m, k, _, t in assigned if not isinstance(t, torch.Tensor)]
+            if odd:
+                raise comm.CaptureError(f"the step sets {odd[0]} to a value that is no tensor (a program assigns tensors)")
+            got["assigned"] = tuple((m, k, buffer) for m, k, buffer, _ in assigned)
+            got["outs"] = outs + [t for *_, t in assigned]
+            return [layout.local_of(t) if layout.is_dist(t) else t for t in got["outs"]]
 
+        values = PlainValues(self.network)
         start = time.perf_counter()
         result: Capture = capture(step, state + xs)
         took = time.perf_counter() - start
         if result.program is None:
+            values.restore()  # the eager call writes them itself
             self._refuse(key, result.refused)
             return result.refused
         outs = got["outs"]
@@ -278,11 +275,45 @@ class DistModel:
             if draws(result.program):
                 self._warn("compile='inductor': the step draws random numbers (dropout); inductor draws them with its "
                            "own generator, so masks differ from eager's for the same seed (compile=None keeps them)")
-        program = _Program(run, specs, grad_index, records, got.get("tree"), got.get("n_out", 0))
+        program = _Program(run, specs, grad_index, records, got.get("tree"), got.get("n_out", 0), got["assigned"])
+        written = values.written()
+        if written:  # the trace's writes stand for this call's own; a replay would not repeat them: not kept
+            self._warn(f"to_static: the step writes the module attribute{'s' if len(written) > 1 else ''} "
+                       f"{', '.join(written)} (a plain Python value), which a program cannot repeat: each call that "
+                       "writes it is captured anew; keep such state in a buffer (a tensor), or set it outside the step")
+            return program
         self._keep(key, program)
         logger.info("static: captured the %s step in %.2f s (a program of %d nodes, %d collectives; %d signatures kept)",
                     self._mode, took, len(result.program.graph.nodes), len(records), len(self._programs))
         return program
+
+    def _traced(self, inputs: list[Any], trained: list[torch.Tensor], reduce_here: bool,
+                got: dict[str, Any]) -> list[Any]:
+        """The step on ``inputs`` (under the trace): the program's outputs before the assigned
+        slots — predict: the model's output leaves; else the loss, the model's outputs (with
+        ``outputs=True``) and in train mode the gradients present. Notes in ``got`` how to read them."""
+        if self._mode == PREDICT:
+            leaves, got["tree"] = tree_flatten(self.network(*inputs))
+            return leaves
+        out = self.network(*inputs[:-1])
+        loss = self.loss(out, inputs[-1])  # type: ignore[misc]
+        shown: list[Any] = []
+        if self.outputs:  # the model's outputs, detached, after the loss
+            leaves, got["tree"] = tree_flatten(out)
+            shown = [t.detach() if isinstance(t, torch.Tensor) else t for t in leaves]
+            odd = [t for t in shown if not isinstance(t, torch.Tensor)]
+            if odd:  # refused: this signature runs eagerly (which returns them as they are)
+                raise comm.CaptureError(
+                    f"to_static(outputs=True): the model's outputs hold a {type(odd[0]).__name__}, not only tensors, "
+                    "and a program returns tensors (transformers models: config.use_cache = False)")
+        got["n_out"] = len(shown)
+        if self._mode != TRAIN:
+            return [loss, *shown]
+        grads: Any = torch.autograd.grad(loss, trained, allow_unused=True)
+        if reduce_here:  # the optimizer's bucketed reductions, as part of the program
+            grads = self._reduced(trained, grads)
+        got["grads"] = grads
+        return [loss.detach(), *shown] + [g for g in grads if g is not None]
 
     def _merge_reductions(self, gm: torch.fx.GraphModule, records: tuple[CommRecord, ...], specs: tuple[Any, ...]
                           ) -> tuple[tuple[CommRecord, ...], tuple[Any, ...]]:
@@ -370,20 +401,25 @@ class DistModel:
         return run
 
     def _keep(self, key: Any, program: _Program | str) -> None:
+        last = next(reversed(self._programs), None)  # the signature used last
         self._programs[key] = program
         if len(self._programs) > MAX_PROGRAMS:
             self._programs.popitem(last=False)
-            self._warn(f"more than {MAX_PROGRAMS} input signatures in use (shapes, layouts or modes keep changing): "
-                       "each new one runs eagerly and is captured again; pad or bucket the inputs to reuse programs")
+            what = signature.changed(last, key, self.network) if last is not None else "the signature"
+            self._warn(f"more than {MAX_PROGRAMS} call signatures in use: each new one is captured again and the "
+                       f"oldest program dropped (this call's differs from the last one in: {what}); pad or bucket "
+                       "the inputs, and keep a value that changes at every step (a counter, an annealed temperature) "
+                       "in a tensor (a buffer) the step reads", once="programs")
 
     def _refuse(self, key: Any, reason: str) -> None:
         logger.debug("static: signature refused (%s): %s", self._mode, reason)
         self._keep(key, reason)
         self._warn(f"to_static: this step runs eagerly: {reason}")
 
-    def _warn(self, message: str) -> None:
-        if message not in self._warned:
-            self._warned.add(message)
+    def _warn(self, message: str, once: str | None = None) -> None:
+        """Warn ``message`` once (per ``once`` when given, else per message)."""
+        if (once or message) not in self._warned:
+            self._warned.add(once or message)
             warnings.warn(f"autoparallel: {message}", stacklevel=3)
 
     # ---- replay --------------------------------------------------------------------------------
@@ -393,6 +429,13 @@ class DistModel:
         outs = prog.run(*state, *xs)
         replay(prog.records)
         wrapped = [o if s is None else layout.wrap(o, s[0], s[1]) for o, s in zip(outs, prog.out_specs)]
+        if prog.assigned:  # the buffers and tensor attributes the step assigns: as eager leaves them
+            wrapped, values = wrapped[:-len(prog.assigned)], wrapped[-len(prog.assigned):]
+            for (m, name, buffer), t in zip(prog.assigned, values):
+                if buffer:
+                    compat.own_buffers(m)[name] = t
+                else:
+                    m.__dict__[name] = t
         if self._mode == PREDICT:
             return tree_unflatten(wrapped, prog.tree)
         if self._mode == TRAIN:
