@@ -35,7 +35,11 @@ def new_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
 
 @register_axis_rule([aten.copy_, aten.copy])
 def copy_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
-    """``dst.copy_(src)``: dst keeps its layout; src is brought to it (through broadcasting)."""
+    """``dst.copy_(src)``: dst keeps its layout; src is brought to it (through broadcasting). A
+    0-d plain ``src`` (``x[0, 1] = 7.0``) is a value, as ``fill_``'s: dst sharded or replicated
+    keeps its layout (a Partial one has no strategy: each summand would take the value)."""
     dst_p: Placement = call.placements[0][axis]
+    if len(call.inputs) < 2:
+        return [] if isinstance(dst_p, Partial) else [AxisStrategy((dst_p,), (dst_p,))]
     dst, src = call.inputs[0], call.inputs[1]
     return [AxisStrategy((dst_p, follow(dst_p, dst.shape, src.shape)), (dst_p,))]

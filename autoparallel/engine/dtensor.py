@@ -504,8 +504,10 @@ class _Reshard(torch.autograd.Function):
         # transposed tensor stays transposed); the moved shard follows them. ``done``: the
         # shard of the move already made of the same value (taken: nothing moves again)
         moved = reshard_local(x._local, x._spec, dst) if done is None else done
-        if moved is not x._local and moved.numel() and _same_storage(moved, x._local):
-            moved = moved.clone()  # a slice (R -> S) is a new tensor, not a window onto x: writes stay apart
+        if moved.numel() and _same_storage(moved, x._local):
+            # a slice (R -> S), a summand kept (R -> P on the first rank), a relabel: a new tensor,
+            # not a window onto x, so writes stay apart (on some ranks only, x would differ)
+            moved = moved.clone()
         return DistTensor._wrap(conform(moved, x._stride), dst, x._stride)
 
     @staticmethod
