@@ -69,7 +69,8 @@ def _dims(call: OpCall, i: int, axis: int, dims: Sequence[int]) -> list[int]:
 
 
 def axes_sharding(spec: Any, dim: int) -> tuple[int, ...]:
-    """Mesh axes (of more than one rank) that shard tensor ``dim`` of ``spec``."""
+    """Mesh axes (of more than one rank) that shard tensor ``dim`` of ``spec``, ``StridedShard``
+    axes included (a softmax's row statistics merge over any partition of the row)."""
     return _axes_sharding(spec.placements, spec.mesh.shape, dim)
 
 
@@ -77,7 +78,8 @@ def axes_sharding(spec: Any, dim: int) -> tuple[int, ...]:
 def _axes_sharding(placements: tuple[Any, ...], mesh_shape: tuple[int, ...], dim: int) -> tuple[int, ...]:
     """(cached on what it reads, not on the spec: every local softmax and loss asks, and a
     spec's shape changes with every sequence length)"""
-    return tuple(a for a, p in enumerate(placements) if isinstance(p, Shard) and p.dim == dim and mesh_shape[a] > 1)
+    return tuple(a for a, p in enumerate(placements)
+                 if isinstance(p, (Shard, StridedShard)) and p.dim == dim and mesh_shape[a] > 1)
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from autoparallel.placement import Partial, Placement, Shard
+from autoparallel.placement import Partial, Placement, Shard, StridedShard
 from spmd_rules.base import P_SUM, AxisStrategy, LocalContext, OpCall, R, with_strided
 from spmd_rules.registry import register_axis_rule, register_local_impl
 
@@ -271,7 +271,8 @@ def mean_local(ctx: LocalContext, x: torch.Tensor, *args: Any, **kwargs: Any) ->
     call = ctx.call
     dims, keepdim = reduced_dims(call)
     spec = ctx.in_specs[0] if ctx.in_specs else None
-    if spec is not None and not any(spec.mesh.shape[a] > 1 for d in dims for a in spec.axes_of_dim(d)):
+    if spec is not None and not any(isinstance(p, (Shard, StridedShard)) and p.dim in dims and spec.mesh.shape[a] > 1
+                                    for a, p in enumerate(spec.placements)):
         return call.op(x, *args, **kwargs)  # type: ignore[no-any-return]
     count = math.prod(call.inputs[0].shape[d] for d in dims)
     return aten.sum.dim_IntList(x, list(dims), keepdim, dtype=kwargs.get("dtype")) / count

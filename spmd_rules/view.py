@@ -243,10 +243,11 @@ register_axis_rule(aten.expand)(_follow_rule(_expand_map))
 
 @register_local_impl([aten.view, aten._unsafe_view, aten.reshape, aten.expand])
 def sized_local(ctx: LocalContext, x: torch.Tensor, size: Sequence[int], *args: object, **kwargs: object) -> torch.Tensor:
-    """Ops taking a global size run locally with this rank's local output size."""
+    """Ops taking a global size run locally with this rank's local output size (``expand`` stays
+    an expand: its local step broadcasts whatever the layout, strided or not)."""
     local = ctx.out_shapes[0]
     assert local is not None
-    if _strided_view(ctx):
+    if ctx.call.op.overloadpacket is not aten.expand and _strided_view(ctx):
         return aten.reshape.default(x, list(local))
     return ctx.call.op(x, list(local), *args, **kwargs)
 
