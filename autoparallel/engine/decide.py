@@ -89,6 +89,8 @@ class LocalStep:
     meta_value: Any = None                              # the result where out_kind is VALUE and inputs are written
     fallback: bool = False                              # no rule: replicated inputs, the kernel's own outputs
     detached_view: bool = False                         # a view whose input had to move (writes cannot reach it)
+    view_out: bool = False                              # the op returns a view of an input (a view of a
+    #   detached view is detached too: ``execute._inherit_detached``)
     simple: bool = False                                # one new tensor out, nothing written: wrap and return
 
 
@@ -713,7 +715,7 @@ def _finish(cls: Any, func: Any, d: Decision, args: tuple[Any, ...], kwargs: dic
             dense_strides(s.local_shape(d.coord), st) if fresh and s is not None and st is not None and a is None else None
             for s, st, a in zip(d.out_specs, d.out_strides, alias)
         )
-    return replace(d, restore=back, slots=dist_slots(cls, args, kwargs), detached_view=detached_view,
+    return replace(d, restore=back, slots=dist_slots(cls, args, kwargs), detached_view=detached_view, view_out=returns_view,
                    context=context, simple=simple, in_conform=in_conform, out_dense=out_dense)
 
 

@@ -292,7 +292,10 @@ def dispatch(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any])
     """Run ``func`` on DistTensors of class ``cls`` (the body of ``__torch_dispatch__``)."""
     if func is _DETACH and not _OBSERVERS and not kwargs and len(args) == 1 and type(args[0]) is cls:
         x = args[0]  # autograd detaches every gradient it accumulates: same layout, no decision
-        return cls._wrap(x._local.detach(), x._spec, x._stride)
+        out = cls._wrap(x._local.detach(), x._spec, x._stride)
+        if getattr(x, "_detached_view", False):  # shares a detached view's shard: detached too
+            out._detached_view = True
+        return out
     if func is _AS_STRIDED and type(args[0]) is cls:
         out = _as_strided(cls, args, kwargs)
         if out is not None:

@@ -62,16 +62,18 @@ def execute(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], 
         if d.local_fn is None:
             out = func(*largs, **lkwargs)
             if d.simple and isinstance(out, torch.Tensor):
-                return cls._wrap(_follow(out, d, 0), d.out_specs[0], d.out_strides[0])
+                w = cls._wrap(_follow(out, d, 0), d.out_specs[0], d.out_strides[0])
+                return _inherit_detached(w, dts) if d.view_out else w
         else:
             assert d.context is not None
             out = d.local_fn(d.context, *largs, **lkwargs)
             if d.simple and isinstance(out, torch.Tensor):
-                return _bound(cls._wrap(_follow(out, d, 0), d.out_specs[0], d.out_strides[0]))
+                w = _bound(cls._wrap(_follow(out, d, 0), d.out_specs[0], d.out_strides[0]))
+                return _inherit_detached(w, dts) if d.view_out else w
     else:
         out = None
     if d.fallback and member and not d.mutated:  # the kernel's outputs, whatever meta said
-        return _wrap_unknown(cls, out, d)
+        return _wrap_unknown(cls, out, d, dts)
     if d.out_kind is OutKind.UNKNOWN and not d.mutated:
         raise _outside(func, dts[0]._spec.mesh)
     if d.mutated:
@@ -102,7 +104,7 @@ def execute(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], 
         for w in wrapped:
             if w is not None:
                 _bound(w)
-    if d.detached_view:
+    if d.detached_view or (d.view_out and _any_detached(dts)):
         for w in wrapped:
             if w is not None:
                 w._detached_view = True
@@ -144,6 +146,20 @@ def _follow(local: torch.Tensor, d: LocalStep, k: int) -> torch.Tensor:
     return conform(local, like, dense)
 
 
+def _any_detached(dts: list[Any]) -> bool:
+    return any(getattr(t, "_detached_view", False) for t in dts)
+
+
+def _inherit_detached(w: Any, dts: list[Any]) -> Any:
+    """``w``, a view of the inputs ``dts``, marked detached where one of them is: a view of a view
+    whose layout had to change shares that view's shard, not the original's, so writes through it
+    would not reach the original either (``x[1:3][0].fill_(...)`` on a ``Shard(0)`` ``x``). The mark is
+    metadata (every rank sets it alike), so the write raises on every rank."""
+    if _any_detached(dts):
+        w._detached_view = True
+    return w
+
+
 def _check_writable(func: Any, dts: list[Any], mutated: tuple[int, ...]) -> None:
     for i in mutated:
         if getattr(dts[i], "_detached_view", False):
@@ -160,7 +176,7 @@ def _inplace_view(cls: Any, func: Any, view_op: Any, args: tuple[Any, ...], kwar
     view of the old one, and its layout), and the wrapper's own sizes and strides follow."""
     x = args[0]
     out = redispatch(cls, view_op, args, kwargs)
-    if getattr(out, "_detached_view", False):
+    if getattr(out, "_detached_view", False) and not getattr(x, "_detached_view", False):
         raise RuntimeError(
             f"{func}: the layout of the DistTensor had to change to take this view in place; "
             f"reshard it first (e.g. to Replicate) or use the out-of-place {view_op}"
@@ -174,12 +190,12 @@ def _inplace_view(cls: Any, func: Any, view_op: Any, args: tuple[Any, ...], kwar
     return x
 
 
-def _wrap_unknown(cls: Any, out: Any, d: LocalStep) -> Any:
+def _wrap_unknown(cls: Any, out: Any, d: LocalStep, dts: list[Any]) -> Any:
     """Replicate DistTensors of exactly what a replicated (fallback) kernel returned (in a tuple
     mixing tensors and values, the tensors; the values pass through)."""
     kind, outs = flatten_out(out)
     if kind is OutKind.VALUE and isinstance(out, (tuple, list)) and any(isinstance(o, torch.Tensor) for o in out):
-        items = [_wrap_unknown(cls, o, d) if isinstance(o, torch.Tensor) else o for o in out]
+        items = [_wrap_unknown(cls, o, d, dts) if isinstance(o, torch.Tensor) else o for o in out]
         return tuple(items) if isinstance(out, tuple) else items
     if kind is OutKind.VALUE or kind is OutKind.NONE:
         return out
@@ -193,7 +209,7 @@ def _wrap_unknown(cls: Any, out: Any, d: LocalStep) -> Any:
             o = o.resolve_conj().resolve_neg()
         stride = tuple(o.stride()) if o.layout == torch.strided else None
         w = cls._wrap(o, DistSpec(d.mesh, rep, tuple(o.shape), o.dtype), stride)
-        if d.detached_view:
+        if d.detached_view or (d.view_out and _any_detached(dts)):
             w._detached_view = True
         wrapped.append(w)
     if kind is OutKind.TENSOR:
