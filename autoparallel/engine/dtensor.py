@@ -29,7 +29,7 @@ from autoparallel.engine.dispatch import (
     whole_world_mesh,
 )
 from autoparallel.mesh import Dims, ProcessMesh
-from autoparallel.placement import Replicate
+from autoparallel.placement import Partial, Replicate
 from autoparallel.runtime import agree
 from autoparallel.spec import DistSpec
 from autoparallel.strides import conform, contiguous_strides
@@ -504,8 +504,8 @@ class _Reshard(torch.autograd.Function):
         # transposed tensor stays transposed); the moved shard follows them. ``done``: the
         # shard of the move already made of the same value (taken: nothing moves again)
         moved = reshard_local(x._local, x._spec, dst) if done is None else done
-        if moved.numel() and _same_storage(moved, x._local):
-            # a slice (R -> S), a summand kept (R -> P on the first rank), a relabel: a new tensor,
+        if moved.numel() and (moved is not x._local or _made_partial(x._spec, dst)) and _same_storage(moved, x._local):
+            # a slice (R -> S), a summand kept (R -> P: the first rank's is x's value): a new tensor,
             # not a window onto x, so writes stay apart (on some ranks only, x would differ)
             moved = moved.clone()
         return DistTensor._wrap(conform(moved, x._stride), dst, x._stride)
@@ -519,6 +519,12 @@ class _Reshard(torch.autograd.Function):
 def _moved(t: DistTensor, spec: DistSpec) -> DistTensor:
     """``t``'s value in layout ``spec`` (a gradient's layout change, outside autograd)."""
     return DistTensor._wrap(contiguous_local(reshard_local(t._local, t._spec, spec), spec), spec)
+
+
+def _made_partial(src: DistSpec, dst: DistSpec) -> bool:
+    """Whether a move makes a Partial axis of a value that was not Partial there."""
+    return src.mesh == dst.mesh and any(isinstance(q, Partial) and not isinstance(p, Partial)
+                                        for p, q in zip(src.placements, dst.placements))
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
