@@ -181,6 +181,25 @@ def slice_scatter_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]
     return strategies
 
 
+@register_axis_rule(aten.diagonal_scatter)
+def diagonal_scatter_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
+    """``diagonal_scatter(x, src, offset, dim1, dim2)``: x with a diagonal replaced; ``dim1`` and
+    ``dim2`` replicated (and src's last dim, the diagonal), every other dim follows."""
+    x = call.inputs[0]
+    nd = x.ndim
+    d1, d2 = int(_arg(call, 3, "dim1", 0)) % nd, int(_arg(call, 4, "dim2", 1)) % nd
+    strategies = [AxisStrategy((R, R), (R,))]
+    for d in range(nd):
+        if d in (d1, d2):
+            continue
+        s = d - sum(1 for k in (d1, d2) if k < d)
+        if _shardable(call, axis, x.shape[d], (0, d), (1, s)):
+            strategies.append(AxisStrategy((Shard(d), Shard(s)), (Shard(d),)))
+    for t in ALL_REDUCE:  # every element comes from exactly one of x, src
+        strategies.append(AxisStrategy((Partial(t), Partial(t)), (Partial(t),)))
+    return strategies
+
+
 # ---- cat / stack -----------------------------------------------------------------------------
 def _joined_strategies(call: OpCall, axis: int, in_to_out: Callable[[int], int | None]) -> list[AxisStrategy]:
     """Inputs joined along one dim: a dim ``d`` of every input maps to output dim ``in_to_out(d)``."""

@@ -33,7 +33,7 @@ import torch
 from autoparallel import compat, runtime
 from autoparallel.engine import generic
 from autoparallel.engine.decide import Decision, decide, forget_warnings, mesh_coord, written_args
-from autoparallel.engine.execute import execute
+from autoparallel.engine.execute import execute, mark_detached_alias
 from autoparallel.log import Tally, logger
 from autoparallel.placement import Replicate
 from autoparallel.runtime import agree, comm
@@ -294,7 +294,7 @@ def dispatch(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any])
         x = args[0]  # autograd detaches every gradient it accumulates: same layout, no decision
         out = cls._wrap(x._local.detach(), x._spec, x._stride)
         if getattr(x, "_detached_view", False):  # shares a detached view's shard: detached too
-            out._detached_view = True
+            mark_detached_alias(out, x)
         return out
     if func is _AS_STRIDED and type(args[0]) is cls:
         out = _as_strided(cls, args, kwargs)

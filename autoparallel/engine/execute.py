@@ -3,6 +3,14 @@
 Eager mode runs this for every op as it comes. In-place and ``out=`` ops keep the written
 tensors' identity and layout (a written input that had to move is copied back into its own
 shard).
+
+A view whose input had to move to take it (``x[:, 2:5]`` on a ``Shard(1)`` ``x``: the slice is
+taken of a gathered copy) is *detached*: its shard is no part of ``x``'s. A write through it is
+carried back (``_write_through``): the view is taken again from its input (so it sees writes made
+to the input since), written, and put back with the view's scatter (``slice_scatter``,
+``select_scatter``, ``diagonal_scatter``; a reshape, transpose or permute undone) and an in-place
+copy into the input, through as many detached views as the chain has. Reading a detached view
+after its input changed still reads the value it was taken with (as a gathered copy would).
 """
 
 from __future__ import annotations
@@ -33,18 +41,26 @@ from reshard.executor import run_any
 def execute(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], dts: list[Any], d: Decision,
             redispatch: Callable[..., Any], moves: Any = None) -> Any:
     """Run decision ``d`` for this call: move the inputs, run the local function, wrap the outputs
-    (``redispatch``: the dispatcher, for an in-place view's out-of-place op; ``moves``: a context manager the input
-    moves run in, given by an observer)."""
+    (``redispatch``: the dispatcher, for an in-place view's out-of-place op and the writes carried
+    back through detached views; ``moves``: a context manager the input moves run in, given by an
+    observer)."""
     if debug.active() and not debug.attributing(func):  # a CommDebugMode records: collectives name this op
         with debug.attributed(func):
             return execute(cls, func, args, kwargs, dts, d, redispatch, moves)
+    if type(d) is LocalStep and d.mutated:
+        views = _written_views(func, dts, d.mutated)
+        if views:
+            return _write_through(cls, func, args, kwargs, dts, d, redispatch, moves, views)
+    return _run(cls, func, args, kwargs, dts, d, redispatch, moves)
+
+
+def _run(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], dts: list[Any], d: Decision,
+         redispatch: Callable[..., Any], moves: Any = None) -> Any:
     if type(d) is not LocalStep:
         if type(d) is ValueDecision:
             return d.value
         assert type(d) is InplaceViewDecision
         return _inplace_view(cls, func, d.view_op, args, kwargs, redispatch)
-    if d.mutated:
-        _check_writable(func, dts, d.mutated)
     member = d.coord is not None
     if member:
         if moves is None:
@@ -63,13 +79,13 @@ def execute(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], 
             out = func(*largs, **lkwargs)
             if d.simple and isinstance(out, torch.Tensor):
                 w = cls._wrap(_follow(out, d, 0), d.out_specs[0], d.out_strides[0])
-                return _inherit_detached(w, dts) if d.view_out else w
+                return _inherit_detached(w, dts, func, args, kwargs) if d.view_out else w
         else:
             assert d.context is not None
             out = d.local_fn(d.context, *largs, **lkwargs)
             if d.simple and isinstance(out, torch.Tensor):
                 w = _bound(cls._wrap(_follow(out, d, 0), d.out_specs[0], d.out_strides[0]))
-                return _inherit_detached(w, dts) if d.view_out else w
+                return _inherit_detached(w, dts, func, args, kwargs) if d.view_out else w
     else:
         out = None
     if d.fallback and member and not d.mutated:  # the kernel's outputs, whatever meta said
@@ -108,6 +124,8 @@ def execute(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], 
         for w in wrapped:
             if w is not None:
                 w._detached_view = True
+        if len(wrapped) == 1 and wrapped[0] is not None and d.out_kind is OutKind.TENSOR:
+            _mark_origin(wrapped[0], func, args, kwargs)
     if d.mutated:  # new outputs next to written inputs: the written ones are returned as themselves
         wrapped = [w if a is None else dts[a] for w, a in zip(wrapped, d.out_alias)]
     if d.out_kind is OutKind.TENSOR:
@@ -150,24 +168,124 @@ def _any_detached(dts: list[Any]) -> bool:
     return any(getattr(t, "_detached_view", False) for t in dts)
 
 
-def _inherit_detached(w: Any, dts: list[Any]) -> Any:
+def _inherit_detached(w: Any, dts: list[Any], func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``w``, a view of the inputs ``dts``, marked detached where one of them is: a view of a view
-    whose layout had to change shares that view's shard, not the original's, so writes through it
-    would not reach the original either (``x[1:3][0].fill_(...)`` on a ``Shard(0)`` ``x``). The mark is
-    metadata (every rank sets it alike), so the write raises on every rank."""
+    whose layout had to change shares that view's shard, not the original's (``x[1:3][0]`` on a
+    ``Shard(0)`` ``x``), so a write through it is carried back through that view too. The mark is
+    metadata (every rank sets it alike)."""
     if _any_detached(dts):
         w._detached_view = True
+        _mark_origin(w, func, args, kwargs)
     return w
 
 
-def _check_writable(func: Any, dts: list[Any], mutated: tuple[int, ...]) -> None:
+# ---- writes through detached views ---------------------------------------------------------------
+_aten = torch.ops.aten
+# view op -> its scatter: ``scatter(input, view, *the view's arguments)`` is the input with the view written
+_SCATTERS = {_aten.slice.Tensor: _aten.slice_scatter.default, _aten.select.int: _aten.select_scatter.default,
+             _aten.diagonal.default: _aten.diagonal_scatter.default}
+# views that only regroup or reorder dims: undone by the inverse order and a reshape to the input's shape
+_REGROUPS = frozenset({_aten.view.default, _aten._unsafe_view.default, _aten._reshape_alias.default,
+                       _aten.alias.default, _aten.detach.default, _aten.unsqueeze.default, _aten.squeeze.default,
+                       _aten.squeeze.dim, _aten.squeeze.dims, _aten.transpose.int, _aten.t.default,
+                       _aten.permute.default})
+# writes that replace every element: the view need not be taken again first
+_OVERWRITES = frozenset({_aten.copy_.default, _aten.fill_.Scalar, _aten.fill_.Tensor, _aten.zero_.default})
+
+
+def _mark_origin(w: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Note on the detached view ``w`` how it was taken (``func`` of ``args[0]``), where a write
+    through it can be carried back; a view taken otherwise keeps no note (a write raises)."""
+    if (func in _SCATTERS or func in _REGROUPS) and args and isinstance(args[0], type(w)):
+        w._view_origin = (func, args, kwargs)
+
+
+def mark_detached_alias(out: Any, x: Any) -> None:
+    """``out``, sharing the shard of the detached view ``x`` (``x.detach()``): detached too, its
+    writes carried back through ``x``."""
+    out._detached_view = True
+    out._view_origin = (_aten.alias.default, (x,), {})
+
+
+def _written_views(func: Any, dts: list[Any], mutated: tuple[int, ...]) -> list[Any]:
+    """The detached views ``func`` writes (each to be carried back); raises, on every rank alike,
+    where one was taken by an op whose write cannot be carried back."""
+    views: list[Any] = []
     for i in mutated:
-        if getattr(dts[i], "_detached_view", False):
+        t = dts[i]
+        if not getattr(t, "_detached_view", False):
+            continue
+        if not _carried(t):
             raise RuntimeError(
                 f"{func}: in-place write to a view of a DistTensor whose layout had to change to "
-                "take the view (e.g. slicing a sharded dim); the write would not reach the original "
-                "tensor. Reshard the original first (e.g. to Replicate on that dim) or write out of place."
-            )
+                "take the view (by an op whose write cannot be carried back to the original); the write "
+                "would not reach the original tensor. Reshard the original first (e.g. to Replicate on "
+                "that dim) or write out of place.")
+        if all(v is not t for v in views):
+            views.append(t)
+    return views
+
+
+def _carried(t: Any) -> bool:
+    """Whether a write to ``t`` reaches, view by view, a tensor that is no detached view."""
+    while getattr(t, "_detached_view", False):
+        origin = getattr(t, "_view_origin", None)
+        if origin is None:
+            return False
+        t = origin[1][0]
+    return True
+
+
+def _write_through(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], dts: list[Any], d: LocalStep,
+                   redispatch: Callable[..., Any], moves: Any, views: list[Any]) -> Any:
+    """Run the write ``func`` on detached views and carry it back to what they view."""
+    if func not in _OVERWRITES:
+        for v in views:
+            _take_again(cls, v, redispatch)
+    out = _run(cls, func, args, kwargs, dts, d, redispatch, moves)
+    for v in views:
+        _put_back(cls, v, redispatch)
+    return out
+
+
+def _take_again(cls: Any, v: Any, redispatch: Callable[..., Any]) -> None:
+    """Refresh the detached view ``v`` from its input (which may have been written since)."""
+    func, args, kwargs = v._view_origin
+    base = args[0]
+    if getattr(base, "_detached_view", False):
+        _take_again(cls, base, redispatch)
+    fresh = redispatch(cls, func, args, kwargs)
+    if fresh._spec != v._spec:  # (the same decision on the same layouts: equal on every rank)
+        raise RuntimeError(f"{func}: the view's input changed layout since the view was taken; take the view again")
+    lf, lv = fresh._local, v._local
+    if not (lf.data_ptr() == lv.data_ptr() and lf.stride() == lv.stride() and lf.shape == lv.shape):
+        with torch.no_grad():
+            v._local.copy_(lf)
+
+
+def _put_back(cls: Any, v: Any, redispatch: Callable[..., Any]) -> None:
+    """Write the detached view ``v`` into its input (and on, where that is a detached view too)."""
+    func, args, kwargs = v._view_origin
+    base = args[0]
+    if func in _SCATTERS:
+        whole = redispatch(cls, _SCATTERS[func], (base, v, *args[1:]), dict(kwargs))
+    else:
+        whole = _undo_regroup(cls, func, v, args, redispatch)
+        whole = redispatch(cls, _aten.view.default, (whole, list(base.shape)), {})
+    redispatch(cls, _aten.copy_.default, (base, whole), {})
+
+
+def _undo_regroup(cls: Any, func: Any, v: Any, args: tuple[Any, ...], redispatch: Callable[..., Any]) -> Any:
+    """``v`` in the dim order of the view's input, contiguous (a view to the input's shape follows)."""
+    x = args[0]
+    if func is _aten.transpose.int:
+        v = redispatch(cls, _aten.transpose.int, (v, args[1], args[2]), {})
+    elif func is _aten.t.default and x.dim() == 2:
+        v = redispatch(cls, _aten.t.default, (v,), {})
+    elif func is _aten.permute.default:
+        order = [d % x.dim() for d in args[1]]
+        v = redispatch(cls, _aten.permute.default, (v, sorted(range(len(order)), key=order.__getitem__)), {})
+    return redispatch(cls, _aten.clone.default, (v,), {"memory_format": torch.contiguous_format})
 
 
 def _inplace_view(cls: Any, func: Any, view_op: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -182,6 +300,7 @@ def _inplace_view(cls: Any, func: Any, view_op: Any, args: tuple[Any, ...], kwar
             f"reshard it first (e.g. to Replicate) or use the out-of-place {view_op}"
         )
     x._local, x._spec, x._stride = out._local, out._spec, out._stride
+    x.__dict__.pop("_view_origin", None)  # (a detached view reshaped in place: its writes are not carried back)
     # Change the wrapper's metadata by running the op's meta kernel on it, dispatching nowhere
     # else (as torch.utils._python_dispatch.return_and_correct_aliasing does).
     with compat.no_dispatch(), compat.meta_in_tls():
