@@ -65,8 +65,8 @@ _EXPORTS: dict[str, str] = {
     "shard_tensor": "autoparallel.api",
     "shard_op": "autoparallel.sharded_call",
     "unshard_dtensor": "autoparallel.api",
-    "LocalLayer": "autoparallel.local_map",
-    "local_map": "autoparallel.local_map",
+    "LocalLayer": "autoparallel.local_fn",
+    "local_map": "autoparallel.local_fn",
     "empty": "autoparallel.factory",
     "full": "autoparallel.factory",
     "ones": "autoparallel.factory",
@@ -204,7 +204,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; nothing is imported at run time
     from autoparallel.data import shard_dataloader
     from autoparallel.engine.dtensor import DistTensor
     from autoparallel.factory import empty, full, ones, rand, randn, zeros
-    from autoparallel.local_map import LocalLayer, local_map
+    from autoparallel.local_fn import LocalLayer, local_map
     from autoparallel.memory import LayerMeter, recompute
     from autoparallel.mesh import ProcessMesh
     from autoparallel.nn import (

@@ -31,7 +31,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("rules+planner", ("spmd_rules", "reshard", "reshard.plan", "reshard.planner", "reshard.crossmesh")),
     ("runtime", ("autoparallel.runtime", "reshard.executor")),
     ("engine", ("autoparallel.engine",)),
-    ("model", ("autoparallel.api", "autoparallel.sharded_call", "autoparallel.static_engine", "autoparallel.factory", "autoparallel.local_map", "autoparallel.data",
+    ("model", ("autoparallel.api", "autoparallel.sharded_call", "autoparallel.static_engine", "autoparallel.factory", "autoparallel.local_fn", "autoparallel.data",
                "autoparallel.nn", "autoparallel.optim", "autoparallel.pipeline", "autoparallel.checkpoint",
                "autoparallel.plans", "autoparallel.regions", "autoparallel.static", "autoparallel.memory", "autoparallel.auto")),
 )

@@ -1,4 +1,4 @@
-"""User extension points: register_rule for a custom op, local_map, LocalLayer."""
+"""User extension points: register_rule for a custom op, local_map, LocalLayer (whichever of them a script names first, `ap.local_map` stays the function)."""
 
 from __future__ import annotations
 
@@ -157,6 +157,48 @@ def _local_map_grad_placements(rank: int) -> bool:
     return True
 
 
+class _SoftmaxMM(ap.LocalLayer):
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return _softmax_mm(a, b)
+
+
+def _local_layer_grad_dist_attrs(rank: int) -> bool:
+    """LocalLayer's grad_dist_attrs (Paddle's): the Replicate weight's local gradient declared
+    Partial equals one process; left out, the layer warns once; a mesh other than the argument's
+    raises before any collective."""
+    x0, w0 = reference((8, 6), 4), reference((6, 5), 5)
+    xr, wr = x0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
+    (_softmax_mm(xr, wr) ** 2).sum().backward()
+    mesh = ap.ProcessMesh([0, 1, 2, 3])
+    layer = _SoftmaxMM([(mesh, [Shard(0)])], grad_dist_attrs=[None, (mesh, [Partial()])])
+    x = ap.shard_tensor(x0.clone(), mesh, [Shard(0)]).requires_grad_(True)
+    w = ap.shard_tensor(w0.clone(), mesh, [Replicate()]).requires_grad_(True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        y = layer(x, w)
+    (y**2).sum().backward()
+    assert torch.allclose(y.full_tensor(), _softmax_mm(x0, w0), atol=1e-6)
+    assert torch.allclose(x.grad.full_tensor(), xr.grad, atol=1e-6)
+    assert torch.allclose(w.grad.full_tensor(), wr.grad, atol=1e-6)
+
+    plain = _SoftmaxMM([(mesh, [Shard(0)])])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plain(x, w), plain(x, w)
+    said = [str(c.message) for c in caught if "grad_dist_attrs" in str(c.message)]
+    assert len(said) == 1 and "grad_dist_attrs=[None, (mesh, [Partial('sum')])]" in said[0], said
+
+    other = ap.ProcessMesh([[0, 1], [2, 3]])
+    bad = _SoftmaxMM([(mesh, [Shard(0)])], grad_dist_attrs=[None, (other, [Partial(), Replicate()])])
+    try:
+        bad(x, w)
+    except ValueError as e:
+        assert "grad_dist_attrs[1]" in str(e)
+    else:
+        raise AssertionError("a gradient mesh other than the argument's must raise")
+    return True
+
+
 def _local_map_call_errors(rank: int) -> bool:
     """A DistTensor by keyword and a tuple result against one placement list raise clearly,
     the same error on every rank, before any output is assembled."""
@@ -206,6 +248,10 @@ def test_local_map_and_local_layer(world4):  # type: ignore[no-untyped-def]
 
 def test_local_map_in_grad_placements(world4):  # type: ignore[no-untyped-def]
     assert all(world4.run(_local_map_grad_placements))
+
+
+def test_local_layer_grad_dist_attrs(world4):  # type: ignore[no-untyped-def]
+    assert all(world4.run(_local_layer_grad_dist_attrs))
 
 
 def test_local_map_call_errors(world4):  # type: ignore[no-untyped-def]

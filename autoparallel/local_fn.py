@@ -217,19 +217,58 @@ class LocalLayer(torch.nn.Module):
                 super().__init__([(mesh, [ap.Partial()])])
             def forward(self, x):           # x: this rank's shard
                 return x.sum()
+
+    ``grad_dist_attrs`` (as Paddle's): one ``(mesh, placements)`` or ``None`` per positional
+    argument, the layout its *local* gradient is declared with (``None``: its own layout). The
+    gradient trap of ``local_map`` applies: a Replicate input used against sharded data gets each
+    rank's contribution as its local gradient, so declare it ``Partial`` there; a call that looks
+    like the trap warns once when ``grad_dist_attrs`` is not given.
     """
 
-    def __init__(self, out_dist_attrs: Sequence[tuple[ProcessMesh, PlacementsLike]]) -> None:
+    def __init__(self, out_dist_attrs: Sequence[tuple[ProcessMesh, PlacementsLike]],
+                 grad_dist_attrs: Sequence[tuple[ProcessMesh, PlacementsLike] | None] | None = None) -> None:
         super().__init__()
         self.out_dist_attrs = [(m, list(p)) for m, p in out_dist_attrs]
+        self.grad_dist_attrs = None if grad_dist_attrs is None else [
+            None if g is None else (g[0], list(g[1])) for g in grad_dist_attrs]
+        self._warned = False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        local_args = [a.to_local() if isinstance(a, DistTensor) else a for a in args]
+        name = type(self).__name__
+        grads = self.grad_dist_attrs
+        if grads is not None and len(grads) > len(args):
+            raise ValueError(f"{name}: grad_dist_attrs has {len(grads)} entries but the call has {len(args)} positional "
+                             "arguments (one entry per positional argument)")
+        local_args = []
+        dist_args: list[tuple[int, DistTensor]] = []
+        for i, a in enumerate(args):
+            if not isinstance(a, DistTensor):
+                local_args.append(a)
+                continue
+            dist_args.append((i, a))
+            g = grads[i] if grads is not None and i < len(grads) else None
+            if g is not None and g[0] != a.process_mesh:
+                raise ValueError(f"{name}: grad_dist_attrs[{i}] names {g[0]!r}, but argument {i} lives on "
+                                 f"{a.process_mesh!r}: a gradient takes its argument's mesh")
+            local_args.append(a.to_local(grad_placements=None if g is None else g[1]))
         local_kwargs = {k: v.to_local() if isinstance(v, DistTensor) else v for k, v in kwargs.items()}
+        if grads is None and not self._warned and torch.is_grad_enabled() and dist_args:
+            mesh = self.out_dist_attrs[0][0] if self.out_dist_attrs else dist_args[0][1].process_mesh
+            suspects = _replicate_grad_suspects(dist_args, [p for _, p in self.out_dist_attrs], mesh)
+            if suspects:
+                self._warned = True
+                example = "[" + ", ".join(f"(mesh, {suspects[i]!r})" if i in suspects else "None"
+                                          for i in range(len(args))) + "]"
+                warnings.warn(
+                    f"autoparallel: {name}: positional argument(s) {sorted(suspects)} are Replicate on a mesh axis "
+                    "where another input or an output is sharded, so each rank's local gradient for them is only "
+                    "that rank's contribution; without grad_dist_attrs it is declared Replicate and the gradient "
+                    f"is wrong. Declare the contributions Partial: grad_dist_attrs={example} (or pass "
+                    "grad_dist_attrs explicitly if forward reduces the gradient itself)", stacklevel=2)
         result = super().__call__(*local_args, **local_kwargs)
         results = list(result) if isinstance(result, (tuple, list)) else [result]
         if len(results) != len(self.out_dist_attrs):
-            raise ValueError(f"{type(self).__name__}: {len(results)} outputs but {len(self.out_dist_attrs)} out_dist_attrs")
+            raise ValueError(f"{name}: {len(results)} outputs but {len(self.out_dist_attrs)} out_dist_attrs")
         wrapped = [
             dtensor_from_local(r, m, p) if isinstance(r, torch.Tensor) else r
             for r, (m, p) in zip(results, self.out_dist_attrs)
