@@ -74,10 +74,12 @@ _EXPORTS: dict[str, str] = {
     "randn": "autoparallel.factory",
     "zeros": "autoparallel.factory",
     "ColWiseParallel": "autoparallel.nn",
+    "ColwiseParallel": "autoparallel.nn",
     "ContextParallel": "autoparallel.nn",
     "PrepareLayerInput": "autoparallel.nn",
     "PrepareLayerOutput": "autoparallel.nn",
     "RowWiseParallel": "autoparallel.nn",
+    "RowwiseParallel": "autoparallel.nn",
     "SequenceParallel": "autoparallel.nn",
     "VocabParallelEmbedding": "autoparallel.nn",
     "parallelize": "autoparallel.auto",
@@ -114,6 +116,7 @@ _SUBMODULES = frozenset({
 
 __all__ = [
     "ColWiseParallel",
+    "ColwiseParallel",
     "ContextParallel",
     "CommDebugMode",
     "CommRecord",
@@ -134,6 +137,7 @@ __all__ = [
     "ProcessMesh",
     "Replicate",
     "RowWiseParallel",
+    "RowwiseParallel",
     "SequenceParallel",
     "Shard",
     "ShardingStage1",
@@ -209,10 +213,12 @@ if TYPE_CHECKING:  # for type checkers and IDEs; nothing is imported at run time
     from autoparallel.mesh import ProcessMesh
     from autoparallel.nn import (
         ColWiseParallel,
+        ColwiseParallel,
         ContextParallel,
         PrepareLayerInput,
         PrepareLayerOutput,
         RowWiseParallel,
+        RowwiseParallel,
         SequenceParallel,
         VocabParallelEmbedding,
     )

@@ -15,13 +15,19 @@ from autoparallel.nn.styles import (
     VocabParallelEmbedding,
 )
 
+# torch's spellings of the same styles (``torch.distributed.tensor.parallel``), for scripts coming from it
+ColwiseParallel = ColWiseParallel
+RowwiseParallel = RowWiseParallel
+
 __all__ = [
     "ColWiseParallel",
+    "ColwiseParallel",
     "ContextParallel",
     "ParallelStyle",
     "PrepareLayerInput",
     "PrepareLayerOutput",
     "RowWiseParallel",
+    "RowwiseParallel",
     "SequenceParallel",
     "VocabParallelEmbedding",
     "parallelize",

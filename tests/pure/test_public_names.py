@@ -19,3 +19,7 @@ def test_reading_local_layer_first_keeps_local_map_a_function() -> None:
     # a fresh interpreter: the order of first reads is what matters
     code = "import autoparallel as ap; ap.LocalLayer; assert callable(ap.local_map), ap.local_map"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_torchs_spellings_of_the_linear_styles_are_the_same_styles() -> None:
+    assert ap.ColwiseParallel is ap.ColWiseParallel and ap.RowwiseParallel is ap.RowWiseParallel
