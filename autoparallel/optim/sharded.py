@@ -25,6 +25,7 @@ reduces gradients in ``reduce_dtype`` (``optim.precision``, docs/mixed_precision
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -73,6 +74,24 @@ def shard_optimizer(
     return ShardedOptimizer(optimizer, shard_fn, bucket_bytes=bucket_bytes, mixed_precision=mixed_precision)
 
 
+def _warn_idle_ranks(params: list[torch.Tensor]) -> None:
+    """One warning (on rank 0) where the parameters' meshes leave ranks of the world out: those
+    ranks hold no parameter and compute nothing (a mesh built for fewer processes than launched)."""
+    meshes = {layout.spec_of(p).mesh for p in params if layout.is_dist(p)}
+    if not meshes or runtime.get_rank() != 0:
+        return
+    world = runtime.get_world_size()
+    covered = {r for m in meshes for r in m.process_ids}
+    idle = sorted(set(range(world)) - covered)
+    if idle:
+        shown = ", ".join(repr(m) for m in sorted(meshes, key=lambda m: tuple(m.process_ids))[:3])
+        warnings.warn(
+            f"shard_optimizer: the parameters live on {shown}, which leave{'s' if len(meshes) == 1 else ''} "
+            f"ranks {idle} of the world of {world} out: those ranks hold no parameter and compute nothing. "
+            f"Build the mesh over the whole world (e.g. ap.ProcessMesh(list(range({world})))) or launch "
+            f"{len(covered)} processes", stacklevel=4)
+
+
 class ShardedOptimizer(torch.optim.Optimizer):
     """A ``torch.optim`` optimizer whose step reduces gradients in buckets and shards states.
 
@@ -96,6 +115,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if self.stage is not None:
             _check_unstepped(optimizer)
         plans = [self._plan_group(g, k) for k, g in enumerate(optimizer.param_groups)]  # all checks first
+        _warn_idle_ranks([p for g in optimizer.param_groups for p in g["params"]])
         self._slots: list[_Slot] = []
         self._zero3 = Zero3Params()  # stage 3 / mixed precision: the parameters' units and their hooks
         self._zero3.overlap = bool(getattr(self.stage, "overlap", False))

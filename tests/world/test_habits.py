@@ -1,4 +1,5 @@
-"""No silent non-parallelism: a data-parallel axis that splits no batch warns once on rank 0; a
+"""No silent non-parallelism: a data-parallel axis that splits no batch warns once on rank 0;
+parameters on meshes that leave ranks of the world out warn once (shard_optimizer); a
 rank outside every mesh raises a clear error where it reads a value; under torchrun the first
 mesh starts the default process group (``dist.get_rank()`` works right after it)."""
 
@@ -44,6 +45,24 @@ def test_a_replicated_batch_on_the_data_parallel_axis_warns_once_on_rank_0(world
         assert len(r0) == 1 and not any(rest), (r0, rest)
         assert "'dp'" in r0[0] and "ap.shard_dataloader" in r0[0] and "every rank computes the whole batch" in r0[0]
         assert world4.run(_dp_batch, True, how) == [[]] * 4  # a split batch: nothing to say
+
+
+def _idle(rank: int, ranks: list[list[int]]) -> list[str]:
+    """Two stages' parameters on the meshes ``ranks``: rank 0 warns where they leave ranks out."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    for layer, ids in zip(model, ranks):
+        ap.shard_layer(layer, ap.ProcessMesh(ids, dim_names=["dp"]))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        ap.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    return [str(w.message) for w in seen if "compute nothing" in str(w.message)]
+
+
+def test_parameters_on_meshes_smaller_than_the_world_warn_once_on_rank_0(world4: Any) -> None:
+    r0, *rest = world4.run(_idle, [[0, 1], [0, 1]])
+    assert len(r0) == 1 and not any(rest), (r0, rest)
+    assert "ranks [2, 3] of the world of 4" in r0[0] and "launch 2 processes" in r0[0], r0
+    assert world4.run(_idle, [[0, 1], [2, 3]]) == [[]] * 4  # two stages covering the world: nothing to say
 
 
 def _outside(rank: int) -> str:
