@@ -76,11 +76,19 @@ def shard_optimizer(
 
 def _warn_idle_ranks(params: list[torch.Tensor]) -> None:
     """One warning (on rank 0) where the parameters' meshes leave ranks of the world out: those
-    ranks hold no parameter and compute nothing (a mesh built for fewer processes than launched)."""
+    ranks hold no parameter and compute nothing (a mesh built for fewer processes than launched);
+    or where no parameter is laid out at all on a world of several ranks (a model never laid out)."""
     meshes = {layout.spec_of(p).mesh for p in params if layout.is_dist(p)}
-    if not meshes or runtime.get_rank() != 0:
+    if runtime.get_rank() != 0:
         return
     world = runtime.get_world_size()
+    if not meshes:
+        if params and world > 1:
+            warnings.warn(
+                f"shard_optimizer: no parameter is a DistTensor, so each of the {world} ranks trains its own copy "
+                "(gradients are neither reduced nor sharded: no data parallelism). Lay the model out first: "
+                "ap.shard_layer(model, mesh) or ap.parallelize(model, mesh, plan)", stacklevel=4)
+        return
     covered = {r for m in meshes for r in m.process_ids}
     idle = sorted(set(range(world)) - covered)
     if idle:

@@ -87,8 +87,12 @@ def plain_trained(module: torch.nn.Module) -> str | None:
     return next((n for n, p in module.named_parameters() if p.requires_grad and not layout.is_dist(p)), None)
 
 
-def plain_trained_reason(name: str) -> str:
-    """Why a step with the plain trainable parameter ``name`` runs eagerly (``plain_trained``)."""
+def plain_trained_reason(name: str, module: torch.nn.Module | None = None) -> str:
+    """Why a step with the plain trainable parameter ``name`` runs eagerly (``plain_trained``);
+    with ``module``, a model none of whose parameters is laid out is said to be one."""
+    if module is not None and not any(layout.is_dist(p) for p in module.parameters()):
+        return (f"no parameter of the model is a DistTensor (parameter {name!r} is plain): the model is not laid out "
+                "(ap.shard_layer, ap.parallelize), so every rank trains its own copy and nothing is captured")
     return (f"parameter {name!r} is a plain tensor that requires grad: this call lays it out at its first op "
             "(the calls after it are captured)")
 

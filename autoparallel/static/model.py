@@ -224,7 +224,7 @@ class DistModel:
         """Capture this signature's step on fake tensors (nothing runs for real); returns the
         program kept for it, or why it runs eagerly."""
         plain = plain_trained(self.network) if self._mode == TRAIN else None
-        why = plain_trained_reason(plain) if plain is not None else signature.unkeyed(args)
+        why = plain_trained_reason(plain, self.network) if plain is not None else signature.unkeyed(args)
         if why:
             self._refuse(key, why)
             return why

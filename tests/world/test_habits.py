@@ -1,5 +1,6 @@
 """No silent non-parallelism: a data-parallel axis that splits no batch warns once on rank 0;
-parameters on meshes that leave ranks of the world out warn once (shard_optimizer); a
+parameters on meshes that leave ranks of the world out, or a model never laid out, warn once
+(shard_optimizer; to_static names it too); a
 rank outside every mesh raises a clear error where it reads a value; under torchrun the first
 mesh starts the default process group (``dist.get_rank()`` works right after it)."""
 
@@ -63,6 +64,24 @@ def test_parameters_on_meshes_smaller_than_the_world_warn_once_on_rank_0(world4:
     assert len(r0) == 1 and not any(rest), (r0, rest)
     assert "ranks [2, 3] of the world of 4" in r0[0] and "launch 2 processes" in r0[0], r0
     assert world4.run(_idle, [[0, 1], [2, 3]]) == [[]] * 4  # two stages covering the world: nothing to say
+
+
+def _not_laid_out(rank: int) -> list[str]:
+    """A model never laid out, on a world of 4: shard_optimizer and to_static say so (rank 0 for
+    the first), where every rank would train its own copy."""
+    model = nn.Linear(4, 2)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        opt = ap.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        ap.to_static(model, loss=lambda y, t: ((y - t) ** 2).mean(), optimizer=opt)(torch.ones(3, 4), torch.zeros(3, 2))
+    return [str(w.message) for w in seen if "DistTensor" in str(w.message)]
+
+
+def test_a_model_never_laid_out_warns(world4: Any) -> None:
+    r0, *rest = world4.run(_not_laid_out)
+    assert len(r0) == 2 and "each of the 4 ranks trains its own copy" in r0[0], r0
+    assert "the model is not laid out" in r0[1], r0
+    assert all(len(r) == 1 and "the model is not laid out" in r[0] for r in rest), rest
 
 
 def _outside(rank: int) -> str:
