@@ -3,6 +3,7 @@ local runs. See ``autoparallel.regions``."""
 
 from __future__ import annotations
 
+import copy
 import os
 import time
 from collections.abc import Callable
@@ -33,7 +34,10 @@ from autoparallel.regions.checks import (
 from autoparallel.regions.crossing import _Call, _localize, _wrap_out, needs_grad, with_partial
 from autoparallel.regions.generic import Family, Model, Proof, Record, Recorder, Stop, point_of, sizes_at
 from autoparallel.regions.state import State as _State
+from autoparallel.regions.state import current as _current
 from autoparallel.regions.state import read_values as _read_values
+from autoparallel.regions.state import slots as _slots
+from autoparallel.regions.state import structure as _structure
 from autoparallel.regions.symbolic import Certificate, certify
 from autoparallel.runtime import agree
 from autoparallel.runtime.debug import CommDebugMode
@@ -100,33 +104,6 @@ def _has_dist_state(module: nn.Module) -> bool:
     return any(isinstance(t, DistTensor) for t in [*module.parameters(), *module.buffers()])
 
 
-def _slots(module: nn.Module) -> list[tuple[nn.Module, str]]:
-    """Every (submodule, attribute) holding a parameter or buffer, ties included."""
-    out = []
-    for m in module.modules():
-        out += [(m, a) for a, t in compat.own_parameters(m).items() if t is not None]
-        out += [(m, a) for a, t in compat.own_buffers(m).items() if t is not None]
-    return out
-
-
-def _structure(modules: list[nn.Module]) -> tuple[tuple[Any, ...], ...]:
-    """Per module of the tree as last seen: how many parameters and buffers it holds and which
-    children (a flat walk: a change anywhere in the tree shows in some module's entry)."""
-    return tuple((len(compat.own_parameters(m)), len(compat.own_buffers(m)), *compat.child_modules(m).values())
-                 for m in modules)
-
-
-def _current(m: nn.Module, attr: str) -> torch.Tensor:
-    """What ``m.<attr>`` resolves to now (a ZeRO-3 gathered tensor shadows the parameter)."""
-    t = m.__dict__.get(attr)
-    if t is None:
-        t = compat.own_parameters(m).get(attr)
-    if t is None:
-        t = compat.own_buffers(m)[attr]
-    assert t is not None, (type(m).__name__, attr)
-    return t
-
-
 # ---- the per-module wrapper --------------------------------------------------------------------
 class _Region:
     """The wrapper state of one module: its original forward, slots and verdicts."""
@@ -144,6 +121,16 @@ class _Region:
         self.generic = 0               # first calls answered by their family (no proof)
         self.certified = 0             # of those, answered by a symbolic certificate (no recorder)
         self.children_done = False
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Region:
+        """A copied module's wrapper (``copy.deepcopy(model)``: an EMA or reference copy) starts
+        with no verdicts: they are caches, and name the original's objects."""
+        new = _Region.__new__(_Region)
+        memo[id(self)] = new
+        fresh = {"verdicts": {}, "families": {}, "firsts": 0, "reused": 0, "generic": 0, "certified": 0}
+        for k, v in self.__dict__.items():
+            new.__dict__[k] = fresh[k] if k in fresh else copy.deepcopy(v, memo)
+        return new
 
     def run(self, *args: Any, **kwargs: Any) -> Any:
         """The module's ``forward`` while regions are enabled."""

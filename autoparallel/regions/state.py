@@ -1,5 +1,6 @@
-"""The modules' own state around a local region's first call: what a signature reads of it, and
-what each run of the forward (trace, replay) starts from. See ``autoparallel.regions``."""
+"""The modules' own state around a local region's first call: what a signature reads of it, what
+each run of the forward (trace, replay) starts from, and the slots that hold the region's tensors.
+See ``autoparallel.regions``."""
 
 from __future__ import annotations
 
@@ -54,6 +55,33 @@ class State:
             for t, value in self.plain:
                 t.copy_(value)
         return now
+
+
+def slots(module: nn.Module) -> list[tuple[nn.Module, str]]:
+    """Every (submodule, attribute) holding a parameter or buffer, ties included."""
+    out = []
+    for m in module.modules():
+        out += [(m, a) for a, t in compat.own_parameters(m).items() if t is not None]
+        out += [(m, a) for a, t in compat.own_buffers(m).items() if t is not None]
+    return out
+
+
+def structure(modules: list[nn.Module]) -> tuple[tuple[Any, ...], ...]:
+    """Per module of the tree as last seen: how many parameters and buffers it holds and which
+    children (a flat walk: a change anywhere in the tree shows in some module's entry)."""
+    return tuple((len(compat.own_parameters(m)), len(compat.own_buffers(m)), *compat.child_modules(m).values())
+                 for m in modules)
+
+
+def current(m: nn.Module, attr: str) -> torch.Tensor:
+    """What ``m.<attr>`` resolves to now (a ZeRO-3 gathered tensor shadows the parameter)."""
+    t = m.__dict__.get(attr)
+    if t is None:
+        t = compat.own_parameters(m).get(attr)
+    if t is None:
+        t = compat.own_buffers(m)[attr]
+    assert t is not None, (type(m).__name__, attr)
+    return t
 
 
 def read_values(m: nn.Module) -> tuple[tuple[str, Any], ...]:

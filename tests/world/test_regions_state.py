@@ -118,3 +118,31 @@ def test_a_counter_the_forward_branches_on_counts_once_per_call(world4: Any) -> 
     for report in world4.run(_train, Counted, False):
         assert report["<root>"][:2] == ["local", "local"], report
         assert all(v.startswith("refused") for v in report["<root>"][2:]), report
+
+
+def _deep_copied(rank: int) -> bool:
+    """``copy.deepcopy`` of a laid-out model after its regions ran (an EMA copy): the copy computes
+    the same, is independent, and its regions start with no verdicts (quietly: no torch warning
+    from copying cached pytree specs)."""
+    import warnings
+
+    mesh = ap.ProcessMesh([0, 1, 2, 3], dim_names=["mp"])
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+    ap.parallelize(model, mesh, {"0": ap.ColWiseParallel(), "2": ap.RowWiseParallel()})
+    x = ap.shard_tensor(torch.randn(4, 8), mesh, [ap.Replicate()])
+    y = model(x).full_tensor()
+    assert any(local_regions_report(model).values())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        twin = copy.deepcopy(model)
+    assert not any(local_regions_report(twin).values())  # no verdict copied
+    assert torch.equal(twin(x).full_tensor(), y)
+    with torch.no_grad():
+        twin[0].weight.mul_(0.5)
+    assert torch.equal(model(x).full_tensor(), y) and not torch.equal(twin(x).full_tensor(), y)
+    return True
+
+
+def test_a_deep_copy_of_a_model_with_regions_is_independent_and_starts_afresh(world4: Any) -> None:
+    assert all(world4.run(_deep_copied))
