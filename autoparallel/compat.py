@@ -228,6 +228,17 @@ def foreign_saved_hooks() -> bool:
     return top is not None and not _own(top[0])
 
 
+def decomposable(func: Any) -> bool:
+    """Whether torch defines the op ``func`` by other ops (a ``CompositeImplicitAutograd``
+    kernel: ``linear``, ``dropout``, ``matmul``), which autograd normally runs before the op reaches
+    a tensor subclass, but not under ``torch.inference_mode``. Fallback: False (the op runs
+    replicated, as one without a rule)."""
+    try:
+        return bool(func._can_decompose())
+    except (AttributeError, RuntimeError):  # pragma: no cover - another torch
+        return False
+
+
 def foreign_dispatch_modes() -> bool:
     """Whether a ``TorchDispatchMode`` that is not the library's own is active (selective
     checkpoint's caching and replaying modes, ``make_fx``, a user's mode)."""

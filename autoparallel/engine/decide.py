@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from autoparallel import runtime
+from autoparallel import compat, runtime
 from autoparallel.engine import generic
 from autoparallel.engine.kernels import Collectives, kernel_for
 from autoparallel.placement import Replicate, StridedShard
@@ -150,7 +150,17 @@ class InplaceViewDecision:
     out_kind = OutKind.TENSOR
 
 
-Decision = LocalStep | ValueDecision | InplaceViewDecision
+@dataclass(frozen=True, slots=True)
+class DecomposeDecision:
+    """An op without a rule that torch defines by other ops (``compat.decomposable``: ``linear``
+    under ``torch.inference_mode``): run its definition, whose ops are decided one by one."""
+
+    fallback = False
+    plans = ()
+    out_kind = OutKind.UNKNOWN
+
+
+Decision = LocalStep | ValueDecision | InplaceViewDecision | DecomposeDecision
 
 
 # ---- aliases: which inputs an op writes, which outputs are those inputs --------------------------
@@ -497,6 +507,8 @@ def _decide(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], 
         return InplaceViewDecision(INPLACE_VIEWS[func])
     if func in VALUE_OPS or func in DATA_SHAPED_OPS:
         return _fallback_decision(func, specs, mesh, None, mutated, reason="", warn=False)
+    if get_rule(func) is None and compat.decomposable(func):
+        return DecomposeDecision()
     fake_kwargs = map_args(cls, kwargs, to_fake)
     if isinstance(fake_kwargs.get("device"), (torch.device, str)):  # ``_to_copy(x, device=cpu)``
         # (autocast's casts, ``.to(device)``): where the result lives is the local step's business;

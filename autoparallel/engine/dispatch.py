@@ -32,7 +32,7 @@ import torch
 
 from autoparallel import compat, runtime
 from autoparallel.engine import generic
-from autoparallel.engine.decide import Decision, decide, forget_warnings, mesh_coord, written_args
+from autoparallel.engine.decide import Decision, DecomposeDecision, decide, forget_warnings, mesh_coord, written_args
 from autoparallel.engine.execute import execute, mark_detached_alias
 from autoparallel.log import Tally, logger
 from autoparallel.placement import Replicate
@@ -331,6 +331,8 @@ def dispatch(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any])
         _CACHE[key] = decision
         if filled:
             _keep_filled(filled[0], key)
+    if type(decision) is DecomposeDecision:  # its ops are decided (and observed) one by one
+        return func.decompose(*args, **kwargs)
     if _OBSERVERS:  # an observer watches the op path (a local region's trace: autoparallel.regions)
         return _OBSERVERS[-1].observe(
             func, decision, args, kwargs,

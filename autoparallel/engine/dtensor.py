@@ -103,7 +103,9 @@ def contiguous_local(local: torch.Tensor, spec: DistSpec) -> torch.Tensor:
     return conform(local, contiguous_strides(spec.shape))
 
 
-_IN_PLACE, _SPLIT_AT, _GRAD_FLAG, _BACKWARD = 1, 2, 3, 4
+_IN_PLACE, _SPLIT_AT, _GRAD_FLAG, _BACKWARD, _SET_DATA = 1, 2, 3, 4, 5
+# ``t.data = new`` (``module.to(dtype)``, ``module.half()``, ``p.data = ...``): the shard and layout follow
+_DATA_SET = torch.Tensor.data.__set__  # type: ignore[attr-defined]  # a getset descriptor
 # ``t.requires_grad_()`` and ``t.requires_grad = ...``: a leaf that starts requiring grad gets its
 # gradient in its own layout (``keep_grad_layout``)
 # ``nn.Parameter(dist_tensor)`` makes its parameter with ``data.detach().requires_grad_()``
@@ -125,6 +127,8 @@ def _tf_kind(func: Any) -> int:
         return _SPLIT_AT
     if func is torch.Tensor.backward:
         return _BACKWARD
+    if func == _DATA_SET:
+        return _SET_DATA
     name = getattr(func, "__name__", "")
     return _IN_PLACE if isinstance(name, str) and is_in_place_name(name) else 0
 
@@ -155,6 +159,22 @@ def _replicated_with_grad(cls: Any, func: Any, args: tuple[Any, ...], kwargs: di
         return made[id(a)]
 
     return tuple(replicated(a) for a in args), {k: replicated(v) for k, v in kwargs.items()}
+
+
+def _data_for(cls: Any, t: DistTensor, new: Any) -> Any:
+    """What ``t.data = new`` gives ``t``: a DistTensor as it is; a plain tensor is the global value,
+    laid out as ``t`` is (it must have ``t``'s global shape; the same value on every rank, as any
+    plain tensor mixed in)."""
+    if isinstance(new, cls) or not isinstance(new, torch.Tensor):
+        return new  # (anything else: torch's own error)
+    spec = t._spec
+    if tuple(new.shape) != spec.shape or spec.has_partial:
+        raise ValueError(
+            f"DistTensor.data = a plain tensor of shape {tuple(new.shape)}: a DistTensor's data takes its global "
+            f"value (shape {spec.shape}), laid out as it is ({list(spec.placements)}; not Partial); assign a "
+            "DistTensor to change its layout or shape")
+    spec = spec.with_dtype(new.dtype)
+    return DistTensor._wrap(piece_of_whole(new.detach(), spec).contiguous(), spec)
 
 
 _BACKWARD_ARGS = ("gradient", "retain_graph", "create_graph", "inputs")
@@ -251,6 +271,12 @@ class DistTensor(torch.Tensor):
             elif kind == _SPLIT_AT:
                 args, kwargs = _whole_split_points(cls, func, args, kwargs or {})
             elif kind == _BACKWARD and _backward_as_forward(args, kwargs or {}):
+                return None
+            elif kind == _SET_DATA and len(args) == 2 and isinstance(args[0], cls):
+                args = (args[0], _data_for(cls, args[0], args[1]))
+                compat.disabled_torch_function_impl(func, types, args, {})  # the wrapper's dtype, shape, device
+                t, new = args
+                t._local, t._spec, t._stride = new._local, new._spec, new._stride
                 return None
         return compat.disabled_torch_function_impl(func, types, args, kwargs or {})
 

@@ -84,6 +84,50 @@ def test_a_model_never_laid_out_warns(world4: Any) -> None:
     assert all(len(r) == 1 and "the model is not laid out" in r[0] for r in rest), rest
 
 
+def _torch_module_habits(rank: int) -> bool:
+    """``torch.inference_mode`` (composite ops such as ``linear`` reach the library undecomposed:
+    decomposed, not run replicated), ``model.to(dtype)`` / ``.double()`` (the shards and layouts
+    follow the wrapper's dtype) and ``p.data = full value`` on a tensor-parallel MLP, against one
+    process."""
+    mesh = ap.ProcessMesh([0, 1, 2, 3], dim_names=["mp"])
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Dropout(0.1), nn.Linear(16, 8))
+    ref = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Dropout(0.1), nn.Linear(16, 8))
+    ref.load_state_dict(model.state_dict())
+    ap.parallelize(model, mesh, {"0": ap.ColWiseParallel(), "3": ap.RowWiseParallel()})
+    x0 = torch.randn(4, 8)
+    x = ap.shard_tensor(x0, mesh, [Replicate()])
+    model.eval()
+    ref.eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no op runs replicated
+        with torch.inference_mode():
+            y = model(x)
+    torch.testing.assert_close(y.full_tensor(), ref(x0))
+    model.double()
+    ref.double()
+    w = model[0].weight
+    assert w.dtype == torch.float64 and w.to_local().dtype == torch.float64 and w.placements == (Shard(0),)
+    torch.testing.assert_close(model(x.double()).full_tensor(), ref(x0.double()))
+    with torch.no_grad():
+        full = torch.arange(128.0, dtype=torch.float64).reshape(16, 8) / 100
+        model[0].weight.data = full  # the global value, laid out as the weight is
+        ref[0].weight.data = full.clone()
+    assert model[0].weight.placements == (Shard(0),)
+    torch.testing.assert_close(model(x.double()).full_tensor(), ref(x0.double()))
+    try:
+        model[0].weight.data = torch.zeros(3, 3, dtype=torch.float64)
+    except ValueError as e:
+        assert "global value (shape (16, 8))" in str(e)
+    else:
+        raise AssertionError("a plain value of another shape must raise")
+    return True
+
+
+def test_inference_mode_module_to_dtype_and_data_assignment(world4: Any) -> None:
+    assert all(world4.run(_torch_module_habits))
+
+
 def _outside(rank: int) -> str:
     mesh = ap.ProcessMesh([0, 1], dim_names=["dp"])
     x = ap.shard_tensor(torch.arange(8.0), mesh, [Shard(0)])
