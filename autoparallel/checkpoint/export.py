@@ -53,7 +53,8 @@ def export_state_dict(state_dict: dict[str, Any], file: str | os.PathLike[str], 
     except (TypeError, ValueError) as e:
         errors.append(("value", str(e)))
     gathered = _world.exchange((errors, list(flat)), WHERE, "checking the state dicts")
-    lacking = [k for g in gathered for k in g[1] if k not in set(gathered[0][1])]
+    first = set(gathered[0][1])
+    lacking = [k for g in gathered for k in g[1] if k not in first]
     everyone = [g[0] + ([("value", f"rank 0 lacks keys other ranks hold: {sorted(set(lacking))[:8]}")]
                         if lacking else []) for g in gathered]
     _world.raise_gathered(everyone, WHERE)
@@ -65,7 +66,10 @@ def export_state_dict(state_dict: dict[str, Any], file: str | os.PathLike[str], 
 
     writer = ProcessMesh([0], dim_names=["writer"])
     with torch.no_grad():
-        for key, leaf in flat.items():
+        for key in gathered[0][1]:  # rank 0's order on every rank: each gather is a collective
+            if key not in flat:
+                continue
+            leaf = flat[key]
             if layout.is_dist(leaf) and 0 not in leaf.process_mesh:
                 # a pipeline stage's tensor: moved whole onto rank 0 (every rank joins the move)
                 full[key] = reshard(leaf, writer, [Replicate()]).to_local().detach().cpu()

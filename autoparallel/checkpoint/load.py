@@ -221,7 +221,8 @@ def _fill(source: Source, t: Target, verify: set[tuple[str, int, int]]) -> None:
         filled += box_numel(p.ov)
         mine = _Blocks(verify, t.key, p.chunk_index)
         if (source.direct and p.ov == t.box == p.chunk.box and local.dtype == entry.dtype
-                and local.device.type == "cpu" and local.is_contiguous()):
+                and local.device.type == "cpu" and local.is_contiguous() and not local.is_conj()
+                and not local.is_neg()):
             source.read_whole_into(t.key, p.chunk, local, mine)  # straight into the target's memory
             continue
         dst = local
@@ -244,6 +245,16 @@ def _check(source: Source, flat: dict[str, Any], targets: list[Target],
                 errors.append(("io", why))
     extra = [k for k in source.entries if k not in flat] if strict else []
     return errors, extra
+
+
+def checkpoint_keys(path: str | os.PathLike[str]) -> list[str]:
+    """The dotted keys a checkpoint folder or exported file holds (its metadata only: no tensor
+    is read; every rank reads the same). Raises CheckpointError when there is none."""
+    source = open_source(os.fspath(path))
+    try:
+        return list(source.entries)
+    finally:
+        source.close()
 
 
 def load_state_dict(state_dict: dict[str, Any], path: str | os.PathLike[str], *, strict: bool = True) -> None:
@@ -292,14 +303,18 @@ def _read_all(source: Source, targets: list[Target], verify: set[tuple[str, int,
     from autoparallel.engine import layout  # noqa: PLC0415  (the engine loads on first use, not with the package)
 
     errors: list[tuple[str, str]] = []
+    key = ""
     try:
         with torch.no_grad():
             for t in targets:
+                key = t.key
                 _fill(source, t, verify)
                 if t.into is not None and t.move is not None:  # (held -> its own: local slices, no collective)
                     t.into.copy_(layout.move(t.local, *t.move))
     except CheckpointError as e:
         errors.append(("io", str(e)))
+    except Exception as e:  # noqa: BLE001 - a target this rank cannot write: every rank must learn it
+        errors.append(("value", f"cannot write the values of {key!r} into the target: {type(e).__name__}: {e}"))
     _world.agree(errors, WHERE, "reading the checkpoint")
 
 

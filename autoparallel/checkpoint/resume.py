@@ -96,21 +96,38 @@ def set_rng_state(state: Mapping[str, torch.Tensor], generators: Mapping[str, to
             raise ValueError(f"set_rng_state: unknown entry {key!r}")
 
 
-def init_optimizer_state(optimizer: torch.optim.Optimizer, *, _every_param: bool = False) -> None:
+def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """Create ``optimizer``'s per-parameter state without changing any parameter.
 
     Runs one ``step()`` with zero gradients and every learning rate set to 0, then restores the
     learning rates and clears the gradients. Does nothing if the state already exists. A wrapper
     holding the real optimizer as ``.inner`` (``ap.shard_optimizer``) has its inner optimizer
     initialised directly, on the parameters (or ZeRO shards) that optimizer steps: no collective.
+    Parameters that do not require grad (frozen) get no state, as in training.
     """
+    _init_state(optimizer, None)
+
+
+def _trained(wrapper: torch.optim.Optimizer, inner: torch.optim.Optimizer) -> set[int]:
+    """ids of the tensors ``inner`` steps whose model parameter requires grad (all of them for a
+    wrapper that does not say which they are). ZeRO-1/2 shards never require grad themselves:
+    their parameter decides, as in a step (``ShardedOptimizer.stepped_trained``)."""
+    stepped = getattr(wrapper, "stepped_trained", None)
+    if stepped is None:
+        return {id(p) for g in inner.param_groups for p in g["params"]}
+    return {id(t) for t in stepped()}
+
+
+def _init_state(optimizer: torch.optim.Optimizer, trained: set[int] | None) -> None:
+    """``init_optimizer_state``; ``trained``: ids of the parameters to step (None: requires_grad)."""
     if len(optimizer.state) > 0:
         return
     inner = getattr(optimizer, "inner", None)
-    if isinstance(inner, torch.optim.Optimizer):  # its ZeRO shards get gradients, not requires_grad
-        init_optimizer_state(inner, _every_param=True)
+    if isinstance(inner, torch.optim.Optimizer):
+        _init_state(inner, _trained(optimizer, inner))
         return
-    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad or _every_param]
+    params = [p for g in optimizer.param_groups for p in g["params"]
+              if (p.requires_grad if trained is None else id(p) in trained)]
     if any(p.grad is not None for p in params):
         raise ValueError("init_optimizer_state: parameters already have gradients; call it right "
                          "after building the optimizer, before any backward")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import uuid
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -45,14 +46,22 @@ def describe(flat: dict[str, Any], rank: int) -> list[Item]:
     return items
 
 
-def reduce_partials(flat: dict[str, Any]) -> dict[str, Any]:
+def reduce_partials(flat: dict[str, Any], order: Iterable[str]) -> dict[str, Any]:
     """``flat`` with every Partial DistTensor replaced by its reduced value, and every
-    ``StridedShard`` one gathered on its strided axes (same mesh): what ``target_box`` describes."""
+    ``StridedShard`` one gathered on its strided axes (same mesh): what ``target_box`` describes.
+
+    Each is a collective, so they run in ``order`` (the plan's key order, the same on every rank),
+    never in the order of this rank's dict, which may differ (a dict built from a set of names)
+    and would pair one key's reduction with another's.
+    """
     from autoparallel.api import reshard  # noqa: PLC0415  (api imports the dtensor stack)
     from autoparallel.engine import layout  # noqa: PLC0415
 
     out = dict(flat)
-    for key, leaf in flat.items():
+    for key in order:
+        if key not in flat:
+            continue
+        leaf = flat[key]
         spec = layout.spec_or_none(leaf)
         if spec is not None and (spec.has_partial or spec.has_strided):
             reduced = spec.without_partial().unstrided()
@@ -130,7 +139,7 @@ def save_state_dict(state_dict: dict[str, Any], path: str | os.PathLike[str], *,
     _world.raise_gathered([g[0] for g in gathered], WHERE)
     save_id = gathered[0][2]
     plan = plan_save([g[1] for g in gathered])  # pure: raises the same ValueError everywhere
-    flat = reduce_partials(flat)
+    flat = reduce_partials(flat, plan.entries)
     outcome: Any
     try:
         outcome = write_owned(folder, plan, flat, save_id, rank, fsync)

@@ -37,7 +37,7 @@ def data_file_name(save_id: str, rank: int) -> str:
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
     """``t``'s elements as a flat uint8 CPU tensor (a view when ``t`` is contiguous on CPU)."""
-    t = t.detach()
+    t = t.detach().resolve_conj().resolve_neg()  # (a lazily conjugated view has no byte view)
     if t.device.type != "cpu":
         t = t.cpu()
     return t.contiguous().reshape(-1).view(torch.uint8)

@@ -206,6 +206,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     # ---- the step -----------------------------------------------------------------------
     @torch.no_grad()
+    def stepped_trained(self) -> list[torch.Tensor]:
+        """The tensors the inner optimizer steps (the parameters, or their ZeRO-1/2 shards, which
+        never require grad themselves) whose model parameter requires grad: what a step gives state."""
+        return [s.stepped for s in self._slots if s.param.requires_grad]
+
     def reduce_gradients(self) -> None:
         """Reduce every Partial gradient, one collective per bucket and mesh axis.
 
