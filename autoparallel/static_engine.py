@@ -44,7 +44,8 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 from autoparallel import runtime
 from autoparallel.api import dtensor_from_local, reshard, shard_tensor
 from autoparallel.auto import Plan, auto_parallel, parallelize
-from autoparallel.checkpoint import init_optimizer_state, load_state_dict, save_state_dict
+from autoparallel.checkpoint import checkpoint_keys, init_optimizer_state, load_state_dict, save_state_dict
+from autoparallel.checkpoint.flat import flatten
 from autoparallel.compat import tree_flatten, tree_unflatten
 from autoparallel.data import ShardDataloader, shard_dataloader
 from autoparallel.engine.dtensor import DistTensor
@@ -672,11 +673,27 @@ class Engine:
         save_state_dict(self._state(training), path)
 
     def load(self, path: str, strict: bool = True, load_optimizer: bool = True) -> None:
-        """Fill the model (and optimizer) from ``path`` in their current layout."""
+        """Fill the model (and optimizer) from ``path`` in their current layout.
+
+        ``strict`` holds for what is loaded: with ``load_optimizer=False`` the checkpoint's optimizer
+        state is left unread; a checkpoint saved with ``training=False`` loads the model and warns
+        that the optimizer keeps its state."""
+        keys = checkpoint_keys(path)
+        saved_optimizer = any(k.startswith("optimizer.") for k in keys)
+        if load_optimizer and self.optimizer is not None and not saved_optimizer:
+            warnings.warn(f"Engine.load: {path!r} holds no optimizer state (saved with training=False): the model is "
+                          "loaded, the optimizer keeps its own state", stacklevel=2)
+            load_optimizer = False
         if load_optimizer and self.optimizer is not None:
             init_optimizer_state(self.optimizer)
         state = self._state(load_optimizer)
-        load_state_dict(state, path, strict=strict)
+        partial = strict and saved_optimizer and "optimizer" not in state
+        if partial:  # the optimizer's keys are not asked for: every model key must still be there
+            known = set(keys)
+            missing = [k for k in flatten(state, "Engine.load") if k not in known]
+            if missing:
+                raise ValueError(f"Engine.load: {len(missing)} key(s) of the model are not in {path!r}: {missing[:8]}")
+        load_state_dict(state, path, strict=strict and not partial)
         self.model.load_state_dict(state["model"])
         if "optimizer" in state:
             assert self.optimizer is not None

@@ -10,13 +10,14 @@ file of full tensors; ``load_state_dict`` reads that too. See docs/checkpoint.md
 from __future__ import annotations
 
 from autoparallel.checkpoint.export import export_state_dict
-from autoparallel.checkpoint.load import load_state_dict
+from autoparallel.checkpoint.load import checkpoint_keys, load_state_dict
 from autoparallel.checkpoint.metadata import CheckpointError
 from autoparallel.checkpoint.resume import init_optimizer_state, rng_state, set_rng_state
 from autoparallel.checkpoint.save import save_state_dict
 
 __all__ = [
     "CheckpointError",
+    "checkpoint_keys",
     "export_state_dict",
     "init_optimizer_state",
     "load_state_dict",

@@ -223,8 +223,18 @@ def _fit_save_load(rank: int, folder: str) -> dict[str, Any]:
     again = ap.Engine(other, F.cross_entropy, _optimizer(other), metrics=ap.metrics.Accuracy())
     again.prepare(ap.InputSpec([None, IN]), ap.InputSpec([None], "int64"))
     again.load(folder)
+    # the model alone from a checkpoint with the optimizer, and the default load of a model-only one
+    third = SimpleNet()
+    alone = ap.Engine(third, F.cross_entropy, _optimizer(third))
+    alone.prepare(ap.InputSpec([None, IN]), ap.InputSpec([None], "int64"))
+    alone.load(folder, load_optimizer=False)
+    engine.save(folder + "-model", training=False)
+    with pytest.warns(UserWarning, match="holds no optimizer state"):
+        alone.load(folder + "-model")
     return {"history": history, "eval": evaluated, "again": again.evaluate(_dataset(BATCH * 2), batch_size=BATCH, verbose=0),
-            "preds": [tuple(p.shape) for p in preds], "loaded": all(torch.equal(saved[n], _full(p)) for n, p in other.named_parameters())}
+            "preds": [tuple(p.shape) for p in preds],
+            "loaded": all(torch.equal(saved[n], _full(p)) and torch.equal(saved[n], _full(q))
+                          for (n, p), q in zip(other.named_parameters(), third.parameters()))}
 
 
 def test_fit_evaluate_predict_save_load(world4: Any) -> None:
