@@ -4,6 +4,7 @@ local runs. See ``autoparallel.regions``."""
 from __future__ import annotations
 
 import copy
+import inspect
 import os
 import time
 from collections.abc import Callable
@@ -97,11 +98,30 @@ def _install(module: nn.Module) -> None:
         return
     region = _Region(module)
     module.__dict__[_ATTR] = region
-    module.__dict__["forward"] = region.run  # a bound method: copy.deepcopy gives the copy its own
+    module.__dict__["forward"] = _Forward(region)
 
 
 def _has_dist_state(module: nn.Module) -> bool:
     return any(isinstance(t, DistTensor) for t in [*module.parameters(), *module.buffers()])
+
+
+class _Forward:
+    """A wrapped module's ``forward``: calls its region, and shows the module's own signature
+    (``inspect.signature(model.forward)``: transformers' ``generate`` and ``Trainer`` decide from it
+    which inputs to build and pass, e.g. position ids from a padding mask). An object, not a
+    closure: ``copy.deepcopy`` of the module gives the copy its own."""
+
+    def __init__(self, region: _Region) -> None:
+        self.region = region
+        self.__signature__: inspect.Signature | None = None
+        try:
+            self.__signature__ = inspect.signature(region.forward)
+        except (TypeError, ValueError):  # (a forward without one: a builtin)
+            pass
+        self.__doc__ = getattr(region.forward, "__doc__", None)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.region.call(args, kwargs)
 
 
 # ---- the per-module wrapper --------------------------------------------------------------------
@@ -131,10 +151,6 @@ class _Region:
         for k, v in self.__dict__.items():
             new.__dict__[k] = fresh[k] if k in fresh else copy.deepcopy(v, memo)
         return new
-
-    def run(self, *args: Any, **kwargs: Any) -> Any:
-        """The module's ``forward`` while regions are enabled."""
-        return self.call(args, kwargs)
 
     def call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if _MODE:  # inside a parent's trace or local run: behave as the plain module
