@@ -32,6 +32,8 @@ masks) is refused when it draws: the reset is Python, not an op.
 
 from __future__ import annotations
 
+import os
+import traceback
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -40,6 +42,8 @@ from typing import Any
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
+import autoparallel
+import spmd_rules
 from autoparallel import compat
 from autoparallel.engine import dispatch, layout
 from autoparallel.runtime import agree, comm
@@ -73,7 +77,8 @@ class Watch:
                 run: Callable[[], Any]) -> Any:
         if not self.reason:
             if func in VALUE_OPS:
-                self.reason = f"{func} reads a Python value from a DistTensor (data-dependent Python in the step)"
+                self.reason = (f"{func} reads a Python value from a DistTensor (data-dependent Python in the step"
+                               f"{where(traceback.extract_stack())})")
             elif decision.fallback:
                 self.reason = f"{func} has no SPMD rule and runs replicated"
         return run()
@@ -214,7 +219,8 @@ def capture(fn: Callable[..., Any], inputs: Sequence[torch.Tensor]) -> Capture:
             return Capture(None, str(e))
         except RuntimeError as e:  # make_fx refuses a Python value read from a traced tensor
             if "_local_scalar_dense" in str(e) or "data-dependent" in str(e):
-                return Capture(None, "the step reads a Python value from a tensor (data-dependent Python in the step)")
+                return Capture(None, "the step reads a Python value from a tensor (data-dependent Python in the step"
+                                     f"{where(traceback.extract_tb(e.__traceback__))})")
             # anything else the tracing trips on: the caller runs the step eagerly, where an error
             # of the step itself raises again (on every rank alike)
             return Capture(None, f"tracing the step failed ({type(e).__name__}: {str(e).splitlines()[0][:160]})")
@@ -228,6 +234,19 @@ def capture(fn: Callable[..., Any], inputs: Sequence[torch.Tensor]) -> Capture:
     gm.recompile()
     # a replay records these again, with no time of their own (the program runs as a whole)
     return Capture(gm, "", tuple(replace(r, seconds=0.0) for r in seen.records))
+
+
+_LIBRARIES = tuple(os.path.dirname(m.__file__ or "") + os.sep for m in (torch, autoparallel, spmd_rules))
+
+
+def where(frames: traceback.StackSummary) -> str:
+    """``': at file:line (code)'`` of the innermost frame of ``frames`` in the user's code (not torch's,
+    nor this library's): the line a warning about the step can point to ('' when none is)."""
+    for f in reversed(frames):
+        if f.filename.startswith(_LIBRARIES) or f.filename.startswith("<"):
+            continue
+        return f": at {f.filename}:{f.lineno} ({(f.line or '').strip()[:80]})"
+    return ""
 
 
 def _graph_reason(gm: torch.fx.GraphModule) -> str:

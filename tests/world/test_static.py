@@ -199,6 +199,7 @@ def test_uncapturable_steps_stay_eager_with_one_warning(world4: Any) -> None:  #
         _assert_equal(res["eager"], res["static"])
         assert len(res["static"]["warnings"]) == 1, res["static"]["warnings"]
         assert "runs eagerly" in res["static"]["warnings"][0] and "reads a Python value" in res["static"]["warnings"][0]
+        assert "test_static.py:40 (if self.item and float(h.sum()) > 1e9:" in res["static"]["warnings"][0]  # the line
         assert res["static"]["kinds"][-1] == ["str"]  # the signature is marked eager
 
 
