@@ -13,8 +13,9 @@ the op (the dispatcher runs nothing there), so their generators do not advance.
   (sum: on the first rank of the axis, zeros elsewhere; avg/max/min: on every rank);
 - ``rand_like``/``randn_like``/``randint_like``/``bernoulli(x, p)`` follow x's layout (Partial ->
   Replicate) — only x's shape matters;
-- ``bernoulli(probs)`` and ``normal(mean, std)`` with tensor arguments need those tensors whole
-  (Replicate) and may give any output layout;
+- ``bernoulli(probs)``, ``normal(mean, std)`` with tensor arguments, ``multinomial(probs, n)``
+  (sampling in ``generate``), ``poisson``, ``_standard_gamma`` and
+  ``_sample_dirichlet`` need those tensors whole (Replicate) and may give any output layout;
 - ``native_dropout``: the mask is the single-device mask; the output is ``x * mask * scale`` on
   x's shards, so a Partial(sum/avg) x gives a Partial output and a Replicate mask.
 """
@@ -37,7 +38,9 @@ FILL_OPS = [
     aten.cauchy_, aten.log_normal_, aten.geometric_,
 ]
 LIKE_RANDOM_OPS = [aten.rand_like, aten.randn_like, aten.randint_like, aten.bernoulli.p]
-WHOLE_INPUT_OPS = [aten.bernoulli.default, aten.normal.Tensor_float, aten.normal.float_Tensor, aten.normal.Tensor_Tensor]
+WHOLE_INPUT_OPS = [aten.bernoulli.default, aten.normal.Tensor_float, aten.normal.float_Tensor, aten.normal.Tensor_Tensor,
+                   aten.multinomial.default, aten.poisson.default, aten._standard_gamma.default,
+                   aten._sample_dirichlet.default]
 
 
 # ---- rules -------------------------------------------------------------------------------------
