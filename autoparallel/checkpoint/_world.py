@@ -34,6 +34,13 @@ def exchange(obj: Any, where: str, phase: str) -> list[Any]:
     return out
 
 
+def error_of(e: BaseException) -> tuple[str, str]:
+    """``(kind, message)`` of an error a rank reports: ``"type"`` (a TypeError), ``"value"`` (the
+    state dict does not fit) or ``"io"``."""
+    kind = "type" if isinstance(e, TypeError) else "value" if isinstance(e, ValueError) else "io"
+    return kind, str(e) if kind != "io" else f"{type(e).__name__}: {e}"
+
+
 def agree(errors: list[tuple[str, str]], where: str, phase: str) -> None:
     """Raise on every rank if any rank reported an error.
 
@@ -53,10 +60,14 @@ def raise_gathered(everyone: list[list[tuple[str, str]]], where: str) -> None:
     if not by_msg:
         return
     n = len(everyone)
-    lines = [msg if len(ranks) == n else f"[rank(s) {ranks}] {msg}" for (_, msg), ranks in by_msg.items()]
+    lines = [msg.removeprefix(f"{where}: ") for _, msg in by_msg]  # (an error of ours already names the call)
+    lines = [m if len(ranks) == n else f"[rank(s) {ranks}] {m}" for m, ranks in zip(lines, by_msg.values())]
     text = f"{where}: {lines[0]}" if len(lines) == 1 else f"{where}:\n  " + "\n  ".join(lines[:12])
     if len(lines) > 12:
         text += f"\n  ... and {len(lines) - 12} more"
-    if any(kind == "value" for kind, _ in by_msg):
+    kinds = {kind for kind, _ in by_msg}
+    if kinds == {"type"}:
+        raise TypeError(text)
+    if kinds & {"value", "type"}:
         raise ValueError(text)
     raise CheckpointError(text)

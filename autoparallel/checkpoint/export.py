@@ -51,7 +51,7 @@ def export_state_dict(state_dict: dict[str, Any], file: str | os.PathLike[str], 
     try:
         flat = flatten(state_dict, WHERE)
     except (TypeError, ValueError) as e:
-        errors.append(("value", str(e)))
+        errors.append(_world.error_of(e))
     gathered = _world.exchange((errors, list(flat)), WHERE, "checking the state dicts")
     first = set(gathered[0][1])
     lacking = [k for g in gathered for k in g[1] if k not in first]

@@ -278,7 +278,7 @@ def load_state_dict(state_dict: dict[str, Any], path: str | os.PathLike[str], *,
         targets = plan_reads(source, flat, rank)
         errors, extra = _check(source, flat, targets, strict)
     except (TypeError, ValueError) as e:
-        errors.append(("value", str(e)))
+        errors.append(_world.error_of(e))
     except (CheckpointError, OSError) as e:
         errors.append(("io", str(e)))
     claims = _claims(source, targets) if source is not None else []

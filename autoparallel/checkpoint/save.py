@@ -111,8 +111,7 @@ def build_entries(plan: SavePlan, records: list[Record]) -> dict[str, Entry]:
 
 
 def _error(e: BaseException) -> tuple[str, str]:
-    kind = "value" if isinstance(e, (ValueError, TypeError)) else "io"
-    return kind, f"{type(e).__name__}: {e}"
+    return _world.error_of(e)
 
 
 def save_state_dict(state_dict: dict[str, Any], path: str | os.PathLike[str], *, fsync: bool = True) -> None:
@@ -144,7 +143,7 @@ def save_state_dict(state_dict: dict[str, Any], path: str | os.PathLike[str], *,
     try:
         outcome = write_owned(folder, plan, flat, save_id, rank, fsync)
     except Exception as e:  # noqa: BLE001 - reported to every rank below
-        outcome = _error(e)[1]
+        outcome = f"{type(e).__name__}: {e}"
     commit(folder, plan, outcome, save_id, rank, fsync)
 
 

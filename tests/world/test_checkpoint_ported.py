@@ -124,3 +124,23 @@ def test_conjugate_views_save_and_load(tmp_path) -> None:  # type: ignore[no-unt
     target = {"c": torch.zeros(2, dtype=torch.complex64), "z": base.conj()}
     ap.load_state_dict(target, str(tmp_path))
     assert torch.equal(target["c"], z.conj()) and torch.equal(target["z"], z)
+
+
+def _unsupported_value(rank: int, folder: str) -> list[str]:
+    class Thing:
+        pass
+
+    out = []
+    for call in (ap.save_state_dict, ap.load_state_dict):
+        try:
+            call({"x": Thing()}, folder)
+        except TypeError as e:  # a TypeError stays one, on every rank, named once
+            out.append(str(e))
+    return out
+
+
+def test_an_unsupported_value_raises_the_same_type_error_on_every_rank(world2, tmp_path):  # type: ignore[no-untyped-def]
+    for msgs in world2.run(_unsupported_value, str(tmp_path)):
+        assert len(msgs) == 2, msgs
+        for m, name in zip(msgs, ("save_state_dict", "load_state_dict")):
+            assert m.startswith(f"{name}: 'x' is a Thing") and m.count(name) == 1, m
