@@ -49,7 +49,7 @@ PLAIN_OPS = [
     aten.ge, aten.gelu, aten.gelu_backward, aten.gt, aten.hardtanh, aten.hardtanh_backward,
     aten.isnan, aten.isinf, aten.le, aten.leaky_relu, aten.leaky_relu_backward, aten.lerp,
     aten.log, aten.log10, aten.log1p, aten.log2, aten.logical_and, aten.logical_not,
-    aten.logical_or, aten.logical_xor, aten.lt, aten.masked_fill, aten.masked_fill_,
+    aten.logical_or, aten.logical_xor, aten.lt,
     aten.maximum, aten.minimum, aten.ne, aten.nan_to_num, aten.pow, aten.pow_,
     aten.reciprocal, aten.relu, aten.relu_, aten.remainder, aten.round, aten.rsqrt,
     aten.sigmoid, aten.sigmoid_, aten.sigmoid_backward, aten.sign, aten.silu, aten.silu_,
@@ -86,6 +86,22 @@ def _partial(call: OpCall, inputs: Sequence[Placement], t: str) -> AxisStrategy:
 @with_strided
 def plain_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
     return _sharded_strategies(call)
+
+
+@register_axis_rule([aten.masked_fill, aten.masked_fill_])
+@with_strided
+def masked_fill_rule(call: OpCall, axis: int, size: int) -> list[AxisStrategy]:
+    """``masked_fill(x, mask, value)``: pointwise; a Partial ``x`` stays Partial with the mask whole
+    where the filled value reduces to itself: every rank fills ``value``, so its avg, max and min
+    over the ranks is ``value``, and its sum is ``value`` when that is 0 (a Python 0: the loss-parallel
+    label smoothing's fill of ignored targets)."""
+    strategies = _sharded_strategies(call)
+    if not call.inputs or not isinstance(call.placements[0][axis], Partial):
+        return strategies
+    value = call.args[2] if len(call.args) > 2 else None
+    kinds = ["avg", "max", "min"] + (["sum"] if isinstance(value, (int, float)) and value == 0 else [])
+    rest = tuple(R for _ in call.inputs[1:])
+    return strategies + [_partial(call, (Partial(t),) + rest, t) for t in kinds]
 
 
 def _elementwise_in(call: OpCall, k: int) -> list[AxisStrategy]:

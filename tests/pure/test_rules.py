@@ -146,6 +146,16 @@ def test_mul_by_scalar_and_replicated_keeps_partial() -> None:
     assert offers(div, [P, R], [P]) and outputs_for(div, [R, P]) == []
 
 
+def test_masked_fill_keeps_a_partial_where_the_fill_reduces_to_itself() -> None:
+    mask = X > 0
+    zero = make_call(aten.masked_fill.Scalar, (X, mask, 0.0), [P, R])
+    assert offers(zero, [P, R], [P])  # a sum of zeros is zero
+    three = make_call(aten.masked_fill.Scalar, (X, mask, 3.0), [P, R])
+    assert outputs_for(three, [P, R]) == []  # a sum of threes is not three
+    pmax = Partial("max")
+    assert offers(make_call(aten.masked_fill.Scalar, (X, mask, 3.0), [pmax, R]), [pmax, R], [pmax])
+
+
 def test_nonlinear_pointwise_offers_no_partial() -> None:
     call = make_call(aten.exp.default, (X,), [P])
     assert outputs_for(call, [P]) == []
