@@ -13,7 +13,8 @@ and ``requires_grad``, the buffers' layouts, the modules' hooks, train/eval flag
 attribute values) the first call captures the step on fake tensors (``autoparallel.static.capture``:
 nothing runs for real) and runs the program; later calls run the same program on the current
 local shards. What the program covers: forward, loss, backward and (for a ``shard_optimizer``
-optimizer, without gradient merge) its bucketed gradient reductions; a buffer or tensor attribute
+optimizer, without gradient merge) its bucketed gradient reductions (for a torch optimizer, each
+Partial gradient reduced, the reductions merged); a buffer or tensor attribute
 the forward assigns anew is one more output, assigned at every call. A program whose capture
 wrote a plain attribute (a counter) is run for that call only, not kept. The optimizer step runs
 after the program as in eager mode, on the same parameter and state objects, so LR
@@ -312,6 +313,9 @@ class DistModel:
         grads: Any = torch.autograd.grad(loss, trained, allow_unused=True)
         if reduce_here:  # the optimizer's bucketed reductions, as part of the program
             grads = self._reduced(trained, grads)
+        elif self._reduces_plainly(trained):  # a torch optimizer would reduce each one at its first read
+            grads = tuple(g if g is None or not layout.spec_of(g).has_partial
+                          else layout.reshard(g, layout.spec_of(g).without_partial()) for g in grads)
         got["grads"] = grads
         return [loss.detach(), *shown] + [g for g in grads if g is not None]
 
@@ -357,6 +361,15 @@ class DistModel:
         are reduced once, at the step) and no gradient left over from outside the step."""
         return (self.strategy.accumulate_steps == 1 and callable(getattr(self.optimizer, "reduce_gradients", None))
                 and all(p.grad is None for p in trained))
+
+    def _reduces_plainly(self, trained: list[torch.Tensor]) -> bool:
+        """Whether a Partial gradient is reduced in the program for an optimizer that does not
+        reduce them itself (a torch optimizer: its first op on a gradient would all-reduce it
+        alone, after the program): one call per step, no gradient from outside the step. The
+        reductions then join the program's merged all-reduces; the gradients the step sees are
+        the reduced values, as the optimizer's ops would read them."""
+        return (self.optimizer is not None and not callable(getattr(self.optimizer, "reduce_gradients", None))
+                and self.strategy.accumulate_steps == 1 and all(p.grad is None for p in trained))
 
     def _reduced(self, trained: list[torch.Tensor], grads: tuple[Any, ...]) -> list[Any]:
         """``grads`` reduced by the optimizer's own bucketed plan (the collectives its step would
