@@ -729,11 +729,13 @@ class _GatherParams(torch.autograd.Function):
                 else:
                     overlapping = owner is not None and owner._overlapping()
                     # other axes where a gradient is a Partial sum (context or tensor parallelism's
-                    # replicated weights): reduced after the reduce-scatter, on the shards, bucketed
-                    extra = [() if overlapping else _extra_partial_axes(grads[k], layouts[k]) for k in ks]  # type: ignore[arg-type]
+                    # replicated weights): reduced bucketed, after the reduce-scatter on the shards;
+                    # overlapped, before it (its pieces are waited for later), on the whole summands
+                    extra = [_extra_partial_axes(grads[k], layouts[k]) for k in ks]  # type: ignore[arg-type]
                     summands = [_summand(grads[k], layouts[k], e).to(dtype) for k, e in zip(ks, extra)]  # type: ignore[arg-type]
                     dims = [layouts[k].dim for k in ks]
                     if overlapping:  # the next unit's backward computes while this one reduces
+                        summands = _reduce_extra(summands, extra, mesh)
                         pieces, work = buckets.reduce_scatter_start(summands, dims, mesh, axis, "sum")
                         owner.reduction(work)  # type: ignore[union-attr]
                     else:
