@@ -40,12 +40,18 @@ class LocalStage:
         self.leaves = {n: layout.local_of(p).detach().requires_grad_(p.requires_grad) for n, p in self.params.items()}  # type: ignore[arg-type]
         self.buffers = {n: layout.local_or_plain(b) for n, b in st.module.named_buffers()}
 
-    def forward(self, x: DistTensor) -> DistTensor:
-        """``st.module(x)`` computed on local tensors, returned Replicate on the stage mesh."""
-        y = torch.func.functional_call(self.st.module, {**self.leaves, **self.buffers}, (x.to_local(),))
-        if not isinstance(y, torch.Tensor):
-            raise TypeError(f"Pipeline: stage {self.st.name} must return one tensor, got {type(y).__name__}")
-        return dtensor_from_local(y, self.st.mesh, [Replicate()] * self.st.mesh.ndim)
+    def forward(self, *xs: DistTensor, copy: bool = False) -> DistTensor | tuple[DistTensor, ...]:
+        """``st.module(*xs)`` computed on local tensors, returned Replicate on the stage mesh (a
+        tuple of outputs as a tuple). ``copy``: the module gets copies of the inputs' local
+        tensors, which it may write in place (the local tensors are views of the inputs)."""
+        args = tuple(x.to_local().clone() if copy else x.to_local() for x in xs)
+        y = torch.func.functional_call(self.st.module, {**self.leaves, **self.buffers}, args)
+        ys = tuple(y) if isinstance(y, (tuple, list)) else (y,)
+        for t in ys:
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"Pipeline: stage {self.st.name} must return tensors, got {type(t).__name__}")
+        out = tuple(dtensor_from_local(t, self.st.mesh, [Replicate()] * self.st.mesh.ndim) for t in ys)
+        return out if isinstance(y, (tuple, list)) else out[0]
 
     def flush_grads(self) -> None:
         """Add the step's accumulated local gradients into the parameters' ``.grad``."""

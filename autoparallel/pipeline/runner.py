@@ -61,9 +61,33 @@ class Event:
 
 @dataclass(frozen=True)
 class _Layouts:
-    inputs: tuple[DistSpec, ...]  # per chunk: layout of its input
-    outputs: tuple[DistSpec, ...]  # per chunk: layout of its output
+    """Per chunk, the layout of each tensor crossing into it and out of it (a stage may take
+    several tensors and return a tuple: each crosses the boundary as a message of its own)."""
+
+    inputs: tuple[tuple[DistSpec, ...], ...]  # per chunk: layout of each of its inputs
+    outputs: tuple[tuple[DistSpec, ...], ...]  # per chunk: layout of each of its outputs
     loss: DistSpec
+    # per chunk: whether its forward writes one of its inputs in place (``nn.ReLU(inplace=True)``
+    # first, ``x += ...``): a received input is a leaf of autograd, which refuses that, so the
+    # chunk gets a copy, as it got the previous layer's output (not a leaf) in one process
+    writes: tuple[bool, ...]
+
+    def single(self, c: int) -> bool:
+        """Whether chunk ``c`` takes one tensor that trains and returns one (what a static
+        program captures; the other chunks run eagerly)."""
+        last = c == len(self.inputs) - 1
+        return (len(self.inputs[c]) == 1 and (c == 0 or _trains(self.inputs[c][0]))
+                and (last or (len(self.outputs[c]) == 1 and _trains(self.outputs[c][0]))))
+
+
+def _trains(spec: DistSpec) -> bool:
+    """Whether a boundary tensor of layout ``spec`` carries a gradient back (floating point)."""
+    return spec.dtype.is_floating_point or spec.dtype.is_complex
+
+
+def _tensors(v: Any) -> tuple[Any, ...]:
+    """A stage's input or output as a tuple of tensors (one tensor: a 1-tuple)."""
+    return tuple(v) if isinstance(v, (tuple, list)) else (v,)
 
 
 def _zeros(spec: DistSpec) -> DistTensor:
@@ -81,13 +105,15 @@ def _as_layout(t: torch.Tensor, spec: DistSpec) -> torch.Tensor:
 
 @contextlib.contextmanager
 def _shape_pass(modules: Sequence[torch.nn.Module]) -> Iterator[None]:
-    """No grad, eval mode (no dropout RNG, no batch-norm statistics), RNG state restored."""
+    """No grad, eval mode (no dropout RNG, no batch-norm statistics), RNG state restored; not in
+    inference mode, even in a step under it (the layouts, cached, serve training steps too, and
+    an inference tensor has no version counter to see a stage write its input)."""
     modes = [(m, m.training) for mod in modules for m in mod.modules()]
     rng = torch.random.get_rng_state()
     try:
         for m, _ in modes:
             m.training = False
-        with torch.no_grad():
+        with torch.inference_mode(False), torch.no_grad():
             yield
     finally:
         for m, mode in modes:
@@ -103,10 +129,12 @@ class Pipeline:
     placement="v")``), which split each backward into the input's gradient, ``B``, and the
     weights', ``W``, run later where the stage would wait (``autoparallel.pipeline.split_backward``).
     ``loss_fn(output, target)`` (or ``loss_fn(output)`` when ``step`` gets no target) runs on
-    the last stage for each micro-batch. ``static=True``: each chunk's forward and backward are
-    captured once per input layout and replayed per micro-batch under the same schedule
-    (``autoparallel.static.chunk``; the same values as eager, with one warning naming the
-    reason where a chunk cannot be captured and stays eager).
+    the last stage for each micro-batch. A stage may return a tuple of DistTensors: the next
+    stage gets them as its arguments, each crossing as a message of its own (integer ones
+    forward only), and ``step`` takes a tuple of inputs for the first stage. ``static=True``:
+    each chunk's forward and backward are captured once per input layout and replayed per
+    micro-batch under the same schedule (``autoparallel.static.chunk``; the same values as
+    eager, with one warning naming the reason where a chunk cannot be captured and stays eager).
     """
 
     def __init__(self, stages: Sequence[Stage], loss_fn: LossFn, *, num_microbatches: int, schedule: str = "1F1B",
@@ -135,11 +163,12 @@ class Pipeline:
         self.rank = rank
         self.stage_index = next((i for i, m in enumerate(self.meshes) if rank in m), None)
         self.local = [runs_locally(st) for st in self.stages]
-        self._layouts: dict[tuple[DistSpec, DistSpec | None], _Layouts] = {}
+        self._layouts: dict[tuple[tuple[DistSpec, ...], bool, DistSpec | None], _Layouts] = {}
         self.events: list[Event] = []
         self.meter: ActivationMeter | None = None
         self.static = static
         self._whole_said: set[int] = set()  # chunks warned that B runs their whole backward
+        self._eager_said: set[int] = set()  # static: chunks warned that they run eagerly
         # static: this rank's chunks (on its stage mesh, not one-rank local ones) as captured programs
         self.programs: dict[int, StaticChunk] = {
             c: StaticChunk(st.module, f"{c} ({st.name})", _as_layout, split_backward=self.schedule.split_backward)
@@ -178,6 +207,14 @@ class Pipeline:
             warnings.warn(f"autoparallel: {self.schedule.name}: stage {c} ({self.stages[c].name}) computes its weight "
                           f"gradients in B, not in a later W, because {why}; the values are the same", stacklevel=4)
 
+    def _say_eager(self, c: int, why: str) -> None:
+        """One warning per chunk that ``static=True`` does not capture (a chunk's program takes one
+        input that trains, returns one output and does not write its input)."""
+        if c not in self._eager_said:
+            self._eager_said.add(c)
+            warnings.warn(f"autoparallel: Pipeline(static=True): chunk {c} ({self.stages[c].name}) runs eagerly: "
+                          f"{why}", stacklevel=4)
+
     def _check_split_backward(self) -> None:
         """A zero-bubble schedule computes weight gradients apart from the input's (``W``): every
         chunk needs parameters that train, and none may carry gradient hooks (they would not see
@@ -209,6 +246,21 @@ class Pipeline:
     @property
     def num_microbatches(self) -> int:
         return self.schedule.num_microbatches
+
+    def split_inputs(self, inputs: Any) -> list[Any]:
+        """The first stage's inputs cut into micro-batches: one tensor, or a tuple (or list) of
+        tensors passed to the first stage as positional arguments, each cut along dim 0."""
+        if isinstance(inputs, dict):
+            raise TypeError("Pipeline.step: inputs must be a tensor or a tuple of tensors (the first stage's "
+                            f"positional arguments), got a dict with keys {list(inputs)[:4]}")
+        if not isinstance(inputs, (tuple, list)):
+            return self.split(inputs, self.meshes[0], "inputs")
+        if not inputs:
+            raise ValueError("Pipeline.step: inputs is an empty sequence; pass a tensor or a tuple of tensors")
+        parts = [self.split(x, self.meshes[0], f"inputs[{i}]") for i, x in enumerate(inputs)]
+        if any(p[0] is None for p in parts):
+            raise TypeError("Pipeline.step: inputs must be tensors; got None in the inputs tuple")
+        return [tuple(mb) for mb in zip(*parts)]
 
     def split(self, x: Any, mesh: ProcessMesh, what: str) -> list[Any]:
         """``x`` cut into micro-batches along dim 0: each data-parallel shard cuts its own rows."""
@@ -277,29 +329,51 @@ class Pipeline:
             placements = (Replicate(),) * nxt.mesh.ndim
         return DistSpec(nxt.mesh, placements, out.shape, out.dtype)
 
-    def layouts(self, x_spec: DistSpec, t_spec: DistSpec | None) -> _Layouts:
-        """Input/output layout of every chunk for a micro-batch laid out as ``x_spec`` (cached)."""
-        key = (x_spec, t_spec)
+    def layouts(self, x_specs: tuple[DistSpec, ...], packed: bool, t_spec: DistSpec | None) -> _Layouts:
+        """Input/output layouts of every chunk for a micro-batch laid out as ``x_specs`` (cached).
+
+        ``packed``: the first stage's input is a tuple (its tensors are the stage's arguments)."""
+        key = (x_specs, packed, t_spec)
         if key in self._layouts:
             return self._layouts[key]
-        inputs, outputs = [x_spec], []
+        inputs: list[tuple[DistSpec, ...]] = [x_specs]
+        outputs: list[tuple[DistSpec, ...]] = []
+        writes: list[bool] = []
         with _shape_pass([s.module for s in self.stages]):
             y: Any = None
             for c, st in enumerate(self.stages):
-                y = st.module(_zeros(inputs[c]))
-                if not isinstance(y, DistTensor) or y.process_mesh != st.mesh:
-                    got = y.process_mesh if isinstance(y, DistTensor) else type(y).__name__
-                    raise TypeError(f"Pipeline: stage {c} ({st.name}) must return one DistTensor on its mesh, got {got}")
-                y_spec = layout.spec_of(y)
-                outputs.append(y_spec.with_placements([Replicate()] * st.mesh.ndim) if self.local[c] else y_spec)
+                args = [_zeros(sp) for sp in inputs[c]]
+                versions = [a._version for a in args]  # (an in-place op bumps it on every rank, in the mesh or not)
+                y = st.module(*args)
+                writes.append([a._version for a in args] != versions)
+                y_specs = tuple(layout.spec_of(t) for t in self._check_output(c, y))
+                outputs.append(tuple(sp.with_placements([Replicate()] * st.mesh.ndim) for sp in y_specs)
+                               if self.local[c] else y_specs)
                 if c + 1 < len(self.stages):
-                    inputs.append(self._next_spec(y_spec, self.stages[c + 1]))
+                    inputs.append(tuple(self._next_spec(sp, self.stages[c + 1]) for sp in y_specs))
             loss = self.loss_fn(y) if t_spec is None else self.loss_fn(y, _zeros(t_spec))
             if not isinstance(loss, DistTensor) or loss.numel() != 1:
                 raise TypeError(f"Pipeline: loss_fn must return a one-element DistTensor, got {type(loss).__name__} {tuple(loss.shape)}")
-        out = _Layouts(tuple(inputs), tuple(outputs), layout.spec_of(loss))
+        out = _Layouts(tuple(inputs), tuple(outputs), layout.spec_of(loss), tuple(writes))
         self._layouts[key] = out
         return out
+
+    def _check_output(self, c: int, y: Any) -> tuple[DistTensor, ...]:
+        """Stage ``c``'s output as a tuple of DistTensors on its mesh (one tensor, or a tuple or
+        list of them: the next stage gets them as positional arguments, the loss as they are)."""
+        st = self.stages[c]
+        ys = _tensors(y)
+        where = "" if not isinstance(y, (tuple, list)) else " in its output tuple"
+        if not ys:
+            raise TypeError(f"Pipeline: stage {c} ({st.name}) returned an empty {type(y).__name__}; it must return "
+                            "a DistTensor or a tuple of them")
+        for i, t in enumerate(ys):
+            if not isinstance(t, DistTensor) or t.process_mesh != st.mesh:
+                got = f"a DistTensor on {t.process_mesh!r}" if isinstance(t, DistTensor) else type(t).__name__
+                at = f" (item {i})" if where else ""
+                raise TypeError(f"Pipeline: stage {c} ({st.name}) must return DistTensors on its mesh {st.mesh!r} (one, "
+                                f"or a tuple of them); got {got}{where}{at}")
+        return ys
 
     # ---- one training step ----------------------------------------------------------------
     def step(self, inputs: Any, target: Any = None, *, record: bool = False) -> DistTensor:
@@ -310,9 +384,11 @@ class Pipeline:
         """
         if self.schedule.split_backward:  # (a hook may have been registered since the pipeline was built)
             self._check_split_backward()
-        xs = self.split(inputs, self.meshes[0], "inputs")
-        ts = self.split(self._rows_as_inputs(target, xs[0]), self.stages[-1].mesh, "targets")
-        lay = self.layouts(layout.spec_of(xs[0]), None if ts[0] is None else layout.spec_of(ts[0]))
+        xs = self.split_inputs(inputs)
+        ts = self.split(self._rows_as_inputs(target, _tensors(xs[0])[0]), self.stages[-1].mesh, "targets")
+        packed = isinstance(xs[0], tuple)
+        lay = self.layouts(tuple(layout.spec_of(x) for x in _tensors(xs[0])), packed,
+                           None if ts[0] is None else layout.spec_of(ts[0]))
         self.events = []
         if self.stage_index is None:
             return _zeros(lay.loss)
@@ -333,16 +409,16 @@ class _Run:
         self.pipe, self.lay, self.xs, self.ts, self.record = pipe, lay, xs, ts, record
         self.v = len(pipe.stages)
         self.m = pipe.num_microbatches
-        self.inputs: dict[tuple[int, int], DistTensor] = {}
+        self.inputs: dict[tuple[int, int], tuple[DistTensor, ...]] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
-        self.grads_out: dict[tuple[int, int], DistTensor] = {}
-        self.grads_in: dict[tuple[int, int], torch.Tensor] = {}
+        self.grads_out: dict[tuple[int, int], dict[int, DistTensor]] = {}  # by the output's index
+        self.grads_in: dict[tuple[int, int], list[torch.Tensor]] = {}  # one per input that trains
         self.losses: dict[int, torch.Tensor] = {}
         self.weight_work: dict[tuple[int, int], Callable[[], Any] | None] = {}  # zero-bubble: W, kept by B
         self.saved: dict[tuple[int, int], split_backward.SavedByForward] = {}  # zero-bubble: what F saved, until B
-        self.handoff: dict[tuple[str, int, int], torch.Tensor] = {}  # messages between two chunks of this mesh (a V)
+        self.handoff: dict[tuple[str, int, int], list[torch.Tensor]] = {}  # messages between two chunks of this mesh (a V)
         self.pending = p2p.PendingSends()
-        self.posted: dict[tuple[str, int, int], p2p.PendingRecv] = {}
+        self.posted: dict[tuple[str, int, int], list[p2p.PendingRecv]] = {}
         self.local = {c: LocalStage(st) for c, st in enumerate(pipe.stages)
                       if pipe.local[c] and pipe.stage_index == pipe.schedule.stage_of(c)}
         self.device = runtime.default_device()
@@ -368,27 +444,42 @@ class _Run:
             loc.flush_grads()
         return [self.losses[i] for i in sorted(self.losses)]
 
-    def _plan(self, c: int, backward: bool) -> Any:
-        """Plan of the boundary into chunk ``c`` (forward) or out of it (backward)."""
-        src, dst = self.lay.outputs[c - 1], self.lay.inputs[c]
+    def _plan(self, c: int, backward: bool, k: int) -> Any:
+        """Plan of tensor ``k`` of the boundary into chunk ``c`` (forward) or out of it (backward)."""
+        src, dst = self.lay.outputs[c - 1][k], self.lay.inputs[c][k]
         return p2p.boundary_plan(layout.grad_spec(dst), layout.grad_spec(src)) if backward else p2p.boundary_plan(src, dst)
 
+    def _tag(self, tag: int, k: int) -> int:
+        """The tag of tensor ``k`` of a boundary message (tensor 0 keeps the action's own tag)."""
+        return tag + k * 2 * self.v * self.m
+
+    def _crossing(self, c: int, backward: bool) -> list[int]:
+        """Which tensors of the boundary into chunk ``c`` cross it (backward: those that train)."""
+        specs = self.lay.inputs[c]
+        return [k for k, sp in enumerate(specs) if not backward or _trains(sp)]
+
     def _post(self, a: Action) -> None:
-        plan = self._plan(a.chunk, False) if a.kind == RECV_F else self._plan(a.chunk + 1, True)
-        self.posted[(a.kind, a.microbatch, a.chunk)] = p2p.post_recv(plan, a.tag(self.v, self.m), self.device)
+        c = a.chunk if a.kind == RECV_F else a.chunk + 1
+        back = a.kind == RECV_B
+        self.posted[(a.kind, a.microbatch, a.chunk)] = [
+            p2p.post_recv(self._plan(c, back, k), self._tag(a.tag(self.v, self.m), k), self.device)
+            for k in self._crossing(c, back)]
 
     def _here(self, c: int) -> bool:
         """Whether chunk ``c`` lives on this rank's stage mesh (the other side of a V's turn)."""
         return self.pipe.schedule.stage_of(c) == self.pipe.stage_index
 
     def _recv_f(self, mb: int, c: int, tag: int) -> None:
-        local = self.handoff.pop((F, mb, c)) if self._here(c - 1) else self.posted.pop((RECV_F, mb, c)).wait()
-        self.inputs[(mb, c)] = layout.wrap(local, self.lay.inputs[c], requires_grad=True)
+        locs = self.handoff.pop((F, mb, c)) if self._here(c - 1) else [r.wait() for r in self.posted.pop((RECV_F, mb, c))]
+        self.inputs[(mb, c)] = tuple(layout.wrap(local, sp, requires_grad=_trains(sp))
+                                     for local, sp in zip(locs, self.lay.inputs[c]))
 
     def _f(self, mb: int, c: int, tag: int) -> None:
         pipe = self.pipe
         x = self.xs[mb] if c == 0 else self.inputs[(mb, c)]
+        args = _tensors(x)
         last = c == self.v - 1
+        copy = c > 0 and self.lay.writes[c]  # (the first chunk's inputs are the caller's, written as in one process)
 
         def eager() -> Any:
             if pipe.schedule.split_backward:  # B releases what W does not read
@@ -396,77 +487,99 @@ class _Run:
             else:
                 track = pipe.meter.track() if pipe.meter is not None else contextlib.nullcontext()
             with track:
-                y = self.local[c].forward(x) if c in self.local else pipe.stages[c].module(x)
+                y: Any
+                if c in self.local:
+                    y = self.local[c].forward(*args, copy=copy)
+                else:
+                    y = pipe.stages[c].module(*(a.clone() for a in args) if copy else args)
                 if last:
                     y = pipe.loss_fn(y) if self.ts[mb] is None else pipe.loss_fn(y, self.ts[mb])
             return y
 
         chunk = pipe.programs.get(c) if pipe.meter is None else None
+        if chunk is not None and (copy or not self.lay.single(c)):
+            pipe._say_eager(c, "it writes its input in place" if copy else
+                            "it passes several tensors (or one that does not train) across a stage boundary")
+            chunk = None
         if chunk is None:
             y = eager()
         else:
-            y = chunk.forward(x, self.ts[mb] if last else None, pipe.loss_fn if last else None, self.m,
-                              self.lay.outputs[c], layout.grad_spec(self.lay.inputs[c]) if c > 0 else None, eager)
+            y = chunk.forward(args[0], self.ts[mb] if last else None, pipe.loss_fn if last else None, self.m,
+                              self.lay.outputs[c][0], layout.grad_spec(self.lay.inputs[c][0]) if c > 0 else None, eager)
         if last:
             self.losses[mb] = y.value if isinstance(y, Replayed) else y.detach()
         self.outputs[(mb, c)] = y
 
     def _send_f(self, mb: int, c: int, tag: int) -> None:
         y = self.outputs[(mb, c)]
-        local = _as_layout(y.value if isinstance(y, Replayed) else y, self.lay.outputs[c])
+        ys = _tensors(y.value if isinstance(y, Replayed) else y)
+        locs = [_as_layout(t, sp) for t, sp in zip(ys, self.lay.outputs[c])]
         if self._here(c + 1):
-            self.handoff[(F, mb, c + 1)] = _moved(local, self.lay.outputs[c], self.lay.inputs[c + 1])
+            self.handoff[(F, mb, c + 1)] = [_moved(local, src, dst) for local, src, dst
+                                            in zip(locs, self.lay.outputs[c], self.lay.inputs[c + 1])]
         else:
-            p2p.send(local, self._plan(c + 1, False), tag, self.pending)
+            for k, local in enumerate(locs):
+                p2p.send(local, self._plan(c + 1, False, k), self._tag(tag, k), self.pending)
 
     def _recv_b(self, mb: int, c: int, tag: int) -> None:
-        spec = layout.grad_spec(self.lay.outputs[c])
-        local = self.handoff.pop((B, mb, c + 1)) if self._here(c + 1) else self.posted.pop((RECV_B, mb, c)).wait()
-        self.grads_out[(mb, c)] = layout.wrap(local, spec)
+        crossing = self._crossing(c + 1, True)
+        if self._here(c + 1):
+            locs = self.handoff.pop((B, mb, c + 1))
+        else:
+            locs = [r.wait() for r in self.posted.pop((RECV_B, mb, c))]
+        self.grads_out[(mb, c)] = {k: layout.wrap(local, layout.grad_spec(self.lay.outputs[c][k]))
+                                   for k, local in zip(crossing, locs)}
 
     def _b(self, mb: int, c: int, tag: int) -> None:
         y = self.outputs.pop((mb, c))
         saved = self.saved.pop((mb, c), None)
         if isinstance(y, Replayed):  # the forward ran as a program: its backward program runs
-            g_out = None if c == self.v - 1 else layout.local_of(self.grads_out.pop((mb, c)))
+            g_out = None if c == self.v - 1 else layout.local_of(self.grads_out.pop((mb, c))[0])
             if self.pipe.schedule.split_backward:
                 g_in, self.weight_work[(mb, c)] = self.pipe.programs[c].backward_input(y, g_out)
             else:
                 g_in = self.pipe.programs[c].backward(y, g_out)
             if c > 0:
                 self.inputs.pop((mb, c))
-                self.grads_in[(mb, c)] = g_in  # type: ignore[assignment]
+                self.grads_in[(mb, c)] = [g_in]  # type: ignore[list-item]
             return
         if self.pipe.schedule.split_backward:
-            self._b_input(mb, c, y, saved)
-            return
+            if self.lay.single(c):
+                self._b_input(mb, c, y, saved)
+                return
+            self.pipe._say_whole(c, "it passes several tensors (or one that does not train) across a stage boundary")
+            self.weight_work[(mb, c)] = None
         if c == self.v - 1:
             if y.requires_grad:
                 (y / self.m).backward()
         else:
-            g_out = self.grads_out.pop((mb, c))
-            if y.requires_grad:
-                torch.autograd.backward(y, g_out)
+            ys = _tensors(y)
+            pairs = [(ys[k], g) for k, g in self.grads_out.pop((mb, c)).items() if ys[k].requires_grad]
+            if pairs:
+                torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
         if c > 0:
-            x = self.inputs.pop((mb, c))
-            spec = layout.grad_spec(self.lay.inputs[c])
-            g = x.grad if x.grad is not None else _zeros(spec)
-            self.grads_in[(mb, c)] = _as_layout(g, spec)
+            xs = self.inputs.pop((mb, c))
+            grads = []
+            for k in self._crossing(c, True):
+                spec = layout.grad_spec(self.lay.inputs[c][k])
+                g = xs[k].grad
+                grads.append(_as_layout(g if g is not None else _zeros(spec), spec))
+            self.grads_in[(mb, c)] = grads
 
     def _b_input(self, mb: int, c: int, y: Any, saved: split_backward.SavedByForward | None) -> None:
         """Zero-bubble ``B``: the input's gradient now; what the weights need is kept for ``W``."""
         last = c == self.v - 1
-        g_out = None if last else self.grads_out.pop((mb, c))
-        x = self.inputs.pop((mb, c)) if c > 0 else None
-        out = y / self.m if last else y
+        g_out = None if last else self.grads_out.pop((mb, c))[0]
+        x = self.inputs.pop((mb, c))[0] if c > 0 else None
+        out = y / self.m if last else _tensors(y)[0]
         params = list(self.local[c].leaves.values()) if c in self.local else list(self.pipe.stages[c].module.parameters())
-        gx, work = split_backward.input_grad(out, g_out, x, params, saved, self.pipe._whole_why.get(c)) if y.requires_grad else (None, None)
+        gx, work = split_backward.input_grad(out, g_out, x, params, saved, self.pipe._whole_why.get(c)) if out.requires_grad else (None, None)
         if work is not None and work.whole is not None:
             self.pipe._say_whole(c, work.whole)
         self.weight_work[(mb, c)] = None if work is None else (lambda: split_backward.weight_grads(work))
         if c > 0:
-            spec = layout.grad_spec(self.lay.inputs[c])
-            self.grads_in[(mb, c)] = _as_layout(gx if gx is not None else _zeros(spec), spec)
+            spec = layout.grad_spec(self.lay.inputs[c][0])
+            self.grads_in[(mb, c)] = [_as_layout(gx if gx is not None else _zeros(spec), spec)]
 
     def _w(self, mb: int, c: int, tag: int) -> None:
         work = self.weight_work.pop((mb, c))
@@ -474,11 +587,15 @@ class _Run:
             work()
 
     def _send_b(self, mb: int, c: int, tag: int) -> None:
-        g = self.grads_in.pop((mb, c))
+        grads = self.grads_in.pop((mb, c))
+        crossing = self._crossing(c, True)
         if self._here(c - 1):
-            self.handoff[(B, mb, c)] = _moved(g, layout.grad_spec(self.lay.inputs[c]), layout.grad_spec(self.lay.outputs[c - 1]))
+            self.handoff[(B, mb, c)] = [_moved(g, layout.grad_spec(self.lay.inputs[c][k]),
+                                               layout.grad_spec(self.lay.outputs[c - 1][k]))
+                                        for k, g in zip(crossing, grads)]
         else:
-            p2p.send(g, self._plan(c, True), tag, self.pending)
+            for k, g in zip(crossing, grads):
+                p2p.send(g, self._plan(c, True, k), self._tag(tag, k), self.pending)
 
 
 def _moved(local: torch.Tensor, src: DistSpec, dst: DistSpec) -> torch.Tensor:

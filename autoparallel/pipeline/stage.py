@@ -44,6 +44,18 @@ class Stage:
     name: str = ""
 
 
+class Piece(nn.Sequential):
+    """A run of consecutive blocks of a model: exactly ``nn.Sequential`` (each block's output is
+    the next block's one argument), except that several arguments, the tensors of the previous
+    piece's output tuple, reach the first block as that one tuple, as they did in the model."""
+
+    def forward(self, *args: Any) -> Any:
+        x = args[0] if len(args) == 1 else args
+        for block in self:
+            x = block(x)
+        return x
+
+
 def _blocks(model: Any) -> list[tuple[str, nn.Module]]:
     if isinstance(model, nn.Sequential) or isinstance(model, nn.ModuleList):
         return list(model.named_children())
@@ -111,7 +123,7 @@ def stages_from_annotations(model: Any, meshes: Sequence[ProcessMesh] | None = N
         for m in stage_meshes:
             if m not in meshes:
                 raise ValueError(f"pipeline: parameters live on {m!r}, which is not one of the stage meshes")
-    return [Stage(nn.Sequential(OrderedDict(parts)), m, None, _span(parts)) for m, parts in groups]  # type: ignore[arg-type]
+    return [Stage(Piece(OrderedDict(parts)), m, None, _span(parts)) for m, parts in groups]  # type: ignore[arg-type]
 
 
 def _span(parts: list[tuple[str, nn.Module]]) -> str:
@@ -155,7 +167,7 @@ def split_sequential(
     starts = _starts(names, split_points, count)
     if input_placements is not None and len(input_placements) != count:
         raise ValueError(f"split_sequential: {len(input_placements)} input_placements for {count} stages")
-    pieces = [nn.Sequential(OrderedDict(blocks[lo:(starts[c + 1] if c + 1 < count else len(blocks))]))
+    pieces = [Piece(OrderedDict(blocks[lo:(starts[c + 1] if c + 1 < count else len(blocks))]))
               for c, lo in enumerate(starts)]
     plans = _stage_plans(pieces, plan)
     stages = []
@@ -229,4 +241,4 @@ def _starts(names: list[str], split_points: Sequence[str] | None, count: int) ->
     return [0] + idx
 
 
-__all__ = ["Absent", "Stage", "check_meshes", "split_sequential", "stages_from_annotations"]
+__all__ = ["Absent", "Piece", "Stage", "check_meshes", "split_sequential", "stages_from_annotations"]
