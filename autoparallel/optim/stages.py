@@ -129,25 +129,28 @@ def param_axis(stage: ShardingStage, spec: DistSpec, where: str) -> int:
 def shard_layout(spec: DistSpec, axis: int) -> DistSpec | None:
     """The layout of the parameter ``spec`` with mesh ``axis`` changed from Replicate to Shard.
 
-    Picks the first tensor dim (dim 0 when possible) whose other sharding axes all come before
-    ``axis``, so the new shard is a ``torch.chunk`` piece of the current local shard (no data
-    moves) in the default shard order. None when the parameter stays as it is: already sharded
-    on ``axis``, a 0-d tensor, or no such dim.
+    The new shard is a ``torch.chunk`` piece of the current local shard (no data moves): the first
+    tensor dim (dim 0 when possible) whose other sharding axes all come before ``axis`` (the
+    default shard order); else dim 0, split by ``axis`` inside its other axes' pieces (an explicit
+    shard order: a column-parallel bias on a (dp, tp) mesh). None when the parameter stays as it
+    is: already sharded on ``axis``, or a 0-d tensor.
     """
     placements = list(spec.placements)
     if isinstance(placements[axis], Partial):
         raise ValueError(f"shard_optimizer: a parameter is Partial on mesh axis {axis}: {spec}")
     if not isinstance(placements[axis], Replicate):
         return None
-    for dim in range(spec.ndim):
-        others = [a for a, p in enumerate(placements) if isinstance(p, Shard) and p.dim == dim]
-        if all(a < axis for a in others):
-            placements[axis] = Shard(dim)
-            order = [(d, axes) for d, axes in spec.shard_order if d != dim]
-            if len(others) > 1:
-                order.append((dim, spec.axes_of_dim(dim) + (axis,)))
-            return spec.with_placements(placements, tuple(order))
-    return None
+    if spec.ndim == 0:
+        return None
+    dims = [d for d in range(spec.ndim)
+            if all(a < axis for a, p in enumerate(placements) if isinstance(p, Shard) and p.dim == d)]
+    dim = dims[0] if dims else 0
+    others = [a for a, p in enumerate(placements) if isinstance(p, Shard) and p.dim == dim]
+    placements[axis] = Shard(dim)
+    order = [(d, axes) for d, axes in spec.shard_order if d != dim]
+    if len(others) > 1 or not dims:
+        order.append((dim, spec.axes_of_dim(dim) + (axis,)))
+    return spec.with_placements(placements, tuple(order))
 
 
 def check_stage(shard_fn: Any) -> ShardingStage | None:

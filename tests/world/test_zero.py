@@ -57,8 +57,11 @@ def test_shard_layout_picks_a_local_slice() -> None:
     assert shard_layout(spec, 0).placements == (S0, R)  # type: ignore[union-attr]
     # column-parallel weight (dim 0 on mp, axis 1 > dp axis 0): dp takes dim 1 instead
     assert shard_layout(spec.with_placements((R, S0)), 0).placements == (S1, S0)  # type: ignore[union-attr]
-    # ... and a 1-d column-parallel bias stays replicated on dp
-    assert shard_layout(ap.DistSpec(mesh, (R, S0), (4,), torch.float32), 0) is None
+    # ... and a 1-d column-parallel bias is split by dp inside its mp piece (mp outer, dp inner:
+    # a chunk of the rank's current shard; mp piece 1 of [0, 8) is [4, 8), its dp halves [4, 6), [6, 8))
+    bias = shard_layout(ap.DistSpec(mesh, (R, S0), (8,), torch.float32), 0)
+    assert bias is not None and bias.placements == (S0, S0) and bias.shard_order == ((0, (1, 0)),)
+    assert bias.local_box((0, 1)) == ((4, 2),) and bias.local_box((1, 1)) == ((6, 2),)
     # dp as the inner axis (mesh ["mp", "dp"]): it may split dim 0 after mp
     assert shard_layout(spec.with_placements((S0, R)), 1).placements == (S0, S0)  # type: ignore[union-attr]
     assert shard_layout(ap.DistSpec(mesh, (R, R), (), torch.float32), 0) is None  # 0-d
@@ -252,12 +255,13 @@ def test_clipping_and_dp_x_tp(world4):  # type: ignore[no-untyped-def]
     res = world4.run(_clip_and_tp, timeout=300)[0]
     assert all(c == {} for c in res["dp"]), res["dp"]  # reduce_gradients() ran before clipping
     tp2 = res["tp-zero2"]
-    # column weight sharded on dp by dim 1, row weight by dim 0, row bias too; column bias stays
+    # column weight sharded on dp by dim 1, row weight by dim 0, row bias too; the column bias by
+    # dp within its mp piece
     assert tp2["params"] == ["(Replicate(), Shard(0))"] * 2 + ["(Replicate(), Shard(1))", "(Replicate(), Replicate())"]
-    assert sorted(set(tp2["states"])) == ["(Replicate(), Shard(0))", "(Shard(0), Replicate())",
+    assert sorted(set(tp2["states"])) == ["(Shard(0), Replicate())", "(Shard(0), Shard(0))",
                                            "(Shard(0), Shard(1))", "(Shard(1), Shard(0))"]
-    # one reduce-scatter (the dp-sharded grads) + one all-reduce (the column bias) + one all-gather
-    assert all(c == {"reduce_scatter": 1, "all_reduce": 1, "all_gather": 1} for c in tp2["step"]), tp2["step"]
+    # one reduce-scatter (every gradient, the column bias too) + one all-gather
+    assert all(c == {"reduce_scatter": 1, "all_gather": 1} for c in tp2["step"]), tp2["step"]
     assert set(res["tp-zero3"]["params"]) >= {"(Shard(1), Shard(0))", "(Shard(0), Shard(1))"}
     # a size-1 dp axis: the Partial over it is already the value, nothing moves for it
     assert all("reduce_scatter" not in c and "all_gather" not in c for c in res["dp1-zero2"]["step"]), res["dp1-zero2"]
