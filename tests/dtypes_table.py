@@ -42,7 +42,7 @@ def cell(dtype: torch.dtype, column: str) -> str:
     if c.how == "native":
         return "native"
     wire = name(c.wire)
-    return {"view": f"{wire} view", "flip": f"{wire} flip"}.get(c.how, wire) + ("" if c.op == column or column == "avg" else f" {c.op}")
+    return {"view": f"{wire} view", "flip": f"{wire} flip", "ordered": f"{wire} ordered"}.get(c.how, wire) + ("" if c.op == column or column == "avg" else f" {c.op}")
 
 
 def is_exact(dtype: torch.dtype, column: str) -> bool:

@@ -82,7 +82,7 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
             continue  # its gradients are the members' (this rank never ran their backward)
         value = _norm([p.grad for p in ps if p.grad is not None], norm_type)
         if rank == mesh.process_ids[0]:
-            own = max(own, value) if top else own + value ** norm_type
+            own = _top(own, value) if top else own + value ** norm_type
     held = [p for p in extra if not isinstance(p, DistTensor) or rank in p.process_mesh]
     union = ProcessMesh(sorted({r for mesh in groups for r in mesh.process_ids} or {rank}), dim_names=["all"])
     first = next(p for p in params + extra if isinstance(p, DistTensor))
@@ -90,7 +90,7 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
     process_groups.ensure(union)  # every rank: creating a group is a collective over the world
     summed = float(comm.all_reduce(share, union, 0, "max" if top else "sum")) if rank in union else 0.0
     local = _norm([p.grad for p in plain if p.grad is not None], norm_type)
-    total = max(summed, local) if top else (summed + local ** norm_type) ** (1.0 / norm_type)
+    total = _top(summed, local) if top else (summed + local ** norm_type) ** (1.0 / norm_type)
     if error_if_nonfinite and not math.isfinite(total):
         raise RuntimeError(f"clip_grad_norm_: the total norm of order {norm_type} of the gradients is "
                            f"non-finite ({total}), so it cannot be clipped (error_if_nonfinite=True)")
@@ -101,6 +101,11 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
                 if p.grad is not None:
                     p.grad.mul_(coef)
     return torch.tensor(total)
+
+
+def _top(a: float, b: float) -> float:
+    """The larger of two norms, NaN where either is (Python's ``max`` keeps its first NaN only)."""
+    return math.nan if math.isnan(a) or math.isnan(b) else max(a, b)
 
 
 def _norm(grads: list[torch.Tensor], norm_type: float) -> float:

@@ -14,6 +14,7 @@ owned by ``autoparallel.runtime.groups`` (created for every line by every rank i
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -70,7 +71,10 @@ class Carry:
     """How a reduction of ``dtype`` travels: the backend reduces ``wire`` values with ``op``.
 
     ``how``: ``native`` (as it is), ``view`` (the same bytes as ``wire``), ``widen`` (converted to
-    ``wire`` and back, exactly) or ``flip`` (viewed as int64 with the sign bit flipped).
+    ``wire`` and back, exactly), ``flip`` (viewed as int64 with the sign bit flipped) or ``ordered``
+    (a float's max/min: its bits as an integer in the floats' order, a NaN above +inf for max and
+    below -inf for min, so a NaN on any member wins as in ``torch.amax``; a backend's float max
+    keeps a NaN only from its first operand).
     """
 
     dtype: torch.dtype
@@ -86,6 +90,11 @@ class Carry:
             return t.view(self.wire)
         if self.how == "flip":
             return t.view(self.wire).bitwise_xor(_SIGN64)
+        if self.how == "ordered":
+            x = t if t.dtype in (torch.float32, torch.float64) else t.float()
+            nan = torch.full((), math.nan, dtype=x.dtype, device=x.device)
+            x = torch.where(torch.isnan(x), nan if self.op == "max" else -nan, x)
+            return _float_order(x.view(self.wire))
         return t.to(self.wire)
 
     def result(self, w: torch.Tensor, n: int, reduce_type: str) -> torch.Tensor:
@@ -98,7 +107,16 @@ class Carry:
             return w.view(self.dtype)
         if self.how == "flip":
             return w.bitwise_xor(_SIGN64).view(self.dtype)
+        if self.how == "ordered":
+            return _float_order(w).view(torch.float64 if self.wire == torch.int64 else torch.float32).to(self.dtype)
         return w.to(self.dtype)
+
+
+def _float_order(bits: torch.Tensor) -> torch.Tensor:
+    """A float's bits (as int32/int64) mapped to integers in the floats' order, and back (the map
+    is its own inverse): a negative float's magnitude bits flipped."""
+    mask = (1 << (bits.element_size() * 8 - 1)) - 1
+    return torch.where(bits < 0, bits ^ mask, bits)
 
 
 def reduce_refusal(dtype: torch.dtype, reduce_type: str) -> str | None:
@@ -121,6 +139,8 @@ def reduction_carry(dtype: torch.dtype, reduce_type: str) -> Carry:
         why = "the average of integers is not an integer (reduce with 'sum' and divide, or use a floating dtype)"
     elif op != "sum" and dtype.is_complex:
         why = "complex numbers have no order"
+    elif dtype in _FLOATS and op != "sum":
+        return Carry(dtype, torch.int64 if dtype == torch.float64 else torch.int32, op, "ordered")
     elif dtype in _FLOATS or dtype in _COMPLEX or dtype in _INTS:
         return Carry(dtype, dtype, op, "native")
     elif dtype == torch.bool:  # bool ``+`` is ``or``
@@ -133,7 +153,7 @@ def reduction_carry(dtype: torch.dtype, reduce_type: str) -> Carry:
         return Carry(dtype, torch.int64, op, "view" if op == "sum" else "flip")
     elif dtype in _FLOAT8:
         if op != "sum":
-            return Carry(dtype, torch.float32, op, "widen")
+            return Carry(dtype, torch.int32, op, "ordered")
         if dtype != getattr(torch, "float8_e8m0fnu", None):
             return Carry(dtype, torch.float64, op, "widen")
         why = "its values are powers of two and a sum of them is not one"

@@ -178,3 +178,34 @@ def test_world_values_and_gradients_match_torch(world4):  # type: ignore[no-unty
 
 def test_world_layouts_and_bool_partials(world4):  # type: ignore[no-untyped-def]
     assert all(world4.run(_world_layouts))
+
+
+def _nan_on_every_rank_in_turn(rank: int) -> list[str]:
+    """A NaN in one rank's shard (each rank in turn) is the max and the min over the shards, as
+    on one device: the reductions of Partial max/min carry it from any rank, not only the first;
+    and ``ap.clip_grad_norm_`` of order inf raises for it with ``error_if_nonfinite``."""
+    mesh = ap.ProcessMesh([0, 1, 2, 3], dim_names=["x"])
+    wrong = []
+    for pos in range(4):
+        for dtype in (torch.float32, torch.bfloat16, torch.float64):
+            x = torch.arange(16.0).reshape(4, 4).to(dtype)
+            x[pos, 1] = float("nan")
+            d = ap.shard_tensor(x, mesh, [S0])
+            for name, fn in (("max", lambda t: t.max()), ("amax0", lambda t: t.amax(0)), ("min", lambda t: t.min())):
+                got, want = fn(d).full_tensor(), fn(x)
+                if not (torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())):
+                    wrong.append(f"{name} {dtype} NaN on rank {pos}: {got.tolist()} != {want.tolist()}")
+        p = ap.shard_tensor(torch.nn.Parameter(torch.ones(4, 3)), mesh, [S0])
+        g = torch.ones(4, 3)
+        g[pos, 0] = float("nan")
+        (p * ap.shard_tensor(g, mesh, [S0])).sum().backward()
+        try:
+            ap.clip_grad_norm_([p], 1.0, norm_type=float("inf"), error_if_nonfinite=True)
+            wrong.append(f"clip inf-norm with a NaN on rank {pos} did not raise")
+        except RuntimeError:
+            pass
+    return wrong
+
+
+def test_a_nan_on_any_rank_is_the_max_and_the_min(world4):  # type: ignore[no-untyped-def]
+    assert world4.run(_nan_on_every_rank_in_turn) == [[]] * 4
