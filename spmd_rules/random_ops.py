@@ -5,8 +5,10 @@ runs, then keeps its own box. So a sharded result equals the unsharded one, a Re
 identical on every rank, and each generator ends in the state a single-device run leaves it in.
 Contract: every rank must seed alike (``torch.manual_seed(s)`` with the same ``s`` on every rank)
 and draw the same sequence. Cost: each draw allocates the full tensor transiently (memory
-O(full size)) and every rank spends the full draw's time. Ranks outside the tensor's mesh skip
-the op (the dispatcher runs nothing there), so their generators do not advance.
+O(full size)) and every rank spends the full draw's time. Ranks outside the tensor's mesh compute
+nothing, but draw (and drop) the same whole tensor (``draw_outside``), so every rank's generator
+stays in step, except after a draw whose count depends on its input's values (``multinomial``,
+``poisson``: there, only the mesh's ranks advance).
 
 - fills (``uniform_``, ``normal_``, ``bernoulli_``, ``exponential_``, ``random_``, ...) keep the
   written tensor's layout and move nothing; a Partial tensor receives the value in Partial form
@@ -149,8 +151,27 @@ def dropout_local(ctx: LocalContext, x: torch.Tensor, p: float, train: bool | No
     return x.mul(mask).mul_(scale), mask
 
 
+def draw_outside(func: Any, specs: Sequence[Any], args: Sequence[Any], kwargs: Mapping[str, Any],
+                 device: torch.device) -> None:
+    """On a rank outside the tensor's mesh: draw (and drop) what the mesh's ranks draw, the whole
+    tensor, so that its generator advances as theirs and as one device's does (a later draw on a
+    mesh it belongs to then gives every rank the same values). For the draws whose count follows
+    from the shape alone: fills, ``*_like`` and dropout; a draw whose count depends on the input's
+    values (``multinomial``, ``poisson``) leaves the generator as it is there."""
+    packet = func.overloadpacket
+    if not specs or not (packet in FILL_OPS or func in FILL_OPS or func is aten.bernoulli_.Tensor
+                         or packet in LIKE_RANDOM_OPS or func in LIKE_RANDOM_OPS or packet is aten.native_dropout):
+        return
+    spec = specs[0]
+    full = torch.empty(spec.shape, dtype=spec.dtype, device=device)
+    # (tensor arguments, as bernoulli_'s probabilities, matter only by their shape here)
+    rest = [torch.full(tuple(a.shape), 0.5, dtype=a.dtype, device=device) if isinstance(a, torch.Tensor) else a
+            for a in args[1:]]
+    func(full, *rest, **kwargs)
+
+
 __all__ = [
-    "FILL_OPS", "LIKE_RANDOM_OPS", "WHOLE_INPUT_OPS", "dim_order", "full_like_layout", "local_piece",
+    "FILL_OPS", "LIKE_RANDOM_OPS", "WHOLE_INPUT_OPS", "dim_order", "draw_outside", "full_like_layout", "local_piece",
 ]
 
 

@@ -36,6 +36,7 @@ from autoparallel.runtime import debug
 from autoparallel.spec import DistSpec
 from autoparallel.strides import conform
 from reshard.executor import run_any
+from spmd_rules.random_ops import draw_outside, draws_random
 
 
 def execute(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], dts: list[Any], d: Decision,
@@ -88,6 +89,9 @@ def _run(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], dts
                 return _inherit_detached(w, dts, func, args, kwargs) if d.view_out else w
     else:
         out = None
+        if draws_random(func, args, kwargs):  # the mesh's ranks draw: this generator advances alike
+            with torch.no_grad(), compat.no_dispatch():
+                draw_outside(func, [t._spec for t in dts], args, kwargs, dts[0]._local.device)
     if d.fallback and member and not d.mutated:  # the kernel's outputs, whatever meta said
         return _wrap_unknown(cls, out, d, dts)
     if d.out_kind is OutKind.UNKNOWN and not d.mutated:

@@ -277,3 +277,27 @@ def _dropout(rank: int) -> list[str]:
 def test_dropout_forward_backward_match_single_device(world4):  # type: ignore[no-untyped-def]
     for warned in world4.run(_dropout):
         assert warned == []
+
+
+def _sub_mesh_draws(rank: int) -> list[bool]:
+    """Random ops on a sub-mesh ([2, 3]) advance every rank's generator alike (ranks 0 and 1,
+    outside it, draw and drop the same whole tensor): a later Replicate draw on the whole mesh is
+    the same on every rank, and the single-device one."""
+    import torch.nn.functional as F
+
+    part, whole = ap.ProcessMesh([2, 3], dim_names=["x"]), ap.ProcessMesh([0, 1, 2, 3], dim_names=["x"])
+    torch.manual_seed(0)
+    F.dropout(torch.ones(8, 4), 0.5)
+    torch.rand(6, 4)
+    torch.ones(5).normal_()
+    want = F.dropout(torch.ones(8, 4), 0.5)
+    torch.manual_seed(0)
+    F.dropout(ap.shard_tensor(torch.ones(8, 4), part, [Shard(0)]), 0.5)
+    torch.rand_like(ap.shard_tensor(torch.ones(6, 4), part, [Shard(0)]))
+    ap.shard_tensor(torch.ones(5), part, [Replicate()]).normal_()
+    got = F.dropout(ap.shard_tensor(torch.ones(8, 4), whole, [Replicate()]), 0.5)
+    return [torch.equal(got.to_local(), want)]
+
+
+def test_random_ops_on_a_sub_mesh_keep_every_generator_in_step(world4):  # type: ignore[no-untyped-def]
+    assert world4.run(_sub_mesh_draws) == [[True]] * 4
