@@ -252,8 +252,8 @@ class DistTensor(torch.Tensor):
         op warns that it runs eagerly (``_CompileNotice``)."""
         if _COMPILE.armed:  # (a torch.compile started in this process and has not warned yet)
             _COMPILE.check()
-        for a in args:  # a plain tensor that requires grad: a leaf (a parameter left plain) laid
-            if type(a) in _PLAIN and a.requires_grad:  # out first, any other one replicated
+        for a in (*args, *kwargs.values()) if kwargs else args:  # a plain tensor that requires grad: a
+            if type(a) in _PLAIN and a.requires_grad:  # leaf (a parameter left plain) laid out first, any other replicated
                 adopt_plain_leaves(cls, func, args, kwargs or {})
                 args, kwargs = _replicated_with_grad(cls, func, args, kwargs or {})
                 break

@@ -182,3 +182,31 @@ def test_a_reshard_to_shards_does_not_write_through_to_its_source(world2: Any) -
     view of it: the source's piece changed on each rank, no longer replicated)."""
     for source, written in world2.run(_slice_is_its_own):
         assert source == 0.0 and written == 12.0, (source, written)
+
+
+def _plain_norms(rank: int) -> list[str]:
+    """Plain norm layers (their weight and bias reach the op as keywords: ``F.layer_norm(x,
+    shape, weight=..., bias=...)``) on a row-sharded input: laid out as Replicate in place, as a
+    positional plain parameter is, and equal to one process, gradients included."""
+    mesh = ap.ProcessMesh([0, 1, 2, 3], dim_names=["dp"])
+    x0 = torch.randn(8, 6, generator=torch.Generator().manual_seed(0))
+    bad = []
+    for make in (lambda: nn.LayerNorm(6), lambda: nn.GroupNorm(2, 6), lambda: nn.RMSNorm(6)):
+        torch.manual_seed(0)
+        mod, ref = make(), make()
+        ref.load_state_dict(mod.state_dict())
+        with torch.no_grad():
+            for p, q in zip(mod.parameters(), ref.parameters()):
+                p.uniform_(0.5, 1.5)
+                q.copy_(p)
+        x = ap.shard_tensor(x0, mesh, [Shard(0)])
+        (mod(x) ** 2).sum().backward()
+        (ref(x0) ** 2).sum().backward()
+        for (name, p), q in zip(mod.named_parameters(), ref.parameters()):
+            if not isinstance(p, ap.DistTensor) or not torch.allclose(p.grad.full_tensor(), q.grad, atol=1e-5):
+                bad.append(f"{type(mod).__name__}.{name}")
+    return bad
+
+
+def test_plain_parameters_given_as_keywords_are_laid_out(world4: Any) -> None:
+    assert world4.run(_plain_norms) == [[]] * 4
