@@ -28,6 +28,7 @@ from autoparallel.engine.dispatch import (
     is_in_place_name,
     whole_world_mesh,
 )
+from autoparallel.engine.execute import outside
 from autoparallel.mesh import Dims, ProcessMesh
 from autoparallel.placement import Partial, Replicate
 from autoparallel.runtime import agree
@@ -103,7 +104,9 @@ def contiguous_local(local: torch.Tensor, spec: DistSpec) -> torch.Tensor:
     return conform(local, contiguous_strides(spec.shape))
 
 
-_IN_PLACE, _SPLIT_AT, _GRAD_FLAG, _BACKWARD, _SET_DATA = 1, 2, 3, 4, 5
+_IN_PLACE, _SPLIT_AT, _GRAD_FLAG, _BACKWARD, _SET_DATA, _READ_WHOLE = 1, 2, 3, 4, 5, 6
+# ``t.tolist()`` / ``t.numpy()``: the whole value, read as ``item()`` reads it (every rank of the mesh)
+_READS_WHOLE = (torch.Tensor.tolist, torch.Tensor.numpy)
 # ``t.data = new`` (``module.to(dtype)``, ``module.half()``, ``p.data = ...``): the shard and layout follow
 _DATA_SET = torch.Tensor.data.__set__  # type: ignore[attr-defined]  # a getset descriptor
 # ``t.requires_grad_()`` and ``t.requires_grad = ...``: a leaf that starts requiring grad gets its
@@ -129,6 +132,8 @@ def _tf_kind(func: Any) -> int:
         return _BACKWARD
     if func == _DATA_SET:
         return _SET_DATA
+    if func in _READS_WHOLE:
+        return _READ_WHOLE
     name = getattr(func, "__name__", "")
     return _IN_PLACE if isinstance(name, str) and is_in_place_name(name) else 0
 
@@ -201,6 +206,11 @@ def _backward_as_forward(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         if loss.numel() != 1:
             return False  # (torch's own error: a gradient is needed for a non-scalar)
         gradient = torch.ones_like(loss, memory_format=torch.preserve_format)
+    elif type(gradient) in _PLAIN and tuple(gradient.shape) == loss._spec.shape:
+        # a plain gradient is the global value (the same on every rank, as any plain tensor mixed
+        # in): laid out as the loss (Partial axes replicated), so the gradients stay DistTensors
+        spec = loss._spec.without_partial().with_dtype(gradient.dtype)
+        gradient = DistTensor._wrap(piece_of_whole(gradient.detach(), spec).contiguous(), spec)
     torch.autograd.backward(_gradient_edge(loss), grad_tensors=gradient, retain_graph=bound.get("retain_graph"),
                             create_graph=bool(bound.get("create_graph", False)))
     return True
@@ -272,6 +282,13 @@ class DistTensor(torch.Tensor):
                 args, kwargs = _whole_split_points(cls, func, args, kwargs or {})
             elif kind == _BACKWARD and _backward_as_forward(args, kwargs or {}):
                 return None
+            elif kind == _READ_WHOLE and isinstance(args[0], cls):
+                x = args[0]
+                if x._spec.mesh.coordinate_of(_rank()) is None:
+                    raise outside(func, x._spec.mesh)
+                if func is torch.Tensor.numpy and x.requires_grad:  # (torch's rule, before anything moves)
+                    raise RuntimeError("Can't call numpy() on Tensor that requires grad. Use tensor.detach().numpy() instead.")
+                return func(_full_local(x), *args[1:], **(kwargs or {}))
             elif kind == _SET_DATA and len(args) == 2 and isinstance(args[0], cls):
                 args = (args[0], _data_for(cls, args[0], args[1]))
                 compat.disabled_torch_function_impl(func, types, args, {})  # the wrapper's dtype, shape, device

@@ -95,7 +95,7 @@ def _run(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], dts
     if d.fallback and member and not d.mutated:  # the kernel's outputs, whatever meta said
         return _wrap_unknown(cls, out, d, dts)
     if d.out_kind is OutKind.UNKNOWN and not d.mutated:
-        raise _outside(func, dts[0]._spec.mesh)
+        raise outside(func, dts[0]._spec.mesh)
     if d.mutated:
         # Written tensors keep their identity and their layout. A written input that had to move
         # is copied back INTO its own shard: views of it (and what it is a view of) see the write.
@@ -340,7 +340,7 @@ def _wrap_unknown(cls: Any, out: Any, d: LocalStep, dts: list[Any]) -> Any:
     return tuple(wrapped) if kind is OutKind.TUPLE else wrapped
 
 
-def _outside(func: Any, mesh: Any) -> Exception:
+def outside(func: Any, mesh: Any) -> Exception:
     """The error of a rank outside ``mesh`` asked for a value only the mesh's ranks hold (``x.item()``,
     an op with no meta kernel): it has none to give."""
     rank, world = runtime.get_rank(), runtime.get_world_size()

@@ -210,3 +210,27 @@ def _plain_norms(rank: int) -> list[str]:
 
 def test_plain_parameters_given_as_keywords_are_laid_out(world4: Any) -> None:
     assert world4.run(_plain_norms) == [[]] * 4
+
+
+def _whole_reads(rank: int) -> bool:
+    """``y.backward(plain full gradient)`` leaves DistTensor gradients in the leaf's layout;
+    ``tolist()`` and ``numpy()`` read the whole value, as ``item()`` does."""
+    mesh = ap.ProcessMesh([0, 1, 2, 3], dim_names=["x"])
+    x = torch.arange(24.0).reshape(4, 6)
+    xd = ap.shard_tensor(x, mesh, [Shard(0)]).detach().requires_grad_(True)
+    (xd * 3).backward(torch.ones(4, 6))
+    (xd * 1).sum().backward()
+    assert isinstance(xd.grad, ap.DistTensor) and xd.grad.placements == (Shard(0),)
+    assert xd.grad.tolist() == [[4.0] * 6] * 4
+    assert (xd.detach().numpy() == x.numpy()).all() and xd[1:3].tolist() == x[1:3].tolist()
+    try:
+        xd.numpy()
+    except RuntimeError as e:
+        assert "requires grad" in str(e)
+    else:
+        raise AssertionError("numpy() of a tensor that requires grad must raise, as torch's does")
+    return True
+
+
+def test_plain_backward_gradient_and_whole_value_reads(world4: Any) -> None:
+    assert all(world4.run(_whole_reads))
