@@ -74,20 +74,8 @@ def local_map(
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         _check_call(name, args, kwargs, in_placements, in_grad_placements)
-        the_mesh = mesh
-        local_args = []
-        dist_args: list[tuple[int, DistTensor]] = []
-        for i, a in enumerate(args):
-            if not isinstance(a, DistTensor):
-                local_args.append(a)
-                continue
-            the_mesh = the_mesh or a.process_mesh
-            want = _at(in_placements, i)
-            if want is not None:
-                a = reshard(a, a.process_mesh, list(want))
-            dist_args.append((i, a))
-            grad = _at(in_grad_placements, i)
-            local_args.append(a.to_local(grad_placements=None if grad is None else list(grad)))
+        local_args, dist_args = _to_locals(args, lambda i, a: _at(in_placements, i), lambda i, a: _at(in_grad_placements, i))
+        the_mesh = mesh or (dist_args[0][1].process_mesh if dist_args else None)
         if the_mesh is None:
             raise ValueError(f"local_map({name}): no DistTensor argument and no mesh given")
         if in_grad_placements is None and not warned and torch.is_grad_enabled():
@@ -107,6 +95,26 @@ def local_map(
         return wrapped[0] if single or not isinstance(result, (tuple, list)) else type(result)(wrapped)
 
     return wrapper
+
+
+def _to_locals(args: tuple[Any, ...], want: Callable[[int, DistTensor], Any], grad: Callable[[int, DistTensor], Any]
+               ) -> tuple[list[Any], list[tuple[int, DistTensor]]]:
+    """(the arguments with each DistTensor resharded to ``want(i, a)`` (None: as it is) and taken
+    to its local shard, its local gradient declared ``grad(i, a)`` (None: its own placements); the
+    DistTensor arguments by position)."""
+    local_args: list[Any] = []
+    dist_args: list[tuple[int, DistTensor]] = []
+    for i, a in enumerate(args):
+        if not isinstance(a, DistTensor):
+            local_args.append(a)
+            continue
+        placements = want(i, a)
+        if placements is not None:
+            a = reshard(a, a.process_mesh, list(placements))
+        dist_args.append((i, a))
+        g = grad(i, a)
+        local_args.append(a.to_local(grad_placements=None if g is None else list(g)))
+    return local_args, dist_args
 
 
 def _at(per_arg: Sequence[PlacementsLike | None] | None, i: int) -> PlacementsLike | None:
@@ -239,18 +247,14 @@ class LocalLayer(torch.nn.Module):
         if grads is not None and len(grads) > len(args):
             raise ValueError(f"{name}: grad_dist_attrs has {len(grads)} entries but the call has {len(args)} positional "
                              "arguments (one entry per positional argument)")
-        local_args = []
-        dist_args: list[tuple[int, DistTensor]] = []
-        for i, a in enumerate(args):
-            if not isinstance(a, DistTensor):
-                local_args.append(a)
-                continue
-            dist_args.append((i, a))
+        def grad(i: int, a: DistTensor) -> Any:
             g = grads[i] if grads is not None and i < len(grads) else None
             if g is not None and g[0] != a.process_mesh:
                 raise ValueError(f"{name}: grad_dist_attrs[{i}] names {g[0]!r}, but argument {i} lives on "
                                  f"{a.process_mesh!r}: a gradient takes its argument's mesh")
-            local_args.append(a.to_local(grad_placements=None if g is None else g[1]))
+            return None if g is None else g[1]
+
+        local_args, dist_args = _to_locals(args, lambda i, a: None, grad)
         local_kwargs = {k: v.to_local() if isinstance(v, DistTensor) else v for k, v in kwargs.items()}
         if grads is None and not self._warned and torch.is_grad_enabled() and dist_args:
             mesh = self.out_dist_attrs[0][0] if self.out_dist_attrs else dist_args[0][1].process_mesh
