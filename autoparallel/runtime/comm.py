@@ -251,9 +251,27 @@ def _ranged(fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
         with profiled(name), timed():
-            return fn(*args, **kwargs)
+            try:
+                return fn(*args, **kwargs)
+            except RuntimeError as e:  # (DistBackendError is one)
+                raise _stalled(fn.__name__, e) from e
 
     return call
+
+
+_STALLED = ("timed out", "timeout", "connection closed by peer", "connection reset by peer")
+
+
+def _stalled(what: str, e: RuntimeError) -> RuntimeError:
+    """``e``, where the backend gave up waiting for the other ranks, with what a user can do about it."""
+    text = str(e)
+    if not any(s in text.lower() for s in _STALLED):
+        return e
+    return type(e)(
+        f"autoparallel: {what} did not complete: the other ranks of its group did not take part within the "
+        f"collective timeout ({runtime.collective_timeout_s()}). Every rank must run the same ops on DistTensors in "
+        "the same order (SPMD): a branch on the rank or on data that differs between ranks, or a rank that raised "
+        f"or exited early, leaves the others waiting. The backend said: {text.splitlines()[0][:300]}")
 
 
 def _timed(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -287,7 +305,10 @@ class _Finish:
 
     def wait(self) -> bool:
         if not self.done:
-            self.work.wait()
+            try:
+                self.work.wait()
+            except RuntimeError as e:
+                raise _stalled("a collective", e) from e
             if self.then is not None:
                 self.then()
             self.done = True
