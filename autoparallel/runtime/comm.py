@@ -267,11 +267,14 @@ def _stalled(what: str, e: RuntimeError) -> RuntimeError:
     text = str(e)
     if not any(s in text.lower() for s in _STALLED):
         return e
-    return type(e)(
-        f"autoparallel: {what} did not complete: the other ranks of its group did not take part within the "
-        f"collective timeout ({runtime.collective_timeout_s()}). Every rank must run the same ops on DistTensors in "
-        "the same order (SPMD): a branch on the rank or on data that differs between ranks, or a rank that raised "
-        f"or exited early, leaves the others waiting. The backend said: {text.splitlines()[0][:300]}")
+    msg = (f"autoparallel: {what} did not complete: the other ranks of its group did not take part within the "
+           f"collective timeout ({runtime.collective_timeout_s()}). Every rank must run the same ops on DistTensors in "
+           "the same order (SPMD): a branch on the rank or on data that differs between ranks, or a rank that raised "
+           f"or exited early, leaves the others waiting. The backend said: {text.splitlines()[0][:300]}")
+    try:
+        return type(e)(msg)  # (the backend's own error type: DistBackendError, ...)
+    except Exception:  # noqa: BLE001  (a type that takes other arguments)
+        return RuntimeError(msg)
 
 
 def _timed(fn: Callable[..., Any]) -> Callable[..., Any]:
