@@ -40,6 +40,10 @@ _STOP = "__stop__"
 _READY = -1  # call id of the "process group is up" message
 
 
+# what a hand-spawned gloo world's processes run with (one thread each, quiet, on loopback)
+SPAWN_ENV = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "TORCH_CPP_LOG_LEVEL": "ERROR"}
+
+
 @contextlib.contextmanager
 def environment(env: dict[str, str]) -> Iterator[None]:
     """Set ``env`` in ``os.environ`` for the block (processes started in it inherit it), then restore."""

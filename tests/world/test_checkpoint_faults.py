@@ -17,6 +17,8 @@ import time
 
 import torch
 
+from tests.world_harness import SPAWN_ENV, environment
+
 TIMEOUT_S = 4.0
 FAULTS = ("dies", "hangs")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -90,16 +92,10 @@ def _collect(results, n: int, deadline: float) -> tuple[dict, dict]:  # type: ig
 def test_rank_that_dies_or_hangs_during_save_fails_the_others_within_timeout(tmp_path):  # type: ignore[no-untyped-def]
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    env = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "TORCH_CPP_LOG_LEVEL": "ERROR"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
     procs = []
-    try:  # two independent 3-rank worlds at once: rank 2 dies in one, hangs in the other
+    with environment(SPAWN_ENV):  # two independent 3-rank worlds at once: rank 2 dies in one, hangs in the other
         for fault in FAULTS:
             procs += _spawn(ctx, str(tmp_path / fault), str(tmp_path / f"store-{fault}"), fault, results)
-    finally:
-        for k, v in saved.items():
-            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
     try:
         started, ended = _collect(results, 2 * len(FAULTS), time.monotonic() + 300)
     finally:

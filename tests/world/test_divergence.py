@@ -10,6 +10,8 @@ import queue
 import sys
 import time
 
+from tests.world_harness import SPAWN_ENV, environment
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TIMEOUT_S = 3.0
 
@@ -45,16 +47,10 @@ def _worker(rank: int, store_path: str, results: mp.Queue) -> None:  # type: ign
 def test_a_rank_left_waiting_is_told_why(tmp_path):  # type: ignore[no-untyped-def]
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    env = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "TORCH_CPP_LOG_LEVEL": "ERROR"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    with environment(SPAWN_ENV):  # the children inherit it at start()
         procs = [ctx.Process(target=_worker, args=(r, str(tmp_path / "store"), results), daemon=True) for r in range(2)]
         for p in procs:
             p.start()
-    finally:
-        for k, v in saved.items():
-            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
     got: dict[int, str] = {}
     deadline = time.monotonic() + 120
     try:
