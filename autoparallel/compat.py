@@ -158,13 +158,64 @@ def static_fake_mode() -> Any:
     return FakeTensorMode(allow_fallback_kernels=True, allow_non_fake_inputs=True)
 
 
+class OpenSizeFakes:
+    """Fake tensors some of whose dims are symbolic sizes (``torch.SymInt``s of one ``ShapeEnv``,
+    which records every branch taken on them as a guard): a capture whose program serves every
+    size its guards admit. Sizes 0 and 1 stay concrete (torch specializes them), as does a dim
+    whose size equals another's only by chance (no duck sizing: each open dim its own symbol)."""
+
+    def __init__(self) -> None:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+        self.env = ShapeEnv(duck_shape=False)
+        self.mode = FakeTensorMode(allow_fallback_kernels=True, allow_non_fake_inputs=True, shape_env=self.env)
+        self._context = StatelessSymbolicContext
+        self._open, self._fixed = DimDynamic.DYNAMIC, DimDynamic.STATIC
+
+    def fake(self, t: torch.Tensor, open_dims: tuple[int, ...] = ()) -> tuple[torch.Tensor, tuple[Any, ...]]:
+        """A fake of ``t`` whose ``open_dims`` are symbolic sizes, and each open dim's size as
+        made (a sympy symbol; an int where torch fixed it)."""
+        context: Any = self._context(dynamic_sizes=[self._open if d in open_dims else self._fixed for d in range(t.dim())])
+        f = self.mode.from_tensor(t, symbolic_context=context)
+        sizes: list[Any] = list(f.shape)
+        return f, tuple(sizes[d].node.expr if isinstance(sizes[d], torch.SymInt) else int(sizes[d]) for d in open_dims)
+
+    def guards(self) -> list[Any]:
+        """Every condition on the sizes the trace relied on (sympy expressions): its guards and
+        runtime assertions."""
+        out = [g.expr for g in self.env.guards]
+        for asserts in getattr(self.env, "deferred_runtime_asserts", {}).values():
+            out += [a.expr for a in asserts]
+        return out
+
+    def ranges(self, symbols: Any) -> list[Any]:
+        """The value range the trace assumed of each of ``symbols``, as conditions."""
+        import sympy
+
+        out = []
+        for sym in symbols:
+            r = self.env.var_to_range.get(sym)
+            if r is not None and isinstance(r.lower, sympy.Integer):
+                out.append(sympy.Ge(sym, r.lower))
+            if r is not None and isinstance(r.upper, sympy.Integer):
+                out.append(sympy.Le(sym, r.upper))
+        return out
+
+
 @contextlib.contextmanager
-def outside_trace() -> Iterator[None]:
+def outside_trace(keep_fake: bool = False) -> Iterator[None]:
     """Real tensors and real work inside a fake-tensor ``make_fx`` trace: its proxy and fake
-    modes are suspended for the block (the agreement checks' control messages during a capture)."""
+    modes are suspended for the block (the agreement checks' control messages during a capture).
+    ``keep_fake``: only the proxy mode is (metadata of symbolic sizes computed in the trace's fake
+    mode, whose shape environment records the guards, but not recorded as the step's ops)."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 
+    if keep_fake:
+        with disable_proxy_modes_tracing():
+            yield
+        return
     with disable_proxy_modes_tracing(), unset_fake_temporarily():
         yield
 
@@ -665,3 +716,52 @@ __all__ = [
     "own_parameters", "set_own_parameters", "own_buffers", "own_tensor", "put_tensor", "child_modules",
     "set_child_modules", "module_hooks", "forward_hook_fns", "has_tensor_hooks", "RngResets",
 ]
+
+
+def whole(x: Any) -> Any:
+    """``int(x)``, but a symbolic size (``torch.SymInt``) stays one: ``int()`` of it would fix it
+    to its present value (a guard that the size is exactly that)."""
+    return x if isinstance(x, torch.SymInt) else int(x)
+
+
+def size_hint(x: Any) -> int:
+    """The value a symbolic size has in the capture that made it (an int as it is)."""
+    return int(x.node.hint) if isinstance(x, torch.SymInt) else int(x)
+
+
+def size_dtype(*values: Any) -> Any:
+    """The numpy dtype of an array of sizes or byte counts: ``object`` where one of ``values``
+    (or of the arrays among them) holds a ``torch.SymInt``, else ``numpy.int64``."""
+    import numpy as np
+
+    for v in values:
+        if isinstance(v, torch.SymInt) or getattr(v, "dtype", None) is np.dtype(object):
+            return object
+        if isinstance(v, (tuple, list)) and any(isinstance(x, torch.SymInt) for x in v):
+            return object
+    return np.int64
+
+
+def metadata_cache(maxsize: int | None = 128) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """``functools.lru_cache`` for pure functions of shapes and layouts that may be handed a
+    ``torch.SymInt`` (a size a symbolic capture leaves open), which torch makes unhashable: such a
+    call runs uncached, its comparisons then recording their guards in the capture's shape
+    environment. Every other call is cached as ``lru_cache`` caches it."""
+
+    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+        cached = functools.lru_cache(maxsize=maxsize)(fn)
+
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return cached(*args, **kwargs)
+            except TypeError as e:
+                if "SymInt" not in str(e):
+                    raise
+                return fn(*args, **kwargs)
+
+        call.cache_clear = cached.cache_clear  # type: ignore[attr-defined]
+        call.cache_info = cached.cache_info  # type: ignore[attr-defined]
+        return call
+
+    return wrap

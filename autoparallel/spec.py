@@ -21,6 +21,7 @@ from functools import cache, lru_cache
 
 import torch
 
+from autoparallel.compat import metadata_cache
 from autoparallel.mesh import ProcessMesh
 from autoparallel.placement import (
     Partial,
@@ -54,6 +55,7 @@ class DistSpec:
     _hash: int = field(default=0, init=False, repr=False, compare=False)
     has_partial: bool = field(default=False, init=False, repr=False, compare=False)  # some axis is Partial
     has_strided: bool = field(default=False, init=False, repr=False, compare=False)  # some axis is StridedShard
+    symbolic: bool = field(default=False, init=False, repr=False, compare=False)  # some dim is a torch.SymInt
 
     def __hash__(self) -> int:  # fields are immutable: hash them once
         return self._hash
@@ -63,7 +65,7 @@ class DistSpec:
             return True
         if not isinstance(other, DistSpec):
             return NotImplemented
-        return (self._hash == other._hash and self.shape == other.shape and self.dtype == other.dtype
+        return (self._hash == other._hash and shape_key(self.shape) == shape_key(other.shape) and self.dtype == other.dtype
                 and self.placements == other.placements and self.shard_order == other.shard_order
                 and self.mesh == other.mesh)
 
@@ -81,7 +83,7 @@ class DistSpec:
                 f"placements {placements_str(placements)} mix Partial reduce types that do not "
                 "commute; max/min may only be combined with the same type"
             )
-        shape = tuple(int(s) for s in self.shape)
+        shape = tuple(_dim(s) for s in self.shape)
         ndim = len(shape)
         norm: list[Placement] = []
         for p in placements:
@@ -102,9 +104,10 @@ class DistSpec:
         object.__setattr__(self, "placements", tuple(norm))
         object.__setattr__(self, "shape", shape)
         object.__setattr__(self, "shard_order", _canonical_order(tuple(norm), self.shard_order))
-        object.__setattr__(self, "_hash", hash((self.mesh, self.placements, shape, self.dtype, self.shard_order)))
+        object.__setattr__(self, "_hash", hash((self.mesh, self.placements, shape_key(shape), self.dtype, self.shard_order)))
         object.__setattr__(self, "has_partial", any(isinstance(p, Partial) for p in norm))
         object.__setattr__(self, "has_strided", strided)
+        object.__setattr__(self, "symbolic", any(isinstance(s, torch.SymInt) for s in shape))
 
     # ---- derived ------------------------------------------------------------------------
     @property
@@ -151,7 +154,7 @@ class DistSpec:
         nothing is checked again (a decision filled in at a new sequence length)."""
         if len(shape) != len(self.shape):
             raise ValueError(f"with_shape: {tuple(shape)} has not the rank of {tuple(self.shape)}")
-        shape = tuple(int(s) for s in shape)
+        shape = tuple(_dim(s) for s in shape)
         dtype = self.dtype if dtype is None else dtype
         out = object.__new__(DistSpec)
         put = object.__setattr__
@@ -160,9 +163,10 @@ class DistSpec:
         put(out, "shape", shape)
         put(out, "dtype", dtype)
         put(out, "shard_order", self.shard_order)
-        put(out, "_hash", hash((self.mesh, self.placements, shape, dtype, self.shard_order)))
+        put(out, "_hash", hash((self.mesh, self.placements, shape_key(shape), dtype, self.shard_order)))
         put(out, "has_partial", self.has_partial)
         put(out, "has_strided", self.has_strided)
+        put(out, "symbolic", any(isinstance(s, torch.SymInt) for s in shape))
         if self.has_strided:  # a block count need not divide the new size: checked
             _check_strided(self.placements, shape)
         return out
@@ -238,6 +242,22 @@ class DistSpec:
     def __str__(self) -> str:
         order = f" order={dict(self.shard_order)}" if self.shard_order else ""
         return f"{placements_str(self.placements)} {tuple(self.shape)}{order}"
+
+
+def _dim(s: object) -> int:
+    """One dim of a spec's shape: an int, or a ``torch.SymInt`` (a size a symbolic capture leaves
+    open) kept as it is."""
+    if isinstance(s, torch.SymInt):
+        return int(s) if s.node.expr.is_number else s  # type: ignore[return-value]
+    return int(s)  # type: ignore[call-overload]
+
+
+def shape_key(shape: tuple[int, ...]) -> tuple[object, ...]:
+    """``shape`` as a hashable key that compares without guards: a symbolic dim by its expression
+    in its shape environment."""
+    if not any(isinstance(s, torch.SymInt) for s in shape):
+        return shape
+    return tuple(("sym", s.node.shape_env, s.node.expr) if isinstance(s, torch.SymInt) else s for s in shape)
 
 
 # Keyed by the exact shape too: a warm step asks for <= 5 entries, a new length adds ~5-15
@@ -355,7 +375,7 @@ def _canonical_order(
 
 # Keyed by the exact shape: a new sequence length adds ~20 entries, a miss costs a few
 # microseconds, and warm steps do not ask (their decisions hold the local shapes): small.
-@lru_cache(maxsize=256)
+@metadata_cache(256)
 def _local_box(
     placements: tuple[Placement, ...],
     order: tuple[tuple[int, tuple[int, ...]], ...],

@@ -23,16 +23,16 @@ Pure metadata except ``conform`` (whose copy keeps what ``known_sums`` noted on 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from functools import lru_cache
 
 import torch
 
 from autoparallel import known_sums
+from autoparallel.compat import metadata_cache
 
 
 # (the strides memos are keyed by exact shapes: a new sequence length adds ~20 entries to
 # each, a miss costs a microsecond or two: they hold a few steps' worth, not every length seen)
-@lru_cache(maxsize=256)
+@metadata_cache(256)
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     """Row-major strides of ``shape`` (cached: every wrapper without explicit strides asks)."""
     strides, acc = [], 1
@@ -65,7 +65,7 @@ def nesting(like: Sequence[int]) -> list[int]:
     return sorted(range(len(like)), key=lambda d: (-like[d], d))
 
 
-@lru_cache(maxsize=256)
+@metadata_cache(256)
 def dense_strides(shape: tuple[int, ...], like: tuple[int, ...]) -> tuple[int, ...]:
     """Dense strides of ``shape`` with its dims nested as in strides ``like`` (same rank).
 

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any
 
+from autoparallel.compat import metadata_cache, whole
 from autoparallel.placement import Partial, Replicate, Shard
 from autoparallel.spec import DistSpec, itemsize
 from reshard.crossmesh import CrossMeshPlan, best_price, plan_best
@@ -64,7 +65,7 @@ def _deferred_price(steps: tuple[Step, ...]) -> int:
     price = 0
     for s in steps:
         if s.kind == FILL:  # an all-gather's bytes depend on its source only
-            price += int(step_bytes(Step(ALL_GATHER, s.axis, s.src, s.dst))[1].max()) + LATENCY_BYTES
+            price += whole(step_bytes(Step(ALL_GATHER, s.axis, s.src, s.dst))[1].max()) + LATENCY_BYTES
     return price
 
 
@@ -196,7 +197,7 @@ def cheapest(strategies: Sequence[Strategy], specs: Sequence[DistSpec], mesh_sha
     return min(free or strategies, key=lambda s: cost(s, specs, mesh_shape, out_metas, target=target))
 
 
-@lru_cache(maxsize=8192)
+@metadata_cache(8192)
 def largest_local_numel(shape: tuple[int, ...], placements: tuple[Any, ...], mesh_shape: tuple[int, ...]) -> int:
     """Elements of the shard at mesh coordinate 0 (torch.chunk gives it the largest piece)."""
     n = 1

@@ -19,6 +19,7 @@ from functools import lru_cache
 
 import numpy as np
 
+from autoparallel.compat import size_dtype, whole
 from autoparallel.placement import Shard
 from autoparallel.spec import Box, DistSpec, intersect_boxes
 from reshard.plan import Plan, Step
@@ -150,19 +151,20 @@ def _p2p_max_received(src: DistSpec, dst: DistSpec) -> int:
     lo = np.maximum(need_off, have_off)
     hi = np.minimum(need_off + need_len, have_off + have_len)
     missing = need_len.prod(axis=0) - np.clip(hi - lo, 0, None).prod(axis=0)
-    return int(missing.max(initial=0)) * src.itemsize
+    return whole(missing.max(initial=0)) * src.itemsize  # type: ignore[no-any-return]
 
 
 def _boxes(spec: DistSpec, coords: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Offsets and lengths (tensor dim x coordinate) of the pieces ``spec`` gives the mesh
     coordinates ``coords`` (mesh axis x coordinate): ``DistSpec.local_box`` over many at once."""
     explicit = dict(spec.shard_order)
-    offs = np.zeros((len(spec.shape), coords.shape[1]), dtype=np.int64)
+    dtype = size_dtype(spec.shape)
+    offs = np.zeros((len(spec.shape), coords.shape[1]), dtype=dtype)
     lens = np.empty_like(offs)
     for dim, size in enumerate(spec.shape):
         axes = explicit.get(dim) or tuple(
             a for a, p in enumerate(spec.placements) if isinstance(p, Shard) and p.dim == dim)
-        length = np.full(coords.shape[1], size, dtype=np.int64)
+        length = np.full(coords.shape[1], size, dtype=dtype)
         for a in axes:  # torch.chunk's split of the piece so far, as ``placement.chunk_bounds``
             step = -(-length // spec.mesh.shape[a])
             start = np.minimum(coords[a] * step, length)

@@ -10,6 +10,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
+from autoparallel.compat import metadata_cache, size_dtype, whole
 from autoparallel.placement import Partial, Shard
 from autoparallel.spec import DistSpec, strided_factors
 
@@ -76,7 +77,7 @@ class Plan:
         if not self.steps:
             return 0
         total = sum(step_bytes(s)[1] for s in self.steps)
-        return int(np.max(total))
+        return whole(np.max(total))  # type: ignore[no-any-return]
 
     def collectives(self) -> list[str]:
         return [s.kind for s in self.steps if not s.is_local]
@@ -93,21 +94,22 @@ def local_shape_table(spec: DistSpec) -> np.ndarray:
     return _shape_table(spec.placements, spec.shard_order, spec.shape, tuple(spec.mesh.shape))
 
 
-@lru_cache(maxsize=16384)
+@metadata_cache(16384)
 def _shape_table(placements, order, shape, mesh_shape) -> np.ndarray:  # type: ignore[no-untyped-def]
     coords = np.indices(mesh_shape).reshape(len(mesh_shape), -1)  # [axes, ranks]
     explicit = dict(order)
     cols = []
+    dtype = size_dtype(shape)
     for dim, size in enumerate(shape):
         axes = explicit.get(dim) or tuple(a for a, p in enumerate(placements) if isinstance(p, Shard) and p.dim == dim)
-        length = np.full(coords.shape[1], size, dtype=np.int64)
+        length = np.full(coords.shape[1], size, dtype=dtype)
         for a in axes:
             n = mesh_shape[a]
             step = -(-length // n)
             start = np.minimum(coords[a] * step, length)
             length = np.maximum(0, np.minimum(length, start + step) - start)
         cols.append(length)
-    table = np.stack(cols, axis=-1) if cols else np.zeros((coords.shape[1], 0), dtype=np.int64)
+    table = np.stack(cols, axis=-1) if cols else np.zeros((coords.shape[1], 0), dtype=dtype)
     table.setflags(write=False)
     return table.reshape(tuple(mesh_shape) + (len(shape),))
 
@@ -125,10 +127,10 @@ def _strided_table(spec: DistSpec) -> np.ndarray:
 
 
 def _prod_last(a: np.ndarray) -> np.ndarray:
-    return np.prod(a, axis=-1, dtype=np.int64)
+    return np.prod(a, axis=-1, dtype=size_dtype(a))
 
 
-@lru_cache(maxsize=16384)
+@metadata_cache(16384)
 def step_bytes_table(step: Step) -> tuple[np.ndarray, np.ndarray]:
     """(sent, received) bytes of every mesh coordinate for one step (arrays of mesh shape).
 
@@ -181,7 +183,7 @@ def _chunk_length(length: np.ndarray, n: int, index: np.ndarray) -> np.ndarray:
 
 def _step_bytes(step: Step, coord: tuple[int, ...]) -> tuple[int, int]:
     sent, recv = step_bytes_table(step)
-    return int(sent[coord]), int(recv[coord])
+    return whole(sent[coord]), whole(recv[coord])
 
 
 def _placement_dim(spec: DistSpec, axis: int) -> int:

@@ -30,6 +30,7 @@ from functools import lru_cache
 
 import networkx as nx
 
+from autoparallel.compat import size_hint, whole
 from autoparallel.placement import Partial, Placement, Replicate, Shard, StridedShard, partials_compatible
 from autoparallel.spec import DistSpec, strided_factors
 from reshard.plan import (
@@ -66,7 +67,17 @@ def plan_reshard(src: DistSpec, dst: DistSpec) -> Plan:
         )
     if src.has_strided or dst.has_strided:
         return _plan_strided(src, dst)
-    return one_move(src, dst) or _plan(src, dst)
+    return one_move(src, dst) or (_lifted(src, dst) if src.symbolic else _plan(src, dst))
+
+
+def _lifted(src: DistSpec, dst: DistSpec) -> Plan:
+    """The search's plan for symbolic sizes (a capture's open sizes): searched at their present
+    values and carried over step by step (every step scales with the tensor's size alike: the
+    search at any size finds the same path but where a collective's start-up outweighs its bytes)."""
+    hinted = tuple(size_hint(n) for n in src.shape)
+    plan = _plan(src.with_shape(hinted), dst.with_shape(hinted))
+    return Plan(src, dst, tuple(Step(s.kind, s.axis, s.src.with_shape(src.shape), s.dst.with_shape(src.shape))
+                                for s in plan.steps))
 
 
 @lru_cache(maxsize=4096)
@@ -298,4 +309,4 @@ def _moved(state: DistSpec, a: int, p: Placement) -> DistSpec | None:
 
 def _weight(step: Step) -> int:
     _, recv = step_bytes_table(step)
-    return int(recv.max()) + LATENCY_BYTES
+    return whole(recv.max()) + LATENCY_BYTES  # type: ignore[no-any-return]

@@ -124,9 +124,9 @@ def with_strided(fn: AxisRule | None = None, *, skip: Callable[[OpCall, AxisStra
             # (a replicated input takes its strided piece locally)
             if not any(held) or not all(h or current[i] == R for h, (i, _) in zip(held, sharded)):
                 continue
-            sizes = {call.inputs[i].shape[q.dim] for i, q in sharded}
-            sizes |= {m.shape[q.dim] if m is not None else -1 for q, m in zip(s.outputs, call.out) if isinstance(q, Shard)}
-            if len(sizes) > 1:
+            sizes = [call.inputs[i].shape[q.dim] for i, q in sharded]
+            sizes += [m.shape[q.dim] if m is not None else -1 for q, m in zip(s.outputs, call.out) if isinstance(q, Shard)]
+            if any(n != sizes[0] for n in sizes):  # (compared, not hashed: a size may be symbolic)
                 continue
             if skip is not None and skip(call, s):
                 continue

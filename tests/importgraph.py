@@ -37,12 +37,12 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 PURE = ("spmd_rules", "reshard.plan", "reshard.planner", "reshard.crossmesh")
 # What model-level code may take from the engine: the door module whole, and these names of
-# two others (the public class; the op path's observer door). Everything else is the engine's.
+# two others (the public class; the op path's observer door and a symbolic capture's decisions). Everything else is the engine's.
 ENGINE = "autoparallel.engine"
 ENGINE_DOORS: dict[str, frozenset[str] | None] = {
     "autoparallel.engine.layout": None,  # None: any name
     "autoparallel.engine.dtensor": frozenset({"DistTensor"}),
-    "autoparallel.engine.dispatch": frozenset({"observed_by"}),
+    "autoparallel.engine.dispatch": frozenset({"observed_by", "symbolic_decisions"}),
 }
 
 

@@ -361,14 +361,19 @@ def _restrides_only(args: tuple[Any, ...], kwargs: dict[str, Any], x: Any) -> bo
 
 
 def decide(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], dts: list[Any],
-           filled: list[Any] | None = None, target: DistSpec | None = None) -> Decision:
+           filled: list[Any] | None = None, target: DistSpec | None = None, symbolic: bool = False) -> Decision:
     """The decision for ``func`` on these arguments (``dts``: the DistTensors among them, in
     order): a pure function of their specs, strides and the non-tensor arguments. ``filled``
     gets the template's key where the decision is one shape of a template: filled in from one
     made at another shape, or the one made afresh that becomes the template (the dispatcher
     keeps a bounded number of each template's shapes). ``target``: the layout of the parameter
-    whose gradient the op makes, in a backward (``reshard.choice.cost``)."""
+    whose gradient the op makes, in a backward (``reshard.choice.cost``). ``symbolic``: the call
+    holds sizes a capture leaves open (``torch.SymInt``s): decided afresh (no template), in the
+    capture's fake mode, so that every branch on them is recorded as a guard."""
     specs = [t._spec for t in dts]
+    if symbolic:
+        return _finish(cls, func, _decide(cls, func, args, kwargs, dts, [], target, symbolic=True), args, kwargs, specs,
+                       [t._stride for t in dts])
     key, out = _template_key(cls, func, args, kwargs, dts, specs)
     if key is not None and target is not None:
         key = (key, target.mesh, target.placements)
@@ -480,7 +485,7 @@ def _from_template(t: LocalStep, specs: list[DistSpec], outs: generic.Layouts, c
 
 
 def _decide(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], dts: list[Any],
-            stored: list[Any], target: DistSpec | None) -> Decision:
+            stored: list[Any], target: DistSpec | None, symbolic: bool = False) -> Decision:
     """``stored`` gets an entry where the choice is stored shape-generically."""
     mesh = dts[0]._spec.mesh
     for d in dts[1:]:
@@ -517,7 +522,7 @@ def _decide(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], 
     same = func is _aten.as_strided.default and _restrides_only(args, kwargs, dts[0])
     # An op whose output shape follows from its definition runs its meta kernel once per dtype
     # signature, not per shape (autoparallel.engine.generic).
-    shaped = [(d._spec.shape, d._stride) for d in dts] if not mutated else None
+    shaped = [(d._spec.shape, d._stride) for d in dts] if not mutated and not symbolic else None
     out_key = generic.out_key(func, args, kwargs, lambda a: isinstance(a, cls)) if shaped else None
     fake_out = generic.known_out(func, out_key, shaped, args, kwargs) if shaped else None
     if fake_out is None:
@@ -563,7 +568,7 @@ def _decide(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], 
         out_metas = tuple(TensorMeta(tuple(o.shape), o.dtype) if o is not None else None for o in outs)
         call = replace(call, out=out_metas)
     rule = get_rule(func)
-    key = generic.choice_key(call, specs) if rule is not None and not mutated else None
+    key = generic.choice_key(call, specs) if rule is not None and not mutated and not symbolic else None
     if key is not None and target is not None:
         key = (key, target.mesh, target.placements)
     best = generic.stored_choice(key)

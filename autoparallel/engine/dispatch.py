@@ -38,7 +38,7 @@ from autoparallel.log import Tally, logger
 from autoparallel.placement import Replicate
 from autoparallel.runtime import agree, comm
 from autoparallel.runtime.comm import profiled
-from autoparallel.spec import DistSpec
+from autoparallel.spec import DistSpec, shape_key
 
 
 # ---- keys: the hashable description of a call, and the plain tensors it mixes in -----------------
@@ -49,13 +49,15 @@ def call_key(cls: Any, items: tuple[Any, ...], dts: list[Any], plain: list[torch
     for a in items:
         if isinstance(a, cls):
             dts.append(a)
-            out.append((a._spec, a._stride))
+            out.append((a._spec, shape_key(a._stride)))
         elif isinstance(a, torch.Tensor):
             if a.dim() != 0:
                 plain.append(a)
             out.append(("scalar_tensor", a.dtype))
         elif isinstance(a, (list, tuple)):
             out.append((type(a).__name__, call_key(cls, tuple(a), dts, plain)))
+        elif isinstance(a, torch.SymInt):
+            out.append(shape_key((a,)))  # type: ignore[arg-type]
         else:
             out.append(a)
     return tuple(out)
@@ -250,6 +252,7 @@ def as_view_permute(shape: Sequence[int], strides: Sequence[int], size: Sequence
 
 # ---- the op path ---------------------------------------------------------------------------------
 _CACHE: dict[Any, Decision] = {}
+_SYMBOLIC: list[dict[Any, Decision]] = []  # a symbolic capture's own decisions (``symbolic_decisions``)
 MAX_CACHED_DECISIONS = 65536
 # Decisions filled in from a template (``decide``: the same decision at another shape), and the
 # one made afresh that became the template, are kept for the MAX_SHAPES_PER_TEMPLATE shapes
@@ -313,22 +316,24 @@ def dispatch(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any])
     target = _grad_target(cls)
     if target is not None:  # in a backward, making a laid-out parameter's gradient
         key += (target,)
-    decision = _CACHE.get(key)
+    symbolic = bool(_SYMBOLIC) and _symbolic(dts, key)
+    cache = _SYMBOLIC[-1] if symbolic else _CACHE
+    decision = cache.get(key)
     if decision is None:
         filled: list[Any] = []
         start = perf_counter()
         # a cache miss: rules and reshard plans, from metadata (in a capture, outside its trace:
         # the meta computations of a decision are not the step's ops)
-        with profiled("autoparallel::plan", func), compat.outside_trace() if comm.capturing() else _NOTHING:
-            decision = decide(cls, func, args, kwargs, dts, filled, target)
+        with profiled("autoparallel::plan", func), compat.outside_trace(symbolic) if comm.capturing() else _NOTHING:
+            decision = decide(cls, func, args, kwargs, dts, filled, target, symbolic)
         _PLANNING.add(start)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("dispatch: planned %s for inputs %s", func, [str(d._spec) for d in dts])
-        if len(_CACHE) >= MAX_CACHED_DECISIONS:  # e.g. a changing Python scalar in the key
-            _CACHE.clear()
+        if len(cache) >= MAX_CACHED_DECISIONS:  # e.g. a changing Python scalar in the key
+            cache.clear()
             _FILLED.clear()
             _FILLED_ALL.clear()
-        _CACHE[key] = decision
+        cache[key] = decision
         if filled:
             _keep_filled(filled[0], key)
     if type(decision) is DecomposeDecision:  # its ops are decided (and observed) one by one
@@ -393,6 +398,30 @@ def clear_cache() -> None:
     forget_warnings()
 
 
+def _symbolic(dts: list[Any], key: Any) -> bool:
+    """Whether a call's key holds a size a symbolic capture leaves open (a ``torch.SymInt``)."""
+    return any(d._spec.symbolic for d in dts) or _holds_symbol(key)
+
+
+def _holds_symbol(key: Any) -> bool:
+    if isinstance(key, tuple):
+        if len(key) == 3 and key[0] == "sym":
+            return True
+        return any(_holds_symbol(k) for k in key)
+    return False
+
+
+@contextmanager
+def symbolic_decisions() -> Iterator[None]:
+    """The decisions of calls on open sizes (a symbolic capture's ``torch.SymInt`` sizes) are kept
+    for the block only: they hold its shape environment's symbols, which mean nothing after it."""
+    _SYMBOLIC.append({})
+    try:
+        yield
+    finally:
+        _SYMBOLIC.pop()
+
+
 @contextmanager
 def observed_by(observer: Any) -> Iterator[Any]:
     """The engine's door for an observer of the op path (a local region's trace).
@@ -410,4 +439,4 @@ def observed_by(observer: Any) -> Iterator[Any]:
         _OBSERVERS.pop()
 
 
-__all__ = ["adopt_plain", "adopt_plain_leaves", "adopt_written_plain", "as_view_permute", "call_key", "clear_cache", "dispatch", "is_in_place_name", "observed_by", "whole_world_mesh"]
+__all__ = ["adopt_plain", "adopt_plain_leaves", "adopt_written_plain", "as_view_permute", "call_key", "clear_cache", "dispatch", "is_in_place_name", "observed_by", "symbolic_decisions", "whole_world_mesh"]

@@ -30,10 +30,10 @@ from autoparallel.engine.dispatch import (
 )
 from autoparallel.engine.execute import outside
 from autoparallel.mesh import Dims, ProcessMesh
-from autoparallel.placement import Partial, Replicate
+from autoparallel.placement import Partial, Replicate, Shard, StridedShard
 from autoparallel.runtime import agree
 from autoparallel.spec import DistSpec
-from autoparallel.strides import conform, contiguous_strides
+from autoparallel.strides import conform, contiguous_strides, dense_strides, nesting
 from reshard.executor import piece_of_whole, reshard_local
 
 # ---- the notice that torch.compile compiles none of the distributed step -------------------------
@@ -241,6 +241,8 @@ class DistTensor(torch.Tensor):
         requires_grad: bool = False,
     ) -> DistTensor:
         stride = stride if stride is not None else contiguous_strides(spec.shape)
+        if spec.symbolic:  # a capture's open sizes: see ``_traced_shape``
+            return _wrap_open(cls, local, _traced_shape(local, spec), stride, requires_grad)
         if compat.WRAPPER_POSITIONAL:  # the same call without keyword parsing (every op output comes here)
             r = _make_wrapper(cls, spec.shape, stride, None, None, spec.dtype, local.layout, local.device, False, requires_grad)
         else:
@@ -576,3 +578,49 @@ def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _rank() -> int:
     return runtime.get_rank()
+
+
+def _wrap_open(cls: Any, local: torch.Tensor, spec: DistSpec, stride: tuple[int, ...], requires_grad: bool) -> DistTensor:
+    """``DistTensor._wrap`` of a layout of open sizes (a capture's): the wrapper is made outside the
+    trace's recording (its metadata is no op of the program); dense strides are computed from the
+    traced sizes in their nesting."""
+    with compat.outside_trace(keep_fake=True):
+        dense = stride == dense_strides(spec.shape, stride)
+        order = nesting(stride)
+    if dense:
+        out: list[Any] = [0] * len(stride)
+        acc: Any = 1
+        for d in reversed(order):
+            out[d] = acc
+            acc = acc * spec.shape[d] if not isinstance(spec.shape[d], int) or spec.shape[d] > 1 else acc
+        stride = tuple(out)
+    with compat.outside_trace(keep_fake=True):
+        r = _make_wrapper(cls, spec.shape, strides=stride, dtype=spec.dtype, device=local.device,
+                          layout=local.layout, requires_grad=requires_grad)
+    r._local = local
+    r._spec = spec
+    r._stride = tuple(stride)
+    return r
+
+
+def _traced_shape(local: torch.Tensor, spec: DistSpec) -> DistSpec:
+    """``spec`` with each symbolic global size that is its shard's size times the pieces of its dim
+    (the same expression) computed from the shard's size. A capture's decisions make their sizes
+    outside the trace; these are the trace's own, so that a size the model reads (``x.shape[1]``)
+    and hands to a plain op (``torch.ones(t, t)``) is one the program computes from its inputs."""
+    if local.dim() != spec.ndim:
+        return spec
+    shape = list(spec.shape)
+    for d, n in enumerate(shape):
+        if not isinstance(n, torch.SymInt) or not isinstance(local.shape[d], torch.SymInt):
+            continue
+        k = 1
+        for a, p in enumerate(spec.placements):
+            if isinstance(p, Shard) and p.dim == d:
+                k *= spec.mesh.shape[a]
+            elif isinstance(p, StridedShard) and p.dim == d:
+                k = 0
+        own = local.shape[d] * k if k > 1 else local.shape[d]
+        if k and own.node.expr == n.node.expr:
+            shape[d] = own
+    return spec.with_shape(tuple(shape))

@@ -34,7 +34,7 @@ from autoparallel.engine.decide import (
 from autoparallel.placement import Replicate
 from autoparallel.runtime import debug
 from autoparallel.spec import DistSpec
-from autoparallel.strides import conform
+from autoparallel.strides import conform, follows, nesting
 from reshard.executor import run_any
 from spmd_rules.random_ops import draw_outside, draws_random
 
@@ -161,11 +161,31 @@ def _follow(local: torch.Tensor, d: LocalStep, k: int) -> torch.Tensor:
     another memory layout on the local sizes or the moved inputs than the meta kernel did on the
     global ones: ``autoparallel.strides``); a view or written input is returned as it is."""
     dense = d.out_dense[k]
-    if dense is None or local.stride() == dense:
+    if dense is None:
         return local
     like = d.out_strides[k]
     assert like is not None
+    if any(isinstance(n, torch.SymInt) for n in dense):
+        return _follow_open(local, like)
+    if local.stride() == dense:
+        return local
     return conform(local, like, dense)
+
+
+def _follow_open(local: torch.Tensor, like: tuple[int, ...]) -> torch.Tensor:
+    """``_follow`` in a capture of open sizes: the decision's symbolic strides were made outside
+    the trace, so they are compared outside it (as guards), and a copy's strides are computed from
+    the traced shard's sizes."""
+    with compat.outside_trace(keep_fake=True):
+        if follows(local.shape, local.stride(), like):
+            return local
+        order = nesting(like)
+    strides = [0] * local.dim()
+    acc: Any = 1
+    for d in reversed(order):
+        strides[d] = acc
+        acc = acc * local.shape[d]
+    return known_sums.carry(local, torch.empty_strided(local.shape, strides, dtype=local.dtype, device=local.device).copy_(local))
 
 
 def _any_detached(dts: list[Any]) -> bool:

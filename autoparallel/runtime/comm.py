@@ -404,7 +404,7 @@ def all_gather(local: torch.Tensor, mesh: ProcessMesh, axis: int, dim: int, size
     if sum(sizes) * row == 0:  # nothing to move: every member knows it from metadata
         record("all_gather", mesh, axis, line, 0, 0)
         return x.new_empty((sum(sizes),) + tuple(rest)).movedim(0, dim)
-    if len(set(sizes)) == 1:
+    if all(s == sizes[0] for s in sizes):
         shape = (n * sizes[0],) + tuple(rest)
         if _FUNCTIONAL[0]:
             out = _unwire(_fc.wait_tensor(_fc.all_gather_into_tensor(_wire(x), n, _name(group))), x.dtype, shape)

@@ -336,7 +336,7 @@ def unrecorded() -> Iterator[None]:
 def record(kind: str, mesh: Any, axis: int | None, group: tuple[int, ...], sent: int, recv: int) -> None:
     """Note a collective for the active modes (at the end of its ``timed`` call, if any)."""
     if _ACTIVE and not _PAUSED[0]:
-        fields: _Fields = (kind, mesh, axis, tuple(group), int(sent), int(recv), _MODULES.current(),
+        fields: _Fields = (kind, mesh, axis, tuple(group), compat.whole(sent), compat.whole(recv), _MODULES.current(),
                            str(_OPS[-1]) if _OPS else None)
         if _FRAMES:
             _FRAMES[-1].pending.append(fields)

@@ -32,6 +32,7 @@ masks) is refused when it draws: the reset is Python, not an op.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import traceback
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -46,8 +47,10 @@ import autoparallel
 import spmd_rules
 from autoparallel import compat
 from autoparallel.engine import dispatch, layout
+from autoparallel.log import logger
 from autoparallel.runtime import agree, comm
 from autoparallel.runtime.debug import CommDebugMode, CommRecord
+from autoparallel.static.sizes import bind_free_sizes
 from spmd_rules.random_ops import draws_random
 
 aten = torch.ops.aten
@@ -58,12 +61,15 @@ VALUE_OPS = layout.VALUE_OPS | {aten.item.default, aten.allclose.default}
 
 @dataclass
 class Capture:
-    """What one capture produced: the program (None when refused), why it was refused, and the
-    collectives it issues (recorded again at each run)."""
+    """What one capture produced: the program (None when refused), why it was refused, the
+    collectives it issues (recorded again at each run) and, for a capture of open sizes, the
+    symbols of its inputs' open dims and the shape environment's record of its guards."""
 
     program: torch.fx.GraphModule | None
     refused: str
     records: tuple[CommRecord, ...] = field(default_factory=tuple)
+    symbols: tuple[tuple[Any, ...], ...] = ()  # per input, each open dim's size as made (``OpenSizeFakes.fake``)
+    open_sizes: compat.OpenSizeFakes | None = None
 
 
 class Watch:
@@ -192,11 +198,15 @@ class PlainValues:
             m.__dict__.update(old)
 
 
-def capture(fn: Callable[..., Any], inputs: Sequence[torch.Tensor]) -> Capture:
+def capture(fn: Callable[..., Any], inputs: Sequence[torch.Tensor],
+            open_dims: Sequence[tuple[int, ...]] | None = None) -> Capture:
     """Record ``fn(*fakes)`` per rank, ``fakes`` being fake tensors of ``inputs`` (see the
     module docstring; ``fn`` puts them in place with ``standing_in``).
 
     ``fn`` returns a flat list of local tensors; they are the program's outputs in order.
+    ``open_dims`` (per input, the dims left open: ``autoparallel.static.sizes``) makes those
+    sizes symbolic: the program reads them from its inputs, and the capture's shape environment
+    holds the guards under which it is the step.
     """
     watch = Watch()
 
@@ -207,13 +217,21 @@ def capture(fn: Callable[..., Any], inputs: Sequence[torch.Tensor]) -> Capture:
     # (no module hooks of its own: a capture runs the same modules' code as an uncaptured step)
     with CommDebugMode(modules=False, isolated=True) as seen, comm.functional_collectives(), dispatch.observed_by(watch), \
             torch.random.fork_rng(devices=[]), compat.RngResets() as resets:
+        sizes = compat.OpenSizeFakes() if open_dims is not None and any(open_dims) else None
+        symbols: tuple[tuple[Any, ...], ...] = ()
         try:
             # fake tensors of static shapes, without a symbolic shape environment (make_fx's
             # "fake" mode builds one: every op's meta kernel then runs its guards, ~1.5x the time);
             # a tensor met that is no input (a constant the step reads) is recorded as a constant
-            mode = compat.static_fake_mode()
-            fakes = [mode.from_tensor(t) for t in inputs]
-            with mode:
+            if sizes is None:
+                mode = compat.static_fake_mode()
+                fakes = [mode.from_tensor(t) for t in inputs]
+            else:
+                mode = sizes.mode
+                made = [sizes.fake(t, dims) for t, dims in zip(inputs, open_dims or ())]
+                fakes = [f for f, _ in made]
+                symbols = tuple(syms for _, syms in made)
+            with mode, dispatch.symbolic_decisions() if sizes is not None else contextlib.nullcontext():
                 gm = make_fx(traced, tracing_mode="real")(*fakes)
         except comm.CaptureError as e:
             return Capture(None, str(e))
@@ -221,19 +239,31 @@ def capture(fn: Callable[..., Any], inputs: Sequence[torch.Tensor]) -> Capture:
             if "_local_scalar_dense" in str(e) or "data-dependent" in str(e):
                 return Capture(None, "the step reads a Python value from a tensor (data-dependent Python in the step"
                                      f"{where(traceback.extract_tb(e.__traceback__))})")
+            if sizes is not None:  # the open sizes tripped the trace: the caller captures at these sizes
+                logger.debug("static: a capture with open sizes failed", exc_info=True)
+                return Capture(None, f"tracing with open sizes failed ({type(e).__name__}: {str(e).splitlines()[0][:160]})",
+                               open_sizes=sizes)
             # anything else the tracing trips on: the caller runs the step eagerly, where an error
             # of the step itself raises again (on every rank alike)
             return Capture(None, f"tracing the step failed ({type(e).__name__}: {str(e).splitlines()[0][:160]})")
+        except Exception as e:  # noqa: BLE001  (open sizes: the caller captures at these sizes instead)
+            if sizes is None:
+                raise
+            logger.debug("static: a capture with open sizes failed", exc_info=True)
+            return Capture(None, f"tracing with open sizes failed ({type(e).__name__}: {str(e).splitlines()[0][:160]})")
     reason = watch.reason or _graph_reason(gm)
     if not reason and resets.count and draws(gm):
         reason = ("the step resets the random generator and draws random numbers (activation recompute re-drawing "
                   "dropout masks: ap.recompute or torch.utils.checkpoint): a replay cannot repeat the reset")
+    if not reason and sizes is not None:
+        reason = bind_free_sizes(gm, symbols, open_dims or ())
+        reason = reason and f"tracing with open sizes failed ({reason})"
     if reason:
-        return Capture(None, reason)
+        return Capture(None, reason, open_sizes=sizes)
     gm.graph.eliminate_dead_code()
     gm.recompile()
     # a replay records these again, with no time of their own (the program runs as a whole)
-    return Capture(gm, "", tuple(replace(r, seconds=0.0) for r in seen.records))
+    return Capture(gm, "", tuple(replace(r, seconds=0.0) for r in seen.records), symbols, sizes)
 
 
 _LIBRARIES = tuple(os.path.dirname(m.__file__ or "") + os.sep for m in (torch, autoparallel, spmd_rules))

@@ -12,7 +12,9 @@ shape and dtype, nested ones leaf by leaf, other input values as they are, the p
 and ``requires_grad``, the buffers' layouts, the modules' hooks, train/eval flags and plain
 attribute values) the first call captures the step on fake tensors (``autoparallel.static.capture``:
 nothing runs for real) and runs the program; later calls run the same program on the current
-local shards. What the program covers: forward, loss, backward and (for a ``shard_optimizer``
+local shards. The arguments' evenly split dims are captured as open sizes
+(``autoparallel.static.sizes``): a call that differs only in them (a new batch size or sequence
+length) runs the same program where its guards hold at the new sizes. What the program covers: forward, loss, backward and (for a ``shard_optimizer``
 optimizer, without gradient merge) its bucketed gradient reductions (for a torch optimizer, each
 Partial gradient reduced, the reductions merged); a buffer or tensor attribute
 the forward assigns anew is one more output, assigned at every call. A program whose capture
@@ -29,6 +31,8 @@ so static training equals eager training.
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import time
 import warnings
 from collections import OrderedDict
@@ -48,6 +52,7 @@ from autoparallel.spec import DistSpec
 from autoparallel.static import signature
 from autoparallel.static.capture import Capture, PlainValues, TensorSlots, capture, draws, plain_trained, plain_trained_reason, standing_in
 from autoparallel.static.passes import MERGE_BYTES, hoist_starts, merge_all_reduces, reduce_output, sink_waits, tag_records
+from autoparallel.static.sizes import OpenSizes, bind_free_sizes, masked, open_dims, open_spec
 from autoparallel.static.strategy import Strategy
 
 TRAIN, EVAL, PREDICT = "train", "eval", "predict"
@@ -66,6 +71,14 @@ class _Program:
     n_out: int = 0                                                   # train/eval with outputs: their leaves
     # the module slots the step assigns (module, name, whether a buffer): the last outputs, in order
     assigned: tuple[tuple[torch.nn.Module, str, bool], ...] = ()
+    sizes: OpenSizes | None = None  # a program of open sizes: the inputs' sizes it serves
+
+    def at(self, binding: dict[Any, Any]) -> _Program:
+        """This program of open sizes for one binding of them: its layouts and records in numbers."""
+        specs = tuple(None if s is None else (OpenSizes.value(s[0], binding), OpenSizes.value(s[1], binding))
+                      for s in self.out_specs)
+        return dataclasses.replace(self, out_specs=specs, records=tuple(OpenSizes.record(r, binding) for r in self.records),
+                                   sizes=None)
 
 
 class DistModel:
@@ -75,7 +88,8 @@ class DistModel:
     does; ``loader`` is the loader given to ``to_static``. Parameters and optimizer states are
     the model's and the optimizer's own objects, updated in place. With ``outputs=True`` a train
     or eval call returns ``(loss, outputs)``: the model's outputs too (detached), for metrics;
-    the program then keeps them alive to its end.
+    the program then keeps them alive to its end. ``captures`` counts the steps captured so far
+    (a call no kept program serves).
     """
 
     def __init__(self, model: torch.nn.Module, loader: Any, loss: Callable[..., Any] | None,
@@ -96,6 +110,8 @@ class DistModel:
         self._loader = loader
         self._mode = TRAIN if loss is not None and optimizer is not None else EVAL if loss is not None else PREDICT
         self._programs: OrderedDict[Any, _Program | str] = OrderedDict()  # signature -> program, or why eager
+        self._open: OrderedDict[Any, list[_Program]] = OrderedDict()  # signature, open sizes left out -> programs
+        self.captures = 0  # steps captured so far (a new signature its kept programs do not serve)
         self._warned: set[str] = set()
         self._micro = 0                    # calls since the last optimizer step (gradient merge)
         if self.strategy.bucket_bytes is not None and hasattr(optimizer, "bucket_bytes"):
@@ -161,6 +177,8 @@ class DistModel:
         buffers: list[torch.Tensor] = list(self.network.buffers())
         key = self._signature(args)
         entry = self._programs.get(key)
+        if entry is None:  # a program of open sizes made for these sizes too
+            entry = self._of_open_sizes(key, args)
         if entry is None:  # a new signature: captured on fake tensors, then run (or refused: eager)
             entry = self._capture(key, args, params, buffers)
         else:
@@ -174,6 +192,28 @@ class DistModel:
         (``signature``; the parts in ``signature.PARTS`` order)."""
         return (self._mode, torch.is_grad_enabled(), tuple(signature.value(a) for a in args),
                 signature.parameters(self.network), signature.buffers(self.network), signature.modules(self.network))
+
+    def _open_signature(self, key: Any, args: tuple[Any, ...]) -> Any:
+        """``key`` with the arguments' open sizes left out (``static.sizes``): the programs of open
+        sizes kept under it may serve the call."""
+        leaves, tree = tree_flatten(list(args))
+        return (key[0], key[1], tree, tuple(masked(a) if layout.is_dist(a) else signature.leaf(a) for a in leaves), *key[3:])
+
+    def _of_open_sizes(self, key: Any, args: tuple[Any, ...]) -> _Program | None:
+        """A kept program of open sizes whose guards hold for ``args``, made for their sizes and
+        kept under ``key`` (None: none)."""
+        programs = self._open.get(self._open_signature(key, args)) if self._open else None
+        if not programs:
+            return None
+        shapes = [tuple(x.shape) for x in self._inputs(args)[0]]
+        for prog in programs:
+            binding = prog.sizes.bind(shapes) if prog.sizes is not None else None
+            if binding is not None:
+                entry = prog.at(binding)
+                self._keep(key, entry)
+                logger.debug("static: a program of open sizes serves new sizes %s", shapes)
+                return entry
+        return None
 
     # ---- eager ---------------------------------------------------------------------------------
     def _eager(self, args: tuple[Any, ...], params: list[torch.Tensor]) -> Any:
@@ -191,19 +231,27 @@ class DistModel:
         return loss
 
     # ---- capture -------------------------------------------------------------------------------
-    def _inputs(self, args: tuple[Any, ...]) -> tuple[list[torch.Tensor], Callable[[list[torch.Tensor]], list[Any]]]:
+    def _inputs(self, args: tuple[Any, ...], opened: list[tuple[int, ...]] | None = None
+                ) -> tuple[list[torch.Tensor], Callable[[list[torch.Tensor]], list[Any]]]:
         """The tensors of ``args`` (nested in lists, tuples, dicts: any pytree) as program inputs,
-        and how to rebuild the args from them (other leaves as they are: the signature holds them)."""
+        and how to rebuild the args from them (other leaves as they are: the signature holds them).
+        ``opened`` (when given) gets each input's open dims (``static.sizes``), and a rebuilt
+        DistTensor takes the symbolic sizes of the fake shard there."""
         leaves, tree = tree_flatten(list(args))
         flat: list[torch.Tensor] = []
         how: list[Any] = []
         for a in leaves:
             if layout.is_dist(a):
-                how.append(("dist", len(flat), layout.spec_of(a), layout.stride_of(a)))
+                dims = open_dims(a) if opened is not None else ()
+                how.append(("dist", len(flat), layout.spec_of(a), layout.stride_of(a), dims))
                 flat.append(layout.local_of(a))
+                if opened is not None:
+                    opened.append(dims)
             elif isinstance(a, torch.Tensor):
                 how.append(("plain", len(flat)))
                 flat.append(a)
+                if opened is not None:
+                    opened.append(())
             else:
                 how.append(("value", a))
 
@@ -211,7 +259,8 @@ class DistModel:
             out: list[Any] = []
             for h in how:
                 if h[0] == "dist":
-                    out.append(layout.wrap(xs[h[1]], h[2], h[3]))
+                    spec, stride = open_spec(h[2], xs[h[1]], h[4]) if h[4] else (h[2], h[3])
+                    out.append(layout.wrap(xs[h[1]], spec, stride))
                 elif h[0] == "plain":
                     out.append(xs[h[1]])
                 else:
@@ -221,9 +270,11 @@ class DistModel:
         return flat, rebuild
 
     def _capture(self, key: Any, args: tuple[Any, ...], params: list[torch.Tensor],
-                 buffers: list[torch.Tensor]) -> _Program | str:
+                 buffers: list[torch.Tensor], fixed: bool = False) -> _Program | str:
         """Capture this signature's step on fake tensors (nothing runs for real); returns the
-        program kept for it, or why it runs eagerly."""
+        program kept for it, or why it runs eagerly. The arguments' open sizes
+        (``static.sizes``) stay symbolic unless ``fixed`` (or under inductor), so that the program
+        serves every size its guards admit; a step they trip is captured at its sizes."""
         plain = plain_trained(self.network) if self._mode == TRAIN else None
         why = plain_trained_reason(plain, self.network) if plain is not None else signature.unkeyed(args)
         if why:
@@ -231,7 +282,9 @@ class DistModel:
             return why
         owners = params + buffers
         state = [layout.local_or_plain(t) for t in owners]
-        xs, rebuild = self._inputs(args)
+        opened: list[tuple[int, ...]] = []  # each input's open dims (none under inductor: static shapes)
+        open_sizes = self.strategy.compile != "inductor" and not fixed and os.environ.get("AUTOPARALLEL_OPEN_SIZES", "1") != "0"
+        xs, rebuild = self._inputs(args, opened if open_sizes else None)
         trained = [p for p in params if p.requires_grad] if self._mode == TRAIN else []
         reduce_here = self._reduces_in_program(trained)
         got: dict[str, Any] = {}
@@ -255,8 +308,17 @@ class DistModel:
             return [layout.local_of(t) if layout.is_dist(t) else t for t in got["outs"]]
 
         values = PlainValues(self.network)
+        self.captures += not fixed
         start = time.perf_counter()
-        result: Capture = capture(step, state + xs)
+        result: Capture = capture(step, state + xs, [()] * len(state) + opened) if any(opened) else capture(step, state + xs)
+        if result.program is None and result.open_sizes is not None or result.refused.startswith("tracing with open"):
+            # a step the open sizes trip (a size read as a Python value where no guard can say
+            # so): captured at these sizes
+            logger.debug("static: capturing at fixed sizes (%s)", result.refused)
+            values.restore()
+            got.clear()
+            xs, rebuild = self._inputs(args)
+            result = capture(step, state + xs)
         took = time.perf_counter() - start
         if result.program is None:
             values.restore()  # the eager call writes them itself
@@ -270,6 +332,12 @@ class DistModel:
             sink_waits(result.program)
             hoist_starts(result.program)
             records, specs = self._merge_reductions(result.program, records, specs)
+        if result.open_sizes is not None:  # the sizes the passes' new nodes take, from the inputs too
+            why = bind_free_sizes(result.program, result.symbols, [()] * len(state) + opened)
+            if why:
+                logger.debug("static: capturing at fixed sizes (%s)", why)
+                values.restore()
+                return self._capture(key, args, params, buffers, fixed=True)
         run: Callable[..., Any] = result.program
         if self.strategy.compile == "inductor":
             run = self._compiled(result.program)
@@ -277,6 +345,8 @@ class DistModel:
                 self._warn("compile='inductor': the step draws random numbers (dropout); inductor draws them with its "
                            "own generator, so masks differ from eager's for the same seed (compile=None keeps them)")
         program = _Program(run, specs, grad_index, records, got.get("tree"), got.get("n_out", 0), got["assigned"])
+        if result.open_sizes is not None:  # kept for the sizes its guards admit; run at these ones
+            program = self._open_sizes(key, args, program, result, opened, xs)
         written = values.written()
         if written:  # the trace's writes stand for this call's own; a replay would not repeat them: not kept
             self._warn(f"to_static: the step writes the module attribute{'s' if len(written) > 1 else ''} "
@@ -287,6 +357,25 @@ class DistModel:
         logger.info("static: captured the %s step in %.2f s (a program of %d nodes, %d collectives; %d signatures kept)",
                     self._mode, took, len(result.program.graph.nodes), len(records), len(self._programs))
         return program
+
+    def _open_sizes(self, key: Any, args: tuple[Any, ...], program: _Program, result: Capture,
+                    dims: list[tuple[int, ...]], inputs: list[torch.Tensor]) -> _Program:
+        """``program`` (captured with open sizes) kept for every size its guards admit, and at
+        this call's sizes (``OpenSizes``): returns the latter. ``dims``: each argument input's open
+        dims; ``inputs``: the argument inputs."""
+        assert result.open_sizes is not None
+        symbols = result.symbols[len(result.symbols) - len(dims):]  # (the arguments': the state's are fixed)
+        sizes = OpenSizes.of(symbols, dims, result.open_sizes)
+        shapes = [tuple(x.shape) for x in inputs]
+        binding = sizes.bind(shapes) if sizes is not None else None
+        if sizes is None or binding is None:  # its guards speak of other sizes: at these sizes only
+            return program.at(OpenSizes.hints(symbols, dims, shapes))
+        kept = self._open.setdefault(self._open_signature(key, args), [])
+        kept.append(dataclasses.replace(program, sizes=sizes))
+        del kept[:-MAX_PROGRAMS]
+        while len(self._open) > MAX_PROGRAMS:
+            self._open.popitem(last=False)
+        return program.at(binding)
 
     def _traced(self, inputs: list[Any], trained: list[torch.Tensor], reduce_here: bool,
                 got: dict[str, Any]) -> list[Any]:
@@ -334,7 +423,7 @@ class DistModel:
         if loss is not None and len(loss.partial_axes()) == 1 and loss.dtype in (torch.float32, torch.float64):
             axis = loss.partial_axes()[0]
             reduce_type = loss.placements[axis].reduce_type
-            if reduce_type in ("sum", "max", "min"):
+            if reduce_type in ("sum", "max", "min") and loss.mesh.shape[axis] > 1:  # (one member: no group, no sum)
                 name, line = comm.captured_group(loss.mesh, axis)
                 node = reduce_output(gm, 0, reduce_type, name)
                 node.meta["ap_record"] = len(recs)

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from autoparallel import compat
 from autoparallel.runtime.debug import CommRecord
 from spmd_rules.random_ops import draws_random
 
@@ -277,7 +278,7 @@ def _reduction(node: torch.fx.Node) -> tuple[Any, ...] | None:
 
 def _nbytes(node: torch.fx.Node) -> int:
     val = node.args[0].meta["val"]  # type: ignore[union-attr]
-    return int(val.numel() * val.element_size())
+    return compat.whole(val.numel() * val.element_size())  # type: ignore[no-any-return]
 
 
 def _mergeable_pair(gm: torch.fx.GraphModule, limit: int) -> tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node] | None:
