@@ -176,6 +176,8 @@ class OpenSizeFakes:
     def fake(self, t: torch.Tensor, open_dims: tuple[int, ...] = ()) -> tuple[torch.Tensor, tuple[Any, ...]]:
         """A fake of ``t`` whose ``open_dims`` are symbolic sizes, and each open dim's size as
         made (a sympy symbol; an int where torch fixed it)."""
+        if not open_dims:
+            return self.mode.from_tensor(t, static_shapes=True), ()
         context: Any = self._context(dynamic_sizes=[self._open if d in open_dims else self._fixed for d in range(t.dim())])
         f = self.mode.from_tensor(t, symbolic_context=context)
         sizes: list[Any] = list(f.shape)

@@ -11,7 +11,8 @@ then one warm call), twice from the same start: with open sizes (the default) an
 ``AUTOPARALLEL_OPEN_SIZES=0`` (every new length captured at its sizes). Printed per layout, from
 rank 0 (times are the slowest rank's):
 
-* ``captures``: steps captured over the pass (target with open sizes: 1);
+* ``captures``: steps captured over the pass (target with open sizes: 2, the first length at its
+  sizes and the second with them open);
 * ``capture s``: the first call (it captures, then runs);
 * ``first ms``: the median first call at a length after the first one;
 * ``warm ms``: the median warm call;
@@ -33,7 +34,9 @@ import torch
 import torch.distributed as dist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "examples"))
+HERE = os.path.dirname(os.path.abspath(__file__))
+# the repository root first, this folder not at all (benchmarks/reshard.py must not hide reshard/)
+sys.path[:] = [ROOT, os.path.join(ROOT, "examples")] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
 
 import autoparallel as ap  # noqa: E402
 from gpt_model import GPT, GPTConfig, lm_loss  # noqa: E402
@@ -113,7 +116,7 @@ def main() -> None:
                 print(f"{layout:8} {name:6} {r['captures']:8d} {r['capture']:9.2f} {r['first']:9.1f} {r['warm']:8.1f} "
                       f"{r['pass']:7.2f} {diff if name == 'open' else 0.0:9.1e}")
             print(f"{layout:8} open sizes: {opened['captures']} capture(s) for {len(lengths)} lengths "
-                  f"({'PASS' if opened['captures'] == 1 else 'FAIL'}: one); pass {fixed['pass'] / opened['pass']:.1f}x "
+                  f"({'PASS' if opened['captures'] <= 2 else 'FAIL'}: at most two); pass {fixed['pass'] / opened['pass']:.1f}x "
                   f"faster than with a capture per length; first call at a new length {opened['first'] / opened['warm']:.2f}x "
                   "a warm one", flush=True)
     dist.destroy_process_group()

@@ -12,9 +12,10 @@ shape and dtype, nested ones leaf by leaf, other input values as they are, the p
 and ``requires_grad``, the buffers' layouts, the modules' hooks, train/eval flags and plain
 attribute values) the first call captures the step on fake tensors (``autoparallel.static.capture``:
 nothing runs for real) and runs the program; later calls run the same program on the current
-local shards. The arguments' evenly split dims are captured as open sizes
-(``autoparallel.static.sizes``): a call that differs only in them (a new batch size or sequence
-length) runs the same program where its guards hold at the new sizes. What the program covers: forward, loss, backward and (for a ``shard_optimizer``
+local shards. A call that differs from a captured one only in the sizes of the arguments' evenly
+split dims (a new batch size or sequence length) is captured with those sizes open
+(``autoparallel.static.sizes``): every later such call runs that program where its guards hold at
+its sizes. What the program covers: forward, loss, backward and (for a ``shard_optimizer``
 optimizer, without gradient merge) its bucketed gradient reductions (for a torch optimizer, each
 Partial gradient reduced, the reductions merged); a buffer or tensor attribute
 the forward assigns anew is one more output, assigned at every call. A program whose capture
@@ -112,6 +113,7 @@ class DistModel:
         self._programs: OrderedDict[Any, _Program | str] = OrderedDict()  # signature -> program, or why eager
         self._open: OrderedDict[Any, list[_Program]] = OrderedDict()  # signature, open sizes left out -> programs
         self.captures = 0  # steps captured so far (a new signature its kept programs do not serve)
+        self._sized: set[Any] = set()  # signatures (open sizes left out) captured at fixed sizes
         self._warned: set[str] = set()
         self._micro = 0                    # calls since the last optimizer step (gradient merge)
         if self.strategy.bucket_bytes is not None and hasattr(optimizer, "bucket_bytes"):
@@ -192,6 +194,19 @@ class DistModel:
         (``signature``; the parts in ``signature.PARTS`` order)."""
         return (self._mode, torch.is_grad_enabled(), tuple(signature.value(a) for a in args),
                 signature.parameters(self.network), signature.buffers(self.network), signature.modules(self.network))
+
+    def _second_size(self, key: Any, args: tuple[Any, ...]) -> bool:
+        """Whether a step of this signature but for its open sizes was captured before (at fixed
+        sizes): a step whose sizes change is then captured with them open. The first capture of a
+        signature is at fixed sizes: a capture with open sizes takes longer (symbolic meta
+        kernels, guards), paid only by a step that is called at more than one size."""
+        family = self._open_signature(key, args)
+        if family in self._sized:
+            return True
+        if len(self._sized) > 4 * MAX_PROGRAMS:  # (signatures that keep changing otherwise)
+            self._sized.clear()
+        self._sized.add(family)
+        return False
 
     def _open_signature(self, key: Any, args: tuple[Any, ...]) -> Any:
         """``key`` with the arguments' open sizes left out (``static.sizes``): the programs of open
@@ -283,7 +298,8 @@ class DistModel:
         owners = params + buffers
         state = [layout.local_or_plain(t) for t in owners]
         opened: list[tuple[int, ...]] = []  # each input's open dims (none under inductor: static shapes)
-        open_sizes = self.strategy.compile != "inductor" and not fixed and os.environ.get("AUTOPARALLEL_OPEN_SIZES", "1") != "0"
+        open_sizes = (self.strategy.compile != "inductor" and not fixed and os.environ.get("AUTOPARALLEL_OPEN_SIZES", "1") != "0"
+                      and self._second_size(key, args))
         xs, rebuild = self._inputs(args, opened if open_sizes else None)
         trained = [p for p in params if p.requires_grad] if self._mode == TRAIN else []
         reduce_here = self._reduces_in_program(trained)

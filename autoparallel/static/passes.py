@@ -363,13 +363,18 @@ def _merge(gm: torch.fx.GraphModule, x: torch.fx.Node, y: torch.fx.Node, at: tor
     vals = [x.args[0].meta["val"], y.args[0].meta["val"]]  # type: ignore[union-attr]
     with g.inserting_before(at):
         flat = [g.call_function(_aten.reshape.default, (n.args[0], [-1])) for n in (x, y)]
+        # (a size of a capture's open sizes is read from the tensor here, as the program runs)
+        shapes = [[d if isinstance(d, int) else g.call_function(_aten.sym_size.int, (n.args[0], k))
+                   for k, d in enumerate(v.shape)] for n, v in zip((x, y), vals)]
+        numels = [v.numel() if isinstance(v.numel(), int) else g.call_function(_aten.sym_numel.default, (n.args[0],))
+                  for n, v in zip((x, y), vals)]
         start = g.call_function(_AR, (g.call_function(_aten.cat.default, (flat,)), x.args[1], x.args[2]))
     start.args[0].meta["val"] = torch.empty(sum(v.numel() for v in vals), dtype=vals[0].dtype, device="meta")  # type: ignore[union-attr]
     with g.inserting_before(first_wait):
         wait = g.call_function(_WAIT, (start,))
-        parts = g.call_function(_aten.split_with_sizes.default, (wait, [v.numel() for v in vals]))
-        views = [g.call_function(_aten.view.default, (g.call_function(operator.getitem, (parts, k)), list(v.shape)))
-                 for k, v in enumerate(vals)]
+        parts = g.call_function(_aten.split_with_sizes.default, (wait, numels))
+        views = [g.call_function(_aten.view.default, (g.call_function(operator.getitem, (parts, k)), shape))
+                 for k, shape in enumerate(shapes)]
     wx.replace_all_uses_with(views[0])
     wy.replace_all_uses_with(views[1])
     for n in (wx, wy, x, y):

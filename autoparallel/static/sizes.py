@@ -80,6 +80,7 @@ class OpenSizes:
         self.symbols = symbols
         self.fixed = fixed
         self.guards = guards
+        self._check = _guard_function(guards, list(symbols))  # the guards as Python (None: by sympy)
 
     @staticmethod
     def of(symbols: Sequence[tuple[Any, ...]], dims: Sequence[tuple[int, ...]], fakes: Any) -> OpenSizes | None:
@@ -112,9 +113,13 @@ class OpenSizes:
         for (i, d), n in self.fixed.items():
             if len(shapes[i]) <= d or shapes[i][d] != n:
                 return None
-        binding = {s: sympy.Integer(shapes[i][d]) for s, (i, d) in self.symbols.items() if d < len(shapes[i])}
-        if len(binding) != len(self.symbols):
+        if any(d >= len(shapes[i]) for i, d in self.symbols.values()):
             return None
+        if self._check is not None:
+            if not self._check(*(shapes[i][d] for i, d in self.symbols.values())):
+                return None
+            return {s: sympy.Integer(shapes[i][d]) for s, (i, d) in self.symbols.items()}
+        binding = {s: sympy.Integer(shapes[i][d]) for s, (i, d) in self.symbols.items()}
         for g in self.guards:
             try:
                 if not bool(g.xreplace(binding)):
@@ -194,6 +199,21 @@ def bind_free_sizes(gm: torch.fx.GraphModule, symbols: Sequence[tuple[Any, ...]]
     graph.lint()
     gm.recompile()
     return ""
+
+
+def _guard_function(guards: list[Any], symbols: list[Any]) -> Any:
+    """The conjunction of ``guards`` as a Python function of ``symbols``' values (torch's sympy
+    printer), or None where one cannot be printed."""
+    from torch.utils._sympy.printers import PythonPrinter
+
+    try:
+        printer = PythonPrinter()
+        body = " and ".join(f"({printer.doprint(g)})" for g in guards) or "True"
+        scope: dict[str, Any] = {"math": math}
+        exec(f"def holds({', '.join(str(s) for s in symbols)}):\n    return bool({body})\n", scope)  # noqa: S102
+        return scope["holds"]
+    except Exception:  # noqa: BLE001  (a guard the printer does not write: evaluated by sympy)
+        return None
 
 
 def _bound_at(bound: Any, node: torch.fx.Node, a: Any) -> Any:
