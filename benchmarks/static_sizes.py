@@ -38,8 +38,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # the repository root first, this folder not at all (benchmarks/reshard.py must not hide reshard/)
 sys.path[:] = [ROOT, os.path.join(ROOT, "examples")] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
 
-import autoparallel as ap  # noqa: E402
 from gpt_model import GPT, GPTConfig, lm_loss  # noqa: E402
+
+import autoparallel as ap  # noqa: E402
 
 LAYOUTS = ("DP", "TP", "TP+SP", "DPxTP")
 
@@ -79,7 +80,7 @@ def run(layout: str, lengths: list[int], open_sizes: bool) -> dict[str, Any]:
     g = torch.Generator().manual_seed(1)
     firsts, warms, losses = [], [], []
     start = time.perf_counter()
-    for k, t in enumerate(lengths):
+    for t in lengths:
         x = torch.randint(0, 96, (8, t), generator=g)
         y = torch.randint(0, 96, (8, t), generator=g)
         xd, yd = ap.shard_tensor(x, mesh, placements), ap.shard_tensor(y, mesh, placements)
