@@ -370,8 +370,9 @@ class DistModel:
                        "writes it is captured anew; keep such state in a buffer (a tensor), or set it outside the step")
             return program
         self._keep(key, program)
-        logger.info("static: captured the %s step in %.2f s (a program of %d nodes, %d collectives; %d signatures kept)",
-                    self._mode, took, len(result.program.graph.nodes), len(records), len(self._programs))
+        logger.info("static: captured the %s step in %.2f s (a program of %d nodes, %d collectives%s; %d signatures kept)",
+                    self._mode, took, len(result.program.graph.nodes), len(records),
+                    ", open sizes" if result.open_sizes is not None else "", len(self._programs))
         return program
 
     def _open_sizes(self, key: Any, args: tuple[Any, ...], program: _Program, result: Capture,

@@ -30,10 +30,12 @@ SIZES = [(8, 8), (8, 12), (12, 8), (8, 16), (8, 8)]  # (batch, sequence length),
 def _build(kind: str) -> tuple[nn.Module, Any, ap.ProcessMesh, list[Any]]:
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab=32, seq=32, layers=1, width=32, heads=2))
-    if kind == "dp":
+    if kind in ("dp", "zero3"):
         mesh = ap.ProcessMesh([0, 1, 2, 3], dim_names=["dp"])
         ap.shard_layer(model, mesh)
         placements = [S0]
+        stage = ap.ShardingStage3(mesh) if kind == "zero3" else None
+        return model, ap.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=0.01), stage), mesh, placements
     else:
         shape = {"tp": [[0, 1, 2, 3]], "tp_sp": [[0, 1, 2, 3]], "dp_tp": [[0, 1], [2, 3]], "dp_1": [[0], [1], [2], [3]]}[kind]
         mesh = ap.ProcessMesh(shape, dim_names=["dp", "mp"])
@@ -88,7 +90,7 @@ def _assert_trains_as_eager(res: dict[str, Any]) -> None:
     assert s["warnings"] == [], s["warnings"]
 
 
-@pytest.mark.parametrize("kind", ["dp", "tp", "tp_sp", "dp_tp"])
+@pytest.mark.parametrize("kind", ["dp", "tp", "tp_sp", "dp_tp", "zero3"])
 def test_two_captures_serve_every_batch_size_and_length(world4: Any, kind: str) -> None:  # type: ignore[no-untyped-def]
     for res in world4.run(_train, kind, SIZES):
         _assert_trains_as_eager(res)
