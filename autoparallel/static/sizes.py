@@ -76,7 +76,7 @@ class OpenSizes:
     """Which program input dim each symbol of a capture is, and the guards the program holds
     under (sympy expressions over those symbols)."""
 
-    def __init__(self, symbols: dict[Any, tuple[int, int]], fixed: dict[tuple[int, int], int], guards: list[Any]) -> None:
+    def __init__(self, symbols: dict[Any, tuple[int, int]], fixed: dict[tuple[int, int], Any], guards: list[Any]) -> None:
         self.symbols = symbols
         self.fixed = fixed
         self.guards = guards
@@ -89,13 +89,13 @@ class OpenSizes:
         or None where a guard speaks of a size that is no input's (the program then serves its own
         sizes only)."""
         found: dict[Any, tuple[int, int]] = {}
-        fixed: dict[tuple[int, int], int] = {}
+        fixed: dict[tuple[int, int], Any] = {}
         for i, (syms, ds) in enumerate(zip(symbols, dims)):
             for s, d in zip(syms, ds):
                 if isinstance(s, sympy.Symbol) and s not in found:
                     found[s] = (i, d)
-                else:  # fixed by torch when the fake was made
-                    fixed[(i, d)] = int(s)
+                else:  # fixed by torch when the fake was made, or a symbol met before (one tensor
+                    fixed[(i, d)] = s  # passed twice): that size, or the first one's, there too
         guards = fakes.guards()
         if any(not g.free_symbols <= found.keys() for g in guards):
             return None
@@ -110,16 +110,18 @@ class OpenSizes:
 
     def bind(self, shapes: Sequence[tuple[int, ...]]) -> dict[Any, Any] | None:
         """Each symbol's value for inputs of ``shapes`` (None: a guard fails there)."""
-        for (i, d), n in self.fixed.items():
-            if len(shapes[i]) <= d or shapes[i][d] != n:
-                return None
-        if any(d >= len(shapes[i]) for i, d in self.symbols.values()):
+        if any(d >= len(shapes[i]) for i, d in (*self.symbols.values(), *self.fixed)):
             return None
-        if self._check is not None:
-            if not self._check(*(shapes[i][d] for i, d in self.symbols.values())):
+        for (i, d), n in self.fixed.items():
+            j, e = self.symbols.get(n, (None, None))
+            if shapes[i][d] != (shapes[j][e] if j is not None else int(n)):
                 return None
-            return {s: sympy.Integer(shapes[i][d]) for s, (i, d) in self.symbols.items()}
         binding = {s: sympy.Integer(shapes[i][d]) for s, (i, d) in self.symbols.items()}
+        if self._check is not None:
+            try:
+                return binding if self._check(*(shapes[i][d] for i, d in self.symbols.values())) else None
+            except Exception:  # noqa: BLE001  (a guard its Python cannot evaluate: by sympy, from now on)
+                self._check = None
         for g in self.guards:
             try:
                 if not bool(g.xreplace(binding)):
@@ -209,7 +211,7 @@ def _guard_function(guards: list[Any], symbols: list[Any]) -> Any:
     try:
         printer = PythonPrinter()
         body = " and ".join(f"({printer.doprint(g)})" for g in guards) or "True"
-        scope: dict[str, Any] = {"math": math}
+        scope: dict[str, Any] = {"math": math, "torch": torch}
         exec(f"def holds({', '.join(str(s) for s in symbols)}):\n    return bool({body})\n", scope)  # noqa: S102
         return scope["holds"]
     except Exception:  # noqa: BLE001  (a guard the printer does not write: evaluated by sympy)
@@ -226,7 +228,7 @@ def _size_function(expr: Any, free: list[Any], k: int) -> Any:
 
     names = [str(s) for s in free]
     body = PythonPrinter().doprint(expr)
-    scope: dict[str, Any] = {"math": math}
+    scope: dict[str, Any] = {"math": math, "torch": torch}
     exec(f"def size_{k}({', '.join(names)}):\n    return {body}\n", scope)  # noqa: S102  (printed by sympy)
     fn = scope[f"size_{k}"]
     fn.__module__ = __name__

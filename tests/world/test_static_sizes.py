@@ -126,23 +126,31 @@ class _Branchy(nn.Module):
         return self.out(h)
 
 
-def _branchy(rank: int) -> dict[str, Any]:
+def _scaled_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return lm_loss(logits, y) * y.shape[1] ** 0.5  # (a float of a size: a symbolic float in the capture)
+
+
+def _small(rank: int, sizes: list[tuple[int, int]], same: bool = False, scaled: bool = False) -> dict[str, Any]:
+    """``_Branchy`` trained eagerly and statically on batches of ``sizes``; ``same``: the input
+    passed as its own label (one tensor, two arguments); ``scaled``: the loss times a size's root."""
     mesh = ap.ProcessMesh([0, 1, 2, 3], dim_names=["dp"])
-    data = _batches([(8, 8), (8, 16), (8, 10), (8, 20)])
+    data = _batches(sizes)
+    loss_fn = _scaled_loss if scaled else lm_loss
     out: dict[str, Any] = {}
     for static in (False, True):
         torch.manual_seed(0)
         model = _Branchy()
         ap.shard_layer(model, mesh)
         opt = ap.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-        dm = ap.to_static(model, loss=lm_loss, optimizer=opt) if static else None
+        dm = ap.to_static(model, loss=loss_fn, optimizer=opt) if static else None
         losses = []
         for x, y in data:
-            xd, yd = ap.shard_tensor(x, mesh, [S0]), ap.shard_tensor(y, mesh, [S0])
+            xd = ap.shard_tensor(x, mesh, [S0])
+            yd = xd if same else ap.shard_tensor(y, mesh, [S0])
             if dm is not None:
                 loss = dm(xd, yd)
             else:
-                loss = lm_loss(model(xd), yd)
+                loss = loss_fn(model(xd), yd)
                 loss.backward()
                 opt.step()
                 opt.zero_grad()
@@ -156,6 +164,18 @@ def _branchy(rank: int) -> dict[str, Any]:
 def test_a_size_the_step_branches_on_is_a_guard(world4: Any) -> None:  # type: ignore[no-untyped-def]
     # 8 is captured at its sizes; 16 opens them (its program holds past 12 tokens: 20 too), 10
     # breaks that guard: captured again, for 12 tokens and fewer
-    for res in world4.run(_branchy):
+    for res in world4.run(_small, [(8, 8), (8, 16), (8, 10), (8, 20)]):
         _assert_trains_as_eager(res)
         assert res["static"]["captures"] == 3, res["static"]["captures"]
+
+
+def test_one_tensor_passed_as_two_arguments(world4: Any) -> None:  # type: ignore[no-untyped-def]
+    # the input as its own label: both arguments' fakes are one, with one symbol per size
+    for res in world4.run(_small, [(8, 8), (8, 16), (8, 20)], True):
+        _assert_trains_as_eager(res)
+        assert res["static"]["captures"] == 2, res["static"]["captures"]
+
+
+def test_a_loss_scaled_by_a_float_of_a_size(world4: Any) -> None:  # type: ignore[no-untyped-def]
+    for res in world4.run(_small, [(8, 8), (8, 10), (8, 16)], False, True):
+        _assert_trains_as_eager(res)
