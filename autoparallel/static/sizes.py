@@ -113,8 +113,8 @@ class OpenSizes:
         if any(d >= len(shapes[i]) for i, d in (*self.symbols.values(), *self.fixed)):
             return None
         for (i, d), n in self.fixed.items():
-            j, e = self.symbols.get(n, (None, None))
-            if shapes[i][d] != (shapes[j][e] if j is not None else int(n)):
+            first = self.symbols.get(n)
+            if shapes[i][d] != (shapes[first[0]][first[1]] if first is not None else int(n)):
                 return None
         binding = {s: sympy.Integer(shapes[i][d]) for s, (i, d) in self.symbols.items()}
         if self._check is not None:
