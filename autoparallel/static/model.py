@@ -73,6 +73,7 @@ class _Program:
     # the module slots the step assigns (module, name, whether a buffer): the last outputs, in order
     assigned: tuple[tuple[torch.nn.Module, str, bool], ...] = ()
     sizes: OpenSizes | None = None  # a program of open sizes: the inputs' sizes it serves
+    served: int = 0                 # (kept with open sizes) calls at other sizes it ran
 
     def at(self, binding: dict[Any, Any]) -> _Program:
         """This program of open sizes for one binding of them: its layouts and records in numbers."""
@@ -89,8 +90,8 @@ class DistModel:
     does; ``loader`` is the loader given to ``to_static``. Parameters and optimizer states are
     the model's and the optimizer's own objects, updated in place. With ``outputs=True`` a train
     or eval call returns ``(loss, outputs)``: the model's outputs too (detached), for metrics;
-    the program then keeps them alive to its end. ``captures`` counts the steps captured so far
-    (a call no kept program serves).
+    the program then keeps them alive to its end. ``captures`` counts the captures made so far (a
+    call no kept program serves: a capture refused, whose call then ran eagerly, included).
     """
 
     def __init__(self, model: torch.nn.Module, loader: Any, loss: Callable[..., Any] | None,
@@ -199,10 +200,12 @@ class DistModel:
         """Whether a step of this signature but for its open sizes was captured before (at fixed
         sizes): a step whose sizes change is then captured with them open. The first capture of a
         signature is at fixed sizes: a capture with open sizes takes longer (symbolic meta
-        kernels, guards), paid only by a step that is called at more than one size."""
+        kernels, guards), paid only by a step that is called at more than one size, and not again
+        where the signature's open programs served no size but their own."""
         family = self._open_signature(key, args)
-        if family in self._sized:
-            return True
+        if family in self._sized:  # unless its open programs serve no other size (their guards fix
+            kept = self._open.get(family)  # the sizes: a size read as a Python number): a fixed capture is cheaper
+            return not kept or any(p.served for p in kept)
         if len(self._sized) > 4 * MAX_PROGRAMS:  # (signatures that keep changing otherwise)
             self._sized.clear()
         self._sized.add(family)
@@ -224,6 +227,7 @@ class DistModel:
         for prog in programs:
             binding = prog.sizes.bind(shapes) if prog.sizes is not None else None
             if binding is not None:
+                prog.served += 1
                 entry = prog.at(binding)
                 self._keep(key, entry)
                 logger.debug("static: a program of open sizes serves new sizes %s", shapes)

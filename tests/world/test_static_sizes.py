@@ -9,6 +9,7 @@ size breaks)."""
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import warnings
@@ -126,16 +127,22 @@ class _Branchy(nn.Module):
         return self.out(h)
 
 
-def _scaled_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def _root_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return lm_loss(logits, y) * y.shape[1] ** 0.5  # (a float of a size: a symbolic float in the capture)
 
 
-def _small(rank: int, sizes: list[tuple[int, int]], same: bool = False, scaled: bool = False) -> dict[str, Any]:
+def _log_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return lm_loss(logits, y) / math.log(y.shape[1])  # (a size made a Python number: fixed by a guard)
+
+
+def _small(rank: int, sizes: list[tuple[int, int]], same: bool = False, scaled: str = "") -> dict[str, Any]:
     """``_Branchy`` trained eagerly and statically on batches of ``sizes``; ``same``: the input
-    passed as its own label (one tensor, two arguments); ``scaled``: the loss times a size's root."""
+    passed as its own label (one tensor, two arguments); ``scaled``: the loss times a size's root
+    ("root") or over its log ("log")."""
     mesh = ap.ProcessMesh([0, 1, 2, 3], dim_names=["dp"])
     data = _batches(sizes)
-    loss_fn = _scaled_loss if scaled else lm_loss
+    loss_fn = {"root": _root_loss, "log": _log_loss}.get(scaled, lm_loss)
+    opened = 0
     out: dict[str, Any] = {}
     for static in (False, True):
         torch.manual_seed(0)
@@ -155,9 +162,11 @@ def _small(rank: int, sizes: list[tuple[int, int]], same: bool = False, scaled: 
                 opt.step()
                 opt.zero_grad()
             losses.append(float(loss.detach().full_tensor()))
+        if dm is not None:
+            opened = sum(len(kept) for kept in dm._open.values())
         out["static" if static else "eager"] = {
             "losses": losses, "params": [p.full_tensor().detach().clone() for p in model.parameters()],
-            "captures": dm.captures if dm is not None else 0, "warnings": []}
+            "captures": dm.captures if dm is not None else 0, "warnings": [], "opened": opened}
     return out
 
 
@@ -177,5 +186,14 @@ def test_one_tensor_passed_as_two_arguments(world4: Any) -> None:  # type: ignor
 
 
 def test_a_loss_scaled_by_a_float_of_a_size(world4: Any) -> None:  # type: ignore[no-untyped-def]
-    for res in world4.run(_small, [(8, 8), (8, 10), (8, 16)], False, True):
+    for res in world4.run(_small, [(8, 8), (8, 10), (8, 16)], False, "root"):
         _assert_trains_as_eager(res)
+
+
+def test_sizes_a_guard_fixes_are_captured_at_their_sizes(world4: Any) -> None:  # type: ignore[no-untyped-def]
+    # the log of the length is a Python number: the open capture (at 12) serves 12 only, so 16
+    # and 20 are captured at their sizes (the cheaper capture), not with open sizes again
+    for res in world4.run(_small, [(8, 8), (8, 12), (8, 16), (8, 20)], False, "log"):
+        _assert_trains_as_eager(res)
+        assert res["static"]["captures"] == 4, res["static"]["captures"]
+        assert res["static"]["opened"] == 1, res["static"]["opened"]
