@@ -49,7 +49,7 @@ def call_key(cls: Any, items: tuple[Any, ...], dts: list[Any], plain: list[torch
     for a in items:
         if isinstance(a, cls):
             dts.append(a)
-            out.append((a._spec, shape_key(a._stride)))
+            out.append((a._spec, shape_key(a._stride) if a._spec.symbolic else a._stride))
         elif isinstance(a, torch.Tensor):
             if a.dim() != 0:
                 plain.append(a)

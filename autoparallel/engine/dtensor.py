@@ -240,9 +240,10 @@ class DistTensor(torch.Tensor):
         stride: tuple[int, ...] | None = None,
         requires_grad: bool = False,
     ) -> DistTensor:
-        stride = stride if stride is not None else contiguous_strides(spec.shape)
         if spec.symbolic:  # a capture's open sizes: see ``_traced_shape``
+            stride = stride if stride is not None else contiguous_strides(spec.shape)
             return _wrap_open(cls, local, _traced_shape(local, spec), stride, requires_grad)
+        stride = stride if stride is not None else contiguous_strides(spec.shape)
         if compat.WRAPPER_POSITIONAL:  # the same call without keyword parsing (every op output comes here)
             r = _make_wrapper(cls, spec.shape, stride, None, None, spec.dtype, local.layout, local.device, False, requires_grad)
         else:

@@ -32,7 +32,7 @@ from autoparallel.engine.decide import (
     place_locals,
 )
 from autoparallel.placement import Replicate
-from autoparallel.runtime import debug
+from autoparallel.runtime import comm, debug
 from autoparallel.spec import DistSpec
 from autoparallel.strides import conform, follows, nesting
 from reshard.executor import run_any
@@ -165,7 +165,7 @@ def _follow(local: torch.Tensor, d: LocalStep, k: int) -> torch.Tensor:
         return local
     like = d.out_strides[k]
     assert like is not None
-    if any(isinstance(n, torch.SymInt) for n in dense):
+    if comm.capturing() and any(isinstance(n, torch.SymInt) for n in dense):
         return _follow_open(local, like)
     if local.stride() == dense:
         return local
