@@ -240,11 +240,13 @@ class DistTensor(torch.Tensor):
         stride: tuple[int, ...] | None = None,
         requires_grad: bool = False,
     ) -> DistTensor:
-        if spec.symbolic:  # a capture's open sizes: see ``_traced_shape``
-            stride = stride if stride is not None else contiguous_strides(spec.shape)
-            return _wrap_open(cls, local, _traced_shape(local, spec), stride, requires_grad)
         stride = stride if stride is not None else contiguous_strides(spec.shape)
-        if compat.WRAPPER_POSITIONAL:  # the same call without keyword parsing (every op output comes here)
+        if spec.symbolic:  # a capture's open sizes: made outside the trace's recording (``_open_layout``)
+            spec, stride = _open_layout(local, spec, stride)
+            with compat.outside_trace(keep_fake=True):
+                r = _make_wrapper(cls, spec.shape, strides=stride, dtype=spec.dtype, device=local.device,
+                                  layout=local.layout, requires_grad=requires_grad)
+        elif compat.WRAPPER_POSITIONAL:  # the same call without keyword parsing (every op output comes here)
             r = _make_wrapper(cls, spec.shape, stride, None, None, spec.dtype, local.layout, local.device, False, requires_grad)
         else:
             r = _make_wrapper(cls, spec.shape, strides=stride, dtype=spec.dtype, device=local.device,
@@ -581,27 +583,22 @@ def _rank() -> int:
     return runtime.get_rank()
 
 
-def _wrap_open(cls: Any, local: torch.Tensor, spec: DistSpec, stride: tuple[int, ...], requires_grad: bool) -> DistTensor:
-    """``DistTensor._wrap`` of a layout of open sizes (a capture's): the wrapper is made outside the
-    trace's recording (its metadata is no op of the program); dense strides are computed from the
-    traced sizes in their nesting."""
+def _open_layout(local: torch.Tensor, spec: DistSpec, stride: tuple[int, ...]) -> tuple[DistSpec, tuple[int, ...]]:
+    """The layout and strides of a wrapper of open sizes (a capture's): its sizes the traced
+    shard's where they are its own (``_traced_shape``), dense strides computed from them in their
+    nesting, so that what the model reads of the wrapper is what the program computes."""
+    spec = _traced_shape(local, spec)
     with compat.outside_trace(keep_fake=True):
         dense = stride == dense_strides(spec.shape, stride)
         order = nesting(stride)
-    if dense:
-        out: list[Any] = [0] * len(stride)
-        acc: Any = 1
-        for d in reversed(order):
-            out[d] = acc
-            acc = acc * spec.shape[d] if not isinstance(spec.shape[d], int) or spec.shape[d] > 1 else acc
-        stride = tuple(out)
-    with compat.outside_trace(keep_fake=True):
-        r = _make_wrapper(cls, spec.shape, strides=stride, dtype=spec.dtype, device=local.device,
-                          layout=local.layout, requires_grad=requires_grad)
-    r._local = local
-    r._spec = spec
-    r._stride = tuple(stride)
-    return r
+    if not dense:
+        return spec, stride
+    out: list[Any] = [0] * len(stride)
+    acc: Any = 1
+    for d in reversed(order):
+        out[d] = acc
+        acc = acc * spec.shape[d] if not isinstance(spec.shape[d], int) or spec.shape[d] > 1 else acc
+    return spec, tuple(out)
 
 
 def _traced_shape(local: torch.Tensor, spec: DistSpec) -> DistSpec:

@@ -57,6 +57,18 @@ def _batches(sizes: list[tuple[int, int]]) -> list[tuple[torch.Tensor, torch.Ten
     return [(torch.randint(0, 32, (b, t), generator=g), torch.randint(0, 32, (b, t), generator=g)) for b, t in sizes]
 
 
+def _step(dm: Any, model: nn.Module, opt: Any, loss_fn: Any, x: Any, y: Any) -> float:
+    """One training step, static (``dm``) or eager (``dm`` None); its loss."""
+    if dm is not None:
+        loss = dm(x, y)
+    else:
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return float(loss.detach().full_tensor())
+
+
 def _train(rank: int, kind: str, sizes: list[tuple[int, int]]) -> dict[str, Any]:
     data = _batches(sizes)
     out: dict[str, Any] = {}
@@ -68,14 +80,7 @@ def _train(rank: int, kind: str, sizes: list[tuple[int, int]]) -> dict[str, Any]
             warnings.simplefilter("always")
             for x, y in data:
                 xd, yd = ap.shard_tensor(x, mesh, placements), ap.shard_tensor(y, mesh, placements)
-                if dm is not None:
-                    loss = dm(xd, yd)
-                else:
-                    loss = lm_loss(model(xd), yd)
-                    loss.backward()
-                    opt.step()
-                    opt.zero_grad()
-                losses.append(float(loss.detach().full_tensor()))
+                losses.append(_step(dm, model, opt, lm_loss, xd, yd))
         params = [p.full_tensor().detach().clone() for p in model.parameters()]
         out["static" if static else "eager"] = {
             "losses": losses, "params": params, "captures": dm.captures if dm is not None else 0,
@@ -153,15 +158,7 @@ def _small(rank: int, sizes: list[tuple[int, int]], same: bool = False, scaled: 
         losses = []
         for x, y in data:
             xd = ap.shard_tensor(x, mesh, [S0])
-            yd = xd if same else ap.shard_tensor(y, mesh, [S0])
-            if dm is not None:
-                loss = dm(xd, yd)
-            else:
-                loss = loss_fn(model(xd), yd)
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-            losses.append(float(loss.detach().full_tensor()))
+            losses.append(_step(dm, model, opt, loss_fn, xd, xd if same else ap.shard_tensor(y, mesh, [S0])))
         if dm is not None:
             opened = sum(len(kept) for kept in dm._open.values())
         out["static" if static else "eager"] = {
