@@ -180,12 +180,9 @@ def _follow_open(local: torch.Tensor, like: tuple[int, ...]) -> torch.Tensor:
         if follows(local.shape, local.stride(), like):
             return local
         order = nesting(like)
-    strides = [0] * local.dim()
-    acc: Any = 1
-    for d in reversed(order):
-        strides[d] = acc
-        acc = acc * local.shape[d]
-    return known_sums.carry(local, torch.empty_strided(local.shape, strides, dtype=local.dtype, device=local.device).copy_(local))
+    # dense in ``like``'s nesting, out of place (a program's backward keeps no in-place copy)
+    back = sorted(range(len(order)), key=order.__getitem__)
+    return known_sums.carry(local, local.permute(order).contiguous().permute(back))
 
 
 def _any_detached(dts: list[Any]) -> bool:

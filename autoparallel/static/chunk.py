@@ -26,6 +26,11 @@ an ``ActivationMeter`` attached the chunks run eagerly (the meter counts autogra
 A chunk whose capture is refused (``.item()`` in the step, an op without a rule, a forward
 output reading the output gradient, a forward assigning a buffer) runs eagerly from then on,
 after one warning naming why.
+
+New sizes (``static.sizes``): the first forward of a signature is captured at its sizes; a
+forward that differs from a captured one only in the open sizes of its input, target and output
+gradient is captured with them open, and those programs serve every later such forward whose
+guards hold (as ``DistModel``'s do); where the open capture fails, at fixed sizes.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -42,10 +47,11 @@ from autoparallel.engine import layout
 from autoparallel.log import logger
 from autoparallel.runtime import comm
 from autoparallel.runtime.debug import CommRecord, replay
-from autoparallel.spec import DistSpec
+from autoparallel.spec import DistSpec, shape_key
 from autoparallel.static import signature
 from autoparallel.static.capture import PlainValues, TensorSlots, capture, plain_trained, plain_trained_reason, standing_in
 from autoparallel.static.passes import hoist_starts, sink_waits
+from autoparallel.static.sizes import OpenSizes, masked, open_dims, open_spec, spec_open_dims
 from autoparallel.static.split import SplitError, split_input_weight, split_joint
 
 
@@ -60,6 +66,14 @@ class _Programs:
     # zero-bubble: the backward cut into the input gradient's ops and the weights' (None: not cut)
     input_grad: torch.fx.GraphModule | None = None
     weight_grads: torch.fx.GraphModule | None = None
+    sizes: OpenSizes | None = None  # captured with open sizes: the inputs' sizes it serves
+    served: int = 0                 # (kept with open sizes) forwards at other sizes it ran
+
+    def at(self, binding: dict[Any, Any]) -> _Programs:
+        """These programs of open sizes for one binding of them: the output's layout and the
+        records in numbers."""
+        out = None if self.out is None else (OpenSizes.value(self.out[0], binding), OpenSizes.value(self.out[1], binding))
+        return replace(self, out=out, records=tuple(OpenSizes.record(r, binding) for r in self.records), sizes=None)
 
 
 @dataclass
@@ -88,6 +102,8 @@ class StaticChunk:
         self.name = name
         self._as_layout = as_layout
         self._programs: dict[Any, _Programs | str] = {}
+        self._open: dict[Any, list[_Programs]] = {}  # signature, open sizes left out -> programs
+        self._sized: set[Any] = set()  # signatures (open sizes left out) captured before
         self._warn = warn or (lambda m: warnings.warn(f"autoparallel: {m}", stacklevel=4))
 
     # ---- signature -------------------------------------------------------------------------
@@ -103,13 +119,27 @@ class StaticChunk:
         ``loss_fn`` is None except on the last chunk (then ``t`` is its target or None)."""
         key = self._key(x, t, out_spec, in_grad_spec)
         entry = self._programs.get(key)
+        last = loss_fn is not None
+        if entry is None:  # programs of open sizes made for these sizes too
+            entry = self._of_open_sizes(key, x, t, out_spec, last)
         if isinstance(entry, _Programs):
             return self._run(entry, x, t)
         if isinstance(entry, str):
             return eager()
         start = time.perf_counter()
         values = PlainValues(self.module)
-        progs = self._capture(x, t, loss_fn, divide, out_spec, in_grad_spec)
+        family = self._family(key, x, t)
+        kept = self._open.get(family)
+        progs = None
+        if family in self._sized and (not kept or any(p.served for p in kept)):  # a second size: opened
+            progs = self._capture(x, t, loss_fn, divide, out_spec, in_grad_spec, open_sizes=True)
+            if isinstance(progs, str):  # (the open sizes tripped the trace: at fixed sizes)
+                logger.debug("static: pipeline chunk %s captured at fixed sizes (%s)", self.name, progs)
+                values.restore()
+                progs = None
+        self._sized.add(family)
+        if progs is None:
+            progs = self._capture(x, t, loss_fn, divide, out_spec, in_grad_spec)
         if isinstance(progs, str):
             values.restore()  # the eager forward writes them itself
             self._refuse(key, progs)
@@ -123,8 +153,51 @@ class StaticChunk:
                        f"{'s' if len(written) > 1 else ''} {', '.join(written)} (a plain Python value), which a program "
                        "cannot repeat: each forward that writes it is captured anew; keep such state in a buffer")
         else:
+            binding = progs.sizes.bind(self._shapes(x, t, out_spec, last)) if progs.sizes is not None else None
+            if progs.sizes is not None and binding is not None:
+                self._open.setdefault(family, []).append(progs)
+                progs = progs.at(binding)
+            elif progs.sizes is not None:  # (not its own sizes: at fixed sizes)
+                progs = self._capture(x, t, loss_fn, divide, out_spec, in_grad_spec)
+                if isinstance(progs, str):
+                    self._refuse(key, progs)
+                    return eager()
             self._programs[key] = progs
         return self._run(progs, x, t)
+
+    # ---- open sizes --------------------------------------------------------------------------
+    def _family(self, key: Any, x: Any, t: Any) -> Any:
+        """``key`` with the open sizes of the input and target left out (and the boundary layouts'
+        shapes, which follow from them)."""
+        out_spec, in_grad_spec = key[2], key[3]
+        return (masked(x), masked(t) if layout.is_dist(t) else key[1], _placed(out_spec), _placed(in_grad_spec), *key[4:])
+
+    def _shapes(self, x: Any, t: Any, out_spec: DistSpec, last: bool) -> list[tuple[int, ...]]:
+        """The program inputs' shapes of a forward: state, input, target, output gradient."""
+        _, state = self._state()
+        shapes = [tuple(s.shape) for s in state] + [tuple(layout.local_of(x).shape)]
+        if t is not None:
+            shapes.append(tuple(layout.local_or_plain(t).shape))
+        if not last:
+            gspec = layout.grad_spec(out_spec)
+            shapes.append(tuple(gspec.local_shape(gspec.mesh.coordinate_of(self._rank()))))
+        return shapes
+
+    def _of_open_sizes(self, key: Any, x: Any, t: Any, out_spec: DistSpec, last: bool) -> _Programs | None:
+        """Kept programs of open sizes whose guards hold for this forward, made for its sizes and
+        kept under ``key`` (None: none)."""
+        kept = self._open.get(self._family(key, x, t)) if self._open else None
+        if not kept:
+            return None
+        shapes = self._shapes(x, t, out_spec, last)
+        for progs in kept:
+            binding = progs.sizes.bind(shapes) if progs.sizes is not None else None
+            if binding is not None:
+                progs.served += 1
+                entry = progs.at(binding)
+                self._programs[key] = entry
+                return entry
+        return None
 
     def _refuse(self, key: Any, reason: str) -> None:
         self._programs[key] = reason
@@ -136,7 +209,7 @@ class StaticChunk:
         return params, [layout.local_or_plain(t) for t in params + list(self.module.buffers())]
 
     def _capture(self, x: Any, t: Any, loss_fn: Any, divide: int, out_spec: DistSpec,
-                 in_grad_spec: DistSpec | None) -> _Programs | str:
+                 in_grad_spec: DistSpec | None, open_sizes: bool = False) -> _Programs | str:
         plain = plain_trained(self.module) if torch.is_grad_enabled() else None
         if plain is not None:
             return plain_trained_reason(plain)
@@ -148,10 +221,15 @@ class StaticChunk:
         inputs = state + [layout.local_of(x)] + ([] if t is None else [layout.local_or_plain(t)])
         n_primals = len(inputs)
         last = loss_fn is not None
+        gspec = layout.grad_spec(out_spec)
         if not last:
-            gspec = layout.grad_spec(out_spec)
             coord = gspec.mesh.coordinate_of(self._rank())
             inputs.append(torch.zeros(gspec.local_shape(coord), dtype=gspec.dtype, device=layout.local_of(x).device))
+        # open sizes: the input's and target's evenly split dims, and the output gradient's
+        x_dims = open_dims(x) if open_sizes else ()
+        t_dims = open_dims(t) if open_sizes and layout.is_dist(t) else ()
+        g_dims = spec_open_dims(gspec, inputs[-1]) if open_sizes and not last else ()
+        dims = [()] * len(state) + [x_dims] + ([] if t is None else [t_dims]) + ([] if last else [g_dims])
         got: dict[str, Any] = {}
 
         def joint(*flat: torch.Tensor) -> list[torch.Tensor]:
@@ -169,12 +247,20 @@ class StaticChunk:
             return outs
 
         def traced(flat: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
-            xd = layout.wrap(flat[len(state)], x_spec, x_stride, requires_grad=in_grad_spec is not None)
+            xs, xst = open_spec(x_spec, flat[len(state)], x_dims) if x_dims else (x_spec, x_stride)
+            xd = layout.wrap(flat[len(state)], xs, xst, requires_grad=in_grad_spec is not None)
             td: Any = None
             if t is not None:
                 tl = flat[len(state) + 1]
-                td = tl if not isinstance(t_how, tuple) else layout.wrap(tl, t_how[0], t_how[1])
+                if isinstance(t_how, tuple):
+                    ts, tst = open_spec(t_how[0], tl, t_dims) if t_dims else t_how
+                    td = layout.wrap(tl, ts, tst)
+                else:
+                    td = tl
             y = self.module(xd)
+            # the boundary layouts over the traced sizes (the same ones at fixed sizes)
+            boundary = out_spec if not open_sizes else _over(out_spec, layout.spec_of(y) if layout.is_dist(y) else None)
+            in_grad = None if in_grad_spec is None else _over(in_grad_spec, xs) if open_sizes else in_grad_spec
             wrt = trained + ([xd] if in_grad_spec is not None else [])
             if last:
                 loss = loss_fn(y) if td is None else loss_fn(y, td)
@@ -182,26 +268,31 @@ class StaticChunk:
                 out = layout.local_of(loss.detach()) if layout.is_dist(loss) else loss.detach()  # type: ignore[arg-type]
                 grads = torch.autograd.grad(loss / divide, wrt, allow_unused=True) if wrt else ()
             else:
-                out = self._as_layout(y, out_spec)
-                got["out"] = (out_spec, tuple(out.stride()))
-                g_out = layout.wrap(flat[-1], layout.grad_spec(out_spec))
+                out = self._as_layout(y, boundary)
+                got["out"] = (boundary, tuple(out.stride()))
+                g_out = layout.wrap(flat[-1], layout.grad_spec(boundary))
                 grads = torch.autograd.grad(y, wrt, g_out, allow_unused=True) if wrt else ()
             pgrads = list(grads[:len(trained)])
             got["specs"] = tuple(layout.spec_or_none(g) for g in pgrads)
             locs = [layout.local_of(g) for g in pgrads if g is not None]  # type: ignore[arg-type]  # DistTensor grads
-            if in_grad_spec is not None:
+            if in_grad is not None:
                 gx = grads[-1]
                 if gx is None:
-                    gx_local = torch.zeros(in_grad_spec.local_shape(in_grad_spec.mesh.coordinate_of(self._rank())),
-                                           dtype=in_grad_spec.dtype, device=out.device)
+                    gx_local = torch.zeros(in_grad.local_shape(in_grad.mesh.coordinate_of(self._rank())),
+                                           dtype=in_grad.dtype, device=out.device)
                 else:
-                    gx_local = self._as_layout(gx, in_grad_spec)
+                    gx_local = self._as_layout(gx, in_grad)
                 locs.append(gx_local)
             return [out] + locs
 
-        result = capture(joint, inputs)
+        result = capture(joint, inputs, dims if open_sizes else None)
         if result.program is None:
             return result.refused
+        sizes = None
+        if result.open_sizes is not None:
+            sizes = OpenSizes.of(result.symbols, dims, result.open_sizes)
+            if sizes is None:
+                return "its guards speak of sizes that are no input's"
         try:
             parts = split_joint(result.program, n_primals, 1)
             cut = split_input_weight(parts.backward) if self.split_backward and in_grad_spec is not None else None
@@ -214,7 +305,7 @@ class StaticChunk:
         except Exception as e:  # noqa: BLE001  (a program the passes cannot handle: the same on every rank of the stage)
             return f"the captured program could not be split ({type(e).__name__}: {e})"
         return _Programs(parts.forward, parts.backward, parts.num_saved, got["specs"], result.records, got["out"],
-                         cut.input_grad if cut else None, cut.weight_grads if cut else None)
+                         cut.input_grad if cut else None, cut.weight_grads if cut else None, sizes)
 
     @staticmethod
     def _rank() -> int:
@@ -272,3 +363,15 @@ class StaticChunk:
                 else:
                     p.grad = p.grad + layout.wrap(g, spec)
         return k
+
+
+def _placed(spec: DistSpec | None) -> Any:
+    """A boundary layout without its shape (a signature of open sizes)."""
+    return None if spec is None else (spec.mesh, spec.placements, spec.shard_order, spec.dtype, spec.ndim)
+
+
+def _over(spec: DistSpec, like: DistSpec | None) -> DistSpec:
+    """``spec`` over ``like``'s (symbolic) shape: a boundary layout in a capture of open sizes."""
+    if like is None or like.ndim != spec.ndim or shape_key(like.shape) == shape_key(spec.shape):
+        return spec
+    return spec.with_shape(like.shape)

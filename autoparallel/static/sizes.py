@@ -55,6 +55,15 @@ def open_dims(a: Any) -> tuple[int, ...]:
     return tuple(out)
 
 
+def spec_open_dims(spec: DistSpec, local: torch.Tensor) -> tuple[int, ...]:
+    """``open_dims`` of a shard ``local`` of layout ``spec`` (a program input made for one: a
+    pipeline chunk's output gradient)."""
+    if spec.has_strided or local.dim() != spec.ndim or not local.is_contiguous():
+        return ()
+    return tuple(d for d, n in enumerate(spec.shape)
+                 if n % shard_count(spec, d) == 0 and n // shard_count(spec, d) >= 2 and local.shape[d] == n // shard_count(spec, d))
+
+
 def masked(a: Any) -> Any:
     """Argument leaf ``a``'s part of a signature of open sizes: its layout with the open dims'
     sizes left out (None), its other metadata as ``static.signature`` keeps it."""

@@ -174,3 +174,41 @@ def test_zero3_inside_static_stages_trains_bitwise_like_eager_with_one_capture_p
             torch.testing.assert_close(torch.tensor(s["losses"]), torch.tensor(ref), rtol=1e-5, atol=1e-7)
         assert all(k == ["_Programs"] for k in s["kinds"]) and s["programs"] == 1
         assert not e["global_hooks"] and not s["global_hooks"]
+
+
+def _lengths(rank: int, static: bool, schedule: str, tp: bool) -> dict[str, Any]:
+    """``Block``s over 2 stages trained on ``[8, S, D]`` batches whose length ``S`` changes every step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Block() for _ in range(4)])
+    names = ["tp"] if tp else ["dp"]
+    meshes = [ap.ProcessMesh([0, 1], dim_names=names), ap.ProcessMesh([2, 3], dim_names=names)]
+    plan = {"*.fc1": ap.ColWiseParallel(), "*.fc2": ap.RowWiseParallel()} if tp else None
+    stages = split_sequential(model, meshes, num_chunks=1, plan=plan)
+    pipe = Pipeline(stages, _mse, num_microbatches=2, schedule=schedule, static=static)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    place = [ap.Replicate()] if tp else [Shard(0)]
+    g = torch.Generator().manual_seed(3)
+    losses = []
+    for length in (4, 6, 8, 10, 6):
+        x, t = torch.randn(BATCH, length, D, generator=g), torch.randn(BATCH, length, D, generator=g)
+        opt.zero_grad()
+        loss = pipe.step(ap.shard_tensor(x, meshes[0], place), ap.shard_tensor(t, stages[-1].mesh, place))
+        opt.step()
+        losses.append(float(loss.full_tensor()) if rank in stages[-1].mesh else None)
+    params = {n: q.full_tensor().detach().clone() for n, q in model.named_parameters() if rank in q.process_mesh}
+    # distinct captured forward programs of this rank's chunks (a program of open sizes serves many lengths)
+    programs = {id(v.forward) for c in pipe.programs.values() for v in c._programs.values() if isinstance(v, _Programs)}
+    return {"losses": losses, "params": params, "programs": len(programs)}
+
+
+@pytest.mark.parametrize("tp", [False, True], ids=["dp", "tp"])
+def test_static_chunks_serve_new_lengths_with_open_sizes(world4: Any, tp: bool) -> None:  # type: ignore[no-untyped-def]
+    # the first length is captured at its sizes, the second with them open: that program serves the rest
+    eager = world4.run(_lengths, False, "1F1B", tp)
+    static = world4.run(_lengths, True, "1F1B", tp)
+    for e, s in zip(eager, static):
+        for a, b in zip(e["losses"], s["losses"]):
+            assert (a is None and b is None) or abs(a - b) <= 1e-5 * abs(a), (e["losses"], s["losses"])
+        for name in e["params"]:
+            torch.testing.assert_close(s["params"][name], e["params"][name], rtol=1e-5, atol=1e-6)
+        assert s["programs"] == 2, s["programs"]
