@@ -132,6 +132,13 @@ class DistSpec:
                 return axes
         return tuple(a for a, p in enumerate(self.placements) if isinstance(p, Shard) and p.dim == dim)
 
+    def pieces(self, dim: int) -> int:
+        """How many pieces the mesh axes sharding tensor ``dim`` with ``Shard`` cut it into (1:
+        whole), 0 where a ``StridedShard`` axis splits it (its pieces are no ranges)."""
+        if any(isinstance(p, StridedShard) and p.dim == dim for p in self.placements):
+            return 0
+        return math.prod(self.mesh.shape[a] for a in self.axes_of_dim(dim))
+
     def partial_axes(self) -> tuple[int, ...]:
         return tuple(a for a, p in enumerate(self.placements) if isinstance(p, Partial))
 

@@ -74,11 +74,16 @@ def dense_strides(shape: tuple[int, ...], like: tuple[int, ...]) -> tuple[int, .
     """
     if len(shape) != len(like):
         raise ValueError(f"dense_strides: shape {tuple(shape)} and strides {tuple(like)} have different ranks")
+    return dense_in(shape, nesting(like))
+
+
+def dense_in(shape: Sequence[int], order: Sequence[int]) -> tuple[int, ...]:
+    """Dense strides of ``shape`` with its dims nested in ``order`` (outermost first)."""
     out = [0] * len(shape)
     acc = 1
-    for d in reversed(nesting(like)):
+    for d in reversed(order):
         out[d] = acc
-        acc *= max(shape[d], 1)
+        acc = acc * shape[d] if isinstance(shape[d], torch.SymInt) else acc * max(shape[d], 1)
     return tuple(out)
 
 
@@ -117,4 +122,4 @@ def conform(local: torch.Tensor, like: tuple[int, ...], dense: tuple[int, ...] |
     return known_sums.carry(local, out.copy_(local))
 
 
-__all__ = ["conform", "contiguous_strides", "dense_strides", "follows", "nesting"]
+__all__ = ["conform", "contiguous_strides", "dense_in", "dense_strides", "follows", "nesting"]

@@ -30,10 +30,10 @@ from autoparallel.engine.dispatch import (
 )
 from autoparallel.engine.execute import outside
 from autoparallel.mesh import Dims, ProcessMesh
-from autoparallel.placement import Partial, Replicate, Shard, StridedShard
+from autoparallel.placement import Partial, Replicate
 from autoparallel.runtime import agree
 from autoparallel.spec import DistSpec
-from autoparallel.strides import conform, contiguous_strides, dense_strides, nesting
+from autoparallel.strides import conform, contiguous_strides, dense_in, dense_strides, nesting
 from reshard.executor import piece_of_whole, reshard_local
 
 # ---- the notice that torch.compile compiles none of the distributed step -------------------------
@@ -591,14 +591,7 @@ def _open_layout(local: torch.Tensor, spec: DistSpec, stride: tuple[int, ...]) -
     with compat.outside_trace(keep_fake=True):
         dense = stride == dense_strides(spec.shape, stride)
         order = nesting(stride)
-    if not dense:
-        return spec, stride
-    out: list[Any] = [0] * len(stride)
-    acc: Any = 1
-    for d in reversed(order):
-        out[d] = acc
-        acc = acc * spec.shape[d] if not isinstance(spec.shape[d], int) or spec.shape[d] > 1 else acc
-    return spec, tuple(out)
+    return spec, dense_in(spec.shape, order) if dense else stride
 
 
 def _traced_shape(local: torch.Tensor, spec: DistSpec) -> DistSpec:
@@ -612,12 +605,7 @@ def _traced_shape(local: torch.Tensor, spec: DistSpec) -> DistSpec:
     for d, n in enumerate(shape):
         if not isinstance(n, torch.SymInt) or not isinstance(local.shape[d], torch.SymInt):
             continue
-        k = 1
-        for a, p in enumerate(spec.placements):
-            if isinstance(p, Shard) and p.dim == d:
-                k *= spec.mesh.shape[a]
-            elif isinstance(p, StridedShard) and p.dim == d:
-                k = 0
+        k = spec.pieces(d)
         own = local.shape[d] * k if k > 1 else local.shape[d]
         if k and own.node.expr == n.node.expr:
             shape[d] = own

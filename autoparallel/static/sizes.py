@@ -26,14 +26,8 @@ import sympy
 import torch
 
 from autoparallel.engine import layout
-from autoparallel.placement import Shard, StridedShard
 from autoparallel.spec import DistSpec
 from autoparallel.strides import contiguous_strides
-
-
-def shard_count(spec: DistSpec, dim: int) -> int:
-    """How many pieces the mesh axes sharding ``dim`` cut it into."""
-    return math.prod(spec.mesh.shape[a] for a, p in enumerate(spec.placements) if isinstance(p, Shard) and p.dim == dim)
 
 
 def open_dims(a: Any) -> tuple[int, ...]:
@@ -42,26 +36,20 @@ def open_dims(a: Any) -> tuple[int, ...]:
     if not layout.is_dist(a):
         return ()
     spec = layout.spec_of(a)
-    if spec.symbolic or any(isinstance(p, StridedShard) for p in spec.placements):
+    if spec.symbolic or spec.has_strided:
         return ()
-    local = layout.local_of(a)
-    if layout.stride_of(a) != contiguous_strides(spec.shape) or local.dim() != spec.ndim or not local.is_contiguous():
-        return ()  # (a rank outside the mesh holds an empty 1-d shard)
-    out = []
-    for d, n in enumerate(spec.shape):
-        k = shard_count(spec, d)
-        if n % k == 0 and n // k >= 2 and local.shape[d] == n // k:
-            out.append(d)
-    return tuple(out)
+    if layout.stride_of(a) != contiguous_strides(spec.shape):
+        return ()
+    return spec_open_dims(spec, layout.local_of(a))
 
 
 def spec_open_dims(spec: DistSpec, local: torch.Tensor) -> tuple[int, ...]:
-    """``open_dims`` of a shard ``local`` of layout ``spec`` (a program input made for one: a
-    pipeline chunk's output gradient)."""
+    """``open_dims`` of a shard ``local`` of layout ``spec`` (also a program input made for one: a
+    pipeline chunk's output gradient). A rank outside the mesh holds an empty 1-d shard: none."""
     if spec.has_strided or local.dim() != spec.ndim or not local.is_contiguous():
         return ()
-    return tuple(d for d, n in enumerate(spec.shape)
-                 if n % shard_count(spec, d) == 0 and n // shard_count(spec, d) >= 2 and local.shape[d] == n // shard_count(spec, d))
+    pieces = [spec.pieces(d) for d in range(spec.ndim)]
+    return tuple(d for d, (n, k) in enumerate(zip(spec.shape, pieces)) if n % k == 0 and n // k >= 2 and local.shape[d] == n // k)
 
 
 def masked(a: Any) -> Any:
@@ -76,7 +64,7 @@ def masked(a: Any) -> Any:
 def open_spec(spec: DistSpec, local: torch.Tensor, dims: tuple[int, ...]) -> tuple[DistSpec, tuple[int, ...]]:
     """The layout (and contiguous strides) of a DistTensor around the fake shard ``local`` whose
     ``dims`` are open: each such global size is the local one times the pieces of the dim."""
-    shape = tuple(local.shape[d] * shard_count(spec, d) if d in dims else n for d, n in enumerate(spec.shape))
+    shape = tuple(local.shape[d] * spec.pieces(d) if d in dims else n for d, n in enumerate(spec.shape))
     out = DistSpec(spec.mesh, spec.placements, shape, spec.dtype, spec.shard_order)
     return out, contiguous_strides(out.shape)
 
