@@ -158,6 +158,16 @@ def static_fake_mode() -> Any:
     return FakeTensorMode(allow_fallback_kernels=True, allow_non_fake_inputs=True)
 
 
+def traced_node(t: torch.Tensor) -> Any:
+    """The graph node ``make_fx`` recorded for ``t`` (a tensor made inside the function it traces)."""
+    from torch.fx.experimental import proxy_tensor
+
+    mode = proxy_tensor.get_proxy_mode()
+    if mode is None:
+        raise RuntimeError("traced_node: no make_fx trace is running")
+    return proxy_tensor.get_proxy_slot(t, mode.tracer).proxy.node
+
+
 class OpenSizeFakes:
     """Fake tensors some of whose dims are symbolic sizes (``torch.SymInt``s of one ``ShapeEnv``,
     which records every branch taken on them as a guard): a capture whose program serves every

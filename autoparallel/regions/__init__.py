@@ -25,6 +25,10 @@ shapes): all ranks reach the same verdict. A refused module has the wrapper inst
 children, which are tried in turn (a data-parallel GPT runs as one region; a tensor-parallel
 block's column-parallel Linear and its sequence-parallel LayerNorm become regions, its
 row-parallel Linear does not). ``AUTOPARALLEL_LOCAL_REGIONS=0`` turns the feature off.
+
+``AUTOPARALLEL_LOCAL_REGIONS=capture`` (a preview) replaces the three steps by one capture
+(``regions.program``): a signature's forward and backward recorded once on fake tensors, with
+its collectives, and run as one autograd node at every call (docs/local_regions.md).
 """
 
 from autoparallel.regions.region import disable_local_regions, enable_local_regions, local_regions_report

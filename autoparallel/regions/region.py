@@ -19,7 +19,7 @@ from autoparallel.compat import tree_flatten, tree_unflatten
 from autoparallel.engine import layout
 from autoparallel.engine.dtensor import DistTensor
 from autoparallel.log import logger
-from autoparallel.regions import moves, objects
+from autoparallel.regions import moves, objects, program
 from autoparallel.regions.checks import (
     _classify,
     _pieces,
@@ -35,6 +35,7 @@ from autoparallel.regions.checks import (
 from autoparallel.regions.crossing import _Call, _localize, _wrap_out, needs_grad, with_partial
 from autoparallel.regions.generic import Family, Model, Proof, Record, Recorder, Stop, point_of, sizes_at
 from autoparallel.regions.state import State as _State
+from autoparallel.regions.state import autocast_state, flatten_call, ties, unflatten_call
 from autoparallel.regions.state import current as _current
 from autoparallel.regions.state import read_values as _read_values
 from autoparallel.regions.state import slots as _slots
@@ -51,6 +52,11 @@ MAX_SIGNATURES = 16            # per module; beyond that, evict the least recent
 MAX_PROVEN = MAX_SIGNATURES // 2  # of those, proven by a trace: kept before family-answered ones
 MAX_FAMILIES = 8               # per module: signatures up to sizes (``regions.generic``)
 _MISSING = object()
+
+
+def _captured_regions() -> bool:
+    """``AUTOPARALLEL_LOCAL_REGIONS=capture``: regions are captured programs (``regions.program``)."""
+    return os.environ.get("AUTOPARALLEL_LOCAL_REGIONS", "1") == "capture"
 
 
 def _enabled() -> bool:
@@ -141,13 +147,14 @@ class _Region:
         self.generic = 0               # first calls answered by their family (no proof)
         self.certified = 0             # of those, answered by a symbolic certificate (no recorder)
         self.children_done = False
+        self.calls = program.Calls()
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _Region:
         """A copied module's wrapper (``copy.deepcopy(model)``: an EMA or reference copy) starts
         with no verdicts: they are caches, and name the original's objects."""
         new = _Region.__new__(_Region)
         memo[id(self)] = new
-        fresh = {"verdicts": {}, "families": {}, "firsts": 0, "reused": 0, "generic": 0, "certified": 0}
+        fresh = {"verdicts": {}, "families": {}, "calls": program.Calls(), "firsts": 0, "reused": 0, "generic": 0, "certified": 0}
         for k, v in self.__dict__.items():
             new.__dict__[k] = fresh[k] if k in fresh else copy.deepcopy(v, memo)
         return new
@@ -161,7 +168,7 @@ class _Region:
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, bool] | None:
         """``(output, ran locally)`` for a call it ran (locally, or traced on its first
         signature); None: take the DistTensor path."""
-        leaves, tree = _flatten_call(args, kwargs)
+        leaves, tree = flatten_call(args, kwargs)
         if _structure(self.modules) != self.shape:  # a submodule, parameter or buffer was added or removed
             self.modules = list(self.module.modules())
             self.shape, self.slots = _structure(self.modules), _slots(self.module)
@@ -172,6 +179,8 @@ class _Region:
         key, held = self._key(leaves, tree, tensors)
         if key is None:
             return None
+        if _captured_regions():
+            return self._captured(key, leaves, tree, tensors)
         try:
             verdict = self.verdicts.get(key)
         except TypeError:  # an unhashable non-tensor argument: no signature
@@ -215,6 +224,24 @@ class _Region:
             return self._run_local(verdict, leaves, tree, tensors, held=held), True
         return None
 
+    def _captured(self, key: Any, leaves: list[Any], tree: Any, tensors: list[torch.Tensor]) -> tuple[Any, bool] | None:
+        """A call as the module's captured program (``regions.program``); None: on DistTensors."""
+        if compat.foreign_dispatch_modes():  # a trace of the caller's (make_fx, a static capture): plain
+            return None
+        try:
+            progs, captured = self.calls.find(key, leaves, tree, tensors, self.module, self._inside)
+        except TypeError:  # an unhashable non-tensor argument: no signature
+            return None
+        if key not in self.verdicts:
+            if len(self.verdicts) >= MAX_SIGNATURES:
+                del self.verdicts[next(iter(self.verdicts))]
+            self.verdicts[key] = _refused(progs) if isinstance(progs, str) else _Verdict(generic=not captured)
+        return None if isinstance(progs, str) else (program.run_call(progs, tensors, leaves), True)
+
+    def _inside(self, *args: Any, **kwargs: Any) -> Any:
+        with _mode("trace"):  # (its submodules' regions: plain)
+            return self.forward(*args, **kwargs)
+
     def _plain(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The usual DistTensor path; submodules get their own chance to be regions."""
         self._try_children()
@@ -253,8 +280,8 @@ class _Region:
             )
         if not any(isinstance(x, DistTensor) for x in leaves) and not any(isinstance(t, DistTensor) for t in tensors):
             return None, None
-        return (tree, tuple(parts), slot_parts, _ties(tensors), tuple((m.training, _read_values(m)) for m in self.modules),
-                torch.is_grad_enabled(), _autocast_state()), held
+        return (tree, tuple(parts), slot_parts, ties(tensors), tuple((m.training, _read_values(m)) for m in self.modules),
+                torch.is_grad_enabled(), autocast_state()), held
 
     # ---- first call of a signature: trace, classify, replay ---------------------------------
     def _first_call(self, key: Any, leaves: list[Any], tree: Any, tensors: list[torch.Tensor],
@@ -291,7 +318,7 @@ class _Region:
             sliced = dict(trace.arg_moves)
             leaves = [moves.remake(_dist(x, sliced[k]), sliced[k], None) if k in sliced else x
                       for k, x in enumerate(leaves)]
-            args, kwargs = _unflatten_call(leaves, tree)
+            args, kwargs = unflatten_call(leaves, tree)
             trace, door, comm, out, writer = self._trace(leaves, slots, args, kwargs)
         traced = objects.snapshot(leaves) if writer is not None else []  # its writes stand where it is refused
         user = out if writer is None else out[0]  # the module's own output
@@ -513,7 +540,7 @@ class _Region:
             try:
                 for (m, a), f in zip(self.slots, fake_slots):
                     m.__dict__[a] = f
-                largs, lkwargs = _unflatten_call(fake_leaves, tree)
+                largs, lkwargs = unflatten_call(fake_leaves, tree)
                 door = moves.Local(verdict.style_moves)
                 with _mode("local"), moves.opened(door):
                     out = self.forward(*largs, **lkwargs)
@@ -572,7 +599,7 @@ class _Region:
             for x in leaves:
                 if isinstance(x, torch.Tensor) and not isinstance(x, DistTensor):
                     local.setdefault(id(x), x.detach().clone())
-        largs, lkwargs = _unflatten_call([local.get(id(x), x) for x in leaves], tree)
+        largs, lkwargs = unflatten_call([local.get(id(x), x) for x in leaves], tree)
         saved = []
         for (m, a), t in zip(self.slots, tensors):  # ``tensors``: what each slot resolves to now
             d = m.__dict__
@@ -633,19 +660,6 @@ class _Region:
 
 # arity -> the tree spec of a call with that many positional tensors and no keywords (the usual
 # ``module(x)``): such calls skip the general pytree walk
-_POSITIONAL: dict[int, Any] = {}
-
-
-def _flatten_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], Any]:
-    """``tree_flatten((args, kwargs))``, fast for positional tensors only."""
-    if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
-        spec = _POSITIONAL.get(len(args))
-        if spec is None:
-            spec = _POSITIONAL[len(args)] = tree_flatten((args, kwargs))[1]
-        return list(args), spec
-    return tree_flatten((args, kwargs))
-
-
 def _moved_in(verdict: _Verdict, leaves: list[Any], done: list[Any] | None) -> list[Any]:
     """The arguments moved by the styles' prologue (``regions.moves``; ``done``: per leaf, that
     move already made by the trace, or None): as every read in the local run sees them."""
@@ -671,18 +685,6 @@ def _dist(x: Any, like: DistSpec) -> DistTensor:
     """``x`` as a DistTensor: a plain tensor argument an op slices (a mask built from plain
     tensors) as the Replicate DistTensor an op adopts it as (``dispatch.adopt_one``), on ``like``'s mesh."""
     return x if isinstance(x, DistTensor) else layout.adopt(x, like.mesh)
-
-
-def _unflatten_call(values: list[Any], tree: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """The inverse of ``_flatten_call``."""
-    if _POSITIONAL.get(len(values)) is tree:
-        return tuple(values), {}
-    return tree_unflatten(values, tree)
-
-
-def _autocast_state() -> tuple[Any, ...]:
-    """Autocast changes which ops run and their dtypes: part of the signature."""
-    return tuple((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda"))
 
 
 # marks an object argument's part of a signature: (_OBJECT, its class, its entries'
@@ -777,12 +779,6 @@ def _coord(verdict: _Verdict) -> tuple[int, ...]:
 
 def _storage(t: torch.Tensor) -> int:
     return compat.storage_id(t)
-
-
-def _ties(tensors: list[torch.Tensor]) -> tuple[int, ...]:
-    """Which slots hold the same tensor: per slot, the index of its first occurrence."""
-    first: dict[int, int] = {}
-    return tuple(first.setdefault(id(t), k) for k, t in enumerate(tensors))
 
 
 class _mode:

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from autoparallel import compat
+from autoparallel.compat import tree_flatten, tree_unflatten
 from autoparallel.engine.dtensor import DistTensor
 
 
@@ -105,3 +106,34 @@ def _written_only(code: Any) -> frozenset[str]:
         elif i.opname in ("LOAD_ATTR", "LOAD_METHOD"):
             loaded.add(str(i.argval))
     return frozenset(stored - loaded)
+
+
+_POSITIONAL: dict[int, Any] = {}
+
+
+def flatten_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], Any]:
+    """``tree_flatten((args, kwargs))``, fast for positional tensors only."""
+    if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
+        spec = _POSITIONAL.get(len(args))
+        if spec is None:
+            spec = _POSITIONAL[len(args)] = tree_flatten((args, kwargs))[1]
+        return list(args), spec
+    return tree_flatten((args, kwargs))
+
+
+def unflatten_call(values: list[Any], tree: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The inverse of ``flatten_call``."""
+    if _POSITIONAL.get(len(values)) is tree:
+        return tuple(values), {}
+    return tree_unflatten(values, tree)
+
+
+def autocast_state() -> tuple[Any, ...]:
+    """Autocast changes which ops run and their dtypes: part of the signature."""
+    return tuple((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda"))
+
+
+def ties(tensors: list[torch.Tensor]) -> tuple[int, ...]:
+    """Which slots hold the same tensor: per slot, the index of its first occurrence."""
+    first: dict[int, int] = {}
+    return tuple(first.setdefault(id(t), k) for k, t in enumerate(tensors))

@@ -215,8 +215,11 @@ def capture(fn: Callable[..., Any], inputs: Sequence[torch.Tensor],
             return fn(*fakes)
 
     # (no module hooks of its own: a capture runs the same modules' code as an uncaptured step)
+    # (saved-tensor hooks of the caller's context, as ``torch.utils.checkpoint``'s around a call captured inside
+    # it, would take the trace's fake tensors: the trace keeps its own, the program's runs meet the caller's)
     with CommDebugMode(modules=False, isolated=True) as seen, comm.functional_collectives(), dispatch.observed_by(watch), \
-            torch.random.fork_rng(devices=[]), compat.RngResets() as resets:
+            torch.random.fork_rng(devices=[]), compat.RngResets() as resets, \
+            torch.autograd.graph.saved_tensors_hooks(_kept, _kept):
         sizes = compat.OpenSizeFakes() if open_dims is not None and any(open_dims) else None
         symbols: tuple[tuple[Any, ...], ...] = ()
         try:
@@ -264,6 +267,10 @@ def capture(fn: Callable[..., Any], inputs: Sequence[torch.Tensor],
     gm.recompile()
     # a replay records these again, with no time of their own (the program runs as a whole)
     return Capture(gm, "", tuple(replace(r, seconds=0.0) for r in seen.records), symbols, sizes)
+
+
+def _kept(t: Any) -> Any:
+    return t
 
 
 _LIBRARIES = tuple(os.path.dirname(m.__file__ or "") + os.sep for m in (torch, autoparallel, spmd_rules))

@@ -57,6 +57,11 @@ def _is_start(node: torch.fx.Node) -> bool:
             and getattr(node.target, "namespace", None) == "_c10d_functional")
 
 
+def collectives(gm: torch.fx.GraphModule) -> int:
+    """How many collectives ``gm`` issues (its functional collectives' starts)."""
+    return sum(_is_start(n) for n in gm.graph.nodes)
+
+
 def _writes(node: torch.fx.Node) -> bool:
     """Whether ``node`` may write a tensor in place (a mutable schema, or not an aten-style op)."""
     if node.op != "call_function":
@@ -322,6 +327,12 @@ def _view_of(node: torch.fx.Node) -> torch.fx.Node | None:
         src = node.args[0] if node.args else None
         return src if isinstance(src, torch.fx.Node) else None
     return None
+
+
+def written_inputs(gm: torch.fx.GraphModule) -> list[int]:
+    """The indices of ``gm``'s inputs it may write in place (or a view of them)."""
+    nodes = list(gm.graph.nodes)
+    return [k for k, p in enumerate(n for n in nodes if n.op == "placeholder") if _written_in(nodes, p)]
 
 
 def _written_in(span: list[torch.fx.Node], value: Any) -> bool:

@@ -230,3 +230,49 @@ def _size_function(expr: Any, free: list[Any], k: int) -> Any:
     fn = scope[f"size_{k}"]
     fn.__module__ = __name__
     return fn
+
+
+class OpenPrograms:
+    """The policy of open sizes, for any caller keeping captured programs by signature: per
+    *family* (a signature with its open sizes left out), the programs captured with open sizes,
+    and which families were captured at fixed sizes before.
+
+    The first capture of a family is at fixed sizes; a second size is captured with them open
+    (``second_size``), and that program serves every later size its guards admit (``serve``);
+    a family whose open programs served no size but their own (guards that fix the sizes) goes
+    back to fixed captures. A program is any object with ``sizes`` (its ``OpenSizes``), a
+    ``served`` count and ``at(binding)``; at most ``limit`` families are kept."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.open: dict[Any, list[Any]] = {}  # family -> its programs of open sizes (least recently made first)
+        self.sized: set[Any] = set()          # families captured before
+
+    def serve(self, family: Any, shapes: Sequence[tuple[int, ...]]) -> Any:
+        """A kept program of ``family`` whose guards hold at the inputs' ``shapes``, made for them
+        (``at``), or None."""
+        for prog in self.open.get(family, ()):
+            binding = prog.sizes.bind(shapes)
+            if binding is not None:
+                prog.served += 1
+                return prog.at(binding)
+        return None
+
+    def second_size(self, family: Any) -> bool:
+        """Whether a capture of ``family`` now should leave its sizes open (see the class doc);
+        notes the family as captured."""
+        if family in self.sized:
+            kept = self.open.get(family)
+            return not kept or any(p.served for p in kept)
+        if len(self.sized) > 4 * self.limit:  # (signatures that keep changing otherwise)
+            self.sized.clear()
+        self.sized.add(family)
+        return False
+
+    def keep(self, family: Any, prog: Any) -> None:
+        """Keep ``prog`` (captured with open sizes) for ``family``'s later sizes."""
+        kept = self.open.setdefault(family, [])
+        kept.append(prog)
+        del kept[:-self.limit]
+        while len(self.open) > self.limit:
+            del self.open[next(iter(self.open))]

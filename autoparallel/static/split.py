@@ -9,8 +9,9 @@ gradients. Every node runs in exactly one of the two, in its original order, so 
 programs together compute what the joint one computes, op for op.
 
 Which side a node is on: the forward side is every node recorded before the last forward output
-(the forward phase of the trace), the rest is the backward, so each side keeps its in-place
-writes in their order. The forward outputs must not read an output gradient (``SplitError``).
+(the forward phase of the trace) or before a write that comes ahead of the first read of an
+output gradient (a batch norm's running statistics, updated after its output); the rest is the
+backward, so each side keeps its in-place writes in their order. The forward outputs must not read an output gradient (``SplitError``).
 """
 
 from __future__ import annotations
@@ -49,6 +50,11 @@ def split_joint(gm: torch.fx.GraphModule, num_primals: int, num_outputs: int) ->
     # in their order
     order = {n: i for i, n in enumerate(graph.nodes)}
     bound = max((order[o] for o in fwd_outs if isinstance(o, torch.fx.Node)), default=-1)
+    # and every write recorded after it but before the backward reads an output gradient: a
+    # forward's last writes (a batch norm's running statistics, updated after its output) are
+    # the forward's
+    first_read = min((order[u] for t in tangents for u in t.users), default=len(order))
+    bound = max([bound] + [order[n] for n in graph.nodes if bound < order[n] < first_read and _writes(n)])
     forward = {n for n in graph.nodes if order[n] <= bound and n.op == "call_function"}
     if any(t in forward or any(u in forward for u in t.users) for t in tangents):
         raise SplitError("a forward output depends on an output gradient")
@@ -76,6 +82,11 @@ def split_joint(gm: torch.fx.GraphModule, num_primals: int, num_outputs: int) ->
         benv[n] = bg.node_copy(n, lambda a: _value(bg, benv, a))
     bg.output(tuple(_value(bg, benv, g) if isinstance(g, torch.fx.Node) else g for g in grads))
     return Split(torch.fx.GraphModule(gm, fg), torch.fx.GraphModule(gm, bg), len(fwd_outs), len(saved))
+
+
+def _writes(n: torch.fx.Node) -> bool:
+    schema = getattr(n.target, "_schema", None) if n.op == "call_function" else None
+    return schema is not None and any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
 
 
 def _value(g: torch.fx.Graph, env: dict[torch.fx.Node, torch.fx.Node], a: torch.fx.Node) -> torch.fx.Node:

@@ -153,6 +153,26 @@ def test_split_joint_forward_then_backward_equals_the_joint_program(inplace: boo
     assert count == sum(n.op == "call_function" for p in (parts.forward, parts.backward) for n in p.graph.nodes)
 
 
+def test_split_joint_keeps_a_write_after_the_forward_output_in_the_forward() -> None:
+    # a batch norm's running statistics are updated after its output is made: the update is the
+    # forward's (a split at the last forward output alone ran it in the backward, or never)
+    from autoparallel.static.split import split_joint
+
+    g = torch.fx.Graph()
+    x, stat, tangent = g.placeholder("x"), g.placeholder("stat"), g.placeholder("tangent")
+    y = g.call_function(aten.mul.Tensor, (x, 2.0))
+    mean = g.call_function(aten.mean.default, (x,))
+    g.call_function(aten.add_.Tensor, (stat, mean))
+    gx = g.call_function(aten.mul.Tensor, (tangent, 2.0))
+    g.output((y, gx))
+    parts = split_joint(torch.fx.GraphModule(torch.nn.Module(), g), 2, 1)
+    xs, st = torch.arange(4.0), torch.zeros(())
+    out = parts.forward(xs, st)
+    assert torch.equal(out[0], xs * 2) and st.item() == 1.5  # written by the forward
+    assert any(n.target is aten.add_.Tensor for n in parts.forward.graph.nodes)
+    assert not any(n.target is aten.add_.Tensor for n in parts.backward.graph.nodes)
+
+
 def test_split_joint_refuses_a_forward_output_that_reads_the_output_gradient() -> None:
     from autoparallel.static.split import SplitError, split_joint
 

@@ -1,0 +1,503 @@
+"""A module call as one captured program: the engine of local regions.
+
+For one call signature (the layouts of the arguments, parameters and buffers, the non-tensor
+arguments, train/eval flags, plain attribute values, grad mode: the region's key), the module's
+forward is recorded once on fake tensors (``static.capture``: nothing runs for real) with the
+engine planning every op as in eager mode, collectives included. With autograd on, the record is
+*joint*: the forward, then ``autograd.grad`` of its differentiable outputs with respect to the
+parameters and arguments that require a gradient, the output gradients standing as inputs in
+their layouts (``grad_spec`` of each output); it is cut into a forward and a backward program
+(``static.split``).
+
+Every call of the signature — the first, the hundredth, and a recomputation inside
+``torch.utils.checkpoint`` — then runs the same thing: the forward program on the local shards,
+inside one autograd node (``_Node``) whose backward runs the backward program on the values the
+forward kept (saved as autograd saves tensors, so checkpoint's hooks see them) and the output
+gradients (moved to the layouts the capture assumed when they arrive in others). The parameters'
+and arguments' gradients leave the node as DistTensors in the layouts the DistTensor path gives
+them, and autograd accumulates them into ``.grad`` as usual (hooks included).
+
+A call the capture refuses (``Programs`` is then a reason) runs on DistTensors: a Python value read
+from a tensor, an op without a rule, a forward that assigns module state, a plain tensor that
+requires a gradient, an argument that is an object with state of its own.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from autoparallel import compat, runtime
+from autoparallel.compat import tree_flatten, tree_unflatten
+from autoparallel.engine import layout
+from autoparallel.log import logger
+from autoparallel.placement import Partial, Replicate
+from autoparallel.regions import moves, objects
+from autoparallel.regions.checks import _uneven
+from autoparallel.runtime import comm
+from autoparallel.runtime.debug import CommRecord, replay
+from autoparallel.spec import DistSpec
+from autoparallel.static.capture import PlainValues, TensorSlots, capture, plain_trained, plain_trained_reason, standing_in
+from autoparallel.static.passes import collectives, hoist_starts, sink_waits, written_inputs
+from autoparallel.static.sizes import OpenPrograms, OpenSizes, masked, open_dims, open_spec
+from autoparallel.static.split import SplitError, split_joint
+
+Out = tuple[Any, ...]  # per output leaf: ("dist", spec, stride, differentiable) | ("plain",) | ("value", v)
+
+
+@dataclass
+class Programs:
+    """One signature's captured programs."""
+
+    forward: torch.fx.GraphModule
+    backward: torch.fx.GraphModule | None   # None: nothing differentiable (no grad mode, or no input needs one)
+    outs: tuple[Out, ...]                   # per output leaf
+    tree: Any                               # the output's nesting
+    wrt: tuple[int, ...]                    # the inputs differentiated (indices into ``Inputs.tensors``)
+    grad_specs: tuple[DistSpec | None, ...]  # per ``wrt``: its gradient's layout (None: no gradient)
+    tangents: tuple[int, ...]               # the output leaves whose gradients the backward takes
+    records: tuple[CommRecord, ...]         # the collectives of the forward, then of the backward
+    n_forward: int                          # of which the forward's
+    redundant: tuple[int, ...] = ()         # mesh axes along which every input is Replicate (``tangent_spec``)
+    sizes: OpenSizes | None = None          # captured with open sizes: the inputs' sizes it serves
+    served: int = 0                         # (kept with open sizes) calls at other sizes it ran
+
+    @property
+    def n_tensors(self) -> int:
+        return sum(o[0] != "value" for o in self.outs)
+
+    def at(self, binding: dict[Any, Any]) -> Programs:
+        """These programs of open sizes for one binding of them: layouts and records in numbers."""
+        outs = tuple(("dist", OpenSizes.value(o[1], binding), OpenSizes.value(o[2], binding), o[3]) if o[0] == "dist"
+                     else o for o in self.outs)
+        specs = tuple(OpenSizes.value(s, binding) for s in self.grad_specs)
+        return replace(self, outs=outs, grad_specs=specs, records=tuple(OpenSizes.record(r, binding) for r in self.records),
+                       sizes=None)
+
+
+@dataclass
+class Inputs:
+    """A call's tensors in program order: what the module's parameter and buffer slots hold
+    (``state``: a ZeRO-3 unit's gathered parameter where it is seated), then the argument leaves
+    that are tensors (each tensor once)."""
+
+    tensors: list[torch.Tensor]   # the DistTensors and plain tensors themselves
+    n_state: int                  # of which the first are parameters and buffers
+    leaf_slot: list[int | None]   # per argument leaf: its index in ``tensors`` (None: not a tensor)
+
+    @classmethod
+    def of(cls, state: Sequence[torch.Tensor], leaves: Sequence[Any]) -> Inputs:
+        tensors: list[torch.Tensor] = []
+        index: dict[int, int] = {}
+        for t in state:
+            if id(t) not in index:
+                index[id(t)] = len(tensors)
+                tensors.append(t)
+        n_state = len(tensors)
+        slots: list[int | None] = []
+        for x in leaves:
+            if isinstance(x, torch.Tensor):
+                k = index.get(id(x))
+                if k is None:
+                    k = index[id(x)] = len(tensors)
+                    tensors.append(x)
+                slots.append(k)
+            else:
+                slots.append(None)
+        return cls(tensors, n_state, slots)
+
+    def locals(self) -> list[torch.Tensor]:
+        return [layout.local_or_plain(t) for t in self.tensors]
+
+
+def capture_call(module: nn.Module, run: Callable[..., Any], state: Sequence[torch.Tensor], leaves: list[Any],
+                 tree: Any, open_sizes: bool = False) -> Programs | str:
+    """``run(*args, **kwargs)`` (the module's forward, its child regions plain) for the call of
+    ``leaves``/``tree``, captured (see the module docstring); ``state``: what the module's
+    parameter and buffer slots hold. A string: why it is refused."""
+    grad = torch.is_grad_enabled()
+    if grad:
+        plain = plain_trained(module)
+        if plain is not None:
+            return plain_trained_reason(plain)
+    inputs = Inputs.of(state, leaves)
+    if grad and any(t.requires_grad and not layout.is_dist(t) for t in inputs.tensors[inputs.n_state:]):
+        return "a plain tensor argument requires a gradient"
+    n_state = inputs.n_state
+    redundant = _redundant(inputs.tensors)
+    # open sizes: the evenly split dims of the DistTensor arguments (``static.sizes``)
+    dims = [open_dims(t) if open_sizes and k >= n_state else () for k, t in enumerate(inputs.tensors)]
+    modules = list(module.modules())
+    got: dict[str, Any] = {}
+    tangent_nodes: list[Any] = []
+
+    def joint(*flat: torch.Tensor) -> list[torch.Tensor]:
+        with standing_in(inputs.tensors[:n_state], modules, flat[:n_state]):
+            slots = TensorSlots(modules)
+            specs = [layout.spec_or_none(t) for t in inputs.tensors[:n_state]]
+            try:
+                outs = traced(flat)
+                assigned = slots.assigned()
+                relaid = [k for k, t in enumerate(inputs.tensors[:n_state])
+                          if layout.is_dist(t) and (layout.local_of(t) is not flat[k] or layout.spec_of(t) != specs[k])]
+            finally:
+                slots.restore()  # (no fake tensor is left in a module)
+        if relaid:
+            raise comm.CaptureError("the forward lays out one of its parameters or buffers anew (a buffer's update "
+                                    "moved or reassigned)")
+        if assigned:
+            m, name, buffer, _ = assigned[0]
+            raise comm.CaptureError(f"the forward assigns the {'buffer' if buffer else 'tensor attribute'} "
+                                    f"{type(m).__name__}.{name}")
+        return outs
+
+    def traced(flat: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+        made: dict[int, torch.Tensor] = {}
+        for k in range(n_state, len(flat)):
+            t = inputs.tensors[k]
+            if not layout.is_dist(t):
+                made[k] = flat[k]
+                continue
+            spec, stride = open_spec(layout.spec_of(t), flat[k], dims[k]) if dims[k] else (layout.spec_of(t), layout.stride_of(t))
+            made[k] = layout.wrap(flat[k], spec, stride, requires_grad=grad and t.requires_grad)
+        args = [x if s is None else made[s] for x, s in zip(leaves, inputs.leaf_slot)]
+        a, kw = tree_unflatten(args, tree)
+        out = run(*a, **kw)
+        outs, out_tree = tree_flatten(out)
+        kinds: list[Out] = []
+        locs: list[torch.Tensor] = []
+        diff: list[int] = []
+        for i, o in enumerate(outs):
+            if layout.is_dist(o):
+                d = grad and o.requires_grad
+                kinds.append(("dist", layout.spec_of(o), layout.stride_of(o), d))
+                locs.append(layout.local_of(o))
+                if d:
+                    diff.append(i)
+            elif isinstance(o, torch.Tensor):
+                if o.requires_grad:
+                    raise comm.CaptureError("the forward returns a plain tensor that requires a gradient")
+                kinds.append(("plain",))
+                locs.append(o)
+            else:
+                kinds.append(("value", o))
+        got["outs"], got["tree"] = tuple(kinds), out_tree
+        wrt = [k for k, t in enumerate(inputs.tensors) if grad and t.requires_grad and layout.is_dist(t)]
+        got["wrt"], got["tangents"] = tuple(wrt), tuple(diff)
+        got["specs"] = ()
+        if not diff or not wrt:
+            got["wrt"], got["tangents"] = (), ()
+            return locs
+        wrt_dist = [inputs.tensors[k] if k < n_state else made[k] for k in wrt]
+        gouts = []
+        for i in diff:
+            spec = tangent_spec(kinds[i][1], redundant)
+            g = torch.empty(spec.local_shape(_coordinate(spec)), dtype=spec.dtype, device=locs[0].device)
+            tangent_nodes.append(compat.traced_node(g))
+            gouts.append(layout.wrap(g, spec))
+        grads = torch.autograd.grad([outs[i] for i in diff], wrt_dist, gouts, allow_unused=True)
+        got["specs"] = tuple(layout.spec_or_none(g) for g in grads)
+        return locs + [layout.local_of(g) for g in grads if g is not None]  # type: ignore[arg-type]  # DistTensor grads
+
+    values = PlainValues(module)
+    result = capture(joint, inputs.locals(), dims if any(dims) else None)
+    written = values.written()
+    values.restore()
+    if result.program is None:
+        return result.refused
+    sizes = None
+    if result.open_sizes is not None:
+        sizes = OpenSizes.of(result.symbols, dims, result.open_sizes)
+        if sizes is None:
+            return "tracing with open sizes failed (its guards speak of sizes that are no input's)"
+    if written:
+        return f"the forward writes the module attribute{'s' if len(written) > 1 else ''} {', '.join(written)}"
+    gm = result.program
+    n_out = sum(o[0] != "value" for o in got["outs"])
+    unmarked = _unmarked_write(gm)
+    if unmarked:
+        return unmarked
+    for k in written_inputs(gm):
+        if k >= n_state:
+            return "the forward writes one of its arguments in place"
+        if inputs.tensors[k].requires_grad:
+            return "the forward writes a parameter in place"
+    if any(n.op == "placeholder" for n in _output_nodes(gm)[:n_out]):
+        return "the forward returns one of its inputs as it is"
+    try:
+        backward = None
+        forward = gm
+        if got["wrt"]:
+            _tangents_as_inputs(gm, tangent_nodes)
+            parts = split_joint(gm, len(inputs.tensors), n_out)
+            forward, backward = parts.forward, parts.backward
+        for g in (forward, backward):
+            if g is not None:
+                sink_waits(g)
+                hoist_starts(g)
+    except SplitError as e:
+        return str(e)
+    except Exception as e:  # noqa: BLE001  (a program the passes cannot handle: the same on every rank)
+        return f"the captured program could not be split ({type(e).__name__}: {e})"
+    n_forward = collectives(forward)
+    if backward is not None and n_forward + collectives(backward) != len(result.records):
+        n_forward = len(result.records)  # (not told apart: all said at the forward)
+    return Programs(forward, backward, got["outs"], got["tree"], got["wrt"], got["specs"], got["tangents"], result.records,
+                    n_forward, redundant, sizes)
+
+
+def _redundant(tensors: Sequence[torch.Tensor]) -> tuple[int, ...]:
+    """The mesh axes along which every DistTensor input is Replicate: the ranks along them are
+    given the same values."""
+    specs = [layout.spec_of(t) for t in tensors if layout.is_dist(t)]
+    if not specs or any(s.mesh != specs[0].mesh for s in specs):
+        return ()
+    return tuple(a for a in range(specs[0].mesh.ndim) if all(isinstance(s.placements[a], Replicate) for s in specs))
+
+
+def tangent_spec(out: DistSpec, redundant: tuple[int, ...]) -> DistSpec:
+    """The layout a call's backward takes an output's gradient in: ``grad_spec`` of the output,
+    Partial(sum) on the mesh axes along which the call is given the same values (``_redundant``)
+    where the output is whole. A value computed alike along an axis is most often read there by
+    work split along it (a position table added to a batch-sharded activation, a layer norm
+    before a column-parallel Linear), whose gradient comes back Partial(sum): the backward then
+    runs on the summands as an op by op backward would, and the gradients it gives stay Partial
+    (reduced once, bucketed, by ``shard_optimizer``). A gradient that comes whole is made
+    Partial there without communication (zeros on all but one rank)."""
+    return with_partial(layout.grad_spec(out), redundant)
+
+
+MAX_SIGNATURES = 16  # per module; beyond that, the least recently used one is dropped
+
+
+class Calls:
+    """One module's captured calls by signature (a refusal kept as its reason), with open sizes
+    (``static.sizes.OpenPrograms``): a signature met at a second size is captured with the
+    arguments' evenly split dims open, and serves the sizes its guards admit."""
+
+    def __init__(self) -> None:
+        self.programs: dict[Any, Programs | str] = {}  # least recently used first
+        self.open = OpenPrograms(MAX_SIGNATURES // 2)
+        self.captures = 0
+
+    def find(self, key: Any, leaves: list[Any], tree: Any, state: Sequence[torch.Tensor], module: nn.Module,
+             run: Callable[..., Any]) -> tuple[Programs | str, bool]:
+        """(the programs or refusal of the call of ``key``, whether this call captured it): kept,
+        served by a program of open sizes of its family, or captured now (``run``: the module's
+        forward, its submodules' regions plain)."""
+        entry = self.programs.get(key)
+        if entry is not None:
+            if len(self.programs) > 1:
+                self.programs[key] = self.programs.pop(key)  # now the most recently used
+            return entry, False
+        fam = family(key, leaves)
+        served = self.open.serve(fam, _shapes(state, leaves)) if self.open.open else None
+        if served is not None:
+            self._keep(key, served)
+            return served, False
+        began = time.perf_counter()
+        progs: Programs | str | None = refusal(leaves, state, module)
+        if not progs:
+            progs = None
+            self.captures += 1
+            if self.open.second_size(fam):
+                progs = capture_call(module, run, state, leaves, tree, open_sizes=True)
+                binding = progs.sizes.bind(_shapes(state, leaves)) if isinstance(progs, Programs) and progs.sizes else None
+                if binding is not None and isinstance(progs, Programs):
+                    self.open.keep(fam, progs)
+                    progs = progs.at(binding)
+                else:  # (the open sizes tripped the trace, or guards that exclude its own sizes: at fixed sizes)
+                    progs = None
+            if progs is None:
+                progs = capture_call(module, run, state, leaves, tree)
+        logger.debug("local region %s: %s (%.2f s)", type(module).__name__,
+                     f"refused: {progs}" if isinstance(progs, str) else "captured", time.perf_counter() - began)
+        self._keep(key, progs)
+        return progs, True
+
+    def _keep(self, key: Any, entry: Programs | str) -> None:
+        if len(self.programs) >= MAX_SIGNATURES:
+            del self.programs[next(iter(self.programs))]
+        self.programs[key] = entry
+
+
+def family(key: Any, leaves: list[Any]) -> Any:
+    """A region's signature (``(tree, per argument leaf, *rest)``) with its DistTensor arguments'
+    open sizes left out (``static.sizes``)."""
+    tree, parts, *rest = key
+    return (tree, tuple(masked(x) + (x.requires_grad,) if layout.is_dist(x) else p for x, p in zip(leaves, parts)), *rest)
+
+
+def refusal(leaves: list[Any], state: Sequence[torch.Tensor], module: nn.Module) -> str:
+    """Why a call is not captured, from metadata ('' when it may be): pieces of unequal sizes
+    (ranks would run programs of different shapes), a rank outside the mesh, ZeRO-3 sharded
+    parameters (their unit gathers them around its forward), an object argument with state of its
+    own (a key/value cache: a program cannot write into it), forward hooks on its submodules (they
+    would run at the capture only)."""
+    why = _uneven(leaves)
+    if why:
+        return why
+    dist = next(x for x in (*leaves, *state) if layout.is_dist(x))
+    if layout.spec_of(dist).mesh.coordinate_of(runtime.get_rank()) is None:
+        return "this rank is outside the mesh"
+    if any(getattr(t, "_ap_zero3", None) is not None for t in state):
+        return "it owns ZeRO-3 sharded parameters (gathered by their unit)"
+    if objects.any_object(leaves):
+        return "an argument is an object with state of its own"
+    if any(moves.foreign_hooks(m) for m in list(module.modules())[1:]) or compat.global_module_hooks():
+        return "a submodule has a forward hook"
+    return ""
+
+
+def _shapes(state: Sequence[torch.Tensor], leaves: list[Any]) -> list[tuple[int, ...]]:
+    return [tuple(t.shape) for t in Inputs.of(state, leaves).locals()]
+
+
+def _unmarked_write(gm: torch.fx.GraphModule) -> str:
+    """Why the program cannot run as captured ('' when it can): an op that writes an argument its
+    schema declares read-only (``native_batch_norm``'s running statistics in training), whose
+    write the engine makes good on DistTensors, op by op."""
+    for n in gm.graph.nodes:
+        schema = getattr(n.target, "_schema", None) if n.op == "call_function" else None
+        if schema is None:
+            continue
+        marked = sum(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+        if len(layout.written_args(n.target, tuple(n.args), dict(n.kwargs))) > marked:
+            return f"{n.target} writes an argument its schema declares read-only (it runs op by op)"
+    return ""
+
+
+def _coordinate(spec: DistSpec) -> tuple[int, ...]:
+    coord = spec.mesh.coordinate_of(runtime.get_rank())
+    assert coord is not None  # (a rank outside the mesh is refused first)
+    return coord
+
+
+def _output_nodes(gm: torch.fx.GraphModule) -> list[Any]:
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    return list(out.args[0])
+
+
+def _tangents_as_inputs(gm: torch.fx.GraphModule, nodes: list[Any]) -> None:
+    """The output gradients' stand-ins (empty tensors made in the trace) become the program's
+    last inputs, in order."""
+    last = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
+    for k, node in enumerate(nodes):
+        with gm.graph.inserting_after(last):
+            p = gm.graph.placeholder(f"tangent_{k}")
+        p.meta.update(node.meta)
+        node.replace_all_uses_with(p)
+        gm.graph.erase_node(node)
+        last = p
+    gm.graph.lint()
+    gm.recompile()
+
+
+# ---- running ------------------------------------------------------------------------------------
+def run_call(progs: Programs, state: Sequence[torch.Tensor], leaves: list[Any]) -> Any:
+    """The call's output: the forward program on this call's shards, one autograd node when it
+    has a backward."""
+    inputs = Inputs.of(state, leaves)
+    locs = inputs.locals()
+    if progs.backward is None or not torch.is_grad_enabled():
+        outs = progs.forward(*locs)
+        replay(progs.records[:progs.n_forward])
+        return _assemble(progs, list(outs[:progs.n_tensors]), {})
+    call = _Call(progs, locs)
+    diff = _Node.apply(call, *[inputs.tensors[k] for k in progs.wrt])
+    return _assemble(progs, call.outs, dict(zip(progs.tangents, diff)))
+
+
+class _Call:
+    def __init__(self, progs: Programs, locs: list[torch.Tensor]) -> None:
+        self.progs = progs
+        self.locs = locs
+        self.device: torch.device | None = None
+        self.outs: list[torch.Tensor] = []
+
+
+def _assemble(progs: Programs, locs: list[torch.Tensor], diff: dict[int, torch.Tensor]) -> Any:
+    leaves: list[Any] = []
+    k = 0
+    for i, o in enumerate(progs.outs):
+        if o[0] == "value":
+            leaves.append(o[1])
+            continue
+        loc = locs[k]
+        k += 1
+        if i in diff:
+            leaves.append(diff[i])
+        elif o[0] == "dist":
+            leaves.append(layout.wrap(loc, o[1], o[2]))
+        else:
+            leaves.append(loc)
+    return tree_unflatten(leaves, progs.tree)
+
+
+class _Node(torch.autograd.Function):
+    """The captured call as one autograd node: forward program in, backward program out."""
+
+    @staticmethod
+    def forward(ctx: Any, call: _Call, *wrt: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        progs = call.progs
+        outs = progs.forward(*call.locs)
+        call.device = call.locs[0].device if call.locs else None
+        call.locs = []  # (the inputs' shards are not held until the backward)
+        replay(progs.records[:progs.n_forward])
+        n = progs.n_tensors
+        call.outs = list(outs[:n])
+        # tensors are saved as autograd saves them (the hooks of checkpoint and of ZeRO-3's units see
+        # them); other values (a collective's handle) are kept as they are
+        saved = outs[n:]
+        ctx.save_for_backward(*[v for v in saved if isinstance(v, torch.Tensor)])
+        ctx.others = [(k, v) for k, v in enumerate(saved) if not isinstance(v, torch.Tensor)]
+        ctx.call = call
+        ctx.set_materialize_grads(False)
+        at = [sum(o[0] != "value" for o in progs.outs[:i]) for i in progs.tangents]  # their places among the tensors
+        return tuple(layout.wrap(call.outs[k], progs.outs[i][1], progs.outs[i][2]) for i, k in zip(progs.tangents, at))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
+        call: _Call = ctx.call
+        progs = call.progs
+        tangents = []
+        for i, g in zip(progs.tangents, grads):
+            spec = tangent_spec(progs.outs[i][1], progs.redundant)
+            if g is None:
+                tangents.append(torch.zeros(spec.local_shape(_coordinate(spec)), dtype=spec.dtype,
+                                            device=call.device))
+                continue
+            if not layout.is_dist(g):  # (a whole value: autograd's zeros for an output nothing read)
+                g = layout.shard_full(g, spec)
+            src, loc = layout.spec_of(g), layout.local_of(g)
+            if src != spec:
+                loc = layout.move(loc.detach(), src, spec)
+            tangents.append(loc.contiguous())
+        assert progs.backward is not None
+        saved = list(ctx.saved_tensors)
+        for k, v in ctx.others:
+            saved.insert(k, v)
+        out = progs.backward(*saved, *tangents)
+        replay(progs.records[progs.n_forward:])
+        result: list[Any] = [None]
+        k = 0
+        for gspec in progs.grad_specs:
+            if gspec is None:
+                result.append(None)
+            else:
+                result.append(layout.wrap(out[k], gspec))
+                k += 1
+        return tuple(result)
+
+
+def with_partial(spec: DistSpec, axes: tuple[int, ...]) -> DistSpec:
+    """``spec`` with Replicate made Partial(sum) on ``axes`` (a gradient summed over them)."""
+    if not axes:
+        return spec
+    pl = [Partial("sum") if a in axes and isinstance(p, Replicate) else p for a, p in enumerate(spec.placements)]
+    return spec.with_placements(pl, spec.shard_order)
