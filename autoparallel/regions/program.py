@@ -42,7 +42,7 @@ from autoparallel.regions.checks import _uneven
 from autoparallel.runtime import comm
 from autoparallel.runtime.debug import CommRecord, replay
 from autoparallel.spec import DistSpec
-from autoparallel.static.capture import PlainValues, TensorSlots, capture, plain_trained, plain_trained_reason, standing_in
+from autoparallel.static.capture import PlainValues, capture, kept_in_place, plain_trained, plain_trained_reason
 from autoparallel.static.passes import collectives, hoist_starts, sink_waits, written_inputs
 from autoparallel.static.sizes import OpenPrograms, OpenSizes, masked, open_dims, open_spec
 from autoparallel.static.split import SplitError, split_joint
@@ -137,24 +137,7 @@ def capture_call(module: nn.Module, run: Callable[..., Any], state: Sequence[tor
     tangent_nodes: list[Any] = []
 
     def joint(*flat: torch.Tensor) -> list[torch.Tensor]:
-        with standing_in(inputs.tensors[:n_state], modules, flat[:n_state]):
-            slots = TensorSlots(modules)
-            specs = [layout.spec_or_none(t) for t in inputs.tensors[:n_state]]
-            try:
-                outs = traced(flat)
-                assigned = slots.assigned()
-                relaid = [k for k, t in enumerate(inputs.tensors[:n_state])
-                          if layout.is_dist(t) and (layout.local_of(t) is not flat[k] or layout.spec_of(t) != specs[k])]
-            finally:
-                slots.restore()  # (no fake tensor is left in a module)
-        if relaid:
-            raise comm.CaptureError("the forward lays out one of its parameters or buffers anew (a buffer's update "
-                                    "moved or reassigned)")
-        if assigned:
-            m, name, buffer, _ = assigned[0]
-            raise comm.CaptureError(f"the forward assigns the {'buffer' if buffer else 'tensor attribute'} "
-                                    f"{type(m).__name__}.{name}")
-        return outs
+        return kept_in_place(inputs.tensors[:n_state], modules, flat[:n_state], lambda: traced(flat))
 
     def traced(flat: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
         made: dict[int, torch.Tensor] = {}
@@ -210,11 +193,9 @@ def capture_call(module: nn.Module, run: Callable[..., Any], state: Sequence[tor
     values.restore()
     if result.program is None:
         return result.refused
-    sizes = None
-    if result.open_sizes is not None:
-        sizes = OpenSizes.of(result.symbols, dims, result.open_sizes)
-        if sizes is None:
-            return "tracing with open sizes failed (its guards speak of sizes that are no input's)"
+    sizes, why = result.sizes(dims)
+    if why:
+        return why
     if written:
         return f"the forward writes the module attribute{'s' if len(written) > 1 else ''} {', '.join(written)}"
     gm = result.program

@@ -50,7 +50,7 @@ from autoparallel.engine import dispatch, layout
 from autoparallel.log import logger
 from autoparallel.runtime import agree, comm
 from autoparallel.runtime.debug import CommDebugMode, CommRecord
-from autoparallel.static.sizes import bind_free_sizes
+from autoparallel.static.sizes import OpenSizes, bind_free_sizes
 from spmd_rules.random_ops import draws_random
 
 aten = torch.ops.aten
@@ -70,6 +70,14 @@ class Capture:
     records: tuple[CommRecord, ...] = field(default_factory=tuple)
     symbols: tuple[tuple[Any, ...], ...] = ()  # per input, each open dim's size as made (``OpenSizeFakes.fake``)
     open_sizes: compat.OpenSizeFakes | None = None
+
+    def sizes(self, dims: Sequence[tuple[int, ...]]) -> tuple[OpenSizes | None, str]:
+        """(the sizes a program captured with ``dims`` open serves (None: captured at fixed sizes),
+        why it serves none: '' when it does)."""
+        if self.open_sizes is None:
+            return None, ""
+        sizes = OpenSizes.of(self.symbols, dims, self.open_sizes)
+        return sizes, "" if sizes is not None else "its guards speak of sizes that are no input's"
 
 
 class Watch:
@@ -164,6 +172,32 @@ class TensorSlots:
             for k in [k for k in _tensor_attributes(m) if k not in attrs]:
                 del m.__dict__[k]
             m.__dict__.update(attrs)
+
+
+def kept_in_place(state: Sequence[torch.Tensor], modules: Iterable[torch.nn.Module], fakes: Sequence[torch.Tensor],
+                  fn: Callable[[], Any]) -> Any:
+    """``fn()`` in a trace with ``fakes`` standing in for ``state`` (``standing_in``), for a caller
+    whose programs keep no module state the step sets: raises ``comm.CaptureError`` where the step
+    assigned a buffer or tensor attribute (``TensorSlots``) or laid out one of ``state``'s
+    DistTensors anew (a buffer's update moved); every slot is put back either way."""
+    modules = list(modules)
+    with standing_in(state, modules, fakes):
+        slots = TensorSlots(modules)
+        specs = [layout.spec_or_none(t) for t in state]
+        try:
+            out = fn()
+            assigned = slots.assigned()
+            relaid = [t for t, f, s in zip(state, fakes, specs)
+                      if layout.is_dist(t) and (layout.local_of(t) is not f or layout.spec_of(t) != s)]
+        finally:
+            slots.restore()  # (no fake tensor is left in a module)
+    if assigned:
+        m, name, buffer, _ = assigned[0]
+        raise comm.CaptureError(f"the forward assigns the {'buffer' if buffer else 'tensor attribute'} "
+                                f"{type(m).__name__}.{name} (a program keeps no assigned module state)")
+    if relaid:
+        raise comm.CaptureError("the forward lays out one of its parameters or buffers anew (a buffer's update moved)")
+    return out
 
 
 def _tensor_attributes(m: torch.nn.Module) -> dict[str, torch.Tensor]:

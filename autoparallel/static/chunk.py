@@ -45,14 +45,15 @@ import torch
 
 from autoparallel.engine import layout
 from autoparallel.log import logger
-from autoparallel.runtime import comm
 from autoparallel.runtime.debug import CommRecord, replay
 from autoparallel.spec import DistSpec, shape_key
 from autoparallel.static import signature
-from autoparallel.static.capture import PlainValues, TensorSlots, capture, plain_trained, plain_trained_reason, standing_in
+from autoparallel.static.capture import PlainValues, capture, kept_in_place, plain_trained, plain_trained_reason
 from autoparallel.static.passes import hoist_starts, sink_waits
-from autoparallel.static.sizes import OpenSizes, masked, open_dims, open_spec, spec_open_dims
+from autoparallel.static.sizes import OpenPrograms, OpenSizes, masked, open_dims, open_spec, spec_open_dims
 from autoparallel.static.split import SplitError, split_input_weight, split_joint
+
+MAX_FAMILIES = 16  # per chunk: signatures (open sizes left out) whose programs of open sizes are kept
 
 
 @dataclass
@@ -102,8 +103,7 @@ class StaticChunk:
         self.name = name
         self._as_layout = as_layout
         self._programs: dict[Any, _Programs | str] = {}
-        self._open: dict[Any, list[_Programs]] = {}  # signature, open sizes left out -> programs
-        self._sized: set[Any] = set()  # signatures (open sizes left out) captured before
+        self._sizes = OpenPrograms(MAX_FAMILIES)  # per signature with its open sizes left out: programs of open sizes
         self._warn = warn or (lambda m: warnings.warn(f"autoparallel: {m}", stacklevel=4))
 
     # ---- signature -------------------------------------------------------------------------
@@ -129,15 +129,13 @@ class StaticChunk:
         start = time.perf_counter()
         values = PlainValues(self.module)
         family = self._family(key, x, t)
-        kept = self._open.get(family)
         progs = None
-        if family in self._sized and (not kept or any(p.served for p in kept)):  # a second size: opened
+        if self._sizes.second_size(family):  # a second size: opened
             progs = self._capture(x, t, loss_fn, divide, out_spec, in_grad_spec, open_sizes=True)
             if isinstance(progs, str):  # (the open sizes tripped the trace: at fixed sizes)
                 logger.debug("static: pipeline chunk %s captured at fixed sizes (%s)", self.name, progs)
                 values.restore()
                 progs = None
-        self._sized.add(family)
         if progs is None:
             progs = self._capture(x, t, loss_fn, divide, out_spec, in_grad_spec)
         if isinstance(progs, str):
@@ -155,7 +153,7 @@ class StaticChunk:
         else:
             binding = progs.sizes.bind(self._shapes(x, t, out_spec, last)) if progs.sizes is not None else None
             if progs.sizes is not None and binding is not None:
-                self._open.setdefault(family, []).append(progs)
+                self._sizes.keep(family, progs)
                 progs = progs.at(binding)
             elif progs.sizes is not None:  # (not its own sizes: at fixed sizes)
                 progs = self._capture(x, t, loss_fn, divide, out_spec, in_grad_spec)
@@ -186,18 +184,12 @@ class StaticChunk:
     def _of_open_sizes(self, key: Any, x: Any, t: Any, out_spec: DistSpec, last: bool) -> _Programs | None:
         """Kept programs of open sizes whose guards hold for this forward, made for its sizes and
         kept under ``key`` (None: none)."""
-        kept = self._open.get(self._family(key, x, t)) if self._open else None
-        if not kept:
+        if not self._sizes.open:
             return None
-        shapes = self._shapes(x, t, out_spec, last)
-        for progs in kept:
-            binding = progs.sizes.bind(shapes) if progs.sizes is not None else None
-            if binding is not None:
-                progs.served += 1
-                entry = progs.at(binding)
-                self._programs[key] = entry
-                return entry
-        return None
+        entry = self._sizes.serve(self._family(key, x, t), self._shapes(x, t, out_spec, last))
+        if entry is not None:
+            self._programs[key] = entry
+        return entry
 
     def _refuse(self, key: Any, reason: str) -> None:
         self._programs[key] = reason
@@ -233,18 +225,7 @@ class StaticChunk:
         got: dict[str, Any] = {}
 
         def joint(*flat: torch.Tensor) -> list[torch.Tensor]:
-            with standing_in(owners, self.module.modules(), flat[:len(state)]):
-                slots = TensorSlots(self.module.modules())
-                try:
-                    outs = traced(flat)
-                    assigned = slots.assigned()
-                finally:
-                    slots.restore()  # (no fake tensor is left in a module)
-            if assigned:
-                m, name, buffer, _ = assigned[0]
-                raise comm.CaptureError(f"the forward assigns the {'buffer' if buffer else 'tensor attribute'} "
-                                        f"{type(m).__name__}.{name} (a chunk's programs keep no assigned module state)")
-            return outs
+            return kept_in_place(owners, self.module.modules(), flat[:len(state)], lambda: traced(flat))
 
         def traced(flat: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
             xs, xst = open_spec(x_spec, flat[len(state)], x_dims) if x_dims else (x_spec, x_stride)
@@ -288,11 +269,9 @@ class StaticChunk:
         result = capture(joint, inputs, dims if open_sizes else None)
         if result.program is None:
             return result.refused
-        sizes = None
-        if result.open_sizes is not None:
-            sizes = OpenSizes.of(result.symbols, dims, result.open_sizes)
-            if sizes is None:
-                return "its guards speak of sizes that are no input's"
+        sizes, why = result.sizes(dims)
+        if why:
+            return why
         try:
             parts = split_joint(result.program, n_primals, 1)
             cut = split_input_weight(parts.backward) if self.split_backward and in_grad_spec is not None else None

@@ -53,7 +53,7 @@ from autoparallel.spec import DistSpec
 from autoparallel.static import signature
 from autoparallel.static.capture import Capture, PlainValues, TensorSlots, capture, draws, plain_trained, plain_trained_reason, standing_in
 from autoparallel.static.passes import MERGE_BYTES, hoist_starts, merge_all_reduces, reduce_output, sink_waits, tag_records
-from autoparallel.static.sizes import OpenSizes, bind_free_sizes, masked, open_dims, open_spec
+from autoparallel.static.sizes import OpenPrograms, OpenSizes, bind_free_sizes, masked, open_dims, open_spec
 from autoparallel.static.strategy import Strategy
 
 TRAIN, EVAL, PREDICT = "train", "eval", "predict"
@@ -112,9 +112,8 @@ class DistModel:
         self._loader = loader
         self._mode = TRAIN if loss is not None and optimizer is not None else EVAL if loss is not None else PREDICT
         self._programs: OrderedDict[Any, _Program | str] = OrderedDict()  # signature -> program, or why eager
-        self._open: OrderedDict[Any, list[_Program]] = OrderedDict()  # signature, open sizes left out -> programs
+        self._sizes = OpenPrograms(MAX_PROGRAMS)  # per signature with its open sizes left out: programs of open sizes
         self.captures = 0  # steps captured so far (a new signature its kept programs do not serve)
-        self._sized: set[Any] = set()  # signatures (open sizes left out) captured at fixed sizes
         self._warned: set[str] = set()
         self._micro = 0                    # calls since the last optimizer step (gradient merge)
         if self.strategy.bucket_bytes is not None and hasattr(optimizer, "bucket_bytes"):
@@ -202,14 +201,7 @@ class DistModel:
         signature is at fixed sizes: a capture with open sizes takes longer (symbolic meta
         kernels, guards), paid only by a step that is called at more than one size, and not again
         where the signature's open programs served no size but their own."""
-        family = self._open_signature(key, args)
-        if family in self._sized:  # unless its open programs serve no other size (their guards fix
-            kept = self._open.get(family)  # the sizes: a size read as a Python number): a fixed capture is cheaper
-            return not kept or any(p.served for p in kept)
-        if len(self._sized) > 4 * MAX_PROGRAMS:  # (signatures that keep changing otherwise)
-            self._sized.clear()
-        self._sized.add(family)
-        return False
+        return self._sizes.second_size(self._open_signature(key, args))
 
     def _open_signature(self, key: Any, args: tuple[Any, ...]) -> Any:
         """``key`` with the arguments' open sizes left out (``static.sizes``): the programs of open
@@ -220,19 +212,14 @@ class DistModel:
     def _of_open_sizes(self, key: Any, args: tuple[Any, ...]) -> _Program | None:
         """A kept program of open sizes whose guards hold for ``args``, made for their sizes and
         kept under ``key`` (None: none)."""
-        programs = self._open.get(self._open_signature(key, args)) if self._open else None
-        if not programs:
+        if not self._sizes.open:
             return None
         shapes = [tuple(x.shape) for x in self._inputs(args)[0]]
-        for prog in programs:
-            binding = prog.sizes.bind(shapes) if prog.sizes is not None else None
-            if binding is not None:
-                prog.served += 1
-                entry = prog.at(binding)
-                self._keep(key, entry)
-                logger.debug("static: a program of open sizes serves new sizes %s", shapes)
-                return entry
-        return None
+        entry = self._sizes.serve(self._open_signature(key, args), shapes)
+        if entry is not None:
+            self._keep(key, entry)
+            logger.debug("static: a program of open sizes serves new sizes %s", shapes)
+        return entry
 
     # ---- eager ---------------------------------------------------------------------------------
     def _eager(self, args: tuple[Any, ...], params: list[torch.Tensor]) -> Any:
@@ -391,11 +378,7 @@ class DistModel:
         binding = sizes.bind(shapes) if sizes is not None else None
         if sizes is None or binding is None:  # its guards speak of other sizes: at these sizes only
             return program.at(OpenSizes.hints(symbols, dims, shapes))
-        kept = self._open.setdefault(self._open_signature(key, args), [])
-        kept.append(dataclasses.replace(program, sizes=sizes))
-        del kept[:-MAX_PROGRAMS]
-        while len(self._open) > MAX_PROGRAMS:
-            self._open.popitem(last=False)
+        self._sizes.keep(self._open_signature(key, args), dataclasses.replace(program, sizes=sizes))
         return program.at(binding)
 
     def _traced(self, inputs: list[Any], trained: list[torch.Tensor], reduce_here: bool,

@@ -160,7 +160,7 @@ def _small(rank: int, sizes: list[tuple[int, int]], same: bool = False, scaled: 
             xd = ap.shard_tensor(x, mesh, [S0])
             losses.append(_step(dm, model, opt, loss_fn, xd, xd if same else ap.shard_tensor(y, mesh, [S0])))
         if dm is not None:
-            opened = sum(len(kept) for kept in dm._open.values())
+            opened = sum(len(kept) for kept in dm._sizes.open.values())
         out["static" if static else "eager"] = {
             "losses": losses, "params": [p.full_tensor().detach().clone() for p in model.parameters()],
             "captures": dm.captures if dm is not None else 0, "warnings": [], "opened": opened}
