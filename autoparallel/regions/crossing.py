@@ -88,11 +88,11 @@ class _Localize(torch.autograd.Function):
             return (None, None, *[None if g is None else layout.from_local(g.contiguous(), s) for g, s in zip(grads, specs)])
         out = [None if g is None else layout.wrap(g if g.is_contiguous() else g.contiguous(), s)
                for g, s in zip(grads, specs)]
-        _accumulate(ctx, out)
+        give_directly(ctx, out)
         return (None, None, *out)
 
 
-def _accumulate(ctx: Any, grads: list[DistTensor | None]) -> None:
+def give_directly(ctx: Any, grads: list[DistTensor | None]) -> None:
     """Give each parameter without a gradient its gradient directly, in place of autograd's
     accumulation node (whose ``detach`` of a DistTensor gradient costs a trip through
     ``__torch_dispatch__`` per parameter per step). The node then receives no gradient.

@@ -39,6 +39,7 @@ from autoparallel.log import logger
 from autoparallel.placement import Partial, Replicate
 from autoparallel.regions import moves, objects
 from autoparallel.regions.checks import _uneven
+from autoparallel.regions.crossing import give_directly
 from autoparallel.runtime import comm
 from autoparallel.runtime.debug import CommRecord, replay
 from autoparallel.spec import DistSpec
@@ -465,7 +466,7 @@ class _Node(torch.autograd.Function):
             saved.insert(k, v)
         out = progs.backward(*saved, *tangents)
         replay(progs.records[progs.n_forward:])
-        result: list[Any] = [None]
+        result: list[Any] = []
         k = 0
         for gspec in progs.grad_specs:
             if gspec is None:
@@ -473,7 +474,8 @@ class _Node(torch.autograd.Function):
             else:
                 result.append(layout.wrap(out[k], gspec))
                 k += 1
-        return tuple(result)
+        give_directly(ctx, result)
+        return (None, *result)
 
 
 def with_partial(spec: DistSpec, axes: tuple[int, ...]) -> DistSpec:
