@@ -6,8 +6,8 @@ forward is recorded once on fake tensors (``static.capture``: nothing runs for r
 engine planning every op as in eager mode, collectives included. With autograd on, the record is
 *joint*: the forward, then ``autograd.grad`` of its differentiable outputs with respect to the
 parameters and arguments that require a gradient, the output gradients standing as inputs in
-their layouts (``grad_spec`` of each output); it is cut into a forward and a backward program
-(``static.split``).
+the layouts the backward takes them in (``tangent_spec``); it is cut into a forward and a backward
+program (``static.split``).
 
 Every call of the signature — the first, the hundredth, and a recomputation inside
 ``torch.utils.checkpoint`` — then runs the same thing: the forward program on the local shards,
@@ -15,11 +15,13 @@ inside one autograd node (``_Node``) whose backward runs the backward program on
 forward kept (saved as autograd saves tensors, so checkpoint's hooks see them) and the output
 gradients (moved to the layouts the capture assumed when they arrive in others). The parameters'
 and arguments' gradients leave the node as DistTensors in the layouts the DistTensor path gives
-them, and autograd accumulates them into ``.grad`` as usual (hooks included).
+them; a parameter without a gradient yet takes it directly, as a proven region's does
+(``crossing.give_directly``), the others through autograd's accumulation.
 
-A call the capture refuses (``Programs`` is then a reason) runs on DistTensors: a Python value read
-from a tensor, an op without a rule, a forward that assigns module state, a plain tensor that
-requires a gradient, an argument that is an object with state of its own.
+A call that is not captured (``refusal``, or what the capture refuses: ``Calls`` keeps the reason)
+runs on DistTensors: a Python value read from a tensor, an op without a rule, a forward that
+assigns module state or writes an argument in place, a plain tensor that requires a gradient, an
+argument that is an object with state of its own.
 """
 
 from __future__ import annotations

@@ -174,6 +174,7 @@ class _Region:
             self.shape, self.slots = _structure(self.modules), _slots(self.module)
             self.verdicts.clear()
             self.families.clear()
+            self.calls = program.Calls()
         tensors = [_current(m, a) for m, a in self.slots]
         _agree_plain(self.module, leaves, tensors)
         key, held = self._key(leaves, tree, tensors)
@@ -658,8 +659,6 @@ class _Region:
         return tree_unflatten(wrapped, verdict.out_tree)
 
 
-# arity -> the tree spec of a call with that many positional tensors and no keywords (the usual
-# ``module(x)``): such calls skip the general pytree walk
 def _moved_in(verdict: _Verdict, leaves: list[Any], done: list[Any] | None) -> list[Any]:
     """The arguments moved by the styles' prologue (``regions.moves``; ``done``: per leaf, that
     move already made by the trace, or None): as every read in the local run sees them."""

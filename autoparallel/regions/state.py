@@ -1,6 +1,6 @@
 """The modules' own state around a local region's first call: what a signature reads of it, what
-each run of the forward (trace, replay) starts from, and the slots that hold the region's tensors.
-See ``autoparallel.regions``."""
+each run of the forward (trace, replay) starts from, and the slots that hold the region's tensors;
+a call's arguments flattened and its signature's parts (ties, autocast). See ``autoparallel.regions``."""
 
 from __future__ import annotations
 
@@ -108,6 +108,8 @@ def _written_only(code: Any) -> frozenset[str]:
     return frozenset(stored - loaded)
 
 
+# arity -> the tree spec of a call with that many positional tensors and no keywords (the usual
+# ``module(x)``): such calls skip the general pytree walk
 _POSITIONAL: dict[int, Any] = {}
 
 
