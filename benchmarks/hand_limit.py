@@ -2,6 +2,7 @@
 
     python benchmarks/hand_limit.py                          # widths 64 and 256, 2 and 4 ranks
     python benchmarks/hand_limit.py --widths 64 --worlds 2 --rounds 3
+    python benchmarks/hand_limit.py --local-regions capture   # eager with regions as captured programs
 
 The limit a framework can reach: Megatron's tensor parallelism written per rank with plain
 tensors and ``torch.distributed`` (the vocabulary-parallel embedding tied to the LM head, the
@@ -297,10 +298,15 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=5, help="timed steps per round")
     p.add_argument("--json", help="write the raw results here")
+    p.add_argument("--local-regions", default=None, choices=("1", "0", "capture"),
+                   help="AUTOPARALLEL_LOCAL_REGIONS for the ranks (capture: regions as captured programs)")
     args = p.parse_args()
     from benchmarks._spawn import run_spawned
 
-    opts = {k: v for k, v in vars(args).items() if k != "json"}
+    if args.local_regions is not None:  # (the spawned ranks inherit it)
+        os.environ["AUTOPARALLEL_LOCAL_REGIONS"] = args.local_regions
+
+    opts = {k: v for k, v in vars(args).items() if k not in ("json", "local_regions")}
     results = {w: run_spawned(_worker, w, opts, timeout=1800, prefix=f"hand{w}_") for w in args.worlds}
     if args.json:
         with open(args.json, "w") as f:

@@ -4,6 +4,7 @@
     python benchmarks/varying_shapes.py --shapes 60 --layouts TP+SP --profile
     python benchmarks/varying_shapes.py --model llama --step 1 --layouts DP,TP   # transformers' Llama
     python benchmarks/varying_shapes.py --model llama --step 1 --layouts DP,TP --no-kv-cache
+    python benchmarks/varying_shapes.py --local-regions capture   # regions as captured programs
 
 Each rank trains the example GPT (width 64, 2 layers, vocab 96, batch 4; AdamW through
 ``shard_optimizer``) laid out one way, with the sequence length changing between steps: after
@@ -316,8 +317,13 @@ def main() -> None:
                              "(DP and TP), odd ones included")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--json", default=None, help="also write the figures here")
+    parser.add_argument("--local-regions", default=None, choices=("1", "0", "capture"),
+                        help="AUTOPARALLEL_LOCAL_REGIONS for the ranks (capture: regions as captured programs)")
     args = parser.parse_args()
     from benchmarks._spawn import run_spawned
+
+    if args.local_regions is not None:  # (the spawned ranks inherit it)
+        os.environ["AUTOPARALLEL_LOCAL_REGIONS"] = args.local_regions
 
     if args.step == 1 and "TP+SP" in args.layouts.split(","):
         parser.error("--step 1 gives odd lengths, which sequence parallelism cannot split evenly: "
