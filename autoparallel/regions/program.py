@@ -38,10 +38,10 @@ from autoparallel import compat, runtime
 from autoparallel.compat import tree_flatten, tree_unflatten
 from autoparallel.engine import layout
 from autoparallel.log import logger
-from autoparallel.placement import Partial, Replicate
+from autoparallel.placement import Replicate
 from autoparallel.regions import moves, objects
 from autoparallel.regions.checks import _uneven
-from autoparallel.regions.crossing import give_directly
+from autoparallel.regions.crossing import give_directly, with_partial
 from autoparallel.runtime import comm
 from autoparallel.runtime.debug import CommRecord, replay
 from autoparallel.spec import DistSpec
@@ -478,11 +478,3 @@ class _Node(torch.autograd.Function):
                 k += 1
         give_directly(ctx, result)
         return (None, *result)
-
-
-def with_partial(spec: DistSpec, axes: tuple[int, ...]) -> DistSpec:
-    """``spec`` with Replicate made Partial(sum) on ``axes`` (a gradient summed over them)."""
-    if not axes:
-        return spec
-    pl = [Partial("sum") if a in axes and isinstance(p, Replicate) else p for a, p in enumerate(spec.placements)]
-    return spec.with_placements(pl, spec.shard_order)
