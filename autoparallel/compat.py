@@ -486,6 +486,24 @@ def forward_hook_fns(module: torch.nn.Module) -> list[Any]:
     return [*module._forward_pre_hooks.values(), *module._forward_hooks.values()]
 
 
+class QuietHook:
+    """A forward (pre-)hook that says when a call of it changes nothing: ``quiet(module)`` true
+    (asked before the module runs) means the hook will neither change the module's inputs,
+    outputs or state nor communicate, so a captured program of a module around it may leave it
+    out when it replays (ZeRO-3's hooks on the submodules of a unit that has gathered)."""
+
+    def __init__(self, fn: Callable[..., Any], quiet: Callable[[torch.nn.Module], bool]) -> None:
+        self.fn, self.quiet = fn, quiet
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+
+def quiet_hook(hook: Any, module: torch.nn.Module) -> bool:
+    """Whether ``hook`` (one of ``module``'s, as ``forward_hook_fns`` lists them) says it is quiet now."""
+    return isinstance(hook, QuietHook) and hook.quiet(module)
+
+
 def has_tensor_hooks(t: torch.Tensor) -> bool:
     """Whether ``t`` has gradient hooks (``register_hook``) or post-accumulate-grad hooks."""
     return bool(getattr(t, "_backward_hooks", None) or getattr(t, "_post_accumulate_grad_hooks", None))

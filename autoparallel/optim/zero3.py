@@ -282,8 +282,8 @@ class Zero3Params:
             seat = self._seat(m)
             if not seat.hooked:
                 seat.hooked = True
-                pre = m.register_forward_pre_hook(self._before, prepend=True)
-                post = m.register_forward_hook(self._after, prepend=True, always_call=True)
+                pre = m.register_forward_pre_hook(compat.QuietHook(self._before, self._quiet), prepend=True)
+                post = m.register_forward_hook(compat.QuietHook(self._after, self._quiet), prepend=True, always_call=True)
                 self._hooks.append((weakref.ref(m), pre, post))
         held = {id(p) for r in self._roots if (found := r()) is not None for p in found.parameters()}  # root among them
         rank = runtime.get_rank()
@@ -336,6 +336,15 @@ class Zero3Params:
             return None
         leaves, tree = compat.tree_flatten(args)
         return compat.tree_unflatten([_cast_input(dtype, x) for x in leaves], tree)
+
+    def _quiet(self, module: nn.Module) -> bool:
+        """Whether ``module``'s hooks do nothing now: a submodule of a unit that has gathered
+        (its parameters are the unit's), or a module owning none of this owner's parameters."""
+        seat = self._seat(module)
+        if seat.generation != self.generation:
+            return False
+        unit = seat.unit
+        return unit is None or (unit.root is not module and unit.active > 0)
 
     def _after(self, module: nn.Module, args: Any, output: Any) -> None:
         calls = self._seat(module).calls

@@ -51,8 +51,9 @@ def style_hook(hook: Any) -> Any:
 
 
 def foreign_hooks(module: torch.nn.Module) -> bool:
-    """Whether ``module`` has a forward (pre-)hook that is not a style's."""
-    return any(not getattr(h, _STYLE, False)
+    """Whether ``module`` has a forward (pre-)hook that is not a style's and not quiet now
+    (``compat.QuietHook``)."""
+    return any(not getattr(h, _STYLE, False) and not compat.quiet_hook(h, module)
                for h in compat.forward_hook_fns(module))
 
 

@@ -246,6 +246,14 @@ class Writing:
         return ""
 
 
+def get(leaves: Sequence[Any], path: Path) -> Any:
+    """The entry at ``path`` under the object arguments among ``leaves``."""
+    c = leaves[path[0]]
+    for tag, k in path[1:]:
+        c = vars(c)[k] if tag == "a" else c[k]
+    return c
+
+
 def put(leaves: Sequence[Any], paths: Sequence[Path], values: Sequence[Any]) -> None:
     """Set each ``values[k]`` at ``paths[k]`` under the object arguments among ``leaves``."""
     for path, v in zip(paths, values):
@@ -263,5 +271,5 @@ def any_object(leaves: Sequence[Any]) -> bool:
     return any(is_object(x) for x in leaves)
 
 
-__all__ = ["MAX_ENTRIES", "VALUES", "Writing", "any_object", "entries", "is_object", "put", "restore",
+__all__ = ["MAX_ENTRIES", "VALUES", "Writing", "any_object", "entries", "get", "is_object", "put", "restore",
            "signature", "snapshot", "walked"]

@@ -43,7 +43,7 @@ from autoparallel.regions import moves, objects
 from autoparallel.regions.checks import _uneven
 from autoparallel.regions.crossing import give_directly, with_partial
 from autoparallel.runtime import comm
-from autoparallel.runtime.debug import CommRecord, replay
+from autoparallel.runtime.debug import CommRecord, named_within, replay
 from autoparallel.spec import DistSpec
 from autoparallel.static.capture import PlainValues, capture, kept_in_place, plain_trained, plain_trained_reason
 from autoparallel.static.passes import collectives, hoist_starts, sink_waits, written_inputs
@@ -69,6 +69,10 @@ class Programs:
     redundant: tuple[int, ...] = ()         # mesh axes along which every input is Replicate (``tangent_spec``)
     sizes: OpenSizes | None = None          # captured with open sizes: the inputs' sizes it serves
     served: int = 0                         # (kept with open sizes) calls at other sizes it ran
+    reads: tuple[objects.Path, ...] = ()    # the tensor entries of object arguments (inputs after the leaves')
+    writes: tuple[objects.Path, ...] = ()   # the entries the forward writes tensors into (the last outputs)
+    sets: tuple[tuple[objects.Path, Any], ...] = ()  # ... and other values into
+    objects: bool = False                   # the call has object arguments: its output is ``(output, written)``
 
     @property
     def n_tensors(self) -> int:
@@ -128,13 +132,22 @@ def capture_call(module: nn.Module, run: Callable[..., Any], state: Sequence[tor
         plain = plain_trained(module)
         if plain is not None:
             return plain_trained_reason(plain)
-    inputs = Inputs.of(state, leaves)
+    found: dict[objects.Path, Any] = {}
+    if objects.any_object(leaves):
+        walked = objects.entries(leaves)
+        if walked is None:
+            kind = next(type(x).__name__ for x in leaves if objects.is_object(x) and objects.entries([x]) is None)
+            return f"an argument is a {kind} object whose entries a region cannot follow"
+        found = walked
+    reads = tuple(p for p, v in found.items() if isinstance(v, torch.Tensor))
+    inputs = Inputs.of(state, [*leaves, *(found[p] for p in reads)])
     if grad and any(t.requires_grad and not layout.is_dist(t) for t in inputs.tensors[inputs.n_state:]):
         return "a plain tensor argument requires a gradient"
     n_state = inputs.n_state
     redundant = _redundant(inputs.tensors)
     # open sizes: the evenly split dims of the DistTensor arguments (``static.sizes``)
-    dims = [open_dims(t) if open_sizes and k >= n_state else () for k, t in enumerate(inputs.tensors)]
+    argument = {k for k in inputs.leaf_slot if k is not None and k >= n_state}  # (object entries too)
+    dims = [_open_dims(t) if open_sizes and k in argument else () for k, t in enumerate(inputs.tensors)]
     modules = list(module.modules())
     got: dict[str, Any] = {}
     tangent_nodes: list[Any] = []
@@ -153,7 +166,25 @@ def capture_call(module: nn.Module, run: Callable[..., Any], state: Sequence[tor
             made[k] = layout.wrap(flat[k], spec, stride, requires_grad=grad and t.requires_grad)
         args = [x if s is None else made[s] for x, s in zip(leaves, inputs.leaf_slot)]
         a, kw = tree_unflatten(args, tree)
-        out = run(*a, **kw)
+        if found:  # the objects hold the trace's inputs while it runs, and are given back as they were
+            held = {**found, **{p: made[s] for p, s in zip(reads, inputs.leaf_slot[len(leaves):]) if s is not None}}
+            saved = objects.snapshot(leaves, found)
+            objects.put(leaves, list(held), list(held.values()))
+            writing = objects.Writing(run, leaves, held)
+            try:
+                out, written = writing(*a, **kw)
+            finally:
+                objects.restore(saved)
+            if writing.why:
+                raise comm.CaptureError(writing.why)
+            if not all(layout.is_dist(t) for t in written):
+                raise comm.CaptureError("it writes a plain tensor into an argument object")
+            if not all(_constant(v) for _, v in writing.values):
+                raise comm.CaptureError("it writes an object into an argument object")
+            got["writes"], got["sets"] = writing.paths, writing.values
+            out = (out, written)
+        else:
+            out = run(*a, **kw)
         outs, out_tree = tree_flatten(out)
         kinds: list[Out] = []
         locs: list[torch.Tensor] = []
@@ -170,8 +201,10 @@ def capture_call(module: nn.Module, run: Callable[..., Any], state: Sequence[tor
                     raise comm.CaptureError("the forward returns a plain tensor that requires a gradient")
                 kinds.append(("plain",))
                 locs.append(o)
-            else:
+            elif _constant(o):
                 kinds.append(("value", o))
+            else:  # (a cache the forward made: it holds the trace's tensors, and a call must get its own)
+                raise comm.CaptureError(f"the forward returns a {type(o).__name__} object")
         got["outs"], got["tree"] = tuple(kinds), out_tree
         wrt = [k for k, t in enumerate(inputs.tensors) if grad and t.requires_grad and layout.is_dist(t)]
         got["wrt"], got["tangents"] = tuple(wrt), tuple(diff)
@@ -191,7 +224,8 @@ def capture_call(module: nn.Module, run: Callable[..., Any], state: Sequence[tor
         return locs + [layout.local_of(g) for g in grads if g is not None]  # type: ignore[arg-type]  # DistTensor grads
 
     values = PlainValues(module)
-    result = capture(joint, inputs.locals(), dims if any(dims) else None)
+    with named_within(module):  # (its collectives are named by the submodule that issues them)
+        result = capture(joint, inputs.locals(), dims if any(dims) else None)
     written = values.written()
     values.restore()
     if result.program is None:
@@ -232,7 +266,16 @@ def capture_call(module: nn.Module, run: Callable[..., Any], state: Sequence[tor
     if backward is not None and n_forward + collectives(backward) != len(result.records):
         n_forward = len(result.records)  # (not told apart: all said at the forward)
     return Programs(forward, backward, got["outs"], got["tree"], got["wrt"], got["specs"], got["tangents"], result.records,
-                    n_forward, redundant, sizes)
+                    n_forward, redundant, sizes, reads=reads, writes=got.get("writes", ()), sets=got.get("sets", ()),
+                    objects=bool(found))
+
+
+def _constant(v: Any) -> bool:
+    """Whether ``v`` is a value every call may share: None, a number, a string, a dtype, a device
+    (or a tuple of those)."""
+    if isinstance(v, tuple):
+        return all(_constant(x) for x in v)
+    return v is None or isinstance(v, (bool, int, float, complex, str, torch.dtype, torch.device, torch.layout))
 
 
 def _redundant(tensors: Sequence[torch.Tensor]) -> tuple[int, ...]:
@@ -266,21 +309,29 @@ class Calls:
 
     def __init__(self) -> None:
         self.programs: dict[Any, Programs | str] = {}  # least recently used first
+        self.fixed: dict[Any, str] = {}  # families whose capture with open sizes failed: why
         self.open = OpenPrograms(MAX_SIGNATURES // 2)
         self.captures = 0
 
     def find(self, key: Any, leaves: list[Any], tree: Any, state: Sequence[torch.Tensor], module: nn.Module,
-             run: Callable[..., Any]) -> tuple[Programs | str, bool]:
+             run: Callable[..., Any], held: dict[objects.Path, Any] | None = None) -> tuple[Programs | str, bool]:
         """(the programs or refusal of the call of ``key``, whether this call captured it): kept,
         served by a program of open sizes of its family, or captured now (``run``: the module's
-        forward, its submodules' regions plain)."""
+        forward, its submodules' regions plain; ``held``: the entries of its object arguments,
+        whose tensors' sizes are part of the signature, and open like the arguments')."""
+        entries = [v for v in held.values() if isinstance(v, torch.Tensor)] if held else []
+        if entries:
+            key = (*key, tuple(tuple(t.shape) for t in entries))
         entry = self.programs.get(key)
         if entry is not None:
             if len(self.programs) > 1:
                 self.programs[key] = self.programs.pop(key)  # now the most recently used
             return entry, False
-        fam = family(key, leaves)
-        served = self.open.serve(fam, _shapes(state, leaves)) if self.open.open else None
+        fam = family(key[:-1] if entries else key, leaves)
+        if entries:
+            fam = (fam, tuple(_masked(t, None) for t in entries))
+        shapes = _shapes(state, [*leaves, *entries])
+        served = self.open.serve(fam, shapes) if self.open.open else None
         if served is not None:
             self._keep(key, served)
             return served, False
@@ -289,16 +340,28 @@ class Calls:
         if not progs:
             progs = None
             self.captures += 1
-            if self.open.second_size(fam):
+            why_open = ""
+            pinned = self.open.pinned(fam)
+            if pinned is not None and fam not in self.fixed:
+                self.fixed[fam] = f"its captured program's guards fix its sizes ({_guards(pinned.sizes)}): its submodules are regions"
+            if fam in self.fixed:  # (a third size, or refused at two: a capture per size would not pay)
+                progs = self.fixed[fam]
+            elif self.open.second_size(fam):
                 progs = capture_call(module, run, state, leaves, tree, open_sizes=True)
-                binding = progs.sizes.bind(_shapes(state, leaves)) if isinstance(progs, Programs) and progs.sizes else None
+                binding = progs.sizes.bind(shapes) if isinstance(progs, Programs) and progs.sizes else None
                 if binding is not None and isinstance(progs, Programs):
                     self.open.keep(fam, progs)
                     progs = progs.at(binding)
                 else:  # (the open sizes tripped the trace, or guards that exclude its own sizes: at fixed sizes)
+                    why_open = progs if isinstance(progs, str) else "a guard excludes its own sizes"
                     progs = None
             if progs is None:
                 progs = capture_call(module, run, state, leaves, tree)
+                if why_open:  # its later sizes are not captured (refused for one reason at two sizes: alike)
+                    if len(self.fixed) > 8 * MAX_SIGNATURES:
+                        self.fixed.clear()
+                    self.fixed[fam] = (progs if isinstance(progs, str) and progs == why_open else
+                                       f"its forward fixes its arguments' sizes ({why_open}): its submodules are regions")
         logger.debug("local region %s: %s (%.2f s)", type(module).__name__,
                      f"refused: {progs}" if isinstance(progs, str) else "captured", time.perf_counter() - began)
         self._keep(key, progs)
@@ -311,18 +374,37 @@ class Calls:
 
 
 def family(key: Any, leaves: list[Any]) -> Any:
-    """A region's signature (``(tree, per argument leaf, *rest)``) with its DistTensor arguments'
-    open sizes left out (``static.sizes``)."""
+    """A region's signature (``(tree, per argument leaf, *rest)``) with its tensor arguments'
+    open sizes left out (``static.sizes``; ``_open_dims``)."""
     tree, parts, *rest = key
-    return (tree, tuple(masked(x) + (x.requires_grad,) if layout.is_dist(x) else p for x, p in zip(leaves, parts)), *rest)
+    return (tree, tuple(_masked(x, p) for x, p in zip(leaves, parts)), *rest)
+
+
+def _masked(x: Any, part: Any) -> Any:
+    if layout.is_dist(x):
+        return masked(x) + (x.requires_grad,)
+    if isinstance(x, torch.Tensor):
+        dims = _open_dims(x)
+        return ("plain", tuple(None if d in dims else n for d, n in enumerate(x.shape)), x.dtype, x.requires_grad)
+    return part
+
+
+def _open_dims(t: torch.Tensor) -> tuple[int, ...]:
+    """The dims of a tensor argument a capture leaves open: a DistTensor's evenly split ones
+    (``static.sizes.open_dims``), a contiguous plain tensor's of two or more (a mask, a position
+    table the caller made for this length)."""
+    if layout.is_dist(t):
+        return open_dims(t)
+    if not t.is_contiguous() or t.is_sparse:
+        return ()
+    return tuple(d for d, n in enumerate(t.shape) if n >= 2)
 
 
 def refusal(leaves: list[Any], state: Sequence[torch.Tensor], module: nn.Module) -> str:
     """Why a call is not captured, from metadata ('' when it may be): pieces of unequal sizes
     (ranks would run programs of different shapes), a rank outside the mesh, ZeRO-3 sharded
-    parameters (their unit gathers them around its forward), an object argument with state of its
-    own (a key/value cache: a program cannot write into it), forward hooks on its submodules (they
-    would run at the capture only)."""
+    parameters (their unit gathers them around its forward), forward hooks on its submodules that
+    are not quiet (``compat.QuietHook``: they would run at the capture only)."""
     why = _uneven(leaves)
     if why:
         return why
@@ -331,11 +413,14 @@ def refusal(leaves: list[Any], state: Sequence[torch.Tensor], module: nn.Module)
         return "this rank is outside the mesh"
     if any(getattr(t, "_ap_zero3", None) is not None for t in state):
         return "it owns ZeRO-3 sharded parameters (gathered by their unit)"
-    if objects.any_object(leaves):
-        return "an argument is an object with state of its own"
     if any(moves.foreign_hooks(m) for m in list(module.modules())[1:]) or compat.global_module_hooks():
         return "a submodule has a forward hook"
     return ""
+
+
+def _guards(sizes: OpenSizes | None, most: int = 2) -> str:
+    guards = [str(g) for g in (sizes.guards if sizes is not None else [])]
+    return ", ".join(guards[:most]) + (", ..." if len(guards) > most else "")
 
 
 def _shapes(state: Sequence[torch.Tensor], leaves: list[Any]) -> list[tuple[int, ...]]:
@@ -383,23 +468,31 @@ def _tangents_as_inputs(gm: torch.fx.GraphModule, nodes: list[Any]) -> None:
 
 
 # ---- running ------------------------------------------------------------------------------------
-def run_call(progs: Programs, state: Sequence[torch.Tensor], leaves: list[Any]) -> Any:
-    """The call's output: the forward program on this call's shards, one autograd node when it
-    has a backward."""
-    inputs = Inputs.of(state, leaves)
+def run_call(progs: Programs, state: Sequence[torch.Tensor], leaves: list[Any], module: nn.Module) -> Any:
+    """The call of ``module``: its output, the forward program on this call's shards, one
+    autograd node when it has a backward; what it writes into object arguments is put there."""
+    inputs = Inputs.of(state, [*leaves, *(objects.get(leaves, p) for p in progs.reads)])
     locs = inputs.locals()
     if progs.backward is None or not torch.is_grad_enabled():
         outs = progs.forward(*locs)
-        replay(progs.records[:progs.n_forward])
-        return _assemble(progs, list(outs[:progs.n_tensors]), {})
-    call = _Call(progs, locs)
-    diff = _Node.apply(call, *[inputs.tensors[k] for k in progs.wrt])
-    return _assemble(progs, call.outs, dict(zip(progs.tangents, diff)))
+        replay(progs.records[:progs.n_forward], within=module)
+        out = _assemble(progs, list(outs[:progs.n_tensors]), {})
+    else:
+        call = _Call(progs, locs, module)
+        diff = _Node.apply(call, *[inputs.tensors[k] for k in progs.wrt])
+        out = _assemble(progs, call.outs, dict(zip(progs.tangents, diff)))
+    if not progs.objects:
+        return out
+    out, written = out
+    objects.put(leaves, progs.writes, written)
+    objects.put(leaves, [p for p, _ in progs.sets], [v for _, v in progs.sets])
+    return out
 
 
 class _Call:
-    def __init__(self, progs: Programs, locs: list[torch.Tensor]) -> None:
+    def __init__(self, progs: Programs, locs: list[torch.Tensor], module: nn.Module) -> None:
         self.progs = progs
+        self.module = module
         self.locs = locs
         self.device: torch.device | None = None
         self.outs: list[torch.Tensor] = []
@@ -432,7 +525,7 @@ class _Node(torch.autograd.Function):
         outs = progs.forward(*call.locs)
         call.device = call.locs[0].device if call.locs else None
         call.locs = []  # (the inputs' shards are not held until the backward)
-        replay(progs.records[:progs.n_forward])
+        replay(progs.records[:progs.n_forward], within=call.module)
         n = progs.n_tensors
         call.outs = list(outs[:n])
         # tensors are saved as autograd saves them (the hooks of checkpoint and of ZeRO-3's units see
@@ -467,7 +560,7 @@ class _Node(torch.autograd.Function):
         for k, v in ctx.others:
             saved.insert(k, v)
         out = progs.backward(*saved, *tangents)
-        replay(progs.records[progs.n_forward:])
+        replay(progs.records[progs.n_forward:], within=call.module)
         result: list[Any] = []
         k = 0
         for gspec in progs.grad_specs:

@@ -181,7 +181,7 @@ class _Region:
         if key is None:
             return None
         if _captured_regions():
-            return self._captured(key, leaves, tree, tensors)
+            return self._captured(key, leaves, tree, tensors, held)
         try:
             verdict = self.verdicts.get(key)
         except TypeError:  # an unhashable non-tensor argument: no signature
@@ -225,19 +225,20 @@ class _Region:
             return self._run_local(verdict, leaves, tree, tensors, held=held), True
         return None
 
-    def _captured(self, key: Any, leaves: list[Any], tree: Any, tensors: list[torch.Tensor]) -> tuple[Any, bool] | None:
+    def _captured(self, key: Any, leaves: list[Any], tree: Any, tensors: list[torch.Tensor],
+                  held: dict[Any, Any] | None) -> tuple[Any, bool] | None:
         """A call as the module's captured program (``regions.program``); None: on DistTensors."""
         if compat.foreign_dispatch_modes():  # a trace of the caller's (make_fx, a static capture): plain
             return None
         try:
-            progs, captured = self.calls.find(key, leaves, tree, tensors, self.module, self._inside)
+            progs, captured = self.calls.find(key, leaves, tree, tensors, self.module, self._inside, held)
         except TypeError:  # an unhashable non-tensor argument: no signature
             return None
         if key not in self.verdicts:
             if len(self.verdicts) >= MAX_SIGNATURES:
                 del self.verdicts[next(iter(self.verdicts))]
             self.verdicts[key] = _refused(progs) if isinstance(progs, str) else _Verdict(generic=not captured)
-        return None if isinstance(progs, str) else (program.run_call(progs, tensors, leaves), True)
+        return None if isinstance(progs, str) else (program.run_call(progs, tensors, leaves, self.module), True)
 
     def _inside(self, *args: Any, **kwargs: Any) -> Any:
         with _mode("trace"):  # (its submodules' regions: plain)

@@ -26,7 +26,7 @@ import time
 import weakref
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -189,6 +189,7 @@ class _Modules:
         self.stack: list[list[Any]] = []
         self.names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
         self.rooted = False
+        self.root: weakref.ref[nn.Module] | None = None
         self.backward: str | None = None        # the module whose backward began last
         self.hooked: dict[int, weakref.ref[torch.Tensor]] = {}  # outputs given a gradient hook
         self.handles: list[RemovableHandle] = []
@@ -213,6 +214,11 @@ class _Modules:
             h.remove()
         self._reset()  # forget every name and entry
 
+    def path(self, m: nn.Module) -> str | None:
+        """``m``'s path from the root the names were given from ('' for the root; None: unnamed)."""
+        root = self.root() if self.root is not None else None
+        return "" if root is m else self.names.get(m)
+
     def current(self) -> str | None:
         if self.stack:
             return self.stack[-1][1]  # type: ignore[no-any-return]
@@ -223,6 +229,7 @@ class _Modules:
         if name is None:
             if not self.rooted and not self.stack:  # the first root: every module below it by its path
                 self.rooted = True
+                self.root = weakref.ref(m)
                 for path, sub in m.named_modules():
                     self.names.setdefault(sub, path or type(m).__name__)
                 name = self.names[m]
@@ -344,8 +351,39 @@ def record(kind: str, mesh: Any, axis: int | None, group: tuple[int, ...], sent:
             _add(CommRecord(*fields))
 
 
-def replay(records: list[CommRecord] | tuple[CommRecord, ...]) -> None:
-    """Record again collectives a captured program issues when it replays (static mode)."""
+def replay(records: list[CommRecord] | tuple[CommRecord, ...], within: nn.Module | None = None) -> None:
+    """Record again collectives a captured program issues when it replays (static mode).
+    ``within``: the program is this module's call (``named_within``): its records' module names
+    are paths from it, joined here to the module's own name."""
     if _ACTIVE:
+        if within is not None:
+            where = _MODULES.path(within)
+            records = [replace(r, module=_joined(where, r.module)) for r in records]
         for mode in _ACTIVE:
             mode.records.extend(records)
+
+
+def _joined(where: str | None, path: str | None) -> str | None:
+    if not where:
+        return path or where
+    return f"{where}.{path}" if path else where
+
+
+@contextlib.contextmanager
+def named_within(root: nn.Module) -> Iterator[None]:
+    """While a call of ``root`` is captured: collectives are attributed to ``root``'s submodules
+    by their paths from it ('' for ``root`` itself; ``replay(..., within=True)`` joins them to
+    where the program runs)."""
+    global _MODULES
+    outer, inner = _MODULES, _Modules()
+    for path, sub in root.named_modules():
+        inner.names[sub] = path
+    inner.rooted, inner.root = True, weakref.ref(root)
+    inner.stack.append([id(root), "", None])
+    _MODULES = inner
+    inner.install()
+    try:
+        yield
+    finally:
+        inner.uninstall()
+        _MODULES = outer

@@ -269,6 +269,12 @@ class OpenPrograms:
         self.sized.add(family)
         return False
 
+    def pinned(self, family: Any) -> Any:
+        """A program of open sizes kept for ``family`` that served no size but its own (its guards
+        fix the sizes), where every kept one is such; else None."""
+        kept = self.open.get(family)
+        return kept[-1] if kept and not any(p.served for p in kept) else None
+
     def keep(self, family: Any, prog: Any) -> None:
         """Keep ``prog`` (captured with open sizes) for ``family``'s later sizes."""
         kept = self.open.setdefault(family, [])

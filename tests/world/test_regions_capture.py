@@ -8,7 +8,8 @@ every layout the whole model is one region. Two SGD steps train bitwise as op by
 and every call of a signature — the first, later ones and a checkpoint's recomputation — runs the
 same program. New sequence lengths: the second length of a signature is captured with its sizes
 open, and that program serves the lengths after it (two captures for five lengths), equal to op
-by op.
+by op. Object arguments (a key/value cache), objects returned, a forward whose guards fix its sizes,
+ZeRO-3 blocks and where the collectives of a program are attributed, as ``regions.program`` says.
 """
 
 from __future__ import annotations
@@ -120,3 +121,147 @@ def test_new_lengths_are_served_by_a_program_of_open_sizes(world4) -> None:  # t
     for r in range(4):
         torch.testing.assert_close(got[r]["losses"], base[r]["losses"], rtol=1e-5, atol=0)
         assert got[r]["captures"] == 2, got[r]["captures"]  # lengths 8 and 6; 4, 7, 5 by the open program
+
+
+# ---- object arguments, returned objects, sizes the forward fixes (one process) --------------------
+@pytest.mark.pure
+def test_writes_into_a_cache_argument_are_the_programs_outputs_put_back_at_every_length() -> None:
+    # a small DynamicCache (tests/world/test_regions_objects.py): the entries it holds are program
+    # inputs, the keys and values the forward writes are outputs, put back as DistTensors; they carry
+    # their gradients; new lengths are served by the program of open sizes
+    from tests.world import test_regions_objects as objects_test
+
+    model, caches = _with("capture", objects_test._train, [6, 7, 9, 10, 11])
+    for cache, ref_cache in caches:
+        for ours, theirs in zip(cache.layers, ref_cache.layers):
+            for a, b in ((ours.keys, theirs.keys), (ours.values, theirs.values)):
+                assert isinstance(a, ap_DistTensor()) and a.placements == (objects_test.S0,)
+                torch.testing.assert_close(a.full_tensor(), b)
+            assert ours.initialized and ours.dtype == theirs.dtype
+    verdicts = _report_of(model)["<root>"]
+    assert verdicts[:2] == ["local", "local"] and all(v == "local (as its proven lengths)" for v in verdicts[2:]), verdicts
+
+
+class _Box:
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+
+class _ReturnsAnObject(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, _Box]:
+        y = self.lin(x)
+        return y, _Box(y * 2)
+
+
+@pytest.mark.pure
+def test_a_forward_returning_an_object_is_refused_and_its_tensors_are_real() -> None:
+    import autoparallel as ap
+
+    def run() -> tuple[list[torch.Tensor], dict[str, list[str]]]:
+        mesh = ap.ProcessMesh([0], dim_names=["dp"])
+        torch.manual_seed(0)
+        model = ap.shard_layer(_ReturnsAnObject(), mesh)
+        got = []
+        for _ in range(2):
+            y, box = model(ap.shard_tensor(torch.randn(4, 4), mesh, [ap.Shard(0)]))
+            got.append(box.t.full_tensor() - 2 * y.full_tensor())  # (a fake tensor would raise here)
+        return got, _report_of(model)
+
+    got, report = _with("capture", run)
+    assert all(float(d.abs().max()) == 0.0 for d in got)
+    assert report == {"<root>": ["refused: the forward returns a _Box object"], "lin": ["local"]}, report
+
+
+class _FixesItsLength(torch.nn.Module):
+    """Its forward branches on the sequence length as a Python int (a guard per length); its
+    child is a module like any other."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.inner(x)
+        return y * float(x.shape[1]) if x.shape[1] % 2 else y
+
+
+@pytest.mark.pure
+def test_a_module_whose_guards_fix_its_sizes_lets_its_children_serve_new_lengths() -> None:
+    import autoparallel as ap
+
+    def run() -> tuple[dict[str, list[str]], list[float]]:
+        mesh = ap.ProcessMesh([0], dim_names=["dp"])
+        torch.manual_seed(0)
+        model = ap.shard_layer(_FixesItsLength(), mesh)
+        ref = _FixesItsLength()
+        ref.load_state_dict({k: v.full_tensor() for k, v in model.state_dict().items()})
+        errors = []
+        for t in (3, 5, 7, 9, 11):
+            x = torch.randn(2, t, 4, generator=torch.Generator().manual_seed(t))
+            y = model(ap.shard_tensor(x, mesh, [ap.Shard(0)]))
+            errors.append(float((y.full_tensor() - ref(x)).abs().max()))
+        return _report_of(model), errors
+
+    report, errors = _with("capture", run)
+    assert max(errors) < 1e-6, errors
+    root = report["<root>"]
+    assert root[:2] == ["local", "local"] and all("guards fix its sizes" in v for v in root[2:]), root
+    assert report["inner"] == ["local", "local", "local (as its proven lengths)"], report
+
+
+def _report_of(model: torch.nn.Module) -> dict[str, list[str]]:
+    import autoparallel as ap
+
+    return ap.local_regions_report(model)
+
+
+def ap_DistTensor() -> type:  # noqa: N802
+    import autoparallel as ap
+
+    return ap.DistTensor
+
+
+# ---- where a region's collectives are attributed --------------------------------------------------
+def _attributed(rank: int) -> list[tuple[str, str | None, str | None, float]]:
+    import autoparallel as ap
+    from tests.world.test_comm_debug import Net
+
+    def run() -> list[tuple[str, str | None, str | None, float]]:
+        torch.manual_seed(0)
+        mesh = ap.ProcessMesh([0, 1], dim_names=["mp"])
+        net = ap.parallelize(Net(), mesh, {"mlp.fc1": ap.ColWiseParallel(), "mlp.fc2": ap.RowWiseParallel()})
+        x = ap.shard_tensor(torch.randn(6, 8), mesh, [ap.Replicate()])
+        for _ in range(2):
+            with ap.CommDebugMode() as comm:
+                net(x).sum().backward()
+        return [(r.kind, r.module, r.op, r.seconds) for r in comm.records]
+
+    return _with("capture", run)
+
+
+def test_a_captured_regions_collectives_are_named_by_the_submodule_that_issues_them(world2) -> None:  # type: ignore[no-untyped-def]
+    # the row-parallel output's all-reduce, made by fc2's style, inside the root's program: named by
+    # fc2's path from the root, as op by op; a program's collective has no time of its own
+    for rows in world2.run(_attributed):
+        assert ("all_reduce", "mlp.fc2", None, 0.0) in rows, rows
+
+
+def _zero3_lengths(rank: int) -> dict[str, Any]:
+    from tests.world.test_zero import _zero3_lengths as lengths
+
+    return _with("capture", lengths, rank)
+
+
+def test_zero3_blocks_are_captured_and_serve_new_lengths(world4) -> None:  # type: ignore[no-untyped-def]
+    # ZeRO-3's hooks on a block's submodules do nothing while the block's unit has gathered
+    # (``compat.QuietHook``): the block is a captured program (equal to one process at six lengths,
+    # checked in the run), the model itself is not (it owns the blocks' sharded parameters)
+    for r in world4.run(_zero3_lengths):
+        blocks = r["report"]["blocks.0"]
+        assert blocks[:2] == ["local", "local"] and "local (as its proven lengths)" in blocks, r["report"]
+        assert r["report"]["<root>"][0] == "refused: it owns ZeRO-3 sharded parameters (gathered by their unit)"
+        assert r["warnings"] == [], r["warnings"]
