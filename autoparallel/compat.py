@@ -108,43 +108,9 @@ def meta_in_tls() -> Iterator[None]:
         _set_meta_tls(before)
 
 
-# ---- symbolic shapes -----------------------------------------------------------------------------
-class SymbolicTools:
-    """What a local region's symbolic certificate (``regions.symbolic``) needs from torch's
-    symbolic shapes: fake tensors over a ``ShapeEnv`` (sizes as ``SymInt``s, every branch on
-    them kept as a guard) and a printer that turns a guard into Python."""
-
-    def __init__(self) -> None:
-        import dataclasses
-
-        from torch._guards import GuardSource, Source
-        from torch._subclasses.fake_tensor import FakeTensorMode
-        from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
-        from torch.utils._sympy.printers import PythonPrinter
-
-        @dataclasses.dataclass(frozen=True)
-        class _Length(Source):  # type: ignore[misc]  # the one dynamic size: where it came from
-            @functools.cached_property
-            def guard_source(self) -> GuardSource:
-                return GuardSource.CONSTANT
-
-            @property
-            def _name_template(self) -> str:
-                return "length"
-
-        self.fake_mode = lambda env: FakeTensorMode(shape_env=env, allow_non_fake_inputs=True)
-        self.shape_env = lambda: ShapeEnv(duck_shape=False)
-        self.dynamic = DimDynamic.DYNAMIC
-        self.source = _Length
-        self.printer = PythonPrinter
-        self.metadata_ops = frozenset(
-            op for op in (getattr(getattr(torch.ops.prim, "device", None), "default", None),
-                          getattr(getattr(torch.ops.prim, "layout", None), "default", None)) if op is not None)
-
-
 def is_fake(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a fake tensor (``FakeTensorMode``: a region's symbolic certificate runs a
-    module on them): it has no storage to read an address of."""
+    """Whether ``t`` is a fake tensor (``FakeTensorMode``: a capture runs a module on them): it
+    has no storage to read an address of."""
     fake = getattr(torch._subclasses, "FakeTensor", None)
     return fake is not None and isinstance(t, fake)
 
@@ -238,16 +204,6 @@ def storage_id(t: torch.Tensor) -> int:
     return int(t.untyped_storage()._cdata)
 
 
-@functools.cache
-def symbolic_tools() -> SymbolicTools | None:
-    """torch's symbolic-shape machinery, imported on first use (~0.5 s). Fallback: None -- local
-    regions then check each new length by a recorded run, as without it (slower, same results)."""
-    try:
-        return SymbolicTools()
-    except (ImportError, AttributeError, TypeError):  # pragma: no cover - a torch without them
-        return None
-
-
 _dispatch_depth = getattr(torch._C, "_len_torch_dispatch_stack", None)
 _function_depth = getattr(torch._C, "_len_torch_function_stack", None)
 
@@ -317,12 +273,6 @@ def foreign_dispatch_modes() -> bool:
         return True
 
 
-def observed() -> bool:
-    """Whether saved-tensor hooks or dispatch modes other than the library's own watch what runs
-    now (a module run twice here would be seen twice)."""
-    return foreign_saved_hooks() or foreign_dispatch_modes()
-
-
 def mark_own_observer(obj: Any) -> Any:
     """Mark a saved-tensor pack function or a dispatch mode class as the library's own."""
     setattr(getattr(obj, "__func__", obj), OWN_OBSERVER, True)
@@ -330,8 +280,8 @@ def mark_own_observer(obj: Any) -> Any:
 
 
 # torch.nn's global module hooks (``register_module_forward_hook`` and the pre-hook): a local
-# region's fake run (``regions.symbolic``) would hand them fake tensors. Fallback: "there may be
-# some" -- regions then keep checking new lengths by a recorded run.
+# region's capture would run them once, on fake tensors. Fallback: "there may be some" -- regions
+# are then refused.
 OBSERVER_HOOK = "_ap_observer_hook"  # set (True) on a global hook that never reads a tensor (CommDebugMode's)
 
 
@@ -736,8 +686,7 @@ except ImportError:  # pragma: no cover - the same in Python
 
 
 __all__ = [
-    "LIBRARY_PACKAGES", "REENTRANT_CHECKPOINT_NODE", "run_as_is_under_dynamo", "when_dynamo_imported", "on_dynamo_compile", "in_compiled_call", "profiler_enabled", "SymbolicTools", "global_module_hooks", "in_backward", "current_autograd_node", "tensor_use_count", "OBSERVER_HOOK", "modes_active", "OWN_OBSERVER", "foreign_saved_hooks", "foreign_dispatch_modes", "observed", "mark_own_observer",
-    "symbolic_tools",
+    "LIBRARY_PACKAGES", "REENTRANT_CHECKPOINT_NODE", "run_as_is_under_dynamo", "when_dynamo_imported", "on_dynamo_compile", "in_compiled_call", "profiler_enabled", "global_module_hooks", "in_backward", "current_autograd_node", "tensor_use_count", "OBSERVER_HOOK", "modes_active", "OWN_OBSERVER", "foreign_saved_hooks", "foreign_dispatch_modes", "mark_own_observer",
     "GRAD_SCALER_UNSCALE", "HAS_GRAD_SCALER_UNSCALE", "amp_check_and_unscale_",
     "WRAPPER_POSITIONAL", "TorchDispatchMode", "all_op_schemas", "disable_torch_function_subclass", "disabled_torch_function_impl", "flatten_dense_tensors",
     "attribute_access", "enable_torch_function", "torch_function_enabled",

@@ -148,6 +148,18 @@ def axis_placements(call: OpCall, axis: int) -> tuple[Placement, ...]:
     return tuple(p[axis] for p in call.placements)
 
 
+def divides(size: int, n: Any) -> bool:
+    """Whether ``size`` splits ``n`` evenly, where that holds whatever the open sizes
+    (``n`` symbolic: a capture with open sizes): asked of a strategy that is one candidate among
+    several, it records no guard, so a program is not confined to the sizes a strategy it did not
+    take would need."""
+    if isinstance(n, int):
+        return n % size == 0
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return bool(statically_known_true(n % size == 0))
+
+
 def broadcast_dim(out_ndim: int, in_shape: Sequence[int], out_shape: Sequence[int], out_dim: int) -> int | None:
     """Input dim feeding output dim ``out_dim`` under broadcasting, or None if broadcast."""
     d = out_dim - (out_ndim - len(in_shape))

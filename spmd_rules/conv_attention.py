@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from autoparallel.placement import Partial, Placement, Shard
-from spmd_rules.base import P_SUM, AxisStrategy, LocalContext, OpCall, R, Strategy, TensorMeta, broadcast_dim
+from spmd_rules.base import P_SUM, AxisStrategy, LocalContext, OpCall, R, Strategy, TensorMeta, broadcast_dim, divides
 from spmd_rules.base import input_slots as _slots
 from spmd_rules.base import named_strategy as _make
 from spmd_rules.registry import product_of_axes, register_axis_rule, register_local_impl, register_out_shapes, register_rule
@@ -113,7 +113,7 @@ def _sequence_split(call: OpCall, q: TensorMeta, k: TensorMeta, v: TensorMeta, s
     dim, or Replicate where that dim is broadcast; its key dim is never split: the local step,
     the engine's ring kernel, reads the columns of each key piece it meets)."""
     length = q.shape[2]
-    if not (length == k.shape[2] == v.shape[2] and length % size == 0 and k.shape[1] == v.shape[1]
+    if not (length == k.shape[2] == v.shape[2] and divides(size, length) and k.shape[1] == v.shape[1]
             and k.shape[1] > 0 and q.shape[1] % k.shape[1] == 0):
         return None
     placed: dict[str, Placement] = {n: Shard(2) for n in slots if n != "attn_mask"}

@@ -42,7 +42,7 @@ def _storage(t: Any) -> tuple[int, int, torch.UntypedStorage] | None:
         return None
     local = layout.local_or_plain(t)
     if compat.is_fake(local) or local.layout != torch.strided or local.device.type == "meta":
-        return None  # (a fake tensor: a local region's symbolic certificate, no storage)
+        return None  # (a fake tensor: a capture's, no storage)
     st = local.untyped_storage()
     if st.nbytes() == 0:
         return None

@@ -27,7 +27,7 @@ def _storage(t: torch.Tensor) -> tuple[int, int] | None:
     """(data pointer, bytes) of ``t``'s local storage; None for empty or meta tensors."""
     local = _local(t)
     if compat.is_fake(local) or local.device.type == "meta" or local.numel() == 0:
-        return None  # (a fake tensor: a local region's symbolic certificate, no storage)
+        return None  # (a fake tensor: a capture's, no storage)
     st = local.untyped_storage()
     return st.data_ptr(), st.nbytes()
 

@@ -263,6 +263,8 @@ def put(leaves: Sequence[Any], paths: Sequence[Path], values: Sequence[Any]) -> 
         tag, k = path[-1]
         if tag == "a":
             vars(c)[k] = v
+        elif tag == "i" and k == len(c):  # (an item the forward appended)
+            c.append(v)
         else:
             c[k] = v
 

@@ -38,10 +38,8 @@ from autoparallel import compat, runtime
 from autoparallel.compat import tree_flatten, tree_unflatten
 from autoparallel.engine import layout
 from autoparallel.log import logger
-from autoparallel.placement import Replicate
+from autoparallel.placement import Partial, Replicate, Shard
 from autoparallel.regions import moves, objects
-from autoparallel.regions.checks import _uneven
-from autoparallel.regions.crossing import give_directly, with_partial
 from autoparallel.runtime import comm
 from autoparallel.runtime.debug import CommRecord, named_within, replay
 from autoparallel.spec import DistSpec
@@ -280,11 +278,13 @@ def _constant(v: Any) -> bool:
 
 def _redundant(tensors: Sequence[torch.Tensor]) -> tuple[int, ...]:
     """The mesh axes along which every DistTensor input is Replicate: the ranks along them are
-    given the same values."""
+    given the same values. None where that is every axis: a call replicated everywhere is most
+    often read by replicated work too (a model given a whole batch), its gradient whole."""
     specs = [layout.spec_of(t) for t in tensors if layout.is_dist(t)]
     if not specs or any(s.mesh != specs[0].mesh for s in specs):
         return ()
-    return tuple(a for a in range(specs[0].mesh.ndim) if all(isinstance(s.placements[a], Replicate) for s in specs))
+    axes = tuple(a for a in range(specs[0].mesh.ndim) if all(isinstance(s.placements[a], Replicate) for s in specs))
+    return () if len(axes) == specs[0].mesh.ndim else axes
 
 
 def tangent_spec(out: DistSpec, redundant: tuple[int, ...]) -> DistSpec:
@@ -312,6 +312,7 @@ class Calls:
         self.fixed: dict[Any, str] = {}  # families whose capture with open sizes failed: why
         self.open = OpenPrograms(MAX_SIGNATURES // 2)
         self.captures = 0
+        self.reused = 0  # calls answered by a kept or an open program
 
     def find(self, key: Any, leaves: list[Any], tree: Any, state: Sequence[torch.Tensor], module: nn.Module,
              run: Callable[..., Any], held: dict[objects.Path, Any] | None = None) -> tuple[Programs | str, bool]:
@@ -324,6 +325,7 @@ class Calls:
             key = (*key, tuple(tuple(t.shape) for t in entries))
         entry = self.programs.get(key)
         if entry is not None:
+            self.reused += 1
             if len(self.programs) > 1:
                 self.programs[key] = self.programs.pop(key)  # now the most recently used
             return entry, False
@@ -333,10 +335,15 @@ class Calls:
         shapes = _shapes(state, [*leaves, *entries])
         served = self.open.serve(fam, shapes) if self.open.open else None
         if served is not None:
+            self.reused += 1
             self._keep(key, served)
             return served, False
         began = time.perf_counter()
         progs: Programs | str | None = refusal(leaves, state, module)
+        if not progs and self.captures >= MAX_SIGNATURES and self.reused < self.captures:
+            # signatures that do not come back (a cache that grows, a changing value argument):
+            # a capture per call would not pay
+            progs = "its signatures keep changing (a capture per call would not pay)"
         if not progs:
             progs = None
             self.captures += 1
@@ -349,6 +356,9 @@ class Calls:
             elif self.open.second_size(fam):
                 progs = capture_call(module, run, state, leaves, tree, open_sizes=True)
                 binding = progs.sizes.bind(shapes) if isinstance(progs, Programs) and progs.sizes else None
+                if (binding is not None and isinstance(progs, Programs)
+                        and not _runs_at(progs.at(binding), state, [*leaves, *entries])):
+                    binding, progs = None, "its program of open sizes does not run at its own sizes"
                 if binding is not None and isinstance(progs, Programs):
                     self.open.keep(fam, progs)
                     progs = progs.at(binding)
@@ -357,10 +367,10 @@ class Calls:
                     progs = None
             if progs is None:
                 progs = capture_call(module, run, state, leaves, tree)
-                if why_open:  # its later sizes are not captured (refused for one reason at two sizes: alike)
+                if why_open:  # its later sizes are not captured (refused at two sizes: alike)
                     if len(self.fixed) > 8 * MAX_SIGNATURES:
                         self.fixed.clear()
-                    self.fixed[fam] = (progs if isinstance(progs, str) and progs == why_open else
+                    self.fixed[fam] = (progs if isinstance(progs, str) else
                                        f"its forward fixes its arguments' sizes ({why_open}): its submodules are regions")
         logger.debug("local region %s: %s (%.2f s)", type(module).__name__,
                      f"refused: {progs}" if isinstance(progs, str) else "captured", time.perf_counter() - began)
@@ -418,9 +428,50 @@ def refusal(leaves: list[Any], state: Sequence[torch.Tensor], module: nn.Module)
     return ""
 
 
+def _runs_at(progs: Programs, state: Sequence[torch.Tensor], leaves: list[Any]) -> bool:
+    """Whether ``progs`` (captured with open sizes) runs on fake shards of this call's sizes:
+    forward, then backward on what it keeps and on output gradients in their layouts. A program
+    whose recorded size arithmetic does not hold (a size made outside the trace, recorded by
+    another expression) fails here, before it runs for real."""
+    fakes = compat.static_fake_mode()
+    try:
+        with fakes:
+            locs = [fakes.from_tensor(t) for t in Inputs.of(state, leaves).locals()]
+            outs = progs.forward(*locs)
+            if progs.backward is not None:
+                tangents = []
+                for i in progs.tangents:
+                    spec = tangent_spec(progs.outs[i][1], progs.redundant)
+                    tangents.append(torch.empty(spec.local_shape(_coordinate(spec)), dtype=spec.dtype))
+                progs.backward(*outs[progs.n_tensors:], *tangents)
+    except Exception as e:  # noqa: BLE001  (the same failure on every rank: sizes only)
+        logger.debug("a program of open sizes fails at its own sizes: %s", e)
+        return False
+    return True
+
+
 def _guards(sizes: OpenSizes | None, most: int = 2) -> str:
     guards = [str(g) for g in (sizes.guards if sizes is not None else [])]
     return ", ".join(guards[:most]) + (", ..." if len(guards) > most else "")
+
+
+def _uneven(leaves: list[Any]) -> str:
+    """Why a DistTensor argument splits unevenly ('' when none does): ranks would hold shards of
+    different sizes, and run programs of different shapes."""
+    for x in leaves:
+        if layout.is_dist(x):
+            spec = layout.spec_of(x)
+            for p in spec.placements:
+                if isinstance(p, Shard) and spec.shape[p.dim] % spec.pieces(p.dim):
+                    return (f"an input's dim {p.dim} of size {spec.shape[p.dim]} is split unevenly "
+                            f"({spec.pieces(p.dim)} pieces)")
+    return ""
+
+
+def with_partial(spec: DistSpec, axes: tuple[int, ...]) -> DistSpec:
+    """``spec`` with Replicate made Partial(sum) on ``axes`` (a gradient summed over them)."""
+    pl = [Partial("sum") if a in axes and isinstance(p, Replicate) else p for a, p in enumerate(spec.placements)]
+    return spec.with_placements(pl, spec.shard_order)
 
 
 def _shapes(state: Sequence[torch.Tensor], leaves: list[Any]) -> list[tuple[int, ...]]:
@@ -516,6 +567,31 @@ def _assemble(progs: Programs, locs: list[torch.Tensor], diff: dict[int, torch.T
     return tree_unflatten(leaves, progs.tree)
 
 
+def give_directly(ctx: Any, grads: list[Any]) -> None:
+    """Give each parameter without a gradient its gradient directly, in place of autograd's
+    accumulation node (whose ``detach`` of a DistTensor gradient costs a trip through
+    ``__torch_dispatch__`` per parameter per step). The node then receives no gradient.
+
+    Only where the node would store the gradient as it is: this ``backward()`` runs the node
+    (not ``autograd.grad``, which captures gradients instead, nor ``backward(inputs=...)``
+    without this parameter), the parameter has no gradient yet (accumulating into one is the
+    node's job) and no tensor hook (hooks see the gradient on its way to the node). Hooks
+    registered on the node object itself are not visible from Python: they are called with
+    None in place of the gradient (docs/local_regions.md)."""
+    with compat.attribute_access():
+        for k, ((node, _), g) in enumerate(zip(ctx.next_functions, grads)):
+            leaf = getattr(node, "variable", None)  # set on accumulation nodes only: a parameter's
+            if g is None or leaf is None or leaf.grad is not None or compat.has_tensor_hooks(leaf):
+                continue
+            try:
+                if not compat.will_engine_execute_node(node):
+                    continue
+            except RuntimeError:  # autograd.grad(): it asks nothing of leaves (they are captured)
+                continue
+            leaf.grad = g
+            grads[k] = None
+
+
 class _Node(torch.autograd.Function):
     """The captured call as one autograd node: forward program in, backward program out."""
 
@@ -540,6 +616,11 @@ class _Node(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
+        if torch.is_grad_enabled():  # (create_graph=True: the backward program has no backward of its own)
+            raise RuntimeError(
+                f"a local region's backward cannot be differentiated again (create_graph=True, a gradient penalty): "
+                f"run {type(ctx.call.module).__name__} op by op for it (ap.disable_local_regions(module), or "
+                "AUTOPARALLEL_LOCAL_REGIONS=0)")
         call: _Call = ctx.call
         progs = call.progs
         tangents = []

@@ -1,6 +1,6 @@
-"""The modules' own state around a local region's first call: what a signature reads of it, what
-each run of the forward (trace, replay) starts from, and the slots that hold the region's tensors;
-a call's arguments flattened and its signature's parts (ties, autocast). See ``autoparallel.regions``."""
+"""What a local region's signature reads of a module: the slots that hold its tensors, its plain
+attribute values, the tree's structure; a call's arguments flattened and its signature's parts
+(ties, autocast). See ``autoparallel.regions``."""
 
 from __future__ import annotations
 
@@ -13,49 +13,6 @@ from torch import nn
 
 from autoparallel import compat
 from autoparallel.compat import tree_flatten, tree_unflatten
-from autoparallel.engine.dtensor import DistTensor
-
-
-class State:
-    """The modules' own state at one moment: each one's buffer slots, the values of its plain
-    tensor buffers (a step counter written in place) and its plain attribute values. A first
-    call runs the forward more than once (trace, replay): each run starts from the same state,
-    and what the trace wrote is what stands."""
-
-    def __init__(self, modules: list[nn.Module]) -> None:
-        self.modules = modules
-        self.buffers = [dict(compat.own_buffers(m)) for m in modules]
-        self.values = [compat.module_values(m) for m in modules]
-        with torch.no_grad():
-            self.plain = [(t, t.clone()) for own in self.buffers for t in own.values()
-                          if isinstance(t, torch.Tensor) and not isinstance(t, DistTensor)]
-
-    def assigned(self) -> str:
-        """Why a region cannot run the forward: it assigned a buffer of a module ('' when it did
-        not): a local run would put a shard in the buffer."""
-        for m, own in zip(self.modules, self.buffers):
-            for name, t in compat.own_buffers(m).items():
-                if own.get(name) is not t:
-                    return f"its forward assigns the buffer {type(m).__name__}.{name}"
-        return ""
-
-    def set_values(self) -> bool:
-        """Whether a module's plain attribute values differ from this state's (the forward set
-        one: a counter it keeps)."""
-        return any(compat.module_values(m) != values for m, values in zip(self.modules, self.values))
-
-    def rewind(self) -> State:
-        """Put this state back; returns the state it replaced."""
-        now = State(self.modules)
-        with torch.no_grad():
-            for m, own, values in zip(self.modules, self.buffers, self.values):
-                slots = compat.own_buffers(m)
-                slots.clear()
-                slots.update(own)
-                m.__dict__.update(values)
-            for t, value in self.plain:
-                t.copy_(value)
-        return now
 
 
 def slots(module: nn.Module) -> list[tuple[nn.Module, str]]:

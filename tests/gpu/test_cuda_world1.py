@@ -180,8 +180,8 @@ class _Tokens(nn.Module):
 
 
 def test_new_lengths_answered_by_their_family_cuda() -> None:
-    """Varying sequence lengths under data parallelism: after two proven lengths the region runs
-    new ones on the shards at once (its family answers), and training equals plain torch."""
+    """Varying sequence lengths under data parallelism: after two captured lengths the region runs
+    new ones as its program of open sizes, and training equals plain torch."""
     lengths = [5, 6, 7, 9, 11, 13, 7]
     data = [torch.randint(0, 11, (4, t), generator=torch.Generator().manual_seed(t)).cuda() for t in lengths]
     torch.manual_seed(0)
@@ -204,4 +204,4 @@ def test_new_lengths_answered_by_their_family_cuda() -> None:
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p.full_tensor(), q.detach(), rtol=1e-5, atol=1e-6)
     report = ap.local_regions_report(model)["<root>"]
-    assert report.count("local (as its proven lengths)") >= 3, report
+    assert report.count("local (open sizes)") >= 3, report

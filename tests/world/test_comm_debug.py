@@ -67,17 +67,19 @@ def _by_hand(rank: int) -> dict[str, Any]:
             "by_op": fwd.summary(by="op"), "by_kind": bwd.summary(by="kind"), "lines": fwd.summary()}
 
 
-def _styled(rank: int) -> list[tuple[str, str | None, str | None]]:
+def _styled(rank: int, regions: bool) -> list[tuple[str, str | None, str | None, float]]:
     """The same pair laid out by ``ap.parallelize``: fc2's style all-reduces its output in its
-    own forward hook (an explicit reshard: no op), the first call (later ones run the MLP as a
-    local region, which makes that move itself)."""
+    own forward hook (an explicit reshard: no op); op by op (``regions`` False), or as the model's
+    captured program, which holds that move."""
     torch.manual_seed(0)
     mesh = ap.ProcessMesh([0, 1], dim_names=["mp"])
     net = ap.parallelize(Net(), mesh, {"mlp.fc1": ap.ColWiseParallel(), "mlp.fc2": ap.RowWiseParallel()})
+    if not regions:
+        ap.disable_local_regions(net)
     x = ap.shard_tensor(torch.randn(6, 8), mesh, [R()]).requires_grad_()
     with ap.CommDebugMode() as comm:
         net(x).sum().backward()
-    return _rows(comm)
+    return [(r.kind, r.module, r.op, r.seconds) for r in comm.records]
 
 
 def test_a_tensor_parallel_pair_is_attributed_to_its_modules_and_ops(world2: Any) -> None:
@@ -92,9 +94,17 @@ def test_a_tensor_parallel_pair_is_attributed_to_its_modules_and_ops(world2: Any
         assert "aten.native_layer_norm.default" in got["by_op"].splitlines()[2], got["by_op"]
         assert got["by_kind"].splitlines()[0].split()[0] == "kind" and "all_reduce" in got["by_kind"], got["by_kind"]
         assert "(in norm, by aten.native_layer_norm.default)" in got["lines"], got["lines"]
-    for rows in world2.run(_styled):
-        assert ("all_reduce", "mlp.fc2", None) in rows, rows  # the row-parallel output, in fc2's hook
-        assert ("all_reduce", "mlp.fc1", None) in rows, rows  # the input's gradient, fc1's backward
+    for rows in world2.run(_styled, False):
+        rows3 = [r[:3] for r in rows]
+        assert ("all_reduce", "mlp.fc2", None) in rows3, rows  # the row-parallel output, in fc2's hook
+        assert ("all_reduce", "mlp.fc1", None) in rows3, rows  # the input's gradient, fc1's backward
+        assert all(r[3] > 0 for r in rows), rows
+    for rows in world2.run(_styled, True):
+        # in the model's program: the output's all-reduce named by the submodule that makes it, with
+        # no time of its own (the program runs as a whole); the input's gradient leaves the program
+        # Partial and is all-reduced where it is accumulated, after the module's backward
+        assert rows[0] == ("all_reduce", "mlp.fc2", None, 0.0), rows
+        assert len(rows) == 2 and rows[1][:3] == ("all_reduce", None, None) and rows[1][3] > 0, rows
 
 
 # ---- pure: the module stack, hooks, backward and tables on records made by hand ----------------------

@@ -1,9 +1,9 @@
 """Local regions (autoparallel.regions) and the optimizer's local step (autoparallel.optim.local_step).
 
-A module runs on local shards only when its DistTensor execution moves no data and the same
-code on plain shards issues the same aten calls. Each test compares the region run with the
-DistTensor run (regions disabled) and, where the layout allows it, with one process: values,
-gradients and their layouts, the verdict and its reason, and the collectives.
+A module call runs as its captured program on the local shards, collectives included, unless the
+capture refuses it. Each test compares the region run with the DistTensor run (regions disabled)
+and, where the layout allows it, with one process: values, gradients and their layouts, the
+report and its reasons, and the collectives.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 import autoparallel as ap
 from autoparallel.placement import Partial, Replicate, Shard
 from autoparallel.regions import disable_local_regions, enable_local_regions, local_regions_report, objects
-from autoparallel.regions import region as region_module
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples"))
 
@@ -232,32 +231,35 @@ def test_a_mean_over_whole_rows_runs_locally(world4: Any) -> None:
     assert r["report"] == {"<root>": ["local"]}, r["report"]
 
 
-@pytest.mark.parametrize("cls, args, reason", [
-    (GlobalSize, (), "differs on local tensors"),        # x.shape[0] is global on DistTensors
-    (BatchCentred, (), "moves an input"),                # the batch mean needs every shard
-    (ScaledByPeak, (), "returns a Python value"),        # a value read from the whole batch
-    (ScaledByParameter, (), "returns a Python value"),   # even from a replicated tensor (a fallback)
-    (WithDropout, (0.5,), "is random"),                  # DistTensor dropout draws the single-device mask
-    (TwoOutputs, (), "sharded on mesh axis 0 and replicated"),
+@pytest.mark.parametrize("cls, args", [
+    (GlobalSize, ()),       # x.shape[0] is the global batch: the program holds the number
+    (BatchCentred, ()),     # the batch mean needs every shard: its all-reduce is in the program
+    (WithDropout, (0.5,)),  # the single-device mask, drawn as on DistTensors
+    (TwoOutputs, ()),       # a sharded output beside a replicated one
+    (Rotated, ()),          # rotary tables from an input read for its dtype only, then a batch mean
 ])
-def test_refused_modules_run_on_disttensors(world4: Any, cls: Any, args: tuple[Any, ...], reason: str) -> None:
-    results = world4.run(_compare, cls, (8, 6), [S0], *args)
-    verdict = results[0]["report"]["<root>"]
-    assert len(verdict) == 1 and verdict[0].startswith("refused") and reason in verdict[0], verdict
+def test_modules_that_move_data_or_read_global_sizes_are_captured_with_it(world4: Any, cls: Any,
+                                                                          args: tuple[Any, ...]) -> None:
+    results = world4.run(_compare, cls, (8, 5, 6) if cls is Rotated else (8, 6), [S0], *args)  # (equal: in _compare)
+    assert results[0]["report"] == {"<root>": ["local"]}, results[0]["report"]
     assert all(x["report"] == results[0]["report"] for x in results)
+    if cls is BatchCentred:  # the mean's all-reduce, in the forward and in the backward, as op by op
+        assert results[0]["comm"] == results[0]["plain_comm"], (results[0]["comm"], results[0]["plain_comm"])
+
+
+@pytest.mark.parametrize("cls", [ScaledByPeak, ScaledByParameter])
+def test_a_python_value_read_from_a_tensor_refuses_the_module(world4: Any, cls: Any) -> None:
+    # a value read from the whole batch, or from a replicated parameter: a program cannot hold it
+    results = world4.run(_compare, cls, (8, 6), [S0])
+    report = results[0]["report"]
+    assert len(report["<root>"]) == 1 and report["<root>"][0].startswith("refused"), report
+    assert "reads a Python value" in report["<root>"][0], report
+    assert all(x["report"] == report for x in results)
 
 
 def test_children_of_a_refused_module_become_regions(world4: Any) -> None:
-    report = world4.run(_compare, BatchCentred, (8, 6), [S0])[0]["report"]
+    report = world4.run(_compare, ScaledByPeak, (8, 6), [S0])[0]["report"]
     assert report["fc1"] == ["local"] and report["fc2"] == ["local"], report
-
-
-def test_an_input_no_op_reads_does_not_refuse_a_replicated_output(world4: Any) -> None:
-    """Rotary tables made from the positions, given the batch-sharded hidden state for its dtype
-    only: no op reads the sharded input, so its replicated outputs are a region's (refused before:
-    "an input is sharded on mesh axis 0 but no output is"); equal to the DistTensor run."""
-    report = world4.run(_compare, Rotated, (8, 5, 6), [S0])[0]["report"]
-    assert report["<root>"][0].startswith("refused") and report["rot"] == ["local"], report
 
 
 def test_dropout_without_probability_is_local(world4: Any) -> None:
@@ -285,11 +287,11 @@ def test_replicated_output_gradient_stays_partial(world4: Any) -> None:
     assert r["comm"][-1][1] == {}, r["comm"][-1]  # backward: no collective
 
 
-def test_sequence_sharded_gradient_into_replicated_output_is_zero_padded(world4: Any) -> None:
-    # Sequence shards: the root is refused (the arange table must be sliced), the table alone is
-    # a Replicate region whose gradient arrives sharded — zero-padded into a summand, no gather.
+def test_sequence_sharded_positions_slice_the_table_without_a_gather(world4: Any) -> None:
+    # Sequence shards: the position table (replicated) is added to a sequence-sharded input; the
+    # program slices it, and the table's gradient is a zero-padded summand: no gather
     r = world4.run(_compare, PosAdd, (2, 8, 4), [Shard(1)])[0]
-    assert r["report"]["pos"] == ["local"], r["report"]
+    assert r["report"]["<root>"] == ["local"], r["report"]
     assert "all_gather" not in r["comm"][-1][1], r["comm"][-1]
 
 
@@ -444,8 +446,8 @@ class Counting(MLP):
 
 @pytest.mark.pure  # single process, no world
 def test_in_place_writes_happen_once_per_call() -> None:
-    # the first call of a signature runs the module twice (trace, replay): the replay works on
-    # copies, so the buffer and the input are written once per call, as without regions
+    # a forward that writes its argument in place is refused (the capture ran nothing for real):
+    # the buffer and the input are written once per call, as without regions
     mesh = ap.ProcessMesh([0], dim_names=["dp"])
     torch.manual_seed(0)
     model = ap.shard_layer(Counting(), mesh)
@@ -453,7 +455,8 @@ def test_in_place_writes_happen_once_per_call() -> None:
     with torch.no_grad():
         for _ in range(3):
             model(x)
-    assert local_regions_report(model) == {"<root>": ["local"]}
+    report = local_regions_report(model)
+    assert report["<root>"] == ["refused: the forward writes one of its arguments in place"], report
     assert float(model.calls.full_tensor()) == 3.0
     assert torch.equal(x.full_tensor(), torch.full((4, 6), 8.0))
 
@@ -479,11 +482,10 @@ class CacheUser(MLP):
 
 @pytest.mark.pure  # single process, no world
 def test_a_cache_argument_is_changed_once_per_call() -> None:
-    # what the module writes into an object argument is undone between the trace, the replay and
-    # the local run (``regions.objects``): appended to once per call. The first call writes into
-    # an empty cache (a region: the written tensor is an extra output, put back as a
-    # DistTensor); later calls read what it holds (cat), which the local run would not slice:
-    # they run on DistTensors (each a new signature: the list is longer)
+    # what the module writes into an object argument is undone after the capture
+    # (``regions.objects``) and put back by the program's run: appended to once per call. The
+    # entries it holds are the program's inputs, the one it appends an output, put back as a
+    # DistTensor; each call is a new signature (the list is longer)
     mesh = ap.ProcessMesh([0], dim_names=["dp"])
     torch.manual_seed(0)
     model = ap.shard_layer(CacheUser(), mesh)
@@ -497,7 +499,7 @@ def test_a_cache_argument_is_changed_once_per_call() -> None:
         assert len(cache.entries) == step + 1 and all(isinstance(e, ap.DistTensor) for e in cache.entries)
         torch.testing.assert_close(cache.entries[-1].full_tensor(), ref_cache.entries[-1])
     report = local_regions_report(model)["<root>"]
-    assert report == ["local"] + ["refused: an op reads a tensor an argument object holds"] * 3, report
+    assert report == ["local"] * 4, report
     # values stay part of the signature: a module given a number, a dtype or a function is a region
     assert not objects.is_object(0.5) and not objects.is_object(torch.float32) and not objects.is_object(F.gelu)
     assert objects.is_object(KVCache()) and objects.is_object(torch.Generator())
@@ -599,14 +601,13 @@ def test_region_parameters_get_gradients_as_autograd_gives_them() -> None:
     _assert_same(_grads(region), _grads(plain))
     assert len(seen["region"]) == len(seen["plain"]) == 1
     torch.testing.assert_close(seen["region"][0], seen["plain"][0])
-    # create_graph: the gradients are differentiable (a gradient penalty trains the same)
-    for m in (region, plain):
-        m.zero_grad(set_to_none=True)
-        gs = torch.autograd.grad(m(x).square().sum(), list(m.parameters()), create_graph=True)
-        assert all(g.requires_grad for g in gs)
-        sum(g.square().sum() for g in gs).backward()
-    _assert_same(_grads(region), _grads(plain))
-    assert all(p.grad is not None for p in region.parameters())
+    # create_graph: op by op the gradients are differentiable (a gradient penalty); a region's
+    # backward program has no backward of its own: it says so, and how to run op by op
+    plain.zero_grad(set_to_none=True)
+    gs = torch.autograd.grad(plain(x).square().sum(), list(plain.parameters()), create_graph=True)
+    assert all(g.requires_grad for g in gs)
+    with pytest.raises(RuntimeError, match="cannot be differentiated again.*disable_local_regions"):
+        torch.autograd.grad(region(x).square().sum(), list(region.parameters()), create_graph=True)
 
 
 @pytest.mark.pure  # single process, no world
@@ -646,7 +647,7 @@ def test_sharded_optimizer_step_runs_step_hooks_once() -> None:
     assert opt.param_groups[0]["lr"] == pytest.approx(0.05)
 
 
-# ---- new lengths: answered by two proven ones ----------------------------------------------------
+# ---- new lengths: served by a program of open sizes -----------------------------------------------
 def _train_lengths(cls: Any, lengths: list[int | tuple[int, int]], mode: str) -> dict[str, Any]:
     """SGD over batches of these lengths (or (batch, length) pairs): ``plain`` (one process,
     whole batch), ``dist`` (DistTensors, no regions) or ``local`` (regions)."""
@@ -670,13 +671,8 @@ def _train_lengths(cls: Any, lengths: list[int | tuple[int, int]], mode: str) ->
         losses.append(float(loss.detach() if mode == "plain" else loss.detach().full_tensor()))
     params = {n: (p.detach() if mode == "plain" else p.detach().full_tensor()) for n, p in model.named_parameters()}
     region = model.__dict__.get("_ap_region")
-    models = [f.model for f in region.families.values() if f.model is not None] if region is not None else []
     return {"losses": losses, "params": params, "report": local_regions_report(model) if mode == "local" else {},
-            "generic": region.generic if region is not None else 0,
-            "firsts": region.firsts if region is not None else 0,
-            "certified": region.certified if region is not None else 0,
-            "certificates": [m.certificate if isinstance(m.certificate, str) or m.certificate is None
-                             else m.certificate.text for m in models],
+            "captures": region.calls.captures if region is not None else 0,
             "state": sorted((k, type(v).__name__) for k, v in vars(model).items() if isinstance(v, torch.Tensor))}
 
 
@@ -687,59 +683,29 @@ def _lengths(rank: int, cls: Any, lengths: list[int]) -> dict[str, Any]:
         for n, p in runs["plain"]["params"].items():
             torch.testing.assert_close(runs[mode]["params"][n], p, rtol=1e-5, atol=1e-6)
     local = runs["local"]
-    return {k: local[k] for k in ("report", "generic", "firsts", "certified", "certificates", "state")}
+    return {k: local[k] for k in ("report", "captures", "state")}
 
 
-def test_new_lengths_run_locally_as_their_proven_ones(world4: Any) -> None:
+def test_new_lengths_run_as_the_program_of_open_sizes(world4: Any) -> None:
     results = world4.run(_lengths, SeqNet, [5, 6, 7, 9, 10, 13, 15, 7, 9])
     r = results[0]
     assert all(x == r for x in results)  # every rank took the same path
     root = r["report"]["<root>"]
-    # 5 and 6 are proven; 7, 9, 10, 13, 15 follow them without a proof (no size coincides there)
-    assert root == ["local", "local"] + ["local (as its proven lengths)"] * 5, root
-    assert r["generic"] == 5
+    # 5 is captured at its sizes, 6 with them open: that program serves 7, 9, 10, 13, 15
+    assert root == ["local", "local"] + ["local (open sizes)"] * 5, root
+    assert r["captures"] == 2, r
 
 
-def test_a_proven_length_outlives_the_lengths_its_family_answered(world4: Any) -> None:
-    # 8 is a width of SeqNet: at t == 8 sizes coincide, no family answers, it is proven (a trace,
-    # a replay, a local run). Seventeen lengths its family answers come after it, more than a
-    # region keeps signatures of: they go first, so coming back to 8 proves nothing again
-    answered = [7, 9, 10, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 25, 26, 27]
-    assert len(answered) > region_module.MAX_SIGNATURES
-    results = world4.run(_lengths, SeqNet, [5, 6, 8, *answered, 8])
-    r = results[0]
-    assert all(x == r for x in results)
-    assert r["firsts"] == 3 and r["generic"] == len(answered), r
-    root = r["report"]["<root>"]
-    assert len(root) == region_module.MAX_SIGNATURES and root[-1] == "local", root
-    assert list(r["report"]) == ["<root>"], r["report"]  # 8 ran locally again, not on DistTensors
-
-
-def test_a_length_that_takes_another_path_is_proven_again(world4: Any) -> None:
+def test_a_length_that_takes_another_branch_is_captured_again(world4: Any) -> None:
+    # past 9 the forward centres over the batch: the open program's guard (t <= 9) excludes 10,
+    # captured with its sizes open again (the other branch, the mean's all-reduce included),
+    # which serves 11 and 12
     results = world4.run(_lengths, LengthBranch, [5, 6, 7, 10, 11, 12])
     r = results[0]
     assert all(x == r for x in results)
     root = r["report"]["<root>"]
-    assert root[:3] == ["local", "local", "local (as its proven lengths)"], root
-    # past 9 the batch mean needs every shard: the run stopped before it, the proof refused;
-    # refused twice for one reason, the next length takes the DistTensor path without a trace
-    assert len(root) == 6 and all(v.startswith("refused") for v in root[3:]), root
-    assert root[3] == root[4] and root[5] == root[4] + " (as its proven lengths)", root
-    assert r["report"]["out"] == ["local"], r["report"]  # no trace of the root at 12: the children ran as regions
-
-
-def test_a_certificate_answers_new_lengths_within_its_guards(world4: Any) -> None:
-    # 5 and 6 proven; at 7 a fake run certifies their model, its guard the branch (t <= 9), and
-    # 7 and 9 run plainly; 10 fails the guard: recorded, stopped before the batch mean, proven
-    # (refused)
-    results = world4.run(_lengths, LengthBranch, [5, 6, 7, 9, 10, 11])
-    r = results[0]
-    assert all(x == r for x in results)
-    root = r["report"]["<root>"]
-    assert root[:4] == ["local", "local"] + ["local (as its proven lengths)"] * 2, root
-    assert all(v.startswith("refused") for v in root[4:]), root
-    assert r["certified"] == 2 and r["generic"] == 2, r
-    assert any(c is not None and "<= 9" in c for c in r["certificates"]), r["certificates"]
+    assert root == ["local", "local", "local (open sizes)", "local", "local (open sizes)", "local (open sizes)"], root
+    assert r["captures"] == 3, r
 
 
 class Caching(SeqNet):
@@ -760,26 +726,26 @@ class Noted(SeqNet):
         self.qkv.register_forward_hook(lambda m, i, o: self.calls.append(o.shape[1]))
 
 
-def test_a_fake_run_leaves_no_trace(world4: Any) -> None:
-    # the attributes a forward sets are restored after the certificate's fake run, and a
-    # submodule's hook, which would see fake tensors, keeps the recorded check instead
-    # (no length where sizes coincide: 8 and 11 are widths, 2 x 12 another)
-    results = world4.run(_lengths, Caching, [5, 6, 7, 9, 10, 13, 14])
+def test_a_capture_leaves_no_trace(world4: Any) -> None:
+    # a forward that assigns module state is refused, and what the capture assigned is undone (the
+    # DistTensor runs' assignments stand); a submodule's hook would run at the capture only: refused
+    results = world4.run(_lengths, Caching, [5, 6, 7])
     r = results[0]
-    assert r["certified"] == 5 and r["generic"] == 5 and r["state"] == [("last", "Tensor")], r
-    results = world4.run(_lengths, Noted, [5, 6, 7, 9, 10, 13, 14])
+    assert r["state"] == [("last", "DistTensor")], r
+    assert all(v.startswith("refused: the forward assigns the tensor attribute Caching.last") for v in r["report"]["<root>"]), r
+    assert r["report"]["qkv"] == ["local", "local", "local (open sizes)"], r  # (its children are regions)
+    results = world4.run(_lengths, Noted, [5, 6, 7])
     r = results[0]
-    assert r["certified"] == 0 and r["generic"] == 5, r
-    assert r["certificates"] == ["a forward hook would see fake tensors"], r
+    assert all(v == "refused: a submodule has a forward hook" for v in r["report"]["<root>"]), r
 
 
-def test_an_uneven_batch_is_not_answered_by_its_family(world4: Any) -> None:
-    # batches 8 and 16 make a model in the batch size; 10 rows split 3/3/3/1 over 4 ranks: the
-    # ranks' local runs differ, so no rank may take the family's answer (one proving while the
-    # others ran locally would hang); 24 rows are even again
+def test_an_uneven_batch_is_not_served_by_the_open_program(world4: Any) -> None:
+    # batches 8 and 16 make a program of open batch size; 10 rows split 3/3/3/1 over 4 ranks: the
+    # ranks would run programs of different shapes, so it is refused (on every rank); 24 rows are
+    # even again
     results = world4.run(_lengths, SeqNet, [(8, 5), (16, 5), (10, 5), (24, 5)])
     r = results[0]
     assert all(x == r for x in results)
     root = r["report"]["<root>"]
     assert root[2].startswith("refused") and "unevenly" in root[2], root
-    assert root[3] == "local (as its proven lengths)", root
+    assert root[3] == "local (open sizes)", root

@@ -1,6 +1,6 @@
 """Local regions (autoparallel.regions) whose module slices an argument: a replicated mask (a
-DistTensor, or a plain tensor an op adopts) that the attention takes batch-sharded is sliced once
-before the local run, and new lengths are answered by the region's family. Each test trains at
+DistTensor, or a plain tensor an op adopts) that the attention takes batch-sharded is sliced by the
+captured program, and new lengths are served by its program of open sizes. Each test trains at
 changing lengths against the DistTensor run (regions disabled) and one process (4 ranks).
 """
 
@@ -82,15 +82,15 @@ def _masked(rank: int, lengths: list[int], square: bool = False, plain_bool: boo
 
 
 def test_an_argument_sliced_inside_is_sliced_before_a_local_run(world4: Any) -> None:
-    """A replicated mask argument that the attention takes batch-sharded (through a view of it)
-    no longer refuses the region: it is sliced once before the local run, which a second trace
-    with it sliced proves; new lengths are answered by the family. Equal to the DistTensor run
-    and to one process."""
+    """A replicated mask argument that the attention takes batch-sharded (through a view of it):
+    the program slices it (no communication); new lengths are served by the program of open
+    sizes (the mask's length and the keys' are two sizes). Equal to the DistTensor run and to one
+    process."""
     lengths = [6, 8, 10, 12, 6, 14]
     for res in world4.run(_masked, lengths):
         on_dist, local, one = res["runs"]
         assert local["report"]["<root>"][0] == "local", local["report"]
-        assert any("as its proven lengths" in v for v in local["report"]["<root>"]), local["report"]
+        assert local["report"]["<root>"][1:] == ["local"] + ["local (open sizes)"] * 3, local["report"]
         assert all(c == {} for c in local["comm"]), local["comm"]  # a forward moves nothing
         for run in (on_dist, local):
             assert run["losses"] == pytest.approx(one["losses"], rel=1e-5)
@@ -99,14 +99,14 @@ def test_an_argument_sliced_inside_is_sliced_before_a_local_run(world4: Any) -> 
 
 
 def test_a_square_mask_argument_is_answered_by_its_family(world4: Any) -> None:
-    """A contiguous ``(B, 1, t, t)`` mask argument: its strides (``t * t``) are no line in ``t``, its
-    layout (dense, row-major) is the same at every length, so new lengths are answered by the
-    family (before, every length was proven). Equal to the DistTensor run and to one process."""
+    """A contiguous ``(B, 1, t, t)`` mask argument: its sizes are open like the input's, so new
+    lengths are served by the program of open sizes. Equal to the DistTensor run and to one
+    process."""
     lengths = [6, 10, 14, 18, 22, 6, 26]  # (no coincidence: 12 would be 2 * 12 == 24 features)
     for res in world4.run(_masked, lengths, True):
         on_dist, local, one = res["runs"]
         assert local["report"]["<root>"][0] == "local", local["report"]
-        assert sum("as its proven lengths" in v for v in local["report"]["<root>"]) >= 3, local["report"]
+        assert sum(v == "local (open sizes)" for v in local["report"]["<root>"]) >= 4, local["report"]
         for run in (on_dist, local):
             assert run["losses"] == pytest.approx(one["losses"], rel=1e-5)
             for n, p in one["params"].items():
@@ -117,14 +117,13 @@ def test_a_plain_boolean_mask_argument_is_sliced_before_a_local_run(world4: Any)
     """A plain boolean mask argument (transformers builds its causal mask from plain tensors):
     SDPA adopts it Replicate, makes it additive (``zeros_like``, ``logical_not``, ``masked_fill_``
     on that new tensor: a write to nothing the module did not make) and takes it batch-sharded.
-    The region slices the plain argument once before its local run (refused before: "moves an
-    input"); new lengths are answered by the family. Equal to the DistTensor run and to one
-    process."""
+    The program slices it; its sizes are open as a DistTensor's, so new lengths are served by the
+    program of open sizes. Equal to the DistTensor run and to one process."""
     lengths = [6, 10, 14, 18, 6, 26]  # (no coincidence: 22 + 2 would meet 24 features)
     for res in world4.run(_masked, lengths, False, True):
         on_dist, local, one = res["runs"]
         assert all(v.startswith("local") for v in local["report"]["<root>"]), local["report"]
-        assert sum("as its proven lengths" in v for v in local["report"]["<root>"]) >= 2, local["report"]
+        assert sum(v == "local (open sizes)" for v in local["report"]["<root>"]) >= 3, local["report"]
         assert all(c == {} for c in local["comm"]), local["comm"]  # a forward moves nothing
         for run in (on_dist, local):
             assert run["losses"] == pytest.approx(one["losses"], rel=1e-5)

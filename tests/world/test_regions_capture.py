@@ -1,4 +1,4 @@
-"""Local regions as captured programs (``AUTOPARALLEL_LOCAL_REGIONS=capture``, ``regions.program``).
+"""Local regions as captured programs (``regions.program``).
 
 The example GPT (dropout on) on 4 gloo ranks: a region is the module's forward and backward captured
 once per signature on fake tensors and run as one autograd node, collectives included, so under
@@ -42,14 +42,14 @@ def _run(rank: int, mode: str, layout: str, how: str) -> dict[str, Any]:
 @pytest.mark.parametrize("layout", list(MESHES))
 def test_captured_regions_train_bitwise_as_op_by_op(world4, layout: str) -> None:  # type: ignore[no-untyped-def]
     base = world4.run(_run, "0", layout, "none")
-    got = world4.run(_run, "capture", layout, "none")
+    got = world4.run(_run, "1", layout, "none")
     for r in range(4):
         _bitwise(base[r], got[r], f"{layout} captured rank {r}")
-    got = world4.run(_run, "capture", layout, "nonreentrant")
+    got = world4.run(_run, "1", layout, "nonreentrant")
     for r in range(4):
         _bitwise(base[r], got[r], f"{layout} captured, checkpointed blocks, rank {r}")
     if layout in ("tp", "dp_tp"):
-        got = world4.run(_run, "capture", layout, "reentrant")
+        got = world4.run(_run, "1", layout, "reentrant")
         for r in range(4):
             _close(base[r], got[r], f"{layout} captured, reentrant checkpoint, rank {r}")
 
@@ -76,7 +76,7 @@ def _report(rank: int, layout: str) -> dict[str, Any]:
             model.zero_grad(set_to_none=True)
         return {"report": ap.local_regions_report(model), "comms": comm.get_comm_counts()}
 
-    return _with("capture", run)
+    return _with("1", run)
 
 
 @pytest.mark.parametrize("layout", ["dp", "tp", "dp_tp"])
@@ -117,7 +117,7 @@ def _lengths(rank: int, mode: str) -> dict[str, Any]:
 
 def test_new_lengths_are_served_by_a_program_of_open_sizes(world4) -> None:  # type: ignore[no-untyped-def]
     base = world4.run(_lengths, "0")
-    got = world4.run(_lengths, "capture")
+    got = world4.run(_lengths, "1")
     for r in range(4):
         torch.testing.assert_close(got[r]["losses"], base[r]["losses"], rtol=1e-5, atol=0)
         assert got[r]["captures"] == 2, got[r]["captures"]  # lengths 8 and 6; 4, 7, 5 by the open program
@@ -131,7 +131,7 @@ def test_writes_into_a_cache_argument_are_the_programs_outputs_put_back_at_every
     # their gradients; new lengths are served by the program of open sizes
     from tests.world import test_regions_objects as objects_test
 
-    model, caches = _with("capture", objects_test._train, [6, 7, 9, 10, 11])
+    model, caches = _with("1", objects_test._train, [6, 7, 9, 10, 11])
     for cache, ref_cache in caches:
         for ours, theirs in zip(cache.layers, ref_cache.layers):
             for a, b in ((ours.keys, theirs.keys), (ours.values, theirs.values)):
@@ -139,7 +139,7 @@ def test_writes_into_a_cache_argument_are_the_programs_outputs_put_back_at_every
                 torch.testing.assert_close(a.full_tensor(), b)
             assert ours.initialized and ours.dtype == theirs.dtype
     verdicts = _report_of(model)["<root>"]
-    assert verdicts[:2] == ["local", "local"] and all(v == "local (as its proven lengths)" for v in verdicts[2:]), verdicts
+    assert verdicts[:2] == ["local", "local"] and all(v == "local (open sizes)" for v in verdicts[2:]), verdicts
 
 
 class _Box:
@@ -171,7 +171,7 @@ def test_a_forward_returning_an_object_is_refused_and_its_tensors_are_real() -> 
             got.append(box.t.full_tensor() - 2 * y.full_tensor())  # (a fake tensor would raise here)
         return got, _report_of(model)
 
-    got, report = _with("capture", run)
+    got, report = _with("1", run)
     assert all(float(d.abs().max()) == 0.0 for d in got)
     assert report == {"<root>": ["refused: the forward returns a _Box object"], "lin": ["local"]}, report
 
@@ -206,11 +206,11 @@ def test_a_module_whose_guards_fix_its_sizes_lets_its_children_serve_new_lengths
             errors.append(float((y.full_tensor() - ref(x)).abs().max()))
         return _report_of(model), errors
 
-    report, errors = _with("capture", run)
+    report, errors = _with("1", run)
     assert max(errors) < 1e-6, errors
     root = report["<root>"]
     assert root[:2] == ["local", "local"] and all("guards fix its sizes" in v for v in root[2:]), root
-    assert report["inner"] == ["local", "local", "local (as its proven lengths)"], report
+    assert report["inner"] == ["local", "local", "local (open sizes)"], report
 
 
 def _report_of(model: torch.nn.Module) -> dict[str, list[str]]:
@@ -240,7 +240,7 @@ def _attributed(rank: int) -> list[tuple[str, str | None, str | None, float]]:
                 net(x).sum().backward()
         return [(r.kind, r.module, r.op, r.seconds) for r in comm.records]
 
-    return _with("capture", run)
+    return _with("1", run)
 
 
 def test_a_captured_regions_collectives_are_named_by_the_submodule_that_issues_them(world2) -> None:  # type: ignore[no-untyped-def]
@@ -253,7 +253,7 @@ def test_a_captured_regions_collectives_are_named_by_the_submodule_that_issues_t
 def _zero3_lengths(rank: int) -> dict[str, Any]:
     from tests.world.test_zero import _zero3_lengths as lengths
 
-    return _with("capture", lengths, rank)
+    return _with("1", lengths, rank)
 
 
 def test_zero3_blocks_are_captured_and_serve_new_lengths(world4) -> None:  # type: ignore[no-untyped-def]
@@ -262,6 +262,6 @@ def test_zero3_blocks_are_captured_and_serve_new_lengths(world4) -> None:  # typ
     # checked in the run), the model itself is not (it owns the blocks' sharded parameters)
     for r in world4.run(_zero3_lengths):
         blocks = r["report"]["blocks.0"]
-        assert blocks[:2] == ["local", "local"] and "local (as its proven lengths)" in blocks, r["report"]
+        assert blocks[:2] == ["local", "local"] and "local (open sizes)" in blocks, r["report"]
         assert r["report"]["<root>"][0] == "refused: it owns ZeRO-3 sharded parameters (gathered by their unit)"
         assert r["warnings"] == [], r["warnings"]

@@ -1,7 +1,7 @@
 """Local regions and the modules' own state: plain attribute values are part of a region's
-signature (a forward branching on a flag is proven again when the flag changes), a plain buffer
-written in place is written once per call, and a forward assigning a buffer or an attribute is
-not a region (a local run would put a shard in the buffer). Each trains as one process does.
+signature (a forward branching on a flag is captured again when the flag changes), and a forward
+assigning a buffer or an attribute is not a region (a program keeps no module state it assigns):
+it runs on DistTensors, once per call. Each trains as one process does.
 """
 
 from __future__ import annotations
@@ -99,11 +99,10 @@ def _train(rank: int, cls: Any, flip: bool) -> dict[str, Any]:
 
 
 def test_a_flag_the_forward_branches_on_is_part_of_the_signature(world4: Any) -> None:
-    # proven local with the flag off; set, the batch mean needs the whole batch: a new signature,
-    # proven anew (refused), so the mean is over the global batch, as in one process
+    # captured with the flag off; set, a new signature: captured anew, the batch mean's
+    # all-reduce in its program, so the mean is over the global batch, as in one process
     for report in world4.run(_train, Flagged, True):
-        assert report["<root>"][0] == "local", report
-        assert any(v.startswith("refused") for v in report["<root>"][1:]), report
+        assert report["<root>"] == ["local", "local"], report
 
 
 def test_a_forward_assigning_a_buffer_is_no_region_and_writes_once_per_call(world4: Any) -> None:
@@ -113,11 +112,13 @@ def test_a_forward_assigning_a_buffer_is_no_region_and_writes_once_per_call(worl
 
 
 def test_a_counter_the_forward_branches_on_counts_once_per_call(world4: Any) -> None:
-    # read and written by the forward: each value a signature of its own; the first call's trace
-    # and replay leave one increment, as one process does (the parameters agree at every step)
+    # read and written by the forward: the capture's writes are undone, the call refused and run on
+    # DistTensors, which counts once, as one process does (the parameters agree at every step)
     for report in world4.run(_train, Counted, False):
-        assert report["<root>"][:2] == ["local", "local"], report
-        assert all(v.startswith("refused") for v in report["<root>"][2:]), report
+        assert report["<root>"] and all(v == "refused: the forward writes the module attributes calls, center"
+                                        or v == "refused: the forward writes the module attribute calls"
+                                        for v in report["<root>"]), report
+        assert report["fc1"] == ["local"] and report["fc2"] == ["local"], report
 
 
 def _deep_copied(rank: int) -> bool:

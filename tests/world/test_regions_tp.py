@@ -1,8 +1,7 @@
 """Local regions under tensor parallelism: a row-parallel module's output is each rank's
-summand (Partial(sum)) and its replicated bias is taken as a summand (autoparallel.regions,
-docs/local_regions.md "Which modules become regions" 1-2). Each test compares the region run with
-the DistTensor run (regions disabled): values, gradient layouts, the verdict and the
-collectives.
+summand (Partial(sum)) and its replicated bias is taken as a summand, in the module's captured
+program (autoparallel.regions, docs/local_regions.md). Each test compares the region run with the
+DistTensor run (regions disabled): values, gradient layouts, the report and the collectives.
 """
 
 from __future__ import annotations
@@ -39,7 +38,7 @@ class RowParallel(nn.Module):
 
 class BiasReadTwice(RowParallel):
     """Also scales by the bias's norm: an op taking the bias as it is, beside the ``addmm`` that
-    takes it as a summand (a local run with the bias made a summand would see zeros there)."""
+    takes it as a summand (the program holds both: the summand is made inside it)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return super().forward(x) * self.fc2.bias.norm()
@@ -113,10 +112,11 @@ def test_a_row_parallel_module_is_a_region_with_a_partial_output(world4: Any, dp
             assert all(n <= plain.get(kind, 0) for kind, n in got.items()), (x["comm"], x["plain_comm"])
 
 
-def test_a_bias_read_as_it_is_and_as_a_summand_is_refused(world4: Any) -> None:
-    r = world4.run(_row_parallel, True, False, BiasReadTwice)[0]
-    assert "as it is by one op and as a summand" in r["report"]["<root>"][0], r["report"]
-    assert r["report"]["fc2"] == ["local"], r["report"]  # the Linear alone is a region
+def test_a_bias_read_as_it_is_and_as_a_summand_is_captured(world4: Any) -> None:
+    for r in world4.run(_row_parallel, True, False, BiasReadTwice):  # (equal to op by op: in _row_parallel)
+        assert r["report"] == {"<root>": ["local"]}, r["report"]
+        for got, plain in zip(r["comm"], r["plain_comm"]):
+            assert all(n <= plain.get(kind, 0) for kind, n in got.items()), (r["comm"], r["plain_comm"])
 
 
 class NormedHead(nn.Module):
@@ -163,13 +163,11 @@ def _normed_head(rank: int) -> dict[str, Any]:
     return {"report": local_regions_report(model), "comm": comm, "layouts": layouts}
 
 
-def test_a_module_splitting_whole_arguments_after_replicated_weights_is_refused(world4: Any) -> None:
-    # As a region, the layer norm's weights and its input would take Partial gradients (three
-    # reductions later); op by op the layer norm's backward reduces its one input gradient first
-    # and its weights' gradients come out whole. The column-parallel Linear alone is a region
-    # (only its input's gradient is Partial). Every step communicates alike.
+def test_a_module_splitting_whole_arguments_after_replicated_weights_is_one_program(world4: Any) -> None:
+    # The column-parallel Linear's backward gives the layer norm a Partial input gradient, which
+    # the program's layer norm backward reduces once, first, as op by op: its weights' gradients
+    # come out whole. Every step communicates alike.
     for r in world4.run(_normed_head):
-        assert "split on mesh axis 0 inside it and 3 replicated tensors" in r["report"]["<root>"][0], r["report"]
-        assert r["report"]["head"] == ["local"], r["report"]
+        assert r["report"] == {"<root>": ["local"]}, r["report"]
         assert r["layouts"]["norm.weight"] == [R] and r["layouts"]["norm.bias"] == [R], r["layouts"]
         assert r["comm"][0] == r["comm"][1] == r["comm"][2], r["comm"]

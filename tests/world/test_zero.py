@@ -671,12 +671,12 @@ def _zero3_lengths(rank: int) -> dict[str, Any]:
 
 
 def test_zero3_at_new_lengths_warns_nothing(world4):  # type: ignore[no-untyped-def]
-    # new lengths are answered by the blocks' families (docs/local_regions.md), once through a
-    # run on fake tensors (the symbolic certificate) while the block's unit holds its gathered
-    # parameters: ZeRO-3's saved-tensor hook, which reads the storage address of what autograd
-    # saves, must leave fake tensors alone (torch warns on reading one's)
+    # new lengths are served by the blocks' programs of open sizes (docs/local_regions.md), captured
+    # on fake tensors while the block's unit holds its gathered parameters: ZeRO-3's saved-tensor
+    # hook, which reads the storage address of what autograd saves, must leave fake tensors alone
+    # (torch warns on reading one's)
     res = world4.run(_zero3_lengths)
     r = res[0]
     assert all(x == r for x in res)
-    assert "local (as its proven lengths)" in r["report"]["blocks.0"], r["report"]
+    assert "local (open sizes)" in r["report"]["blocks.0"], r["report"]
     assert r["warnings"] == [], r["warnings"]
