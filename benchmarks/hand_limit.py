@@ -2,7 +2,7 @@
 
     python benchmarks/hand_limit.py                          # widths 64 and 256, 2 and 4 ranks
     python benchmarks/hand_limit.py --widths 64 --worlds 2 --rounds 3
-    python benchmarks/hand_limit.py --local-regions capture   # eager with regions as captured programs
+    python benchmarks/hand_limit.py --local-regions 0         # eager op by op (no local regions)
 
 The limit a framework can reach: Megatron's tensor parallelism written per rank with plain
 tensors and ``torch.distributed`` (the vocabulary-parallel embedding tied to the LM head, the
@@ -298,8 +298,8 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=5, help="timed steps per round")
     p.add_argument("--json", help="write the raw results here")
-    p.add_argument("--local-regions", default=None, choices=("1", "0", "capture"),
-                   help="AUTOPARALLEL_LOCAL_REGIONS for the ranks (capture: regions as captured programs)")
+    p.add_argument("--local-regions", default=None, choices=("1", "0"),
+                   help="AUTOPARALLEL_LOCAL_REGIONS for the ranks (0: every op on DistTensors)")
     args = p.parse_args()
     from benchmarks._spawn import run_spawned
 

@@ -81,14 +81,6 @@ REGISTRY: tuple[Bench, ...] = (
     Bench("varying_shapes", "Variable sequence lengths", ("benchmarks/varying_shapes.py",),
           "Training on batches of changing sequence length (DP, TP, TP + SP on 2 ranks): the first "
           "pass over the lengths against a warm one. Target: first/warm at most 1.25."),
-    Bench("hand_limit_captured", "The tensor-parallel step by hand, regions as captured programs",
-          ("benchmarks/hand_limit.py", "--local-regions", "capture"),
-          "The same comparison with `AUTOPARALLEL_LOCAL_REGIONS=capture` (a preview): eager runs each "
-          "module as its captured program, collectives included."),
-    Bench("varying_shapes_captured", "Variable sequence lengths, regions as captured programs",
-          ("benchmarks/varying_shapes.py", "--local-regions", "capture"),
-          "The same pass with `AUTOPARALLEL_LOCAL_REGIONS=capture` (a preview): a second length "
-          "captures its region with open sizes, later lengths run that program."),
     Bench("reshard", "Reshard bytes against torch.distributed.tensor and the lower bound",
           ("benchmarks/reshard.py", "--nprocs", "4", "--quick"),
           "Bytes each rank receives when moving between layouts, ours against DTensor's "

@@ -4,12 +4,12 @@
     python benchmarks/varying_shapes.py --shapes 60 --layouts TP+SP --profile
     python benchmarks/varying_shapes.py --model llama --step 1 --layouts DP,TP   # transformers' Llama
     python benchmarks/varying_shapes.py --model llama --step 1 --layouts DP,TP --no-kv-cache
-    python benchmarks/varying_shapes.py --local-regions capture   # regions as captured programs
+    python benchmarks/varying_shapes.py --local-regions 0         # op by op (no local regions)
 
 Each rank trains the example GPT (width 64, 2 layers, vocab 96, batch 4; AdamW through
 ``shard_optimizer``) laid out one way, with the sequence length changing between steps: after
 a warm-up at six shorter lengths (``14, 12, .., 4``: the one-time setup, timed as ``setup s``:
-proofs, region models and their symbolic certificates), every one of ``--shapes`` lengths (``16, 18, ..`` in a shuffled
+the captures of the regions, at fixed and at open sizes), every one of ``--shapes`` lengths (``16, 18, ..`` in a shuffled
 order: even, as sequence parallelism needs equal pieces) runs one *first* step
 and then ``--warm`` more steps at that length. Printed per layout, on rank 0 (medians over the
 lengths; every rank's figure is its own, the slowest rank's shown):
@@ -317,8 +317,8 @@ def main() -> None:
                              "(DP and TP), odd ones included")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--json", default=None, help="also write the figures here")
-    parser.add_argument("--local-regions", default=None, choices=("1", "0", "capture"),
-                        help="AUTOPARALLEL_LOCAL_REGIONS for the ranks (capture: regions as captured programs)")
+    parser.add_argument("--local-regions", default=None, choices=("1", "0"),
+                        help="AUTOPARALLEL_LOCAL_REGIONS for the ranks (0: every op on DistTensors)")
     args = parser.parse_args()
     from benchmarks._spawn import run_spawned
 

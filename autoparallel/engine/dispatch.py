@@ -338,11 +338,9 @@ def dispatch(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any])
             _keep_filled(filled[0], key)
     if type(decision) is DecomposeDecision:  # its ops are decided (and observed) one by one
         return func.decompose(*args, **kwargs)
-    if _OBSERVERS:  # an observer watches the op path (a local region's trace: autoparallel.regions)
-        return _OBSERVERS[-1].observe(
-            func, decision, args, kwargs,
-            lambda moves=None: execute(cls, func, args, kwargs, dts, decision, dispatch, moves),
-        )
+    if _OBSERVERS:  # an observer watches the op path (a capture: autoparallel.static.capture)
+        return _OBSERVERS[-1].observe(func, decision, args, kwargs,
+                                      lambda: execute(cls, func, args, kwargs, dts, decision, dispatch))
     return execute(cls, func, args, kwargs, dts, decision, dispatch)
 
 
@@ -424,12 +422,10 @@ def symbolic_decisions() -> Iterator[None]:
 
 @contextmanager
 def observed_by(observer: Any) -> Iterator[Any]:
-    """The engine's door for an observer of the op path (a local region's trace).
+    """The engine's door for an observer of the op path (a capture's: ``static.capture``).
 
     Inside the block every DistTensor op calls ``observer.observe(func, decision, args, kwargs,
-    run)`` instead of running: ``run()`` executes the op's local step; ``run(moves)`` moves the
-    inputs inside the context manager ``moves`` (a local region's trace records the op's own
-    local calls apart from its inputs' moves). Kernels may not defer
+    run)`` instead of running: ``run()`` executes the op's local step. Kernels may not defer
     statistics while an observer watches (what it records must run again as it ran).
     """
     _OBSERVERS.append(observer)

@@ -546,12 +546,11 @@ class _Reshard(torch.autograd.Function):
     """DistTensor -> the same value in another layout (or mesh). Backward: the reverse move."""
 
     @staticmethod
-    def forward(ctx: Any, x: DistTensor, dst: DistSpec, done: torch.Tensor | None = None) -> DistTensor:  # type: ignore[override]
+    def forward(ctx: Any, x: DistTensor, dst: DistSpec) -> DistTensor:  # type: ignore[override]
         ctx.src = x._spec
         # the same value in another layout keeps its strides, as it would in one process (a
-        # transposed tensor stays transposed); the moved shard follows them. ``done``: the
-        # shard of the move already made of the same value (taken: nothing moves again)
-        moved = reshard_local(x._local, x._spec, dst) if done is None else done
+        # transposed tensor stays transposed); the moved shard follows them
+        moved = reshard_local(x._local, x._spec, dst)
         if moved.numel() and (moved is not x._local or _made_partial(x._spec, dst)) and _same_storage(moved, x._local):
             # a slice (R -> S), a summand kept (R -> P: the first rank's is x's value): a new tensor,
             # not a window onto x, so writes stay apart (on some ranks only, x would differ)
@@ -559,9 +558,9 @@ class _Reshard(torch.autograd.Function):
         return DistTensor._wrap(conform(moved, x._stride), dst, x._stride)
 
     @staticmethod
-    def backward(ctx: Any, grad: DistTensor) -> tuple[DistTensor, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: DistTensor) -> tuple[DistTensor, None]:  # type: ignore[override]
         target = grad_spec(ctx.src)
-        return _moved(grad, target), None, None
+        return _moved(grad, target), None
 
 
 def _moved(t: DistTensor, spec: DistSpec) -> DistTensor:

@@ -40,23 +40,22 @@ from spmd_rules.random_ops import draw_outside, draws_random
 
 
 def execute(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], dts: list[Any], d: Decision,
-            redispatch: Callable[..., Any], moves: Any = None) -> Any:
+            redispatch: Callable[..., Any]) -> Any:
     """Run decision ``d`` for this call: move the inputs, run the local function, wrap the outputs
     (``redispatch``: the dispatcher, for an in-place view's out-of-place op and the writes carried
-    back through detached views; ``moves``: a context manager the input moves run in, given by an
-    observer)."""
+    back through detached views)."""
     if debug.active() and not debug.attributing(func):  # a CommDebugMode records: collectives name this op
         with debug.attributed(func):
-            return execute(cls, func, args, kwargs, dts, d, redispatch, moves)
+            return execute(cls, func, args, kwargs, dts, d, redispatch)
     if type(d) is LocalStep and d.mutated:
         views = _written_views(func, dts, d.mutated)
         if views:
-            return _write_through(cls, func, args, kwargs, dts, d, redispatch, moves, views)
-    return _run(cls, func, args, kwargs, dts, d, redispatch, moves)
+            return _write_through(cls, func, args, kwargs, dts, d, redispatch, views)
+    return _run(cls, func, args, kwargs, dts, d, redispatch)
 
 
 def _run(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], dts: list[Any], d: Decision,
-         redispatch: Callable[..., Any], moves: Any = None) -> Any:
+         redispatch: Callable[..., Any]) -> Any:
     if type(d) is not LocalStep:
         if type(d) is ValueDecision:
             return d.value
@@ -64,11 +63,7 @@ def _run(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], dts
         return _inplace_view(cls, func, d.view_op, args, kwargs, redispatch)
     member = d.coord is not None
     if member:
-        if moves is None:
-            locs = _moved(dts, d)
-        else:
-            with moves:
-                locs = _moved(dts, d)
+        locs = _moved(dts, d)
         if d.slots is not None:
             largs = place_locals(list(args), d.slots[0], locs)
             lkwargs = place_locals(dict(kwargs), d.slots[1], locs) if d.slots[1] else kwargs
@@ -258,12 +253,12 @@ def _carried(t: Any) -> bool:
 
 
 def _write_through(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], dts: list[Any], d: LocalStep,
-                   redispatch: Callable[..., Any], moves: Any, views: list[Any]) -> Any:
+                   redispatch: Callable[..., Any], views: list[Any]) -> Any:
     """Run the write ``func`` on detached views and carry it back to what they view."""
     if func not in _OVERWRITES:
         for v in views:
             _take_again(cls, v, redispatch)
-    out = _run(cls, func, args, kwargs, dts, d, redispatch, moves)
+    out = _run(cls, func, args, kwargs, dts, d, redispatch)
     for v in views:
         _put_back(cls, v, redispatch)
     return out

@@ -120,12 +120,10 @@ def move(local: torch.Tensor, src: DistSpec, dst: DistSpec) -> torch.Tensor:
     return reshard_local(local, src, dst)
 
 
-def reshard(x: DistTensor, dst: DistSpec, done: DistTensor | None = None) -> DistTensor:
+def reshard(x: DistTensor, dst: DistSpec) -> DistTensor:
     """Differentiable: the value of ``x`` in layout ``dst`` (any mesh; a new DistTensor even
-    when nothing moves); the gradient moves back to ``x``'s layout (Partial as Replicate).
-    ``done``: that value already made (by the same move of the same value: a local region's
-    trace, whose local run recomputes it), taken instead of moving again."""
-    return _Reshard.apply(x, dst, None if done is None else done._local.detach())  # type: ignore[no-any-return]
+    when nothing moves); the gradient moves back to ``x``'s layout (Partial as Replicate)."""
+    return _Reshard.apply(x, dst)  # type: ignore[no-any-return]
 
 
 def relayout_(t: DistTensor, local: torch.Tensor, spec: DistSpec) -> DistTensor:
