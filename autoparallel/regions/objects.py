@@ -6,29 +6,26 @@ in a list). Such an argument is walked here as *entries*: every attribute of a p
 object (hashed by identity, with a ``__dict__``; not a module, not a tensor), every item of a
 list, tuple or dict it holds, recursively — each named by its *path* from the call's argument
 leaf (``(leaf index, ("a", name) | ("i", index) | ("k", key), ...)``), which does not depend on
-the objects' identities. What a region needs of them:
+the objects' identities. What a captured call needs of them (``regions.program``):
 
-* ``signature``: the entries' structure and kinds (a DistTensor by its layout, dtype and rank,
-  not its sizes: the family of a signature gives the sizes; a value by itself) for the
-  signature; None where an entry is something else (a set, an object with slots, a cycle, more
-  than ``MAX_ENTRIES``): such an argument stays refused, as any object argument was before.
+* ``signature``/``walked``: the entries' structure and kinds (a DistTensor by its layout, dtype
+  and rank; a value by itself) for the call's signature; None where an entry is something else (a
+  set, an object with slots, a cycle, more than ``MAX_ENTRIES``): such an argument is refused.
 * ``Writing``: the module's forward returning ``(its output, the tensors it wrote)``, with the
   paths written (``paths``: of tensors, in order; ``values``: the other values written, as
-  ``(path, value)``): the written tensors are the region's extra outputs, proven, classified and
-  wrapped as outputs are, and put back at their paths (``put``) as DistTensors.
-* ``snapshot``/``restore``: the containers' contents, so that the trace, the replay and the
-  local run each start from the state the call was made in (and the trace's writes stand where
-  it is refused).
+  ``(path, value)``); ``get``/``put`` read and set entries by path.
+* ``snapshot``/``restore``: the containers' contents, so that a capture leaves the objects as
+  the call found them.
 
 A write that removes an entry or writes an object or container (a new cache layer appended) is
-not a region's (``Writing.why``).
+not a program's (``Writing.why``).
 """
 
 from __future__ import annotations
 
 import enum
 import types
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -219,31 +216,6 @@ class Writing:
         self.paths = tuple(p for p, v in written if isinstance(v, torch.Tensor))
         self.values = tuple((p, v) for p, v in written if not isinstance(v, torch.Tensor))
         return out, tuple(v for _, v in written if isinstance(v, torch.Tensor))
-
-    def refusal(self, reads: Collection[int]) -> str:
-        """Why what the (traced) call wrote cannot be a region's extra outputs ('' when it can):
-        the writes themselves (``why``), a plain tensor the objects held (which the trace's reads
-        do not follow), a DistTensor they held that an op read (``reads``: ids; the local run
-        leaves them as they are), a plain tensor written."""
-        if self.why:
-            return self.why
-        for v in self.held.values():
-            if isinstance(v, DistTensor) and id(v) in reads:
-                return "an op reads a tensor an argument object holds"
-            if isinstance(v, torch.Tensor) and not isinstance(v, DistTensor):
-                return "an argument object holds a plain tensor"
-        for p in self.paths:
-            if not isinstance(self.left.get(p), DistTensor):
-                return "it writes a plain tensor into an argument object"
-        return ""
-
-    def differs(self, paths: tuple[Path, ...] | None, values: tuple[tuple[Path, Any], ...]) -> str:
-        """Why this call's writes are not the proven ones ('' when they are)."""
-        if self.why:
-            return self.why
-        if self.paths != paths or self.values != values:
-            return "it writes other entries of an argument object than its traced call"
-        return ""
 
 
 def get(leaves: Sequence[Any], path: Path) -> Any:

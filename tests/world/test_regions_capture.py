@@ -265,3 +265,37 @@ def test_zero3_blocks_are_captured_and_serve_new_lengths(world4) -> None:  # typ
         assert blocks[:2] == ["local", "local"] and "local (open sizes)" in blocks, r["report"]
         assert r["report"]["<root>"][0] == "refused: it owns ZeRO-3 sharded parameters (gathered by their unit)"
         assert r["warnings"] == [], r["warnings"]
+
+
+class _Scaled(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, scale: float) -> torch.Tensor:
+        return self.lin(x) * scale
+
+
+@pytest.mark.pure
+def test_signatures_that_never_come_back_stop_being_captured() -> None:
+    # a value argument that changes at every call makes every call a new signature: after 16
+    # captures none of which served a second call, new signatures run on DistTensors
+    import autoparallel as ap
+
+    def run() -> tuple[list[str], float]:
+        mesh = ap.ProcessMesh([0], dim_names=["dp"])
+        torch.manual_seed(0)
+        model = ap.shard_layer(_Scaled(), mesh)
+        x = torch.randn(4, 4)
+        worst = 0.0
+        for k in range(20):
+            y = model(ap.shard_tensor(x, mesh, [ap.Shard(0)]), 1.0 + k / 8)
+            want = (x @ model.lin.weight.full_tensor().T + model.lin.bias.full_tensor()) * (1.0 + k / 8)
+            worst = max(worst, float((y.full_tensor() - want).abs().max()))
+        return _report_of(model)["<root>"], worst
+
+    verdicts, worst = _with("1", run)
+    assert worst < 1e-6
+    # (the report keeps the 16 latest signatures: 12 of the captured ones, then the 4 refused)
+    assert verdicts[:12] == ["local"] * 12, verdicts
+    assert len(verdicts) == 16 and all(v.startswith("refused: its signatures keep changing") for v in verdicts[12:]), verdicts
