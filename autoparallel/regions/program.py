@@ -27,6 +27,7 @@ argument that is an object with state of its own.
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -519,9 +520,11 @@ def _tangents_as_inputs(gm: torch.fx.GraphModule, nodes: list[Any]) -> None:
 
 
 # ---- running ------------------------------------------------------------------------------------
-def run_call(progs: Programs, state: Sequence[torch.Tensor], leaves: list[Any], module: nn.Module) -> Any:
+def run_call(progs: Programs, state: Sequence[torch.Tensor], leaves: list[Any], module: nn.Module,
+             again: Again | None = None) -> Any:
     """The call of ``module``: its output, the forward program on this call's shards, one
-    autograd node when it has a backward; what it writes into object arguments is put there."""
+    autograd node when it has a backward; what it writes into object arguments is put there.
+    ``again``: how to run the call op by op (for a backward that keeps its graph)."""
     inputs = Inputs.of(state, [*leaves, *(objects.get(leaves, p) for p in progs.reads)])
     locs = inputs.locals()
     if progs.backward is None or not torch.is_grad_enabled():
@@ -530,6 +533,8 @@ def run_call(progs: Programs, state: Sequence[torch.Tensor], leaves: list[Any], 
         out = _assemble(progs, list(outs[:progs.n_tensors]), {})
     else:
         call = _Call(progs, locs, module)
+        if again is not None and not progs.objects:  # (held weakly: kept only where something else keeps them)
+            call.again, call.leaves, call.state = again, [_weak(x) for x in leaves], [id(t) for t in state]
         diff = _Node.apply(call, *[inputs.tensors[k] for k in progs.wrt])
         out = _assemble(progs, call.outs, dict(zip(progs.tangents, diff)))
     if not progs.objects:
@@ -540,6 +545,18 @@ def run_call(progs: Programs, state: Sequence[torch.Tensor], leaves: list[Any], 
     return out
 
 
+@dataclass
+class Again:
+    """A call run op by op: ``run(*args, **kwargs)`` the module's forward on DistTensors (its
+    submodules' regions plain), ``tree`` the call's argument nesting, ``state()`` what the
+    module's parameter and buffer slots hold now, ``modules`` the module and its submodules."""
+
+    run: Callable[..., Any]
+    tree: Any
+    state: Callable[[], list[torch.Tensor]]
+    modules: list[nn.Module]
+
+
 class _Call:
     def __init__(self, progs: Programs, locs: list[torch.Tensor], module: nn.Module) -> None:
         self.progs = progs
@@ -547,6 +564,44 @@ class _Call:
         self.locs = locs
         self.device: torch.device | None = None
         self.outs: list[torch.Tensor] = []
+        self.again: Again | None = None  # (with the arguments and state of the call, for ``_graph_kept``)
+        self.leaves: list[Any] = []      # the arguments, tensors as weak references
+        self.state: list[int] = []       # ids of what the slots held
+        self.wrt: list[Any] = []         # weak references to the inputs differentiated
+
+
+def _graph_kept(call: _Call, grads: tuple[torch.Tensor | None, ...]) -> tuple[Any, ...]:
+    """The backward of a call with its graph kept (``create_graph=True``: a gradient penalty): the
+    module's forward again, op by op on DistTensors from the call's arguments and parameters, and
+    autograd's backward of it, differentiable (the backward program has no backward of its own)."""
+    again = call.again
+    leaves = [x() if isinstance(x, weakref.ref) else x for x in call.leaves]
+    wrt = [r() for r in call.wrt]
+    if (again is None or [id(t) for t in again.state()] != call.state
+            or any(x is None for x, w in zip(leaves, call.leaves) if isinstance(w, weakref.ref)) or any(t is None for t in wrt)):
+        # (no way back to the call: an object argument written, parameters a ZeRO-3 unit gathered
+        # and let go, an argument nothing else kept)
+        raise RuntimeError(
+            f"a local region's backward cannot keep its graph (create_graph=True) here: run "
+            f"{type(call.module).__name__} op by op for it (ap.disable_local_regions(module), or "
+            "AUTOPARALLEL_LOCAL_REGIONS=0)")
+    # the inputs differentiated enter as aliases (``view_as``): the gradients taken here are the
+    # node's, and the tensors' own hooks run once, when autograd hands them on
+    alias = {id(t): t.view_as(t) for t in wrt}
+    leaves = [alias.get(id(x), x) for x in leaves]
+    a, kw = tree_unflatten(leaves, again.tree)
+    with compat.tensors_stood_in(again.modules, alias):
+        outs, _ = tree_flatten(again.run(*a, **kw))
+    pairs = [(outs[i], g) for i, g in zip(call.progs.tangents, grads) if g is not None]
+    if not pairs:
+        return (None,) * len(wrt)
+    got = torch.autograd.grad([o for o, _ in pairs], [alias[id(t)] for t in wrt], [g for _, g in pairs],
+                              create_graph=True, allow_unused=True)
+    return tuple(got)
+
+
+def _weak(x: Any) -> Any:
+    return weakref.ref(x) if isinstance(x, torch.Tensor) else x
 
 
 def _assemble(progs: Programs, locs: list[torch.Tensor], diff: dict[int, torch.Tensor]) -> Any:
@@ -610,6 +665,8 @@ class _Node(torch.autograd.Function):
         ctx.save_for_backward(*[v for v in saved if isinstance(v, torch.Tensor)])
         ctx.others = [(k, v) for k, v in enumerate(saved) if not isinstance(v, torch.Tensor)]
         ctx.call = call
+        if call.again is not None:
+            call.wrt = [weakref.ref(t) for t in wrt]
         ctx.set_materialize_grads(False)
         at = [sum(o[0] != "value" for o in progs.outs[:i]) for i in progs.tangents]  # their places among the tensors
         return tuple(layout.wrap(call.outs[k], progs.outs[i][1], progs.outs[i][2]) for i, k in zip(progs.tangents, at))
@@ -617,10 +674,7 @@ class _Node(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
         if torch.is_grad_enabled():  # (create_graph=True: the backward program has no backward of its own)
-            raise RuntimeError(
-                f"a local region's backward cannot be differentiated again (create_graph=True, a gradient penalty): "
-                f"run {type(ctx.call.module).__name__} op by op for it (ap.disable_local_regions(module), or "
-                "AUTOPARALLEL_LOCAL_REGIONS=0)")
+            return (None, *_graph_kept(ctx.call, grads))
         call: _Call = ctx.call
         progs = call.progs
         tangents = []

@@ -162,7 +162,11 @@ class _Region:
                                   "local" if captured else "local (open sizes)")
         if isinstance(progs, str):
             return None
-        return (program.run_call(progs, tensors, leaves, self.module),)
+        again = program.Again(self._inside, tree, self._state_now, self.modules)
+        return (program.run_call(progs, tensors, leaves, self.module, again),)
+
+    def _state_now(self) -> list[torch.Tensor]:
+        return [_current(m, a) for m, a in self.slots]
 
     def _inside(self, *args: Any, **kwargs: Any) -> Any:
         with _mode("trace"):  # (its submodules' regions: plain)
