@@ -269,14 +269,22 @@ def _llama_with_cache(rank: int, policy: str) -> dict[str, Any]:
 def test_recomputed_llama_layers_run_without_their_cache(world2, policy: str) -> None:  # type: ignore[no-untyped-def]
     """transformers' default ``use_cache=True`` in training: a recomputed decoder layer is given no
     cache (a recomputed forward would write into it again), after one warning; the losses and
-    gradients are bitwise those without recompute (which fills the cache)."""
+    gradients are those without recompute (which fills the cache): bitwise under full recompute
+    (the layer's program runs again); under selective recompute, whose modes watch every op, the
+    layer runs op by op, not as its program: the same values, summed in another order."""
     pytest.importorskip("transformers")
     base = world2.run(_llama_with_cache, "none")
     got = world2.run(_llama_with_cache, policy)
     for r in range(2):
-        assert got[r]["losses"] == base[r]["losses"], (got[r]["losses"], base[r]["losses"])
+        if policy == "full":
+            assert got[r]["losses"] == base[r]["losses"], (got[r]["losses"], base[r]["losses"])
+        else:
+            assert got[r]["losses"] == pytest.approx(base[r]["losses"], rel=1e-6), (got[r]["losses"], base[r]["losses"])
         for name, g in base[r]["grads"].items():
-            assert torch.equal(got[r]["grads"][name], g), name
+            if policy == "full":
+                assert torch.equal(got[r]["grads"][name], g), name
+            else:
+                torch.testing.assert_close(got[r]["grads"][name], g, rtol=1e-5, atol=1e-7, msg=name)
         assert base[r]["said"] == [] and base[r]["lengths"] == [16] * 3, base[r]
         assert len(got[r]["said"]) == 1, got[r]["said"]
         assert "LlamaDecoderLayer without its key/value cache (past_key_values=None)" in got[r]["said"][0]

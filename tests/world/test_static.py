@@ -514,10 +514,14 @@ def _recomputed(rank: int, dropout: float, policy: str) -> dict[str, Any]:
 @pytest.mark.parametrize("dropout, policy", [(0.0, "full"), (0.0, "selective"), (0.2, "full"), (0.2, "selective")])
 def test_static_with_recompute_equals_eager_or_says_why(world4: Any, dropout: float, policy: str) -> None:
     """Recompute without random ops is captured and replays exactly; with dropout the recompute
-    resets the generator (a Python call a program cannot hold): one warning, eager, equal."""
+    resets the generator (a Python call a program cannot hold): one warning, eager, equal. Under
+    full recompute eager runs the model's region program again in the backward, the row-parallel
+    output's all-reduce after its last saved value included; the static step's recompute keeps only
+    what its backward reads: never more collectives than eager."""
     for res in world4.run(_recomputed, dropout, policy):
         st = res["static"]
-        _assert_equal(res["eager"], st)  # a refused capture ran nothing: every call issues what eager does
+        # (a refused capture ran nothing: every call issues what eager does)
+        _assert_equal(res["eager"], st, merged=policy == "full")
         if dropout:  # (selective: torch's cache check trips on the trace first; the step runs eagerly)
             assert len(st["warnings"]) == 1, st["warnings"]
             assert "resets the random generator" in st["warnings"][0] or "tracing the step failed" in st["warnings"][0]
