@@ -273,6 +273,27 @@ def foreign_dispatch_modes() -> bool:
         return True
 
 
+def boxed(gm: torch.fx.GraphModule) -> bool:
+    """Make ``gm`` take its inputs as one list it empties (``gm(args)``), so that each input is let
+    go after its last use inside the program rather than held by the caller until it returns (a
+    backward program's saved activations). Whether it was done; fallback: False (called as usual)."""
+    codegen = getattr(torch.fx.graph, "_BoxedCodeGen", None)
+    if codegen is None:  # pragma: no cover - another torch
+        return False
+    gm.graph.set_codegen(codegen())
+    gm.recompile()
+    return True
+
+
+def release_saved(ctx: Any) -> None:
+    """Let autograd drop the tensors a ``torch.autograd.Function``'s backward read from
+    ``ctx.saved_tensors`` (unless the graph is retained for another backward), so that only the
+    backward itself holds them. Fallback: nothing (autograd drops them when the node is done)."""
+    clear = getattr(ctx, "maybe_clear_saved_tensors", None)
+    if clear is not None:
+        clear()
+
+
 def mark_own_observer(obj: Any) -> Any:
     """Mark a saved-tensor pack function or a dispatch mode class as the library's own."""
     setattr(getattr(obj, "__func__", obj), OWN_OBSERVER, True)
@@ -686,7 +707,7 @@ except ImportError:  # pragma: no cover - the same in Python
 
 
 __all__ = [
-    "LIBRARY_PACKAGES", "REENTRANT_CHECKPOINT_NODE", "run_as_is_under_dynamo", "when_dynamo_imported", "on_dynamo_compile", "in_compiled_call", "profiler_enabled", "global_module_hooks", "in_backward", "current_autograd_node", "tensor_use_count", "OBSERVER_HOOK", "modes_active", "OWN_OBSERVER", "foreign_saved_hooks", "foreign_dispatch_modes", "mark_own_observer",
+    "LIBRARY_PACKAGES", "REENTRANT_CHECKPOINT_NODE", "run_as_is_under_dynamo", "when_dynamo_imported", "on_dynamo_compile", "in_compiled_call", "profiler_enabled", "global_module_hooks", "in_backward", "current_autograd_node", "tensor_use_count", "OBSERVER_HOOK", "modes_active", "OWN_OBSERVER", "foreign_saved_hooks", "foreign_dispatch_modes", "boxed", "release_saved", "mark_own_observer",
     "GRAD_SCALER_UNSCALE", "HAS_GRAD_SCALER_UNSCALE", "amp_check_and_unscale_",
     "WRAPPER_POSITIONAL", "TorchDispatchMode", "all_op_schemas", "disable_torch_function_subclass", "disabled_torch_function_impl", "flatten_dense_tensors",
     "attribute_access", "enable_torch_function", "torch_function_enabled",

@@ -72,6 +72,12 @@ class Programs:
     writes: tuple[objects.Path, ...] = ()   # the entries the forward writes tensors into (the last outputs)
     sets: tuple[tuple[objects.Path, Any], ...] = ()  # ... and other values into
     objects: bool = False                   # the call has object arguments: its output is ``(output, written)``
+    boxed: bool = False                     # the backward takes its inputs as one list it empties
+
+    def run_backward(self, args: list[Any]) -> Any:
+        """The backward program on ``args`` (the list is emptied: each input goes after its last use)."""
+        assert self.backward is not None
+        return self.backward(args) if self.boxed else self.backward(*args)
 
     @property
     def n_tensors(self) -> int:
@@ -257,6 +263,7 @@ def capture_call(module: nn.Module, run: Callable[..., Any], state: Sequence[tor
             if g is not None:
                 sink_waits(g)
                 hoist_starts(g)
+        boxed = backward is not None and compat.boxed(backward)  # (its saved inputs let go as it runs)
     except SplitError as e:
         return str(e)
     except Exception as e:  # noqa: BLE001  (a program the passes cannot handle: the same on every rank)
@@ -266,7 +273,7 @@ def capture_call(module: nn.Module, run: Callable[..., Any], state: Sequence[tor
         n_forward = len(result.records)  # (not told apart: all said at the forward)
     return Programs(forward, backward, got["outs"], got["tree"], got["wrt"], got["specs"], got["tangents"], result.records,
                     n_forward, redundant, sizes, reads=reads, writes=got.get("writes", ()), sets=got.get("sets", ()),
-                    objects=bool(found))
+                    objects=bool(found), boxed=boxed)
 
 
 def _constant(v: Any) -> bool:
@@ -444,7 +451,7 @@ def _runs_at(progs: Programs, state: Sequence[torch.Tensor], leaves: list[Any]) 
                 for i in progs.tangents:
                     spec = tangent_spec(progs.outs[i][1], progs.redundant)
                     tangents.append(torch.empty(spec.local_shape(_coordinate(spec)), dtype=spec.dtype))
-                progs.backward(*outs[progs.n_tensors:], *tangents)
+                progs.run_backward([*outs[progs.n_tensors:], *tangents])
     except Exception as e:  # noqa: BLE001  (the same failure on every rank: sizes only)
         logger.debug("a program of open sizes fails at its own sizes: %s", e)
         return False
@@ -692,9 +699,12 @@ class _Node(torch.autograd.Function):
             tangents.append(loc.contiguous())
         assert progs.backward is not None
         saved = list(ctx.saved_tensors)
+        compat.release_saved(ctx)  # (the program lets each go after its last use)
         for k, v in ctx.others:
             saved.insert(k, v)
-        out = progs.backward(*saved, *tangents)
+        saved += tangents
+        del tangents
+        out = progs.run_backward(saved)
         replay(progs.records[progs.n_forward:], within=call.module)
         result: list[Any] = []
         k = 0
