@@ -425,6 +425,7 @@ def tensors_stood_in(modules: Any, stand_ins: dict[int, Any]) -> Iterator[None]:
 
 
 _PLAIN_VALUES = (bool, int, float, str, type(None))
+PLAIN_VALUES = _PLAIN_VALUES  # the attribute values a signature holds (``module_values``)
 
 
 def module_values(module: torch.nn.Module) -> tuple[tuple[str, Any], ...]:
@@ -707,7 +708,7 @@ except ImportError:  # pragma: no cover - the same in Python
 
 
 __all__ = [
-    "LIBRARY_PACKAGES", "REENTRANT_CHECKPOINT_NODE", "run_as_is_under_dynamo", "when_dynamo_imported", "on_dynamo_compile", "in_compiled_call", "profiler_enabled", "global_module_hooks", "in_backward", "current_autograd_node", "tensor_use_count", "OBSERVER_HOOK", "modes_active", "OWN_OBSERVER", "foreign_saved_hooks", "foreign_dispatch_modes", "boxed", "release_saved", "mark_own_observer",
+    "LIBRARY_PACKAGES", "REENTRANT_CHECKPOINT_NODE", "run_as_is_under_dynamo", "when_dynamo_imported", "on_dynamo_compile", "in_compiled_call", "profiler_enabled", "global_module_hooks", "in_backward", "current_autograd_node", "tensor_use_count", "OBSERVER_HOOK", "modes_active", "OWN_OBSERVER", "foreign_saved_hooks", "foreign_dispatch_modes", "PLAIN_VALUES", "boxed", "release_saved", "mark_own_observer",
     "GRAD_SCALER_UNSCALE", "HAS_GRAD_SCALER_UNSCALE", "amp_check_and_unscale_",
     "WRAPPER_POSITIONAL", "TorchDispatchMode", "all_op_schemas", "disable_torch_function_subclass", "disabled_torch_function_impl", "flatten_dense_tensors",
     "attribute_access", "enable_torch_function", "torch_function_enabled",

@@ -323,9 +323,9 @@ class Calls:
         self.reused = 0  # calls answered by a kept or an open program
 
     def find(self, key: Any, leaves: list[Any], tree: Any, state: Sequence[torch.Tensor], module: nn.Module,
-             run: Callable[..., Any], held: dict[objects.Path, Any] | None = None) -> tuple[Programs | str, bool]:
-        """(the programs or refusal of the call of ``key``, whether this call captured it): kept,
-        served by a program of open sizes of its family, or captured now (``run``: the module's
+             run: Callable[..., Any], held: dict[objects.Path, Any] | None = None) -> tuple[Programs | str, str]:
+        """(the programs or refusal of the call of ``key``, how: ``kept``, ``open`` (served by a
+        program of open sizes of its family) or ``captured`` now (``run``: the module's
         forward, its submodules' regions plain; ``held``: the entries of its object arguments,
         whose tensors' sizes are part of the signature, and open like the arguments')."""
         entries = [v for v in held.values() if isinstance(v, torch.Tensor)] if held else []
@@ -336,7 +336,7 @@ class Calls:
             self.reused += 1
             if len(self.programs) > 1:
                 self.programs[key] = self.programs.pop(key)  # now the most recently used
-            return entry, False
+            return entry, "kept"
         fam = family(key[:-1] if entries else key, leaves)
         if entries:
             fam = (fam, tuple(_masked(t, None) for t in entries))
@@ -345,7 +345,7 @@ class Calls:
         if served is not None:
             self.reused += 1
             self._keep(key, served)
-            return served, False
+            return served, "open"
         began = time.perf_counter()
         progs: Programs | str | None = refusal(leaves, state, module)
         if not progs and self.captures >= MAX_SIGNATURES and self.reused < self.captures:
@@ -383,7 +383,7 @@ class Calls:
         logger.debug("local region %s: %s (%.2f s)", type(module).__name__,
                      f"refused: {progs}" if isinstance(progs, str) else "captured", time.perf_counter() - began)
         self._keep(key, progs)
-        return progs, True
+        return progs, "captured"
 
     def _keep(self, key: Any, entry: Programs | str) -> None:
         if len(self.programs) >= MAX_SIGNATURES:

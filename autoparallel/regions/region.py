@@ -71,14 +71,17 @@ def local_regions_report(module: nn.Module) -> dict[str, list[str]]:
 
 
 # ---- installing ------------------------------------------------------------------------------
-def _install(module: nn.Module) -> None:
+def _install(module: nn.Module, shared: dict[Any, program.Calls] | None = None) -> None:
+    """Wrap ``module`` (or, a container, its children); ``shared``: the captured calls of the
+    modules installed from one root, by class (``_Region.class_key``)."""
+    shared = {} if shared is None else shared
     if isinstance(module, (nn.ModuleList, nn.ModuleDict)):  # containers are never called
         for child in module.children():
-            _install(child)
+            _install(child, shared)
         return
     if _ATTR in module.__dict__ or not _has_dist_state(module):
         return
-    region = _Region(module)
+    region = _Region(module, shared)
     module.__dict__[_ATTR] = region
     module.__dict__["forward"] = _Forward(region)
 
@@ -111,8 +114,9 @@ class _Region:
     """The wrapper state of one module: its original forward, slots, captured calls and the
     report's line per signature."""
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, shared: dict[Any, program.Calls] | None = None) -> None:
         self.module = module
+        self.shared: dict[Any, program.Calls] = {} if shared is None else shared
         self.forward: Callable[..., Any] = module.forward
         self.own_forward = module.__dict__.get("forward", _MISSING)
         self.modules = list(module.modules())
@@ -127,7 +131,7 @@ class _Region:
         with no programs: they are caches, and name the original's objects."""
         new = _Region.__new__(_Region)
         memo[id(self)] = new
-        fresh = {"verdicts": {}, "calls": program.Calls()}
+        fresh = {"verdicts": {}, "calls": program.Calls(), "shared": {}}
         for k, v in self.__dict__.items():
             new.__dict__[k] = fresh[k] if k in fresh else copy.deepcopy(v, memo)
         return new
@@ -151,15 +155,17 @@ class _Region:
         key, held = self._key(leaves, tree, tensors)
         if key is None or compat.foreign_dispatch_modes():  # (a trace of the caller's: make_fx, a static capture)
             return None
+        shape = self.class_key()
+        calls = self.calls if shape is None else self.shared.setdefault(shape, self.calls)
         try:
-            progs, captured = self.calls.find(key, leaves, tree, tensors, self.module, self._inside, held)
+            progs, how = calls.find(key, leaves, tree, tensors, self.module, self._inside, held)
         except TypeError:  # an unhashable non-tensor argument: no signature
             return None
         if key not in self.verdicts:
             if len(self.verdicts) >= program.MAX_SIGNATURES:
                 del self.verdicts[next(iter(self.verdicts))]
             self.verdicts[key] = (f"refused: {progs}" if isinstance(progs, str) else
-                                  "local" if captured else "local (open sizes)")
+                                  "local (open sizes)" if how == "open" else "local")
         if isinstance(progs, str):
             return None
         again = program.Again(self._inside, tree, self._state_now, self.modules)
@@ -167,6 +173,23 @@ class _Region:
 
     def _state_now(self) -> list[torch.Tensor]:
         return [_current(m, a) for m, a in self.slots]
+
+    def class_key(self) -> Any:
+        """What makes two modules' calls of one signature the same program: the classes and
+        structure of the module tree, and every attribute that is not a plain value (kept in the
+        signature), a tensor slot or a submodule, by identity (a shared config object: the same).
+        None where calls are not shared: an instance ``forward`` of its own, or a submodule's forward
+        hook that is not quiet (a style's closure knows its module's layout)."""
+        if self.own_forward is not _MISSING:
+            return None
+        parts = []
+        for m in self.modules:
+            if any(not compat.quiet_hook(h, m) for h in compat.forward_hook_fns(m)) and m is not self.module:
+                return None
+            attrs = tuple((k, id(v)) for k, v in m.__dict__.items()
+                          if k not in _MODULE_SLOTS and not k.startswith("_ap") and type(v) not in compat.PLAIN_VALUES)
+            parts.append((type(m), attrs))
+        return tuple(parts), _slot_names(self.modules, self.slots)
 
     def _inside(self, *args: Any, **kwargs: Any) -> Any:
         with _mode("trace"):  # (its submodules' regions: plain)
@@ -177,7 +200,7 @@ class _Region:
         if not self.children_done:
             self.children_done = True
             for child in self.module.children():
-                _install(child)
+                _install(child, self.shared)
         return self.forward(*args, **kwargs)
 
     def _key(self, leaves: list[Any], tree: Any, tensors: list[torch.Tensor]) -> tuple[Any, dict[Any, Any] | None]:
@@ -208,6 +231,15 @@ class _Region:
             return None, None
         return (tree, tuple(parts), slot_parts, ties(tensors), tuple((m.training, _read_values(m)) for m in self.modules),
                 torch.is_grad_enabled(), autocast_state()), held
+
+
+_MODULE_SLOTS = frozenset(vars(nn.Module())) | {"forward"}  # nn.Module's own fields, and our wrapper
+
+
+def _slot_names(modules: list[nn.Module], slots: list[tuple[nn.Module, str]]) -> tuple[tuple[int, str], ...]:
+    """The tensor slots by (module's place in the tree, attribute): the order of a program's inputs."""
+    place = {id(m): k for k, m in enumerate(modules)}
+    return tuple((place[id(m)], a) for m, a in slots)
 
 
 def _agree_plain(module: nn.Module, leaves: list[Any], tensors: list[torch.Tensor]) -> None:
