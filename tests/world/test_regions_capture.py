@@ -299,3 +299,55 @@ def test_signatures_that_never_come_back_stop_being_captured() -> None:
     # (the report keeps the 16 latest signatures: 12 of the captured ones, then the 4 refused)
     assert verdicts[:12] == ["local"] * 12, verdicts
     assert len(verdicts) == 16 and all(v.startswith("refused: its signatures keep changing") for v in verdicts[12:]), verdicts
+
+
+class _Twin(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(4, 8), torch.nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+class _Stack(torch.nn.Module):
+    """Three identical blocks and a Linear, behind a Python value read from the batch (the stack
+    itself is refused: its blocks are regions)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([_Twin(), _Twin(), _Twin()])
+        self.other = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return self.other(x) * float(x.abs().amax() > 0)
+
+
+@pytest.mark.pure
+def test_identical_modules_share_their_captured_calls() -> None:
+    import autoparallel as ap
+    from autoparallel.regions.region import _ATTR
+
+    def run() -> tuple[dict[str, list[str]], list[int], float]:
+        mesh = ap.ProcessMesh([0], dim_names=["dp"])
+        torch.manual_seed(0)
+        model = ap.shard_layer(_Stack(), mesh)
+        ref = _Stack()
+        ref.load_state_dict({k: v.full_tensor() for k, v in model.state_dict().items()})
+        worst = 0.0
+        for _ in range(2):
+            x = torch.randn(4, 4)
+            y = model(ap.shard_tensor(x, mesh, [ap.Shard(0)]))
+            worst = max(worst, float((y.full_tensor() - ref(x)).abs().max()))
+        regions = [m.__dict__[_ATTR] for m in (*model.blocks, model.other)]
+        calls = [r.shared[r.class_key()] for r in regions]
+        return _report_of(model), [len({id(c) for c in calls[:3]}), calls[0].captures, calls[3].captures], worst
+
+    report, (distinct, captures, other), worst = _with("1", run)
+    assert worst < 1e-6
+    assert report["blocks.0"] == report["blocks.1"] == report["blocks.2"] == ["local"], report
+    # the blocks' calls in one table: two signatures (the first block's input needs no gradient,
+    # the others' do), two captures for three blocks; the Linear its own
+    assert distinct == 1 and captures == 2 and other == 1, (distinct, captures, other)
