@@ -286,13 +286,11 @@ def _constant(v: Any) -> bool:
 
 def _redundant(tensors: Sequence[torch.Tensor]) -> tuple[int, ...]:
     """The mesh axes along which every DistTensor input is Replicate: the ranks along them are
-    given the same values. None where that is every axis: a call replicated everywhere is most
-    often read by replicated work too (a model given a whole batch), its gradient whole."""
+    given the same values."""
     specs = [layout.spec_of(t) for t in tensors if layout.is_dist(t)]
     if not specs or any(s.mesh != specs[0].mesh for s in specs):
         return ()
-    axes = tuple(a for a in range(specs[0].mesh.ndim) if all(isinstance(s.placements[a], Replicate) for s in specs))
-    return () if len(axes) == specs[0].mesh.ndim else axes
+    return tuple(a for a in range(specs[0].mesh.ndim) if all(isinstance(s.placements[a], Replicate) for s in specs))
 
 
 def tangent_spec(out: DistSpec, redundant: tuple[int, ...]) -> DistSpec:

@@ -271,11 +271,15 @@ def test_uneven_batch_is_refused(world4: Any) -> None:
     assert "split unevenly" in report["<root>"][0], report
 
 
-def test_replicated_input_is_not_a_region_of_its_own_but_trains(world4: Any) -> None:
-    # Replicate everywhere: a region (the same computation on every rank), gradients Replicate
+def test_replicated_input_is_a_region_and_trains(world4: Any) -> None:
+    # Replicate everywhere: a region (the same computation on every rank), equal to op by op (in
+    # _compare). Its backward takes the output's gradient as a summand (what a value replicated
+    # along an axis most often gets back from work split along it: a position table's), so the
+    # parameters' gradients are Partial(sum), reduced by the optimizer, where op by op they are whole
     r = world4.run(_compare, MLP, (8, 6), [R])[0]
     assert r["report"] == {"<root>": ["local"]}
-    assert r["grad_layouts"] == r["plain_grad_layouts"]
+    assert r["plain_grad_layouts"] == {n: [R] for n in r["plain_grad_layouts"]}, r["plain_grad_layouts"]
+    assert r["grad_layouts"] == {n: [Partial("sum")] for n in r["grad_layouts"]}, r["grad_layouts"]
 
 
 def test_replicated_output_gradient_stays_partial(world4: Any) -> None:
