@@ -542,6 +542,7 @@ def run_call(progs: Programs, state: Sequence[torch.Tensor], leaves: list[Any], 
             call.again, call.leaves, call.state = again, [_weak(x) for x in leaves], [id(t) for t in state]
         diff = _Node.apply(call, *[inputs.tensors[k] for k in progs.wrt])
         out = _assemble(progs, call.outs, dict(zip(progs.tangents, diff)))
+        call.outs = []  # (the node keeps the call until its backward: not its outputs)
     if not progs.objects:
         return out
     out, written = out
