@@ -200,18 +200,14 @@ class Writing:
         self.paths: tuple[Path, ...] = ()
         self.values: tuple[tuple[Path, Any], ...] = ()
         self.why = ""
-        self.held: dict[Path, Any] = {}  # the entries as the call found them
-        self.left: dict[Path, Any] = {}  # ... and as it left them
         self._given = held  # the walk the call's signature made of these objects as they are now
 
     def __call__(self, *args: Any, **kwargs: Any) -> tuple[Any, tuple[torch.Tensor, ...]]:
         before = self._given if self._given is not None else entries(self.leaves)
         assert before is not None  # (the signature walked them)
         self._given = None  # (a second call walks afresh)
-        self.held = before
         out = self.forward(*args, **kwargs)
         after = entries(self.leaves)
-        self.left = after or {}
         self.why, written = _writes(before, after)
         self.paths = tuple(p for p, v in written if isinstance(v, torch.Tensor))
         self.values = tuple((p, v) for p, v in written if not isinstance(v, torch.Tensor))
