@@ -137,7 +137,7 @@ class ContextParallel(ParallelStyle):
                 kwargs = {**kwargs, first: to_layout(kwargs[first], ctx.mesh, cp, seq, where)}
             return args, kwargs
 
-        module.register_forward_pre_hook(moves.style_hook(enter), with_kwargs=True)
+        module.register_forward_pre_hook(moves.style_hook(enter, ("cp enter", ctx.mesh, cp, self.seq_dim, first)), with_kwargs=True)
         if self.comm == "ring":
             return
         qkv, out = self._projections(name, module)
@@ -167,8 +167,8 @@ class ContextParallel(ParallelStyle):
 
         children = dict(module.named_children())
         for p in qkv:
-            children[p].register_forward_hook(moves.style_hook(to_heads))
-        children[out].register_forward_pre_hook(moves.style_hook(to_sequence))
+            children[p].register_forward_hook(moves.style_hook(to_heads, ("cp heads", ctx.mesh, cp, head_dim, fused)))
+        children[out].register_forward_pre_hook(moves.style_hook(to_sequence, ("cp sequence", ctx.mesh, cp, self.seq_dim)))
 
 
 def warn_idle_axis(mesh: ProcessMesh, styles: Any) -> None:

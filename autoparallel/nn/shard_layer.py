@@ -288,7 +288,7 @@ def watch_batch_split(layer: nn.Module, mesh: ProcessMesh) -> None:
             first[0] = False
             _warn_unsplit(module, mesh, (*args, *kwargs.values()))
 
-    layer.register_forward_pre_hook(style_hook(first_call), with_kwargs=True)
+    layer.register_forward_pre_hook(style_hook(first_call, ("batch split warning", mesh)), with_kwargs=True)
 
 
 def _warn_unsplit(module: nn.Module, mesh: ProcessMesh, values: tuple[Any, ...]) -> None:

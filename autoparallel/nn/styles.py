@@ -152,7 +152,8 @@ class ParallelStyle:
 
 
 def _input_hook(module: nn.Module, layout: Layout, ctx: PlanContext, where: str, check: Any = None) -> None:
-    """Forward pre-hook: the first positional input to ``layout`` (after ``check(x)``)."""
+    """Forward pre-hook: the first positional input to ``layout`` (after ``check(x)``, a
+    ``_seq_check``)."""
     def hook(_: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
         if not args:
             return args
@@ -160,7 +161,7 @@ def _input_hook(module: nn.Module, layout: Layout, ctx: PlanContext, where: str,
             check(args[0])
         return (to_layout(args[0], ctx.mesh, ctx.axis, layout, where), *args[1:])
 
-    module.register_forward_pre_hook(moves.style_hook(hook))
+    module.register_forward_pre_hook(moves.style_hook(hook, ("input", layout_key(layout), *_check_key(ctx, check))))
 
 
 def _output_hook(module: nn.Module, layout: Layout, ctx: PlanContext, where: str, check: Any = None) -> None:
@@ -170,11 +171,21 @@ def _output_hook(module: nn.Module, layout: Layout, ctx: PlanContext, where: str
             check(out)
         return to_layout(out, ctx.mesh, ctx.axis, layout, where)
 
-    module.register_forward_hook(moves.style_hook(hook))
+    module.register_forward_hook(moves.style_hook(hook, ("output", layout_key(layout), *_check_key(ctx, check))))
+
+
+def layout_key(layout: Layout) -> Any:
+    """A hashable form of ``layout`` (a style hook's key, ``moves.style_hook``)."""
+    return tuple(layout) if isinstance(layout, (list, tuple)) else layout
+
+
+def _check_key(ctx: PlanContext, check: Any) -> tuple[Any, ...]:
+    return ctx.mesh, ctx.axis, getattr(check, "seq_dim", None) if check is not None else None
 
 
 def _seq_check(ctx: PlanContext, seq_dim: int, where: str) -> Any:
-    """A check that a tensor's sequence dim exists and divides by the tp degree."""
+    """A check that a tensor's sequence dim exists and divides by the tp degree (its
+    ``seq_dim`` attribute: what it checks, for a hook's key)."""
     def check(x: Any) -> None:
         if not isinstance(x, torch.Tensor):
             return
@@ -190,6 +201,7 @@ def _seq_check(ctx: PlanContext, seq_dim: int, where: str) -> Any:
                 "sequence parallelism needs equal pieces"
             )
 
+    check.seq_dim = seq_dim  # type: ignore[attr-defined]
     return check
 
 
@@ -414,7 +426,9 @@ class PrepareLayerInput(ParallelStyle):
             kwargs = {k: to_layout(v, ctx.mesh, ctx.axis, kw_layouts.get(k, by_name.get(k)), where) for k, v in kwargs.items()}
             return args, kwargs
 
-        module.register_forward_pre_hook(moves.style_hook(hook), with_kwargs=True)
+        key = ("inputs", tuple(map(layout_key, layouts)), tuple((k, layout_key(v)) for k, v in kw_layouts.items()),
+               tuple(names), ctx.mesh, ctx.axis)
+        module.register_forward_pre_hook(moves.style_hook(hook, key), with_kwargs=True)
 
 
 def positional_names(module: nn.Module) -> list[str]:
@@ -456,7 +470,7 @@ class PrepareLayerOutput(ParallelStyle):
                 return map_layouts(out, layouts, ctx.mesh, ctx.axis, where)
             return map_layouts((out,), layouts, ctx.mesh, ctx.axis, where)[0]
 
-        module.register_forward_hook(moves.style_hook(hook))
+        module.register_forward_hook(moves.style_hook(hook, ("outputs", tuple(map(layout_key, layouts)), ctx.mesh, ctx.axis)))
 
 
 __all__ = [

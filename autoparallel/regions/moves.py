@@ -15,7 +15,7 @@ the step on whole fake tensors): every move hands its value back unchanged.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -26,13 +26,23 @@ from autoparallel import compat
 Run = Callable[[Any], Any]
 _DOORS: list[Any] = []  # the innermost open door last: entered and left only through ``opened``
 _STYLE = "_ap_style_hook"
+_KEY = "_ap_style_key"
 
 
-def style_hook(hook: Any) -> Any:
+def style_hook(hook: Any, key: Hashable = None) -> Any:
     """Mark ``hook`` as a style's: it changes nothing but through ``to_layout`` (and may raise on
-    sizes), so a captured program of a module around it holds its moves."""
+    sizes), so a captured program of a module around it holds its moves. ``key``: what the hook
+    does, from metadata (its kind, layouts, mesh and axis; not its module's name): modules whose
+    hooks have equal keys may share one captured program (``style_key``); None: they do not."""
     setattr(hook, _STYLE, True)
+    if key is not None:
+        setattr(hook, _KEY, key)
     return hook
+
+
+def style_key(hook: Any) -> Hashable:
+    """The key a style's hook was marked with (``style_hook``), or None."""
+    return getattr(hook, _KEY, None)
 
 
 def foreign_hooks(module: torch.nn.Module) -> bool:
@@ -65,4 +75,4 @@ class Whole:
         return x
 
 
-__all__ = ["Whole", "current", "foreign_hooks", "opened", "style_hook"]
+__all__ = ["Whole", "current", "foreign_hooks", "opened", "style_hook", "style_key"]

@@ -16,7 +16,7 @@ from torch import nn
 from autoparallel import compat
 from autoparallel.engine import layout
 from autoparallel.engine.dtensor import DistTensor
-from autoparallel.regions import objects, program
+from autoparallel.regions import moves, objects, program
 from autoparallel.regions.state import autocast_state, flatten_call, ties
 from autoparallel.regions.state import current as _current
 from autoparallel.regions.state import read_values as _read_values
@@ -178,17 +178,25 @@ class _Region:
         """What makes two modules' calls of one signature the same program: the classes and
         structure of the module tree, and every attribute that is not a plain value (kept in the
         signature), a tensor slot or a submodule, by identity (a shared config object: the same).
-        None where calls are not shared: an instance ``forward`` of its own, or a submodule's forward
-        hook that is not quiet (a style's closure knows its module's layout)."""
+        A submodule's forward hooks are part of it by their style keys (``moves.style_key``: two
+        column-parallel Linears on one mesh axis move alike), quiet ones left out. None where
+        calls are not shared: an instance ``forward`` of its own, or a submodule's forward hook
+        that is neither quiet nor a style's with a key (a closure may know its module)."""
         if self.own_forward is not _MISSING:
             return None
         parts = []
         for m in self.modules:
-            if any(not compat.quiet_hook(h, m) for h in compat.forward_hook_fns(m)) and m is not self.module:
-                return None
+            hooks: list[Any] = []
+            for h in compat.forward_hook_fns(m) if m is not self.module else ():
+                if compat.quiet_hook(h, m):
+                    continue
+                key = moves.style_key(h)
+                if key is None:
+                    return None
+                hooks.append(key)
             attrs = tuple((k, id(v)) for k, v in m.__dict__.items()
                           if k not in _MODULE_SLOTS and not k.startswith("_ap") and type(v) not in compat.PLAIN_VALUES)
-            parts.append((type(m), attrs))
+            parts.append((type(m), attrs, tuple(hooks)))
         return tuple(parts), _slot_names(self.modules, self.slots)
 
     def _inside(self, *args: Any, **kwargs: Any) -> Any:

@@ -351,3 +351,37 @@ def test_identical_modules_share_their_captured_calls() -> None:
     # the blocks' calls in one table: two signatures (the first block's input needs no gradient,
     # the others' do), two captures for three blocks; the Linear its own
     assert distinct == 1 and captures == 2 and other == 1, (distinct, captures, other)
+
+
+def _styled_stack(rank: int) -> tuple[dict[str, list[str]], int, int, float]:
+    import autoparallel as ap
+    from autoparallel.regions.region import _ATTR
+
+    mesh = ap.ProcessMesh([0, 1], dim_names=["tp"])
+    torch.manual_seed(0)
+    ref = _Stack()
+    model = _Stack()
+    model.load_state_dict(ref.state_dict())
+    ap.parallelize(model, mesh, {"blocks.*.fc1": ap.ColWiseParallel(), "blocks.[01].fc2": ap.RowWiseParallel(),
+                                 "blocks.2.fc2": ap.RowWiseParallel(output_layout=ap.Partial())})
+    worst = 0.0
+    for n in (4, 6):
+        x = torch.randn(n, 4)
+        y = model(ap.shard_tensor(x, mesh, [ap.Replicate()]))
+        worst = max(worst, float((y.full_tensor() - ref(x)).abs().max()))
+    regions = [m.__dict__[_ATTR] for m in model.blocks]
+    tables = [id(r.shared[r.class_key()]) for r in regions]
+    own = tables[2] not in tables[:2]
+    return _report_of(model), len(set(tables[:2])) if own else 0, regions[0].shared[regions[0].class_key()].captures, worst
+
+
+def test_identically_styled_modules_share_their_captured_calls(world2) -> None:  # type: ignore[no-untyped-def]
+    """Blocks whose submodules carry the same styles (a column- then a row-parallel Linear, on one
+    mesh axis) share one table of captured calls; a block styled otherwise (its output left
+    Partial) has its own. Equal to one process at both batch sizes."""
+    for report, distinct, captures, worst in world2.run(_styled_stack):
+        assert worst < 1e-5
+        assert report["blocks.0"][0] == report["blocks.1"][0] == "local", report
+        # two blocks, two sizes (the first block's input needs no gradient, the second's does):
+        # one table; captures: 2 at the first size, then 2 of open sizes at the second
+        assert distinct == 1 and captures <= 4, (distinct, captures)
