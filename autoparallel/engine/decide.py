@@ -588,7 +588,13 @@ def _decide(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], 
         why = "it has no SPMD rule" if rule is None else "its rule offered no strategy"
         return replace(_fallback_decision(func, specs, mesh, outs, mutated, reason=why, kind=out_kind), out_alias=alias,
                        meta_value=fake_out if out_kind is OutKind.VALUE else None)
-    best = cheapest(strategies, specs, tuple(mesh.shape), out_metas, target)
+    # at open sizes, a choice that holds at every shape needs no price (which would be a
+    # function of the sizes, its comparisons guards); where sizes decide, they are priced so
+    best = None
+    if symbolic:
+        hinted, hinted_metas, hinted_target = _at_hints(specs, out_metas, target)
+        best = _generic_best(strategies, hinted, mesh, hinted_metas, hinted_target, open_sizes=True)
+    best = best or cheapest(strategies, specs, tuple(mesh.shape), out_metas, target)
     if key is not None and _generic_best(strategies, specs, mesh, out_metas, target) is best:
         generic.store_choice(key, best)
         stored.append(True)
@@ -631,8 +637,21 @@ def _local_step(func: Any, mesh: Any, specs: list[DistSpec], best: Strategy, cal
     )
 
 
+def _at_hints(specs: Sequence[DistSpec], out_metas: tuple[TensorMeta | None, ...],
+              target: DistSpec | None) -> tuple[list[DistSpec], tuple[TensorMeta | None, ...], DistSpec | None]:
+    """A call's specs, output metadata and target at the sizes a symbolic capture has now
+    (``compat.size_hint``)."""
+    def at(shape: tuple[Any, ...]) -> tuple[int, ...]:
+        return tuple(compat.size_hint(n) for n in shape)
+
+    return ([s.with_shape(at(s.shape)) if s.symbolic else s for s in specs],
+            tuple(None if m is None else TensorMeta(at(m.shape), m.dtype) for m in out_metas),
+            target.with_shape(at(target.shape)) if target is not None and target.symbolic else target)
+
+
 def _generic_best(strategies: Sequence[Strategy], specs: Sequence[DistSpec], mesh: Any,
-                  out_metas: tuple[TensorMeta | None, ...], target: DistSpec | None = None) -> Strategy | None:
+                  out_metas: tuple[TensorMeta | None, ...], target: DistSpec | None = None,
+                  open_sizes: bool = False) -> Strategy | None:
     """The strategy the cost comparison picks at every shape of the call's signature, where that
     follows without comparing sizes: the one strategy taking every input as it is (only such
     strategies compete when there is one); with several, and one output, the one of least local
@@ -643,14 +662,16 @@ def _generic_best(strategies: Sequence[Strategy], specs: Sequence[DistSpec], mes
     input as it is, the one strategy that moves nothing (every input as it is or reached by local
     steps: slices, relabels, ``R -> P``; priced 0 at any size, while every other plan has a
     collective or a fill, priced above 0 at any size). None where sizes decide, and where a
-    ``StridedShard`` is in or out (its block count is a product of sizes)."""
+    ``StridedShard`` is in or out (its block count is a product of sizes). ``open_sizes``: the
+    sizes are a symbolic capture's present ones, its open sizes not known to stay multiples of
+    the mesh's: several strategies taking every input as they are are left to the sizes."""
     if _strided(specs):
         return None
     free = [s for s in strategies if all(as_is(spec, req) for spec, req in zip(specs, s.inputs))]
     if len(free) == 1:
         best: Strategy | None = free[0]
     elif free:
-        if sum(m is not None for m in out_metas) != 1 or _uneven_sizes(mesh, out_metas):
+        if open_sizes or sum(m is not None for m in out_metas) != 1 or _uneven_sizes(mesh, out_metas):
             return None
         best = min(free, key=lambda s: cost(s, list(specs), tuple(mesh.shape), out_metas, target=target))
     else:

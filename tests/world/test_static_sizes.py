@@ -74,6 +74,8 @@ def _train(rank: int, kind: str, sizes: list[tuple[int, int]]) -> dict[str, Any]
     out: dict[str, Any] = {}
     for static in (False, True):
         model, opt, mesh, placements = _build(kind)
+        if not static:  # the reference: eager op by op (its captured regions equal it: test_regions_capture.py)
+            ap.disable_local_regions(model)
         dm = ap.to_static(model, loss=lm_loss, optimizer=opt) if static else None
         losses = []
         with warnings.catch_warnings(record=True) as caught:
