@@ -90,7 +90,8 @@ def _measured_peak(rank: int) -> dict[str, Any]:
     """The plan for a budget 10 % under plain DP's predicted peak (data-parallel mesh, AdamW, the
     H100 profile so the choice does not depend on this machine's speed; activations dominate):
     its predicted and measured peak per rank (parameters and optimizer states held, plus the
-    highest rise during one more step after warm-up)."""
+    highest rise during a step after warm-up: the least of three watched steps, as
+    ``ap.memory.peak_rise`` advises, since a buffer gloo's thread frees is not seen freed)."""
     import autoparallel as ap
 
     cfg = GPTConfig(vocab=128, seq=256, layers=2, width=256, heads=4, dropout=0.0)
@@ -114,7 +115,7 @@ def _measured_peak(rank: int) -> dict[str, Any]:
     for _ in range(3):
         step()
     return {"name": plan.candidates[0].name, "budget": budget, "predicted": plan.candidates[0].prediction.memory_bytes,
-            "measured": ap.memory.held_bytes(model, opt) + ap.memory.peak_rise(step)}
+            "measured": ap.memory.held_bytes(model, opt) + min(ap.memory.peak_rise(step) for _ in range(3))}
 
 
 def test_memory_prediction_matches_the_measured_peak(world4) -> None:  # type: ignore[no-untyped-def]
