@@ -527,7 +527,9 @@ def _decide(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], 
     fake_out = generic.known_out(func, out_key, shaped, args, kwargs) if shaped else None
     if fake_out is None:
         try:
-            fake_out = func(*map_args(cls, args, to_fake), **fake_kwargs)
+            fake_args = map_args(cls, args, to_fake)
+            fn = compat.open_size_impl(func, fake_args) if symbolic and func in compat.OPEN_SIZE_OPS else func
+            fake_out = fn(*fake_args, **fake_kwargs)
         except Exception as e:  # no meta kernel: compute replicated and learn the outputs from it
             if _invalid_call(e):
                 raise  # the op's own error on these shapes (every rank raises it, before any collective)

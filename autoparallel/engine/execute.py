@@ -72,7 +72,8 @@ def _run(cls: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], dts
             largs = map_args(cls, args, lambda t: moved[id(t)] if isinstance(t, cls) else t)
             lkwargs = map_args(cls, kwargs, lambda t: moved[id(t)] if isinstance(t, cls) else t)
         if d.local_fn is None:
-            out = func(*largs, **lkwargs)
+            fn = compat.open_size_impl(func, largs) if func in compat.OPEN_SIZE_OPS else func
+            out = fn(*largs, **lkwargs)
             if d.simple and isinstance(out, torch.Tensor):
                 w = cls._wrap(_follow(out, d, 0), d.out_specs[0], d.out_strides[0])
                 return _inherit_detached(w, dts, func, args, kwargs) if d.view_out else w

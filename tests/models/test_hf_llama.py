@@ -312,8 +312,7 @@ def _data_parallel_lengths(rank: int, lengths: list[int], use_cache: bool, tp: b
 def _check_lengths(r: dict[str, Any], runs: str, served: int = 6) -> None:
     """One rank's ``_data_parallel_lengths``: losses, parameters and the cache equal one
     process; ``runs`` (the module that runs the decoder layers as its program) is local at every
-    length it meets, at least ``served`` of them served by its program of open sizes (without a
-    cache, ``model`` meets the lengths from the third: the causal LM's program ran it before)."""
+    length it meets, at least ``served`` of them served by its program of open sizes."""
     for ours, theirs in r["losses"]:
         assert ours == pytest.approx(theirs, rel=RTOL)
     assert not r["bad"], r["bad"]
@@ -327,15 +326,14 @@ def _check_lengths(r: dict[str, Any], runs: str, served: int = 6) -> None:
 def test_data_parallel_llama_runs_its_layers_locally_at_new_lengths(world4, use_cache: bool) -> None:  # type: ignore[no-untyped-def]
     """Its causal mask is a plain boolean tensor the decoder layers take and SDPA slices by the
     batch, inside the program; new lengths are served by the program of open sizes; loss and
-    parameters equal one process. Without a cache the decoder stack (``model.model``) is one region
-    (the causal LM around it is refused from its third length: its loss counts tokens, a guard on
-    the sizes). With transformers' default cache the model returns the ``DynamicCache`` it made
-    (refused: an object returned) and each decoder layer is a region that writes its keys and values
+    parameters equal one process. Without a cache the causal LM with its loss is one region (its
+    loss pads the labels: ``F.pad`` keeps the length open). With transformers' default cache the
+    model returns the ``DynamicCache`` it made (refused: an object returned) and each decoder layer is a region that writes its keys and values
     into the cache it is given (``regions.objects``): they are its program's outputs, put back as
     DistTensors."""
     lengths = [9, 11, 13, 15, 17, 19, 21, 11, 25, 27]
     for r in world4.run(_data_parallel_lengths, lengths, use_cache):
-        _check_lengths(r, "model.layers.0" if use_cache else "model", 6 if use_cache else 5)
+        _check_lengths(r, "model.layers.0" if use_cache else "<root>", 6 if use_cache else 7)
 
 
 def test_tensor_parallel_llama_layers_with_their_cache_are_regions_at_new_lengths(world4) -> None:  # type: ignore[no-untyped-def]

@@ -213,6 +213,51 @@ def test_a_module_whose_guards_fix_its_sizes_lets_its_children_serve_new_lengths
     assert report["inner"] == ["local", "local", "local (open sizes)"], report
 
 
+class _PadsItsLabels(torch.nn.Module):
+    """A causal LM's loss in small: the labels padded by one and shifted (``F.pad``, whose fake
+    kernel alone would fix the length), a mean over every position."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = torch.nn.Linear(4, 6)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]
+        logits = self.head(x)
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), shifted.flatten(), ignore_index=-100)
+
+
+@pytest.mark.pure
+def test_a_padded_length_stays_open() -> None:
+    """A forward that pads its labels is one program of open sizes for every later length, equal
+    to the module run in one process (loss and gradients)."""
+    import autoparallel as ap
+
+    def run() -> tuple[dict[str, list[str]], list[float]]:
+        mesh = ap.ProcessMesh([0], dim_names=["dp"])
+        torch.manual_seed(0)
+        model = ap.shard_layer(_PadsItsLabels(), mesh)
+        ref = _PadsItsLabels()
+        ref.load_state_dict({k: v.full_tensor() for k, v in model.state_dict().items()})
+        errors = []
+        for t in (3, 5, 7, 9, 11):
+            g = torch.Generator().manual_seed(t)
+            x, y = torch.randn(2, t, 4, generator=g), torch.randint(0, 6, (2, t), generator=g)
+            loss = model(ap.shard_tensor(x, mesh, [ap.Shard(0)]), ap.shard_tensor(y, mesh, [ap.Shard(0)]))
+            loss.backward()
+            want = ref(x, y)
+            want.backward()
+            errors.append(abs(float(loss.full_tensor()) - float(want)))
+            errors.append(float((model.head.weight.grad.full_tensor() - ref.head.weight.grad).abs().max()))
+            model.zero_grad()
+            ref.zero_grad()
+        return _report_of(model), errors
+
+    report, errors = _with("1", run)
+    assert max(errors) < 1e-6, errors
+    assert report["<root>"] == ["local", "local", "local (open sizes)", "local (open sizes)", "local (open sizes)"], report
+
+
 def _report_of(model: torch.nn.Module) -> dict[str, list[str]]:
     import autoparallel as ap
 
