@@ -373,7 +373,10 @@ class Calls:
                     progs = None
             if progs is None:
                 progs = capture_call(module, run, state, leaves, tree)
-                if why_open:  # its later sizes are not captured (refused at two sizes: alike)
+                # its later sizes are not captured where a capture at fixed sizes was refused (what
+                # refuses one, an object returned or a Python value read, does not depend on the
+                # sizes) or where its sizes cannot be open (refused at two sizes: alike)
+                if why_open or isinstance(progs, str):
                     if len(self.fixed) > 8 * MAX_SIGNATURES:
                         self.fixed.clear()
                     self.fixed[fam] = (progs if isinstance(progs, str) else
