@@ -177,7 +177,7 @@ class _Region:
     def class_key(self) -> Any:
         """What makes two modules' calls of one signature the same program: the classes and
         structure of the module tree, and every attribute that is not a plain value (kept in the
-        signature), a tensor slot or a submodule, by identity (a shared config object: the same).
+        signature), a tensor slot (or what shadows one) or a submodule, by identity (a shared config object: the same).
         A submodule's forward hooks are part of it by their style keys (``moves.style_key``: two
         column-parallel Linears on one mesh axis move alike), quiet ones left out. None where
         calls are not shared: an instance ``forward`` of its own, or a submodule's forward hook
@@ -185,6 +185,7 @@ class _Region:
         if self.own_forward is not _MISSING:
             return None
         parts = []
+        slotted = {(id(m), a) for m, a in self.slots}  # (a ZeRO-3 gathered tensor shadows its parameter's slot)
         for m in self.modules:
             hooks: list[Any] = []
             for h in compat.forward_hook_fns(m) if m is not self.module else ():
@@ -195,7 +196,8 @@ class _Region:
                     return None
                 hooks.append(key)
             attrs = tuple((k, id(v)) for k, v in m.__dict__.items()
-                          if k not in _MODULE_SLOTS and not k.startswith("_ap") and type(v) not in compat.PLAIN_VALUES)
+                          if k not in _MODULE_SLOTS and not k.startswith("_ap") and type(v) not in compat.PLAIN_VALUES
+                          and (id(m), k) not in slotted)
             parts.append((type(m), attrs, tuple(hooks)))
         return tuple(parts), _slot_names(self.modules, self.slots)
 
