@@ -148,7 +148,9 @@ def _strided_target(in_shape: Sequence[int], out_shape: Sequence[int], d: int, b
                 continue
             if block % shards and e > d + 1:  # uneven pieces of a block stay pieces only as its last dim
                 return None
-            factor = math.prod(in_shape[g0:d]) * blocks
+            # (a factor of open sizes, a capture's symbolic batch, is held at its present value:
+            # a layout holds a number; the capture's guards then admit that value only)
+            factor = int(math.prod(in_shape[g0:d]) * blocks)
             return StridedShard(o, factor) if factor > 1 else Shard(o)
         if math.prod(out_shape[:o]) == lead and blocks > 1:  # split: d is output dims o..
             j, before = o, 1
