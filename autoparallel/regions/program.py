@@ -45,7 +45,7 @@ from autoparallel.runtime import comm
 from autoparallel.runtime.debug import CommRecord, named_within, replay
 from autoparallel.spec import DistSpec
 from autoparallel.static.capture import PlainValues, capture, kept_in_place, plain_trained, plain_trained_reason
-from autoparallel.static.passes import collectives, hoist_starts, sink_waits, written_inputs
+from autoparallel.static.passes import collectives, drop_detaches, hoist_starts, sink_waits, written_inputs
 from autoparallel.static.sizes import OpenPrograms, OpenSizes, masked, open_dims, open_spec
 from autoparallel.static.split import SplitError, split_joint
 
@@ -261,6 +261,7 @@ def capture_call(module: nn.Module, run: Callable[..., Any], state: Sequence[tor
             forward, backward = parts.forward, parts.backward
         for g in (forward, backward):
             if g is not None:
+                drop_detaches(g)  # (both run without autograd: in the node, or without a backward)
                 sink_waits(g)
                 hoist_starts(g)
         boxed = backward is not None and compat.boxed(backward)  # (its saved inputs let go as it runs)

@@ -17,9 +17,8 @@ from autoparallel import compat
 from autoparallel.engine import layout
 from autoparallel.engine.dtensor import DistTensor
 from autoparallel.regions import moves, objects, program
-from autoparallel.regions.state import autocast_state, flatten_call, ties
+from autoparallel.regions.state import TreeReader, autocast_state, flatten_call, ties
 from autoparallel.regions.state import current as _current
-from autoparallel.regions.state import read_values as _read_values
 from autoparallel.regions.state import slots as _slots
 from autoparallel.regions.state import structure as _structure
 from autoparallel.runtime import agree
@@ -122,6 +121,7 @@ class _Region:
         self.modules = list(module.modules())
         self.shape = _structure(self.modules)
         self.slots = _slots(module)
+        self._read_tree()
         self.verdicts: dict[Any, str] = {}  # per signature, the report's line (least recently met first)
         self.children_done = False
         self.calls = program.Calls()
@@ -133,8 +133,15 @@ class _Region:
         memo[id(self)] = new
         fresh = {"verdicts": {}, "calls": program.Calls(), "shared": {}}
         for k, v in self.__dict__.items():
-            new.__dict__[k] = fresh[k] if k in fresh else copy.deepcopy(v, memo)
+            if k not in ("reader", "slot_names"):
+                new.__dict__[k] = fresh[k] if k in fresh else copy.deepcopy(v, memo)
+        new._read_tree()
         return new
+
+    def _read_tree(self) -> None:
+        """What a call reads of the tree as it is now (after a change of its structure: anew)."""
+        self.reader = TreeReader(self.modules, {(id(m), a) for m, a in self.slots})
+        self.slot_names = _slot_names(self.modules, self.slots)
 
     def call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if _MODE:  # inside a parent's capture: the plain module, part of the parent's program
@@ -148,14 +155,16 @@ class _Region:
         if _structure(self.modules) != self.shape:  # a submodule, parameter or buffer was added or removed
             self.modules = list(self.module.modules())
             self.shape, self.slots = _structure(self.modules), _slots(self.module)
+            self._read_tree()
             self.verdicts.clear()
             self.calls = program.Calls()
         tensors = [_current(m, a) for m, a in self.slots]
         _agree_plain(self.module, leaves, tensors)
-        key, held = self._key(leaves, tree, tensors)
+        values, ids = self.reader.read()
+        key, held = self._key(leaves, tree, tensors, values)
         if key is None or compat.foreign_dispatch_modes():  # (a trace of the caller's: make_fx, a static capture)
             return None
-        shape = self.class_key()
+        shape = self.class_key(ids)
         calls = self.calls if shape is None else self.shared.setdefault(shape, self.calls)
         try:
             progs, how = calls.find(key, leaves, tree, tensors, self.module, self._inside, held)
@@ -174,19 +183,21 @@ class _Region:
     def _state_now(self) -> list[torch.Tensor]:
         return [_current(m, a) for m, a in self.slots]
 
-    def class_key(self) -> Any:
+    def class_key(self, ids: tuple[Any, ...] | None = None) -> Any:
         """What makes two modules' calls of one signature the same program: the classes and
         structure of the module tree, and every attribute that is not a plain value (kept in the
         signature), a tensor slot (or what shadows one) or a submodule, by identity (a shared config object: the same).
         A submodule's forward hooks are part of it by their style keys (``moves.style_key``: two
         column-parallel Linears on one mesh axis move alike), quiet ones left out. None where
         calls are not shared: an instance ``forward`` of its own, or a submodule's forward hook
-        that is neither quiet nor a style's with a key (a closure may know its module)."""
+        that is neither quiet nor a style's with a key (a closure may know its module). ``ids``:
+        the identities ``self.reader`` read for this call (read now where not given)."""
         if self.own_forward is not _MISSING:
             return None
+        if ids is None:
+            ids = self.reader.read()[1]
         parts = []
-        slotted = {(id(m), a) for m, a in self.slots}  # (a ZeRO-3 gathered tensor shadows its parameter's slot)
-        for m in self.modules:
+        for m, attrs in zip(self.modules, ids):
             hooks: list[Any] = []
             for h in compat.forward_hook_fns(m) if m is not self.module else ():
                 if compat.quiet_hook(h, m):
@@ -195,11 +206,8 @@ class _Region:
                 if key is None:
                     return None
                 hooks.append(key)
-            attrs = tuple((k, id(v)) for k, v in m.__dict__.items()
-                          if k not in _MODULE_SLOTS and not k.startswith("_ap") and type(v) not in compat.PLAIN_VALUES
-                          and (id(m), k) not in slotted)
             parts.append((type(m), attrs, tuple(hooks)))
-        return tuple(parts), _slot_names(self.modules, self.slots)
+        return tuple(parts), self.slot_names
 
     def _inside(self, *args: Any, **kwargs: Any) -> Any:
         with _mode("trace"):  # (its submodules' regions: plain)
@@ -213,9 +221,11 @@ class _Region:
                 _install(child, self.shared)
         return self.forward(*args, **kwargs)
 
-    def _key(self, leaves: list[Any], tree: Any, tensors: list[torch.Tensor]) -> tuple[Any, dict[Any, Any] | None]:
+    def _key(self, leaves: list[Any], tree: Any, tensors: list[torch.Tensor],
+             values: tuple[Any, ...]) -> tuple[Any, dict[Any, Any] | None]:
         """(the signature, or None when this call cannot be a region (no DistTensor at all); the
-        entries of its object arguments, as ``objects.entries`` walks them, where it has some)."""
+        entries of its object arguments, as ``objects.entries`` walks them, where it has some).
+        ``values``: the modules' plain values, as ``self.reader`` read them for this call."""
         parts: list[Any] = []
         held: dict[Any, Any] | None = None
         spec_of, stride_of = layout.spec_of, layout.stride_of  # bound once: every call of the module asks
@@ -239,11 +249,7 @@ class _Region:
             )
         if not any(isinstance(x, DistTensor) for x in leaves) and not any(isinstance(t, DistTensor) for t in tensors):
             return None, None
-        return (tree, tuple(parts), slot_parts, ties(tensors), tuple((m.training, _read_values(m)) for m in self.modules),
-                torch.is_grad_enabled(), autocast_state()), held
-
-
-_MODULE_SLOTS = frozenset(vars(nn.Module())) | {"forward"}  # nn.Module's own fields, and our wrapper
+        return (tree, tuple(parts), slot_parts, ties(tensors), values, torch.is_grad_enabled(), autocast_state()), held
 
 
 def _slot_names(modules: list[nn.Module], slots: list[tuple[nn.Module, str]]) -> tuple[tuple[int, str], ...]:

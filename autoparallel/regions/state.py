@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dis
 import functools
+import operator
 from typing import Any
 
 import torch
@@ -42,13 +43,76 @@ def current(m: nn.Module, attr: str) -> torch.Tensor:
     return t
 
 
-def read_values(m: nn.Module) -> tuple[tuple[str, Any], ...]:
-    """The plain attribute values of ``m`` a signature includes (``compat.module_values``): all
-    but those its forward only writes (``self.length = x.shape[1]``: its output, not its input).
-    One it reads too (``self.calls += 1; if self.calls > 3: ...``) is included: each value is a
-    signature of its own."""
-    written = _written_only(getattr(type(m).forward, "__code__", None))
-    return tuple(kv for kv in compat.module_values(m) if kv[0] not in written)
+_MODULE_FIELDS = frozenset(vars(nn.Module())) | {"forward"}  # nn.Module's own fields, and a region's wrapper
+
+
+class TreeReader:
+    """What a call's signature reads of a module tree's attributes, per module in ``modules``:
+
+    * **values**: the plain values (``compat.module_values``, ``training`` included) but those its
+      forward only writes (``self.length = x.shape[1]``: its output, not its input; one it reads
+      too, ``self.calls += 1; if self.calls > 3: ...``, is included: each value a signature of
+      its own);
+    * **identities**: every other attribute that is neither a field of ``nn.Module``, nor ours
+      (``_ap*``), nor a tensor slot in ``slotted`` (``(id(module), name)``: a ZeRO-3 gathered
+      tensor shadowing its parameter), by identity (a shared config object: the same).
+
+    Which names are which is worked out again only when a module's attribute names, their types or
+    its class's ``forward`` change (a comparison of tuples made at C speed); otherwise one getter
+    reads them. Run at every call of a local region: a walk of every attribute of every module in
+    Python cost more than a small model's step's other bookkeeping."""
+
+    def __init__(self, modules: list[nn.Module], slotted: set[tuple[int, str]]) -> None:
+        self.modules = modules
+        self.slotted = slotted
+        self._seen: list[Any] = [None] * len(modules)  # per module, the entry of its last layout
+        self._layouts: list[dict[Any, Any]] = [{} for _ in modules]
+
+    def read(self) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        """(values, identities): per module, (its names, what they hold now)."""
+        values, ids = [], []
+        seen_all = self._seen
+        for k, m in enumerate(self.modules):
+            d = m.__dict__
+            fp = (tuple(d), tuple(map(type, d.values())), getattr(type(m).forward, "__code__", None))
+            seen = seen_all[k]
+            if seen is None or seen[0] != fp:
+                seen = seen_all[k] = self._known(k, m, fp)
+            values.append((seen[1], seen[2](d)))
+            ids.append((seen[3], tuple(map(id, seen[4](d)))))
+        return tuple(values), tuple(ids)
+
+    def _known(self, k: int, m: nn.Module, fp: tuple[Any, ...]) -> tuple[Any, ...]:
+        """The entry of module ``k`` at attribute layout ``fp``: one of the last few it had (a
+        ZeRO-3 unit's modules alternate between two: gathered weights shadowing the parameters
+        or not), or worked out."""
+        known = self._layouts[k]
+        entry = known.get(fp)
+        if entry is None:
+            if len(known) >= 8:
+                del known[next(iter(known))]
+            entry = known[fp] = (fp, *self._names(m, fp))
+        return entry
+
+    def _names(self, m: nn.Module, fp: tuple[Any, ...]) -> tuple[Any, ...]:
+        names, types, code = fp
+        written = _written_only(code)
+        plain = tuple(n for n, t in zip(names, types)
+                      if t in compat.PLAIN_VALUES and (n == "training" or n not in written))
+        others = tuple(n for n, t in zip(names, types)
+                       if t not in compat.PLAIN_VALUES and n not in _MODULE_FIELDS and not n.startswith("_ap")
+                       and (id(m), n) not in self.slotted)
+        return plain, _getter(plain), others, _getter(others)
+
+
+def _getter(names: tuple[str, ...]) -> Any:
+    """A function of a dict giving the tuple of its values at ``names``."""
+    if not names:
+        return lambda d: ()
+    if len(names) == 1:
+        name = names[0]
+        return lambda d: (d[name],)
+    return operator.itemgetter(*names)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -89,6 +89,38 @@ def _cheap(node: torch.fx.Node) -> bool:
     return bool(schema.returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
 
 
+def drop_detaches(gm: torch.fx.GraphModule) -> int:
+    """Read each ``detach``'s input in place of its result, for a program run without autograd
+    (a local region's forward inside its autograd node, its backward): there a detach is only a
+    new alias (the backward formulas of torch detach what they saved: ~40 per GPT step, each
+    an op call). Kept where the result is a program output (a separate tensor object) or an
+    in-place op writes it or its metadata. Returns how many went; the graph is recompiled."""
+    dropped = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not _aten.detach.default or not isinstance(node.args[0], torch.fx.Node):
+            continue
+        if any(u.op == "output" or _mutates(u) for u in node.users):
+            continue
+        node.replace_all_uses_with(node.args[0])
+        gm.graph.erase_node(node)
+        dropped += 1
+    if dropped:
+        gm.graph.lint()
+        gm.recompile()
+    return dropped
+
+
+def _mutates(node: torch.fx.Node) -> bool:
+    """Whether ``node`` may write an input or its metadata (an in-place op; a call that is not an
+    operator counts as one)."""
+    if node.op != "call_function":
+        return True
+    if node.target is operator.getitem:
+        return False
+    schema = getattr(node.target, "_schema", None)
+    return schema is None or bool(schema.is_mutable)
+
+
 def sink_waits(gm: torch.fx.GraphModule) -> int:
     """Move every ``wait_tensor``, and the cheap ops rearranging its result, to just before the
     first op needing them (see the module docstring); returns how many waits moved. The graph is

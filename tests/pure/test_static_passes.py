@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from autoparallel.static.passes import hoist_starts, sink_waits
+from autoparallel.static.passes import drop_detaches, hoist_starts, sink_waits
 
 fc, aten = torch.ops._c10d_functional, torch.ops.aten
 
@@ -113,6 +113,31 @@ def test_sink_waits_moves_the_rearranging_ops_with_the_wait() -> None:
     assert sink_waits(gm) == 1
     at = _order(gm).index
     assert at(work.name) < at(wt.name) < at(parts.name) < at(whole.name) < at(use.name)
+
+
+
+def test_a_detach_is_read_through_where_only_an_op_reads_it() -> None:
+    """A program run without autograd reads a detach's input in its place; a detach that is an
+    output or that an in-place op writes stays (a separate tensor object, its own metadata)."""
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    d1 = g.call_function(aten.detach.default, (x,))
+    use = g.call_function(aten.mul.Tensor, (d1, 2))
+    d2 = g.call_function(aten.detach.default, (use,))                 # an output: kept
+    d3 = g.call_function(aten.detach.default, (use,))
+    g.call_function(aten.t_.default, (d3,))                           # its metadata written: kept
+    d4 = g.call_function(aten.detach.default, (x,))
+    more = g.call_function(aten.add.Tensor, (d4, d3))
+    g.output((d2, more))
+    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    t = torch.randn(3, 3)
+    want = [v.clone() for v in gm(t.clone())]
+    assert drop_detaches(gm) == 2
+    kept = [n for n in gm.graph.nodes if n.target is aten.detach.default]
+    assert [n.name for n in kept] == [d2.name, d3.name]
+    assert use.args[0] is x and more.args[0] is x
+    for w, got in zip(want, gm(t.clone())):
+        torch.testing.assert_close(got, w, rtol=0, atol=0)
 
 
 def _joint_mlp(inplace: bool) -> tuple[Any, list[torch.Tensor], torch.Tensor, torch.Tensor]:
