@@ -230,7 +230,7 @@ def capture_call(module: nn.Module, run: Callable[..., Any], state: Sequence[tor
 
     values = PlainValues(module)
     with named_within(module):  # (its collectives are named by the submodule that issues them)
-        result = capture(joint, inputs.locals(), dims if any(dims) else None)
+        result = capture(joint, inputs.locals(), dims if any(dims) else None, recompile=False)
     written = values.written()
     values.restore()
     if result.program is None:
@@ -260,11 +260,14 @@ def capture_call(module: nn.Module, run: Callable[..., Any], state: Sequence[tor
             parts = split_joint(gm, len(inputs.tensors), n_out)
             forward, backward = parts.forward, parts.backward
         for g in (forward, backward):
+            if g is not None:  # (the code of each is generated once, after the last pass)
+                drop_detaches(g, recompile=False)  # (both run without autograd: in the node, or without a backward)
+                sink_waits(g, recompile=False)
+                hoist_starts(g, recompile=False)
+        boxed = backward is not None and compat.boxed(backward)  # (its saved inputs let go as it runs; generated)
+        for g in (forward, None if boxed else backward):
             if g is not None:
-                drop_detaches(g)  # (both run without autograd: in the node, or without a backward)
-                sink_waits(g)
-                hoist_starts(g)
-        boxed = backward is not None and compat.boxed(backward)  # (its saved inputs let go as it runs)
+                g.recompile()
     except SplitError as e:
         return str(e)
     except Exception as e:  # noqa: BLE001  (a program the passes cannot handle: the same on every rank)
@@ -524,8 +527,7 @@ def _tangents_as_inputs(gm: torch.fx.GraphModule, nodes: list[Any]) -> None:
         node.replace_all_uses_with(p)
         gm.graph.erase_node(node)
         last = p
-    gm.graph.lint()
-    gm.recompile()
+    gm.graph.lint()  # (not recompiled: the program is split into forward and backward next)
 
 
 # ---- running ------------------------------------------------------------------------------------

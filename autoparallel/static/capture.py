@@ -233,14 +233,16 @@ class PlainValues:
 
 
 def capture(fn: Callable[..., Any], inputs: Sequence[torch.Tensor],
-            open_dims: Sequence[tuple[int, ...]] | None = None) -> Capture:
+            open_dims: Sequence[tuple[int, ...]] | None = None, recompile: bool = True) -> Capture:
     """Record ``fn(*fakes)`` per rank, ``fakes`` being fake tensors of ``inputs`` (see the
     module docstring; ``fn`` puts them in place with ``standing_in``).
 
     ``fn`` returns a flat list of local tensors; they are the program's outputs in order.
     ``open_dims`` (per input, the dims left open: ``autoparallel.static.sizes``) makes those
     sizes symbolic: the program reads them from its inputs, and the capture's shape environment
-    holds the guards under which it is the step.
+    holds the guards under which it is the step. ``recompile=False``: the program's code is left
+    for the caller to generate, after its own edits of the graph (each generation of a large
+    program's code costs tens of milliseconds).
     """
     watch = Watch()
 
@@ -298,7 +300,8 @@ def capture(fn: Callable[..., Any], inputs: Sequence[torch.Tensor],
     if reason:
         return Capture(None, reason, open_sizes=sizes)
     gm.graph.eliminate_dead_code()
-    gm.recompile()
+    if recompile:  # (False: the caller edits the graph further and recompiles it once)
+        gm.recompile()
     # a replay records these again, with no time of their own (the program runs as a whole)
     return Capture(gm, "", tuple(replace(r, seconds=0.0) for r in seen.records), symbols, sizes)
 

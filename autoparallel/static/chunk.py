@@ -266,7 +266,7 @@ class StaticChunk:
                 locs.append(gx_local)
             return [out] + locs
 
-        result = capture(joint, inputs, dims if open_sizes else None)
+        result = capture(joint, inputs, dims if open_sizes else None, recompile=False)  # (only split: not run)
         if result.program is None:
             return result.refused
         sizes, why = result.sizes(dims)
@@ -277,8 +277,9 @@ class StaticChunk:
             cut = split_input_weight(parts.backward) if self.split_backward and in_grad_spec is not None else None
             programs = [parts.forward, parts.backward] + ([cut.input_grad, cut.weight_grads] if cut else [])
             for gm in programs:  # collectives inside the stage: start early, wait late
-                sink_waits(gm)
-                hoist_starts(gm)
+                sink_waits(gm, recompile=False)
+                hoist_starts(gm, recompile=False)
+                gm.recompile()  # (once, after the passes)
         except SplitError as e:
             return str(e)
         except Exception as e:  # noqa: BLE001  (a program the passes cannot handle: the same on every rank of the stage)

@@ -317,7 +317,9 @@ class DistModel:
         values = PlainValues(self.network)
         self.captures += not fixed
         start = time.perf_counter()
-        result: Capture = capture(step, state + xs, [()] * len(state) + opened) if any(opened) else capture(step, state + xs)
+        # (the program's code is generated once, after the passes)
+        result: Capture = (capture(step, state + xs, [()] * len(state) + opened, recompile=False) if any(opened)
+                           else capture(step, state + xs, recompile=False))
         if result.program is None and result.open_sizes is not None or result.refused.startswith("tracing with open"):
             # a step the open sizes trip (a size read as a Python value where no guard can say
             # so): captured at these sizes
@@ -325,7 +327,7 @@ class DistModel:
             values.restore()
             got.clear()
             xs, rebuild = self._inputs(args)
-            result = capture(step, state + xs)
+            result = capture(step, state + xs, recompile=False)
         took = time.perf_counter() - start
         if result.program is None:
             values.restore()  # the eager call writes them itself
@@ -336,9 +338,10 @@ class DistModel:
         specs = tuple((layout.spec_of(o), layout.stride_of(o)) if layout.is_dist(o) else None for o in outs)
         records = result.records
         if self.strategy.overlap and self._may_overlap():
-            sink_waits(result.program)
-            hoist_starts(result.program)
+            sink_waits(result.program, recompile=False)
+            hoist_starts(result.program, recompile=False)
             records, specs = self._merge_reductions(result.program, records, specs)
+        result.program.recompile()
         if result.open_sizes is not None:  # the sizes the passes' new nodes take, from the inputs too
             why = bind_free_sizes(result.program, result.symbols, [()] * len(state) + opened)
             if why:
@@ -435,7 +438,7 @@ class DistModel:
                                        *cost.all_reduce_bytes(loss.itemsize * loss.numel, len(line))))
                 optional.append(node)
         limit = MERGE_BYTES if self.strategy.bucket_bytes is None else self.strategy.bucket_bytes
-        kept, merged = merge_all_reduces(gm, recs, optional, limit)
+        kept, merged = merge_all_reduces(gm, recs, optional, limit, recompile=False)
         if loss is not None and optional and optional[0] in merged:
             specs = ((loss.without_partial(), specs[0][1]), *specs[1:])
         return tuple(kept), specs

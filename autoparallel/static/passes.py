@@ -89,12 +89,13 @@ def _cheap(node: torch.fx.Node) -> bool:
     return bool(schema.returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
 
 
-def drop_detaches(gm: torch.fx.GraphModule) -> int:
+def drop_detaches(gm: torch.fx.GraphModule, recompile: bool = True) -> int:
     """Read each ``detach``'s input in place of its result, for a program run without autograd
     (a local region's forward inside its autograd node, its backward): there a detach is only a
     new alias (the backward formulas of torch detach what they saved: ~40 per GPT step, each
     an op call). Kept where the result is a program output (a separate tensor object) or an
-    in-place op writes it or its metadata. Returns how many went; the graph is recompiled."""
+    in-place op writes it or its metadata. Returns how many went; the graph is recompiled
+    (``recompile=False``: the caller does, after its last pass)."""
     dropped = 0
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not _aten.detach.default or not isinstance(node.args[0], torch.fx.Node):
@@ -106,7 +107,8 @@ def drop_detaches(gm: torch.fx.GraphModule) -> int:
         dropped += 1
     if dropped:
         gm.graph.lint()
-        gm.recompile()
+        if recompile:
+            gm.recompile()
     return dropped
 
 
@@ -121,10 +123,10 @@ def _mutates(node: torch.fx.Node) -> bool:
     return schema is None or bool(schema.is_mutable)
 
 
-def sink_waits(gm: torch.fx.GraphModule) -> int:
+def sink_waits(gm: torch.fx.GraphModule, recompile: bool = True) -> int:
     """Move every ``wait_tensor``, and the cheap ops rearranging its result, to just before the
     first op needing them (see the module docstring); returns how many waits moved. The graph is
-    recompiled."""
+    recompiled (``recompile=False``: the caller does, after its last pass)."""
     nodes = list(gm.graph.nodes)
     waits = {n for n in nodes if n.op == "call_function" and n.target is _WAIT}
     chain: set[torch.fx.Node] = set(waits)
@@ -137,7 +139,8 @@ def sink_waits(gm: torch.fx.GraphModule) -> int:
         if node in chain and _sink(gm, node):
             moved += node in waits
     gm.graph.lint()
-    gm.recompile()
+    if recompile:
+        gm.recompile()
     return moved
 
 
@@ -158,10 +161,11 @@ def _sink(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
     return True
 
 
-def hoist_starts(gm: torch.fx.GraphModule) -> int:
+def hoist_starts(gm: torch.fx.GraphModule, recompile: bool = True) -> int:
     """Move every functional collective (and the cheap ops packing its input) up to just after
     what it needs, a prefetch at most one collective ahead (see the module docstring); returns
-    how many collectives moved. The graph is recompiled."""
+    how many collectives moved. The graph is recompiled (``recompile=False``: the caller does,
+    after its last pass)."""
     moved = 0
     prev_prefetch_wait: torch.fx.Node | None = None
     for start in [n for n in gm.graph.nodes if _is_start(n)]:
@@ -177,7 +181,8 @@ def hoist_starts(gm: torch.fx.GraphModule) -> int:
             if waits:
                 prev_prefetch_wait = waits[0]
     gm.graph.lint()
-    gm.recompile()
+    if recompile:
+        gm.recompile()
     return moved
 
 
@@ -262,13 +267,14 @@ def reduce_output(gm: torch.fx.GraphModule, index: int, reduce_op: str, group_na
 
 
 def merge_all_reduces(gm: torch.fx.GraphModule, records: Sequence[CommRecord],
-                      optional: Collection[torch.fx.Node] = (), limit: int = MERGE_BYTES
+                      optional: Collection[torch.fx.Node] = (), limit: int = MERGE_BYTES, recompile: bool = True,
                       ) -> tuple[list[CommRecord], set[torch.fx.Node]]:
     """Merge all-reduces (see the module docstring); the nodes must carry their records' indices
     (``tag_records``). An ``optional`` all-reduce (one the caller added, such as a loss reduced
     for free) is kept only if it merged into another; otherwise it is taken out again, its
     input returned as it was. Returns the records of the collectives the program now issues
-    and the optional nodes that merged. The graph is recompiled."""
+    and the optional nodes that merged. The graph is recompiled (``recompile=False``: the caller
+    does, after its last pass)."""
     kept: list[CommRecord | None] = list(records)
     merged_optional: set[torch.fx.Node] = set()
     while True:
@@ -296,7 +302,8 @@ def merge_all_reduces(gm: torch.fx.GraphModule, records: Sequence[CommRecord],
         gm.graph.erase_node(n)
         kept[n.meta["ap_record"]] = None
     gm.graph.lint()
-    gm.recompile()
+    if recompile:
+        gm.recompile()
     return [r for r in kept if r is not None], merged_optional
 
 
