@@ -49,7 +49,7 @@ from autoparallel.runtime.debug import CommRecord, replay
 from autoparallel.spec import DistSpec, shape_key
 from autoparallel.static import signature
 from autoparallel.static.capture import PlainValues, capture, kept_in_place, plain_trained, plain_trained_reason
-from autoparallel.static.passes import hoist_starts, sink_waits
+from autoparallel.static.passes import drop_detaches, hoist_starts, sink_waits
 from autoparallel.static.sizes import OpenPrograms, OpenSizes, masked, open_dims, open_spec, spec_open_dims
 from autoparallel.static.split import SplitError, split_input_weight, split_joint
 
@@ -276,7 +276,10 @@ class StaticChunk:
             parts = split_joint(result.program, n_primals, 1)
             cut = split_input_weight(parts.backward) if self.split_backward and in_grad_spec is not None else None
             programs = [parts.forward, parts.backward] + ([cut.input_grad, cut.weight_grads] if cut else [])
+            alias_only = not any(t.requires_grad for t in inputs if isinstance(t, torch.Tensor))
             for gm in programs:  # collectives inside the stage: start early, wait late
+                if alias_only:  # (no autograd graph is built: a detach is an alias)
+                    drop_detaches(gm, recompile=False)
                 sink_waits(gm, recompile=False)
                 hoist_starts(gm, recompile=False)
                 gm.recompile()  # (once, after the passes)

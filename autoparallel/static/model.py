@@ -52,7 +52,7 @@ from autoparallel.runtime.debug import CommRecord, replay
 from autoparallel.spec import DistSpec
 from autoparallel.static import signature
 from autoparallel.static.capture import Capture, PlainValues, TensorSlots, capture, draws, plain_trained, plain_trained_reason, standing_in
-from autoparallel.static.passes import MERGE_BYTES, hoist_starts, merge_all_reduces, reduce_output, sink_waits, tag_records
+from autoparallel.static.passes import MERGE_BYTES, drop_detaches, hoist_starts, merge_all_reduces, reduce_output, sink_waits, tag_records
 from autoparallel.static.sizes import OpenPrograms, OpenSizes, bind_free_sizes, masked, open_dims, open_spec
 from autoparallel.static.strategy import Strategy
 
@@ -337,6 +337,8 @@ class DistModel:
         grad_index = tuple(i for i, g in enumerate(got.get("grads", ())) if g is not None)
         specs = tuple((layout.spec_of(o), layout.stride_of(o)) if layout.is_dist(o) else None for o in outs)
         records = result.records
+        if not any(t.requires_grad for t in state + xs if isinstance(t, torch.Tensor)):
+            drop_detaches(result.program, recompile=False)  # (it builds no autograd graph: a detach is an alias)
         if self.strategy.overlap and self._may_overlap():
             sink_waits(result.program, recompile=False)
             hoist_starts(result.program, recompile=False)
