@@ -177,7 +177,8 @@ class DistModel:
     def _call(self, args: tuple[Any, ...]) -> Any:
         params: list[torch.Tensor] = list(self.network.parameters())
         buffers: list[torch.Tensor] = list(self.network.buffers())
-        key = self._signature(args)
+        with compat.attribute_access():  # (metadata only: ``.requires_grad`` of each parameter, not an op)
+            key = self._signature(args)
         entry = self._programs.get(key)
         if entry is None:  # a program of open sizes made for these sizes too
             entry = self._of_open_sizes(key, args)
@@ -563,11 +564,13 @@ class DistModel:
     def _accumulate(self, params: list[torch.Tensor], grads: list[Any]) -> None:
         """Add this call's gradients to ``.grad``; on the last call of a merge group, average and
         step the optimizer, then clear the gradients."""
-        for p, g in zip(params, grads):
-            if g is None:
-                continue
-            g = g.detach()
-            p.grad = g if p.grad is None else p.grad + g
+        with compat.attribute_access():  # (``.grad`` of each parameter: attributes, and a sum of DistTensors)
+            for p, g in zip(params, grads):
+                if g is None:
+                    continue
+                if g.requires_grad:
+                    g = g.detach()
+                p.grad = g if p.grad is None else p.grad + g
         self._micro += 1
         k = self.strategy.accumulate_steps
         if self._micro < k:
