@@ -69,7 +69,8 @@ class TreeReader:
         self._layouts: list[dict[Any, Any]] = [{} for _ in modules]
 
     def read(self) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
-        """(values, identities): per module, (its names, what they hold now)."""
+        """(values, identities): per module, (its names, their types, what they hold now) and
+        (its names, the identities of what they hold now)."""
         values, ids = [], []
         seen_all = self._seen
         for k, m in enumerate(self.modules):
@@ -78,7 +79,7 @@ class TreeReader:
             seen = seen_all[k]
             if seen is None or seen[0] != fp:
                 seen = seen_all[k] = self._known(k, m, fp)
-            values.append((seen[1], seen[2](d)))
+            values.append((seen[1], seen[5], seen[2](d)))
             ids.append((seen[3], tuple(map(id, seen[4](d)))))
         return tuple(values), tuple(ids)
 
@@ -99,10 +100,11 @@ class TreeReader:
         written = _written_only(code)
         plain = tuple(n for n, t in zip(names, types)
                       if t in compat.PLAIN_VALUES and (n == "training" or n not in written))
+        kinds = tuple(t for n, t in zip(names, types) if n in plain)  # (a flag set to 1 is not True: 1 == True)
         others = tuple(n for n, t in zip(names, types)
                        if t not in compat.PLAIN_VALUES and n not in _MODULE_FIELDS and not n.startswith("_ap")
                        and (id(m), n) not in self.slotted)
-        return plain, _getter(plain), others, _getter(others)
+        return plain, _getter(plain), others, _getter(others), kinds
 
 
 def _getter(names: tuple[str, ...]) -> Any:

@@ -29,7 +29,7 @@ def _reader(m: nn.Module, slotted: set[tuple[int, str]] | None = None) -> TreeRe
 
 def _values(r: TreeReader) -> dict[str, object]:
     """The root's values but nn.Module's own private fields (``_is_full_backward_hook``)."""
-    names, vals = r.read()[0][0]
+    names, _, vals = r.read()[0][0]
     return {k: v for k, v in zip(names, vals) if not k.startswith("_")}
 
 
@@ -57,8 +57,11 @@ def test_an_attribute_changing_kind_or_appearing_is_seen() -> None:
     r.read()
     m.mask = torch.ones(2)  # None -> a tensor: from values to identities
     assert "mask" not in _values(r) and _ids(r)["mask"] == id(m.mask)
-    m.mask = 4  # -> a plain value again
-    assert _values(r)["mask"] == 4 and "mask" not in _ids(r)
+    m.mask = 1  # -> a plain value again
+    assert _values(r)["mask"] == 1 and "mask" not in _ids(r)
+    before = r.read()
+    m.mask = True  # the same value of another type: another reading (1 == True)
+    assert _values(r)["mask"] is True and r.read() != before
     m.extra = "on"  # a new attribute
     assert _values(r)["extra"] == "on"
     m.seen = 7  # written by the forward only: left out
