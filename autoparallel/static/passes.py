@@ -15,6 +15,10 @@ that writes the inputs it reads), and random ops never move (the draws keep eage
   whose input is only program inputs (a ZeRO-3 parameter all-gather) is a *prefetch*: it moves
   up at most to just after the wait of the previous such collective, so at most one unit ahead
   is gathered early and ZeRO-3 keeps its memory bound.
+- ``drop_detaches`` (always, whatever ``overlap`` says): a program run without autograd (a local
+  region's, a step's whose inputs need no gradient) reads each ``detach``'s input in its place:
+  there a detach is only a new alias, and the backward formulas detach what they save (~40 op
+  calls per GPT step).
 - ``merge_all_reduces``: two all-reduces over the same group, with the same reduction and dtype,
   become one (their inputs flattened into one buffer, the result split back) where neither
   result is needed before both inputs exist: a small reduction is latency-bound, and one start
