@@ -104,7 +104,7 @@ def drop_detaches(gm: torch.fx.GraphModule, recompile: bool = True) -> int:
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not _aten.detach.default or not isinstance(node.args[0], torch.fx.Node):
             continue
-        if any(u.op == "output" or _mutates(u) for u in node.users):
+        if any(u.op == "output" or _writes(u) for u in node.users):
             continue
         node.replace_all_uses_with(node.args[0])
         gm.graph.erase_node(node)
@@ -114,17 +114,6 @@ def drop_detaches(gm: torch.fx.GraphModule, recompile: bool = True) -> int:
         if recompile:
             gm.recompile()
     return dropped
-
-
-def _mutates(node: torch.fx.Node) -> bool:
-    """Whether ``node`` may write an input or its metadata (an in-place op; a call that is not an
-    operator counts as one)."""
-    if node.op != "call_function":
-        return True
-    if node.target is operator.getitem:
-        return False
-    schema = getattr(node.target, "_schema", None)
-    return schema is None or bool(schema.is_mutable)
 
 
 def sink_waits(gm: torch.fx.GraphModule, recompile: bool = True) -> int:
