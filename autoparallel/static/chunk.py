@@ -108,8 +108,8 @@ class StaticChunk:
 
     # ---- signature -------------------------------------------------------------------------
     def _key(self, x: Any, t: Any, out_spec: DistSpec, in_grad_spec: DistSpec | None) -> Any:
-        return (signature.value(x), signature.value(t), out_spec, in_grad_spec, signature.parameters(self.module),
-                signature.buffers(self.module), signature.modules(self.module), torch.is_grad_enabled())
+        return (signature.value(x), signature.value(t), out_spec, in_grad_spec, *signature.tree(self.module).key,
+                torch.is_grad_enabled())
 
     # ---- forward -----------------------------------------------------------------------------
     def forward(self, x: Any, t: Any, loss_fn: Any, divide: int, out_spec: DistSpec,

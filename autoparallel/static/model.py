@@ -175,10 +175,10 @@ class DistModel:
             return self._call(args)
 
     def _call(self, args: tuple[Any, ...]) -> Any:
-        params: list[torch.Tensor] = list(self.network.parameters())
-        buffers: list[torch.Tensor] = list(self.network.buffers())
         with compat.attribute_access():  # (metadata only: ``.requires_grad`` of each parameter, not an op)
-            key = self._signature(args)
+            tree = signature.tree(self.network)
+            key = self._signature(args, tree)
+        params, buffers = tree.params, tree.buffers
         entry = self._programs.get(key)
         if entry is None:  # a program of open sizes made for these sizes too
             entry = self._of_open_sizes(key, args)
@@ -190,11 +190,10 @@ class DistModel:
             return self._replay(entry, args, params, buffers)
         return self._eager(args, params)
 
-    def _signature(self, args: tuple[Any, ...]) -> Any:
-        """The mode, autograd on/off, each argument, the parameters, buffers and modules
-        (``signature``; the parts in ``signature.PARTS`` order)."""
-        return (self._mode, torch.is_grad_enabled(), tuple(signature.value(a) for a in args),
-                signature.parameters(self.network), signature.buffers(self.network), signature.modules(self.network))
+    def _signature(self, args: tuple[Any, ...], tree: signature.Tree) -> Any:
+        """The mode, autograd on/off, each argument, and the parameters, buffers and modules of
+        ``tree`` (the network read: ``signature``; the parts in ``signature.PARTS`` order)."""
+        return (self._mode, torch.is_grad_enabled(), tuple(signature.value(a) for a in args), *tree.key)
 
     def _second_size(self, key: Any, args: tuple[Any, ...]) -> bool:
         """Whether a step of this signature but for its open sizes was captured before (at fixed

@@ -8,12 +8,11 @@ input signature) build their keys from these parts, so both replay under the sam
   strides, a plain tensor's shape, dtype and strides, any other value as it is (with its type:
   ``1`` and ``True`` differ); an unhashable leaf is described by its type only, and
   ``unkeyed(args)`` says why no program may be kept for it;
-* ``parameters(module)``: each parameter's layout (None: plain) and ``requires_grad``;
-* ``buffers(module)``: each buffer's layout or plain shape and dtype (a step may assign a buffer
-  a new value: a program reads the buffers it was captured with);
-* ``modules(module)``: each submodule's train/eval flag, hooks (a hook added after a capture
-  makes a new signature, so it runs) and plain Python attribute values (a temperature, a flag a
-  forward branches on: ``compat.module_values``).
+* ``tree(module)``, read in one walk: each parameter's layout (None: plain) and
+  ``requires_grad``; each buffer's layout or plain shape and dtype (a step may assign a buffer
+  a new value: a program reads the buffers it was captured with); each submodule's train/eval
+  flag, hooks (a hook added after a capture makes a new signature, so it runs) and plain Python
+  attribute values (a temperature, a flag a forward branches on: ``compat.module_values``).
 
 ``changed(old, new, module)`` names, in user terms, what differs between two such keys.
 Everything here reads metadata only: every rank builds the same key.
@@ -21,7 +20,9 @@ Everything here reads metadata only: every rank builds the same key.
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+import operator
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -65,24 +66,79 @@ def unkeyed(args: Any) -> str:
     return ""
 
 
-def parameters(module: nn.Module) -> tuple[Any, ...]:
-    """The layout (None: plain) and ``requires_grad`` of each of ``module``'s parameters."""
-    return tuple((layout.spec_or_none(p), p.requires_grad) for p in module.parameters())
+class Tree(NamedTuple):
+    """One walk of a module tree: its parameters and buffers in the order (and with the sharing)
+    of ``module.parameters()`` and ``module.buffers()``, and its parts of a key."""
+
+    params: list[torch.Tensor]
+    buffers: list[torch.Tensor]
+    parameters: tuple[Any, ...]  # per parameter: its layout (None: plain) and ``requires_grad``
+    buffer_parts: tuple[Any, ...]  # per buffer: its name, and its layout or plain shape and dtype
+    modules: tuple[Any, ...]  # per module: its train/eval flag, plain attribute values and hooks
+
+    @property
+    def key(self) -> tuple[Any, Any, Any]:
+        """The parameters, buffers and modules parts, in ``PARTS`` order."""
+        return self.parameters, self.buffer_parts, self.modules
 
 
-def buffers(module: nn.Module) -> tuple[Any, ...]:
-    """The name, layout or plain shape and dtype of each of ``module``'s buffers."""
-    return tuple((name, leaf(b)) for name, b in module.named_buffers())
+def tree(module: nn.Module) -> Tree:
+    """``module`` and its submodules read in one walk (``named_modules`` order, each module,
+    parameter and buffer once: a tied weight is one parameter). Run at every call of a captured
+    step: five walks of the tree (parameters, buffers, and the key's three parts) cost more than
+    a small model's step's other bookkeeping. A parameter's ``requires_grad`` is read: call it
+    under ``compat.attribute_access()``."""
+    mods: list[tuple[str, nn.Module]] = []
+    seen: set[int] = set()
 
+    def visit(prefix: str, m: nn.Module) -> None:
+        if id(m) in seen:
+            return
+        seen.add(id(m))
+        mods.append((prefix, m))
+        for name, child in compat.child_modules(m).items():
+            if child is not None:
+                visit(f"{prefix}.{name}" if prefix else name, child)
 
-def modules(module: nn.Module) -> tuple[Any, ...]:
-    """The train/eval flag, hooks and plain attribute values of ``module`` and each submodule."""
-    return tuple((m.training, _values(m), *compat.module_hooks(m)) for m in module.modules())
+    visit("", module)
+    params: list[torch.Tensor] = []
+    bufs: list[torch.Tensor] = []
+    buffer_parts: list[Any] = []
+    held: set[int] = set()
+    held_buffers: set[int] = set()
+    for prefix, m in mods:
+        for p in compat.own_parameters(m).values():
+            if p is not None and id(p) not in held:
+                held.add(id(p))
+                params.append(p)
+        for name, b in compat.own_buffers(m).items():
+            if b is not None and id(b) not in held_buffers:
+                held_buffers.add(id(b))
+                bufs.append(b)
+                buffer_parts.append((f"{prefix}.{name}" if prefix else name, leaf(b)))
+    return Tree(params, bufs, tuple((layout.spec_or_none(p), p.requires_grad) for p in params), tuple(buffer_parts),
+                tuple((m.training, _values(m), *compat.module_hooks(m)) for _, m in mods))
 
 
 def _values(m: nn.Module) -> tuple[tuple[str, type, Any], ...]:
-    # with each value's type: a flag set to 1 instead of True is told apart (1 == True)
-    return tuple((k, type(v), v) for k, v in compat.module_values(m))
+    """``compat.module_values(m)``, each with its type (a flag set to 1 instead of True is told
+    apart: 1 == True); which attributes are plain values is worked out once per attribute layout."""
+    d = m.__dict__
+    names, kinds, get = _plain(tuple(d), tuple(map(type, d.values())))
+    return tuple(zip(names, kinds, get(d)))
+
+
+@functools.lru_cache(maxsize=1024)
+def _plain(names: tuple[str, ...], types: tuple[type, ...]) -> tuple[tuple[str, ...], tuple[type, ...], Any]:
+    """Of a module's attributes (``names`` holding values of ``types``), the plain values'
+    names, their types, and a getter of them from the module's ``__dict__``."""
+    plain = [(n, t) for n, t in zip(names, types) if t in compat.PLAIN_VALUES and n != "training"]
+    picked = tuple(n for n, _ in plain)
+    if not picked:
+        return (), (), lambda d: ()
+    if len(picked) == 1:
+        return picked, (plain[0][1],), lambda d: (d[picked[0]],)
+    return picked, tuple(t for _, t in plain), operator.itemgetter(*picked)
 
 
 # the parts of a ``DistModel`` key, in order (``changed`` names the ones that differ)
