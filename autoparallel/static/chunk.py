@@ -107,9 +107,8 @@ class StaticChunk:
         self._warn = warn or (lambda m: warnings.warn(f"autoparallel: {m}", stacklevel=4))
 
     # ---- signature -------------------------------------------------------------------------
-    def _key(self, x: Any, t: Any, out_spec: DistSpec, in_grad_spec: DistSpec | None) -> Any:
-        return (signature.value(x), signature.value(t), out_spec, in_grad_spec, *signature.tree(self.module).key,
-                torch.is_grad_enabled())
+    def _key(self, x: Any, t: Any, out_spec: DistSpec, in_grad_spec: DistSpec | None, tree: signature.Tree) -> Any:
+        return (signature.value(x), signature.value(t), out_spec, in_grad_spec, *tree.key, torch.is_grad_enabled())
 
     # ---- forward -----------------------------------------------------------------------------
     def forward(self, x: Any, t: Any, loss_fn: Any, divide: int, out_spec: DistSpec,
@@ -117,13 +116,14 @@ class StaticChunk:
         """The chunk's forward: a ``Replayed`` when a program ran, else ``eager()``'s result.
 
         ``loss_fn`` is None except on the last chunk (then ``t`` is its target or None)."""
-        key = self._key(x, t, out_spec, in_grad_spec)
+        tree = signature.tree(self.module)  # (read once: the key's parts, and the state a program reads)
+        key = self._key(x, t, out_spec, in_grad_spec, tree)
         entry = self._programs.get(key)
         last = loss_fn is not None
         if entry is None:  # programs of open sizes made for these sizes too
             entry = self._of_open_sizes(key, x, t, out_spec, last)
         if isinstance(entry, _Programs):
-            return self._run(entry, x, t)
+            return self._run(entry, x, t, tree)
         if isinstance(entry, str):
             return eager()
         start = time.perf_counter()
@@ -161,7 +161,7 @@ class StaticChunk:
                     self._refuse(key, progs)
                     return eager()
             self._programs[key] = progs
-        return self._run(progs, x, t)
+        return self._run(progs, x, t, tree)
 
     # ---- open sizes --------------------------------------------------------------------------
     def _family(self, key: Any, x: Any, t: Any) -> Any:
@@ -295,8 +295,8 @@ class StaticChunk:
         from autoparallel import runtime
         return runtime.get_rank()
 
-    def _run(self, progs: _Programs, x: Any, t: Any) -> Replayed:
-        _, state = self._state()
+    def _run(self, progs: _Programs, x: Any, t: Any, tree: signature.Tree) -> Replayed:
+        state = [layout.local_or_plain(s) for s in tree.params + tree.buffers]
         inputs = state + [layout.local_of(x)] + ([] if t is None else [layout.local_or_plain(t)])
         outs = progs.forward(*inputs)
         replay(progs.records)

@@ -89,18 +89,7 @@ def tree(module: nn.Module) -> Tree:
     a small model's step's other bookkeeping. A parameter's ``requires_grad`` is read: call it
     under ``compat.attribute_access()``."""
     mods: list[tuple[str, nn.Module]] = []
-    seen: set[int] = set()
-
-    def visit(prefix: str, m: nn.Module) -> None:
-        if id(m) in seen:
-            return
-        seen.add(id(m))
-        mods.append((prefix, m))
-        for name, child in compat.child_modules(m).items():
-            if child is not None:
-                visit(f"{prefix}.{name}" if prefix else name, child)
-
-    visit("", module)
+    _visit("", module, mods, set())
     params: list[torch.Tensor] = []
     bufs: list[torch.Tensor] = []
     buffer_parts: list[Any] = []
@@ -118,6 +107,18 @@ def tree(module: nn.Module) -> Tree:
                 buffer_parts.append((f"{prefix}.{name}" if prefix else name, leaf(b)))
     return Tree(params, bufs, tuple((layout.spec_or_none(p), p.requires_grad) for p in params), tuple(buffer_parts),
                 tuple((m.training, _values(m), *compat.module_hooks(m)) for _, m in mods))
+
+
+def _visit(prefix: str, m: nn.Module, mods: list[tuple[str, nn.Module]], seen: set[int]) -> None:
+    """Append ``m`` and its submodules to ``mods`` with their paths, as ``named_modules`` walks
+    them (pre-order, each module once)."""
+    if id(m) in seen:
+        return
+    seen.add(id(m))
+    mods.append((prefix, m))
+    for name, child in compat.child_modules(m).items():
+        if child is not None:
+            _visit(f"{prefix}.{name}" if prefix else name, child, mods, seen)
 
 
 def _values(m: nn.Module) -> tuple[tuple[str, type, Any], ...]:
