@@ -346,7 +346,26 @@ class DistTensor(torch.Tensor):
         )
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        raise TypeError("DistTensor cannot be pickled; use ap.save_state_dict or full_tensor()")
+        """Pickled (``torch.save``) as this rank's shard with its layout and the rank that saved
+        it: only that rank, in a world of the same size, may load it (another rank would get a
+        shard that is not its own; see ``_unpickled``). A whole checkpoint: ``ap.save_state_dict``."""
+        return (_unpickled, (self._local, self._spec, self._stride, self.requires_grad,
+                             (runtime.get_rank(), runtime.get_world_size()), isinstance(self, torch.nn.Parameter)))
+
+
+def _unpickled(local: torch.Tensor, spec: DistSpec, stride: tuple[int, ...], requires_grad: bool,
+               saver: tuple[int, int], parameter: bool = False) -> DistTensor:
+    """A pickled DistTensor back (``torch.load``), on the rank that saved it (``parameter``: as
+    an ``nn.Parameter``, as it was)."""
+    here = (runtime.get_rank(), runtime.get_world_size())
+    if here != saver:
+        raise ValueError(
+            f"this DistTensor was saved by rank {saver[0]} of a world of {saver[1]} and holds that rank's "
+            f"shard only; it is loaded by rank {here[0]} of a world of {here[1]}. Load each rank's file on "
+            "its own rank, or save the whole value: ap.save_state_dict (any layout and world size on "
+            "load) or t.full_tensor()")
+    out = DistTensor._wrap(local, spec, stride, requires_grad)
+    return cast(DistTensor, torch.nn.Parameter(out, requires_grad=requires_grad)) if parameter else out
 
 
 class _InFlight:
