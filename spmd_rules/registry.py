@@ -163,13 +163,12 @@ def product_of_axes(call: OpCall, fn: AxisRule) -> list[Strategy]:
         per_axis = [_prefer_current(call, a, c)[: max(1, int(MAX_COMBINATIONS ** (1 / len(per_axis))))] for a, c in enumerate(per_axis)]
     out = []
     n_in, n_out = len(call.inputs), len(call.out)
-    strided = {id(s) for c in per_axis for s in c
-               if any(isinstance(q, StridedShard) for q in (*s.inputs, *s.outputs))}  # (checked per axis, once)
     for combo in itertools.product(*per_axis):
         inputs = tuple(tuple(s.inputs[i] for s in combo) for i in range(n_in))
         outputs = tuple(tuple(s.outputs[o] for s in combo) for o in range(n_out))
         if all(partials_compatible(p) for p in inputs + outputs) and (
-                not (strided and any(id(s) in strided for s in combo)) or _strided_fit(call, inputs, outputs)):
+                not any(isinstance(q, StridedShard) for p in inputs + outputs for q in p)
+                or _strided_fit(call, inputs, outputs)):
             out.append(Strategy(inputs, outputs))
     return out
 
