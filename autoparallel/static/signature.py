@@ -72,14 +72,14 @@ class Tree(NamedTuple):
 
     params: list[torch.Tensor]
     buffers: list[torch.Tensor]
-    parameters: tuple[Any, ...]  # per parameter: its layout (None: plain) and ``requires_grad``
+    param_parts: tuple[Any, ...]  # per parameter: its layout (None: plain) and ``requires_grad``
     buffer_parts: tuple[Any, ...]  # per buffer: its name, and its layout or plain shape and dtype
-    modules: tuple[Any, ...]  # per module: its train/eval flag, plain attribute values and hooks
+    module_parts: tuple[Any, ...]  # per module: its train/eval flag, plain attribute values and hooks
 
     @property
     def key(self) -> tuple[Any, Any, Any]:
         """The parameters, buffers and modules parts, in ``PARTS`` order."""
-        return self.parameters, self.buffer_parts, self.modules
+        return self.param_parts, self.buffer_parts, self.module_parts
 
 
 def tree(module: nn.Module) -> Tree:

@@ -39,7 +39,7 @@ def test_one_walk_lists_what_the_module_walks_list() -> None:
     assert [id(p) for p in tree.params] == [id(p) for p in m.parameters()]
     assert [id(b) for b in tree.buffers] == [id(b) for b in m.buffers()]
     assert tree.key == _reference(m)
-    assert len(tree.modules) == len(list(m.named_modules()))  # ``changed`` names modules by that walk
+    assert len(tree.module_parts) == len(list(m.named_modules()))  # ``changed`` names modules by that walk
 
 
 def test_the_key_changes_with_what_a_replay_depends_on() -> None:
