@@ -11,7 +11,7 @@
   kept between runs.
 * Marker ``gpu``: tests needing CUDA/NCCL, auto-skipped when CUDA is unavailable.
 * Tier markers, one per test, from its folder: ``pure`` (tests/pure: one process, no world;
-  ``pytest -m pure``: under a minute on 2 cores), ``world`` (tests/world: multi-process gloo worlds),
+  ``pytest -m pure``: one to two minutes on 2 cores), ``world`` (tests/world: multi-process gloo worlds),
   ``models`` (tests/models: the examples trained end to end), ``conformance``
   (tests/conformance: the op_db harness). A test marked with a tier itself keeps that tier
   instead of its folder's (a single-process test in a mostly-world module is ``@pytest.mark.pure``).
@@ -38,7 +38,7 @@ from tests.world_harness import WorkerError, World, world_fixture  # noqa: E402
 _TESTS = os.path.dirname(os.path.abspath(__file__))
 _WORLD_FIXTURE = re.compile(r"world\d+")
 TIERS = {
-    "pure": "one process, no world (tests/pure); under a minute",
+    "pure": "one process, no world (tests/pure); one to two minutes",
     "world": "multi-process gloo worlds (tests/world)",
     "models": "the examples trained end to end, torchrun included (tests/models)",
     "conformance": "the op_db conformance harness (tests/conformance)",
