@@ -41,6 +41,7 @@ from autoparallel.engine import layout
 from autoparallel.log import logger
 from autoparallel.placement import Partial, Replicate, Shard
 from autoparallel.regions import moves, objects
+from autoparallel.regions.state import Reads, read_values
 from autoparallel.runtime import comm
 from autoparallel.runtime.debug import CommRecord, named_within, replay
 from autoparallel.spec import DistSpec
@@ -323,17 +324,31 @@ class Calls:
         self.open = OpenPrograms(MAX_SIGNATURES // 2)
         self.captures = 0
         self.reused = 0  # calls answered by a kept or an open program
+        # per signature but its modules' plain values: (the values its capture read (``state.Reads``),
+        # what they were, the programs), for calls whose values differ only where none is read
+        self.alike: dict[Any, list[tuple[Any, Any, Programs]]] = {}
 
     def find(self, key: Any, leaves: list[Any], tree: Any, state: Sequence[torch.Tensor], module: nn.Module,
-             run: Callable[..., Any], held: dict[objects.Path, Any] | None = None) -> tuple[Programs | str, str]:
-        """(the programs or refusal of the call of ``key``, how: ``kept``, ``open`` (served by a
+             run: Callable[..., Any], held: dict[objects.Path, Any] | None = None,
+             values: tuple[Any, tuple[Any, ...]] | None = None) -> tuple[Programs | str, str]:
+        """(the programs or refusal of the call of ``key``, how: ``kept`` (by this signature, or
+        by one that differs only in plain values its capture did not read), ``open`` (served by a
         program of open sizes of its family) or ``captured`` now (``run``: the module's
         forward, its submodules' regions plain; ``held``: the entries of its object arguments,
-        whose tensors' sizes are part of the signature, and open like the arguments')."""
+        whose tensors' sizes are part of the signature, and open like the arguments'; ``values``:
+        ``key`` without the modules' plain values, and those values, ``state.TreeReader``'s)."""
         entries = [v for v in held.values() if isinstance(v, torch.Tensor)] if held else []
         if entries:
             key = (*key, tuple(tuple(t.shape) for t in entries))
+            if values is not None:
+                values = ((values[0], key[-1]), values[1])
         entry = self.programs.get(key)
+        if entry is None and values is not None:
+            entry = self._alike(*values)
+            if entry is not None:
+                self._keep(key, entry)
+                self.reused += 1
+                return entry, "kept"
         if entry is not None:
             self.reused += 1
             if len(self.programs) > 1:
@@ -354,6 +369,7 @@ class Calls:
             # signatures that do not come back (a cache that grows, a changing value argument):
             # a capture per call would not pay
             progs = "its signatures keep changing (a capture per call would not pay)"
+        reads = Reads(list(module.modules()))  # what the captures below read of the modules
         if not progs:
             progs = None
             self.captures += 1
@@ -364,7 +380,8 @@ class Calls:
             if fam in self.fixed:  # (a third size, or refused at two: a capture per size would not pay)
                 progs = self.fixed[fam]
             elif self.open.second_size(fam):
-                progs = capture_call(module, run, state, leaves, tree, open_sizes=True)
+                with reads:
+                    progs = capture_call(module, run, state, leaves, tree, open_sizes=True)
                 binding = progs.sizes.bind(shapes) if isinstance(progs, Programs) and progs.sizes else None
                 if (binding is not None and isinstance(progs, Programs)
                         and not _runs_at(progs.at(binding), state, [*leaves, *entries])):
@@ -376,7 +393,8 @@ class Calls:
                     why_open = progs if isinstance(progs, str) else "a guard excludes its own sizes"
                     progs = None
             if progs is None:
-                progs = capture_call(module, run, state, leaves, tree)
+                with reads:
+                    progs = capture_call(module, run, state, leaves, tree)
                 # its later sizes are not captured where a capture at fixed sizes was refused (what
                 # refuses one, an object returned or a Python value read, does not depend on the
                 # sizes) or where its sizes cannot be open (refused at two sizes: alike)
@@ -388,7 +406,25 @@ class Calls:
         logger.debug("local region %s: %s (%.2f s)", type(module).__name__,
                      f"refused: {progs}" if isinstance(progs, str) else "captured", time.perf_counter() - began)
         self._keep(key, progs)
+        if isinstance(progs, Programs) and values is not None and reads.entered:
+            self._kept_alike(values, reads.of(values[1]), progs)
         return progs, "captured"
+
+    def _alike(self, rest: Any, values: tuple[Any, ...]) -> Programs | None:
+        """The programs captured for a signature equal to this one but in plain values the
+        capture did not read (``rest``: the signature without them)."""
+        for reads, seen, progs in self.alike.get(rest, ()):
+            if read_values(values, reads) == seen:
+                return progs
+        return None
+
+    def _kept_alike(self, values: tuple[Any, tuple[Any, ...]], reads: tuple[Any, ...], progs: Programs) -> None:
+        if len(self.alike) > 8 * MAX_SIGNATURES:
+            self.alike.clear()
+        kept = self.alike.setdefault(values[0], [])
+        if len(kept) >= MAX_SIGNATURES:
+            del kept[0]
+        kept.append((reads, read_values(values[1], reads), progs))
 
     def _keep(self, key: Any, entry: Programs | str) -> None:
         if len(self.programs) >= MAX_SIGNATURES:

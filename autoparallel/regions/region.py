@@ -167,7 +167,8 @@ class _Region:
         shape = self.class_key(ids)
         calls = self.calls if shape is None else self.shared.setdefault(shape, self.calls)
         try:
-            progs, how = calls.find(key, leaves, tree, tensors, self.module, self._inside, held)
+            progs, how = calls.find(key, leaves, tree, tensors, self.module, self._inside, held,
+                                    (key[:4] + key[5:], values))
         except TypeError:  # an unhashable non-tensor argument: no signature
             return None
         if key not in self.verdicts:

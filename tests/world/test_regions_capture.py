@@ -398,6 +398,72 @@ def test_identical_modules_share_their_captured_calls() -> None:
     assert distinct == 1 and captures == 2 and other == 1, (distinct, captures, other)
 
 
+class _Numbered(_Twin):
+    """A block that knows its place (``layer_idx``, as transformers' layers do) and has a scale
+    of its own; ``reads``: what its forward reads of them (``"none"``, ``"scale"``, or ``"dict"``:
+    the scale through ``vars(self)``)."""
+
+    def __init__(self, index: int, scale: float, reads: str) -> None:
+        super().__init__()
+        self.layer_idx, self.scale, self.reads = index, scale, reads
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        if self.reads == "scale":
+            return y * self.scale
+        if self.reads == "dict":
+            return y * vars(self)["scale"]
+        return y
+
+
+class _NumberedStack(_Stack):
+    def __init__(self, scales: list[float], reads: str) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([_Numbered(k, s, reads) for k, s in enumerate(scales)])
+
+
+@pytest.mark.pure
+@pytest.mark.parametrize("scales,reads,captures", [
+    ([1.0, 1.0, 1.0], "none", 2),    # only layer_idx differs, never read: as identical blocks
+    ([1.0, 0.5, 0.5], "scale", 2),   # a value read: blocks 1 and 2 (equal scales) share
+    ([1.0, 0.5, 2.0], "scale", 3),   # a value read and different in each: one capture per block
+    ([1.0, 0.5, 2.0], "dict", 3),    # read through vars(self): every value counts as read
+])
+def test_modules_differing_in_values_their_forward_never_reads_share_a_program(
+        scales: list[float], reads: str, captures: int) -> None:
+    """Blocks whose plain values differ where their captured forward never reads them (a
+    decoder layer's ``layer_idx`` without a cache) share one program; a value it reads keeps
+    programs apart. Each block's output equals one process's."""
+    import autoparallel as ap
+    from autoparallel.regions.region import _ATTR
+
+    def run() -> tuple[dict[str, list[str]], int, float]:
+        mesh = ap.ProcessMesh([0], dim_names=["dp"])
+        torch.manual_seed(0)
+        model = ap.shard_layer(_NumberedStack(scales, reads), mesh)
+        ref = _NumberedStack(scales, reads)
+        ref.load_state_dict({k: v.full_tensor() for k, v in model.state_dict().items()})
+        worst = 0.0
+        for _ in range(2):
+            x = torch.randn(4, 4)
+            y = model(ap.shard_tensor(x, mesh, [ap.Shard(0)]))
+            worst = max(worst, float((y.full_tensor() - ref(x)).abs().max()))
+            y.sum().backward()
+            ref(x).sum().backward()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            worst = max(worst, float((p.grad.full_tensor() - q.grad).abs().max()))
+        tables = {id(m.__dict__[_ATTR].shared[m.__dict__[_ATTR].class_key()]) for m in model.blocks}
+        assert len(tables) == 1
+        r = model.blocks[0].__dict__[_ATTR]
+        assert all(type(m) is type(b) for m, b in zip(model.modules(), ref.modules()))  # classes as they were
+        return _report_of(model), r.shared[r.class_key()].captures, worst
+
+    report, got, worst = _with("1", run)
+    assert worst < 1e-6, worst
+    assert report["blocks.0"] == report["blocks.1"] == report["blocks.2"] == ["local"], report
+    assert got == captures, (got, captures)
+
+
 def _styled_stack(rank: int) -> tuple[dict[str, list[str]], int, int, float]:
     import autoparallel as ap
     from autoparallel.regions.region import _ATTR
