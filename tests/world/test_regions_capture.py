@@ -370,17 +370,26 @@ class _Stack(torch.nn.Module):
         return self.other(x) * float(x.abs().amax() > 0)
 
 
+def _one_rank_pair(make: Any) -> tuple[Any, torch.nn.Module, torch.nn.Module]:
+    """(a one-rank mesh, ``make()`` laid out on it by ``shard_layer``, a plain ``make()`` holding
+    the same values)."""
+    import autoparallel as ap
+
+    mesh = ap.ProcessMesh([0], dim_names=["dp"])
+    torch.manual_seed(0)
+    model = ap.shard_layer(make(), mesh)
+    ref = make()
+    ref.load_state_dict({k: v.full_tensor() for k, v in model.state_dict().items()})
+    return mesh, model, ref
+
+
 @pytest.mark.pure
 def test_identical_modules_share_their_captured_calls() -> None:
     import autoparallel as ap
     from autoparallel.regions.region import _ATTR
 
     def run() -> tuple[dict[str, list[str]], list[int], float]:
-        mesh = ap.ProcessMesh([0], dim_names=["dp"])
-        torch.manual_seed(0)
-        model = ap.shard_layer(_Stack(), mesh)
-        ref = _Stack()
-        ref.load_state_dict({k: v.full_tensor() for k, v in model.state_dict().items()})
+        mesh, model, ref = _one_rank_pair(_Stack)
         worst = 0.0
         for _ in range(2):
             x = torch.randn(4, 4)
@@ -438,11 +447,7 @@ def test_modules_differing_in_values_their_forward_never_reads_share_a_program(
     from autoparallel.regions.region import _ATTR
 
     def run() -> tuple[dict[str, list[str]], int, float]:
-        mesh = ap.ProcessMesh([0], dim_names=["dp"])
-        torch.manual_seed(0)
-        model = ap.shard_layer(_NumberedStack(scales, reads), mesh)
-        ref = _NumberedStack(scales, reads)
-        ref.load_state_dict({k: v.full_tensor() for k, v in model.state_dict().items()})
+        mesh, model, ref = _one_rank_pair(lambda: _NumberedStack(scales, reads))
         worst = 0.0
         for _ in range(2):
             x = torch.randn(4, 4)
