@@ -166,7 +166,7 @@ class Reads:
         self.entered, self._classes = True, []
         for m, watch in zip(self.modules, self.watches):
             cls = type(m)
-            if cls in _WATCHING.values() or _WATCH in m.__dict__:  # (watched already: every value counts)
+            if _WATCH in m.__dict__:  # (watched already, by an enclosing block: every value counts)
                 watch.names.add("__dict__")
                 self._classes.append(None)
                 continue
