@@ -27,7 +27,7 @@ DISTRIBUTED = "torch.distributed"
 # Layers, bottom up; a module may import its own layer or lower ones only.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("values", ("autoparallel", "autoparallel.placement", "autoparallel.mesh", "autoparallel.spec",
-                "autoparallel.cost", "autoparallel.compat")),
+                "autoparallel.cost", "autoparallel.compat", "autoparallel.attributes")),
     ("rules+planner", ("spmd_rules", "reshard", "reshard.plan", "reshard.planner", "reshard.crossmesh")),
     ("runtime", ("autoparallel.runtime", "reshard.executor")),
     ("engine", ("autoparallel.engine",)),

@@ -140,7 +140,7 @@ class _Region:
 
     def _read_tree(self) -> None:
         """What a call reads of the tree as it is now (after a change of its structure: anew)."""
-        self.reader = TreeReader(self.modules, {(id(m), a) for m, a in self.slots})
+        self.reader = TreeReader(self.modules)
         self.slot_names = _slot_names(self.modules, self.slots)
 
     def call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -160,11 +160,11 @@ class _Region:
             self.calls = program.Calls()
         tensors = [_current(m, a) for m, a in self.slots]
         _agree_plain(self.module, leaves, tensors)
-        values, ids = self.reader.read()
-        key, held = self._key(leaves, tree, tensors, values)
+        values, attrs = self.reader.read()
+        key, held = self._key(leaves, tree, tensors, values, attrs)
         if key is None or compat.foreign_dispatch_modes():  # (a trace of the caller's: make_fx, a static capture)
             return None
-        shape = self.class_key(ids)
+        shape = self.class_key(attrs)
         calls = self.calls if shape is None else self.shared.setdefault(shape, self.calls)
         try:
             progs, how = calls.find(key, leaves, tree, tensors, self.module, self._inside, held,
@@ -184,21 +184,22 @@ class _Region:
     def _state_now(self) -> list[torch.Tensor]:
         return [_current(m, a) for m, a in self.slots]
 
-    def class_key(self, ids: tuple[Any, ...] | None = None) -> Any:
+    def class_key(self, attrs: tuple[Any, ...] | None = None) -> Any:
         """What makes two modules' calls of one signature the same program: the classes and
         structure of the module tree, and every attribute that is not a plain value (kept in the
-        signature), a tensor slot (or what shadows one) or a submodule, by identity (a shared config object: the same).
+        signature), a tensor slot (or what shadows one) or a submodule, by content
+        (``attributes.describe``: two equal configs, or one shared, are the same).
         A submodule's forward hooks are part of it by their style keys (``moves.style_key``: two
         column-parallel Linears on one mesh axis move alike), quiet ones left out. None where
         calls are not shared: an instance ``forward`` of its own, or a submodule's forward hook
-        that is neither quiet nor a style's with a key (a closure may know its module). ``ids``:
-        the identities ``self.reader`` read for this call (read now where not given)."""
+        that is neither quiet nor a style's with a key (a closure may know its module). ``attrs``:
+        what ``self.reader`` read of those attributes for this call (read now where not given)."""
         if self.own_forward is not _MISSING:
             return None
-        if ids is None:
-            ids = self.reader.read()[1]
+        if attrs is None:
+            attrs = self.reader.read()[1]
         parts = []
-        for m, attrs in zip(self.modules, ids):
+        for m, held in zip(self.modules, attrs):
             hooks: list[Any] = []
             for h in compat.forward_hook_fns(m) if m is not self.module else ():
                 if compat.quiet_hook(h, m):
@@ -207,7 +208,7 @@ class _Region:
                 if key is None:
                     return None
                 hooks.append(key)
-            parts.append((type(m), attrs, tuple(hooks)))
+            parts.append((type(m), held, tuple(hooks)))
         return tuple(parts), self.slot_names
 
     def _inside(self, *args: Any, **kwargs: Any) -> Any:
@@ -223,10 +224,11 @@ class _Region:
         return self.forward(*args, **kwargs)
 
     def _key(self, leaves: list[Any], tree: Any, tensors: list[torch.Tensor],
-             values: tuple[Any, ...]) -> tuple[Any, dict[Any, Any] | None]:
+             values: tuple[Any, ...], attrs: tuple[Any, ...]) -> tuple[Any, dict[Any, Any] | None]:
         """(the signature, or None when this call cannot be a region (no DistTensor at all); the
         entries of its object arguments, as ``objects.entries`` walks them, where it has some).
-        ``values``: the modules' plain values, as ``self.reader`` read them for this call."""
+        ``values``, ``attrs``: the modules' plain values and the objects they hold, as
+        ``self.reader`` read them for this call (a config's value changed: a new signature)."""
         parts: list[Any] = []
         held: dict[Any, Any] | None = None
         spec_of, stride_of = layout.spec_of, layout.stride_of  # bound once: every call of the module asks
@@ -250,7 +252,8 @@ class _Region:
             )
         if not any(isinstance(x, DistTensor) for x in leaves) and not any(isinstance(t, DistTensor) for t in tensors):
             return None, None
-        return (tree, tuple(parts), slot_parts, ties(tensors), values, torch.is_grad_enabled(), autocast_state()), held
+        return (tree, tuple(parts), slot_parts, ties(tensors), values, torch.is_grad_enabled(), autocast_state(),
+                attrs), held
 
 
 def _slot_names(modules: list[nn.Module], slots: list[tuple[nn.Module, str]]) -> tuple[tuple[int, str], ...]:

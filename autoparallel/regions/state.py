@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from autoparallel import compat
+from autoparallel.attributes import describe, held_names, slot_names
 from autoparallel.compat import tree_flatten, tree_unflatten
 
 
@@ -45,9 +46,6 @@ def current(m: nn.Module, attr: str) -> torch.Tensor:
     return t
 
 
-_MODULE_FIELDS = frozenset(vars(nn.Module())) | {"forward"}  # nn.Module's own fields, and a region's wrapper
-
-
 class TreeReader:
     """What a call's signature reads of a module tree's attributes, per module in ``modules``:
 
@@ -55,26 +53,27 @@ class TreeReader:
       forward only writes (``self.length = x.shape[1]``: its output, not its input; one it reads
       too, ``self.calls += 1; if self.calls > 3: ...``, is included: each value a signature of
       its own);
-    * **identities**: every other attribute that is neither a field of ``nn.Module``, nor ours
-      (``_ap*``), nor a tensor slot in ``slotted`` (``(id(module), name)``: a ZeRO-3 gathered
-      tensor shadowing its parameter), by identity (a shared config object: the same).
+    * **held**: every other attribute that is neither a field of ``nn.Module``, nor ours
+      (``_ap*``), nor a tensor standing in for a parameter or buffer (a ZeRO-3 gathered weight),
+      by content (``attributes.describe``: a config's values, a function itself, a tensor's
+      identity): a value changed inside a config the forward reads makes a new signature.
 
     Which names are which is worked out again only when a module's attribute names, their types or
     its class's ``forward`` change (a comparison of tuples made at C speed); otherwise one getter
     reads them. Run at every call of a local region: a walk of every attribute of every module in
     Python cost more than a small model's step's other bookkeeping."""
 
-    def __init__(self, modules: list[nn.Module], slotted: set[tuple[int, str]]) -> None:
+    def __init__(self, modules: list[nn.Module]) -> None:
         self.modules = modules
-        self.slotted = slotted
         self._seen: list[Any] = [None] * len(modules)  # per module, the entry of its last layout
         self._layouts: list[dict[Any, Any]] = [{} for _ in modules]
 
     def read(self) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
-        """(values, identities): per module, (its names, their types, what they hold now) and
-        (its names, the identities of what they hold now)."""
-        values, ids = [], []
+        """(values, held): per module, (its names, their types, what they hold now) and (its
+        names, the descriptions of what they hold now)."""
+        values, held = [], []
         seen_all = self._seen
+        memo: dict[int, Any] = {}  # (a config shared by many modules: described once)
         for k, m in enumerate(self.modules):
             d = m.__dict__
             fp = (tuple(d), tuple(map(type, d.values())), getattr(type(m).forward, "__code__", None))
@@ -82,8 +81,8 @@ class TreeReader:
             if seen is None or seen[0] != fp:
                 seen = seen_all[k] = self._known(k, m, fp)
             values.append((seen[1], seen[5], seen[2](d)))
-            ids.append((seen[3], tuple(map(id, seen[4](d)))))
-        return tuple(values), tuple(ids)
+            held.append((seen[3], tuple(describe(v, memo) for v in seen[4](d))) if seen[3] else ())
+        return tuple(values), tuple(held)
 
     def _known(self, k: int, m: nn.Module, fp: tuple[Any, ...]) -> tuple[Any, ...]:
         """The entry of module ``k`` at attribute layout ``fp``: one of the last few it had (a
@@ -103,9 +102,7 @@ class TreeReader:
         plain = tuple(n for n, t in zip(names, types)
                       if t in compat.PLAIN_VALUES and (n == "training" or n not in written))
         kinds = tuple(t for n, t in zip(names, types) if n in plain)  # (a flag set to 1 is not True: 1 == True)
-        others = tuple(n for n, t in zip(names, types)
-                       if t not in compat.PLAIN_VALUES and n not in _MODULE_FIELDS and not n.startswith("_ap")
-                       and (id(m), n) not in self.slotted)
+        others = held_names(names, types, slot_names(m))
         return plain, _getter(plain), others, _getter(others), kinds
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from autoparallel import compat
+from autoparallel import attributes, compat
 from autoparallel.static import signature
 
 
@@ -29,7 +29,8 @@ class _Net(nn.Module):
 def _reference(m: nn.Module) -> tuple[tuple[object, ...], ...]:
     return (tuple((None, p.requires_grad) for p in m.parameters()),
             tuple((name, signature.leaf(b)) for name, b in m.named_buffers()),
-            tuple((x.training, tuple((k, type(v), v) for k, v in compat.module_values(x)), *compat.module_hooks(x))
+            tuple((x.training, tuple((k, type(v), v) for k, v in compat.module_values(x)), attributes.held(x, {}),
+                   *compat.module_hooks(x))
                   for x in m.modules()))
 
 
@@ -53,6 +54,8 @@ def test_the_key_changes_with_what_a_replay_depends_on() -> None:
         lambda: m.shared.register_forward_hook(lambda *a: None),  # a hook
         lambda: m.head.weight.requires_grad_(False),  # a frozen parameter
         lambda: setattr(m, "scale", torch.ones(5)),  # a buffer of another shape
+        lambda: setattr(m, "config", {"scale": 1.0}),  # an object held
+        lambda: m.config.update(scale=2.0),  # a value inside it
     ]
     seen = {base}
     for change in changes:

@@ -11,7 +11,9 @@ attributes must be equal (the same local ops run: checked at rtol 1e-6).
   fake tensor of the capture is left in the module;
 * plain Python attributes (a temperature, a flag) set between steps take effect (a new
   signature), a counter the forward increments counts as on one device (one warning), and more
-  signatures than a ``DistModel`` keeps warn once, naming the attribute that keeps changing.
+  signatures than a ``DistModel`` keeps warn once, naming the attribute that keeps changing;
+* objects a module holds (a config whose value changes, a config replaced, a function
+  swapped) are read by content: eager and static both train as one device does.
 """
 
 from __future__ import annotations
@@ -100,6 +102,32 @@ class Tempered(nn.Module):
         return self.fc2(h) / self.temp
 
 
+class Settings:
+    """A config object a module holds: its values are read by the forward."""
+
+    def __init__(self, scale: float = 1.0, center: bool = False) -> None:
+        self.scale = scale
+        self.center = center
+        self.sizes = {"hidden": 12}
+
+
+class Configured(nn.Module):
+    """Reads a held config object's values and calls a held function."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(8, 12)
+        self.fc2 = nn.Linear(12, 5)
+        self.cfg = Settings()
+        self.act = torch.tanh
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.fc1(x)) * self.cfg.scale
+        if self.cfg.center:
+            h = h - h.mean(0, keepdim=True)
+        return self.fc2(h) * (self.cfg.sizes["hidden"] / 12)
+
+
 def _xy(i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(10 + i)
     return torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g), torch.randint(0, 5, (8,), generator=g)
@@ -127,6 +155,14 @@ def _before(case: str, model: nn.Module, i: int) -> None:
         model.center = i >= 2
     if case == "overflow":
         model.temp = 1.0 + 0.5 * i
+    if case == "held":  # step 1: a config value changed in place; 2: another config; 3: another function
+        if i == 1:
+            model.cfg.scale = 0.5
+        if i == 2:
+            model.cfg = Settings(scale=2.0, center=True)
+        if i == 3:
+            model.act = torch.sigmoid
+            model.cfg.sizes["hidden"] = 6
 
 
 def _model(case: str) -> nn.Module:
@@ -135,6 +171,8 @@ def _model(case: str) -> nn.Module:
         return Pair()
     if case == "buffers":
         return Decay()
+    if case == "held":
+        return Configured()
     return Tempered(count=case == "counter")
 
 
@@ -273,3 +311,21 @@ def test_too_many_signatures_warn_once_naming_what_changes(world4: Any) -> None:
         assert len(st["warnings"]) == 1, st["warnings"]
         assert "more than 2 call signatures" in st["warnings"][0] and "attribute temp of the model" in st["warnings"][0]
         assert st["kinds"][-1] == ["_Program"] * 2
+
+
+def _held(rank: int) -> dict[str, Any]:
+    return {**_against_one_process(rank, "held"), "eager": _train(rank, "held", False)}
+
+
+def test_objects_a_module_holds_are_read_by_content(world4: Any) -> None:  # type: ignore[no-untyped-def]
+    """A value changed inside a held config, a config replaced, a function swapped: each is a new
+    signature (static) and a new program (eager's local region), never a replay of the old one."""
+    for res in world4.run(_held):
+        one = res["one"]
+        for side in ("eager", "static"):
+            got = res[side]
+            torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(one["losses"]), rtol=1e-5, atol=0)
+            for a, b in zip(got["params"], one["params"]):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+            assert got["warnings"] == [], got["warnings"]
+        assert res["static"]["kinds"][-1] == ["_Program"] * STEPS  # a program per setting

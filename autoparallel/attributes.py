@@ -1,0 +1,114 @@
+"""What a module's forward may read besides its tensors: the objects it holds, by content.
+
+A captured program (a local region's, a static step's) is replayed only under the signature it
+was captured with. A module's plain attribute values are part of that signature
+(``compat.module_values``). So are the other objects a module holds as attributes, described
+here by what they hold: changing a value inside one (``model.config.scale = 2.0``), putting
+another object in its place, or assigning another function (``block.act = F.silu``) makes a new
+signature, and the next call is captured again (or runs op by op) instead of replaying a program
+made for the old value.
+
+``describe(x, memo)`` gives a hashable description of ``x``:
+
+* numbers, strings, bytes, ``None``: the value with its type (``1`` and ``True`` differ);
+* lists, tuples, dicts, sets: their items described, in order (a container of more than
+  ``MAX_ITEMS`` items, a tokenizer's vocabulary say, by identity and length only);
+* an object with a ``__dict__`` (a config, a dataclass, a namespace): its class and each of its
+  attributes described, nested objects followed up to ``MAX_DEPTH`` levels (deeper: identity);
+* a tensor or a module: its identity (a module's state is read as a module's; a tensor is data);
+* a function, class, method, dtype, device, enum member or other value that compares by
+  identity or by a cheap ``__eq__``: the object itself; anything else: its identity.
+
+An object met twice in one description (shared, or a cycle) is described once: ``memo`` maps
+identities to descriptions for the duration of one signature. Nothing here reads tensor data.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import types
+from typing import Any
+
+import torch
+from torch import nn
+
+from autoparallel import compat
+
+MAX_ITEMS = 256
+MAX_DEPTH = 4
+
+_ATOMS = frozenset({bool, int, float, complex, str, bytes, type(None)})
+# compared and hashed by identity or by a cheap value: kept as they are
+_AS_IS = (types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.BuiltinMethodType,
+          type, torch.dtype, torch.device, enum.Enum, functools.partial)
+_CONTAINERS = (list, tuple, dict, set, frozenset)
+_MODULE_FIELDS = frozenset(vars(nn.Module())) | {"forward"}  # nn.Module's own fields, and a region's wrapper
+
+
+def describe(x: Any, memo: dict[int, Any], depth: int = 0) -> Any:
+    """A hashable description of ``x`` by content (see the module's docstring)."""
+    t = type(x)
+    if t in _ATOMS:
+        return (t, x)
+    key = id(x)
+    got = memo.get(key)
+    if got is not None:
+        return got
+    memo[key] = ("cycle", key)  # (an object reached again while it is described)
+    memo[key] = out = _describe(x, t, memo, depth)
+    return out
+
+
+def _describe(x: Any, t: type, memo: dict[int, Any], depth: int) -> Any:
+    if isinstance(x, (torch.Tensor, nn.Module)):
+        return ("id", id(x))
+    if isinstance(x, _AS_IS):
+        return (t, x) if _hashable(x) else ("id", id(x))
+    if isinstance(x, _CONTAINERS):
+        if len(x) > MAX_ITEMS or depth >= MAX_DEPTH:
+            return ("id", id(x), len(x))
+        if isinstance(x, dict):
+            return (t, tuple((describe(k, memo, depth + 1), describe(v, memo, depth + 1)) for k, v in x.items()))
+        if isinstance(x, (set, frozenset)):
+            return (t, frozenset(describe(v, memo, depth + 1) for v in x))
+        return (t, tuple(describe(v, memo, depth + 1) for v in x))
+    d = getattr(x, "__dict__", None)
+    if isinstance(d, dict):
+        if len(d) > MAX_ITEMS or depth >= MAX_DEPTH:
+            return ("id", id(x), len(d))
+        return (t, tuple((k, describe(v, memo, depth + 1)) for k, v in d.items()))
+    if t.__eq__ is object.__eq__ and t.__hash__ is object.__hash__:
+        return (t, x)  # (compared by identity: kept alive by the description, so never confused)
+    return ("id", id(x))
+
+
+def _hashable(x: Any) -> bool:
+    try:
+        hash(x)
+    except TypeError:
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=4096)
+def held_names(names: tuple[str, ...], types_: tuple[type, ...], slots: frozenset[str]) -> tuple[str, ...]:
+    """Of a module's attributes (``names`` holding values of ``types_``), those ``held`` describes:
+    not a plain value (``compat.module_values`` has those), not a field of ``nn.Module`` or of this
+    library (``_ap...``), not a tensor standing in for one of the module's parameters or buffers
+    (``slots``, their names: a ZeRO-3 unit's gathered weight is the module's state, read as such)."""
+    return tuple(n for n, t in zip(names, types_)
+                 if t not in compat.PLAIN_VALUES and n not in _MODULE_FIELDS and not n.startswith("_ap")
+                 and not (n in slots and issubclass(t, torch.Tensor)))
+
+
+def slot_names(module: nn.Module) -> frozenset[str]:
+    """The names of ``module``'s own parameters and buffers."""
+    return frozenset(compat.own_parameters(module)) | frozenset(compat.own_buffers(module))
+
+
+def held(module: nn.Module, memo: dict[int, Any]) -> tuple[tuple[str, Any], ...]:
+    """``(name, description)`` of each object ``module`` holds as an attribute (``held_names``)."""
+    d = module.__dict__
+    names = held_names(tuple(d), tuple(map(type, d.values())), slot_names(module))
+    return tuple((n, describe(d[n], memo)) for n in names)
