@@ -112,3 +112,35 @@ def held(module: nn.Module, memo: dict[int, Any]) -> tuple[tuple[str, Any], ...]
     d = module.__dict__
     names = held_names(tuple(d), tuple(map(type, d.values())), slot_names(module))
     return tuple((n, describe(d[n], memo)) for n in names)
+
+
+@functools.lru_cache(maxsize=1024)
+def _own_classes(cls: type) -> tuple[type, ...]:
+    """``cls`` and its bases below ``nn.Module`` (nn.Module's own class attributes are not a model's)."""
+    return tuple(c for c in cls.__mro__ if c is not object and not (isinstance(c, type) and issubclass(nn.Module, c)))
+
+
+@functools.lru_cache(maxsize=1024)
+def _class_slots(cls: type, sizes: tuple[int, ...]) -> tuple[tuple[type, str], ...]:
+    """Where each plain class attribute of ``cls`` lives: (the class that sets it first in the
+    method resolution order, its name). ``sizes``: how many names each class holds (a name
+    added or deleted: worked out again)."""
+    seen: set[str] = set()
+    out = []
+    for c in _own_classes(cls):
+        for k, v in vars(c).items():
+            if k not in seen and not k.startswith("__"):
+                seen.add(k)
+                if type(v) in compat.PLAIN_VALUES:
+                    out.append((c, k))
+    return tuple(out)
+
+
+def class_values(cls: type) -> tuple[tuple[str, type, Any], ...]:
+    """The plain values ``cls`` (a module class) sets as class attributes, with their types:
+    ``is_causal = True`` read as ``self.is_causal``; changed on the class (``Attention.is_causal =
+    False``), a new signature. A value an instance sets itself shadows it and is read as the
+    instance's."""
+    classes = _own_classes(cls)
+    slots = _class_slots(cls, tuple(len(vars(c)) for c in classes))
+    return tuple((k, type(v), v) for c, k in slots for v in (vars(c).get(k),))

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from autoparallel import compat
-from autoparallel.attributes import describe, held_names, slot_names
+from autoparallel.attributes import class_values, describe, held_names, slot_names
 from autoparallel.compat import tree_flatten, tree_unflatten
 
 
@@ -56,7 +56,9 @@ class TreeReader:
     * **held**: every other attribute that is neither a field of ``nn.Module``, nor ours
       (``_ap*``), nor a tensor standing in for a parameter or buffer (a ZeRO-3 gathered weight),
       by content (``attributes.describe``: a config's values, a function itself, a tensor's
-      identity): a value changed inside a config the forward reads makes a new signature.
+      identity): a value changed inside a config the forward reads makes a new signature;
+    * **class values**: the plain values its class sets (``attributes.class_values``: a class's
+      ``is_causal = True`` changed on the class, a new signature).
 
     Which names are which is worked out again only when a module's attribute names, their types or
     its class's ``forward`` change (a comparison of tuples made at C speed); otherwise one getter
@@ -70,7 +72,7 @@ class TreeReader:
 
     def read(self) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
         """(values, held): per module, (its names, their types, what they hold now) and (its
-        names, the descriptions of what they hold now)."""
+        names, the descriptions of what they hold now, its class's plain values)."""
         values, held = [], []
         seen_all = self._seen
         memo: dict[int, Any] = {}  # (a config shared by many modules: described once)
@@ -81,7 +83,7 @@ class TreeReader:
             if seen is None or seen[0] != fp:
                 seen = seen_all[k] = self._known(k, m, fp)
             values.append((seen[1], seen[5], seen[2](d)))
-            held.append((seen[3], tuple(describe(v, memo) for v in seen[4](d))) if seen[3] else ())
+            held.append((seen[3], tuple(describe(v, memo) for v in seen[4](d)), class_values(type(m))))
         return tuple(values), tuple(held)
 
     def _known(self, k: int, m: nn.Module, fp: tuple[Any, ...]) -> tuple[Any, ...]:

@@ -13,7 +13,7 @@ input signature) build their keys from these parts, so both replay under the sam
   a new value: a program reads the buffers it was captured with); each submodule's train/eval
   flag, plain Python attribute values (a temperature, a flag a forward branches on:
   ``compat.module_values``), the other objects it holds by content (a config's values, a
-  function: ``attributes.held``) and hooks (a hook added after a capture makes a new signature,
+  function: ``attributes.held``), its class's plain values (``attributes.class_values``) and hooks (a hook added after a capture makes a new signature,
   so it runs).
 
 ``changed(old, new, module)`` names, in user terms, what differs between two such keys.
@@ -76,7 +76,7 @@ class Tree(NamedTuple):
     buffers: list[torch.Tensor]
     param_parts: tuple[Any, ...]  # per parameter: its layout (None: plain) and ``requires_grad``
     buffer_parts: tuple[Any, ...]  # per buffer: its name, and its layout or plain shape and dtype
-    module_parts: tuple[Any, ...]  # per module: its train/eval flag, plain attribute values, held objects and hooks
+    module_parts: tuple[Any, ...]  # per module: train/eval flag, plain values, held objects, class values, hooks
 
     @property
     def key(self) -> tuple[Any, Any, Any]:
@@ -109,7 +109,8 @@ def tree(module: nn.Module) -> Tree:
                 buffer_parts.append((f"{prefix}.{name}" if prefix else name, leaf(b)))
     memo: dict[int, Any] = {}  # (a config shared by many modules: described once)
     return Tree(params, bufs, tuple((layout.spec_or_none(p), p.requires_grad) for p in params), tuple(buffer_parts),
-                tuple((m.training, _values(m), attributes.held(m, memo), *compat.module_hooks(m)) for _, m in mods))
+                tuple((m.training, _values(m), attributes.held(m, memo), attributes.class_values(type(m)),
+                       *compat.module_hooks(m)) for _, m in mods))
 
 
 def _visit(prefix: str, m: nn.Module, mods: list[tuple[str, nn.Module]], seen: set[int]) -> None:
@@ -163,9 +164,9 @@ def changed(old: tuple[Any, ...], new: tuple[Any, ...], module: nn.Module) -> st
         where = f"module {name!r}" if name else "the model"
         if a[0] != b[0]:
             what.append(f"the train/eval flag of {where}")
-        if a[1] != b[1] or a[2] != b[2]:
-            attrs = sorted({k for k, *_ in set(a[1]) ^ set(b[1])} | {k for k, _ in set(a[2]) ^ set(b[2])})
+        if a[1:4] != b[1:4]:
+            attrs = sorted({k for part in (1, 2, 3) for k, *_ in set(a[part]) ^ set(b[part])})
             what.append(f"attribute{'s' if len(attrs) > 1 else ''} {', '.join(attrs)} of {where}")
-        if a[3:] != b[3:]:
+        if a[4:] != b[4:]:
             what.append(f"the hooks of {where}")
     return "; ".join(what) or "nothing visible"

@@ -42,7 +42,7 @@ def _values(r: TreeReader) -> dict[str, object]:
 
 
 def _held(r: TreeReader) -> dict[str, object]:
-    names, held = r.read()[1][0]
+    names, held, _ = r.read()[1][0]
     return dict(zip(names, held))
 
 
@@ -90,9 +90,9 @@ def test_a_tensor_shadowing_a_slot_is_not_read() -> None:
     m = _Gate()
     r = _reader(m)
     m.proj.__dict__["weight"] = torch.zeros(2, 2)  # (a ZeRO-3 unit's gathered weight: the module's state)
-    assert r.read()[1][1] == ()
+    assert r.read()[1][1][:2] == ((), ())
     m.proj.__dict__["table"] = torch.zeros(2, 2)  # a plain tensor attribute of another name: by identity
-    assert r.read()[1][1] == (("table",), (("id", id(m.proj.table)),))
+    assert r.read()[1][1][:2] == (("table",), (("id", id(m.proj.table)),))
 
 
 def test_descriptions_by_content_bounded_and_cycle_safe() -> None:
@@ -113,3 +113,17 @@ def test_descriptions_by_content_bounded_and_cycle_safe() -> None:
     shared = _Config()
     memo = {}
     assert describe([shared, shared], memo)[1][0] is describe(shared, memo)  # described once
+
+
+def test_plain_class_values_are_read_and_follow_the_class() -> None:
+    class Causal(_Gate):
+        is_causal = True
+
+    m = Causal()
+    r = _reader(m)
+    before = r.read()
+    assert ("is_causal", bool, True) in before[1][0][2]
+    Causal.is_causal = False  # set on the class: another reading
+    assert r.read() != before
+    Causal.window = 4  # a class value added: seen too
+    assert ("window", int, 4) in r.read()[1][0][2]

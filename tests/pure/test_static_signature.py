@@ -30,7 +30,7 @@ def _reference(m: nn.Module) -> tuple[tuple[object, ...], ...]:
     return (tuple((None, p.requires_grad) for p in m.parameters()),
             tuple((name, signature.leaf(b)) for name, b in m.named_buffers()),
             tuple((x.training, tuple((k, type(v), v) for k, v in compat.module_values(x)), attributes.held(x, {}),
-                   *compat.module_hooks(x))
+                   attributes.class_values(type(x)), *compat.module_hooks(x))
                   for x in m.modules()))
 
 

@@ -13,7 +13,8 @@ attributes must be equal (the same local ops run: checked at rtol 1e-6).
   signature), a counter the forward increments counts as on one device (one warning), and more
   signatures than a ``DistModel`` keeps warn once, naming the attribute that keeps changing;
 * objects a module holds (a config whose value changes, a config replaced, a function
-  swapped) are read by content: eager and static both train as one device does.
+  swapped) are read by content, and plain class values (set on the class) by value: eager and
+  static both train as one device does.
 """
 
 from __future__ import annotations
@@ -112,7 +113,9 @@ class Settings:
 
 
 class Configured(nn.Module):
-    """Reads a held config object's values and calls a held function."""
+    """Reads a held config object's values, calls a held function and reads a class value."""
+
+    shift = 0.0
 
     def __init__(self) -> None:
         super().__init__()
@@ -125,7 +128,7 @@ class Configured(nn.Module):
         h = self.act(self.fc1(x)) * self.cfg.scale
         if self.cfg.center:
             h = h - h.mean(0, keepdim=True)
-        return self.fc2(h) * (self.cfg.sizes["hidden"] / 12)
+        return self.fc2(h + self.shift) * (self.cfg.sizes["hidden"] / 12)
 
 
 def _xy(i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -156,6 +159,7 @@ def _before(case: str, model: nn.Module, i: int) -> None:
     if case == "overflow":
         model.temp = 1.0 + 0.5 * i
     if case == "held":  # step 1: a config value changed in place; 2: another config; 3: another function
+        Configured.shift = 0.0 if i < 2 else 0.25  # and from step 2 a class value
         if i == 1:
             model.cfg.scale = 0.5
         if i == 2:
