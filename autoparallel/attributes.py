@@ -20,7 +20,9 @@ made for the old value.
   identity or by a cheap ``__eq__``: the object itself; anything else: its identity.
 
 An object met twice in one description (shared, or a cycle) is described once: ``memo`` maps
-identities to descriptions for the duration of one signature. Nothing here reads tensor data.
+identities to descriptions for the duration of one signature. Past ``MAX_OBJECTS`` containers
+and objects in one signature (a module holding a trainer and its datasets), the rest are read by
+identity. Nothing here reads tensor data.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ from autoparallel import compat
 
 MAX_ITEMS = 256
 MAX_DEPTH = 4
+MAX_OBJECTS = 4096  # containers and objects one description follows, in all
+_COUNT = -1  # (the memo's count of them: no object has a negative identity)
 
 _ATOMS = frozenset({bool, int, float, complex, str, bytes, type(None)})
 # compared and hashed by identity or by a cheap value: kept as they are
@@ -56,6 +60,10 @@ def describe(x: Any, memo: dict[int, Any], depth: int = 0) -> Any:
     if got is not None:
         return got
     memo[key] = ("cycle", key)  # (an object reached again while it is described)
+    count = memo[_COUNT] = memo.get(_COUNT, 0) + 1
+    if count > MAX_OBJECTS:  # (a large graph of objects, a trainer holding its datasets: not read at every call)
+        memo[key] = out = ("id", key)
+        return out
     memo[key] = out = _describe(x, t, memo, depth)
     return out
 
@@ -73,7 +81,10 @@ def _describe(x: Any, t: type, memo: dict[int, Any], depth: int) -> Any:
         if isinstance(x, (set, frozenset)):
             return (t, frozenset(describe(v, memo, depth + 1) for v in x))
         return (t, tuple(describe(v, memo, depth + 1) for v in x))
-    d = getattr(x, "__dict__", None)
+    try:
+        d = getattr(x, "__dict__", None)
+    except Exception:  # (a proxy whose attribute access fails otherwise)
+        d = None
     if isinstance(d, dict):
         if len(d) > MAX_ITEMS or depth >= MAX_DEPTH:
             return ("id", id(x), len(d))

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from autoparallel.attributes import MAX_DEPTH, MAX_ITEMS, describe
+from autoparallel.attributes import MAX_DEPTH, MAX_ITEMS, MAX_OBJECTS, describe
 from autoparallel.regions.state import TreeReader
 
 
@@ -110,6 +110,9 @@ def test_descriptions_by_content_bounded_and_cycle_safe() -> None:
     for _ in range(MAX_DEPTH + 2):
         deep = [deep]
     assert "id" in repr(describe(deep, {}))  # nested past the depth: by identity there
+    wide = [[[i] for i in range(MAX_ITEMS)] for _ in range(MAX_OBJECTS // MAX_ITEMS + 1)]
+    told = describe(wide, {})  # more objects than one signature follows: the rest by identity
+    assert told[1][-1] == ("id", id(wide[-1]))
     shared = _Config()
     memo = {}
     assert describe([shared, shared], memo)[1][0] is describe(shared, memo)  # described once
