@@ -26,6 +26,7 @@ from autoparallel.runtime import agree
 _ATTR = "_ap_region"
 _MODE: list[str] = []  # "trace": a parent's capture runs this module as part of its program
 _MISSING = object()
+_SHARED_CLASSES = 256  # class keys kept per root (``_Region.class_key``)
 # marks an object argument's part of a signature: (_OBJECT, its class, its entries'
 # ``objects.signature``, None where a region cannot follow them)
 _OBJECT = object()
@@ -161,11 +162,15 @@ class _Region:
         tensors = [_current(m, a) for m, a in self.slots]
         _agree_plain(self.module, leaves, tensors)
         values, attrs = self.reader.read()
-        key, held = self._key(leaves, tree, tensors, values, attrs)
+        key, held = self._key(leaves, tree, tensors, values)
         if key is None or compat.foreign_dispatch_modes():  # (a trace of the caller's: make_fx, a static capture)
             return None
         shape = self.class_key(attrs)
-        calls = self.calls if shape is None else self.shared.setdefault(shape, self.calls)
+        calls = self.calls if shape is None else self.shared.get(shape)
+        if calls is None:
+            calls = self.calls
+            if len(self.shared) < _SHARED_CLASSES:  # (held objects that change every call: not a key each)
+                self.shared[shape] = calls
         try:
             progs, how = calls.find(key, leaves, tree, tensors, self.module, self._inside, held,
                                     (key[:4] + key[5:], values))
@@ -224,11 +229,12 @@ class _Region:
         return self.forward(*args, **kwargs)
 
     def _key(self, leaves: list[Any], tree: Any, tensors: list[torch.Tensor],
-             values: tuple[Any, ...], attrs: tuple[Any, ...]) -> tuple[Any, dict[Any, Any] | None]:
+             values: tuple[Any, ...]) -> tuple[Any, dict[Any, Any] | None]:
         """(the signature, or None when this call cannot be a region (no DistTensor at all); the
         entries of its object arguments, as ``objects.entries`` walks them, where it has some).
-        ``values``, ``attrs``: the modules' plain values and the objects they hold, as
-        ``self.reader`` read them for this call (a config's value changed: a new signature)."""
+        ``values``: what the modules' forwards may read by name (plain values, held objects'
+        descriptions, class values), as ``self.reader`` read them for this call (a config's
+        value changed: a new signature)."""
         parts: list[Any] = []
         held: dict[Any, Any] | None = None
         spec_of, stride_of = layout.spec_of, layout.stride_of  # bound once: every call of the module asks
@@ -252,8 +258,7 @@ class _Region:
             )
         if not any(isinstance(x, DistTensor) for x in leaves) and not any(isinstance(t, DistTensor) for t in tensors):
             return None, None
-        return (tree, tuple(parts), slot_parts, ties(tensors), values, torch.is_grad_enabled(), autocast_state(),
-                attrs), held
+        return (tree, tuple(parts), slot_parts, ties(tensors), values, torch.is_grad_enabled(), autocast_state()), held
 
 
 def _slot_names(modules: list[nn.Module], slots: list[tuple[nn.Module, str]]) -> tuple[tuple[int, str], ...]:

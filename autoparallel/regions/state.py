@@ -55,10 +55,14 @@ class TreeReader:
       its own);
     * **held**: every other attribute that is neither a field of ``nn.Module``, nor ours
       (``_ap*``), nor a tensor standing in for a parameter or buffer (a ZeRO-3 gathered weight),
-      by content (``attributes.describe``: a config's values, a function itself, a tensor's
-      identity): a value changed inside a config the forward reads makes a new signature;
+      nor one its forward only writes, by content (``attributes.describe``: a config's values, a
+      function itself, a tensor's identity): a value changed inside a config the forward reads
+      makes a new signature;
     * **class values**: the plain values its class sets (``attributes.class_values``: a class's
       ``is_causal = True`` changed on the class, a new signature).
+
+    All three are values a forward reads by name (``self.x``): ``values`` holds them together,
+    so that ``Reads`` tells which of them a capture read.
 
     Which names are which is worked out again only when a module's attribute names, their types or
     its class's ``forward`` change (a comparison of tuples made at C speed); otherwise one getter
@@ -71,9 +75,12 @@ class TreeReader:
         self._layouts: list[dict[Any, Any]] = [{} for _ in modules]
 
     def read(self) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
-        """(values, held): per module, (its names, their types, what they hold now) and (its
-        names, the descriptions of what they hold now, its class's plain values)."""
-        values, held = [], []
+        """(values, held): per module, every value a forward may read of it by name — (the
+        names, their types, what they hold now: plain values, then the held objects'
+        descriptions, then the class's plain values an instance does not shadow) — and the held
+        objects alone, (their names, their descriptions)."""
+        values: list[Any] = []
+        held: list[Any] = []
         seen_all = self._seen
         memo: dict[int, Any] = {}  # (a config shared by many modules: described once)
         for k, m in enumerate(self.modules):
@@ -82,8 +89,20 @@ class TreeReader:
             seen = seen_all[k]
             if seen is None or seen[0] != fp:
                 seen = seen_all[k] = self._known(k, m, fp)
-            values.append((seen[1], seen[5], seen[2](d)))
-            held.append((seen[3], tuple(describe(v, memo) for v in seen[4](d)), class_values(type(m))))
+            names, kinds, vals = seen[1], seen[5], seen[2](d)
+            if seen[3]:
+                objs = seen[4](d)
+                descs = tuple(describe(v, memo) for v in objs)
+                names, kinds, vals = names + seen[3], kinds + tuple(map(type, objs)), vals + descs
+                held.append((seen[3], descs))
+            else:
+                held.append(())
+            cls = [c for c in class_values(type(m)) if c[0] not in d]
+            if cls:
+                names += tuple(c[0] for c in cls)
+                kinds += tuple(c[1] for c in cls)
+                vals += tuple(c[2] for c in cls)
+            values.append((names, kinds, vals))
         return tuple(values), tuple(held)
 
     def _known(self, k: int, m: nn.Module, fp: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -104,7 +123,7 @@ class TreeReader:
         plain = tuple(n for n, t in zip(names, types)
                       if t in compat.PLAIN_VALUES and (n == "training" or n not in written))
         kinds = tuple(t for n, t in zip(names, types) if n in plain)  # (a flag set to 1 is not True: 1 == True)
-        others = held_names(names, types, slot_names(m))
+        others = tuple(n for n in held_names(names, types, slot_names(m)) if n not in written)
         return plain, _getter(plain), others, _getter(others), kinds
 
 

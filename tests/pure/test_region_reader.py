@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from autoparallel import compat
 from autoparallel.attributes import MAX_DEPTH, MAX_ITEMS, MAX_OBJECTS, describe
 from autoparallel.regions.state import TreeReader
 
@@ -36,13 +37,17 @@ def _reader(m: nn.Module) -> TreeReader:
 
 
 def _values(r: TreeReader) -> dict[str, object]:
-    """The root's values but nn.Module's own private fields (``_is_full_backward_hook``)."""
-    names, _, vals = r.read()[0][0]
-    return {k: v for k, v in zip(names, vals) if not k.startswith("_")}
+    """The root's plain values but nn.Module's own private fields (``_is_full_backward_hook``)."""
+    names, kinds, vals = r.read()[0][0]
+    return {k: v for k, t, v in zip(names, kinds, vals) if not k.startswith("_") and t in compat.PLAIN_VALUES}
 
 
 def _held(r: TreeReader) -> dict[str, object]:
-    names, held, _ = r.read()[1][0]
+    """The root's held objects' descriptions; each is among its values too (what ``Reads`` sees)."""
+    entry = r.read()[1][0]
+    names, held = entry if entry else ((), ())
+    values = dict(zip(r.read()[0][0][0], r.read()[0][0][2]))
+    assert all(values[n] == h for n, h in zip(names, held))
     return dict(zip(names, held))
 
 
@@ -90,9 +95,9 @@ def test_a_tensor_shadowing_a_slot_is_not_read() -> None:
     m = _Gate()
     r = _reader(m)
     m.proj.__dict__["weight"] = torch.zeros(2, 2)  # (a ZeRO-3 unit's gathered weight: the module's state)
-    assert r.read()[1][1][:2] == ((), ())
+    assert r.read()[1][1] == ()
     m.proj.__dict__["table"] = torch.zeros(2, 2)  # a plain tensor attribute of another name: by identity
-    assert r.read()[1][1][:2] == (("table",), (("id", id(m.proj.table)),))
+    assert r.read()[1][1] == (("table",), (("id", id(m.proj.table)),))
 
 
 def test_descriptions_by_content_bounded_and_cycle_safe() -> None:
@@ -125,8 +130,11 @@ def test_plain_class_values_are_read_and_follow_the_class() -> None:
     m = Causal()
     r = _reader(m)
     before = r.read()
-    assert ("is_causal", bool, True) in before[1][0][2]
+    assert _values(r)["is_causal"] is True
     Causal.is_causal = False  # set on the class: another reading
-    assert r.read() != before
+    assert r.read() != before and _values(r)["is_causal"] is False
     Causal.window = 4  # a class value added: seen too
-    assert ("window", int, 4) in r.read()[1][0][2]
+    assert _values(r)["window"] == 4
+    m.window = 5  # an instance's own value shadows the class's: read once, as the instance's
+    names = r.read()[0][0][0]
+    assert names.count("window") == 1 and _values(r)["window"] == 5

@@ -407,6 +407,12 @@ def test_identical_modules_share_their_captured_calls() -> None:
     assert distinct == 1 and captures == 2 and other == 1, (distinct, captures, other)
 
 
+class _Opts:
+    def __init__(self, scale: float) -> None:
+        self.scale = scale
+        self.notes: dict[str, int] = {}
+
+
 class _Numbered(_Twin):
     """A block that knows its place (``layer_idx``, as transformers' layers do) and has a scale
     of its own; ``reads``: what its forward reads of them (``"none"``, ``"scale"``, or ``"dict"``:
@@ -415,9 +421,13 @@ class _Numbered(_Twin):
     def __init__(self, index: int, scale: float, reads: str) -> None:
         super().__init__()
         self.layer_idx, self.scale, self.reads = index, scale, reads
+        if reads == "held":  # a config object of its own, holding the scale
+            self.opts = _Opts(scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = super().forward(x)
+        if self.reads == "held":
+            return y * self.opts.scale
         if self.reads == "scale":
             return y * self.scale
         if self.reads == "dict":
@@ -437,6 +447,8 @@ class _NumberedStack(_Stack):
     ([1.0, 0.5, 0.5], "scale", 2),   # a value read: blocks 1 and 2 (equal scales) share
     ([1.0, 0.5, 2.0], "scale", 3),   # a value read and different in each: one capture per block
     ([1.0, 0.5, 2.0], "dict", 3),    # read through vars(self): every value counts as read
+    ([1.0, 1.0, 1.0], "held", 2),    # a config object each, equal by content: as identical blocks
+    ([1.0, 0.5, 2.0], "held", 3),    # configs that differ: one capture per block
 ])
 def test_modules_differing_in_values_their_forward_never_reads_share_a_program(
         scales: list[float], reads: str, captures: int) -> None:
@@ -458,14 +470,53 @@ def test_modules_differing_in_values_their_forward_never_reads_share_a_program(
         for p, q in zip(model.parameters(), ref.parameters()):
             worst = max(worst, float((p.grad.full_tensor() - q.grad).abs().max()))
         tables = {id(m.__dict__[_ATTR].shared[m.__dict__[_ATTR].class_key()]) for m in model.blocks}
-        assert len(tables) == 1
-        r = model.blocks[0].__dict__[_ATTR]
+        assert len(tables) == (1 if reads != "held" or len(set(scales)) == 1 else 3)
         assert all(type(m) is type(b) for m, b in zip(model.modules(), ref.modules()))  # classes as they were
-        return _report_of(model), r.shared[r.class_key()].captures, worst
+        blocks = {id(c): c for c in (m.__dict__[_ATTR].shared[m.__dict__[_ATTR].class_key()] for m in model.blocks)}
+        return _report_of(model), sum(c.captures for c in blocks.values()), worst
 
     report, got, worst = _with("1", run)
     assert worst < 1e-6, worst
     assert report["blocks.0"] == report["blocks.1"] == report["blocks.2"] == ["local"], report
+    assert got == captures, (got, captures)
+
+
+class _Noted(_Twin):
+    """Holds a config; its forward reads the gain in it, or (``reads_notes`` False) nothing of it."""
+
+    def __init__(self, reads_gain: bool) -> None:
+        super().__init__()
+        self.opts, self.reads_gain = _Opts(1.0), reads_gain
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        return y * self.opts.scale if self.reads_gain else y
+
+
+@pytest.mark.pure
+@pytest.mark.parametrize("reads_gain,captures", [(False, 1), (True, 3)])
+def test_a_held_object_changing_between_calls_is_a_new_signature_where_the_forward_reads_it(
+        reads_gain: bool, captures: int) -> None:
+    """A held config changed between calls (a note written into it, its scale set): a new
+    signature, captured anew where the forward reads the object, the same program where it
+    never does. Each call equals one process's."""
+    import autoparallel as ap
+    from autoparallel.regions.region import _ATTR
+
+    def run() -> tuple[int, float]:
+        mesh, model, ref = _one_rank_pair(lambda: _Noted(reads_gain))
+        worst = 0.0
+        for step in range(3):
+            for m in (model, ref):
+                m.opts.notes["step"] = step
+                m.opts.scale = 1.0 + step
+            x = torch.randn(4, 4)
+            y = model(ap.shard_tensor(x, mesh, [ap.Shard(0)]))
+            worst = max(worst, float((y.full_tensor() - ref(x)).abs().max()))
+        return model.__dict__[_ATTR].calls.captures, worst
+
+    got, worst = _with("1", run)
+    assert worst < 1e-6, worst
     assert got == captures, (got, captures)
 
 
