@@ -404,3 +404,38 @@ def test_an_auto_pipeline_plan_for_a_tied_llama_trains_as_one_process(world4) ->
             torch.testing.assert_close(p, r["ref"][name], rtol=RTOL, atol=1e-6, msg=name)
         for p in r["copies"].values():  # the copy of the tied weight equals the embedding
             torch.testing.assert_close(p, r["ref"]["model.embed_tokens.weight"], rtol=RTOL, atol=1e-6)
+
+
+def _config_toggled(rank: int) -> list[tuple[bool, bool, float]]:
+    import torch
+
+    import autoparallel as ap
+
+    torch.manual_seed(0)
+    model = tiny_llama().eval()
+    ref = copy.deepcopy(model)
+    mesh = ap.ProcessMesh([0, 1, 2, 3], dim_names=["dp"])
+    ap.shard_layer(model, mesh)
+    ids = torch.randint(0, 128, (4, 8))
+    xs = ap.shard_tensor(ids, mesh, [ap.Shard(0)])
+    out = []
+    for flag in (False, True, False):
+        for m in (model, ref):
+            m.config.output_hidden_states = flag  # read by the forward from the config it holds
+        with torch.no_grad():
+            got, want = model(xs, use_cache=False), ref(ids, use_cache=False)
+        worst = float((got.logits.full_tensor() - want.logits).abs().max())
+        if flag:
+            worst = max(worst, *(float((a.full_tensor() - b).abs().max())
+                                 for a, b in zip(got.hidden_states, want.hidden_states)))
+        out.append((got.hidden_states is not None, want.hidden_states is not None, worst))
+    return out
+
+
+def test_a_config_value_set_between_calls_takes_effect(world4) -> None:  # type: ignore[no-untyped-def]
+    """``model.config.output_hidden_states`` toggled between data-parallel calls: each call
+    returns what one process returns (the hidden states appear and go), not a replay of the
+    program captured at the first value."""
+    for calls in world4.run(_config_toggled):
+        for got, want, worst in calls:
+            assert got == want and worst < 1e-5, calls
