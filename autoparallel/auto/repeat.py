@@ -42,7 +42,7 @@ def repeated_blocks(model: nn.Module) -> tuple[str, int] | None:
     for name, m in model.named_modules():
         if not isinstance(m, nn.ModuleList) or len(m) < MIN_BLOCKS or (best is not None and len(m) <= best[1]):
             continue
-        if len({_signature(b) for b in m}) != 1:
+        if len({signature(b) for b in m}) != 1:
             continue
         owners.clear()
         for b in m:
@@ -56,7 +56,8 @@ def repeated_blocks(model: nn.Module) -> tuple[str, int] | None:
     return best
 
 
-def _signature(block: nn.Module) -> tuple[Any, ...]:
+def signature(block: nn.Module) -> tuple[Any, ...]:
+    """What makes two blocks copies of each other: class, parameter and buffer shapes, submodule classes."""
     return (type(block),
             tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in block.named_parameters()),
             tuple((n, tuple(b.shape), b.dtype) for n, b in block.named_buffers()),

@@ -25,9 +25,11 @@ only: every rank gets the same plan.
 from __future__ import annotations
 
 import itertools
+import re
 import time
 import warnings
 from collections.abc import Callable
+from fnmatch import fnmatchcase
 from typing import Any
 
 from torch import nn
@@ -35,7 +37,7 @@ from torch import nn
 from autoparallel.auto.plan import Candidate, Plan, Prediction, parse_bytes
 from autoparallel.auto.price import price_pipeline, price_step, state_factor_of
 from autoparallel.auto.profile import resolve_profile
-from autoparallel.auto.repeat import record
+from autoparallel.auto.repeat import record, signature
 from autoparallel.auto.simulate import Simulation, param_parts, simulate
 from autoparallel.auto.trace import Step, pattern
 from autoparallel.mesh import ProcessMesh
@@ -44,6 +46,50 @@ from autoparallel.nn.styles import ColWiseParallel, RowWiseParallel, SequencePar
 from autoparallel.pipeline.by_blocks import why_not_cut
 from autoparallel.pipeline.decoder import is_decoder
 from autoparallel.placement import Placement, Replicate, Shard
+
+
+# ---- plan keys ---------------------------------------------------------------------------------
+def copies_pattern(name: str, modules: dict[str, nn.Module]) -> str:
+    """``pattern(name)`` (``layers.0.mlp.fc1`` -> ``layers.*.mlp.fc1``) where every module it
+    matches is ``name``'s copy in another block (the same name but for its indices, the same
+    class and shapes); else ``name`` itself. ``*`` crosses dots and matches the root, so the
+    pattern of a top-level index (``"2"`` -> ``"*"``) or of an index in a list of unlike modules
+    would style modules it was never priced for."""
+    wild = pattern(name)
+    if wild == name:
+        return name
+    exact = re.compile("\\.".join(r"\d+" if p == "*" else re.escape(p) for p in wild.split(".")) + "$")
+    sig = signature(modules[name])
+    if all(exact.match(n) and signature(m) == sig for n, m in modules.items() if fnmatchcase(n, wild)):
+        return wild
+    return name
+
+
+def pair_patterns(a: str, b: str, modules: dict[str, nn.Module]) -> tuple[str, str]:
+    """Plan keys of a column/row pair found in one block: both as their copies' patterns when
+    the two lie in the same innermost indexed block (the pair repeats in every copy), else both
+    exact names."""
+    pa, pb = copies_pattern(a, modules), copies_pattern(b, modules)
+    if pa != a and pb != b and pa != pb and _block_of(a) == _block_of(b):
+        return pa, pb
+    return a, b
+
+
+def blocks_pattern(blocks: list[str], modules: dict[str, nn.Module]) -> list[str]:
+    """Recompute keys for ``blocks``: their common pattern when its outermost matches are exactly
+    the blocks, else the block names."""
+    wild = pattern(blocks[0])
+    inside = tuple(b + "." for b in blocks)
+    if all(n in blocks or n.startswith(inside) for n in modules if fnmatchcase(n, wild)):
+        return [wild]
+    return list(blocks)
+
+
+def _block_of(name: str) -> str | None:
+    """``name`` up to its last index (``layers.0.mlp.fc1`` -> ``layers.0``), or None."""
+    parts = name.split(".")
+    last = max((i for i, p in enumerate(parts) if p.isdigit()), default=None)
+    return None if last is None else ".".join(parts[:last + 1])
 
 
 # ---- tensor-parallel plans ---------------------------------------------------------------------
@@ -76,27 +122,29 @@ def found_plans(model: nn.Module, step: Step) -> list[tuple[str, ModelPlan, bool
     seen_patterns: set[str] = set()
     paired: set[str] = set()
     for i, a in enumerate(linears):
-        pa = pattern(a)
-        if a in paired or pa in seen_patterns:
+        wa = copies_pattern(a, modules)
+        if a in paired or wa in seen_patterns:
             continue
-        seen_patterns.add(pa)
         col = {f"{a}.weight": (Shard(0),), f"{a}.bias": (Shard(0),)}
         sim = simulate(step, mesh, col, r, {a: (Replicate(), None)}, memo=memo)
         b = next((n for n in linears[i + 1:] if n not in paired and _split_features(sim.edges.get(("in", n)))), None)
         if b is None:
+            seen_patterns.add(wa)  # (its copies pair no better)
             continue
         row = {**col, f"{b}.weight": (Shard(1),)}
         sim = simulate(step, mesh, row, r, {a: (Replicate(), None), b: (Shard(-1), Replicate())}, memo=memo)
         if any(not c.backward and c.module != b for c in sim.collectives):
+            seen_patterns.add(wa)
             continue  # something between needs the whole value: no pair
         paired |= {a, b}
-        seen_patterns.add(pattern(b))
+        pa, pb = pair_patterns(a, b, modules)
+        seen_patterns |= {pa, pb}
         styles[pa] = ColWiseParallel()
-        styles[pattern(b)] = RowWiseParallel()
+        styles[pb] = RowWiseParallel()
         la, lb = modules[a], modules[b]
         assert isinstance(la, nn.Linear) and isinstance(lb, nn.Linear)
         divisible[f"{pa} out_features"] = la.out_features
-        divisible[f"{pattern(b)} in_features"] = lb.in_features
+        divisible[f"{pb} in_features"] = lb.in_features
     if not styles:
         return []
     # the embedding tied to a head (or the largest embedding) vocab-parallel, its head column-parallel
@@ -113,7 +161,7 @@ def found_plans(model: nn.Module, step: Step) -> list[tuple[str, ModelPlan, bool
     if norms:
         sp_styles = dict(styles)
         for n in norms:
-            sp_styles[pattern(n)] = SequenceParallel()
+            sp_styles[copies_pattern(n, modules)] = SequenceParallel()
         out.append(("megatron+sp", ModelPlan(sp_styles, divisible, "found"), True))
     return out
 
@@ -273,6 +321,7 @@ def auto_parallel(model: nn.Module, world: int | None = None, example: Any = Non
     meshes = _meshes(mesh, world, max_tp, max_pp if pipeline else 1)
     seq_len = _seq_len(step)
     blocks = step.blocks()
+    modules = dict(model.named_modules())
     pipe_why = _unsplittable(model, blocks) if any(pp > 1 for pp, _, _ in meshes) else None
     if pipe_why is not None:
         if mesh is not None:
@@ -317,7 +366,8 @@ def auto_parallel(model: nn.Module, world: int | None = None, example: Any = Non
                             + f" (1F1B, {cut.microbatches} micro-batches)")
                     pipe = {"stages": pp, "microbatches": cut.microbatches, "schedule": "1F1B",
                             "blocks": blocks[0].rsplit(".", 1)[0], "starts": list(cut.starts)}
-                    plan = Plan(styles, (pp, *shape), ["pp", *names], zero, {pattern(blocks[0]): "full"} if again else {},
+                    plan = Plan(styles, (pp, *shape), ["pp", *names], zero,
+                                {b: "full" for b in blocks_pattern(blocks, modules)} if again else {},
                                 divisible, pred, None, "", "auto", pipe)
                     feasible = budget is None or pred.memory_bytes <= budget
                     priced.append((pred.time_s, 2 + (tp > 1) + zero + again, Candidate(name, pred, feasible), plan))
@@ -335,7 +385,7 @@ def auto_parallel(model: nn.Module, world: int | None = None, example: Any = Non
                     rec = "" if k == 0 else " recompute" if k == len(blocks) else f" recompute {k}/{len(blocks)}"
                     name = tp_name + (f" zero{zero}" if zero else "") + rec
                     feasible = budget is None or pred.memory_bytes <= budget
-                    recompute = ({} if k == 0 else {pattern(blocks[0]): "full"} if k == len(blocks)
+                    recompute = ({} if k == 0 else {b: "full" for b in blocks_pattern(blocks, modules)} if k == len(blocks)
                                  else {b: "full" for b in sorted(blocks, key=_index)[:k]})
                     plan = Plan(styles, shape, names, zero, recompute, divisible, pred, None, "", "auto")
                     # ties: fewer mesh axes, lower ZeRO stage, less recompute (simpler plans first)

@@ -385,3 +385,82 @@ def test_a_model_without_repeated_blocks_gets_a_plan() -> None:
     plan = ap.auto_parallel(Net(), world=4, example=(torch.randn(8, 16), torch.randint(0, 4, (8,))),
                             loss=nn.functional.cross_entropy, profile="h100")
     assert plan.recompute == {} and not any("recompute" in c.name for c in plan.candidates)
+
+
+def _plan_keys_style_only_what_was_priced(plan: ap.Plan, model: nn.Module) -> dict[str, str]:
+    """``{module name: style class}`` the plan's keys style (each key matching no root)."""
+    from fnmatch import fnmatchcase
+    names = [n for n, _ in model.named_modules()]
+    styled: dict[str, str] = {}
+    for key, style in plan.items():
+        assert not fnmatchcase("", key), f"plan key {key!r} styles the whole model"
+        for n in names:
+            if fnmatchcase(n, key):
+                styled[n] = type(style).__name__
+    return styled
+
+
+def test_found_pairs_in_a_top_level_sequential_are_named_exactly() -> None:
+    """A ``Sequential``'s children are named ``0, 1, 2``: their index pattern (``*``) would match
+    every module and the root, so the pair is keyed by name."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64), nn.Linear(64, 10))
+    mesh = ap.ProcessMesh.simulated((2, 2), ["dp", "mp"])
+    plan = ap.auto_parallel(model, world=4, mesh=mesh, example=(torch.randn(32, 64), torch.randint(0, 10, (32,))),
+                            loss=nn.functional.cross_entropy, profile="h100")
+    assert _plan_keys_style_only_what_was_priced(plan, model) == {"0": "ColWiseParallel", "2": "RowWiseParallel"}
+
+
+class _Lists(nn.Module):
+    """A list of unlike Linears (``up``/``down``) and a list of like single-Linear blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up_down = nn.ModuleList([nn.Linear(16, 64), nn.Linear(64, 16)])
+        self.same = nn.ModuleList([nn.Linear(16, 16) for _ in range(4)])
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.up_down[1](torch.relu(self.up_down[0](x)))
+        for layer in self.same:
+            x = torch.relu(layer(x))
+        return self.head(x)
+
+
+def test_pairs_across_list_entries_are_named_exactly() -> None:
+    """A pair made of two entries of one list (``up_down.0`` -> ``up_down.1``, ``same.0`` ->
+    ``same.1``) is not a pair repeated in every entry: each entry is keyed by name."""
+    model = _Lists()
+    mesh = ap.ProcessMesh.simulated((4,), ["mp"])
+    plan = ap.auto_parallel(model, world=4, mesh=mesh, example=(torch.randn(8, 16), torch.randint(0, 4, (8,))),
+                            loss=nn.functional.cross_entropy, profile="h100")
+    styled = _plan_keys_style_only_what_was_priced(plan, model)
+    assert not any("*" in k for k in plan), list(plan)
+    assert {n: s for n, s in styled.items() if n in ("up_down.0", "up_down.1", "same.0", "same.1")} == \
+        {"up_down.0": "ColWiseParallel", "up_down.1": "RowWiseParallel",
+         "same.0": "ColWiseParallel", "same.1": "RowWiseParallel"}, styled
+
+
+def test_pairs_inside_repeated_blocks_are_one_pattern_each() -> None:
+    """A pair inside one block of a stack of copies is keyed by its pattern over the blocks."""
+    model = GPT(CFG)
+    mesh = ap.ProcessMesh.simulated((2, 2), ["dp", "mp"])
+    plan = ap.auto_parallel(model, world=4, mesh=mesh, example=_example(), loss=lm_loss, profile="h100")
+    wild = [k for k in plan if "*" in k]
+    assert wild and all(k.startswith("blocks.*.") for k in wild), list(plan)
+    styled = _plan_keys_style_only_what_was_priced(plan, model)
+    for i in range(CFG.layers):
+        assert {n.split(".", 2)[2] for n in styled if n.startswith(f"blocks.{i}.")} == \
+            {n.split(".", 2)[2] for n in styled if n.startswith("blocks.0.")}
+
+
+def test_recompute_of_unlike_blocks_names_them() -> None:
+    from autoparallel.auto.search import blocks_pattern
+    model = nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 4))
+    modules = dict(model.named_modules())
+    assert blocks_pattern(["0", "1", "2"], modules) == ["0", "1", "2"]
+    stack = nn.Module()
+    stack.blocks = nn.ModuleList([nn.Sequential(nn.Linear(4, 4)) for _ in range(3)])  # type: ignore[assignment]
+    stack.head = nn.Linear(4, 4)  # type: ignore[assignment]
+    modules = dict(stack.named_modules())
+    assert blocks_pattern(["blocks.0", "blocks.1", "blocks.2"], modules) == ["blocks.*"]

@@ -355,3 +355,57 @@ def test_the_measured_network_is_kept_per_machine(world4, tmp_path) -> None:  # 
         table = json.load(f)
     (key, (alpha, betas)), = table.items()
     assert "world 4" in key and alpha == got[0][0] and dict(got[0][2]) == betas
+
+
+def _sequential_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 16), torch.nn.Linear(16, 4))
+
+
+def _sequential_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(2)
+    return [(torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)) for _ in range(STEPS)]
+
+
+def _sequential_steps(model: torch.nn.Module, opt: torch.optim.Optimizer, place: Any) -> list[Any]:
+    losses = []
+    for x, y in _sequential_batches():
+        loss = torch.nn.functional.cross_entropy(model(place(x)), place(y))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss)
+    return losses
+
+
+def _sequential(rank: int, shape: list[int]) -> dict[str, Any]:
+    import train_gpt
+
+    import autoparallel as ap
+
+    model = _sequential_model()
+    names = ["dp", "mp"][-len(shape):]
+    mesh = ap.ProcessMesh(torch.arange(4).reshape(shape).tolist(), dim_names=names)
+    x0, y0 = _sequential_batches()[0]
+    plan = ap.auto_parallel(model, world=4, example=(x0, y0), loss=torch.nn.functional.cross_entropy,
+                            optimizer="sgd", mesh=mesh, profile="h100")
+    model, opt = plan.apply(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    batch = [ap.Shard(0) if n == "dp" else ap.Replicate() for n in mesh.dim_names]
+    losses = _sequential_steps(model, opt, lambda t: ap.shard_tensor(t, mesh, batch))
+    return {"losses": [train_gpt.scalar(v) for v in losses], "params": train_gpt.full_params(model),
+            "plan": str(plan), "keys": list(plan)}
+
+
+@pytest.mark.parametrize("shape", [[2, 2], [4]], ids=["dp2_tp2", "tp4"])
+def test_a_top_level_sequential_plan_trains_like_one_process(world4, shape: list[int]) -> None:  # type: ignore[no-untyped-def]
+    """An ``nn.Sequential`` (children named ``0, 1, 2``) on a tensor-parallel mesh: the plan's
+    Megatron pair is keyed by name and the step equals one process."""
+    model = _sequential_model()
+    ref_opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref = [float(v.detach()) for v in _sequential_steps(model, ref_opt, lambda t: t)]
+    got = world4.run(_sequential, shape)
+    for r in got:
+        assert r["keys"] == ["0", "2"], r["plan"]
+        torch.testing.assert_close(r["losses"], ref, rtol=1e-5, atol=0, msg=r["plan"])
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(r["params"][name], p.detach(), rtol=1e-5, atol=1e-6, msg=f"{name}\n{r['plan']}")
