@@ -14,6 +14,8 @@ Contract:
 * A hang (no answer within ``timeout``) or a dead worker kills the whole world and
   raises ``TimeoutError`` / :class:`WorkerError`; the next ``run`` restarts it.
 * ``close()`` (or leaving ``with World(n) as w:``) shuts the workers down.
+* ``AP_WORLD_PROFILE=folder`` profiles each worker (``cProfile``, thread time) from start-up to
+  ``close()`` and writes ``world{n}-rank{r}-{pid}.prof`` there: where a test module's time goes.
 """
 
 from __future__ import annotations
@@ -96,6 +98,11 @@ def _worker(rank: int, nprocs: int, store_path: str, tasks: Any, results: Any) -
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, nprocs)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=nprocs)
+    profiler = None
+    if os.environ.get("AP_WORLD_PROFILE"):  # a folder: each rank's cProfile (thread time) at stop
+        import cProfile
+        profiler = cProfile.Profile(time.thread_time)
+        profiler.enable()
     results.put((rank, _READY, True, pickle.dumps(None)))
     while True:
         task = tasks.get()
@@ -111,6 +118,9 @@ def _worker(rank: int, nprocs: int, store_path: str, tasks: Any, results: Any) -
             fail = RankFailure(rank, t.__module__, t.__qualname__, str(e), traceback.format_exc())
             out = (rank, call_id, False, pickle.dumps(fail))
         results.put(out)
+    if profiler is not None:
+        profiler.disable()
+        profiler.dump_stats(os.path.join(os.environ["AP_WORLD_PROFILE"], f"world{nprocs}-rank{rank}-{os.getpid()}.prof"))
     dist.destroy_process_group()
     # Skip the slow interpreter teardown (~1 s with torch loaded); flush what matters.
     results.close()
