@@ -36,12 +36,12 @@ import torch
 from torch import nn
 
 from autoparallel import compat, runtime
+from autoparallel.attributes import Reads, read_values
 from autoparallel.compat import tree_flatten, tree_unflatten
 from autoparallel.engine import layout
 from autoparallel.log import logger
 from autoparallel.placement import Partial, Replicate, Shard
 from autoparallel.regions import moves, objects
-from autoparallel.regions.state import Reads, read_values
 from autoparallel.runtime import comm
 from autoparallel.runtime.debug import CommRecord, named_within, replay
 from autoparallel.spec import DistSpec
@@ -324,7 +324,7 @@ class Calls:
         self.open = OpenPrograms(MAX_SIGNATURES // 2)
         self.captures = 0
         self.reused = 0  # calls answered by a kept or an open program
-        # per signature but its modules' plain values: (the values its capture read (``state.Reads``),
+        # per signature but its modules' plain values: (the values its capture read (``attributes.Reads``),
         # what they were, the programs), for calls whose values differ only where none is read
         self.alike: dict[Any, list[tuple[Any, Any, Programs]]] = {}
 

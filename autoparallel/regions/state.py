@@ -7,8 +7,6 @@ from __future__ import annotations
 import dis
 import functools
 import operator
-import sys
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -149,110 +147,6 @@ def _written_only(code: Any) -> frozenset[str]:
         elif i.opname in ("LOAD_ATTR", "LOAD_METHOD"):
             loaded.add(str(i.argval))
     return frozenset(stored - loaded)
-
-
-_WATCH = "_ap_reads"  # a watched module's ``_Watch``
-_WATCHING: dict[type, type] = {}  # a module class -> its watching subclass (made once)
-
-
-class _Watch:
-    """The names a watched module's code read."""
-
-    __slots__ = ("names",)
-
-    def __init__(self) -> None:
-        self.names: set[str] = set()
-
-
-class Reads:
-    """Which attributes the code run inside a ``with`` block reads of each module of a tree, by
-    name (``self.x``, ``getattr(self, "x")``): a capture's forward (and its backward) reading a
-    plain value makes the program depend on it; one it never reads (a decoder layer's
-    ``layer_idx`` when no cache is passed) does not, and modules differing only there may share
-    the program. Each module's class is swapped for a subclass whose ``__getattribute__`` notes
-    the name, for the block's duration only. Code that reads a module's ``__dict__`` itself
-    (``vars(self)``; not ``nn.Module``'s own attribute machinery, nor this library's bookkeeping)
-    counts as reading every value."""
-
-    def __init__(self, modules: list[nn.Module]) -> None:
-        self.modules = modules
-        self.watches = [_Watch() for _ in modules]
-        self._classes: list[type | None] = []
-        self.entered = False  # whether a block ran (what it read is known)
-
-    def __enter__(self) -> Reads:
-        self.entered, self._classes = True, []
-        for m, watch in zip(self.modules, self.watches):
-            cls = type(m)
-            if _WATCH in m.__dict__:  # (watched already, by an enclosing block: every value counts)
-                watch.names.add("__dict__")
-                self._classes.append(None)
-                continue
-            m.__dict__[_WATCH] = watch
-            try:
-                m.__class__ = _watching(cls)
-            except TypeError:  # (a class whose layout forbids it: every value counts)
-                watch.names.add("__dict__")
-                del m.__dict__[_WATCH]
-                self._classes.append(None)
-                continue
-            self._classes.append(cls)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for m, cls in zip(self.modules, self._classes):
-            if cls is not None:
-                m.__class__ = cls
-                m.__dict__.pop(_WATCH, None)
-
-    def of(self, values: tuple[Any, ...]) -> tuple[tuple[str, ...] | None, ...]:
-        """Per module, the plain values (``TreeReader`` ``values``' names) the block read; None:
-        all of them."""
-        return tuple(None if "__dict__" in w.names else tuple(n for n in names if n in w.names)
-                     for w, (names, _, _) in zip(self.watches, values))
-
-
-def read_values(values: tuple[Any, ...], reads: tuple[tuple[str, ...] | None, ...]) -> tuple[Any, ...] | None:
-    """``values`` (``TreeReader.read``'s) at the names ``reads`` (``Reads.of``) gives, with
-    their types; None where a module lacks one of them."""
-    out: list[Any] = []
-    for (names, kinds, vals), r in zip(values, reads):
-        if r is None:
-            out.append((names, kinds, vals))
-        elif r:
-            where = {n: i for i, n in enumerate(names)}
-            if any(n not in where for n in r):
-                return None
-            out.append(tuple((n, kinds[where[n]], vals[where[n]]) for n in r))
-        else:
-            out.append(())
-    return tuple(out)
-
-
-def _watching(cls: type) -> type:
-    """The subclass of module class ``cls`` that notes the names read of an instance."""
-    sub = _WATCHING.get(cls)
-    if sub is not None:
-        return sub
-    get: Callable[[Any, str], Any] = cls.__getattribute__  # type: ignore[assignment]
-
-    def __getattribute__(self: Any, name: str) -> Any:
-        watch = object.__getattribute__(self, "__dict__").get(_WATCH)
-        if watch is not None and (name != "__dict__" or not _machinery(sys._getframe(1))):
-            watch.names.add(name)
-        return get(self, name)
-
-    sub = type(cls.__name__, (cls,), {"__getattribute__": __getattribute__, "__module__": cls.__module__,
-                                      "__qualname__": cls.__qualname__})
-    _WATCHING[cls] = sub
-    return sub
-
-
-def _machinery(frame: Any) -> bool:
-    """Whether a read of a module's ``__dict__`` comes from nn.Module's own attribute machinery
-    or from this library (a capture's bookkeeping), not from a forward's code."""
-    name = frame.f_globals.get("__name__", "")
-    return name == "torch.nn.modules.module" or name.startswith("autoparallel.")
 
 
 # arity -> the tree spec of a call with that many positional tensors and no keywords (the usual

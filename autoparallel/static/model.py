@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from autoparallel import compat, cost
+from autoparallel.attributes import Reads, read_values
 from autoparallel.compat import tree_flatten, tree_unflatten
 from autoparallel.engine import layout
 from autoparallel.log import logger
@@ -113,6 +114,10 @@ class DistModel:
         self._mode = TRAIN if loss is not None and optimizer is not None else EVAL if loss is not None else PREDICT
         self._programs: OrderedDict[Any, _Program | str] = OrderedDict()  # signature -> program, or why eager
         self._sizes = OpenPrograms(MAX_PROGRAMS)  # per signature with its open sizes left out: programs of open sizes
+        # per signature without the modules' attribute values (``signature.split_values``): (the
+        # values its capture read, what they were, the program), for a call whose values differ
+        # only where the step reads none (a counter the training loop keeps on the model)
+        self._alike: dict[Any, list[tuple[Any, Any, _Program]]] = {}
         self.captures = 0  # steps captured so far (a new signature its kept programs do not serve)
         self._warned: set[str] = set()
         self._micro = 0                    # calls since the last optimizer step (gradient merge)
@@ -180,12 +185,13 @@ class DistModel:
             key = self._signature(args, tree)
         params, buffers = tree.params, tree.buffers
         entry = self._programs.get(key)
-        if entry is None:  # a program of open sizes made for these sizes too
-            entry = self._of_open_sizes(key, args)
-        if entry is None:  # a new signature: captured on fake tensors, then run (or refused: eager)
-            entry = self._capture(key, args, params, buffers)
-        else:
+        if entry is not None:
             self._programs.move_to_end(key)
+        else:  # a program of open sizes made for these sizes too, or of a signature differing only
+            # in attribute values the step does not read, or a new signature: captured on fake
+            # tensors, then run (or refused: eager)
+            entry = (self._of_open_sizes(key, args) or self._of_alike(key, tree)
+                     or self._capture(key, args, params, buffers, tree))
         if isinstance(entry, _Program):
             return self._replay(entry, args, params, buffers)
         return self._eager(args, params)
@@ -220,6 +226,31 @@ class DistModel:
             self._keep(key, entry)
             logger.debug("static: a program of open sizes serves new sizes %s", shapes)
         return entry
+
+    def _of_alike(self, key: Any, tree: signature.Tree) -> _Program | None:
+        """The program captured for a signature equal to ``key`` but in module attribute values its
+        capture did not read (None: none). Not kept under ``key``: a value that changes at every
+        call would fill the table."""
+        if not self._alike:
+            return None
+        rest, values = signature.split_values(tree.module_parts)
+        for reads, seen, program in self._alike.get((*key[:-1], rest), ()):
+            if read_values(values, reads) == seen:
+                return program
+        return None
+
+    def _kept_alike(self, key: Any, tree: signature.Tree, reads: Reads, program: _Program) -> None:
+        """Note what ``program``'s capture read of the modules' attribute values (``_of_alike``)."""
+        if not reads.entered:
+            return
+        rest, values = signature.split_values(tree.module_parts)
+        read = reads.of(values)
+        kept = self._alike.setdefault((*key[:-1], rest), [])
+        kept.append((read, read_values(values, read), program))
+        if len(kept) > MAX_PROGRAMS:
+            del kept[0]
+        if len(self._alike) > 4 * MAX_PROGRAMS:
+            del self._alike[next(iter(self._alike))]
 
     # ---- eager ---------------------------------------------------------------------------------
     def _eager(self, args: tuple[Any, ...], params: list[torch.Tensor]) -> Any:
@@ -276,7 +307,7 @@ class DistModel:
         return flat, rebuild
 
     def _capture(self, key: Any, args: tuple[Any, ...], params: list[torch.Tensor],
-                 buffers: list[torch.Tensor], fixed: bool = False) -> _Program | str:
+                 buffers: list[torch.Tensor], tree: signature.Tree, fixed: bool = False) -> _Program | str:
         """Capture this signature's step on fake tensors (nothing runs for real); returns the
         program kept for it, or why it runs eagerly. The arguments' open sizes
         (``static.sizes``) stay symbolic unless ``fixed`` (or under inductor), so that the program
@@ -317,9 +348,11 @@ class DistModel:
         values = PlainValues(self.network)
         self.captures += not fixed
         start = time.perf_counter()
+        reads = Reads(tree.modules)  # which attribute values of the modules the step reads
         # (the program's code is generated once, after the passes)
-        result: Capture = (capture(step, state + xs, [()] * len(state) + opened, recompile=False) if any(opened)
-                           else capture(step, state + xs, recompile=False))
+        with reads:
+            result: Capture = (capture(step, state + xs, [()] * len(state) + opened, recompile=False) if any(opened)
+                               else capture(step, state + xs, recompile=False))
         if result.program is None and result.open_sizes is not None or result.refused.startswith("tracing with open"):
             # a step the open sizes trip (a size read as a Python value where no guard can say
             # so): captured at these sizes
@@ -327,7 +360,8 @@ class DistModel:
             values.restore()
             got.clear()
             xs, rebuild = self._inputs(args)
-            result = capture(step, state + xs, recompile=False)
+            with reads:
+                result = capture(step, state + xs, recompile=False)
         took = time.perf_counter() - start
         if result.program is None:
             values.restore()  # the eager call writes them itself
@@ -349,7 +383,7 @@ class DistModel:
             if why:
                 logger.debug("static: capturing at fixed sizes (%s)", why)
                 values.restore()
-                return self._capture(key, args, params, buffers, fixed=True)
+                return self._capture(key, args, params, buffers, tree, fixed=True)
         run: Callable[..., Any] = result.program
         if self.strategy.compile == "inductor":
             run = self._compiled(result.program)
@@ -366,6 +400,7 @@ class DistModel:
                        "writes it is captured anew; keep such state in a buffer (a tensor), or set it outside the step")
             return program
         self._keep(key, program)
+        self._kept_alike(key, tree, reads, program)
         logger.info("static: captured the %s step in %.2f s (a program of %d nodes, %d collectives%s; %d signatures kept)",
                     self._mode, took, len(result.program.graph.nodes), len(records),
                     ", open sizes" if result.open_sizes is not None else "", len(self._programs))

@@ -77,6 +77,7 @@ class Tree(NamedTuple):
     param_parts: tuple[Any, ...]  # per parameter: its layout (None: plain) and ``requires_grad``
     buffer_parts: tuple[Any, ...]  # per buffer: its name, and its layout or plain shape and dtype
     module_parts: tuple[Any, ...]  # per module: train/eval flag, plain values, held objects, class values, hooks
+    modules: list[nn.Module]  # the modules, in ``module_parts`` order
 
     @property
     def key(self) -> tuple[Any, Any, Any]:
@@ -110,7 +111,27 @@ def tree(module: nn.Module) -> Tree:
     memo: dict[int, Any] = {}  # (a config shared by many modules: described once)
     return Tree(params, bufs, tuple((layout.spec_or_none(p), p.requires_grad) for p in params), tuple(buffer_parts),
                 tuple((m.training, _values(m), attributes.held(m, memo), attributes.class_values(type(m)),
-                       *compat.module_hooks(m)) for _, m in mods))
+                       *compat.module_hooks(m)) for _, m in mods), [m for _, m in mods])
+
+
+def split_values(module_parts: tuple[Any, ...]) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """``Tree.module_parts`` without the attribute values (their names kept: an attribute set or
+    deleted still makes a new key), and per module its attributes as ``(names, kinds, values)``
+    (``attributes.read_values``' form: plain values, held objects' descriptions, then the class
+    values no instance attribute shadows). A program whose capture read none of the values that
+    differ may serve a call (``attributes.Reads``)."""
+    rest: list[Any] = []
+    values: list[Any] = []
+    for training, plain, held, of_class, *hooks in module_parts:
+        names = tuple(n for n, _, _ in plain) + tuple(n for n, _ in held)
+        own = set(names)
+        of_class = tuple(c for c in of_class if c[0] not in own)
+        names += tuple(n for n, _, _ in of_class)
+        kinds = tuple(k for _, k, _ in plain) + (object,) * len(held) + tuple(k for _, k, _ in of_class)
+        vals = tuple(v for *_, v in plain) + tuple(d for _, d in held) + tuple(v for *_, v in of_class)
+        rest.append((training, names, *hooks))
+        values.append((names, kinds, vals))
+    return tuple(rest), tuple(values)
 
 
 def _visit(prefix: str, m: nn.Module, mods: list[tuple[str, nn.Module]], seen: set[int]) -> None:

@@ -131,6 +131,19 @@ class Configured(nn.Module):
         return self.fc2(h + self.shift) * (self.cfg.sizes["hidden"] / 12)
 
 
+class Noted(nn.Module):
+    """Reads its own ``scale``; the training loop keeps notes on it that no forward reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(8, 12)
+        self.fc2 = nn.Linear(12, 5)
+        self.scale = 0.5
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.fc1(x)) * self.scale)
+
+
 def _xy(i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(10 + i)
     return torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g), torch.randint(0, 5, (8,), generator=g)
@@ -169,8 +182,16 @@ def _before(case: str, model: nn.Module, i: int) -> None:
             model.cfg.sizes["hidden"] = 6
 
 
+    if case == "notes":  # a step counter, a log of what ran, a note on a submodule: never read by a forward
+        model.step = i
+        model.log = {"step": i, "lr": [0.1] * (i + 1)}
+        model.fc1.seen = i
+
+
 def _model(case: str) -> nn.Module:
     torch.manual_seed(0)
+    if case == "notes":
+        return Noted()
     if case in ("tuple", "list", "dict", "object"):
         return Pair()
     if case == "buffers":
@@ -196,6 +217,7 @@ def _train(rank: int, case: str, static: bool, steps: int = STEPS) -> dict[str, 
 
     dm = ap.to_static(model, loss=F.cross_entropy, optimizer=opt) if static else None
     losses, kinds = [], []
+    captures = 0
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for i in range(steps):
@@ -204,6 +226,7 @@ def _train(rank: int, case: str, static: bool, steps: int = STEPS) -> dict[str, 
             if dm is not None:
                 loss = dm(*args, y)
                 kinds.append(sorted(type(v).__name__ for v in dm._programs.values()))
+                captures = dm.captures
             else:
                 loss = F.cross_entropy(model(*args), y)
                 loss.backward()
@@ -214,7 +237,7 @@ def _train(rank: int, case: str, static: bool, steps: int = STEPS) -> dict[str, 
     return {"losses": losses, "params": [_full(p).detach().clone() for p in model.parameters()],
             "held": {k: _full(v).clone() for k, v in held.items()},
             "fake": [k for k, v in held.items() if compat.is_fake(layout.local_or_plain(v))],
-            "calls": getattr(model, "calls", None), "kinds": kinds,
+            "calls": getattr(model, "calls", None), "kinds": kinds, "captures": captures,
             "warnings": [str(w.message) for w in caught if "autoparallel" in str(w.message)]}
 
 
@@ -333,3 +356,22 @@ def test_objects_a_module_holds_are_read_by_content(world4: Any) -> None:  # typ
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
             assert got["warnings"] == [], got["warnings"]
         assert res["static"]["kinds"][-1] == ["_Program"] * STEPS  # a program per setting
+
+
+def _notes(rank: int) -> dict[str, Any]:
+    return {**_against_one_process(rank, "notes"), "eager": _train(rank, "notes", False)}
+
+
+def test_values_the_step_never_reads_keep_its_program(world4: Any) -> None:  # type: ignore[no-untyped-def]
+    """A counter, a log and a note the training loop writes on the model at every step, which no
+    forward reads: the step is captured once and replayed (eager and static), results as on one
+    device."""
+    for res in world4.run(_notes):
+        one = res["one"]
+        for side in ("eager", "static"):
+            got = res[side]
+            torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(one["losses"]), rtol=1e-5, atol=0)
+            for a, b in zip(got["params"], one["params"]):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+            assert got["warnings"] == [], got["warnings"]
+        assert res["static"]["captures"] == 1, res["static"]["kinds"]
