@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from autoparallel.attributes import Reads
 from autoparallel.engine import layout
 from autoparallel.log import logger
 from autoparallel.runtime.debug import CommRecord, replay
@@ -104,9 +105,11 @@ class StaticChunk:
         self._as_layout = as_layout
         self._programs: dict[Any, _Programs | str] = {}
         self._sizes = OpenPrograms(MAX_FAMILIES)  # per signature with its open sizes left out: programs of open sizes
+        self._alike = signature.Alike()  # programs a call differing only in attribute values nothing read may run
         self._warn = warn or (lambda m: warnings.warn(f"autoparallel: {m}", stacklevel=4))
 
     # ---- signature -------------------------------------------------------------------------
+    # a key: (input, target, output layout, input gradient layout, parameters, buffers, modules, autograd)
     def _key(self, x: Any, t: Any, out_spec: DistSpec, in_grad_spec: DistSpec | None, tree: signature.Tree) -> Any:
         return (signature.value(x), signature.value(t), out_spec, in_grad_spec, *tree.key, torch.is_grad_enabled())
 
@@ -122,6 +125,8 @@ class StaticChunk:
         last = loss_fn is not None
         if entry is None:  # programs of open sizes made for these sizes too
             entry = self._of_open_sizes(key, x, t, out_spec, last)
+        if entry is None:  # of a signature differing only in attribute values the forward does not read
+            entry = self._alike.find(_without_modules(key), tree.module_parts)
         if isinstance(entry, _Programs):
             return self._run(entry, x, t, tree)
         if isinstance(entry, str):
@@ -130,14 +135,17 @@ class StaticChunk:
         values = PlainValues(self.module)
         family = self._family(key, x, t)
         progs = None
+        reads = Reads(tree.modules)  # which attribute values of the modules the forward reads
         if self._sizes.second_size(family):  # a second size: opened
-            progs = self._capture(x, t, loss_fn, divide, out_spec, in_grad_spec, open_sizes=True)
+            with reads:
+                progs = self._capture(x, t, loss_fn, divide, out_spec, in_grad_spec, open_sizes=True)
             if isinstance(progs, str):  # (the open sizes tripped the trace: at fixed sizes)
                 logger.debug("static: pipeline chunk %s captured at fixed sizes (%s)", self.name, progs)
                 values.restore()
                 progs = None
         if progs is None:
-            progs = self._capture(x, t, loss_fn, divide, out_spec, in_grad_spec)
+            with reads:
+                progs = self._capture(x, t, loss_fn, divide, out_spec, in_grad_spec)
         if isinstance(progs, str):
             values.restore()  # the eager forward writes them itself
             self._refuse(key, progs)
@@ -156,11 +164,13 @@ class StaticChunk:
                 self._sizes.keep(family, progs)
                 progs = progs.at(binding)
             elif progs.sizes is not None:  # (not its own sizes: at fixed sizes)
-                progs = self._capture(x, t, loss_fn, divide, out_spec, in_grad_spec)
+                with reads:
+                    progs = self._capture(x, t, loss_fn, divide, out_spec, in_grad_spec)
                 if isinstance(progs, str):
                     self._refuse(key, progs)
                     return eager()
             self._programs[key] = progs
+            self._alike.keep(_without_modules(key), tree.module_parts, reads, progs)
         return self._run(progs, x, t, tree)
 
     # ---- open sizes --------------------------------------------------------------------------
@@ -358,3 +368,8 @@ def _over(spec: DistSpec, like: DistSpec | None) -> DistSpec:
     if like is None or like.ndim != spec.ndim or shape_key(like.shape) == shape_key(spec.shape):
         return spec
     return spec.with_shape(like.shape)
+
+
+def _without_modules(key: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A chunk's key (``StaticChunk._key``) without its modules' part."""
+    return (*key[:6], *key[7:])

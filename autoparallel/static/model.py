@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from autoparallel import compat, cost
-from autoparallel.attributes import Reads, read_values
+from autoparallel.attributes import Reads
 from autoparallel.compat import tree_flatten, tree_unflatten
 from autoparallel.engine import layout
 from autoparallel.log import logger
@@ -114,10 +114,9 @@ class DistModel:
         self._mode = TRAIN if loss is not None and optimizer is not None else EVAL if loss is not None else PREDICT
         self._programs: OrderedDict[Any, _Program | str] = OrderedDict()  # signature -> program, or why eager
         self._sizes = OpenPrograms(MAX_PROGRAMS)  # per signature with its open sizes left out: programs of open sizes
-        # per signature without the modules' attribute values (``signature.split_values``): (the
-        # values its capture read, what they were, the program), for a call whose values differ
-        # only where the step reads none (a counter the training loop keeps on the model)
-        self._alike: dict[Any, list[tuple[Any, Any, _Program]]] = {}
+        # programs by signature without the modules' attribute values, for a call whose values
+        # differ only where the step reads none (a counter the training loop keeps on the model)
+        self._alike = signature.Alike(MAX_PROGRAMS, 4 * MAX_PROGRAMS)
         self.captures = 0  # steps captured so far (a new signature its kept programs do not serve)
         self._warned: set[str] = set()
         self._micro = 0                    # calls since the last optimizer step (gradient merge)
@@ -231,26 +230,7 @@ class DistModel:
         """The program captured for a signature equal to ``key`` but in module attribute values its
         capture did not read (None: none). Not kept under ``key``: a value that changes at every
         call would fill the table."""
-        if not self._alike:
-            return None
-        rest, values = signature.split_values(tree.module_parts)
-        for reads, seen, program in self._alike.get((*key[:-1], rest), ()):
-            if read_values(values, reads) == seen:
-                return program
-        return None
-
-    def _kept_alike(self, key: Any, tree: signature.Tree, reads: Reads, program: _Program) -> None:
-        """Note what ``program``'s capture read of the modules' attribute values (``_of_alike``)."""
-        if not reads.entered:
-            return
-        rest, values = signature.split_values(tree.module_parts)
-        read = reads.of(values)
-        kept = self._alike.setdefault((*key[:-1], rest), [])
-        kept.append((read, read_values(values, read), program))
-        if len(kept) > MAX_PROGRAMS:
-            del kept[0]
-        if len(self._alike) > 4 * MAX_PROGRAMS:
-            del self._alike[next(iter(self._alike))]
+        return self._alike.find(key[:-1], tree.module_parts)  # type: ignore[no-any-return]
 
     # ---- eager ---------------------------------------------------------------------------------
     def _eager(self, args: tuple[Any, ...], params: list[torch.Tensor]) -> Any:
@@ -400,7 +380,7 @@ class DistModel:
                        "writes it is captured anew; keep such state in a buffer (a tensor), or set it outside the step")
             return program
         self._keep(key, program)
-        self._kept_alike(key, tree, reads, program)
+        self._alike.keep(key[:-1], tree.module_parts, reads, program)
         logger.info("static: captured the %s step in %.2f s (a program of %d nodes, %d collectives%s; %d signatures kept)",
                     self._mode, took, len(result.program.graph.nodes), len(records),
                     ", open sizes" if result.open_sizes is not None else "", len(self._programs))

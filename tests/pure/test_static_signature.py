@@ -70,3 +70,50 @@ def test_a_flag_set_to_one_is_not_true() -> None:
     m, n = _Net(), _Net()
     m.flag, n.flag = True, 1
     assert signature.tree(m).key != signature.tree(n).key
+
+
+class _Reads(nn.Module):
+    flag = True  # a class value
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.scale = 2.0
+        self.step = 0
+        self.cfg = {"mode": "a"}
+        self.log = {"seen": []}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x) * self.scale
+        return y if self.flag and self.cfg["mode"] == "a" else -y
+
+
+def _read_by_forward(m: _Reads) -> tuple[signature.Tree, attributes.Reads]:
+    tree = signature.tree(m)
+    reads = attributes.Reads(tree.modules)
+    with reads:
+        m(torch.ones(1, 4))
+    return tree, reads
+
+
+def test_a_program_serves_calls_differing_only_in_values_its_capture_did_not_read() -> None:
+    m = _Reads()
+    tree, reads = _read_by_forward(m)
+    rest, values = signature.split_values(tree.module_parts)
+    assert values[0][0][-5:] == ("scale", "step", "cfg", "log", "flag")
+    assert rest[0][1] == values[0][0]  # the names stay in the key
+    alike = signature.Alike()
+    alike.keep("other", tree.module_parts, reads, "program")
+    m.step, m.log = 5, {"seen": [1, 2]}  # written by a loop, never read: served
+    assert alike.find("other", signature.tree(m).module_parts) == "program"
+    assert alike.find("another", signature.tree(m).module_parts) is None
+    for change in (lambda: setattr(m, "scale", 3.0), lambda: m.cfg.update(mode="b"),
+                   lambda: setattr(m, "flag", False), lambda: setattr(m, "extra", 1)):
+        m = _Reads()
+        change()
+        assert alike.find("other", signature.tree(m).module_parts) is None  # read (or a new name): not served
+    _Reads.flag = False  # a class value read
+    try:
+        assert alike.find("other", signature.tree(_Reads()).module_parts) is None
+    finally:
+        _Reads.flag = True

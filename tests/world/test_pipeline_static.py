@@ -42,7 +42,7 @@ def _mse(y: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
 
 
 def _train(rank: int, static: bool, schedule: str, chunks: int, tp: bool, p: float, item: bool = False,
-           zero3: bool = False) -> dict[str, Any]:
+           zero3: bool = False, notes: bool = False) -> dict[str, Any]:
     torch.manual_seed(0)
     x, t = torch.randn(BATCH, D), torch.randn(BATCH, D)
     ref = nn.Sequential(*[Block(p, item=item and i == 3) for i in range(4)])
@@ -60,7 +60,11 @@ def _train(rank: int, static: bool, schedule: str, chunks: int, tp: bool, p: flo
     torch.manual_seed(1)  # the dropout masks' stream
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for _ in range(STEPS):
+        for i in range(STEPS):
+            if notes:  # what a training loop may keep on the blocks, which no forward reads
+                for block in model:
+                    block.step = i
+                    block.log = {"step": i, "seen": [i] * i}
             opt.zero_grad()
             loss = pipe.step(ap.shard_tensor(x, meshes[0], place), ap.shard_tensor(t, stages[-1].mesh, place))
             opt.step()
@@ -212,3 +216,17 @@ def test_static_chunks_serve_new_lengths_with_open_sizes(world4: Any, tp: bool) 
         for name in e["params"]:
             torch.testing.assert_close(s["params"][name], e["params"][name], rtol=1e-5, atol=1e-6)
         assert s["programs"] == 2, s["programs"]
+
+
+def test_attributes_no_forward_reads_keep_each_chunks_programs(world4: Any) -> None:
+    """A counter and a log the loop writes on every block at every step: no forward reads them,
+    so each chunk keeps the one program it captured."""
+    eager = _trained(world4, False, "1F1B", 1, False, 0.0, False, False, True)
+    static = _trained(world4, True, "1F1B", 1, False, 0.0, False, False, True)
+    ref = _reference("1F1B", 1, 0.0)
+    for e, s in zip(eager, static):
+        assert s["warnings"] == [], s["warnings"]
+        assert s["losses"] == e["losses"]
+        if s["losses"][0] is not None:
+            torch.testing.assert_close(torch.tensor(s["losses"]), torch.tensor(ref), rtol=1e-5, atol=1e-7)
+        assert s["programs"] == 1, s["kinds"]
