@@ -340,38 +340,34 @@ def test_too_many_signatures_warn_once_naming_what_changes(world4: Any) -> None:
         assert st["kinds"][-1] == ["_Program"] * 2
 
 
-def _held(rank: int) -> dict[str, Any]:
-    return {**_against_one_process(rank, "held"), "eager": _train(rank, "held", False)}
+def _three_ways(rank: int, case: str) -> dict[str, Any]:
+    """``case`` on one device, static and eager."""
+    return {**_against_one_process(rank, case), "eager": _train(rank, case, False)}
+
+
+def _assert_like_one_device(res: dict[str, Any]) -> None:
+    """Eager and static (``_three_ways``) trained as one device did, with no warning."""
+    one = res["one"]
+    for side in ("eager", "static"):
+        got = res[side]
+        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(one["losses"]), rtol=1e-5, atol=0)
+        for a, b in zip(got["params"], one["params"]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        assert got["warnings"] == [], got["warnings"]
 
 
 def test_objects_a_module_holds_are_read_by_content(world4: Any) -> None:  # type: ignore[no-untyped-def]
     """A value changed inside a held config, a config replaced, a function swapped: each is a new
     signature (static) and a new program (eager's local region), never a replay of the old one."""
-    for res in world4.run(_held):
-        one = res["one"]
-        for side in ("eager", "static"):
-            got = res[side]
-            torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(one["losses"]), rtol=1e-5, atol=0)
-            for a, b in zip(got["params"], one["params"]):
-                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-            assert got["warnings"] == [], got["warnings"]
+    for res in world4.run(_three_ways, "held"):
+        _assert_like_one_device(res)
         assert res["static"]["kinds"][-1] == ["_Program"] * STEPS  # a program per setting
-
-
-def _notes(rank: int) -> dict[str, Any]:
-    return {**_against_one_process(rank, "notes"), "eager": _train(rank, "notes", False)}
 
 
 def test_values_the_step_never_reads_keep_its_program(world4: Any) -> None:  # type: ignore[no-untyped-def]
     """A counter, a log and a note the training loop writes on the model at every step, which no
     forward reads: the step is captured once and replayed (eager and static), results as on one
     device."""
-    for res in world4.run(_notes):
-        one = res["one"]
-        for side in ("eager", "static"):
-            got = res[side]
-            torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(one["losses"]), rtol=1e-5, atol=0)
-            for a, b in zip(got["params"], one["params"]):
-                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-            assert got["warnings"] == [], got["warnings"]
+    for res in world4.run(_three_ways, "notes"):
+        _assert_like_one_device(res)
         assert res["static"]["captures"] == 1, res["static"]["kinds"]
