@@ -225,6 +225,38 @@ class Reads:
                      for w, (names, _, _) in zip(self.watches, values))
 
 
+class Alike:
+    """Programs kept by a signature without the modules' attribute values, with the values their
+    capture read (``Reads``): a call differing from a captured one only in values the capture did
+    not read (a step counter or a log the training loop keeps on the model) is served by its
+    program. The one table static steps, pipeline chunks and local regions keep them in; ``key``
+    is the rest of a signature, ``values`` per module ``(names, kinds, values)`` (``read_values``'
+    form). At most ``per_key`` programs per key and ``keys`` keys, the oldest dropped first."""
+
+    def __init__(self, per_key: int = 16, keys: int = 64) -> None:
+        self.per_key, self.keys = per_key, keys
+        self._kept: dict[Any, list[tuple[Any, Any, Any]]] = {}
+
+    def find(self, key: Any, values: tuple[Any, ...]) -> Any:
+        """The program kept under ``key`` whose capture read the same of ``values`` (None: none)."""
+        for reads, seen, program in self._kept.get(key, ()) if self._kept else ():
+            if read_values(values, reads) == seen:
+                return program
+        return None
+
+    def keep(self, key: Any, values: tuple[Any, ...], reads: Reads, program: Any) -> None:
+        """Note ``program``, captured inside ``reads`` from a call of ``values``."""
+        if not reads.entered:
+            return
+        read = reads.of(values)
+        kept = self._kept.setdefault(key, [])
+        kept.append((read, read_values(values, read), program))
+        if len(kept) > self.per_key:
+            del kept[0]
+        if len(self._kept) > self.keys:
+            del self._kept[next(iter(self._kept))]
+
+
 def read_values(values: tuple[Any, ...], reads: tuple[tuple[str, ...] | None, ...]) -> tuple[Any, ...] | None:
     """``values`` (``TreeReader.read``'s) at the names ``reads`` (``Reads.of``) gives, with
     their types; None where a module lacks one of them."""

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from autoparallel import compat, runtime
-from autoparallel.attributes import Reads, read_values
+from autoparallel.attributes import Alike, Reads
 from autoparallel.compat import tree_flatten, tree_unflatten
 from autoparallel.engine import layout
 from autoparallel.log import logger
@@ -324,9 +324,8 @@ class Calls:
         self.open = OpenPrograms(MAX_SIGNATURES // 2)
         self.captures = 0
         self.reused = 0  # calls answered by a kept or an open program
-        # per signature but its modules' plain values: (the values its capture read (``attributes.Reads``),
-        # what they were, the programs), for calls whose values differ only where none is read
-        self.alike: dict[Any, list[tuple[Any, Any, Programs]]] = {}
+        # by signature but its modules' plain values, for calls whose values differ only where none is read
+        self.alike = Alike(MAX_SIGNATURES, 8 * MAX_SIGNATURES)
 
     def find(self, key: Any, leaves: list[Any], tree: Any, state: Sequence[torch.Tensor], module: nn.Module,
              run: Callable[..., Any], held: dict[objects.Path, Any] | None = None,
@@ -344,7 +343,7 @@ class Calls:
                 values = ((values[0], key[-1]), values[1])
         entry = self.programs.get(key)
         if entry is None and values is not None:
-            entry = self._alike(*values)
+            entry = self.alike.find(*values)
             if entry is not None:
                 self._keep(key, entry)
                 self.reused += 1
@@ -406,25 +405,9 @@ class Calls:
         logger.debug("local region %s: %s (%.2f s)", type(module).__name__,
                      f"refused: {progs}" if isinstance(progs, str) else "captured", time.perf_counter() - began)
         self._keep(key, progs)
-        if isinstance(progs, Programs) and values is not None and reads.entered:
-            self._kept_alike(values, reads.of(values[1]), progs)
+        if isinstance(progs, Programs) and values is not None:
+            self.alike.keep(*values, reads, progs)
         return progs, "captured"
-
-    def _alike(self, rest: Any, values: tuple[Any, ...]) -> Programs | None:
-        """The programs captured for a signature equal to this one but in plain values the
-        capture did not read (``rest``: the signature without them)."""
-        for reads, seen, progs in self.alike.get(rest, ()):
-            if read_values(values, reads) == seen:
-                return progs
-        return None
-
-    def _kept_alike(self, values: tuple[Any, tuple[Any, ...]], reads: tuple[Any, ...], progs: Programs) -> None:
-        if len(self.alike) > 8 * MAX_SIGNATURES:
-            self.alike.clear()
-        kept = self.alike.setdefault(values[0], [])
-        if len(kept) >= MAX_SIGNATURES:
-            del kept[0]
-        kept.append((reads, read_values(values[1], reads), progs))
 
     def _keep(self, key: Any, entry: Programs | str) -> None:
         if len(self.programs) >= MAX_SIGNATURES:

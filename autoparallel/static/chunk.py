@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from autoparallel.attributes import Reads
+from autoparallel.attributes import Alike, Reads
 from autoparallel.engine import layout
 from autoparallel.log import logger
 from autoparallel.runtime.debug import CommRecord, replay
@@ -105,7 +105,7 @@ class StaticChunk:
         self._as_layout = as_layout
         self._programs: dict[Any, _Programs | str] = {}
         self._sizes = OpenPrograms(MAX_FAMILIES)  # per signature with its open sizes left out: programs of open sizes
-        self._alike = signature.Alike()  # programs a call differing only in attribute values nothing read may run
+        self._alike = Alike()  # programs a call differing only in attribute values nothing read may run
         self._warn = warn or (lambda m: warnings.warn(f"autoparallel: {m}", stacklevel=4))
 
     # ---- signature -------------------------------------------------------------------------
@@ -126,7 +126,7 @@ class StaticChunk:
         if entry is None:  # programs of open sizes made for these sizes too
             entry = self._of_open_sizes(key, x, t, out_spec, last)
         if entry is None:  # of a signature differing only in attribute values the forward does not read
-            entry = self._alike.find(_without_modules(key), tree.module_parts)
+            entry = self._alike.find(*signature.alike_parts(_without_modules(key), tree.module_parts))
         if isinstance(entry, _Programs):
             return self._run(entry, x, t, tree)
         if isinstance(entry, str):
@@ -170,7 +170,7 @@ class StaticChunk:
                     self._refuse(key, progs)
                     return eager()
             self._programs[key] = progs
-            self._alike.keep(_without_modules(key), tree.module_parts, reads, progs)
+            self._alike.keep(*signature.alike_parts(_without_modules(key), tree.module_parts), reads, progs)
         return self._run(progs, x, t, tree)
 
     # ---- open sizes --------------------------------------------------------------------------

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from autoparallel import compat, cost
-from autoparallel.attributes import Reads
+from autoparallel.attributes import Alike, Reads
 from autoparallel.compat import tree_flatten, tree_unflatten
 from autoparallel.engine import layout
 from autoparallel.log import logger
@@ -116,7 +116,7 @@ class DistModel:
         self._sizes = OpenPrograms(MAX_PROGRAMS)  # per signature with its open sizes left out: programs of open sizes
         # programs by signature without the modules' attribute values, for a call whose values
         # differ only where the step reads none (a counter the training loop keeps on the model)
-        self._alike = signature.Alike(MAX_PROGRAMS, 4 * MAX_PROGRAMS)
+        self._alike = Alike(MAX_PROGRAMS, 4 * MAX_PROGRAMS)
         self.captures = 0  # steps captured so far (a new signature its kept programs do not serve)
         self._warned: set[str] = set()
         self._micro = 0                    # calls since the last optimizer step (gradient merge)
@@ -230,7 +230,7 @@ class DistModel:
         """The program captured for a signature equal to ``key`` but in module attribute values its
         capture did not read (None: none). Not kept under ``key``: a value that changes at every
         call would fill the table."""
-        return self._alike.find(key[:-1], tree.module_parts)  # type: ignore[no-any-return]
+        return self._alike.find(*signature.alike_parts(key[:-1], tree.module_parts))  # type: ignore[no-any-return]
 
     # ---- eager ---------------------------------------------------------------------------------
     def _eager(self, args: tuple[Any, ...], params: list[torch.Tensor]) -> Any:
@@ -380,7 +380,7 @@ class DistModel:
                        "writes it is captured anew; keep such state in a buffer (a tensor), or set it outside the step")
             return program
         self._keep(key, program)
-        self._alike.keep(key[:-1], tree.module_parts, reads, program)
+        self._alike.keep(*signature.alike_parts(key[:-1], tree.module_parts), reads, program)
         logger.info("static: captured the %s step in %.2f s (a program of %d nodes, %d collectives%s; %d signatures kept)",
                     self._mode, took, len(result.program.graph.nodes), len(records),
                     ", open sizes" if result.open_sizes is not None else "", len(self._programs))

@@ -17,7 +17,8 @@ input signature) build their keys from these parts, so both replay under the sam
   so it runs).
 
 ``changed(old, new, module)`` names, in user terms, what differs between two such keys;
-``Alike`` serves a call from a program whose capture read none of the attribute values that differ.
+``alike_parts`` keys ``attributes.Alike``, which serves a call from a program whose capture read
+none of the attribute values that differ.
 Everything here reads metadata only: every rank builds the same key.
 """
 
@@ -168,38 +169,11 @@ def _plain(names: tuple[str, ...], types: tuple[type, ...]) -> tuple[tuple[str, 
     return picked, tuple(t for _, t in plain), operator.itemgetter(*picked)
 
 
-class Alike:
-    """Programs kept by signature without the modules' attribute values (``split_values``), with
-    the values their capture read (``attributes.Reads``): a call differing from a captured one
-    only in values the capture did not read (a step counter or a log the training loop keeps on
-    the model) is served by its program. ``other`` is the rest of a key (inputs, layouts, ...)."""
-
-    def __init__(self, per_key: int = 16, keys: int = 64) -> None:
-        self.per_key, self.keys = per_key, keys
-        self._kept: dict[Any, list[tuple[Any, Any, Any]]] = {}
-
-    def find(self, other: Any, module_parts: tuple[Any, ...]) -> Any:
-        """The program kept for a signature like this one where its capture read (None: none)."""
-        if not self._kept:
-            return None
-        rest, values = split_values(module_parts)
-        for reads, seen, program in self._kept.get((other, rest), ()):
-            if attributes.read_values(values, reads) == seen:
-                return program
-        return None
-
-    def keep(self, other: Any, module_parts: tuple[Any, ...], reads: attributes.Reads, program: Any) -> None:
-        """Note ``program`` with what its capture (run inside ``reads``) read."""
-        if not reads.entered:
-            return
-        rest, values = split_values(module_parts)
-        read = reads.of(values)
-        kept = self._kept.setdefault((other, rest), [])
-        kept.append((read, attributes.read_values(values, read), program))
-        if len(kept) > self.per_key:
-            del kept[0]
-        if len(self._kept) > self.keys:
-            del self._kept[next(iter(self._kept))]
+def alike_parts(other: Any, module_parts: tuple[Any, ...]) -> tuple[Any, tuple[Any, ...]]:
+    """A key for ``attributes.Alike`` (``other``, the rest of a signature: inputs, layouts, ...,
+    with ``module_parts`` less their attribute values) and those values (``split_values``)."""
+    rest, values = split_values(module_parts)
+    return (other, rest), values
 
 
 # the parts of a ``DistModel`` key, in order (``changed`` names the ones that differ)

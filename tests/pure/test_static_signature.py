@@ -102,18 +102,22 @@ def test_a_program_serves_calls_differing_only_in_values_its_capture_did_not_rea
     rest, values = signature.split_values(tree.module_parts)
     assert values[0][0][-5:] == ("scale", "step", "cfg", "log", "flag")
     assert rest[0][1] == values[0][0]  # the names stay in the key
-    alike = signature.Alike()
-    alike.keep("other", tree.module_parts, reads, "program")
+    alike = attributes.Alike()
+
+    def find(other: str, module: torch.nn.Module) -> object:
+        return alike.find(*signature.alike_parts(other, signature.tree(module).module_parts))
+
+    alike.keep(*signature.alike_parts("other", tree.module_parts), reads, "program")
     m.step, m.log = 5, {"seen": [1, 2]}  # written by a loop, never read: served
-    assert alike.find("other", signature.tree(m).module_parts) == "program"
-    assert alike.find("another", signature.tree(m).module_parts) is None
+    assert find("other", m) == "program"
+    assert find("another", m) is None
     for change in (lambda: setattr(m, "scale", 3.0), lambda: m.cfg.update(mode="b"),
                    lambda: setattr(m, "flag", False), lambda: setattr(m, "extra", 1)):
         m = _Reads()
         change()
-        assert alike.find("other", signature.tree(m).module_parts) is None  # read (or a new name): not served
+        assert find("other", m) is None  # read (or a new name): not served
     _Reads.flag = False  # a class value read
     try:
-        assert alike.find("other", signature.tree(_Reads()).module_parts) is None
+        assert find("other", _Reads()) is None
     finally:
         _Reads.flag = True
