@@ -49,27 +49,36 @@ from autoparallel.placement import Placement, Replicate, Shard
 
 
 # ---- plan keys ---------------------------------------------------------------------------------
-def copies_pattern(name: str, modules: dict[str, nn.Module]) -> str:
+def copies_pattern(name: str, modules: dict[str, nn.Module], signatures: dict[str, Any] | None = None) -> str:
     """``pattern(name)`` (``layers.0.mlp.fc1`` -> ``layers.*.mlp.fc1``) where every module it
     matches is ``name``'s copy in another block (the same name but for its indices, the same
     class and shapes); else ``name`` itself. ``*`` crosses dots and matches the root, so the
     pattern of a top-level index (``"2"`` -> ``"*"``) or of an index in a list of unlike modules
-    would style modules it was never priced for."""
+    would style modules it was never priced for. ``signatures``: the blocks' signatures
+    (``repeat.signature``) by name, kept across the calls for one model."""
     wild = pattern(name)
     if wild == name:
         return name
     exact = re.compile("\\.".join(r"\d+" if p == "*" else re.escape(p) for p in wild.split(".")) + "$")
-    sig = signature(modules[name])
-    if all(exact.match(n) and signature(m) == sig for n, m in modules.items() if fnmatchcase(n, wild)):
+    sigs = {} if signatures is None else signatures
+
+    def sig(n: str) -> Any:
+        if n not in sigs:
+            sigs[n] = signature(modules[n])
+        return sigs[n]
+
+    mine = sig(name)
+    if all(exact.match(n) and sig(n) == mine for n in modules if fnmatchcase(n, wild)):
         return wild
     return name
 
 
-def pair_patterns(a: str, b: str, modules: dict[str, nn.Module]) -> tuple[str, str]:
+def pair_patterns(a: str, b: str, modules: dict[str, nn.Module],
+                  signatures: dict[str, Any] | None = None) -> tuple[str, str]:
     """Plan keys of a column/row pair found in one block: both as their copies' patterns when
     the two lie in the same innermost indexed block (the pair repeats in every copy), else both
     exact names."""
-    pa, pb = copies_pattern(a, modules), copies_pattern(b, modules)
+    pa, pb = copies_pattern(a, modules, signatures), copies_pattern(b, modules, signatures)
     if pa != a and pb != b and pa != pb and _block_of(a) == _block_of(b):
         return pa, pb
     return a, b
@@ -119,10 +128,11 @@ def found_plans(model: nn.Module, step: Step) -> list[tuple[str, ModelPlan, bool
     styles: dict[str, Any] = {}
     divisible: dict[str, int] = {}
     memo: dict[Any, Any] = {}  # the replays' shared decisions (the same call on the same layouts)
+    sigs: dict[str, Any] = {}  # the modules' signatures, by name (``copies_pattern``)
     seen_patterns: set[str] = set()
     paired: set[str] = set()
     for i, a in enumerate(linears):
-        wa = copies_pattern(a, modules)
+        wa = copies_pattern(a, modules, sigs)
         if a in paired or wa in seen_patterns:
             continue
         col = {f"{a}.weight": (Shard(0),), f"{a}.bias": (Shard(0),)}
@@ -137,7 +147,7 @@ def found_plans(model: nn.Module, step: Step) -> list[tuple[str, ModelPlan, bool
             seen_patterns.add(wa)
             continue  # something between needs the whole value: no pair
         paired |= {a, b}
-        pa, pb = pair_patterns(a, b, modules)
+        pa, pb = pair_patterns(a, b, modules, sigs)
         seen_patterns |= {pa, pb}
         styles[pa] = ColWiseParallel()
         styles[pb] = RowWiseParallel()
@@ -161,7 +171,7 @@ def found_plans(model: nn.Module, step: Step) -> list[tuple[str, ModelPlan, bool
     if norms:
         sp_styles = dict(styles)
         for n in norms:
-            sp_styles[copies_pattern(n, modules)] = SequenceParallel()
+            sp_styles[copies_pattern(n, modules, sigs)] = SequenceParallel()
         out.append(("megatron+sp", ModelPlan(sp_styles, divisible, "found"), True))
     return out
 
