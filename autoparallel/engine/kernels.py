@@ -152,7 +152,11 @@ def nll_forward_local(
     reduction: int = MEAN, ignore_index: int = -100,
 ) -> tuple[Any, Any]:
     """Class-sharded: score only local classes. ``mean`` over batch shards: the sum and the total
-    weight are all-reduced together (one collective) and divided: the loss is Replicate there."""
+    weight are all-reduced together (one collective) and divided: the loss is Replicate there.
+    In a captured step (``comm.reduce_apart``) they are reduced apart, the total weight computed
+    from the targets alone: its reduction can start before the forward runs and the sum's wait
+    where the loss is read, so the step does not stop between its forward and its backward
+    (``static.passes``)."""
     spec, cdim, off, n, batch_axes = nll_layout(ctx)
     classes = spec.shape[cdim]
     op = ctx.call.op
@@ -160,6 +164,8 @@ def nll_forward_local(
         if reduction != MEAN or not batch_axes:
             return op(x, target, weight, reduction, ignore_index)
         s, tw = op(x, target, weight, SUM, ignore_index)
+        if weight is None and comm.reduce_apart():  # (a count: exact whichever way it is summed)
+            return _mean_apart(ctx, s, (target != ignore_index).sum().to(tw.dtype), batch_axes)
     else:
         w_t, mine, idx = nll_pick(target, weight, ignore_index, classes, off, n, x.dtype)
         loss = torch.zeros_like(w_t)
@@ -171,8 +177,17 @@ def nll_forward_local(
         s, tw = loss.sum(), w_t.sum()
         if reduction == SUM:
             return s, tw
+        if comm.reduce_apart():
+            return _mean_apart(ctx, s, tw, batch_axes)
     both = ctx.comm.all_reduce(torch.stack([s, tw.to(s.dtype)]), batch_axes, "sum")  # (sum, total weight)
     return both[0] / both[1], both[1].to(tw.dtype)
+
+
+def _mean_apart(ctx: LocalContext, s: torch.Tensor, tw: torch.Tensor, axes: tuple[int, ...]) -> tuple[Any, Any]:
+    """The mean loss from the local sum and total weight reduced by two collectives, the total
+    weight's first (its value only needs the targets)."""
+    total = ctx.comm.all_reduce(tw.to(s.dtype), axes, "sum")
+    return ctx.comm.all_reduce(s, axes, "sum") / total, total.to(tw.dtype)
 
 
 # ---- batch norm in training over a sharded batch/spatial dim ("SyncBatchNorm") ---------------

@@ -197,6 +197,7 @@ def _group(mesh: ProcessMesh, axis: int) -> tuple[object, tuple[int, ...], tuple
 # as graph nodes naming the group by its name, so a captured program replays them and holds
 # no process group object. Switched only through ``functional_collectives()``.
 _FUNCTIONAL: list[bool] = [False]
+_APART: list[bool] = [False]  # (``functional_collectives(apart=True)``: ``reduce_apart``)
 _fc = torch.ops._c10d_functional
 
 
@@ -205,14 +206,16 @@ class CaptureError(RuntimeError):
 
 
 @contextmanager
-def functional_collectives() -> Iterator[None]:
-    """Issue every collective of this block as a functional collective (for a static capture)."""
-    before = _FUNCTIONAL[0]
-    _FUNCTIONAL[0] = True
+def functional_collectives(apart: bool = False) -> Iterator[None]:
+    """Issue every collective of this block as a functional collective (for a static capture).
+    ``apart``: a kernel may reduce values it would reduce together one by one (``reduce_apart``),
+    for a program whose passes start each where its input exists and merge them where that pays."""
+    before = _FUNCTIONAL[0], _APART[0]
+    _FUNCTIONAL[0], _APART[0] = True, apart
     try:
         yield
     finally:
-        _FUNCTIONAL[0] = before
+        _FUNCTIONAL[0], _APART[0] = before
 
 
 @contextmanager
@@ -231,6 +234,12 @@ def capturing() -> bool:
     """Whether collectives are being recorded into a captured program (``functional_collectives``):
     control messages (the agreement checks) stay out of programs."""
     return _FUNCTIONAL[0]
+
+
+def reduce_apart() -> bool:
+    """Whether a kernel may issue apart the reductions of values it reduces together eagerly (a
+    mean loss's sum and count): inside ``functional_collectives(apart=True)`` only."""
+    return _FUNCTIONAL[0] and _APART[0]
 
 
 def profiled(name: str, of: Any = None) -> Any:

@@ -233,7 +233,7 @@ class PlainValues:
 
 
 def capture(fn: Callable[..., Any], inputs: Sequence[torch.Tensor],
-            open_dims: Sequence[tuple[int, ...]] | None = None, recompile: bool = True) -> Capture:
+            open_dims: Sequence[tuple[int, ...]] | None = None, recompile: bool = True, apart: bool = False) -> Capture:
     """Record ``fn(*fakes)`` per rank, ``fakes`` being fake tensors of ``inputs`` (see the
     module docstring; ``fn`` puts them in place with ``standing_in``).
 
@@ -242,7 +242,9 @@ def capture(fn: Callable[..., Any], inputs: Sequence[torch.Tensor],
     sizes symbolic: the program reads them from its inputs, and the capture's shape environment
     holds the guards under which it is the step. ``recompile=False``: the program's code is left
     for the caller to generate, after its own edits of the graph (each generation of a large
-    program's code costs tens of milliseconds).
+    program's code costs tens of milliseconds). ``apart``: kernels reduce apart what they would
+    reduce together (``comm.reduce_apart``), for a caller whose passes merge them back where
+    nothing else pays for it.
     """
     watch = Watch()
 
@@ -253,7 +255,7 @@ def capture(fn: Callable[..., Any], inputs: Sequence[torch.Tensor],
     # (no module hooks of its own: a capture runs the same modules' code as an uncaptured step)
     # (saved-tensor hooks of the caller's context, as ``torch.utils.checkpoint``'s around a call captured inside
     # it, would take the trace's fake tensors: the trace keeps its own, the program's runs meet the caller's)
-    with CommDebugMode(modules=False, isolated=True) as seen, comm.functional_collectives(), dispatch.observed_by(watch), \
+    with CommDebugMode(modules=False, isolated=True) as seen, comm.functional_collectives(apart), dispatch.observed_by(watch), \
             torch.random.fork_rng(devices=[]), compat.RngResets() as resets, \
             torch.autograd.graph.saved_tensors_hooks(_kept, _kept):
         sizes = compat.OpenSizeFakes() if open_dims is not None and any(open_dims) else None

@@ -327,12 +327,14 @@ class DistModel:
 
         values = PlainValues(self.network)
         self.captures += not fixed
+        # reductions a kernel makes together are issued apart where the passes place them (``passes``)
+        overlap = self.strategy.overlap and self._may_overlap()
         start = time.perf_counter()
         reads = Reads(tree.modules)  # which attribute values of the modules the step reads
         # (the program's code is generated once, after the passes)
         with reads:
-            result: Capture = (capture(step, state + xs, [()] * len(state) + opened, recompile=False) if any(opened)
-                               else capture(step, state + xs, recompile=False))
+            result: Capture = (capture(step, state + xs, [()] * len(state) + opened, recompile=False, apart=overlap)
+                               if any(opened) else capture(step, state + xs, recompile=False, apart=overlap))
         if result.program is None and result.open_sizes is not None or result.refused.startswith("tracing with open"):
             # a step the open sizes trip (a size read as a Python value where no guard can say
             # so): captured at these sizes
@@ -341,7 +343,7 @@ class DistModel:
             got.clear()
             xs, rebuild = self._inputs(args)
             with reads:
-                result = capture(step, state + xs, recompile=False)
+                result = capture(step, state + xs, recompile=False, apart=overlap)
         took = time.perf_counter() - start
         if result.program is None:
             values.restore()  # the eager call writes them itself
@@ -353,7 +355,7 @@ class DistModel:
         records = result.records
         if not any(t.requires_grad for t in state + xs if isinstance(t, torch.Tensor)):
             drop_detaches(result.program, recompile=False)  # (it builds no autograd graph: a detach is an alias)
-        if self.strategy.overlap and self._may_overlap():
+        if overlap:
             sink_waits(result.program, recompile=False)
             hoist_starts(result.program, recompile=False)
             records, specs = self._merge_reductions(result.program, records, specs)
@@ -423,7 +425,7 @@ class DistModel:
         got["n_out"] = len(shown)
         if self._mode != TRAIN:
             return [loss, *shown]
-        grads: Any = torch.autograd.grad(loss, trained, allow_unused=True)
+        grads: Any = torch.autograd.grad(loss, trained, grad_outputs=_seed(loss), allow_unused=True)
         if reduce_here:  # the optimizer's bucketed reductions, as part of the program
             grads = self._reduced(trained, grads)
         elif self._reduces_plainly(trained):  # a torch optimizer would reduce each one at its first read
@@ -606,3 +608,16 @@ def to_static(model: torch.nn.Module, loader: Any = None, loss: Callable[..., An
     optimizer are given, ``eval`` with a loss only, else ``predict``. ``outputs=True``: train and
     eval calls return ``(loss, the model's outputs)``."""
     return DistModel(model, loader, loss, optimizer, strategy, outputs=outputs)
+
+
+def _seed(loss: Any) -> Any:
+    """The backward's seed for a whole scalar loss: ones made from its layout rather than from
+    its value (autograd's default, ``ones_like(loss)``, reads the loss), so the backward does not
+    wait for the loss itself: a loss reduced over ranks is then waited for at the end (``passes``).
+    None (autograd's default) for anything else."""
+    if not layout.is_dist(loss) or loss.dim() != 0:
+        return None
+    spec = layout.spec_of(loss)
+    if spec.has_partial:
+        return None
+    return layout.wrap(torch.ones((), dtype=loss.dtype, device=layout.local_of(loss).device), spec)

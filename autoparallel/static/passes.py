@@ -9,12 +9,17 @@ that writes the inputs it reads), and random ops never move (the draws keep eage
   op that needs its result — together with the cheap ops that only rearrange that result
   (views, ``cat``, ``split``...: our collectives reorder their result from group order to mesh
   order at once), so the compute in between overlaps the communication ("wait at first use").
+  Small pure ops computed from a result that only the program's outputs read (a mean loss's sum
+  divided by its count) move to the end with it: the step does not wait for the loss.
 - ``hoist_starts``: a functional collective (with the cheap ops packing its input) moves up to
   just after the op producing its input, but never above another collective ("start early"): a gradient bucket's all-reduce starts
   as soon as its last gradient exists, overlapping the rest of the backward. A collective
   whose input is only program inputs (a ZeRO-3 parameter all-gather) is a *prefetch*: it moves
   up at most to just after the wait of the previous such collective, so at most one unit ahead
-  is gathered early and ZeRO-3 keeps its memory bound.
+  is gathered early and ZeRO-3 keeps its memory bound. A small collective computed from
+  program inputs by a few pure ops (``SMALL_BYTES``, ``SMALL_CHAIN``: a mean loss's token count,
+  from the targets) moves up with those ops, so it is reduced while the forward runs and the
+  backward, which needs it first, does not wait.
 - ``drop_detaches`` (always, whatever ``overlap`` says): a program run without autograd (a local
   region's, a step's whose inputs need no gradient) reads each ``detach``'s input in its place:
   there a detach is only a new alias, and the backward formulas detach what they save (~40 op
@@ -26,6 +31,8 @@ that writes the inputs it reads), and random ops never move (the draws keep eage
   LayerNorm weights' bucket with the activation gradient reduced beside it, a loss with the
   backward's first reduction). Up to ``MERGE_BYTES`` in all: above that, copying into one buffer
   costs about what a start does. Runs after ``sink_waits`` and ``hoist_starts`` (a start sits where its input is complete, a wait at its first use).
+  A start moved up for its own sake (the count above) is merged into a later one only when
+  nothing else merged with that one (then the two are what eager issues: one collective).
   Elementwise the sums are the same; a backend may add each element's terms in another order
   inside a larger buffer (on three or more ranks: the last bit of a float sum).
 """
@@ -47,6 +54,8 @@ _FC = torch.ops._c10d_functional
 _WAIT = _FC.wait_tensor.default
 _AR = _FC.all_reduce.default
 MERGE_BYTES = 1 << 20  # all-reduces merge up to this many bytes in all
+SMALL_BYTES = 1 << 10  # a collective of at most this many bytes computed from inputs alone starts first; one read only by outputs is waited last
+SMALL_CHAIN = 16  # ... by at most this many ops
 _aten = torch.ops.aten
 # ops that only move or repack data: cheap to run a little earlier or later
 _CHEAP = {
@@ -127,6 +136,7 @@ def sink_waits(gm: torch.fx.GraphModule, recompile: bool = True) -> int:
         if n not in chain and _cheap(n) and any(i in chain for i in n.all_input_nodes) and all(
                 i in chain or i.op in ("placeholder", "get_attr") for i in n.all_input_nodes):
             chain.add(n)
+    chain |= _read_last(nodes, chain)
     moved = 0
     for node in reversed(nodes):
         if node in chain and _sink(gm, node):
@@ -135,6 +145,22 @@ def sink_waits(gm: torch.fx.GraphModule, recompile: bool = True) -> int:
     if recompile:
         gm.recompile()
     return moved
+
+
+def _read_last(nodes: list[torch.fx.Node], chain: set[torch.fx.Node]) -> set[torch.fx.Node]:
+    """The small pure ops computed from a collective's result (``chain``) that only the
+    program's outputs read (a loss divided by its reduced count): they run last, so the
+    collective's wait is at the end."""
+    reading: set[torch.fx.Node] = set()
+    for n in nodes:
+        if (n not in chain and not _fixed(n) and _value_bytes(n) <= SMALL_BYTES
+                and any(i in chain or i in reading for i in n.all_input_nodes)):
+            reading.add(n)
+    last: set[torch.fx.Node] = set()
+    for n in reversed(nodes):
+        if n in reading and n.users and all(u.op == "output" or u in last for u in n.users):
+            last.add(n)
+    return last
 
 
 def _sink(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
@@ -166,7 +192,10 @@ def hoist_starts(gm: torch.fx.GraphModule, recompile: bool = True) -> int:
         prefetch = _only_inputs(start)
         floor = prev_prefetch_wait if prefetch else None
         before = order[start]
-        _hoist(start, order, floor, set())
+        computed = not prefetch and _small_of_inputs(start)
+        if computed:
+            start.meta["ap_early"] = True  # (merging it into a later start would undo this)
+        _hoist(start, order, floor, set(), computed)
         order = {n: i for i, n in enumerate(gm.graph.nodes)}
         moved += order[start] < before
         if prefetch:
@@ -195,16 +224,49 @@ def _only_inputs(node: torch.fx.Node) -> bool:
     return True
 
 
+def _small_of_inputs(node: torch.fx.Node) -> bool:
+    """Whether ``node``'s inputs are small (at most ``SMALL_BYTES``) values computed from program
+    inputs by a few pure ops (at most ``SMALL_CHAIN``) that nothing else reads but through views:
+    a token count from the targets, not a loss from the forward's activations. Those ops may run
+    first: no value but their own lives longer."""
+    if sum(_value_bytes(i) for i in node.all_input_nodes) > SMALL_BYTES:
+        return False
+    todo, chain = list(node.all_input_nodes), set()
+    while todo:
+        n = todo.pop()
+        if n in chain or n.op in ("placeholder", "get_attr"):
+            continue
+        chain.add(n)
+        if _fixed(n) or len(chain) > SMALL_CHAIN:
+            return False
+        todo.extend(n.all_input_nodes)
+    return all(u is node or u in chain for n in chain if not _alias(n) for u in n.users)
+
+
+def _alias(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is a view of its first input (moving it holds no memory longer)."""
+    return _cheap(node) and node.target not in _CHEAP
+
+
+def _value_bytes(node: torch.fx.Node) -> float:
+    """Bytes of ``node``'s value; infinite where it is no tensor or its size is open."""
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor) or isinstance(val.numel(), torch.SymInt):
+        return float("inf")
+    return val.numel() * val.element_size()
+
+
 def _hoist(node: torch.fx.Node, order: dict[torch.fx.Node, int], floor: torch.fx.Node | None,
-           seen: set[torch.fx.Node]) -> None:
+           seen: set[torch.fx.Node], computed: bool = False) -> None:
     """Move ``node`` (a collective or a cheap op) up to just after the latest of: its inputs
-    (hoisted first when cheap), the last write before it, and ``floor``."""
+    (hoisted first when cheap, or with ``computed`` when pure: ``_small_of_inputs``), the last
+    write before it, and ``floor``."""
     if node in seen:
         return
     seen.add(node)
     for i in node.all_input_nodes:
-        if _cheap(i):
-            _hoist(i, order, floor, seen)
+        if _cheap(i) or (computed and not _fixed(i)):
+            _hoist(i, order, floor, seen, computed)
             order.update({n: k for k, n in enumerate(node.graph.nodes)})
     after: Any = max(node.all_input_nodes, key=lambda i: order[i], default=None)
     cur = node.prev
@@ -270,8 +332,12 @@ def merge_all_reduces(gm: torch.fx.GraphModule, records: Sequence[CommRecord],
     does, after its last pass)."""
     kept: list[CommRecord | None] = list(records)
     merged_optional: set[torch.fx.Node] = set()
+    delay_early = False  # first without delaying an early start (``hoist_starts``), then with
     while True:
-        found = _mergeable_pair(gm, limit)
+        found = _mergeable_pair(gm, limit, delay_early)
+        if found is None and not delay_early:
+            delay_early = True
+            continue
         if found is None:
             break
         x, y, at = found
@@ -318,13 +384,16 @@ def _nbytes(node: torch.fx.Node) -> int:
     return compat.whole(val.numel() * val.element_size())  # type: ignore[no-any-return]
 
 
-def _mergeable_pair(gm: torch.fx.GraphModule, limit: int) -> tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node] | None:
+def _mergeable_pair(gm: torch.fx.GraphModule, limit: int, delay_early: bool = True,
+                    ) -> tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node] | None:
     """The first two all-reduces ``x`` before ``y`` that may become one, and the node the merged
     one starts at: ``y`` when ``x``'s result is first needed after ``y`` starts, ``x`` when
     ``y``'s input exists before ``x`` starts. The input read later (or earlier) than before must
     not be written in place in between (through any view of it): decided from the program's
     structure, the same on every rank (a kernel's writes to its own fresh buffers, which may
-    differ with a rank's local sizes, are not the inputs' aliases)."""
+    differ with a rank's local sizes, are not the inputs' aliases). ``delay_early=False``: not
+    by delaying a start ``hoist_starts`` made early (a count the backward needs, started before the
+    forward: merged with a later reduction only where nothing else merged with that one)."""
     nodes = list(gm.graph.nodes)
     order = {n: i for i, n in enumerate(nodes)}
     starts = [(n, k) for n in nodes if (k := _reduction(n)) is not None]
@@ -333,7 +402,8 @@ def _mergeable_pair(gm: torch.fx.GraphModule, limit: int) -> tuple[torch.fx.Node
             if ky != kx or _nbytes(x) + _nbytes(y) > limit:
                 continue
             wx = next(iter(x.users))
-            later = order[wx] > order[y]  # x's result not needed before y starts
+            # x's result not needed before y starts (and x does not start early for its own sake)
+            later = order[wx] > order[y] and (delay_early or not x.meta.get("ap_early"))
             earlier = all(order[a] < order[x] for a in y.all_input_nodes)  # y's input there when x starts
             if not (later or earlier):
                 continue

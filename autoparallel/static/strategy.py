@@ -203,9 +203,13 @@ class Strategy(_Slotted):
     - ``overlap``: each collective of the program starts as soon as its input exists
       (``passes.hoist_starts``: gradient buckets during the backward, ZeRO-3 all-gathers one
       unit ahead) and is waited for only where its result is first needed
-      (``passes.sink_waits``), so compute overlaps the communication; all-reduces over the same
+      (``passes.sink_waits``), so compute overlaps the communication. A small value computed
+      from the inputs by a few ops (a mean loss's token count) is reduced before the forward
+      runs, and one only the outputs read (the loss's sum) is waited for last, so the step does
+      not stop between its forward and its backward. All-reduces over the same
       group whose results are not needed before both inputs exist become one
-      (``passes.merge_all_reduces``: one start instead of two), and a loss left Partial is then
+      (``passes.merge_all_reduces``: one start instead of two; a loss's sum rides with the
+      gradients), and a loss left Partial is then
       reduced inside the program when it can ride along one (it comes back Replicate). The
       values are the same either way (a merged sum may add an element's terms in another order
       on three or more ranks: the last bit of a float). Under a ZeRO-3 optimizer the stage's own ``overlap`` decides

@@ -350,3 +350,78 @@ def test_records_that_do_not_match_the_program_tag_nothing() -> None:
     gm = _two_reductions()
     assert not tag_records(gm, _records(3))
     assert all("ap_record" not in n.meta for n in _reductions(gm))
+
+
+# ---- a mean loss: its count reduced first, its sum with the gradients ----------------------
+def _mean_loss_step(with_gradients: bool) -> tuple[torch.fx.GraphModule, dict[str, torch.fx.Node]]:
+    """A step as a capture records a token-mean loss over batch shards: the forward, then the
+    count (from the targets alone) and the sum reduced apart at the loss, the loss divided; the
+    backward seeded with ones scaled by the count; with ``with_gradients`` a gradient reduced
+    at the end."""
+    g = torch.fx.Graph()
+    w, x, t = g.placeholder("w"), g.placeholder("x"), g.placeholder("t")
+    n: dict[str, torch.fx.Node] = {}
+    n["h"] = _val(g.call_function(aten.mm.default, (x, w)), 4, 4)
+    n["s"] = _val(g.call_function(aten.sum.default, (n["h"],)))
+    n["valid"] = g.call_function(aten.ne.Scalar, (t, -100))
+    n["valid"].meta["val"] = torch.empty(4, dtype=torch.bool)
+    n["count"] = _val(g.call_function(aten.sum.default, (n["valid"],)))
+    n["countf"] = _val(g.call_function(aten._to_copy.default, (n["count"],), {"dtype": torch.float32}))
+    n["ar_count"] = g.call_function(fc.all_reduce.default, (n["countf"], "sum", "0"))
+    n["ar_sum"] = g.call_function(fc.all_reduce.default, (n["s"], "sum", "0"))
+    n["w_count"] = _val(g.call_function(fc.wait_tensor.default, (n["ar_count"],)))
+    n["w_sum"] = _val(g.call_function(fc.wait_tensor.default, (n["ar_sum"],)))
+    n["loss"] = _val(g.call_function(aten.div.Tensor, (n["w_sum"], n["w_count"])))
+    n["seed"] = _val(g.call_function(aten.ones.default, ([],)))
+    n["scale"] = _val(g.call_function(aten.div.Tensor, (n["seed"], n["w_count"])))
+    n["grad"] = _val(g.call_function(aten.mul.Tensor, (n["h"], n["scale"])), 4, 4)  # (reads the activation)
+    outs: list[Any] = [_val(g.call_function(aten.detach.default, (n["loss"],)))]
+    if with_gradients:
+        n["ar_grad"] = g.call_function(fc.all_reduce.default, (n["grad"], "sum", "0"))
+        outs.append(g.call_function(fc.wait_tensor.default, (n["ar_grad"],)))
+    else:
+        outs.append(n["grad"])
+    g.output(tuple(outs))
+    return torch.fx.GraphModule(torch.nn.Module(), g), n
+
+
+def test_a_mean_loss_count_is_reduced_during_the_forward_and_its_sum_rides_with_the_gradients() -> None:
+    from autoparallel.static.passes import merge_all_reduces, tag_records
+
+    gm, n = _mean_loss_step(with_gradients=True)
+    w, x, t = torch.randn(4, 4), torch.randn(4, 4), torch.tensor([1, -100, 2, 3])
+    before = _TwoRanks(gm).run(w, x, t)
+    sink_waits(gm, recompile=False)
+    hoist_starts(gm, recompile=False)
+    order = _order(gm)
+    # the count (with the ops computing it from the targets) starts before the forward's matmul
+    assert order.index(n["ar_count"].name) < order.index(n["h"].name)
+    assert order.index(n["valid"].name) < order.index(n["count"].name) < order.index(n["ar_count"].name)
+    # the loss, which only an output reads, is computed (and its sum waited for) last
+    assert order.index(n["loss"].name) > order.index(n["ar_grad"].name)
+    assert order.index(n["w_count"].name) < order.index(n["scale"].name) < order.index(n["ar_grad"].name)
+    assert tag_records(gm, _records(3))
+    records, _ = merge_all_reduces(gm, _records(3))
+    first, second = _reductions(gm)
+    assert first is n["ar_count"] and len(records) == 2  # the count alone; the sum merged with the gradient
+    assert second.args[0].target is aten.cat.default
+    gm.recompile()
+    for got, want in zip(_TwoRanks(gm).run(w, x, t), before):
+        assert torch.equal(got, want)
+
+
+def test_a_mean_loss_with_nothing_to_ride_along_reduces_its_sum_and_count_together() -> None:
+    """Where no other reduction follows, the count and the sum become one collective again: the
+    program issues what eager issues."""
+    from autoparallel.static.passes import merge_all_reduces, tag_records
+
+    gm, n = _mean_loss_step(with_gradients=False)
+    w, x, t = torch.randn(4, 4), torch.randn(4, 4), torch.tensor([1, -100, 2, 3])
+    before = _TwoRanks(gm).run(w, x, t)
+    sink_waits(gm, recompile=False)
+    hoist_starts(gm, recompile=False)
+    assert tag_records(gm, _records(2))
+    records, _ = merge_all_reduces(gm, _records(2))
+    assert len(_reductions(gm)) == 1 and len(records) == 1
+    for got, want in zip(_TwoRanks(gm).run(w, x, t), before):
+        assert torch.equal(got, want)
