@@ -51,6 +51,12 @@ from autoparallel.static.sizes import OpenPrograms, OpenSizes, masked, open_dims
 from autoparallel.static.split import SplitError, split_joint
 
 Out = tuple[Any, ...]  # per output leaf: ("dist", spec, stride, differentiable) | ("plain",) | ("value", v)
+#                        | ("input", k): the call's input ``k`` (``Inputs.tensors``) itself, returned as it is
+
+
+def _computed(o: Out) -> bool:
+    """Whether an output leaf is one the forward program computes (a tensor that is no input)."""
+    return o[0] == "dist" or o[0] == "plain"
 
 
 @dataclass
@@ -82,7 +88,8 @@ class Programs:
 
     @property
     def n_tensors(self) -> int:
-        return sum(o[0] != "value" for o in self.outs)
+        """The forward program's outputs that are the call's (the rest it keeps for the backward)."""
+        return sum(_computed(o) for o in self.outs)
 
     def at(self, binding: dict[Any, Any]) -> Programs:
         """These programs of open sizes for one binding of them: layouts and records in numbers."""
@@ -195,8 +202,13 @@ def capture_call(module: nn.Module, run: Callable[..., Any], state: Sequence[tor
         kinds: list[Out] = []
         locs: list[torch.Tensor] = []
         diff: list[int] = []
+        # an argument returned as it is (a position bias handed on) is that argument at every call,
+        # not a program's output: its gradient reaches it through autograd as it does op by op
+        argument = {id(t): k for k, t in made.items()}
         for i, o in enumerate(outs):
-            if layout.is_dist(o):
+            if isinstance(o, torch.Tensor) and id(o) in argument:
+                kinds.append(("input", argument[id(o)]))
+            elif layout.is_dist(o):
                 d = grad and o.requires_grad
                 kinds.append(("dist", layout.spec_of(o), layout.stride_of(o), d))
                 locs.append(layout.local_of(o))
@@ -242,7 +254,7 @@ def capture_call(module: nn.Module, run: Callable[..., Any], state: Sequence[tor
     if written:
         return f"the forward writes the module attribute{'s' if len(written) > 1 else ''} {', '.join(written)}"
     gm = result.program
-    n_out = sum(o[0] != "value" for o in got["outs"])
+    n_out = sum(_computed(o) for o in got["outs"])
     unmarked = _unmarked_write(gm)
     if unmarked:
         return unmarked
@@ -560,13 +572,13 @@ def run_call(progs: Programs, state: Sequence[torch.Tensor], leaves: list[Any], 
     if progs.backward is None or not torch.is_grad_enabled():
         outs = progs.forward(*locs)
         replay(progs.records[:progs.n_forward], within=module)
-        out = _assemble(progs, list(outs[:progs.n_tensors]), {})
+        out = _assemble(progs, list(outs[:progs.n_tensors]), {}, inputs.tensors)
     else:
         call = _Call(progs, locs, module)
         if again is not None and not progs.objects:  # (held weakly: kept only where something else keeps them)
             call.again, call.leaves, call.state = again, [_weak(x) for x in leaves], [id(t) for t in state]
         diff = _Node.apply(call, *[inputs.tensors[k] for k in progs.wrt])
-        out = _assemble(progs, call.outs, dict(zip(progs.tangents, diff)))
+        out = _assemble(progs, call.outs, dict(zip(progs.tangents, diff)), inputs.tensors)
         call.outs = []  # (the node keeps the call until its backward: not its outputs)
     if not progs.objects:
         return out
@@ -635,12 +647,18 @@ def _weak(x: Any) -> Any:
     return weakref.ref(x) if isinstance(x, torch.Tensor) else x
 
 
-def _assemble(progs: Programs, locs: list[torch.Tensor], diff: dict[int, torch.Tensor]) -> Any:
+def _assemble(progs: Programs, locs: list[torch.Tensor], diff: dict[int, torch.Tensor],
+              inputs: list[torch.Tensor]) -> Any:
+    """The call's output: ``locs`` (the forward program's outputs) wrapped in their layouts (the
+    differentiable ones, ``diff``, as the node gave them), values and arguments (``inputs``) returned as they are."""
     leaves: list[Any] = []
     k = 0
     for i, o in enumerate(progs.outs):
         if o[0] == "value":
             leaves.append(o[1])
+            continue
+        if o[0] == "input":
+            leaves.append(inputs[o[1]])
             continue
         loc = locs[k]
         k += 1
@@ -699,7 +717,7 @@ class _Node(torch.autograd.Function):
         if call.again is not None:
             call.wrt = [weakref.ref(t) for t in wrt]
         ctx.set_materialize_grads(False)
-        at = [sum(o[0] != "value" for o in progs.outs[:i]) for i in progs.tangents]  # their places among the tensors
+        at = [sum(_computed(o) for o in progs.outs[:i]) for i in progs.tangents]  # their places among the outputs
         return tuple(layout.wrap(call.outs[k], progs.outs[i][1], progs.outs[i][2]) for i, k in zip(progs.tangents, at))
 
     @staticmethod

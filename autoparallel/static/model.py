@@ -333,8 +333,8 @@ class DistModel:
         reads = Reads(tree.modules)  # which attribute values of the modules the step reads
         # (the program's code is generated once, after the passes)
         with reads:
-            result: Capture = (capture(step, state + xs, [()] * len(state) + opened, recompile=False, apart=overlap)
-                               if any(opened) else capture(step, state + xs, recompile=False, apart=overlap))
+            result: Capture = capture(step, state + xs, [()] * len(state) + opened if any(opened) else None,
+                                      recompile=False, apart=overlap)
         if result.program is None and result.open_sizes is not None or result.refused.startswith("tracing with open"):
             # a step the open sizes trip (a size read as a Python value where no guard can say
             # so): captured at these sizes

@@ -176,6 +176,48 @@ def test_a_forward_returning_an_object_is_refused_and_its_tensors_are_real() -> 
     assert report == {"<root>": ["refused: the forward returns a _Box object"], "lin": ["local"]}, report
 
 
+class _HandsOn(torch.nn.Module):
+    """Returns one of its arguments as it is, beside what it computes (as a T5 block hands on
+    the position bias it was given)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.lin(x) + bias, bias
+
+
+def _hands_on(layout: str) -> tuple[list[torch.Tensor], dict[str, list[str]]]:
+    import autoparallel as ap
+
+    mesh = ap.ProcessMesh([0], dim_names=["dp"])
+    torch.manual_seed(0)
+    model = ap.shard_layer(_HandsOn(), mesh)
+    scale = torch.ones(4, requires_grad=True)
+    got: list[torch.Tensor] = []
+    for _ in range(2):
+        x = ap.shard_tensor(torch.randn(4, 4), mesh, [ap.Shard(0)])
+        bias = ap.shard_tensor(torch.randn(4, 4), mesh, [ap.Shard(0) if layout == "shard" else ap.Replicate()])
+        bias = bias * ap.shard_tensor(scale, mesh, [ap.Replicate()])  # (a gradient flows back through it)
+        y, same = model(x, bias)
+        assert same is bias  # the argument itself, as op by op
+        ((y * y).sum() + (same * 3).sum()).backward()
+        got += [y.full_tensor().detach()]
+    got += [scale.grad, *(p.grad.full_tensor() for p in model.parameters())]
+    return got, _report_of(model)
+
+
+@pytest.mark.pure
+@pytest.mark.parametrize("layout", ["shard", "replicate"])
+def test_an_argument_returned_as_it_is_is_the_argument_and_its_gradient_flows(layout: str) -> None:
+    base, _ = _with("0", _hands_on, layout)
+    got, report = _with("1", _hands_on, layout)
+    assert report == {"<root>": ["local"]}, report
+    for a, b in zip(base, got):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 class _FixesItsLength(torch.nn.Module):
     """Its forward branches on the sequence length as a Python int (a guard per length); its
     child is a module like any other."""
