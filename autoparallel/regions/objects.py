@@ -19,6 +19,10 @@ the objects' identities. What a captured call needs of them (``regions.program``
 
 A write that removes an entry or writes an object or container (a new cache layer appended) is
 not a program's (``Writing.why``).
+
+An object the forward makes and returns (the cache a transformers model makes in training) is
+kept by its structure (``Made``): its tensors are the program's outputs, and every call gets a
+new object of that structure holding its own.
 """
 
 from __future__ import annotations
@@ -237,9 +241,105 @@ def put(leaves: Sequence[Any], paths: Sequence[Path], values: Sequence[Any]) -> 
             c[k] = v
 
 
+class Made:
+    """An object a forward makes and returns (transformers' key/value cache, made afresh by every
+    training call): its structure, rebuilt around each call's tensors. The structure is what an
+    argument object's walk follows (plain objects with a ``__dict__``, lists, tuples, dicts with
+    str or int keys), every entry a tensor or a value; the values are kept as they are, shared
+    by the objects rebuilt (as the forward would have set the same ones again)."""
+
+    def __init__(self, shape: Any, n: int) -> None:
+        self.shape = shape  # nested: ("t",) a tensor | ("v", value) | (container tag, type, children)
+        self.n = n          # its tensors
+
+    @classmethod
+    def of(cls, x: Any) -> tuple[Made, list[torch.Tensor]] | None:
+        """``x``'s structure and its tensors (in the order ``build`` takes them); None where it
+        is not such an object, or not rebuilt as it was (a class whose instances need their
+        constructor's arguments)."""
+        tensors: list[torch.Tensor] = []
+        try:
+            made = cls(_shape(x, tensors, set(), 0), 0)
+            made.n = len(tensors)
+            if not _same_structure(made.build(tensors), x):
+                return None
+        except Exception:  # noqa: BLE001  (_Unsupported, or a class that cannot be rebuilt this way)
+            return None
+        return made, tensors
+
+    def build(self, tensors: Sequence[torch.Tensor]) -> Any:
+        """A new object of this structure holding ``tensors``."""
+        return _build(self.shape, iter(tensors))
+
+    def tensors(self, x: Any) -> list[torch.Tensor]:
+        """The tensors of ``x``, an object of this structure, in ``build``'s order."""
+        got = Made.of(x)
+        if got is None or got[0].shape != self.shape:
+            raise ValueError(f"a {type(x).__name__} of another structure than the one captured")
+        return got[1]
+
+
+def _shape(x: Any, tensors: list[torch.Tensor], seen: set[int], depth: int) -> Any:
+    if isinstance(x, torch.Tensor):
+        tensors.append(x)
+        return ("t",)
+    if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        raise _Unsupported  # (a size the trace left open: a value of one call only)
+    if type(x) in _EXACT or isinstance(x, VALUES):
+        return ("v", x)
+    if depth > MAX_DEPTH or id(x) in seen or len(seen) > MAX_ENTRIES:
+        raise _Unsupported
+    seen.add(id(x))
+    if isinstance(x, list) and type(x) is list:
+        return ("list", list, tuple(_shape(v, tensors, seen, depth + 1) for v in x))
+    if isinstance(x, tuple) and (type(x) is tuple or hasattr(type(x), "_fields")):
+        return ("tuple", type(x), tuple(_shape(v, tensors, seen, depth + 1) for v in x))
+    if isinstance(x, dict) and type(x) is dict:
+        if not all(isinstance(k, (str, int)) for k in x):
+            raise _Unsupported
+        return ("dict", dict, tuple((k, _shape(v, tensors, seen, depth + 1)) for k, v in x.items()))
+    if _walkable(x):
+        return ("object", type(x), tuple((k, _shape(v, tensors, seen, depth + 1)) for k, v in vars(x).items()))
+    raise _Unsupported
+
+
+def _build(shape: Any, tensors: Any) -> Any:
+    tag = shape[0]
+    if tag == "t":
+        return next(tensors)
+    if tag == "v":
+        return shape[1]
+    kind, children = shape[1], shape[2]
+    if tag == "list":
+        return [_build(c, tensors) for c in children]
+    if tag == "tuple":
+        items = [_build(c, tensors) for c in children]
+        return tuple(items) if kind is tuple else kind(*items)
+    if tag == "dict":
+        return {k: _build(c, tensors) for k, c in children}
+    obj = kind.__new__(kind)
+    obj.__dict__.update({k: _build(c, tensors) for k, c in children})
+    return obj
+
+
+def _same_structure(a: Any, b: Any) -> bool:
+    """Whether ``a`` (rebuilt) has ``b``'s classes and entries (a class whose ``__new__`` or
+    namedtuple-like constructor made something else is not rebuilt this way)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(b, torch.Tensor) or type(b) in _EXACT or isinstance(b, VALUES):
+        return a is b
+    if isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same_structure(x, y) for x, y in zip(a, b))
+    if isinstance(b, dict):
+        return list(a) == list(b) and all(_same_structure(a[k], b[k]) for k in b)
+    va, vb = vars(a), vars(b)
+    return list(va) == list(vb) and all(_same_structure(va[k], vb[k]) for k in vb)
+
+
 def any_object(leaves: Sequence[Any]) -> bool:
     return any(is_object(x) for x in leaves)
 
 
-__all__ = ["MAX_ENTRIES", "VALUES", "Writing", "any_object", "entries", "get", "is_object", "put", "restore",
+__all__ = ["MAX_ENTRIES", "VALUES", "Made", "Writing", "any_object", "entries", "get", "is_object", "put", "restore",
            "signature", "snapshot", "walked"]

@@ -50,8 +50,12 @@ from autoparallel.static.passes import collectives, drop_detaches, hoist_starts,
 from autoparallel.static.sizes import OpenPrograms, OpenSizes, masked, open_dims, open_spec
 from autoparallel.static.split import SplitError, split_joint
 
-Out = tuple[Any, ...]  # per output leaf: ("dist", spec, stride, differentiable) | ("plain",) | ("value", v)
-#                        | ("input", k): the call's input ``k`` (``Inputs.tensors``) itself, returned as it is
+# per output leaf: ("dist", spec, stride, differentiable) | ("plain",) | ("value", v)
+#   | ("input", k): the call's input ``k`` (``Inputs.tensors``) itself, returned as it is
+#   | ("given", j): the object argument ``j`` (a leaf of the call) itself
+#   | ("made", objects.Made, start): an object the forward made, rebuilt around the tensors of the
+#     kinds from ``start`` on (after the leaves' kinds, in order: ``objects.Made.build``'s)
+Out = tuple[Any, ...]
 
 
 def _computed(o: Out) -> bool:
@@ -198,22 +202,25 @@ def capture_call(module: nn.Module, run: Callable[..., Any], state: Sequence[tor
             out = (out, written)
         else:
             out = run(*a, **kw)
-        outs, out_tree = tree_flatten(out)
+        leaf_outs, out_tree = tree_flatten(out)
         kinds: list[Out] = []
+        outs: list[Any] = []  # per kind: the leaf, or a tensor of an object made (after the leaves)
         locs: list[torch.Tensor] = []
         diff: list[int] = []
         # an argument returned as it is (a position bias handed on) is that argument at every call,
         # not a program's output: its gradient reaches it through autograd as it does op by op
         argument = {id(t): k for k, t in made.items()}
-        for i, o in enumerate(outs):
+        given = {id(x): j for j, x in enumerate(leaves) if objects.is_object(x)}
+
+        def add(o: Any) -> bool:
             if isinstance(o, torch.Tensor) and id(o) in argument:
                 kinds.append(("input", argument[id(o)]))
             elif layout.is_dist(o):
                 d = grad and o.requires_grad
+                if d:
+                    diff.append(len(kinds))
                 kinds.append(("dist", layout.spec_of(o), layout.stride_of(o), d))
                 locs.append(layout.local_of(o))
-                if d:
-                    diff.append(i)
             elif isinstance(o, torch.Tensor):
                 if o.requires_grad:
                     raise comm.CaptureError("the forward returns a plain tensor that requires a gradient")
@@ -221,8 +228,31 @@ def capture_call(module: nn.Module, run: Callable[..., Any], state: Sequence[tor
                 locs.append(o)
             elif _constant(o):
                 kinds.append(("value", o))
-            else:  # (a cache the forward made: it holds the trace's tensors, and a call must get its own)
-                raise comm.CaptureError(f"the forward returns a {type(o).__name__} object")
+            else:
+                return False
+            outs.append(o)
+            return True
+
+        made_objects: list[tuple[int, list[torch.Tensor]]] = []
+        for o in leaf_outs:
+            if add(o):
+                continue
+            outs.append(o)
+            if id(o) in given:  # an object argument returned (what the forward wrote into it is put there)
+                kinds.append(("given", given[id(o)]))
+                continue
+            # an object the forward made (a key/value cache): its tensors are outputs too, and
+            # every call gets a new object of its structure holding its own
+            shaped = objects.Made.of(o)
+            if shaped is None:
+                raise comm.CaptureError(f"the forward returns a {type(o).__name__} object whose entries a region "
+                                        "cannot follow")
+            kinds.append(("made", shaped[0], 0))
+            made_objects.append((len(kinds) - 1, shaped[1]))
+        for j, tensors in made_objects:
+            kinds[j] = (*kinds[j][:2], len(kinds))  # where its tensors' kinds start
+            for t in tensors:
+                add(t)
         got["outs"], got["tree"] = tuple(kinds), out_tree
         wrt = [k for k, t in enumerate(inputs.tensors) if grad and t.requires_grad and layout.is_dist(t)]
         got["wrt"], got["tangents"] = tuple(wrt), tuple(diff)
@@ -572,13 +602,13 @@ def run_call(progs: Programs, state: Sequence[torch.Tensor], leaves: list[Any], 
     if progs.backward is None or not torch.is_grad_enabled():
         outs = progs.forward(*locs)
         replay(progs.records[:progs.n_forward], within=module)
-        out = _assemble(progs, list(outs[:progs.n_tensors]), {}, inputs.tensors)
+        out = _assemble(progs, list(outs[:progs.n_tensors]), {}, inputs.tensors, leaves)
     else:
         call = _Call(progs, locs, module)
         if again is not None and not progs.objects:  # (held weakly: kept only where something else keeps them)
             call.again, call.leaves, call.state = again, [_weak(x) for x in leaves], [id(t) for t in state]
         diff = _Node.apply(call, *[inputs.tensors[k] for k in progs.wrt])
-        out = _assemble(progs, call.outs, dict(zip(progs.tangents, diff)), inputs.tensors)
+        out = _assemble(progs, call.outs, dict(zip(progs.tangents, diff)), inputs.tensors, leaves)
         call.outs = []  # (the node keeps the call until its backward: not its outputs)
     if not progs.objects:
         return out
@@ -634,7 +664,7 @@ def _graph_kept(call: _Call, grads: tuple[torch.Tensor | None, ...]) -> tuple[An
     leaves = [alias.get(id(x), x) for x in leaves]
     a, kw = tree_unflatten(leaves, again.tree)
     with compat.tensors_stood_in(again.modules, alias):
-        outs, _ = tree_flatten(again.run(*a, **kw))
+        outs = _flat_outputs(call.progs, again.run(*a, **kw))
     pairs = [(outs[i], g) for i, g in zip(call.progs.tangents, grads) if g is not None]
     if not pairs:
         return (None,) * len(wrt)
@@ -648,27 +678,36 @@ def _weak(x: Any) -> Any:
 
 
 def _assemble(progs: Programs, locs: list[torch.Tensor], diff: dict[int, torch.Tensor],
-              inputs: list[torch.Tensor]) -> Any:
+              inputs: list[torch.Tensor], call_leaves: list[Any]) -> Any:
     """The call's output: ``locs`` (the forward program's outputs) wrapped in their layouts (the
-    differentiable ones, ``diff``, as the node gave them), values and arguments (``inputs``) returned as they are."""
-    leaves: list[Any] = []
+    differentiable ones, ``diff``, as the node gave them), values, arguments (``inputs``) and
+    object arguments (``call_leaves``) returned as they are, objects made rebuilt."""
+    got: list[Any] = []
     k = 0
     for i, o in enumerate(progs.outs):
         if o[0] == "value":
-            leaves.append(o[1])
-            continue
-        if o[0] == "input":
-            leaves.append(inputs[o[1]])
-            continue
-        loc = locs[k]
-        k += 1
-        if i in diff:
-            leaves.append(diff[i])
-        elif o[0] == "dist":
-            leaves.append(layout.wrap(loc, o[1], o[2]))
+            got.append(o[1])
+        elif o[0] == "input":
+            got.append(inputs[o[1]])
+        elif o[0] == "given":
+            got.append(call_leaves[o[1]])
+        elif o[0] == "made":
+            got.append(None)  # (below: its tensors come after the leaves)
         else:
-            leaves.append(loc)
-    return tree_unflatten(leaves, progs.tree)
+            loc = locs[k]
+            k += 1
+            got.append(diff[i] if i in diff else layout.wrap(loc, o[1], o[2]) if o[0] == "dist" else loc)
+    for i, o in enumerate(progs.outs):
+        if o[0] == "made":
+            got[i] = o[1].build(got[o[2]:o[2] + o[1].n])
+    return tree_unflatten(got[:progs.tree.num_leaves], progs.tree)
+
+
+def _flat_outputs(progs: Programs, out: Any) -> list[Any]:
+    """An output of the call run op by op, flattened as the capture flattened its own: the leaves,
+    then the tensors of the objects the forward made."""
+    leaves, _ = tree_flatten(out)
+    return leaves + [t for o, x in zip(progs.outs, leaves) if o[0] == "made" for t in o[1].tensors(x)]
 
 
 def give_directly(ctx: Any, grads: list[Any]) -> None:

@@ -112,7 +112,7 @@ def _decode(rank: int, layout: str, steps: int = 4) -> dict[str, object]:
     torch.manual_seed(0)
     model = tiny_llama().eval()
     ref = copy.deepcopy(model)
-    if layout == "dp":  # (the model returns the cache it makes: refused; its layers are regions)
+    if layout == "dp":  # (the whole model is a region: it returns the cache it makes, or was given)
         mesh = ap.ProcessMesh([0, 1, 2, 3], dim_names=["dp"])
         ap.shard_layer(model, mesh)
         batch = [ap.Shard(0)]
@@ -138,15 +138,16 @@ def _decode(rank: int, layout: str, steps: int = 4) -> dict[str, object]:
 
 @pytest.mark.parametrize("layout", ["dp", "tp"])
 def test_llama_decodes_through_its_cache_equal_to_one_process(world4, layout: str) -> None:  # type: ignore[no-untyped-def]
-    # the cache grows by one token per call on every rank: a decoder layer given it is a region
-    # whose program takes the keys and values the cache holds and gives the ones it appends (its
-    # capture's writes are undone: each call appends once)
+    # the cache grows by one token per call on every rank: the model given it is a region whose
+    # program takes the keys and values the cache holds and gives the ones it appends (its
+    # capture's writes are undone: each call appends once); the prompt's call, given no cache,
+    # returns the one it made (rebuilt around that call's tensors)
     for res in world4.run(_decode, layout, timeout=300):
         assert max(res["errors"]) < RTOL, res["errors"]
         assert res["lengths"] == [(6 + k, 6 + k) for k in range(5)], res["lengths"]
     if layout == "dp":
-        layer = res["report"]["model.layers.0"]
-        assert layer and all(v.startswith("local") for v in layer), res["report"]
+        root = res["report"]["<root>"]
+        assert root and all(v.startswith("local") for v in root), res["report"]
 
 
 def _clipped_pipeline(rank: int, schedule: str, static: bool = False, steps: int = 3) -> dict[str, object]:
@@ -326,24 +327,24 @@ def _check_lengths(r: dict[str, Any], runs: str, served: int = 6) -> None:
 def test_data_parallel_llama_runs_its_layers_locally_at_new_lengths(world4, use_cache: bool) -> None:  # type: ignore[no-untyped-def]
     """Its causal mask is a plain boolean tensor the decoder layers take and SDPA slices by the
     batch, inside the program; new lengths are served by the program of open sizes; loss and
-    parameters equal one process. Without a cache the causal LM with its loss is one region (its
-    loss pads the labels: ``F.pad`` keeps the length open). With transformers' default cache the
-    model returns the ``DynamicCache`` it made (refused: an object returned) and each decoder layer is a region that writes its keys and values
-    into the cache it is given (``regions.objects``): they are its program's outputs, put back as
+    parameters equal one process. The causal LM with its loss is one region (its loss pads the
+    labels: ``F.pad`` keeps the length open). With transformers' default cache the model returns
+    the ``DynamicCache`` it made (``regions.objects.Made``): the keys and values its decoder layers
+    write into it are the program's outputs, and each call returns a new cache holding its own, as
     DistTensors."""
     lengths = [9, 11, 13, 15, 17, 19, 21, 11, 25, 27]
     for r in world4.run(_data_parallel_lengths, lengths, use_cache):
-        _check_lengths(r, "model.layers.0" if use_cache else "<root>", 6 if use_cache else 7)
+        _check_lengths(r, "<root>", 7)
 
 
-def test_tensor_parallel_llama_layers_with_their_cache_are_regions_at_new_lengths(world4) -> None:  # type: ignore[no-untyped-def]
-    """Under ``ap.plans.llama`` each decoder layer (its attention's head-sharded products, the
-    row-parallel ``o_proj``'s reduction, the MLP) is one program, which writes the head-sharded keys
-    and values into the cache; new lengths are served by its program of open sizes; loss,
-    parameters and the cache equal one process."""
+def test_tensor_parallel_llama_with_its_cache_is_a_region_at_new_lengths(world4) -> None:  # type: ignore[no-untyped-def]
+    """Under ``ap.plans.llama`` the causal LM (each decoder layer's head-sharded products, the
+    row-parallel ``o_proj``'s reduction, the MLP, the loss) is one program, whose outputs include
+    the head-sharded keys and values of the cache it returns; new lengths are served by its
+    program of open sizes; loss, parameters and the cache equal one process."""
     lengths = [9, 11, 13, 15, 17, 19, 21, 11, 25, 27, 29, 31]
     for r in world4.run(_data_parallel_lengths, lengths, True, True):
-        _check_lengths(r, "model.layers.0")
+        _check_lengths(r, "<root>")
 
 
 def _auto_pipeline(rank: int, steps: int = 3) -> dict[str, object]:

@@ -414,16 +414,16 @@ STRATEGIES = ["dp", "zero1", "zero2", "zero3", "tp", "tp_whole", "dp_tp", "dp_tp
 # the backward takes a replicated module's output gradient as a summand on the axes along which
 # all its inputs are replicated): Mixtral moves less (dp/zero 152-183 -> 135-161 collectives, tp 37
 # -> 26, tp_whole 41 -> 20); more where that summand is taken wrongly or a gradient arrives in
-# another layout than the program's: GPT-2 tp/dp_tp (+1 all-reduce: the position table's gradient
-# arrives whole on tp and is made a summand), T5 dp (+1 all-gather in decoder.block.0's backward),
-# Mixtral dp_tp (+1) and dp_tp_sp (+10).
+# another layout than the program's: Mixtral dp_tp (+1) and dp_tp_sp (+10). A model that returns
+# the key/value cache it made (GPT-2, T5, the Llama family) is one region too: GPT-2 tp/dp_tp
+# then issue one all-reduce less than with only their blocks as regions, T5 dp one all-gather less.
 CASES: dict[tuple[str, str], Any] = {
     ("gpt2", "dp"): [{'all_reduce': 2}] * STEPS,
     ("gpt2", "zero1"): [{'all_gather': 1, 'all_reduce': 2}] * STEPS,
     ("gpt2", "zero2"): [{'all_gather': 1, 'all_reduce': 1, 'reduce_scatter': 1}] * STEPS,
     ("gpt2", "zero3"): [{'all_gather': 5, 'all_reduce': 1, 'reduce_scatter': 3}] * STEPS,
-    ("gpt2", "tp"): [{'all_gather': 3, 'all_reduce': 9}] * STEPS,
-    ("gpt2", "dp_tp"): [{'all_gather': 3, 'all_reduce': 11}] * STEPS,
+    ("gpt2", "tp"): [{'all_gather': 3, 'all_reduce': 8}] * STEPS,
+    ("gpt2", "dp_tp"): [{'all_gather': 3, 'all_reduce': 10}] * STEPS,
     ("gpt2", "dp_tp_sp"): [{'all_gather': 13, 'all_reduce': 3, 'reduce_scatter': 8}] * STEPS,
     # pp: stage 0's ranks (the last stage's reduce other gradients: the same on each of its ranks,
     # test_zoo compares each rank with its stage's first). 2 micro-batches x (activation forward +
@@ -493,7 +493,7 @@ CASES: dict[tuple[str, str], Any] = {
     # the decoder runs replicated; from step 4 (local regions: the decoder's self-attention writes
     # the cache as a region) 963 828 bytes a step (3 all-gathers, 2 all-reduces, 1 reduce-scatter
     # from step 5), where its Partial gradients reduce-scattered 1 075 572 before
-    ("t5", "dp"): [{'all_gather': 2, 'all_reduce': 2}] * STEPS,
+    ("t5", "dp"): [{'all_gather': 1, 'all_reduce': 2}] * STEPS,
     # 11 units: the root and each entry of a block's ``layer`` list (the same bytes as before the
     # decoder's self-attention was a region: 2 reduce-scatters became all-gathers)
     ("t5", "zero3"): [{'all_gather': 23, 'all_reduce': 1, 'reduce_scatter': 11}] * STEPS,

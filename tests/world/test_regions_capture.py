@@ -145,35 +145,72 @@ def test_writes_into_a_cache_argument_are_the_programs_outputs_put_back_at_every
 class _Box:
     def __init__(self, t: torch.Tensor) -> None:
         self.t = t
+        self.items = [t * 3, {"n": 2}]
+
+
+class _Slotted:
+    __slots__ = ("t",)
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
 
 
 class _ReturnsAnObject(torch.nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, kind: type) -> None:
         super().__init__()
         self.lin = torch.nn.Linear(4, 4)
+        self.kind = kind
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, _Box]:
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Any]:
         y = self.lin(x)
-        return y, _Box(y * 2)
+        return y, self.kind(y * 2)
+
+
+def _returns_an_object(kind: type) -> tuple[list[Any], dict[str, list[str]]]:
+    import autoparallel as ap
+
+    mesh = ap.ProcessMesh([0], dim_names=["dp"])
+    torch.manual_seed(0)
+    model = ap.shard_layer(_ReturnsAnObject(kind), mesh)
+    got: list[Any] = []
+    for _ in range(3):
+        y, box = model(ap.shard_tensor(torch.randn(4, 4), mesh, [ap.Shard(0)]))
+        got.append(box)
+        loss = (y * y).sum() + (box.t * box.t).sum()  # the object's tensor carries a gradient back
+        if kind is _Box:
+            loss = loss + box.items[0].sum()
+        loss.backward()
+        got.append((y.full_tensor().detach(), box.t.full_tensor().detach()))  # (a fake tensor would raise here)
+    got += [p.grad.full_tensor() for p in model.parameters()]
+    return got, _report_of(model)
 
 
 @pytest.mark.pure
-def test_a_forward_returning_an_object_is_refused_and_its_tensors_are_real() -> None:
-    import autoparallel as ap
+def test_a_forward_returning_an_object_it_made_gives_each_call_its_own() -> None:
+    base, _ = _with("0", _returns_an_object, _Box)
+    got, report = _with("1", _returns_an_object, _Box)
+    assert report == {"<root>": ["local"]}, report
+    boxes = [b for b in got if isinstance(b, _Box)]
+    assert len({id(b) for b in boxes}) == 3 and len({id(b.items) for b in boxes}) == 3  # a new object per call
+    assert all(b.items[1] == {"n": 2} and torch.equal(b.items[0].full_tensor(), 3 * b.t.full_tensor()) for b in boxes)
+    for a, b in zip(base, got):
+        if isinstance(a, _Box):
+            continue
+        for x, y in zip(a if isinstance(a, tuple) else (a,), b if isinstance(b, tuple) else (b,)):
+            torch.testing.assert_close(x, y, rtol=0, atol=0)
 
-    def run() -> tuple[list[torch.Tensor], dict[str, list[str]]]:
-        mesh = ap.ProcessMesh([0], dim_names=["dp"])
-        torch.manual_seed(0)
-        model = ap.shard_layer(_ReturnsAnObject(), mesh)
-        got = []
-        for _ in range(2):
-            y, box = model(ap.shard_tensor(torch.randn(4, 4), mesh, [ap.Shard(0)]))
-            got.append(box.t.full_tensor() - 2 * y.full_tensor())  # (a fake tensor would raise here)
-        return got, _report_of(model)
 
-    got, report = _with("1", run)
-    assert all(float(d.abs().max()) == 0.0 for d in got)
-    assert report == {"<root>": ["refused: the forward returns a _Box object"], "lin": ["local"]}, report
+@pytest.mark.pure
+def test_a_forward_returning_an_object_it_cannot_follow_is_refused_and_its_tensors_are_real() -> None:
+    base, _ = _with("0", _returns_an_object, _Slotted)
+    got, report = _with("1", _returns_an_object, _Slotted)
+    assert report == {"<root>": ["refused: the forward returns a _Slotted object whose entries a region cannot follow"],
+                      "lin": ["local"]}, report
+    for a, b in zip(base, got):
+        if isinstance(a, _Slotted):
+            continue
+        for x, y in zip(a if isinstance(a, tuple) else (a,), b if isinstance(b, tuple) else (b,)):
+            torch.testing.assert_close(x, y, rtol=0, atol=0)
 
 
 class _HandsOn(torch.nn.Module):
