@@ -18,10 +18,14 @@ and arguments' gradients leave the node as DistTensors in the layouts the DistTe
 them; a parameter without a gradient yet takes it directly, as a proven region's does
 (``crossing.give_directly``), the others through autograd's accumulation.
 
+The output holds what the forward returned: tensors it computed (the program's outputs), an
+argument returned as it is (that argument itself), an object argument (itself), an object the
+forward made (``objects.Made``: a new one per call, its tensors among the program's outputs).
+
 A call that is not captured (``refusal``, or what the capture refuses: ``Calls`` keeps the reason)
 runs on DistTensors: a Python value read from a tensor, an op without a rule, a forward that
 assigns module state or writes an argument in place, a plain tensor that requires a gradient, an
-argument that is an object with state of its own.
+object argument or an object returned whose entries cannot be walked (``regions.objects``).
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ from autoparallel.static.split import SplitError, split_joint
 #   | ("given", j): the object argument ``j`` (a leaf of the call) itself
 #   | ("made", objects.Made, start): an object the forward made, rebuilt around the tensors of the
 #     kinds from ``start`` on (after the leaves' kinds, in order: ``objects.Made.build``'s)
+#   | ("same", i): the object made at output leaf ``i``, returned there too
 Out = tuple[Any, ...]
 
 
@@ -234,6 +239,7 @@ def capture_call(module: nn.Module, run: Callable[..., Any], state: Sequence[tor
             return True
 
         made_objects: list[tuple[int, list[torch.Tensor]]] = []
+        first: dict[int, int] = {}  # per object made: the kind of its first place in the output
         for o in leaf_outs:
             if add(o):
                 continue
@@ -241,6 +247,10 @@ def capture_call(module: nn.Module, run: Callable[..., Any], state: Sequence[tor
             if id(o) in given:  # an object argument returned (what the forward wrote into it is put there)
                 kinds.append(("given", given[id(o)]))
                 continue
+            if id(o) in first:  # the same object at another place of the output: the same object again
+                kinds.append(("same", first[id(o)]))
+                continue
+            first[id(o)] = len(kinds)
             # an object the forward made (a key/value cache): its tensors are outputs too, and
             # every call gets a new object of its structure holding its own
             shaped = objects.Made.of(o)
@@ -691,7 +701,7 @@ def _assemble(progs: Programs, locs: list[torch.Tensor], diff: dict[int, torch.T
             got.append(inputs[o[1]])
         elif o[0] == "given":
             got.append(call_leaves[o[1]])
-        elif o[0] == "made":
+        elif o[0] == "made" or o[0] == "same":
             got.append(None)  # (below: its tensors come after the leaves)
         else:
             loc = locs[k]
@@ -700,6 +710,8 @@ def _assemble(progs: Programs, locs: list[torch.Tensor], diff: dict[int, torch.T
     for i, o in enumerate(progs.outs):
         if o[0] == "made":
             got[i] = o[1].build(got[o[2]:o[2] + o[1].n])
+        elif o[0] == "same":
+            got[i] = got[o[1]]
     return tree_unflatten(got[:progs.tree.num_leaves], progs.tree)
 
 

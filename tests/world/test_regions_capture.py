@@ -161,9 +161,10 @@ class _ReturnsAnObject(torch.nn.Module):
         self.lin = torch.nn.Linear(4, 4)
         self.kind = kind
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Any, dict[str, Any]]:
         y = self.lin(x)
-        return y, self.kind(y * 2)
+        box = self.kind(y * 2)
+        return y, box, {"again": box}
 
 
 def _returns_an_object(kind: type) -> tuple[list[Any], dict[str, list[str]]]:
@@ -174,7 +175,8 @@ def _returns_an_object(kind: type) -> tuple[list[Any], dict[str, list[str]]]:
     model = ap.shard_layer(_ReturnsAnObject(kind), mesh)
     got: list[Any] = []
     for _ in range(3):
-        y, box = model(ap.shard_tensor(torch.randn(4, 4), mesh, [ap.Shard(0)]))
+        y, box, again = model(ap.shard_tensor(torch.randn(4, 4), mesh, [ap.Shard(0)]))
+        assert again["again"] is box  # one object, as op by op
         got.append(box)
         loss = (y * y).sum() + (box.t * box.t).sum()  # the object's tensor carries a gradient back
         if kind is _Box:
