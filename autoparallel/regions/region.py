@@ -16,7 +16,7 @@ from torch import nn
 from autoparallel import compat
 from autoparallel.engine import layout
 from autoparallel.engine.dtensor import DistTensor
-from autoparallel.regions import moves, objects, program
+from autoparallel.regions import moves, node, objects, program
 from autoparallel.regions.state import TreeReader, autocast_state, flatten_call, ties
 from autoparallel.regions.state import current as _current
 from autoparallel.regions.state import slots as _slots
@@ -183,8 +183,8 @@ class _Region:
                                   "local (open sizes)" if how == "open" else "local")
         if isinstance(progs, str):
             return None
-        again = program.Again(self._inside, tree, self._state_now, self.modules)
-        return (program.run_call(progs, tensors, leaves, self.module, again),)
+        again = node.Again(self._inside, tree, self._state_now, self.modules)
+        return (node.run_call(progs, tensors, leaves, self.module, again),)
 
     def _state_now(self) -> list[torch.Tensor]:
         return [_current(m, a) for m, a in self.slots]
