@@ -375,6 +375,22 @@ def own_parameters(module: torch.nn.Module) -> dict[str, Any]:
     return module._parameters  # type: ignore[return-value]
 
 
+def called_modules(tb: Any) -> list[torch.nn.Module]:
+    """The modules whose call (``nn.Module.__call__``) the traceback ``tb`` passes through,
+    outermost first: the frames of torch's private ``Module._call_impl`` (no fallback: it has been
+    the body of every module call since torch 1.x)."""
+    code = torch.nn.Module._call_impl.__code__
+    out = []
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code is code:
+            m = frame.f_locals.get("self")
+            if isinstance(m, torch.nn.Module):
+                out.append(m)
+        tb = tb.tb_next
+    return out
+
+
 def set_own_parameters(module: torch.nn.Module, params: dict[str, Any]) -> None:
     """Give ``module`` the parameter slots ``params`` (a dict of its own: a shallow copy of a
     module then stops sharing its original's)."""

@@ -380,13 +380,15 @@ class Calls:
 
     def find(self, key: Any, leaves: list[Any], tree: Any, state: Sequence[torch.Tensor], module: nn.Module,
              run: Callable[..., Any], held: dict[objects.Path, Any] | None = None,
-             values: tuple[Any, tuple[Any, ...]] | None = None) -> tuple[Programs | str, str]:
+             values: tuple[Any, tuple[Any, ...]] | None = None, inherited: str = "") -> tuple[Programs | str, str]:
         """(the programs or refusal of the call of ``key``, how: ``kept`` (by this signature, or
         by one that differs only in plain values its capture did not read), ``open`` (served by a
         program of open sizes of its family) or ``captured`` now (``run``: the module's
         forward, its submodules' regions plain; ``held``: the entries of its object arguments,
         whose tensors' sizes are part of the signature, and open like the arguments'; ``values``:
-        ``key`` without the modules' plain values, and those values, ``state.TreeReader``'s)."""
+        ``key`` without the modules' plain values, and those values, ``state.TreeReader``'s).
+        ``inherited``: the refusal a parent's capture met inside this call (its trace failed in
+        this module's forward), taken for a new signature instead of capturing it again."""
         entries = [v for v in held.values() if isinstance(v, torch.Tensor)] if held else []
         if entries:
             key = (*key, tuple(tuple(t.shape) for t in entries))
@@ -415,6 +417,8 @@ class Calls:
             return served, "open"
         began = time.perf_counter()
         progs: Programs | str | None = refusal(leaves, state, module)
+        if not progs and inherited:  # (as a capture at fixed sizes refused: its later sizes too)
+            progs = self.fixed[fam] = inherited
         if not progs and self.captures >= MAX_SIGNATURES and self.reused < self.captures:
             # signatures that do not come back (a cache that grows, a changing value argument):
             # a capture per call would not pay

@@ -24,6 +24,7 @@ from autoparallel.regions.state import structure as _structure
 from autoparallel.runtime import agree
 
 _ATTR = "_ap_region"
+_INHERITED = "_ap_refused"  # a refusal passed on to a module not wrapped yet (``_Region._pass_on``)
 _MODE: list[str] = []  # "trace": a parent's capture runs this module as part of its program
 _MISSING = object()
 _SHARED_CLASSES = 256  # class keys kept per root (``_Region.class_key``)
@@ -126,13 +127,17 @@ class _Region:
         self.verdicts: dict[Any, str] = {}  # per signature, the report's line (least recently met first)
         self.children_done = False
         self.calls = program.Calls()
+        # a refusal a parent's capture met inside this module, for its next call (the plain run of
+        # that parent's call: ``_pass_on``), and the submodules the last capture's error left
+        self.inherited: str = module.__dict__.pop(_INHERITED, "")
+        self.escaped: list[nn.Module] = []
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _Region:
         """A copied module's wrapper (``copy.deepcopy(model)``: an EMA or reference copy) starts
         with no programs: they are caches, and name the original's objects."""
         new = _Region.__new__(_Region)
         memo[id(self)] = new
-        fresh = {"verdicts": {}, "calls": program.Calls(), "shared": {}}
+        fresh = {"verdicts": {}, "calls": program.Calls(), "shared": {}, "inherited": "", "escaped": []}
         for k, v in self.__dict__.items():
             if k not in ("reader", "slot_names"):
                 new.__dict__[k] = fresh[k] if k in fresh else copy.deepcopy(v, memo)
@@ -171,11 +176,15 @@ class _Region:
             calls = self.calls
             if len(self.shared) < _SHARED_CLASSES:  # (held objects that change every call: not a key each)
                 self.shared[shape] = calls
+        inherited, self.inherited = self.inherited, ""
+        self.escaped = []
         try:
             progs, how = calls.find(key, leaves, tree, tensors, self.module, self._inside, held,
-                                    (key[:4] + key[5:], values))
+                                    (key[:4] + key[5:], values), inherited)
         except TypeError:  # an unhashable non-tensor argument: no signature
             return None
+        if isinstance(progs, str) and how == "captured":
+            self._pass_on(progs)
         if key not in self.verdicts:
             if len(self.verdicts) >= program.MAX_SIGNATURES:
                 del self.verdicts[next(iter(self.verdicts))]
@@ -217,8 +226,30 @@ class _Region:
         return tuple(parts), self.slot_names
 
     def _inside(self, *args: Any, **kwargs: Any) -> Any:
-        with _mode("trace"):  # (its submodules' regions: plain)
-            return self.forward(*args, **kwargs)
+        """The forward as a capture runs it: its submodules' regions plain. Where the trace fails
+        inside submodules' calls (an op with a data-dependent output shape), ``escaped`` lists
+        those submodules, outermost first: captured on their own, they would fail alike."""
+        self.escaped = []
+        try:
+            with _mode("trace"):  # (its submodules' regions: plain)
+                return self.forward(*args, **kwargs)
+        except BaseException as e:
+            inside = {id(m) for m in self.modules[1:]}
+            self.escaped = [m for m in compat.called_modules(e.__traceback__) if id(m) in inside]
+            raise
+
+    def _pass_on(self, refusal: str) -> None:
+        """Give the refusal of a call whose trace failed inside submodules' calls to those
+        submodules, for their next call: this call's plain run, which calls them as the trace did
+        (their own captures would fail alike). Refusing is the safe way to be wrong: a module
+        refused runs on DistTensors, its children tried as regions."""
+        for m in self.escaped:
+            region = m.__dict__.get(_ATTR)
+            if region is not None:
+                region.inherited = refusal
+            elif _has_dist_state(m):  # (wrapped by its parent's plain run: ``_Region`` takes it)
+                m.__dict__[_INHERITED] = refusal
+        self.escaped = []
 
     def _plain(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The usual DistTensor path; submodules get their own chance to be regions."""

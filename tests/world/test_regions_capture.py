@@ -633,3 +633,57 @@ def test_identically_styled_modules_share_their_captured_calls(world2) -> None: 
         # two blocks, two sizes (the first block's input needs no gradient, the second's does):
         # one table; captures: 2 at the first size, then 2 of open sizes at the second
         assert distinct == 1 and captures <= 4, (distinct, captures)
+
+
+_PICKS_RUNS: list[int] = []  # one entry per run of ``_Picks.forward`` (a capture undoes the module's own writes)
+
+
+class _Picks(torch.nn.Module):
+    """The rows of ``x`` whose first entry is positive: an output whose size depends on the data
+    (as a mixture of experts routes tokens), which no capture can follow."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _PICKS_RUNS.append(1)
+        y = self.lin(x)
+        return y[(y[:, 0] > 0).nonzero().squeeze(1)].sum(0, keepdim=True) + y
+
+
+class _Nest(torch.nn.Module):
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(self.lin(x))
+
+
+@pytest.mark.pure
+def test_a_refusal_met_inside_nested_modules_costs_one_trace_and_refuses_each() -> None:
+    """The whole model's capture fails inside ``_Picks`` (a data-dependent output size): the modules
+    the failure passed through are refused with it, without a capture each, their other children
+    are regions, and the values and gradients are bitwise op by op."""
+    import autoparallel as ap
+
+    def run() -> tuple[list[torch.Tensor], dict[str, list[str]], int]:
+        mesh = ap.ProcessMesh([0], dim_names=["dp"])
+        torch.manual_seed(0)
+        model = ap.shard_layer(_Nest(_Nest(_Picks())), mesh)
+        _PICKS_RUNS.clear()
+        x = ap.shard_tensor(torch.randn(8, 4), mesh, [ap.Shard(0)])
+        y = model(x)
+        y.sum().backward()
+        return [y.full_tensor().detach(), *(p.grad.full_tensor() for p in model.parameters())], _report_of(model), len(_PICKS_RUNS)
+
+    base, _, _ = _with("0", run)
+    got, report, runs = _with("1", run)
+    why = "refused: tracing the step failed (DynamicOutputShapeException: aten.nonzero.default)"
+    assert report == {"<root>": [why], "inner": [why], "inner.inner": [why], "lin": ["local"], "inner.lin": ["local"],
+                      "inner.inner.lin": ["local"]}, report
+    assert runs == 2, runs  # the root's trace, then op by op (a capture per level: 4)
+    for a, b in zip(base, got):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
