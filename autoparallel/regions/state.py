@@ -81,6 +81,7 @@ class TreeReader:
         held: list[Any] = []
         seen_all = self._seen
         memo: dict[int, Any] = {}  # (a config shared by many modules: described once)
+        by_class: dict[type, Any] = {}  # (a model's many blocks, norms and linears: read once per class)
         for k, m in enumerate(self.modules):
             d = m.__dict__
             fp = (tuple(d), tuple(map(type, d.values())), getattr(type(m).forward, "__code__", None))
@@ -95,7 +96,11 @@ class TreeReader:
                 held.append((seen[3], descs))
             else:
                 held.append(())
-            cls = [c for c in class_values(type(m)) if c[0] not in d]
+            t = type(m)
+            cv = by_class.get(t)
+            if cv is None:
+                cv = by_class[t] = class_values(t)
+            cls = [c for c in cv if c[0] not in d] if cv else cv
             if cls:
                 names += tuple(c[0] for c in cls)
                 kinds += tuple(c[1] for c in cls)
