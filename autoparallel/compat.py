@@ -376,19 +376,13 @@ def own_parameters(module: torch.nn.Module) -> dict[str, Any]:
 
 
 def called_modules(tb: Any) -> list[torch.nn.Module]:
-    """The modules whose call (``nn.Module.__call__``) the traceback ``tb`` passes through,
-    outermost first: the frames of torch's private ``Module._call_impl`` (no fallback: it has been
-    the body of every module call since torch 1.x)."""
-    code = torch.nn.Module._call_impl.__code__
-    out = []
+    """The modules whose call the traceback ``tb`` passes through, outermost first (the frames of
+    ``Module._call_impl``, the body of every module call)."""
+    code, frames = torch.nn.Module._call_impl.__code__, []
     while tb is not None:
-        frame = tb.tb_frame
-        if frame.f_code is code:
-            m = frame.f_locals.get("self")
-            if isinstance(m, torch.nn.Module):
-                out.append(m)
+        frames.append(tb.tb_frame)
         tb = tb.tb_next
-    return out
+    return [f.f_locals["self"] for f in frames if f.f_code is code and isinstance(f.f_locals.get("self"), torch.nn.Module)]
 
 
 def set_own_parameters(module: torch.nn.Module, params: dict[str, Any]) -> None:
